@@ -1,0 +1,69 @@
+"""The validated description of one side of a transfer, shared by every backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PagedSide"]
+
+
+@dataclass(frozen=True)
+class PagedSide:
+    """One rank's paged cache, reduced to what a copy kernel needs.
+
+    The cache of layer ``l`` (``caches[l]``, already restricted to the selected layers, in
+    wire order) holds the row of ``head_dim`` contiguous elements for (kv, block, token, head)
+    at element offset ``kv*stride_kv + block*stride_block + token*stride_token +
+    head*stride_head``. NHD, HND and MLA differ only in these strides (MLA: ``num_kv=1``,
+    ``stride_kv=0``, one head with ``stride_head=0``). All layers share shape and strides.
+
+    Token ``t`` of the request lives in block ``block_ids[t // block_size]`` at offset
+    ``t % block_size``. ``block_ids`` holds exactly ``ceil(num_tokens / block_size)`` ids, all
+    in ``[0, num_blocks)``, as an int64 CPU tensor.
+    """
+
+    caches: tuple[torch.Tensor, ...]
+    block_ids: torch.Tensor
+    num_tokens: int
+    block_size: int
+    num_blocks: int
+    head_start: int
+    num_heads: int
+    head_dim: int
+    num_kv: int
+    stride_kv: int
+    stride_block: int
+    stride_token: int
+    stride_head: int
+    layout: str  # "NHD", "HND" or "MLA"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.caches)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.caches[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.caches[0].device
+
+    @property
+    def element_size(self) -> int:
+        return self.caches[0].element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one head row (``head_dim`` elements)."""
+        return self.head_dim * self.element_size
+
+    def layer_ptrs(self) -> list[int]:
+        """Base address of each selected layer's tensor."""
+        return [c.data_ptr() for c in self.caches]
+
+    def wire_view_shape(self) -> tuple[int, int, int, int, int]:
+        """``(H, L, KV, T, D)``: the wire seen with MLA folded into the attention shape."""
+        return (self.num_heads, self.num_layers, self.num_kv, self.num_tokens, self.head_dim)

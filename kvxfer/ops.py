@@ -1,0 +1,356 @@
+"""gather_blocks / scatter_blocks / copy_blocks: validate everything, then dispatch.
+
+``caches`` is always one rank's list of per-layer tensors (see :mod:`kvxfer.spec` for their
+shapes); head offsets are local to that rank. Nothing is written unless every argument is
+valid; each problem raises ``ValueError`` naming it.
+
+Backends: ``"torch"`` (reference; CPU and GPU), ``"triton"`` (:mod:`kvxfer.kernels`) and
+``"cuda"`` (:mod:`kvxfer.backends.cuda`). ``backend=None`` picks ``"cuda"`` on CUDA tensors when
+it loads, else ``"triton"``, else ``"torch"``; CPU tensors use ``"torch"``.
+:func:`last_backend` says which one ran the latest call on this thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from .backends.base import PagedSide
+from .spec import KVCacheSpec, Layout
+
+__all__ = [
+    "gather_blocks",
+    "scatter_blocks",
+    "copy_blocks",
+    "resolve_backend",
+    "last_backend",
+    "make_side",
+    "BACKENDS",
+]
+
+BACKENDS = ("torch", "triton", "cuda")
+_MODULES = {
+    "torch": "kvxfer.backends.torch_ref",
+    "triton": "kvxfer.kernels",
+    "cuda": "kvxfer.backends.cuda",
+}
+_local = threading.local()
+_available: dict[tuple[str, str], bool] = {}
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(_MODULES[name])
+
+
+def _is_available(name: str, device: torch.device) -> bool:
+    key = (name, device.type)
+    if key not in _available:
+        try:
+            _available[key] = bool(_module(name).is_available(device))
+        except ImportError:
+            _available[key] = False
+    return _available[key]
+
+
+def resolve_backend(device: torch.device | str, backend: str | None = None) -> str:
+    """The backend a call on ``device`` with ``backend`` would use (raises if unusable)."""
+    device = torch.device(device)
+    if backend is None:
+        if device.type == "cpu":
+            return "torch"
+        for name in ("cuda", "triton"):
+            if _is_available(name, device):
+                return name
+        return "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {BACKENDS} or None, got {backend!r}")
+    if not _is_available(backend, device):
+        raise ValueError(f"backend: {backend!r} is not available for {device.type} tensors here")
+    return backend
+
+
+def last_backend() -> str | None:
+    """Name of the backend that ran the most recent op on this thread (None before any)."""
+    return getattr(_local, "backend", None)
+
+
+def _run(backend: str | None, device: torch.device, fn: str, *args) -> None:
+    name = resolve_backend(device, backend)
+    getattr(_module(name), fn)(*args)
+    _local.backend = name
+
+
+# --------------------------------------------------------------------------- validation
+def _as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bool) -> torch.Tensor:
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1:
+            raise ValueError(f"{what}: must be 1-D, got shape {tuple(block_ids.shape)}")
+        if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
+            raise ValueError(f"{what}: must hold integers, got {block_ids.dtype}")
+        ids = block_ids.detach().to("cpu", torch.int64)
+    else:
+        try:
+            ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{what}: must be a sequence of ints ({e})") from None
+        if ids.dim() != 1:
+            raise ValueError(f"{what}: must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.numel() < needed:
+        raise ValueError(f"num_tokens: needs {needed} blocks, but {what} has {ids.numel()}")
+    ids = ids[:needed]
+    if needed:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{what}: block id {bad} out of range [0, {num_blocks})")
+        if unique and torch.unique(ids).numel() != needed:
+            raise ValueError(f"{what}: repeated block id in a destination")
+    return ids
+
+
+def _layer_list(layers, num_layers: int) -> list[int]:
+    if layers is None:
+        return list(range(num_layers))
+    try:
+        out = [int(x) for x in layers]
+    except (TypeError, ValueError):
+        raise ValueError(f"layers: must be a sequence of layer indices, got {layers!r}") from None
+    if not out:
+        raise ValueError("layers: must not be empty")
+    for x in out:
+        if not 0 <= x < num_layers:
+            raise ValueError(f"layers: layer {x} out of range [0, {num_layers})")
+    if len(set(out)) != len(out):
+        raise ValueError("layers: repeated layer index")
+    return out
+
+
+def make_side(
+    caches: Sequence[torch.Tensor],
+    spec: KVCacheSpec,
+    block_ids,
+    num_tokens: int,
+    head_start: int = 0,
+    num_heads: int | None = None,
+    layers=None,
+    unique_blocks: bool = False,
+    name: str = "caches",
+) -> PagedSide:
+    """Validate one side of a transfer and describe it as a :class:`PagedSide`."""
+    if not isinstance(spec, KVCacheSpec):
+        raise ValueError(f"spec: expected a KVCacheSpec, got {type(spec).__name__}")
+    if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence):
+        raise ValueError(f"{name}: must be a list of per-layer tensors")
+    if len(caches) != spec.num_layers:
+        raise ValueError(f"{name}: spec has {spec.num_layers} layers, got {len(caches)} tensors")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens: must be a non-negative int, got {num_tokens!r}")
+    first = caches[0]
+    if not isinstance(first, torch.Tensor):
+        raise ValueError(f"{name}[0]: must be a tensor, got {type(first).__name__}")
+    ndim = 3 if spec.use_mla else 5
+    if first.dim() != ndim:
+        raise ValueError(f"{name}[0]: expected {ndim}-D cache, got shape {tuple(first.shape)}")
+    if first.dtype != spec.dtype:
+        raise ValueError(f"{name}[0]: dtype {first.dtype} does not match spec dtype {spec.dtype}")
+    if spec.use_mla:
+        num_blocks, bs, d = first.shape
+        heads_local = 1
+        layout = "MLA"
+    elif spec.layout is Layout.NHD:
+        two, num_blocks, bs, heads_local, d = first.shape
+        layout = "NHD"
+    else:
+        two, num_blocks, heads_local, bs, d = first.shape
+        layout = "HND"
+    if not spec.use_mla and two != 2:
+        raise ValueError(f"{name}[0]: first dim must be 2 (K, V), got shape {tuple(first.shape)}")
+    if bs != spec.block_size:
+        raise ValueError(f"{name}[0]: block_size {bs} does not match spec block_size {spec.block_size}")
+    if d != spec.head_dim:
+        raise ValueError(f"{name}[0]: head_dim {d} does not match spec head_dim {spec.head_dim}")
+    if first.stride(-1) != 1:
+        raise ValueError(f"{name}[0]: head_dim must be contiguous (stride 1), got {first.stride()}")
+    for i, c in enumerate(caches[1:], 1):
+        if not isinstance(c, torch.Tensor):
+            raise ValueError(f"{name}[{i}]: must be a tensor, got {type(c).__name__}")
+        if c.shape != first.shape or c.stride() != first.stride():
+            raise ValueError(
+                f"{name}[{i}]: shape/strides {tuple(c.shape)}/{c.stride()} differ from layer 0's "
+                f"{tuple(first.shape)}/{first.stride()}"
+            )
+        if c.dtype != first.dtype:
+            raise ValueError(f"{name}[{i}]: dtype {c.dtype} differs from layer 0's {first.dtype}")
+        if c.device != first.device:
+            raise ValueError(f"{name}[{i}]: device {c.device} differs from layer 0's {first.device}")
+    if num_heads is None:
+        num_heads = heads_local - head_start
+    for field, v in (("head_start", head_start), ("num_heads", num_heads)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{field}: must be an int, got {v!r}")
+    if head_start < 0 or num_heads < 1 or head_start + num_heads > heads_local:
+        raise ValueError(
+            f"head_start/num_heads: [{head_start}, {head_start + num_heads}) is not within the "
+            f"{heads_local} heads on this rank"
+        )
+    layer_ids = _layer_list(layers, spec.num_layers)
+    ids_name = name.replace("caches", "block_ids")
+    ids = _as_block_ids(block_ids, num_blocks, spec.num_blocks_for(num_tokens), ids_name, unique_blocks)
+    s = first.stride()
+    if spec.use_mla:
+        strides = (0, s[0], s[1], 0)
+    elif layout == "NHD":
+        strides = (s[0], s[1], s[2], s[3])
+    else:
+        strides = (s[0], s[1], s[3], s[2])
+    return PagedSide(
+        caches=tuple(caches[i] for i in layer_ids),
+        block_ids=ids,
+        num_tokens=num_tokens,
+        block_size=bs,
+        num_blocks=num_blocks,
+        head_start=head_start,
+        num_heads=num_heads,
+        head_dim=d,
+        num_kv=spec.num_kv,
+        stride_kv=strides[0],
+        stride_block=strides[1],
+        stride_token=strides[2],
+        stride_head=strides[3],
+        layout=layout,
+    )
+
+
+def _check_wire(wire: torch.Tensor, side: PagedSide, spec: KVCacheSpec, name: str) -> None:
+    if not isinstance(wire, torch.Tensor):
+        raise ValueError(f"{name}: must be a tensor, got {type(wire).__name__}")
+    want = spec.wire_shape(side.num_tokens, side.num_heads, side.num_layers)
+    if tuple(wire.shape) != want:
+        raise ValueError(f"{name}: expected wire shape {want}, got {tuple(wire.shape)}")
+    if wire.dtype != side.dtype:
+        raise ValueError(f"{name}: dtype {wire.dtype} does not match cache dtype {side.dtype}")
+    if not wire.is_contiguous():
+        raise ValueError(f"{name}: wire tensor must be contiguous")
+    if wire.device != side.device:
+        pinned_host = side.device.type == "cuda" and wire.device.type == "cpu" and wire.is_pinned()
+        if not pinned_host:
+            raise ValueError(
+                f"{name}: on {wire.device}, caches on {side.device} (a CPU wire for CUDA caches "
+                "must be pinned)"
+            )
+
+
+# --------------------------------------------------------------------------- public ops
+def gather_blocks(
+    caches: Sequence[torch.Tensor],
+    spec: KVCacheSpec,
+    block_ids,
+    num_tokens: int,
+    head_start: int = 0,
+    num_heads: int | None = None,
+    layers=None,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Gather a request's KV out of a paged cache into a wire tensor.
+
+    Args:
+        caches: this rank's per-layer caches, each ``spec.cache_shape``-like:
+            NHD ``[2, num_blocks, block_size, heads_local, head_dim]``,
+            HND ``[2, num_blocks, heads_local, block_size, head_dim]``,
+            MLA ``[num_blocks, block_size, latent_dim]``.
+        spec: the cache spec (layout, block size, dtype, MLA).
+        block_ids: the request's blocks in token order (list, array or int tensor); at least
+            ``ceil(num_tokens / block_size)``, extra ones are ignored.
+        num_tokens: tokens to move; the last block may be partial.
+        head_start, num_heads: rank-local head slice (default: all heads on the rank).
+        layers: layer indices to move, in wire order (default: all).
+        out: optional contiguous destination of the wire shape; on the caches' device or, for
+            CUDA caches, in pinned host memory.
+        backend: ``None`` (auto), ``"torch"``, ``"triton"`` or ``"cuda"``.
+
+    Returns:
+        The wire tensor ``[num_heads, L, 2, num_tokens, head_dim]`` (MLA: ``[L, num_tokens,
+        latent_dim]``), ``out`` when given.
+    """
+    side = make_side(caches, spec, block_ids, num_tokens, head_start, num_heads, layers)
+    if out is None:
+        out = torch.empty(
+            spec.wire_shape(num_tokens, side.num_heads, side.num_layers), dtype=side.dtype, device=side.device
+        )
+    else:
+        _check_wire(out, side, spec, "out")
+    if num_tokens:
+        _run(backend, side.device, "gather", side, out.view(side.wire_view_shape()))
+    return out
+
+
+def scatter_blocks(
+    wire: torch.Tensor,
+    caches: Sequence[torch.Tensor],
+    spec: KVCacheSpec,
+    block_ids,
+    num_tokens: int,
+    head_start: int = 0,
+    layers=None,
+    backend: str | None = None,
+) -> None:
+    """Scatter a wire tensor into a paged cache (the inverse of :func:`gather_blocks`).
+
+    ``wire`` is ``[num_heads, L, 2, num_tokens, head_dim]`` (MLA: ``[L, num_tokens,
+    latent_dim]``); its heads land at rank-local heads ``[head_start, head_start +
+    num_heads)`` of the layers ``layers`` (default all, in wire order) of the blocks
+    ``block_ids`` (token order; repeated ids are rejected). Only the addressed rows are written:
+    the rest of a partial last block and every other block stay untouched.
+    """
+    if not isinstance(wire, torch.Tensor):
+        raise ValueError(f"wire: must be a tensor, got {type(wire).__name__}")
+    if spec.use_mla:
+        num_heads = 1
+    elif wire.dim() == 5:
+        num_heads = wire.shape[0]
+    else:
+        raise ValueError(f"wire: expected a 5-D wire tensor, got shape {tuple(wire.shape)}")
+    side = make_side(caches, spec, block_ids, num_tokens, head_start, num_heads, layers, unique_blocks=True)
+    _check_wire(wire, side, spec, "wire")
+    if num_tokens:
+        _run(backend, side.device, "scatter", wire.view(side.wire_view_shape()), side)
+
+
+def copy_blocks(
+    src_caches: Sequence[torch.Tensor],
+    src_spec: KVCacheSpec,
+    src_block_ids,
+    dst_caches: Sequence[torch.Tensor],
+    dst_spec: KVCacheSpec,
+    dst_block_ids,
+    num_tokens: int,
+    src_head_start: int = 0,
+    dst_head_start: int = 0,
+    num_heads: int | None = None,
+    backend: str | None = None,
+    layers=None,
+) -> None:
+    """Copy a request's KV from one paged cache straight into another (no wire tensor).
+
+    The two sides may differ in layout and block size; their model shapes must match.
+    ``num_heads`` heads (default: all from ``src_head_start`` on the source rank) move from
+    source-local ``src_head_start`` to destination-local ``dst_head_start``. ``layers``
+    selects the same layers on both sides (default all). Both caches live on one device (the
+    source may be another process's memory mapped into this one).
+    """
+    mismatch = src_spec.model_mismatch(dst_spec) if isinstance(dst_spec, KVCacheSpec) else None
+    if mismatch:
+        raise ValueError(f"incompatible caches: {mismatch}")
+    src = make_side(src_caches, src_spec, src_block_ids, num_tokens, src_head_start, num_heads, layers,
+                    name="src_caches")
+    dst = make_side(dst_caches, dst_spec, dst_block_ids, num_tokens, dst_head_start, src.num_heads, layers,
+                    unique_blocks=True, name="dst_caches")
+    if src.device != dst.device:
+        raise ValueError(f"dst_caches: on {dst.device}, src_caches on {src.device}; copy needs one device")
+    if num_tokens:
+        _run(backend, src.device, "copy", src, dst)

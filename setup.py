@@ -1,0 +1,5 @@
+"""Build hook: packages are declared in pyproject.toml; CUDA kernels are compiled here (csrc/)."""
+
+from setuptools import setup
+
+setup()
