@@ -18,19 +18,21 @@ __version__ = "0.1.0"
 # Run from a source checkout (tests, benchmarks), the top-level kernels/ directory is
 # kvxfer.kernels, as it is once installed (pyproject.toml maps it).
 _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_root, "kernels", "__init__.py")) and os.path.isdir(os.path.join(_root, "csrc")):
+if os.path.isfile(os.path.join(_root, "kernels", "__init__.py")) and os.path.isdir(
+    os.path.join(_root, "csrc")
+):
     __path__.append(_root)  # type: ignore[name-defined]
 
 __all__ = [
+    "CompletionAggregator",
     "KVCacheSpec",
+    "KVTransferParams",
     "Layout",
     "Read",
-    "TransferPlan",
-    "plan_reads",
     "TransferEngine",
-    "KVTransferParams",
-    "CompletionAggregator",
+    "TransferPlan",
     "__version__",
+    "plan_reads",
 ]
 
 # Heavier modules load on first attribute access (PEP 562), so `import kvxfer` stays cheap.

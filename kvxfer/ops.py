@@ -23,13 +23,13 @@ from .backends.base import PagedSide
 from .spec import KVCacheSpec, Layout
 
 __all__ = [
-    "gather_blocks",
-    "scatter_blocks",
+    "BACKENDS",
     "copy_blocks",
-    "resolve_backend",
+    "gather_blocks",
     "last_backend",
     "make_side",
-    "BACKENDS",
+    "resolve_backend",
+    "scatter_blocks",
 ]
 
 BACKENDS = ("torch", "triton", "cuda")
@@ -346,10 +346,20 @@ def copy_blocks(
     mismatch = src_spec.model_mismatch(dst_spec) if isinstance(dst_spec, KVCacheSpec) else None
     if mismatch:
         raise ValueError(f"incompatible caches: {mismatch}")
-    src = make_side(src_caches, src_spec, src_block_ids, num_tokens, src_head_start, num_heads, layers,
-                    name="src_caches")
-    dst = make_side(dst_caches, dst_spec, dst_block_ids, num_tokens, dst_head_start, src.num_heads, layers,
-                    unique_blocks=True, name="dst_caches")
+    src = make_side(
+        src_caches, src_spec, src_block_ids, num_tokens, src_head_start, num_heads, layers, name="src_caches"
+    )
+    dst = make_side(
+        dst_caches,
+        dst_spec,
+        dst_block_ids,
+        num_tokens,
+        dst_head_start,
+        src.num_heads,
+        layers,
+        unique_blocks=True,
+        name="dst_caches",
+    )
     if src.device != dst.device:
         raise ValueError(f"dst_caches: on {dst.device}, src_caches on {src.device}; copy needs one device")
     if num_tokens:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "KVCacheSpec", "dtype_from_name", "dtype_name"]
+__all__ = ["KVCacheSpec", "Layout", "dtype_from_name", "dtype_name"]
 
 
 class Layout(str, enum.Enum):

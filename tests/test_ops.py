@@ -1,0 +1,214 @@
+"""The torch reference ops against independently built truth, byte for byte."""
+
+import itertools
+
+import pytest
+import torch
+
+from kvxfer import KVCacheSpec, Layout
+from kvxfer.ops import copy_blocks, gather_blocks, last_backend, scatter_blocks
+from tests.kvdata import (
+    as_bytes,
+    empty_cache,
+    first_difference,
+    place,
+    rank_cache,
+    truth_bytes,
+    wire_from_truth,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+LAYOUTS = [Layout.NHD, Layout.HND, "MLA"]
+
+
+def make_spec(layout, dtype=torch.bfloat16, block_size=16, head_dim=72, heads=4, layers=3):
+    if layout == "MLA":
+        return KVCacheSpec(layers, 1, head_dim, block_size, dtype, use_mla=True)
+    return KVCacheSpec(layers, heads, head_dim, block_size, dtype, layout)
+
+
+def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor):
+    got = got.contiguous().view(torch.uint8).reshape(want.shape)
+    assert torch.equal(got, want), first_difference(got, want)
+
+
+@pytest.mark.parametrize("layout,dtype", itertools.product(LAYOUTS, DTYPES))
+def test_gather_scatter_roundtrip_matrix(layout, dtype):
+    spec = make_spec(layout, dtype, block_size=5)
+    num_tokens = 23  # 4 full blocks + 3 tokens
+    truth = truth_bytes(spec, num_tokens, seed=1)
+    src_ids, dst_ids = [11, 3, 7, 0, 9], [2, 8, 4, 10, 6]
+    heads = range(0, 1) if layout == "MLA" else range(1, 3)
+    src = empty_cache(spec, 12, 1 if layout == "MLA" else 4)
+    place(src, spec, truth, range(spec.num_kv_heads), src_ids)
+
+    wire = gather_blocks(src, spec, src_ids, num_tokens, head_start=heads.start, num_heads=len(heads))
+    assert last_backend() == "torch"
+    assert_bytes_equal(wire, wire_from_truth(truth, spec, heads))
+
+    dst = empty_cache(spec, 12, 1 if layout == "MLA" else 2)
+    scatter_blocks(wire, dst, spec, dst_ids, num_tokens)
+    want = empty_cache(spec, 12, 1 if layout == "MLA" else 2)
+    place(want, spec, truth, heads, dst_ids)  # poison everywhere else, tail of block 6 included
+    assert_bytes_equal(as_bytes(dst), as_bytes(want))
+
+
+@pytest.mark.parametrize(
+    "src_layout,dst_layout,src_bs,dst_bs",
+    [
+        (Layout.NHD, Layout.HND, 16, 32),
+        (Layout.HND, Layout.NHD, 32, 16),
+        (Layout.NHD, Layout.NHD, 7, 3),
+        ("MLA", "MLA", 16, 32),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_copy_converts_layout_and_block_size(src_layout, dst_layout, src_bs, dst_bs, dtype):
+    s_spec = make_spec(src_layout, dtype, src_bs, head_dim=96)
+    d_spec = make_spec(dst_layout, dtype, dst_bs, head_dim=96)
+    num_tokens = 45
+    truth = truth_bytes(s_spec, num_tokens, seed=2)
+    s_ids = list(range(s_spec.num_blocks_for(num_tokens)))[::-1]
+    d_ids = [2 * i + 1 for i in range(d_spec.num_blocks_for(num_tokens))]
+    mla = src_layout == "MLA"
+    src = empty_cache(s_spec, len(s_ids) + 1, 1 if mla else 4)
+    place(src, s_spec, truth, range(s_spec.num_kv_heads), s_ids)
+    dst = empty_cache(d_spec, 2 * len(d_ids) + 2, 1 if mla else 2)
+    heads = range(0, 1) if mla else range(2, 4)
+    copy_blocks(
+        src,
+        s_spec,
+        s_ids,
+        dst,
+        d_spec,
+        d_ids,
+        num_tokens,
+        src_head_start=heads.start,
+        dst_head_start=0,
+        num_heads=len(heads),
+    )
+    want = empty_cache(d_spec, 2 * len(d_ids) + 2, 1 if mla else 2)
+    place(want, d_spec, truth, heads, d_ids)
+    assert_bytes_equal(as_bytes(dst), as_bytes(want))
+
+
+def test_layer_subset_and_out_buffer():
+    spec = make_spec(Layout.HND, torch.float16, 4, head_dim=8, layers=5)
+    truth = truth_bytes(spec, 10, seed=3)
+    src = rank_cache(spec, truth, 0, 1, [4, 1, 2], 6)
+    layers = [4, 0, 2]
+    out = torch.empty(spec.wire_shape(10, 4, 3), dtype=spec.dtype)
+    got = gather_blocks(src, spec, [4, 1, 2], 10, layers=layers, out=out)
+    assert got is out
+    assert_bytes_equal(out, wire_from_truth(truth, spec, range(4), layers))
+    dst = empty_cache(spec, 6, 4)
+    scatter_blocks(out, dst, spec, [0, 3, 5], 10, layers=layers)
+    for layer in range(5):
+        want = empty_cache(spec, 6, 4)[0]
+        if layer in layers:
+            place([want], spec, truth[layer : layer + 1], range(4), [0, 3, 5])
+        assert_bytes_equal(dst[layer], want.view(torch.uint8).reshape(dst[layer].view(torch.uint8).shape))
+
+
+def test_noncontiguous_layer_views_of_one_buffer():
+    """Per-layer caches carved out of one allocation (as engines often do) at odd offsets."""
+    spec = make_spec(Layout.NHD, torch.bfloat16, 8, head_dim=6, heads=2, layers=3)
+    shape = spec.local_cache_shape(5, 2)
+    n = torch.Size(shape).numel()
+    buf = torch.zeros(3 * n + 3, dtype=torch.bfloat16)
+    caches = [buf[1 + i * n : 1 + (i + 1) * n].view(shape) for i in range(3)]
+    truth = truth_bytes(spec, 13, seed=4)
+    place(caches, spec, truth, range(2), [3, 0])
+    assert_bytes_equal(gather_blocks(caches, spec, [3, 0], 13), wire_from_truth(truth, spec, range(2)))
+
+
+def test_zero_tokens_is_a_noop():
+    spec = make_spec(Layout.NHD)
+    caches = empty_cache(spec, 4, 4)
+    wire = gather_blocks(caches, spec, [], 0)
+    assert wire.shape == (4, 3, 2, 0, 72)
+    scatter_blocks(wire, caches, spec, [], 0)
+    assert_bytes_equal(as_bytes(caches), as_bytes(empty_cache(spec, 4, 4)))
+
+
+# ------------------------------------------------------------------------------- validation
+@pytest.fixture
+def setup():
+    spec = make_spec(Layout.NHD, torch.bfloat16, 4, head_dim=8, heads=4, layers=2)
+    return spec, empty_cache(spec, 6, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_ids=[0, 6], num_tokens=8), "block id 6 out of range"),
+        (dict(block_ids=[-1, 2], num_tokens=8), "block id -1 out of range"),
+        (dict(block_ids=[0], num_tokens=5), "needs 2 blocks"),
+        (dict(block_ids=[[0, 1]], num_tokens=5), "1-D"),
+        (dict(block_ids=torch.tensor([0.0, 1.0]), num_tokens=5), "integers"),
+        (dict(block_ids=[0, 1], num_tokens=-1), "num_tokens"),
+        (dict(block_ids=[0, 1], num_tokens=5, head_start=3, num_heads=2), "head_start/num_heads"),
+        (dict(block_ids=[0, 1], num_tokens=5, num_heads=0), "head_start/num_heads"),
+        (dict(block_ids=[0, 1], num_tokens=5, layers=[2]), "layer 2 out of range"),
+        (dict(block_ids=[0, 1], num_tokens=5, layers=[1, 1]), "repeated layer"),
+        (dict(block_ids=[0, 1], num_tokens=5, backend="cuda-graph"), "backend"),
+    ],
+)
+def test_gather_rejects(setup, kwargs, match):
+    spec, caches = setup
+    with pytest.raises(ValueError, match=match):
+        gather_blocks(caches, spec, **kwargs)
+
+
+def test_bad_caches_rejected(setup):
+    spec, caches = setup
+    with pytest.raises(ValueError, match="2 layers"):
+        gather_blocks(caches[:1], spec, [0], 1)
+    with pytest.raises(ValueError, match="dtype"):
+        gather_blocks([c.view(torch.int16) for c in caches], spec, [0], 1)
+    with pytest.raises(ValueError, match="block_size"):
+        gather_blocks([c[:, :, :2] for c in caches], spec, [0], 1)
+    with pytest.raises(ValueError, match=r"caches\[1\]"):
+        gather_blocks([caches[0], caches[1][:, :3]], spec, [0], 1)
+    with pytest.raises(ValueError, match="head_dim must be contiguous"):
+        gather_blocks([c.transpose(3, 4).contiguous().transpose(3, 4) for c in caches], spec, [0], 1)
+    with pytest.raises(ValueError, match="list of per-layer tensors"):
+        gather_blocks(caches[0], spec, [0], 1)
+
+
+def test_scatter_rejects_before_writing(setup):
+    spec, caches = setup
+    wire = torch.ones(spec.wire_shape(8, 4), dtype=spec.dtype)
+    before = as_bytes(caches).clone()
+    with pytest.raises(ValueError, match="repeated block id"):
+        scatter_blocks(wire, caches, spec, [1, 1], 8)
+    with pytest.raises(ValueError, match="block id 9 out of range"):
+        scatter_blocks(wire, caches, spec, [1, 9], 8)
+    with pytest.raises(ValueError, match="expected wire shape"):
+        scatter_blocks(wire[:, :, :, :7], caches, spec, [1, 2], 8)
+    with pytest.raises(ValueError, match="dtype"):
+        scatter_blocks(wire.half(), caches, spec, [1, 2], 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        scatter_blocks(wire.transpose(0, 1).contiguous().transpose(0, 1), caches, spec, [1, 2], 8)
+    with pytest.raises(ValueError, match="head_start/num_heads"):
+        scatter_blocks(wire[:2].contiguous(), caches, spec, [1, 2], 8, head_start=3)
+    assert torch.equal(as_bytes(caches), before)
+
+
+def test_gather_rejects_bad_out(setup):
+    spec, caches = setup
+    with pytest.raises(ValueError, match="expected wire shape"):
+        gather_blocks(caches, spec, [0], 4, out=torch.empty(1, dtype=spec.dtype))
+    with pytest.raises(ValueError, match="dtype"):
+        gather_blocks(caches, spec, [0], 4, out=torch.empty(spec.wire_shape(4), dtype=torch.float16))
+
+
+def test_copy_rejects_incompatible(setup):
+    spec, caches = setup
+    other = make_spec(Layout.NHD, torch.float16, 4, head_dim=8, heads=4, layers=2)
+    with pytest.raises(ValueError, match="dtype differs"):
+        copy_blocks(caches, spec, [0], empty_cache(other, 2, 4), other, [0], 4)
+    with pytest.raises(ValueError, match="dst_block_ids: repeated"):
+        copy_blocks(caches, spec, [0, 1], empty_cache(spec, 2, 4), spec, [1, 1], 8)
+    with pytest.raises(ValueError, match="src_block_ids: block id 7"):
+        copy_blocks(caches, spec, [7], empty_cache(spec, 2, 4), spec, [1], 4)
