@@ -32,7 +32,7 @@ def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor):
     assert torch.equal(got, want), first_difference(got, want)
 
 
-@pytest.mark.parametrize("layout,dtype", itertools.product(LAYOUTS, DTYPES))
+@pytest.mark.parametrize("layout,dtype", list(itertools.product(LAYOUTS, DTYPES)))
 def test_gather_scatter_roundtrip_matrix(layout, dtype):
     spec = make_spec(layout, dtype, block_size=5)
     num_tokens = 23  # 4 full blocks + 3 tokens
