@@ -212,3 +212,19 @@ def test_copy_rejects_incompatible(setup):
         copy_blocks(caches, spec, [0, 1], empty_cache(spec, 2, 4), spec, [1, 1], 8)
     with pytest.raises(ValueError, match="src_block_ids: block id 7"):
         copy_blocks(caches, spec, [7], empty_cache(spec, 2, 4), spec, [1], 4)
+
+
+def test_registered_caches_give_same_result_and_still_check_spec():
+    from kvxfer.ops import PagedCache, register_caches
+
+    spec = make_spec(Layout.HND, torch.bfloat16, 4, head_dim=8, heads=2, layers=3)
+    truth = truth_bytes(spec, 9, seed=5)
+    plain = rank_cache(spec, truth, 0, 1, [2, 0, 1], 4)
+    reg = register_caches(plain, spec)
+    assert isinstance(reg, PagedCache) and len(reg) == 3 and reg[1] is plain[1]
+    assert_bytes_equal(gather_blocks(reg, spec, [2, 0, 1], 9), wire_from_truth(truth, spec, range(2)))
+    other = make_spec(Layout.HND, torch.bfloat16, 8, head_dim=8, heads=2, layers=3)
+    with pytest.raises(ValueError, match="block_size"):
+        gather_blocks(reg, other, [0], 4)  # a different spec re-validates the tensors
+    with pytest.raises(ValueError, match="dtype"):
+        register_caches([c.view(torch.int16) for c in plain], spec)
