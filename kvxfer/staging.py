@@ -62,6 +62,8 @@ __all__ = [
     "pipelined_recv",
     "pipelined_send",
     "plan_chunks",
+    "record_done",
+    "wait_for",
     "wire_viewer",
 ]
 
@@ -489,3 +491,33 @@ def ops_scatterer(
         )
 
     return scatter
+
+
+# --------------------------------------------------------------------------- stream ordering
+def wait_for(deps: Any, stream: Any = None) -> None:
+    """Order ``stream`` (default: the current CUDA stream) after ``deps``: CUDA events and/or
+    streams handed in by the caller (the compute that wrote the layers about to move). No host
+    synchronisation. ``None`` or an empty list does nothing (CPU callers pass nothing)."""
+    if deps is None:
+        return
+    if not isinstance(deps, (list, tuple)):
+        deps = [deps]
+    if not deps:
+        return
+    if stream is None:
+        stream = torch.cuda.current_stream()
+    for d in deps:
+        if isinstance(d, torch.cuda.Event):
+            stream.wait_event(d)
+        elif isinstance(d, torch.cuda.Stream):
+            stream.wait_stream(d)
+        else:
+            raise ValueError(f"deps: expected CUDA events or streams, got {type(d).__name__}")
+
+
+def record_done(stream: Any = None) -> Any:
+    """A CUDA event recorded on ``stream`` (default current) after the transfer's work; the
+    caller's stream does ``wait_event`` on it before reading the scattered cache."""
+    ev = torch.cuda.Event()
+    ev.record(stream if stream is not None else torch.cuda.current_stream())
+    return ev
