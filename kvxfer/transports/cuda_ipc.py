@@ -16,13 +16,13 @@ ctypes for the allocation base and the process-unique buffer id):
   entry per distinct allocation (IPC handle of the allocation BASE, base address, size,
   buffer id), and per layer the allocation it lives in, its byte offset there, shape, strides
   and dtype. Layers carved from one allocation share one handle.
-* :class:`IpcHandleCache`: the loader's cache of opened allocations, keyed by (peer engine,
-  pid, process token, buffer id, handle bytes), so a freed-and-reused allocation (same address,
-  new buffer id) or a restarted peer (same pid, new token) is never mistaken for the old one.
-  Each allocation is opened once; :meth:`IpcHandleCache.open_caches` rebuilds the per-layer
-  torch tensors over the mapped memory; :meth:`~IpcHandleCache.invalidate_peer` unmaps a peer
-  (peer death, lease loss), :meth:`~IpcHandleCache.retain` drops mappings a re-handshake no
-  longer lists.
+* :class:`IpcHandleCache`: the loader's cache of opened allocations, keyed by (pid, process
+  token, buffer id, handle bytes) and owned by peer engine names, so a freed-and-reused
+  allocation (same address, new buffer id) or a restarted peer (same pid, new token) is never
+  mistaken for the old one. Each allocation is opened once;
+  :meth:`~IpcHandleCache.open_caches` rebuilds the per-layer torch tensors over the mapped
+  memory; :meth:`~IpcHandleCache.invalidate_peer` forgets a peer (peer death, lease loss),
+  :meth:`~IpcHandleCache.retain` drops mappings a re-handshake no longer lists.
 
 How the engine plugs it in:
 
@@ -442,7 +442,9 @@ def _check_description(desc: Any) -> None:
 # --------------------------------------------------------------------------- loader side
 @dataclass(frozen=True)
 class _Key:
-    peer_engine: str
+    """Identity of one exported allocation: never equal for a freed-and-reused allocation
+    (new buffer id) or a restarted exporter (new process token), even at the same address."""
+
     pid: int
     process_token: str
     buffer_id: int
@@ -452,13 +454,16 @@ class _Key:
 class IpcHandleCache:
     """Opened peer allocations, each opened once, keyed so reuse can never alias (see module doc).
 
-    Thread-safe. ``driver`` defaults to :class:`CudaIpcDriver` (created on first open).
+    A mapping is shared by every peer engine name that listed it (e.g. two ranks exported by
+    one process) and closed when the last of them is invalidated. Thread-safe. ``driver``
+    defaults to :class:`CudaIpcDriver` (created on first open).
     """
 
     def __init__(self, driver: IpcDriver | None = None) -> None:
         self._driver = driver
         self._lock = threading.Lock()
         self._mapped: dict[_Key, torch.Tensor] = {}
+        self._owners: dict[_Key, set[str]] = {}
         self.num_opens = 0
         self.num_hits = 0
         self.num_closes = 0
@@ -474,21 +479,20 @@ class IpcHandleCache:
             return len(self._mapped)
 
     @staticmethod
-    def _keys(peer_engine: str, desc: dict) -> list[_Key]:
+    def _keys(desc: dict) -> list[_Key]:
         return [
-            _Key(peer_engine, desc["pid"], desc["process_token"], a["buffer_id"], a["handle"])
-            for a in desc["allocations"]
+            _Key(desc["pid"], desc["process_token"], a["buffer_id"], a["handle"]) for a in desc["allocations"]
         ]
 
     def open_allocations(
         self, peer_engine: str, desc: dict, device: torch.device | str
     ) -> list[torch.Tensor]:
-        """Map every allocation of ``desc`` (once per key); uint8 tensors in ``desc`` order."""
+        """Map every allocation of ``desc`` (once per identity); uint8 tensors in ``desc`` order."""
         _check_description(desc)
         device = torch.device(device)
         out = []
         with self._lock:
-            for key, a in zip(self._keys(peer_engine, desc), desc["allocations"]):
+            for key, a in zip(self._keys(desc), desc["allocations"]):
                 t = self._mapped.get(key)
                 if t is None:
                     t = self.driver.open_handle(bytes.fromhex(a["handle"]), a["size"], device)
@@ -497,9 +501,11 @@ class IpcHandleCache:
                             f"ipc open: driver returned {t.dtype}{tuple(t.shape)} for {a['size']} bytes"
                         )
                     self._mapped[key] = t
+                    self._owners[key] = set()
                     self.num_opens += 1
                 else:
                     self.num_hits += 1
+                self._owners[key].add(peer_engine)
                 out.append(t)
         return out
 
@@ -513,40 +519,45 @@ class IpcHandleCache:
             es = torch.empty((), dtype=dtype).element_size()
             if lay["offset"] % es or lay["nbytes"] % es:
                 raise ValueError(f"ipc description: layer offset {lay['offset']} not aligned to {dtype}")
-            raw = allocs[lay["alloc"]][lay["offset"] : lay["offset"] + lay["nbytes"]]
-            t = raw.view(dtype).as_strided(lay["shape"], lay["stride"])
-            need = (
-                (sum((n - 1) * s for n, s in zip(lay["shape"], lay["stride"])) + 1)
-                if math.prod(lay["shape"])
-                else 0
-            )
-            if need * es > lay["nbytes"]:
+            span = sum((n - 1) * st for n, st in zip(lay["shape"], lay["stride"])) + 1
+            if math.prod(lay["shape"]) and span * es > lay["nbytes"]:
                 raise ValueError(
-                    f"ipc description: layer shape/stride span {need * es} > nbytes {lay['nbytes']}"
+                    f"ipc description: layer shape/stride span {span * es} > nbytes {lay['nbytes']}"
                 )
-            layers.append(t)
+            raw = allocs[lay["alloc"]][lay["offset"] : lay["offset"] + lay["nbytes"]]
+            layers.append(raw.view(dtype).as_strided(lay["shape"], lay["stride"]))
         return layers
 
-    def _close(self, keys: list[_Key]) -> int:
-        for k in keys:
-            t = self._mapped.pop(k)
-            self.driver.close_handle(t)
-            self.num_closes += 1
-        return len(keys)
+    def _release(self, peer_engine: str, keep: set[_Key] | None) -> int:
+        closed = 0
+        for k in list(self._mapped):
+            owners = self._owners[k]
+            if peer_engine in owners and (keep is None or k not in keep):
+                owners.discard(peer_engine)
+                if not owners:
+                    self.driver.close_handle(self._mapped.pop(k))
+                    del self._owners[k]
+                    self.num_closes += 1
+                    closed += 1
+        return closed
 
     def invalidate_peer(self, peer_engine: str) -> int:
-        """Unmap every allocation of ``peer_engine``; returns how many were closed."""
+        """Forget ``peer_engine``'s mappings; returns how many were closed (a mapping another
+        peer name still lists stays open)."""
         with self._lock:
-            return self._close([k for k in self._mapped if k.peer_engine == peer_engine])
+            return self._release(peer_engine, None)
 
     def retain(self, peer_engine: str, desc: dict) -> int:
-        """After a re-handshake: unmap this peer's allocations that ``desc`` no longer lists."""
+        """After a re-handshake: forget this peer's mappings that ``desc`` no longer lists."""
         _check_description(desc)
-        keep = set(self._keys(peer_engine, desc))
+        keep = set(self._keys(desc))
         with self._lock:
-            return self._close([k for k in self._mapped if k.peer_engine == peer_engine and k not in keep])
+            return self._release(peer_engine, keep)
 
     def close(self) -> None:
         """Unmap everything."""
         with self._lock:
-            self._close(list(self._mapped))
+            for k in list(self._mapped):
+                self.driver.close_handle(self._mapped.pop(k))
+                del self._owners[k]
+                self.num_closes += 1
