@@ -1,0 +1,130 @@
+"""NVTX ranges named by request and phase, so an Nsight Systems timeline shows each request's path.
+
+``with trace("gather", request_id):`` (or ``@traced("scatter")``) pushes the range
+``kvxfer.<phase> <request_id>`` in the ``kvxfer`` NVTX domain. The ``nvtx`` package is imported on
+first use; when it is missing, or ``KVXFER_NVTX=0`` is set, or :func:`set_enabled` turned
+tracing off, :func:`trace` returns one shared no-op context manager (one dict lookup, no
+allocation), so calls can stay on the hot path.
+
+How the engine plugs it in: wrap the handshake, and per request and source rank the gather,
+send, recv, scatter and copy calls: ``with trace("copy", req_id): ops.copy_blocks(...)``. The
+ranges mark host-side issue time; on the GPU timeline Nsight correlates them with the kernels
+launched inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["PHASES", "enabled", "set_enabled", "trace", "traced"]
+
+PHASES = ("handshake", "gather", "send", "recv", "scatter", "copy")
+_COLORS = {
+    "handshake": "purple",
+    "gather": "green",
+    "send": "blue",
+    "recv": "cyan",
+    "scatter": "orange",
+    "copy": "red",
+}
+DOMAIN = "kvxfer"
+_NULL = contextlib.nullcontext()
+F = TypeVar("F", bound=Callable[..., Any])
+
+_state: dict[str, Any] = {"enabled": None, "nvtx": None}
+
+
+def _env_enabled() -> bool:
+    return os.environ.get("KVXFER_NVTX", "1").strip().lower() not in ("0", "false", "off", "no", "")
+
+
+def _load() -> bool:
+    """Resolve enabled-ness once: env var, then whether ``nvtx`` imports."""
+    if not _env_enabled():
+        _state["enabled"] = False
+        return False
+    if _state["nvtx"] is None:
+        try:
+            import nvtx
+        except ImportError:
+            _state["enabled"] = False
+            return False
+        _state["nvtx"] = nvtx
+    _state["enabled"] = True
+    return True
+
+
+def enabled() -> bool:
+    """Whether :func:`trace` emits NVTX ranges."""
+    e = _state["enabled"]
+    return _load() if e is None else e
+
+
+def set_enabled(on: bool | None, nvtx_module: Any = None) -> None:
+    """Turn ranges on/off at run time (``None``: back to the env var / import default).
+    ``nvtx_module`` replaces the ``nvtx`` package (tests)."""
+    if nvtx_module is not None:
+        _state["nvtx"] = nvtx_module
+    if on is None:
+        _state["enabled"] = None
+    elif on:
+        _state["enabled"] = None
+        _load()
+    else:
+        _state["enabled"] = False
+
+
+class _Range:
+    __slots__ = ("_color", "_msg", "_nvtx")
+
+    def __init__(self, nvtx: Any, msg: str, color: str) -> None:
+        self._nvtx, self._msg, self._color = nvtx, msg, color
+
+    def __enter__(self) -> _Range:
+        self._nvtx.push_range(self._msg, color=self._color, domain=DOMAIN)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._nvtx.pop_range(domain=DOMAIN)
+
+
+def trace(phase: str, request_id: object = None) -> contextlib.AbstractContextManager:
+    """Context manager for one NVTX range ``kvxfer.<phase> <request_id>``.
+
+    ``phase`` is one of :data:`PHASES` (``ValueError`` otherwise, also when disabled, so a typo
+    is caught in CPU tests).
+    """
+    if phase not in _COLORS:
+        raise ValueError(f"phase: must be one of {PHASES}, got {phase!r}")
+    e = _state["enabled"]
+    if e is False or (e is None and not _load()):
+        return _NULL
+    msg = f"{DOMAIN}.{phase}" if request_id is None else f"{DOMAIN}.{phase} {request_id}"
+    return _Range(_state["nvtx"], msg, _COLORS[phase])
+
+
+def traced(phase: str, request_id_arg: str = "request_id") -> Callable[[F], F]:
+    """Decorator: run the function inside ``trace(phase, <its request_id_arg argument>)``; the
+    request id is taken from that keyword, else it is the first positional argument that is a
+    str."""
+    if phase not in _COLORS:
+        raise ValueError(f"phase: must be one of {PHASES}, got {phase!r}")
+
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _state["enabled"] is False:
+                return fn(*args, **kwargs)
+            rid = kwargs.get(request_id_arg)
+            if rid is None:
+                rid = next((a for a in args if isinstance(a, str)), None)
+            with trace(phase, rid):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
