@@ -25,8 +25,18 @@ import torch
 
 from .base import PagedSide
 
-__all__ = ["Launch", "copy", "copy_width", "gather", "is_available", "plan_copy", "plan_gather",
-           "plan_scatter", "scatter", "source_dir"]
+__all__ = [
+    "Launch",
+    "copy",
+    "copy_width",
+    "gather",
+    "is_available",
+    "plan_copy",
+    "plan_gather",
+    "plan_scatter",
+    "scatter",
+    "source_dir",
+]
 
 WIDTHS = (16, 8, 4, 2, 1)  # copy units in bytes, widest first; each has its own entry point
 THREADS = 256  # threads per block (8 warps); each warp moves one item at a time
@@ -79,7 +89,11 @@ def _chunk(num_rows: int, num_tokens: int, row_bytes: int, num_warps: int) -> in
 
 
 def _plan(
-    op: str, src: PagedSide | None, dst: PagedSide | None, wire_ptr: int | None, max_blocks: int,
+    op: str,
+    src: PagedSide | None,
+    dst: PagedSide | None,
+    wire_ptr: int | None,
+    max_blocks: int,
     meta_device: torch.device | str | None,
 ) -> Launch:
     side = src if src is not None else dst
@@ -176,7 +190,7 @@ def _prebuilt() -> Path | None:
     return path if path.is_file() else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels(device_index: int) -> dict:
     """Entry name -> cupy RawKernel on this device (prebuilt fatbin, else NVRTC)."""
     import cupy
@@ -194,7 +208,7 @@ def _kernels(device_index: int) -> dict:
         return {n: module.get_function(n) for n in _entry_names()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

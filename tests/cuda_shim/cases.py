@@ -57,9 +57,23 @@ class Case:
     def id(self) -> str:
         base = Case(op=self.op)
         parts = [self.op, self.dtype, self.layout]
-        for f in ("dst_layout", "src_bs", "dst_bs", "src_heads", "dst_heads", "src_head_start",
-                  "dst_head_start", "num_heads", "head_dim", "num_tokens", "num_layers", "layers",
-                  "misalign", "wire_misalign", "max_blocks"):
+        for f in (
+            "dst_layout",
+            "src_bs",
+            "dst_bs",
+            "src_heads",
+            "dst_heads",
+            "src_head_start",
+            "dst_head_start",
+            "num_heads",
+            "head_dim",
+            "num_tokens",
+            "num_layers",
+            "layers",
+            "misalign",
+            "wire_misalign",
+            "max_blocks",
+        ):
             v = getattr(self, f)
             if v != getattr(base, f):
                 parts.append(f"{f}={'-'.join(map(str, v)) if isinstance(v, tuple) else v}")
@@ -81,7 +95,9 @@ def _spec(case: Case, side: str) -> tuple[KVCacheSpec, int]:
     return spec, heads
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, misalign: int, device, pin: bool = False) -> torch.Tensor:
+def _alloc(
+    shape: tuple[int, ...], dtype: torch.dtype, misalign: int, device, pin: bool = False
+) -> torch.Tensor:
     """A poison-filled tensor in its own allocation, starting ``misalign`` bytes into it."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     raw = torch.full((nbytes + misalign,), POISON, dtype=torch.uint8)
@@ -136,7 +152,7 @@ def _check_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(
             f"{what}: {bad.numel()} of {g.numel()} bytes differ; first at byte {first} of shape "
             f"{tuple(got.shape)} (row {first // (got.shape[-1] * got.element_size())}): "
-            f"got {g[first:first + 8].tolist()} want {w[first:first + 8].tolist()}"
+            f"got {g[first : first + 8].tolist()} want {w[first : first + 8].tolist()}"
         )
 
 
@@ -166,8 +182,9 @@ def run_case(case: Case, device, kernels, pinned_wire: bool = False) -> None:
     if case.op == "gather":
         caches, spec, ids = _caches(case, "src", device, origin=True)
         side = ops.make_side(caches, spec, ids, case.num_tokens, case.src_head_start, case.num_heads, layers)
-        want = ops.gather_blocks(caches, spec, ids, case.num_tokens, case.src_head_start, case.num_heads,
-                                 layers, backend="torch")
+        want = ops.gather_blocks(
+            caches, spec, ids, case.num_tokens, case.src_head_start, case.num_heads, layers, backend="torch"
+        )
         got = _alloc(tuple(want.shape), want.dtype, case.wire_misalign, device, pin=pinned_wire)
         kernels.gather(side, got.view(side.wire_view_shape()))
         if device.type == "cuda":
@@ -181,12 +198,17 @@ def run_case(case: Case, device, kernels, pinned_wire: bool = False) -> None:
         wire_shape = spec.wire_shape(case.num_tokens, num_heads, len(layers) if layers else case.num_layers)
         wire = _alloc(wire_shape, spec.dtype, case.wire_misalign, "cpu")
         _fill_wire(wire)
-        wire_dev = wire if device.type == "cpu" else _alloc(wire_shape, spec.dtype, case.wire_misalign,
-                                                            device, pin=pinned_wire).copy_(wire)
-        ops.scatter_blocks(wire_dev, ref, spec, ids, case.num_tokens, case.dst_head_start, layers,
-                           backend="torch")
-        side = ops.make_side(caches, spec, ids, case.num_tokens, case.dst_head_start, num_heads, layers,
-                             unique_blocks=True)
+        wire_dev = (
+            wire
+            if device.type == "cpu"
+            else _alloc(wire_shape, spec.dtype, case.wire_misalign, device, pin=pinned_wire).copy_(wire)
+        )
+        ops.scatter_blocks(
+            wire_dev, ref, spec, ids, case.num_tokens, case.dst_head_start, layers, backend="torch"
+        )
+        side = ops.make_side(
+            caches, spec, ids, case.num_tokens, case.dst_head_start, num_heads, layers, unique_blocks=True
+        )
         kernels.scatter(wire_dev.view(side.wire_view_shape()), side)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -197,11 +219,33 @@ def run_case(case: Case, device, kernels, pinned_wire: bool = False) -> None:
     dst_caches, dst_spec, dst_ids = _caches(case, "dst", device, origin=False)
     ref = [c.clone() for c in dst_caches]
     num_heads = 1 if src_spec.use_mla else case.num_heads
-    ops.copy_blocks(src_caches, src_spec, src_ids, ref, dst_spec, dst_ids, case.num_tokens,
-                    case.src_head_start, case.dst_head_start, num_heads, backend="torch", layers=layers)
-    src = ops.make_side(src_caches, src_spec, src_ids, case.num_tokens, case.src_head_start, num_heads, layers)
-    dst = ops.make_side(dst_caches, dst_spec, dst_ids, case.num_tokens, case.dst_head_start, num_heads, layers,
-                        unique_blocks=True)
+    ops.copy_blocks(
+        src_caches,
+        src_spec,
+        src_ids,
+        ref,
+        dst_spec,
+        dst_ids,
+        case.num_tokens,
+        case.src_head_start,
+        case.dst_head_start,
+        num_heads,
+        backend="torch",
+        layers=layers,
+    )
+    src = ops.make_side(
+        src_caches, src_spec, src_ids, case.num_tokens, case.src_head_start, num_heads, layers
+    )
+    dst = ops.make_side(
+        dst_caches,
+        dst_spec,
+        dst_ids,
+        case.num_tokens,
+        case.dst_head_start,
+        num_heads,
+        layers,
+        unique_blocks=True,
+    )
     kernels.copy(src, dst)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -215,8 +259,11 @@ def matrix() -> list[Case]:
     for op in ("gather", "scatter", "copy"):
         for dtype in DTYPES:
             for layout in ("NHD", "HND", "MLA"):
-                heads = dict(num_heads=1) if layout == "MLA" else dict(src_head_start=1, num_heads=2,
-                                                                       dst_head_start=2)
+                heads = (
+                    dict(num_heads=1)
+                    if layout == "MLA"
+                    else dict(src_head_start=1, num_heads=2, dst_head_start=2)
+                )
                 cases.append(Case(op=op, dtype=dtype, layout=layout, head_dim=16, **heads))
     more = [
         # head_dim 96/72 (bf16 rows of 192/144 bytes: 16- and 16-byte units), non-power-of-two bs
@@ -249,8 +296,29 @@ def matrix() -> list[Case]:
         for kw in more:
             cases.append(Case(op=op, **kw))
     # copy across layouts
-    cases.append(Case(op="copy", layout="NHD", dst_layout="HND", src_bs=16, dst_bs=32, src_head_start=1,
-                      num_heads=2, dst_head_start=0, dst_heads=2))
-    cases.append(Case(op="copy", layout="HND", dst_layout="NHD", src_bs=32, dst_bs=16, dtype="e5m2",
-                      head_dim=96, num_tokens=65))
+    cases.append(
+        Case(
+            op="copy",
+            layout="NHD",
+            dst_layout="HND",
+            src_bs=16,
+            dst_bs=32,
+            src_head_start=1,
+            num_heads=2,
+            dst_head_start=0,
+            dst_heads=2,
+        )
+    )
+    cases.append(
+        Case(
+            op="copy",
+            layout="HND",
+            dst_layout="NHD",
+            src_bs=32,
+            dst_bs=16,
+            dtype="e5m2",
+            head_dim=96,
+            num_tokens=65,
+        )
+    )
     return [replace(c, seed=i) for i, c in enumerate(cases)]

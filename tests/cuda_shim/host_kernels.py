@@ -26,8 +26,21 @@ def build(out_dir: Path, sanitize: bool = True) -> Path:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     lib = Path(out_dir) / f"kvx_host_{digest[:16]}.so"
     if not lib.exists():
-        cmd = ["g++", "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
-               *(SANITIZE if sanitize else ()), "-o", str(lib), str(src_dir / "host" / "kvx_host.cpp")]
+        cmd = [
+            "g++",
+            "-std=c++17",
+            "-O1",
+            "-g",
+            "-fPIC",
+            "-shared",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            *(SANITIZE if sanitize else ()),
+            "-o",
+            str(lib),
+            str(src_dir / "host" / "kvx_host.cpp"),
+        ]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
     return lib
 
@@ -37,8 +50,13 @@ class HostKernels:
 
     def __init__(self, lib_path: Path | str, max_blocks: int = 3) -> None:
         self.lib = ctypes.CDLL(str(lib_path))
-        self.lib.kvx_host_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint,
-                                             ctypes.POINTER(ctypes.c_longlong), ctypes.c_int]
+        self.lib.kvx_host_launch.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.POINTER(ctypes.c_longlong),
+            ctypes.c_int,
+        ]
         self.lib.kvx_host_launch.restype = ctypes.c_int
         self.lib.kvx_host_fastdiv.argtypes = [ctypes.c_uint, ctypes.c_uint]
         self.lib.kvx_host_fastdiv.restype = ctypes.c_uint
@@ -53,7 +71,9 @@ class HostKernels:
         args = (ctypes.c_longlong * len(launch.args))(*launch.args)
         rc = self.lib.kvx_host_launch(launch.name.encode(), launch.grid, launch.block, args, len(launch.args))
         if rc != 0:
-            raise RuntimeError(f"host shim rejected launch {launch.name} grid={launch.grid} block={launch.block}")
+            raise RuntimeError(
+                f"host shim rejected launch {launch.name} grid={launch.grid} block={launch.block}"
+            )
 
     def gather(self, src, wire) -> None:
         self._run(cuda.plan_gather(src, wire.data_ptr(), self.max_blocks))

@@ -19,10 +19,13 @@ from host_kernels import HostKernels  # noqa: E402
 
 def _fastdiv_check(kernels: HostKernels) -> str | None:
     rng = random.Random(0)
-    divisors = [1, 2, 3, 5, 7, 16, 24, 96, 255, 4096, 65537, (1 << 31) - 1] + [rng.randrange(1, 1 << 20)
-                                                                              for _ in range(50)]
+    divisors = [1, 2, 3, 5, 7, 16, 24, 96, 255, 4096, 65537, (1 << 31) - 1] + [
+        rng.randrange(1, 1 << 20) for _ in range(50)
+    ]
     for d in divisors:
-        for n in [0, 1, d - 1, d, d + 1, (1 << 32) - 1, (1 << 31)] + [rng.randrange(1 << 32) for _ in range(200)]:
+        for n in [0, 1, d - 1, d, d + 1, (1 << 32) - 1, (1 << 31)] + [
+            rng.randrange(1 << 32) for _ in range(200)
+        ]:
             n %= 1 << 32
             if kernels.fastdiv(d, n) != n // d:
                 return f"FastDiv({d}).div({n}) = {kernels.fastdiv(d, n)}, want {n // d}"
@@ -31,8 +34,17 @@ def _fastdiv_check(kernels: HostKernels) -> str | None:
 
 def main() -> int:
     lib = sys.argv[1]
-    print(json.dumps({"id": "fastdiv", "ok": _fastdiv_check(HostKernels(lib)) is None,
-                      "error": _fastdiv_check(HostKernels(lib)), "entry": []}), flush=True)
+    print(
+        json.dumps(
+            {
+                "id": "fastdiv",
+                "ok": _fastdiv_check(HostKernels(lib)) is None,
+                "error": _fastdiv_check(HostKernels(lib)),
+                "entry": [],
+            }
+        ),
+        flush=True,
+    )
     for case in matrix():
         kernels = HostKernels(lib, case.max_blocks)
         try:
