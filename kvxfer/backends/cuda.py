@@ -63,9 +63,7 @@ class Launch:
 
 def copy_width(*values: int) -> int:
     """Widest copy unit (16/8/4/2/1 bytes) dividing every address, stride and row size given."""
-    g = 0
-    for v in values:
-        g = math.gcd(g, int(v))
+    g = math.gcd(*values)
     for w in WIDTHS:
         if g % w == 0:
             return w
@@ -238,16 +236,31 @@ def _device_address(t: torch.Tensor) -> int:
     return int(cupy.cuda.runtime.pointerGetAttributes(t.data_ptr()).devicePointer)
 
 
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(ptr: int, device_index: int):
+    """CuPy handle of the CUDA stream ``ptr`` (torch's stream; CuPy neither owns nor syncs it)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy >= 14: the CUDA stream protocol
+
+        class _Handle:
+            def __cuda_stream__(self) -> tuple[int, int]:
+                return (0, ptr)
+
+        return from_external(_Handle())
+    return cupy.cuda.ExternalStream(ptr, device_index)
+
+
 def _launch(plan: Launch, device: torch.device) -> None:
     import cupy
     import numpy as np
 
     index = _index(device)
     kernel = _kernels(index)[plan.name]
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(index):
-        ext = cupy.cuda.ExternalStream(stream.cuda_stream, index)
-        kernel((plan.grid,), (plan.block,), tuple(np.int64(a) for a in plan.args), stream=ext)
+    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, index)
+    with cupy.cuda.Device(index), stream:
+        kernel((plan.grid,), (plan.block,), tuple(np.int64(a) for a in plan.args))
 
 
 def _max_blocks(device: torch.device) -> int:
