@@ -1,0 +1,285 @@
+"""CUDA C++ backend: the kernels of ``csrc/`` launched through CuPy on torch's current stream.
+
+One kernel launch per call, whatever the number of layers and blocks: the launch arguments are
+the transfer's sizes, byte strides and two device tables per paged side (layer base addresses,
+block ids) that travel in one small host-to-device copy from pinned memory (no host sync).
+
+Kernels come from the fatbin that ``setup.py`` builds with nvcc (``kvxfer/_prebuilt/``, sm_80,
+sm_90a, PTX for newer GPUs). When it is missing or does not load on this GPU/driver, the same
+``csrc/`` sources are compiled once per device with NVRTC (CuPy caches the result on disk).
+
+Launch planning (:func:`plan_gather`, :func:`plan_scatter`, :func:`plan_copy`) is plain Python
+and device-independent, so the tests run the same plans through a g++ build of the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .base import PagedSide
+
+__all__ = [
+    "Launch",
+    "copy",
+    "copy_width",
+    "gather",
+    "is_available",
+    "plan_copy",
+    "plan_gather",
+    "plan_scatter",
+    "scatter",
+    "source_dir",
+]
+
+WIDTHS = (16, 8, 4, 2, 1)  # copy units in bytes, widest first; each has its own entry point
+THREADS = 256  # threads per block (8 warps); each warp moves one item at a time
+BLOCKS_PER_SM = 4  # ~56-60 registers per thread (ptxas -v, sm_80) leave room for 4 blocks of 256
+ITEM_BYTES = 8192  # bytes per item (head, layer, K/V, chunk of tokens) when items are plentiful
+_U32 = 1 << 32
+_FATBIN = "kvxfer_kernels.fatbin"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: entry point, 1-D grid, block size and its 64-bit arguments.
+
+    ``meta`` holds the device tables the pointer arguments point into; keep it alive until the
+    launch is enqueued (afterwards the stream-ordered caching allocator keeps it valid).
+    """
+
+    name: str
+    grid: int
+    block: int
+    args: tuple[int, ...]
+    meta: torch.Tensor
+
+
+def copy_width(*values: int) -> int:
+    """Widest copy unit (16/8/4/2/1 bytes) dividing every address, stride and row size given."""
+    g = math.gcd(*values)
+    for w in WIDTHS:
+        if g % w == 0:
+            return w
+    raise AssertionError("unreachable: 1 divides everything")
+
+
+def _paged_fields(side: PagedSide) -> tuple[list[int], tuple[int, int, int, int]]:
+    """Per-layer base addresses (head_start folded in) and byte strides (kv, block, token, head)."""
+    es = side.element_size
+    strides = (side.stride_kv * es, side.stride_block * es, side.stride_token * es, side.stride_head * es)
+    head_off = side.head_start * strides[3]
+    return [p + head_off for p in side.layer_ptrs()], strides
+
+
+def _chunk(num_rows: int, num_tokens: int, row_bytes: int, num_warps: int) -> int:
+    """Tokens per item: about ITEM_BYTES, smaller while there are fewer items than warps."""
+    chunk = max(1, ITEM_BYTES // row_bytes)
+    while chunk > 1 and num_rows * -(-num_tokens // chunk) < num_warps:
+        chunk //= 2
+    return min(chunk, num_tokens)
+
+
+def _plan(
+    op: str,
+    src: PagedSide | None,
+    dst: PagedSide | None,
+    wire_ptr: int | None,
+    max_blocks: int,
+    meta_device: torch.device | str | None,
+) -> Launch:
+    side = src if src is not None else dst
+    assert side is not None
+    num_heads, num_layers, num_kv, num_tokens, _ = side.wire_view_shape()
+    row_bytes = side.row_bytes
+    if num_tokens >= 1 << 31 or row_bytes >= 1 << 24:
+        raise ValueError(f"num_tokens {num_tokens} / row of {row_bytes} bytes: too large for one launch")
+    paged = [s for s in (src, dst) if s is not None]
+    tables: list[torch.Tensor] = []
+    fields: list[tuple[int, int, tuple[int, int, int, int], int]] = []  # table offsets, strides, bs
+    addresses: list[int] = [row_bytes] if wire_ptr is None else [row_bytes, wire_ptr]
+    offset = 0
+    for s in paged:
+        layers, strides = _paged_fields(s)
+        addresses += layers + list(strides)
+        tables += [torch.tensor(layers, dtype=torch.int64), s.block_ids]
+        fields.append((offset, offset + len(layers), strides, s.block_size))
+        offset += len(layers) + s.block_ids.numel()
+    width = copy_width(*addresses)
+    meta = torch.cat(tables)
+    if meta_device is not None and torch.device(meta_device).type == "cuda":
+        # Pinned (caching host allocator) so the copy is asynchronous; the allocator records the
+        # copy's event before the pinned block is reused.
+        meta = meta.pin_memory().to(meta_device, non_blocking=True)
+    base = meta.data_ptr()
+
+    max_warps = max_blocks * THREADS // 32
+    num_rows = num_heads * num_layers * num_kv
+    chunk = _chunk(num_rows, num_tokens, row_bytes, max_warps)
+    num_items = num_rows * -(-num_tokens // chunk)
+    grid = max(1, min(max_blocks, -(-num_items * 32 // THREADS)))
+    if num_items + grid * THREADS >= _U32 or chunk * (row_bytes // width) + 32 * 4 >= _U32:
+        raise ValueError(f"transfer of {num_items} items: too large for one launch; split it")
+
+    args: list[int] = [num_heads, num_layers, num_kv, num_tokens, row_bytes, chunk]
+    paged_args = [[base + 8 * lo, base + 8 * ids, *strides, bs] for lo, ids, strides, bs in fields]
+    if op == "gather":
+        args += [*paged_args[0], wire_ptr]
+    elif op == "scatter":
+        args += [wire_ptr, *paged_args[0]]
+    else:
+        args += [*paged_args[0], *paged_args[1]]
+    return Launch(f"kvx_{op}_w{width}", grid, THREADS, tuple(int(a) for a in args), meta)
+
+
+def plan_gather(src: PagedSide, wire_ptr: int, max_blocks: int, meta_device=None) -> Launch:
+    """Launch that gathers ``src`` into the dense wire at address ``wire_ptr``."""
+    return _plan("gather", src, None, wire_ptr, max_blocks, meta_device)
+
+
+def plan_scatter(wire_ptr: int, dst: PagedSide, max_blocks: int, meta_device=None) -> Launch:
+    """Launch that scatters the dense wire at address ``wire_ptr`` into ``dst``."""
+    return _plan("scatter", None, dst, wire_ptr, max_blocks, meta_device)
+
+
+def plan_copy(src: PagedSide, dst: PagedSide, max_blocks: int, meta_device=None) -> Launch:
+    """Launch that copies ``src`` rows straight into ``dst`` rows (same H, L, KV, T, row size)."""
+    return _plan("copy", src, dst, None, max_blocks, meta_device)
+
+
+# --------------------------------------------------------------------------- sources and loading
+def source_dir() -> Path:
+    """Directory holding the kernel sources (installed package or source checkout)."""
+    here = Path(__file__).resolve().parent.parent  # kvxfer/
+    for cand in (here / "csrc", here.parent / "csrc"):
+        if (cand / "kvx_kernels.cu").is_file():
+            return cand
+    raise FileNotFoundError("kvxfer CUDA sources (csrc/kvx_kernels.cu) not found")
+
+
+def inline_source(path: Path, _seen: set[Path] | None = None) -> str:
+    """``path`` with its quoted ``#include``s inlined (once each): one self-contained unit."""
+    seen = set() if _seen is None else _seen
+    out = []
+    for line in path.read_text().splitlines():
+        m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+        if m:
+            inc = (path.parent / m.group(1)).resolve()
+            if inc not in seen:
+                seen.add(inc)
+                out.append(inline_source(inc, seen))
+        elif not re.match(r"\s*#\s*pragma\s+once", line):
+            out.append(line)
+    return "\n".join(out)
+
+
+def _entry_names() -> list[str]:
+    return [f"kvx_{op}_w{w}" for op in ("gather", "scatter", "copy") for w in WIDTHS]
+
+
+def _prebuilt() -> Path | None:
+    path = Path(__file__).resolve().parent.parent / "_prebuilt" / _FATBIN
+    return path if path.is_file() else None
+
+
+@functools.cache
+def _kernels(device_index: int) -> dict:
+    """Entry name -> cupy RawKernel on this device (prebuilt fatbin, else NVRTC)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        fatbin = _prebuilt()
+        if fatbin is not None and not os.environ.get("KVXFER_CUDA_FORCE_NVRTC"):
+            try:
+                module = cupy.RawModule(path=str(fatbin))
+                return {n: module.get_function(n) for n in _entry_names()}
+            except Exception:  # no SASS/PTX this driver accepts: compile from source below
+                pass
+        code = inline_source(source_dir() / "kvx_kernels.cu")
+        module = cupy.RawModule(code=code, options=("-std=c++17",), backend="nvrtc")
+        return {n: module.get_function(n) for n in _entry_names()}
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def is_available(device: torch.device) -> bool:
+    """True when ``device`` is a CUDA device and the kernels load on it (never raises)."""
+    try:
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        _kernels(_index(device))
+        return True
+    except Exception:
+        return False
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _device_address(t: torch.Tensor) -> int:
+    """Address of ``t`` that kernels can use: its own for CUDA memory, the mapped one for pinned host."""
+    if t.device.type == "cuda":
+        return t.data_ptr()
+    import cupy
+
+    return int(cupy.cuda.runtime.pointerGetAttributes(t.data_ptr()).devicePointer)
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(ptr: int, device_index: int):
+    """CuPy handle of the CUDA stream ``ptr`` (torch's stream; CuPy neither owns nor syncs it)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy >= 14: the CUDA stream protocol
+
+        class _Handle:
+            def __cuda_stream__(self) -> tuple[int, int]:
+                return (0, ptr)
+
+        return from_external(_Handle())
+    return cupy.cuda.ExternalStream(ptr, device_index)
+
+
+def _launch(plan: Launch, device: torch.device) -> None:
+    import cupy
+    import numpy as np
+
+    index = _index(device)
+    kernel = _kernels(index)[plan.name]
+    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, index)
+    with cupy.cuda.Device(index), stream:
+        kernel((plan.grid,), (plan.block,), tuple(np.int64(a) for a in plan.args))
+
+
+def _max_blocks(device: torch.device) -> int:
+    return _num_sms(_index(device)) * BLOCKS_PER_SM
+
+
+def gather(src: PagedSide, wire: torch.Tensor) -> None:
+    """``wire`` [H, L, KV, T, D] (CUDA, or pinned host) <- the rows of ``src``."""
+    dev = src.device
+    _launch(plan_gather(src, _device_address(wire), _max_blocks(dev), dev), dev)
+
+
+def scatter(wire: torch.Tensor, dst: PagedSide) -> None:
+    """The rows of ``dst`` <- ``wire`` [H, L, KV, T, D] (CUDA, or pinned host)."""
+    dev = dst.device
+    _launch(plan_scatter(_device_address(wire), dst, _max_blocks(dev), dev), dev)
+
+
+def copy(src: PagedSide, dst: PagedSide) -> None:
+    """The rows of ``dst`` <- the rows of ``src`` (one device)."""
+    dev = dst.device
+    _launch(plan_copy(src, dst, _max_blocks(dev), dev), dev)

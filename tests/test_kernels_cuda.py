@@ -1,0 +1,281 @@
+"""CUDA C++ kernels (csrc/) on a machine without a GPU.
+
+- nvcc compiles csrc/ for sm_80, sm_90a and compute_90 PTX with the build's own command;
+- the same kernel bodies, compiled by g++ with ASan + UBSan through the host shim, run the whole
+  test matrix (tests/cuda_shim/cases.py) in one sanitized subprocess and match the torch
+  reference byte for byte; each case is reported as its own test;
+- the wheel builds with and without nvcc and ships the sources (and the fatbin with nvcc);
+- the backend's pure-Python parts (availability, copy width, launch plans, source inlining).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvxfer import ops
+from kvxfer.backends import cuda
+from kvxfer.spec import KVCacheSpec, Layout
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIM = ROOT / "tests" / "cuda_shim"
+sys.path.insert(0, str(SHIM))
+
+from cases import matrix  # noqa: E402
+from host_kernels import HostKernels, build  # noqa: E402
+
+CASES = matrix()
+
+
+def _setup_module():
+    spec = importlib.util.spec_from_file_location("kvxfer_setup", ROOT / "setup.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # setup() only runs as __main__
+    return mod
+
+
+# --------------------------------------------------------------------------- nvcc
+@pytest.fixture(scope="session")
+def nvcc_build(tmp_path_factory):
+    setup_mod = _setup_module()
+    nvcc = setup_mod.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, CUDA_HOME): cannot check the CUDA compile")
+    out = tmp_path_factory.mktemp("nvcc") / setup_mod.FATBIN
+    cmd = [*setup_mod.nvcc_command(nvcc, out), "-Xptxas", "-v"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return res, out
+
+
+def test_nvcc_compiles_fatbin_for_sm80_sm90a_and_ptx(nvcc_build):
+    res, out = nvcc_build
+    assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-4000:]}"
+    assert out.stat().st_size > 10_000
+    # ptxas reports each entry for each SASS target; the PTX target is embedded unassembled.
+    for arch in ("sm_80", "sm_90a"):
+        for name in cuda._entry_names():
+            assert f"Compiling entry function '{name}' for '{arch}'" in res.stderr, (name, arch)
+
+
+def test_nvcc_kernels_do_not_spill(nvcc_build):
+    res, _ = nvcc_build
+    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
+    assert spills and all(s == "0" for s in spills), res.stderr[-2000:]
+
+
+def test_nvrtc_compiles_the_runtime_fallback_source():
+    """The self-contained source the backend hands NVRTC when no prebuilt binary loads."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as e:  # cupy or libnvrtc absent: nothing to compile with
+        pytest.skip(f"NVRTC not loadable (pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12): {e}")
+    code = cuda.inline_source(cuda.source_dir() / "kvx_kernels.cu")
+    for arch in ("compute_80", "compute_90"):
+        prog = nvrtc.createProgram(code, "kvx_kernels.cu", [], [])
+        try:
+            try:
+                nvrtc.compileProgram(prog, ["-std=c++17", f"--gpu-architecture={arch}"])
+            except Exception:
+                pytest.fail(f"NVRTC ({arch}) failed:\n{nvrtc.getProgramLog(prog)}")
+            ptx = nvrtc.getPTX(prog).decode()
+        finally:
+            nvrtc.destroyProgram(prog)
+        entries = set(re.findall(r"\.entry (\w+)\(", ptx))
+        assert entries == set(cuda._entry_names()), (arch, entries)
+
+
+# --------------------------------------------------------------------------- host shim
+@pytest.fixture(scope="session")
+def shim_results(tmp_path_factory):
+    """Run the matrix once through the ASan/UBSan g++ build; {case id: result}, and stderr."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: cannot build the host shim")
+    lib = build(tmp_path_factory.mktemp("kvx_shim"))
+    asan = subprocess.run(
+        ["g++", "-print-file-name=libasan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    env = dict(
+        os.environ,
+        LD_PRELOAD=asan,
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+    )
+    res = subprocess.run(
+        [sys.executable, str(SHIM / "run_matrix.py"), str(lib)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        cwd=ROOT,
+    )
+    results = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            results[d["id"]] = d
+    return results, f"exit {res.returncode}\n{res.stderr[-6000:]}"
+
+
+def test_case_ids_unique():
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+def test_shim_fastdiv(shim_results):
+    results, stderr = shim_results
+    assert "fastdiv" in results, f"host shim run crashed before any case:\n{stderr}"
+    assert results["fastdiv"]["ok"], results["fastdiv"]["error"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_shim_matrix(shim_results, case):
+    results, stderr = shim_results
+    assert case.id in results, f"sanitized host shim run stopped before this case:\n{stderr}"
+    r = results[case.id]
+    assert r["ok"], r["error"]
+    assert len(r["entry"]) == 1, f"expected one launch, got {r['entry']}"
+
+
+def test_shim_covers_every_width_and_op(shim_results):
+    results, _ = shim_results
+    launched = {e.split()[0] for r in results.values() for e in r["entry"]}
+    assert launched == set(cuda._entry_names())
+
+
+def test_shim_runs_in_process_without_sanitizers(tmp_path_factory):
+    """The unsanitized build through the same ctypes path (a failure here points at the harness)."""
+    lib = build(tmp_path_factory.mktemp("kvx_shim_plain"), sanitize=False)
+    from cases import Case, run_case
+
+    run_case(Case(op="gather", dtype="fp16", layout="HND", head_dim=3, src_bs=5), "cpu", HostKernels(lib, 2))
+
+
+# --------------------------------------------------------------------------- wheel
+def _wheel(tmp_path: Path, env: dict) -> zipfile.ZipFile:
+    """Build a wheel from a copy of the tracked sources (setuptools would reuse ROOT/build/)."""
+    src = tmp_path / "src"
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / f, src / f)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    (whl,) = tmp_path.glob("kvxfer-*.whl")
+    return zipfile.ZipFile(whl)
+
+
+def test_wheel_builds_without_nvcc(tmp_path):
+    path = [
+        d for d in os.environ.get("PATH", "").split(os.pathsep) if not os.path.exists(os.path.join(d, "nvcc"))
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    env["PATH"] = os.pathsep.join(path)
+    names = _wheel(tmp_path, env).namelist()
+    assert "kvxfer/csrc/kvx_kernels.cu" in names and "kvxfer/csrc/kvx_copy.cuh" in names
+    assert not any("_prebuilt" in n for n in names)
+
+
+def test_wheel_ships_fatbin_with_nvcc(tmp_path, nvcc_build):
+    names = _wheel(tmp_path, dict(os.environ)).namelist()
+    assert "kvxfer/_prebuilt/kvxfer_kernels.fatbin" in names
+    assert "kvxfer/csrc/kvx_common.cuh" in names
+
+
+# --------------------------------------------------------------------------- backend (no GPU)
+def test_is_available_false_without_gpu_never_raises():
+    assert cuda.is_available(torch.device("cpu")) is False
+    if not torch.cuda.is_available():
+        assert cuda.is_available(torch.device("cuda")) is False
+        assert cuda.is_available(torch.device("cuda", 3)) is False
+    assert cuda.is_available("not a device") is False
+
+
+def test_copy_width():
+    assert cuda.copy_width(256, 4096, 0, 1 << 40) == 16
+    assert cuda.copy_width(6, 4096) == 2
+    assert cuda.copy_width(64, 8) == 8
+    assert cuda.copy_width(64, 12) == 4
+    assert cuda.copy_width(64, 1 << 20, 5) == 1
+
+
+def test_inlined_source_is_self_contained():
+    code = cuda.inline_source(cuda.source_dir() / "kvx_kernels.cu")
+    assert not re.search(r'#\s*include\s+"', code.split("#else")[0])
+    for name in cuda._entry_names():
+        assert f"kvx_{name.split('_')[1]}_w" in code
+    assert code.count("struct FastDiv") == 1
+
+
+def _side(layout="NHD", num_tokens=100, head_dim=128, heads=8, num_heads=8, layers=4, bs=16):
+    spec = KVCacheSpec(layers, heads, head_dim, bs, torch.bfloat16, Layout(layout))
+    caches = [torch.zeros(spec.local_cache_shape(16, heads), dtype=torch.bfloat16) for _ in range(layers)]
+    return ops.make_side(caches, spec, list(range(spec.num_blocks_for(num_tokens))), num_tokens, 0, num_heads)
+
+
+def test_plan_one_launch_and_bounded_grid():
+    side = _side(num_tokens=200)
+    launch = cuda.plan_gather(side, 1 << 30, max_blocks=528)
+    assert launch.name == "kvx_gather_w16" and launch.block == cuda.THREADS
+    assert 1 <= launch.grid <= 528
+    h, n_layers, kv, t, row_bytes, chunk = launch.args[:6]
+    assert (h, n_layers, kv, t, row_bytes) == (8, 4, 2, 200, 256)
+    assert 1 <= chunk <= t
+    # device tables: layer bases then block ids, in one tensor the pointer args point into
+    meta = launch.meta
+    assert launch.args[6] == meta.data_ptr() and launch.args[7] == meta.data_ptr() + 8 * 4
+    assert meta[:4].tolist() == side.layer_ptrs()
+    assert meta[4:].tolist() == side.block_ids.tolist()
+
+
+def test_plan_head_slice_folds_head_start_into_layer_bases():
+    spec = KVCacheSpec(2, 8, 64, 16, torch.float16, Layout.HND)
+    caches = [torch.zeros(spec.local_cache_shape(4, 8), dtype=torch.float16) for _ in range(2)]
+    side = ops.make_side(caches, spec, [3, 1], 20, head_start=5, num_heads=1)
+    launch = cuda.plan_scatter(1 << 30, side, max_blocks=4)
+    head_bytes = 16 * 64 * 2
+    assert launch.meta[:2].tolist() == [p + 5 * head_bytes for p in side.layer_ptrs()]
+    assert launch.args[:6][0] == 1
+
+
+def test_plan_copy_takes_narrowest_width_of_both_sides():
+    a = _side(head_dim=128)
+    spec = KVCacheSpec(4, 8, 128, 16, torch.bfloat16, Layout.NHD)
+    layer_bytes = 2 * 16 * 16 * 8 * 128 * 2
+    raw = torch.zeros(layer_bytes * 4 + 2, dtype=torch.uint8)
+    caches = [
+        raw[2 + i * layer_bytes : 2 + (i + 1) * layer_bytes].view(torch.bfloat16).view(2, 16, 16, 8, 128)
+        for i in range(4)
+    ]
+    b = ops.make_side(caches, spec, list(range(7)), 100, 0, 8)
+    assert cuda.plan_copy(a, b, 4).name == "kvx_copy_w2"

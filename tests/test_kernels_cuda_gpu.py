@@ -1,0 +1,86 @@
+"""CUDA C++ kernels on a real GPU: the host-shim matrix, pinned host wires, dispatch, NVRTC.
+
+Skipped without a CUDA device or without CuPy (the backend's launcher).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvxfer import ops
+from kvxfer.backends import cuda
+from kvxfer.spec import KVCacheSpec, Layout
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_shim"))
+
+from cases import Case, matrix, run_case
+
+CASES = matrix()
+PINNED = [replace(c, max_blocks=0) for c in CASES if c.op in ("gather", "scatter")][::3]
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def dev():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("cupy", reason="the CUDA backend launches through CuPy (pip install cupy-cuda12x)")
+    d = torch.device("cuda", torch.cuda.current_device())
+    assert cuda.is_available(d), "CUDA device and CuPy present, but the kvxfer kernels did not load"
+    return d
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_gpu_matrix(dev, case):
+    run_case(case, dev, cuda)
+
+
+@pytest.mark.parametrize("case", PINNED, ids=[c.id for c in PINNED])
+def test_gpu_pinned_host_wire(dev, case):
+    run_case(case, dev, cuda, pinned_wire=True)
+
+
+def test_ops_dispatch_picks_cuda(dev):
+    spec = KVCacheSpec(2, 4, 64, 16, torch.bfloat16, Layout.NHD)
+    caches = [torch.randn(spec.local_cache_shape(8, 4), device=dev).to(torch.bfloat16) for _ in range(2)]
+    wire = ops.gather_blocks(caches, spec, [5, 2, 7], 40)
+    assert ops.last_backend() == "cuda"
+    want = ops.gather_blocks(caches, spec, [5, 2, 7], 40, backend="torch")
+    assert torch.equal(wire.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_gpu_runs_on_torch_current_stream(dev):
+    """Work queued on a side stream before the gather is seen by it without any host sync."""
+    case = Case(op="gather", num_tokens=300, head_dim=128, src_heads=8, num_heads=8)
+    spec = KVCacheSpec(3, 8, 128, 16, torch.bfloat16, Layout.NHD)
+    caches = [torch.zeros(spec.local_cache_shape(32, 8), dtype=torch.bfloat16, device=dev) for _ in range(3)]
+    ids = list(range(19))
+    side = ops.make_side(caches, spec, ids, case.num_tokens)
+    s = torch.cuda.Stream(dev)
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(10_000_000)
+        for c in caches:
+            c.fill_(3.0)
+        wire = torch.empty(side.wire_view_shape(), dtype=torch.bfloat16, device=dev)
+        cuda.gather(side, wire)
+    s.synchronize()
+    assert bool((wire == 3.0).all())
+
+
+def test_gpu_nvrtc_fallback(dev, monkeypatch):
+    monkeypatch.setenv("KVXFER_CUDA_FORCE_NVRTC", "1")
+    cuda._kernels.cache_clear()
+    try:
+        run_case(
+            Case(op="copy", dtype="fp16", head_dim=3, layout="HND", dst_layout="NHD", src_bs=16, dst_bs=32),
+            dev,
+            cuda,
+        )
+    finally:
+        cuda._kernels.cache_clear()
