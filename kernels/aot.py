@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from .launch import _WORDS, INTERPRETED, Plan
 from .rows import move_rows_kernel
 
-__all__ = ["OPS", "compile_ptx"]
+__all__ = ["OPS", "compile_ptx", "nhd_plan"]
 
 OPS = {"gather": (True, False), "scatter": (False, True), "copy": (True, True)}
 _INT_ARGS = ("T", "L", "KV", "num_t_tiles")
@@ -69,19 +69,26 @@ def compile_ptx(op: str, plan: Plan, arch: int = 90) -> str:
     return kernel.asm["ptx"]
 
 
+def nhd_plan(dtype: torch.dtype, head_dim: int, misalign: int = 0, num_tokens: int = 4096) -> Plan:
+    """The GPU plan of a Llama-8B-like NHD cache (8 kv heads, 16-token blocks, 1024 blocks).
+
+    ``misalign`` shifts the caches' base address by that many bytes (a negative control: the
+    words and vectors must narrow).
+    """
+    es = torch.empty((), dtype=dtype).element_size()
+    row = head_dim * es
+    values = [2 * 1024 * 16 * 8 * row, 16 * 8 * row, 8 * row, row, 256 + misalign]
+    return Plan(row, values, num_tokens, interpreted=False)
+
+
 def _main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--misalign", type=int, default=0, help="byte offset of the caches' base")
-    ap.add_argument("--num-tokens", type=int, default=4096)
     args = ap.parse_args(argv)
-    es = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    row = args.head_dim * es
-    # The NHD cache of Llama-8B's 8 kv heads: strides in bytes, base 256-byte aligned + misalign.
-    values = [2 * 1024 * 16 * 8 * row, 16 * 8 * row, 8 * row, row, 256 + args.misalign]
-    plan = Plan(row, values, args.num_tokens, interpreted=False)
+    plan = nhd_plan(getattr(torch, args.dtype), args.head_dim, args.misalign)
     json.dump({op: compile_ptx(op, plan, args.arch) for op in OPS}, sys.stdout)
 
 
