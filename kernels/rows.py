@@ -48,7 +48,7 @@ def _row_starts(
     if PAGED:
         base = tl.load(table + layer).to(tl.pointer_type(WORD))
         blk = tl.load(ids + t // bs, mask=tmask, other=0).to(tl.int64)
-        off = kv * s_kv + (head_start + h) * s_head + blk * s_blk + (t % bs) * s_tok
+        off = kv * s_kv + (head_start + h) * s_head + blk * s_blk + (t % bs).to(tl.int64) * s_tok
     else:
         base = table
         off = (g * T + t) * R
@@ -98,7 +98,9 @@ def move_rows_kernel(
     kv = g % KV
     layer = (g // KV) % L
     h = g // (KV * L)
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    # token indices stay int32 (T < 2**31) so t // bs and t % bs are 32-bit divisions; every
+    # address product below is int64
+    t = (tile * BLOCK_T).to(tl.int32) + tl.arange(0, BLOCK_T)
     tmask = t < T
     col = tl.arange(0, BLOCK_W)
     mask = tmask[:, None] & (col < R)[None, :]

@@ -174,7 +174,10 @@ def test_is_available_matches_mode():
 
 
 # --------------------------------------------------------------------------- GPU
-gpu = pytest.mark.gpu
+def gpu(fn):
+    """``@pytest.mark.gpu``, and skipped without CUDA even where conftest.py is not loaded."""
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")(fn)
+    return pytest.mark.gpu(fn)
 
 
 @gpu
