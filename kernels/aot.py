@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .launch import _WORDS, INTERPRETED, Plan
+from .launch import INTERPRETED, Plan
 from .rows import move_rows_kernel
 
 __all__ = ["OPS", "compile_ptx", "nhd_plan"]
@@ -49,16 +49,7 @@ def compile_ptx(op: str, plan: Plan, arch: int = 90) -> str:
     sig.update({name: "i32" for name in _INT_ARGS})
     for side in ("src", "dst"):
         sig.update({f"{side}_{name}": "i64" if name.startswith("s_") else "i32" for name in _SIDE_INTS})
-    constexprs = {
-        "SRC_PAGED": src_paged,
-        "DST_PAGED": dst_paged,
-        "WORD": _WORDS[plan.word_bytes][1],
-        "R": plan.row_words,
-        "VEC": plan.vec,
-        "ALIGN": plan.align,
-        "BLOCK_T": plan.block_t,
-        "BLOCK_W": plan.block_w,
-    }
+    constexprs = plan.constexprs(src_paged, dst_paged)
     sig.update({k: "constexpr" for k in constexprs})
     names = list(sig)
     attrs = {}

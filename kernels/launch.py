@@ -7,6 +7,7 @@ non-blocking copy and the per-layer pointer tables are cached, so nothing here s
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 
@@ -52,6 +53,10 @@ def _pow2_divisor(values: list[int], limit: int) -> int:
     return unit
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 class Plan:
     """Word width, vector width and tile of one move (all checked to divide the data layout).
 
@@ -70,29 +75,73 @@ class Plan:
         self.align = _pow2_divisor(values, 16)
         self.vec = self.align // self.word_bytes
         self.row_words = row_bytes // self.word_bytes
-        self.block_w = triton.next_power_of_2(self.row_words)
+        self.block_w = _next_pow2(self.row_words)
         if interpreted:
-            self.block_t = min(triton.next_power_of_2(num_tokens), _INTERP_MAX_BLOCK_T)
+            self.block_t = min(_next_pow2(num_tokens), _INTERP_MAX_BLOCK_T)
         else:
             per_tile = max(1, _GPU_TILE_BYTES // (self.block_w * self.word_bytes))
-            self.block_t = min(triton.next_power_of_2(num_tokens), triton.next_power_of_2(per_tile))
+            self.block_t = min(_next_pow2(num_tokens), _next_pow2(per_tile))
         self.num_warps = _GPU_NUM_WARPS
         assert self.align % self.word_bytes == 0 and self.row_words * self.word_bytes == row_bytes
         assert self.row_words % self.vec == 0 and self.block_w >= self.row_words
 
+    def constexprs(self, src_paged: bool, dst_paged: bool) -> dict:
+        """The kernel's compile-time arguments for this plan."""
+        return dict(
+            SRC_PAGED=src_paged,
+            DST_PAGED=dst_paged,
+            WORD=_WORDS[self.word_bytes][1],
+            R=self.row_words,
+            VEC=self.vec,
+            ALIGN=self.align,
+            BLOCK_T=self.block_t,
+            BLOCK_W=self.block_w,
+        )
 
-def _side_bytes(side: PagedSide) -> list[int]:
-    es = side.element_size
-    strides = (side.stride_kv, side.stride_block, side.stride_token, side.stride_head)
-    return [s * es for s in strides if s] + side.layer_ptrs()
+
+@functools.lru_cache(maxsize=1024)
+def _cached_plan(row_bytes: int, byte_gcd: int, tokens_pow2: int, interpreted: bool) -> Plan:
+    # A plan depends on the byte values only through their gcd and on num_tokens only through
+    # its next power of two.
+    return Plan(row_bytes, [byte_gcd], tokens_pow2, interpreted)
 
 
-def _table(side: PagedSide) -> torch.Tensor:
-    """Device int64 tensor of the side's per-layer base addresses (cached per stream)."""
-    dev = side.device
-    ptrs = tuple(side.layer_ptrs())
+class _Side:
+    """A paged side or a wire, with what the launch needs computed once."""
+
+    __slots__ = ("byte_values", "paged", "ptrs", "side", "wire")
+
+    def __init__(self, x: PagedSide | torch.Tensor) -> None:
+        self.paged = isinstance(x, PagedSide)
+        if self.paged:
+            self.side, self.wire = x, None
+            self.ptrs = tuple(c.data_ptr() for c in x.caches)
+            es = x.element_size
+            strides = (x.stride_kv, x.stride_block, x.stride_token, x.stride_head)
+            self.byte_values = [s * es for s in strides if s] + list(self.ptrs)
+        else:
+            self.side, self.wire = None, x
+            self.ptrs = (x.data_ptr(),)
+            self.byte_values = list(self.ptrs)
+
+    def args(self, word_bytes: int) -> tuple[tuple, tuple]:
+        """((table or wire, ids or wire), (head_start, block_size, 4 strides in words))."""
+        if not self.paged:
+            words = self.wire.reshape(-1).view(torch.uint8).view(_WORDS[word_bytes][0])
+            return (words, words), (0, 1, 0, 0, 0, 0)
+        side = self.side
+        ids_dtype = torch.int32 if side.num_blocks <= 2**31 else torch.int64
+        ids = side.block_ids.to(side.device, dtype=ids_dtype, non_blocking=True)
+        w = side.element_size
+        strides = (side.stride_kv, side.stride_block, side.stride_token, side.stride_head)
+        words = tuple(s * w // word_bytes for s in strides)
+        return (_table(side.device, self.ptrs), ids), (side.head_start, side.block_size, *words)
+
+
+def _table(dev: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
+    """Device int64 tensor of per-layer base addresses (cached per device and stream)."""
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    key = (str(dev), stream, ptrs)
+    key = (dev.type, dev.index, stream, ptrs)
     table = _TABLES.get(key)
     if table is None:
         table = torch.tensor(ptrs, dtype=torch.int64).to(dev, non_blocking=True)
@@ -104,27 +153,14 @@ def _table(side: PagedSide) -> torch.Tensor:
     return table
 
 
-def _paged_args(side: PagedSide, word_bytes: int) -> tuple:
-    ids_dtype = torch.int32 if side.num_blocks <= 2**31 else torch.int64
-    ids = side.block_ids.to(side.device, dtype=ids_dtype, non_blocking=True)
-    w = side.element_size
-    strides = (side.stride_kv, side.stride_block, side.stride_token, side.stride_head)
-    assert all(s * w % word_bytes == 0 for s in strides)
-    words = tuple(s * w // word_bytes for s in strides)
-    return (_table(side), ids), (side.head_start, side.block_size, *words)
-
-
-def _wire_args(wire: torch.Tensor, word_bytes: int) -> tuple:
-    words = wire.reshape(-1).view(torch.uint8).view(_WORDS[word_bytes][0])
-    return (words, words), (0, 1, 0, 0, 0, 0)
-
-
 def plan_move(src: PagedSide | torch.Tensor, dst: PagedSide | torch.Tensor, shape: PagedSide) -> Plan:
     """The :class:`Plan` for moving ``shape``'s rows from ``src`` to ``dst`` (sides or wires)."""
-    values: list[int] = []
-    for s in (src, dst):
-        values += [s.data_ptr()] if isinstance(s, torch.Tensor) else _side_bytes(s)
-    return Plan(shape.row_bytes, values, shape.num_tokens, INTERPRETED)
+    return _plan(_Side(src), _Side(dst), shape)
+
+
+def _plan(src: _Side, dst: _Side, shape: PagedSide) -> Plan:
+    g = math.gcd(shape.row_bytes, *src.byte_values, *dst.byte_values)
+    return _cached_plan(shape.row_bytes, g, _next_pow2(shape.num_tokens), INTERPRETED)
 
 
 def move(src: PagedSide | torch.Tensor, dst: PagedSide | torch.Tensor, shape: PagedSide) -> None:
@@ -138,28 +174,19 @@ def move(src: PagedSide | torch.Tensor, dst: PagedSide | torch.Tensor, shape: Pa
         raise RuntimeError("kvxfer.kernels: CPU tensors need TRITON_INTERPRET=1 set before triton loads")
     if dev.type == "cuda" and INTERPRETED:
         raise RuntimeError("kvxfer.kernels: TRITON_INTERPRET=1 is set, so CUDA tensors cannot be used")
-    plan = plan_move(src, dst, shape)
-    wb = plan.word_bytes
-    s_ptrs, s_args = _wire_args(src, wb) if isinstance(src, torch.Tensor) else _paged_args(src, wb)
-    d_ptrs, d_args = _wire_args(dst, wb) if isinstance(dst, torch.Tensor) else _paged_args(dst, wb)
-    num_t_tiles = triton.cdiv(shape.num_tokens, plan.block_t)
+    s, d = _Side(src), _Side(dst)
+    plan = _plan(s, d, shape)
+    s_ptrs, s_args = s.args(plan.word_bytes)
+    d_ptrs, d_args = d.args(plan.word_bytes)
+    num_t_tiles = -(-shape.num_tokens // plan.block_t)
     grid = (shape.num_heads * shape.num_layers * shape.num_kv * num_t_tiles,)
     assert grid[0] < 2**31, "grid too large for one launch"
-    kwargs = dict(
-        SRC_PAGED=not isinstance(src, torch.Tensor),
-        DST_PAGED=not isinstance(dst, torch.Tensor),
-        WORD=_WORDS[wb][1],
-        R=plan.row_words,
-        VEC=plan.vec,
-        ALIGN=plan.align,
-        BLOCK_T=plan.block_t,
-        BLOCK_W=plan.block_w,
-    )
     args = (
         s_ptrs[0], s_ptrs[1], d_ptrs[0], d_ptrs[1],
         shape.num_tokens, shape.num_layers, shape.num_kv, num_t_tiles,
         *s_args, *d_args,
     )  # fmt: skip
+    kwargs = plan.constexprs(s.paged, d.paged)
     if dev.type == "cuda":
         with torch.cuda.device(dev):
             move_rows_kernel[grid](*args, **kwargs, num_warps=plan.num_warps)
