@@ -18,7 +18,10 @@ if not torch.cuda.is_available():  # tests/conftest.py does the same; here for s
 pytest.importorskip("triton")
 
 from kvxfer.kernels import launch
-from triton_cases import (
+
+from kvxfer import KVCacheSpec, ops, plan_reads
+from kvxfer import kernels as tk
+from tests.triton_cases import (
     POISON,
     RUNNERS,
     Case,
@@ -32,9 +35,6 @@ from triton_cases import (
     run_scatter,
     truth,
 )
-
-from kvxfer import KVCacheSpec, ops, plan_reads
-from kvxfer import kernels as tk
 
 interp = pytest.mark.skipif(
     not launch.INTERPRETED,
@@ -202,7 +202,7 @@ def test_no_host_sync_gpu():
     case = Case(layout="HND", dst_layout="NHD", dst_block_size=32)
     for fn in (run_gather, run_scatter, run_copy):
         fn(case, "cuda")  # warm up: compile, cache the pointer tables
-    from triton_cases import Dest, Source
+    from tests.triton_cases import Dest, Source
 
     src, dst = Source(case, "cuda"), Dest(case, "cuda")
     wire = torch.empty(src.spec.wire_shape(case.num_tokens, 2, 2), dtype=case.dtype, device="cuda")
