@@ -31,8 +31,10 @@ _WORDS = {
     1: (torch.uint8, tl.uint8),
 }
 
-# Tile shape. Interpreter: one program costs ~200 µs whatever its size, so one tile spans up to
-# 1024 tokens of a row group. GPU: BLOCK_T*BLOCK_W words per program, 4 warps.
+# Tile shape. Interpreter: a program's cost is per Triton op, not per element (measured on the
+# shared 2-core dev machine: ~4-6 ms per program for 16- and for 512-token tiles alike, 8 layers
+# x 8 heads x 64 bf16), so one tile spans up to 1024 tokens of a row group.
+# GPU: BLOCK_T*BLOCK_W words per program, 4 warps.
 # TODO(gpu-sweep): these GPU defaults are NOT measured yet (no GPU in the session that wrote
 # them); choose _GPU_TILE_BYTES and _GPU_NUM_WARPS by a sweep on an H100 (profiling/) and record
 # the measured reason here.
