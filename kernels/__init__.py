@@ -1,7 +1,64 @@
-"""Triton kernels behind ``backend="triton"`` (installed as ``kvxfer.kernels``). Not built yet."""
+"""Triton backend of :mod:`kvxfer.ops` (``backend="triton"``), installed as ``kvxfer.kernels``.
+
+Every op is ONE launch of one kernel (:mod:`kvxfer.kernels.rows`) whatever the number of layers
+and blocks: per-layer base addresses travel in a device int64 pointer table, block ids are read
+on the device, and nothing on the host waits for the device (no ``.cpu()``/``.item()``).
+Rows move as integer words of the widest width the alignment of row bytes, strides and
+pointers allows (see :class:`kvxfer.kernels.launch.Plan`), so every dtype moves bit-exactly.
+
+Where it runs:
+
+* CUDA caches, when triton imports and a GPU is visible. The wire of :func:`gather` /
+  :func:`scatter` may be pinned host memory (``tensor.pin_memory()`` / ``pin_memory=True``):
+  CUDA's unified virtual addressing maps page-locked host allocations into the device's
+  address space at the same address, so the kernel reads/writes the host buffer directly
+  over PCIe/NVLink-C2C with no staging copy. Pageable host memory is rejected by
+  :mod:`kvxfer.ops` before anything runs.
+* CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
+  first imported); that is how CI runs these kernels without a GPU. Under the interpreter CUDA
+  tensors are refused.
+
+Module interface (see :mod:`kvxfer.backends`): ``is_available``, ``gather``, ``scatter``,
+``copy``; arguments are validated by :mod:`kvxfer.ops`.
+"""
+
+from __future__ import annotations
 
 import torch
 
+from ..backends.base import PagedSide
+
+__all__ = ["copy", "gather", "is_available", "scatter"]
+
 
 def is_available(device: torch.device) -> bool:
-    return False
+    """Whether these kernels can run on ``device`` in this process."""
+    device = torch.device(device)
+    try:
+        from .launch import INTERPRETED
+    except ImportError:  # triton missing or broken
+        return False
+    if device.type == "cuda":
+        return not INTERPRETED and torch.cuda.is_available()
+    return device.type == "cpu" and INTERPRETED
+
+
+def gather(src: PagedSide, wire: torch.Tensor) -> None:
+    """Rows of ``src`` into the contiguous wire ``[H, L, KV, T, D]`` (device or pinned host)."""
+    from .launch import move
+
+    move(src, wire, src)
+
+
+def scatter(wire: torch.Tensor, dst: PagedSide) -> None:
+    """The contiguous wire ``[H, L, KV, T, D]`` (device or pinned host) into the rows of ``dst``."""
+    from .launch import move
+
+    move(wire, dst, dst)
+
+
+def copy(src: PagedSide, dst: PagedSide) -> None:
+    """Rows of ``src`` straight into ``dst`` (block size and layout converted in one launch)."""
+    from .launch import move
+
+    move(src, dst, src)

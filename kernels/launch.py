@@ -1,0 +1,196 @@
+"""Host side of the Triton backend: choose word width and tiles, build the small tables, launch.
+
+One call is one launch of :func:`~kvxfer.kernels.rows.move_rows_kernel`, whatever the number of
+layers and blocks. The host never waits for the device: block ids go to the device with a
+non-blocking copy and the per-layer pointer tables are cached, so nothing here synchronises.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backends.base import PagedSide
+from .rows import move_rows_kernel
+
+__all__ = ["INTERPRETED", "Plan", "move", "plan_move"]
+
+# Kernels decorated while TRITON_INTERPRET=1 run in Triton's CPU interpreter on CPU tensors.
+INTERPRETED: bool = not isinstance(move_rows_kernel, triton.runtime.jit.JITFunction)
+
+# word bytes -> (torch dtype, triton dtype) of the integers rows move as
+_WORDS = {
+    8: (torch.int64, tl.int64),
+    4: (torch.int32, tl.int32),
+    2: (torch.int16, tl.int16),
+    1: (torch.uint8, tl.uint8),
+}
+
+# Tile shape. Interpreter: a program's cost is per Triton op, not per element (measured on the
+# shared 2-core dev machine: ~4-6 ms per program for 16- and for 512-token tiles alike, 8 layers
+# x 8 heads x 64 bf16), so one tile spans up to 1024 tokens of a row group.
+# GPU: BLOCK_T*BLOCK_W words per program, 4 warps.
+# TODO(gpu-sweep): these GPU defaults are NOT measured yet (no GPU in the session that wrote
+# them); choose _GPU_TILE_BYTES and _GPU_NUM_WARPS by a sweep on an H100 (profiling/) and record
+# the measured reason here.
+_INTERP_MAX_BLOCK_T = 1024
+_GPU_TILE_BYTES = 16384
+_GPU_NUM_WARPS = 4
+
+_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_MAX_TABLES = 256
+
+
+def _pow2_divisor(values: list[int], limit: int) -> int:
+    """Largest power of two ``<= limit`` dividing every value."""
+    g = math.gcd(*values) if values else 0
+    unit = limit
+    while unit > 1 and g % unit:
+        unit //= 2
+    return unit
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class Plan:
+    """Word width, vector width and tile of one move (all checked to divide the data layout).
+
+    Args:
+        row_bytes: bytes per head row.
+        byte_values: every byte stride and base address the rows are reached through.
+        num_tokens: tokens per row group (the wire's ``T``).
+        interpreted: tiles for Triton's CPU interpreter rather than a GPU.
+    """
+
+    __slots__ = ("align", "block_t", "block_w", "num_warps", "row_words", "vec", "word_bytes")
+
+    def __init__(self, row_bytes: int, byte_values: list[int], num_tokens: int, interpreted: bool) -> None:
+        values = [row_bytes, *byte_values]
+        self.word_bytes = _pow2_divisor(values, 8)
+        self.align = _pow2_divisor(values, 16)
+        self.vec = self.align // self.word_bytes
+        self.row_words = row_bytes // self.word_bytes
+        self.block_w = _next_pow2(self.row_words)
+        if interpreted:
+            self.block_t = min(_next_pow2(num_tokens), _INTERP_MAX_BLOCK_T)
+        else:
+            per_tile = max(1, _GPU_TILE_BYTES // (self.block_w * self.word_bytes))
+            self.block_t = min(_next_pow2(num_tokens), _next_pow2(per_tile))
+        self.num_warps = _GPU_NUM_WARPS
+        assert self.align % self.word_bytes == 0 and self.row_words * self.word_bytes == row_bytes
+        assert self.row_words % self.vec == 0 and self.block_w >= self.row_words
+
+    def constexprs(self, src_paged: bool, dst_paged: bool) -> dict:
+        """The kernel's compile-time arguments for this plan."""
+        return dict(
+            SRC_PAGED=src_paged,
+            DST_PAGED=dst_paged,
+            WORD=_WORDS[self.word_bytes][1],
+            R=self.row_words,
+            VEC=self.vec,
+            ALIGN=self.align,
+            BLOCK_T=self.block_t,
+            BLOCK_W=self.block_w,
+        )
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_plan(row_bytes: int, byte_gcd: int, tokens_pow2: int, interpreted: bool) -> Plan:
+    # A plan depends on the byte values only through their gcd and on num_tokens only through
+    # its next power of two.
+    return Plan(row_bytes, [byte_gcd], tokens_pow2, interpreted)
+
+
+class _Side:
+    """A paged side or a wire, with what the launch needs computed once."""
+
+    __slots__ = ("byte_values", "paged", "ptrs", "side", "wire")
+
+    def __init__(self, x: PagedSide | torch.Tensor) -> None:
+        self.paged = isinstance(x, PagedSide)
+        if self.paged:
+            self.side, self.wire = x, None
+            self.ptrs = tuple(c.data_ptr() for c in x.caches)
+            es = x.element_size
+            strides = (x.stride_kv, x.stride_block, x.stride_token, x.stride_head)
+            self.byte_values = [s * es for s in strides if s] + list(self.ptrs)
+        else:
+            self.side, self.wire = None, x
+            self.ptrs = (x.data_ptr(),)
+            self.byte_values = list(self.ptrs)
+
+    def args(self, word_bytes: int) -> tuple[tuple, tuple]:
+        """((table or wire, ids or wire), (head_start, block_size, 4 strides in words))."""
+        if not self.paged:
+            words = self.wire.reshape(-1).view(torch.uint8).view(_WORDS[word_bytes][0])
+            return (words, words), (0, 1, 0, 0, 0, 0)
+        side = self.side
+        ids_dtype = torch.int32 if side.num_blocks <= 2**31 else torch.int64
+        ids = side.block_ids.to(side.device, dtype=ids_dtype, non_blocking=True)
+        w = side.element_size
+        strides = (side.stride_kv, side.stride_block, side.stride_token, side.stride_head)
+        words = tuple(s * w // word_bytes for s in strides)
+        return (_table(side.device, self.ptrs), ids), (side.head_start, side.block_size, *words)
+
+
+def _table(dev: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
+    """Device int64 tensor of per-layer base addresses (cached per device and stream)."""
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (dev.type, dev.index, stream, ptrs)
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.tensor(ptrs, dtype=torch.int64).to(dev, non_blocking=True)
+        _TABLES[key] = table
+        if len(_TABLES) > _MAX_TABLES:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return table
+
+
+def plan_move(src: PagedSide | torch.Tensor, dst: PagedSide | torch.Tensor, shape: PagedSide) -> Plan:
+    """The :class:`Plan` for moving ``shape``'s rows from ``src`` to ``dst`` (sides or wires)."""
+    return _plan(_Side(src), _Side(dst), shape)
+
+
+def _plan(src: _Side, dst: _Side, shape: PagedSide) -> Plan:
+    g = math.gcd(shape.row_bytes, *src.byte_values, *dst.byte_values)
+    return _cached_plan(shape.row_bytes, g, _next_pow2(shape.num_tokens), INTERPRETED)
+
+
+def move(src: PagedSide | torch.Tensor, dst: PagedSide | torch.Tensor, shape: PagedSide) -> None:
+    """One launch moving every row of ``shape`` (heads, layers, kv, tokens) from ``src`` to ``dst``.
+
+    ``src``/``dst`` are each a :class:`PagedSide` or a contiguous wire tensor ``[H, L, KV, T, D]``;
+    ``shape`` is the paged side that gives H, L, KV, T and D.
+    """
+    dev = shape.device
+    if dev.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("kvxfer.kernels: CPU tensors need TRITON_INTERPRET=1 set before triton loads")
+    if dev.type == "cuda" and INTERPRETED:
+        raise RuntimeError("kvxfer.kernels: TRITON_INTERPRET=1 is set, so CUDA tensors cannot be used")
+    s, d = _Side(src), _Side(dst)
+    plan = _plan(s, d, shape)
+    s_ptrs, s_args = s.args(plan.word_bytes)
+    d_ptrs, d_args = d.args(plan.word_bytes)
+    num_t_tiles = -(-shape.num_tokens // plan.block_t)
+    grid = (shape.num_heads * shape.num_layers * shape.num_kv * num_t_tiles,)
+    assert grid[0] < 2**31, "grid too large for one launch"
+    args = (
+        s_ptrs[0], s_ptrs[1], d_ptrs[0], d_ptrs[1],
+        shape.num_tokens, shape.num_layers, shape.num_kv, num_t_tiles,
+        *s_args, *d_args,
+    )  # fmt: skip
+    kwargs = plan.constexprs(s.paged, d.paged)
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            move_rows_kernel[grid](*args, **kwargs, num_warps=plan.num_warps)
+    else:
+        move_rows_kernel[grid](*args, **kwargs)
