@@ -1,0 +1,162 @@
+"""Helpers for engine tests: origin-encoding payloads, free ports, processes joined on a deadline.
+
+Payload rows encode their origin: every element of (request seed, global head, layer, kv,
+token, d) gets a distinct bit pattern, so a wrong copy names itself when compared.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+import traceback
+
+import torch
+
+from kvxfer import ops
+from kvxfer.spec import KVCacheSpec
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def payload(spec: KVCacheSpec, seed: int, num_tokens: int, heads: range) -> torch.Tensor:
+    """Wire ``[len(heads), L, 2, T, D]`` (MLA: ``[L, T, D]``) whose bits encode their origin."""
+    if spec.use_mla:
+        shape = (1, spec.num_layers, 1, num_tokens, spec.head_dim)
+    else:
+        shape = (len(heads), spec.num_layers, 2, num_tokens, spec.head_dim)
+    h = torch.tensor(list(heads), dtype=torch.int64).view(-1, 1, 1, 1, 1)
+    l = torch.arange(shape[1]).view(1, -1, 1, 1, 1)  # noqa: E741
+    kv = torch.arange(shape[2]).view(1, 1, -1, 1, 1)
+    t = torch.arange(num_tokens).view(1, 1, 1, -1, 1)
+    d = torch.arange(spec.head_dim).view(1, 1, 1, 1, -1)
+    v = seed * 1_000_003 + h * 100_019 + l * 10_007 + kv * 5_003 + t * 131 + d
+    es = spec.element_size
+    bits = (v * 2_654_435_761) >> 7
+    if es < 8:
+        bits = bits % (1 << (8 * es)) - (0 if es == 1 else (1 << (8 * es - 1)))
+    w = bits.to(_INT[es]).view(spec.dtype)
+    return w.reshape(spec.wire_shape(num_tokens)) if spec.use_mla else w
+
+
+def fill(caches, spec: KVCacheSpec, tp_rank: int, tp_size: int, block_ids, num_tokens: int, seed: int) -> None:
+    """Write request ``seed``'s payload (this rank's heads) into ``block_ids``."""
+    heads = spec.heads_of_rank(tp_rank, tp_size)
+    ops.scatter_blocks(payload(spec, seed, num_tokens, heads), caches, spec, block_ids, num_tokens)
+
+
+def check(caches, spec: KVCacheSpec, tp_rank: int, tp_size: int, block_ids, num_tokens: int, seed: int) -> bool:
+    """True when ``block_ids`` hold request ``seed``'s payload for this rank's heads, byte for byte."""
+    heads = spec.heads_of_rank(tp_rank, tp_size)
+    got = ops.gather_blocks(caches, spec, block_ids, num_tokens)
+    want = payload(spec, seed, num_tokens, heads)
+    return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+POISON = 0x5A
+
+
+def poison(caches) -> None:
+    for c in caches:
+        c.view(torch.uint8).fill_(POISON)
+
+
+def untouched(caches, spec: KVCacheSpec, used_blocks: set[int], num_tokens_by_block: dict[int, int]) -> bool:
+    """Blocks not in ``used_blocks`` still hold the poison; the tail slots of partial blocks too."""
+    nb = caches[0].shape[0 if spec.use_mla else 1]
+    free = torch.tensor(sorted(set(range(nb)) - used_blocks), dtype=torch.int64)
+    for c in caches:
+        u8 = c.view(torch.uint8)
+        blocks = u8[free] if spec.use_mla else u8[:, free]
+        if free.numel() and not bool((blocks == POISON).all()):
+            return False
+        for b, n in num_tokens_by_block.items():
+            if n >= spec.block_size:
+                continue
+            if spec.use_mla:
+                tail = u8[b, n:]
+            elif spec.layout.value == "NHD":
+                tail = u8[:, b, n:]
+            else:
+                tail = u8[:, b, :, n:]
+            if not bool((tail == POISON).all()):
+                return False
+    return True
+
+
+def free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
+    """A base port such that ``base .. base+n-1`` (and the next few) are free right now."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(lo, hi - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range found")
+
+
+def _entry(fn, args, q, name):
+    try:
+        q.put((name, "ok", fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        q.put((name, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_procs(specs: dict, deadline_s: float = 60.0, ctx=None) -> dict:
+    """Run ``{name: (fn, args)}`` each in its own spawned process; join against one deadline.
+
+    ``args`` may contain ``"@queue:<key>"`` placeholders replaced by shared queues. Returns
+    ``{name: result}``; raises AssertionError naming every process that failed or hung
+    (leftovers are killed).
+    """
+    ctx = ctx or mp.get_context("spawn")
+    out_q = ctx.Queue()
+    queues: dict[str, object] = {}
+
+    def sub(a):
+        if isinstance(a, str) and a.startswith("@queue:"):
+            return queues.setdefault(a, ctx.Queue())
+        return a
+
+    procs = {}
+    for name, (fn, args) in specs.items():
+        p = ctx.Process(target=_entry, args=(fn, tuple(sub(a) for a in args), out_q, name), daemon=True)
+        p.start()
+        procs[name] = p
+    results: dict = {}
+    errors: list[str] = []
+    end = time.monotonic() + deadline_s
+    while len(results) + len(errors) < len(procs) and time.monotonic() < end:
+        try:
+            name, status, val = out_q.get(timeout=0.2)
+        except Exception:
+            dead = [n for n, p in procs.items() if not p.is_alive() and n not in results]
+            if dead and out_q.empty():
+                # a process died without reporting (killed on purpose, or crashed)
+                for n in dead:
+                    if n not in results and not any(e.startswith(n + ":") for e in errors):
+                        results[n] = ("died", procs[n].exitcode)
+            continue
+        if status == "ok":
+            results[name] = val
+        else:
+            errors.append(f"{name}: {val}")
+    hung = [n for n in procs if n not in results and not any(e.startswith(n + ":") for e in errors)]
+    for p in procs.values():
+        p.join(timeout=max(0.0, min(2.0, end - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    if errors or hung:
+        raise AssertionError("; ".join(errors + [f"{n}: did not finish within {deadline_s}s" for n in hung]))
+    return results
