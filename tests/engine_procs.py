@@ -160,3 +160,119 @@ def run_procs(specs: dict, deadline_s: float = 60.0, ctx=None) -> dict:
     if errors or hung:
         raise AssertionError("; ".join(errors + [f"{n}: did not finish within {deadline_s}s" for n in hung]))
     return results
+
+
+# --------------------------------------------------------------------------- process bodies
+def _spec(d: dict) -> KVCacheSpec:
+    return KVCacheSpec.from_dict(d)
+
+
+def _result(r) -> dict:
+    return {
+        "finished_sending": sorted(r.finished_sending),
+        "finished_recving": sorted(r.finished_recving),
+        "failed": {k: list(v) for k, v in r.failed.items()},
+        "expired": sorted(r.expired),
+        "errors": dict(r.errors),
+    }
+
+
+def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl) -> dict:
+    """One exporting rank: fill and export ``sc["requests"]``, poll until all are released.
+
+    ``sc["requests"]``: list of (request_id, num_tokens, seed, src_block_ids). Rank 0 puts
+    the params list on ``q_out`` (once per loader rank). With ``sc["hold"]`` the rank waits
+    for "check" on ``q_ctl``, polls ``hold_s`` seconds recording what was released early,
+    then puts "go" on ``q_out``'s companion (the loader waits for it).
+    """
+    import os
+
+    from kvxfer import TransferEngine
+    from kvxfer.transports.shm import alloc_shm_caches
+
+    spec = _spec(sc["src_spec"])
+    tp = sc["src_tp"]
+    shm = alloc_shm_caches(spec, sc["src_blocks"], tp)
+    poison(shm.caches)
+    eng = TransferEngine(
+        spec, shm.caches, tp_rank, tp, "P", transport=sc["transport"], lease_s=sc.get("lease_s", 10.0),
+        port=sc["src_port"], timeout_s=sc.get("timeout_s"),
+    ).start()
+    if sc.get("die_before_send"):
+        eng._hooks["before_send"] = lambda: os._exit(3)
+    params = []
+    for rid, n, seed, ids in sc["requests"]:
+        fill(shm.caches, spec, tp_rank, tp, ids, n, seed)
+        params.append(eng.export(rid, ids, n))
+    if tp_rank == 0:
+        for _ in range(sc["dst_tp"]):
+            q_out.put(params)
+    want = {r[0] for r in sc["requests"]}
+    seen: list[dict] = []
+    released: set[str] = set()
+    early: list[str] = []
+    end = time.monotonic() + sc.get("deadline_s", 30.0)
+    if sc.get("hold"):
+        q_ctl.get(timeout=30)  # first loader rank finished
+        t_hold = time.monotonic() + sc.get("hold_s", 0.5)
+        while time.monotonic() < t_hold:
+            r = eng.poll()
+            early += sorted(r.finished_sending | r.expired)
+            seen.append(_result(r))
+            released |= r.finished_sending | r.expired
+            time.sleep(0.01)
+        q_ctl.put("go")
+    while released != want and time.monotonic() < end:
+        r = eng.poll()
+        seen.append(_result(r))
+        released |= r.finished_sending | r.expired
+        time.sleep(0.005)
+    stats = eng.stats()
+    eng.close()
+    shm.close()
+    return {"params": params, "polls": seen, "early": early, "stats": stats}
+
+
+def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl) -> dict:
+    """One loading rank: load every request into ``dst_block_ids``, poll until all reported,
+    then check every landed request byte for byte and that nothing else was touched."""
+    from kvxfer import TransferEngine
+
+    spec = _spec(sc["dst_spec"])
+    tp = sc["dst_tp"]
+    caches = [torch.empty(spec.cache_shape(sc["dst_blocks"], tp), dtype=spec.dtype) for _ in range(spec.num_layers)]
+    poison(caches)
+    eng = TransferEngine(
+        spec, caches, tp_rank, tp, "D", transport=sc["transport"], lease_s=sc.get("lease_s", 10.0),
+        port=sc["dst_port"], timeout_s=sc.get("timeout_s"),
+    ).start()
+    params = q_in.get(timeout=30)
+    if sc.get("hold") and tp_rank == 1:
+        q_ctl.get(timeout=30)  # wait until the exporter checked it did not free early
+    for p, (rid, n, _seed, _ids) in zip(params, sc["requests"]):
+        eng.load(rid, p, sc["dst_ids"][rid])
+    want = {r[0] for r in sc["requests"]}
+    seen: list[dict] = []
+    got: set[str] = set()
+    end = time.monotonic() + sc.get("deadline_s", 30.0)
+    while got != want and time.monotonic() < end:
+        r = eng.poll()
+        seen.append(_result(r))
+        got |= r.finished_recving | set(r.failed)
+        time.sleep(0.005)
+    if sc.get("hold") and tp_rank == 0:
+        q_ctl.put("check")
+    ok = {}
+    used: set[int] = set()
+    tails: dict[int, int] = {}
+    done = set().union(*[set(s["finished_recving"]) for s in seen]) if seen else set()
+    for rid, n, seed, _ in sc["requests"]:
+        ids = sc["dst_ids"][rid]
+        if rid in done:
+            ok[rid] = check(caches, spec, tp_rank, tp, ids, n, seed)
+            used |= set(ids)
+            tails[ids[-1]] = n - (len(ids) - 1) * spec.block_size
+    clean = untouched(caches, spec, used, tails)
+    stats = eng.stats()
+    eng.close()
+    return {"polls": seen, "ok": ok, "untouched": clean, "stats": stats}
