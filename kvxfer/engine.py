@@ -34,7 +34,7 @@ from .metrics import Metrics, now
 from .params import KVTransferParams
 from .plan import Read, plan_reads
 from .spec import KVCacheSpec, Layout
-from .tracker import ExportTracker, LoadTracker, PollResult
+from .tracker import UNKNOWN, ExportTracker, LoadTracker, PollResult
 from .transports import (
     TRANSPORTS,
     Item,
@@ -616,30 +616,44 @@ class TransferEngine:
         src_ranks = sorted({r.src_rank for r in reads})
         alive = {it.request_id: it for it in good}
         reasons: dict[str, str] = {}
-        # Lease grants from every source rank read (renews the leases).
-        req = C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, list(alive))
-        try:
-            grants = self._client.call_many([(rem.addrs[s], req) for s in src_ranks], self.timeout_s)
-        except C.ControlTimeout as e:
-            self._forget(rem)
-            self._fail(good, f"lease grant: {e}")
-            self._notify(rem, plan, [], [it.request_id for it in good])
-            return
-        epochs: dict[int, dict[str, torch.Tensor]] = {}
-        for s, g in zip(src_ranks, grants):
-            if not isinstance(g, C.ReadReply):
-                for rid in list(alive):
-                    reasons[rid] = f"rank {s}: {getattr(g, 'error', g)}"
-                alive.clear()
-                break
-            for rid, why in g.failed.items():
-                if rid in alive:
-                    del alive[rid]
-                    reasons[rid] = f"exporter rank {s}: {why}"
-            epochs[s] = {
-                rid: torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy())
-                for rid, b in zip(g.ok, g.epochs)
-            }
+        # Lease grants from every source rank read (renews the leases). A rank that does not
+        # know a request yet (its export may trail the rank that published the params) is
+        # asked again until timeout_s; a released request fails at once.
+        epochs: dict[int, dict[str, torch.Tensor]] = {s: {} for s in src_ranks}
+        todo = {s: list(alive) for s in src_ranks}
+        deadline = time.monotonic() + self.timeout_s
+        while any(todo.values()):
+            ranks = [s for s in src_ranks if todo[s]]
+            calls = [(rem.addrs[s], C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, todo[s])) for s in ranks]
+            try:
+                grants = self._client.call_many(calls, max(0.01, deadline - time.monotonic()))
+            except C.ControlTimeout as e:
+                self._forget(rem)
+                self._fail(good, f"lease grant: {e}")
+                self._notify(rem, plan, [], [it.request_id for it in good])
+                return
+            for s, g in zip(ranks, grants):
+                if not isinstance(g, C.ReadReply):
+                    for rid in list(alive):
+                        reasons[rid] = f"rank {s}: {getattr(g, 'error', g)}"
+                    alive.clear()
+                    todo = {}
+                    break
+                epochs[s].update(
+                    {rid: torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()) for rid, b in zip(g.ok, g.epochs)}
+                )
+                retry = []
+                for rid, why in g.failed.items():
+                    if rid not in alive:
+                        continue
+                    if why == UNKNOWN and time.monotonic() < deadline:
+                        retry.append(rid)
+                    else:
+                        del alive[rid]
+                        reasons[rid] = f"exporter rank {s}: {why}"
+                todo[s] = [rid for rid in retry if rid in alive]
+            if any(todo.values()):
+                time.sleep(0.005)
         src_unit = src_bs if (not rem.spec.use_mla and rem.spec.layout is Layout.HND) else 1
         for s in src_ranks:
             if not alive:

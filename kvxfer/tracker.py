@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+UNKNOWN = "unknown: not exported here (yet)"
+RELEASED = "released: lease expired, aborted or already freed"
+
 __all__ = ["CompletionAggregator", "ExportTracker", "LoadTracker", "PollResult"]
 
 
@@ -75,6 +78,7 @@ class ExportTracker:
         self._finished: set[str] = set()
         self._expired: set[str] = set()
         self._errors: dict[str, str] = {}
+        self._gone: dict[str, None] = {}  # recently released ids (bounded), to tell from unknown
 
     # ------------------------------------------------------------------ export
     def add(self, request_id: str, block_ids: torch.Tensor, num_tokens: int) -> None:
@@ -86,6 +90,9 @@ class ExportTracker:
 
     def _release(self, request_id: str) -> None:
         e = self._live.pop(request_id)
+        self._gone[request_id] = None
+        if len(self._gone) > 100_000:
+            del self._gone[next(iter(self._gone))]
         ids = e.block_ids
         self.refcount.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
         freed = ids[self.refcount[ids] == 0]
@@ -100,7 +107,7 @@ class ExportTracker:
             for rid in request_ids:
                 e = self._live.get(rid)
                 if e is None:
-                    bad[rid] = "not exported here, already released or lease expired"
+                    bad[rid] = UNKNOWN if rid not in self._gone else RELEASED
                 else:
                     e.deadline = max(e.deadline, now + self.lease_s)
                     ok[rid] = self.epochs[e.block_ids].clone()

@@ -112,6 +112,19 @@ def _entry(fn, args, q, name):
         q.put((name, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+_CTX = None
+
+
+def _context():
+    """A forkserver context that preloads torch and kvxfer once: each child then starts in
+    milliseconds instead of re-importing torch (seconds on a loaded 2-core CI runner)."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "kvxfer.engine", "kvxfer.transports.pg", "tests.engine_procs"])
+    return _CTX
+
+
 def run_procs(specs: dict, deadline_s: float = 60.0, ctx=None) -> dict:
     """Run ``{name: (fn, args)}`` each in its own spawned process; join against one deadline.
 
@@ -119,7 +132,7 @@ def run_procs(specs: dict, deadline_s: float = 60.0, ctx=None) -> dict:
     ``{name: result}``; raises AssertionError naming every process that failed or hung
     (leftovers are killed).
     """
-    ctx = ctx or mp.get_context("spawn")
+    ctx = ctx or _context()
     out_q = ctx.Queue()
     queues: dict[str, object] = {}
 
