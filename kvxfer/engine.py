@@ -609,8 +609,16 @@ class TransferEngine:
                 self._fail([it], f"params.block_ids: out of the exporter's range [0, {rem.num_blocks})")
             else:
                 good.append(it)
+        seen_remote: set[str] = set()
+        for it in list(good):
+            if it.params.request_id in seen_remote:
+                good.remove(it)
+                self._fail([it], f"params.request_id: {it.params.request_id!r} is loaded twice in one batch")
+            seen_remote.add(it.params.request_id)
         if not good:
             return
+        remote_of = {it.request_id: it.params.request_id for it in good}
+        local_of = {v: k for k, v in remote_of.items()}
         plan = plan_reads(rem.spec, rem.tp_size, self.spec, self.tp_size)
         reads = plan.reads(self.tp_rank)
         src_ranks = sorted({r.src_rank for r in reads})
@@ -624,13 +632,16 @@ class TransferEngine:
         deadline = time.monotonic() + self.timeout_s
         while any(todo.values()):
             ranks = [s for s in src_ranks if todo[s]]
-            calls = [(rem.addrs[s], C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, todo[s])) for s in ranks]
+            calls = [
+                (rem.addrs[s], C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, [remote_of[r] for r in todo[s]]))
+                for s in ranks
+            ]
             try:
                 grants = self._client.call_many(calls, max(0.01, deadline - time.monotonic()))
             except C.ControlTimeout as e:
                 self._forget(rem)
                 self._fail(good, f"lease grant: {e}")
-                self._notify(rem, plan, [], [it.request_id for it in good])
+                self._notify(rem, plan, [], [it.params.request_id for it in good])
                 return
             for s, g in zip(ranks, grants):
                 if not isinstance(g, C.ReadReply):
@@ -640,10 +651,14 @@ class TransferEngine:
                     todo = {}
                     break
                 epochs[s].update(
-                    {rid: torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()) for rid, b in zip(g.ok, g.epochs)}
+                    {
+                        local_of[rid]: torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy())
+                        for rid, b in zip(g.ok, g.epochs)
+                    }
                 )
                 retry = []
-                for rid, why in g.failed.items():
+                for rrid, why in g.failed.items():
+                    rid = local_of.get(rrid)
                     if rid not in alive:
                         continue
                     if why == UNKNOWN and time.monotonic() < deadline:
@@ -687,7 +702,7 @@ class TransferEngine:
         for it in failed:
             if self._loads.fail(it.request_id, reasons[it.request_id]):
                 self._metrics.add("failures")
-        self._notify(rem, plan, done, [it.request_id for it in failed])
+        self._notify(rem, plan, [remote_of[r] for r in done], [it.params.request_id for it in failed])
 
     def _notify(self, rem: _Remote, plan, done: list[str], failed: list[str]) -> None:
         if not done and not failed:
@@ -812,7 +827,7 @@ class TransferEngine:
                     self.engine_id,
                     self.tp_rank,
                     key,
-                    [it.request_id for it in loads],
+                    [it.params.request_id for it in loads],
                     r.src_head_start,
                     r.num_heads,
                     src_unit,
@@ -830,8 +845,9 @@ class TransferEngine:
                     if "*" in rep.failed:
                         rem.pairs.pop(s, None)
                         raise RuntimeError(rep.failed["*"])
+                    local_of = {it.params.request_id: it.request_id for it in loads}
                     for rid, why in rep.failed.items():
-                        bad[rid] = f"exporter rank {s}: {why}"
+                        bad[local_of.get(rid, rid)] = f"exporter rank {s}: {why}"
                     continue
                 try:
                     for c in chunks:
