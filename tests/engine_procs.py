@@ -289,3 +289,105 @@ def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl) -> dict:
     stats = eng.stats()
     eng.close()
     return {"polls": seen, "ok": ok, "untouched": clean, "stats": stats}
+
+
+# --------------------------------------------------------------------------------- soak
+def soak_exporter(sc: dict, q_d0, q_d1) -> dict:
+    """P (tp=1): export ``sc["num"]`` random-length requests from a small, reused block pool;
+    abort some at random; tell the loaders; free blocks on finished/expired reports."""
+    import random
+
+    from kvxfer import TransferEngine
+    from kvxfer.transports.shm import alloc_shm_caches
+
+    rng = random.Random(sc["seed"])
+    spec = _spec(sc["src_spec"])
+    nb = sc["src_blocks"]
+    shm = alloc_shm_caches(spec, nb, 1)
+    eng = TransferEngine(spec, shm.caches, 0, 1, "P", transport=sc["transport"], lease_s=sc["lease_s"],
+                         port=sc["src_port"]).start()
+    free = list(range(nb))
+    held: dict[str, list[int]] = {}
+    reports: dict[str, int] = {}
+    aborted, skipped = set(), set()
+    next_dst = 0
+    i = 0
+    end = time.monotonic() + sc["deadline_s"]
+
+    def drain():
+        r = eng.poll()
+        for rid in r.finished_sending | r.expired:
+            reports[rid] = reports.get(rid, 0) + 1
+            free.extend(held.pop(rid))
+
+    while (i < sc["num"] or held) and time.monotonic() < end:
+        drain()
+        while i < sc["num"]:
+            n = rng.randint(1, sc["max_tokens"])
+            need = spec.num_blocks_for(n)
+            if len(free) < need:
+                break
+            rng.shuffle(free)
+            ids = [free.pop() for _ in range(need)]
+            rid = f"s{i}"
+            seed = 1000 + i
+            fill(shm.caches, spec, 0, 1, ids, n, seed)
+            params = eng.export(rid, ids, n)
+            held[rid] = ids
+            dst_ids = list(range(next_dst, next_dst + -(-n // sc["dst_block_size"])))
+            next_dst += len(dst_ids)
+            skip = rng.random() < sc["p_skip"]  # the loader never comes: lease expiry
+            if skip:
+                skipped.add(rid)
+            msg = (rid, params, dst_ids, n, seed, skip)
+            q_d0.put(msg)
+            q_d1.put(msg)
+            if rng.random() < sc["p_abort"]:  # the client went away: abort, blocks freed now
+                eng.abort_export(rid)
+                aborted.add(rid)
+            i += 1
+        time.sleep(0.002)
+    q_d0.put(None)
+    q_d1.put(None)
+    stats = eng.stats()
+    eng.close()
+    shm.close()
+    return {"reports": reports, "aborted": sorted(aborted), "skipped": sorted(skipped), "free": len(free),
+            "held": sorted(held), "stats": stats, "exported": i}
+
+
+def soak_loader(sc: dict, tp_rank: int, q_in) -> dict:
+    from kvxfer import TransferEngine
+
+    spec = _spec(sc["dst_spec"])
+    caches = [torch.empty(spec.cache_shape(sc["dst_blocks"], 2), dtype=spec.dtype) for _ in range(spec.num_layers)]
+    poison(caches)
+    eng = TransferEngine(spec, caches, tp_rank, 2, "D", transport=sc["transport"], lease_s=sc["lease_s"],
+                         port=sc["dst_port"]).start()
+    loaded: dict[str, tuple] = {}
+    polls: list[dict] = []
+    reported: set[str] = set()
+    ended = False
+    end = time.monotonic() + sc["deadline_s"]
+    while (not ended or reported != set(loaded)) and time.monotonic() < end:
+        while True:
+            try:
+                msg = q_in.get_nowait()
+            except Exception:
+                break
+            if msg is None:
+                ended = True
+                break
+            rid, params, dst_ids, n, seed, skip = msg
+            if not skip:
+                eng.load(rid, params, dst_ids)
+                loaded[rid] = (dst_ids, n, seed)
+        r = eng.poll()
+        polls.append(_result(r))
+        reported |= r.finished_recving | set(r.failed)
+        time.sleep(0.002)
+    done = set().union(*[set(p["finished_recving"]) for p in polls])
+    bad = [rid for rid in done if not check(caches, spec, tp_rank, 2, *loaded[rid])]
+    stats = eng.stats()
+    eng.close()
+    return {"polls": polls, "loaded": sorted(loaded), "bad": bad, "stats": stats, "ended": ended}
