@@ -189,10 +189,8 @@ class ControlServer:
                 except Exception as e:  # a handler bug must not kill the side channel
                     reply = ErrorReply(f"{type(e).__name__}: {e}")
             if reply is not None:
-                try:
+                with contextlib.suppress(zmq.Again):  # peer gone and its queue full: drop
                     self.sock.send_multipart([ident, mid, encode(reply)], zmq.NOBLOCK)
-                except zmq.Again:  # pragma: no cover - peer gone and queue full
-                    pass
 
     def close(self) -> None:
         self.sock.close(0)

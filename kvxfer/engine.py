@@ -633,7 +633,10 @@ class TransferEngine:
         while any(todo.values()):
             ranks = [s for s in src_ranks if todo[s]]
             calls = [
-                (rem.addrs[s], C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, [remote_of[r] for r in todo[s]]))
+                (
+                    rem.addrs[s],
+                    C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, [remote_of[r] for r in todo[s]]),
+                )
                 for s in ranks
             ]
             try:

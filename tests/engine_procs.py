@@ -39,13 +39,17 @@ def payload(spec: KVCacheSpec, seed: int, num_tokens: int, heads: range) -> torc
     return w.reshape(spec.wire_shape(num_tokens)) if spec.use_mla else w
 
 
-def fill(caches, spec: KVCacheSpec, tp_rank: int, tp_size: int, block_ids, num_tokens: int, seed: int) -> None:
+def fill(
+    caches, spec: KVCacheSpec, tp_rank: int, tp_size: int, block_ids, num_tokens: int, seed: int
+) -> None:
     """Write request ``seed``'s payload (this rank's heads) into ``block_ids``."""
     heads = spec.heads_of_rank(tp_rank, tp_size)
     ops.scatter_blocks(payload(spec, seed, num_tokens, heads), caches, spec, block_ids, num_tokens)
 
 
-def check(caches, spec: KVCacheSpec, tp_rank: int, tp_size: int, block_ids, num_tokens: int, seed: int) -> bool:
+def check(
+    caches, spec: KVCacheSpec, tp_rank: int, tp_size: int, block_ids, num_tokens: int, seed: int
+) -> bool:
     """True when ``block_ids`` hold request ``seed``'s payload for this rank's heads, byte for byte."""
     heads = spec.heads_of_rank(tp_rank, tp_size)
     got = ops.gather_blocks(caches, spec, block_ids, num_tokens)
@@ -108,7 +112,7 @@ def free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
 def _entry(fn, args, q, name):
     try:
         q.put((name, "ok", fn(*args)))
-    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+    except BaseException as e:
         q.put((name, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
@@ -208,8 +212,15 @@ def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl) -> dict:
     shm = alloc_shm_caches(spec, sc["src_blocks"], tp)
     poison(shm.caches)
     eng = TransferEngine(
-        spec, shm.caches, tp_rank, tp, "P", transport=sc["transport"], lease_s=sc.get("lease_s", 10.0),
-        port=sc["src_port"], timeout_s=sc.get("timeout_s"),
+        spec,
+        shm.caches,
+        tp_rank,
+        tp,
+        "P",
+        transport=sc["transport"],
+        lease_s=sc.get("lease_s", 10.0),
+        port=sc["src_port"],
+        timeout_s=sc.get("timeout_s"),
     ).start()
     if sc.get("die_before_send"):
         eng._hooks["before_send"] = lambda: os._exit(3)
@@ -253,16 +264,25 @@ def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl) -> dict:
 
     spec = _spec(sc["dst_spec"])
     tp = sc["dst_tp"]
-    caches = [torch.empty(spec.cache_shape(sc["dst_blocks"], tp), dtype=spec.dtype) for _ in range(spec.num_layers)]
+    caches = [
+        torch.empty(spec.cache_shape(sc["dst_blocks"], tp), dtype=spec.dtype) for _ in range(spec.num_layers)
+    ]
     poison(caches)
     eng = TransferEngine(
-        spec, caches, tp_rank, tp, "D", transport=sc["transport"], lease_s=sc.get("lease_s", 10.0),
-        port=sc["dst_port"], timeout_s=sc.get("timeout_s"),
+        spec,
+        caches,
+        tp_rank,
+        tp,
+        "D",
+        transport=sc["transport"],
+        lease_s=sc.get("lease_s", 10.0),
+        port=sc["dst_port"],
+        timeout_s=sc.get("timeout_s"),
     ).start()
     params = q_in.get(timeout=30)
     if sc.get("hold") and tp_rank == 1:
         q_ctl.get(timeout=30)  # wait until the exporter checked it did not free early
-    for p, (rid, n, _seed, _ids) in zip(params, sc["requests"]):
+    for p, (rid, _n, _seed, _ids) in zip(params, sc["requests"]):
         eng.load(rid, p, sc["dst_ids"][rid])
     want = {r[0] for r in sc["requests"]}
     seen: list[dict] = []
@@ -304,8 +324,9 @@ def soak_exporter(sc: dict, q_d0, q_d1) -> dict:
     spec = _spec(sc["src_spec"])
     nb = sc["src_blocks"]
     shm = alloc_shm_caches(spec, nb, 1)
-    eng = TransferEngine(spec, shm.caches, 0, 1, "P", transport=sc["transport"], lease_s=sc["lease_s"],
-                         port=sc["src_port"]).start()
+    eng = TransferEngine(
+        spec, shm.caches, 0, 1, "P", transport=sc["transport"], lease_s=sc["lease_s"], port=sc["src_port"]
+    ).start()
     free = list(range(nb))
     held: dict[str, list[int]] = {}
     reports: dict[str, int] = {}
@@ -352,18 +373,28 @@ def soak_exporter(sc: dict, q_d0, q_d1) -> dict:
     stats = eng.stats()
     eng.close()
     shm.close()
-    return {"reports": reports, "aborted": sorted(aborted), "skipped": sorted(skipped), "free": len(free),
-            "held": sorted(held), "stats": stats, "exported": i}
+    return {
+        "reports": reports,
+        "aborted": sorted(aborted),
+        "skipped": sorted(skipped),
+        "free": len(free),
+        "held": sorted(held),
+        "stats": stats,
+        "exported": i,
+    }
 
 
 def soak_loader(sc: dict, tp_rank: int, q_in) -> dict:
     from kvxfer import TransferEngine
 
     spec = _spec(sc["dst_spec"])
-    caches = [torch.empty(spec.cache_shape(sc["dst_blocks"], 2), dtype=spec.dtype) for _ in range(spec.num_layers)]
+    caches = [
+        torch.empty(spec.cache_shape(sc["dst_blocks"], 2), dtype=spec.dtype) for _ in range(spec.num_layers)
+    ]
     poison(caches)
-    eng = TransferEngine(spec, caches, tp_rank, 2, "D", transport=sc["transport"], lease_s=sc["lease_s"],
-                         port=sc["dst_port"]).start()
+    eng = TransferEngine(
+        spec, caches, tp_rank, 2, "D", transport=sc["transport"], lease_s=sc["lease_s"], port=sc["dst_port"]
+    ).start()
     loaded: dict[str, tuple] = {}
     polls: list[dict] = []
     reported: set[str] = set()

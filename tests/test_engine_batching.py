@@ -15,10 +15,21 @@ from .engine_procs import payload, poison
     ("src", "dst", "max_calls_one"),
     [
         (KVCacheSpec(2, 2, 8, 16, torch.float16), KVCacheSpec(2, 2, 8, 8, torch.float16), True),
-        (KVCacheSpec(2, 2, 8, 16, torch.float16), KVCacheSpec(2, 2, 8, 12, torch.float16, layout="HND"), False),
-        (KVCacheSpec(2, 2, 8, 16, torch.float16, layout="HND"), KVCacheSpec(2, 2, 8, 16, torch.float16), False),
-        (KVCacheSpec(2, 1, 24, 16, torch.bfloat16, use_mla=True),
-         KVCacheSpec(2, 1, 24, 5, torch.bfloat16, use_mla=True), True),
+        (
+            KVCacheSpec(2, 2, 8, 16, torch.float16),
+            KVCacheSpec(2, 2, 8, 12, torch.float16, layout="HND"),
+            False,
+        ),
+        (
+            KVCacheSpec(2, 2, 8, 16, torch.float16, layout="HND"),
+            KVCacheSpec(2, 2, 8, 16, torch.float16),
+            False,
+        ),
+        (
+            KVCacheSpec(2, 1, 24, 16, torch.bfloat16, use_mla=True),
+            KVCacheSpec(2, 1, 24, 5, torch.bfloat16, use_mla=True),
+            True,
+        ),
     ],
 )
 def test_batched_copy_matches_per_request(src, dst, max_calls_one):
@@ -29,8 +40,11 @@ def test_batched_copy_matches_per_request(src, dst, max_calls_one):
     poison(want)
     poison(got)
     for c in src_c:
-        c.view(torch.uint8).copy_(torch.randint(0, 256, c.shape[:0] + (c.numel() * c.element_size(),),
-                                                dtype=torch.uint8).view(c.view(torch.uint8).shape))
+        c.view(torch.uint8).copy_(
+            torch.randint(0, 256, (*c.shape[:0], c.numel() * c.element_size()), dtype=torch.uint8).view(
+                c.view(torch.uint8).shape
+            )
+        )
     sfree, dfree = list(range(64)), list(range(96))
     rng.shuffle(sfree)
     rng.shuffle(dfree)
@@ -42,8 +56,10 @@ def test_batched_copy_matches_per_request(src, dst, max_calls_one):
         ops.copy_blocks(src_c, src, s_ids, want, dst, d_ids, n)
     sv, sspec, su = unit_view(src_c, src)
     dv, dspec, du = unit_view(got, dst)
-    items = [Item(f"r{i}", units_of(s, src.block_size, n, su), units_of(d, dst.block_size, n, du), n)
-             for i, (n, s, d) in enumerate(reqs)]
+    items = [
+        Item(f"r{i}", units_of(s, src.block_size, n, su), units_of(d, dst.block_size, n, du), n)
+        for i, (n, s, d) in enumerate(reqs)
+    ]
     chunks = build_chunks(items, su, du)
     for ch in chunks:
         ops.copy_blocks(sv, sspec, ch.src, dv, dspec, ch.dst, ch.num_tokens)
@@ -56,8 +72,12 @@ def test_batched_copy_matches_per_request(src, dst, max_calls_one):
 
 def test_dedupe_skips_shared_prefix_in_whole_units():
     a = Item("a", torch.arange(40), torch.arange(100, 140), 40)
-    b = Item("b", torch.cat([torch.arange(35), torch.arange(200, 210)]), torch.cat([torch.arange(100, 135),
-                                                                                   torch.arange(300, 310)]), 45)
+    b = Item(
+        "b",
+        torch.cat([torch.arange(35), torch.arange(200, 210)]),
+        torch.cat([torch.arange(100, 135), torch.arange(300, 310)]),
+        45,
+    )
     c = Item("c", torch.arange(50, 60), torch.arange(400, 410), 10)
     dedupe_prefixes([a, b, c], 1, 1)
     assert (a.skip, b.skip, c.skip) == (0, 35, 0)

@@ -28,9 +28,17 @@ def _scenario(src_spec, src_tp, dst_spec, dst_tp, transport, lengths, seed=0, **
         dst_ids[rid] = [dst_free.pop() for _ in range(dst_spec.num_blocks_for(n))]
         reqs.append((rid, n, 100 + i, s_ids))
     sc = {
-        "src_spec": src_spec.to_dict(), "dst_spec": dst_spec.to_dict(), "src_tp": src_tp, "dst_tp": dst_tp,
-        "transport": transport, "src_blocks": 64, "dst_blocks": 64, "requests": reqs, "dst_ids": dst_ids,
-        "src_port": free_port_base(src_tp), "dst_port": free_port_base(dst_tp),
+        "src_spec": src_spec.to_dict(),
+        "dst_spec": dst_spec.to_dict(),
+        "src_tp": src_tp,
+        "dst_tp": dst_tp,
+        "transport": transport,
+        "src_blocks": 64,
+        "dst_blocks": 64,
+        "requests": reqs,
+        "dst_ids": dst_ids,
+        "src_port": free_port_base(src_tp),
+        "dst_port": free_port_base(dst_tp),
     }
     sc.update(kw)
     return sc
@@ -53,8 +61,16 @@ def _aggregate(res, prefix, tp):
         for r in range(tp):
             if i < len(polls[r]):
                 p = polls[r][i]
-                out = agg.add(r, PollResult(set(p["finished_sending"]), set(p["finished_recving"]),
-                                            p["failed"], set(p["expired"]), p["errors"]))
+                out = agg.add(
+                    r,
+                    PollResult(
+                        set(p["finished_sending"]),
+                        set(p["finished_recving"]),
+                        p["failed"],
+                        set(p["expired"]),
+                        p["errors"],
+                    ),
+                )
                 reported += sorted(out.finished_recving) + sorted(out.failed)
                 reported += sorted(out.finished_sending) + sorted(out.expired)
     return reported
@@ -100,8 +116,9 @@ def test_transfer_between_processes(case, transport):
 def test_exporter_killed_mid_transfer():
     """P dies after gathering, before sending: D reports failed within its bound, no hang."""
     src = KVCacheSpec(2, 2, 16, 16, torch.float16)
-    sc = _scenario(src, 1, src, 1, "pg", [40, 20], die_before_send=True, lease_s=3.0, timeout_s=1.5,
-                   deadline_s=8.0)
+    sc = _scenario(
+        src, 1, src, 1, "pg", [40, 20], die_before_send=True, lease_s=3.0, timeout_s=1.5, deadline_s=8.0
+    )
     res = _run(sc, deadline=40)
     assert res["P0"] == ("died", 3)
     d = res["D0"]
@@ -138,7 +155,9 @@ def exporter_rank_then_die(sc, tp_rank, q_out, q_ctl):
 
     spec = _spec(sc["src_spec"])
     shm = alloc_shm_caches(spec, sc["src_blocks"], 1)
-    eng = TransferEngine(spec, shm.caches, 0, 1, "P", transport="ipc", lease_s=3.0, port=sc["src_port"]).start()
+    eng = TransferEngine(
+        spec, shm.caches, 0, 1, "P", transport="ipc", lease_s=3.0, port=sc["src_port"]
+    ).start()
     params = []
     for rid, n, seed, ids in sc["requests"]:
         fill(shm.caches, spec, 0, 1, ids, n, seed)

@@ -18,10 +18,21 @@ def test_soak_500_requests(transport):
     src = KVCacheSpec(2, 2, 8, 16, torch.float16)
     dst = KVCacheSpec(2, 2, 8, 8, torch.float16, layout="HND")
     sc = {
-        "src_spec": src.to_dict(), "dst_spec": dst.to_dict(), "transport": transport, "seed": 7,
-        "num": 500, "max_tokens": 120, "src_blocks": 96, "dst_blocks": 8000, "dst_block_size": 8,
-        "p_abort": 0.1, "p_skip": 0.03, "lease_s": 1.0, "deadline_s": 45.0,
-        "src_port": free_port_base(1), "dst_port": free_port_base(2),
+        "src_spec": src.to_dict(),
+        "dst_spec": dst.to_dict(),
+        "transport": transport,
+        "seed": 7,
+        "num": 500,
+        "max_tokens": 120,
+        "src_blocks": 96,
+        "dst_blocks": 8000,
+        "dst_block_size": 8,
+        "p_abort": 0.1,
+        "p_skip": 0.03,
+        "lease_s": 1.0,
+        "deadline_s": 45.0,
+        "src_port": free_port_base(1),
+        "dst_port": free_port_base(2),
     }
     res = run_procs(
         {
@@ -51,7 +62,9 @@ def test_soak_500_requests(transport):
         for r in range(2):
             if i < len(polls[r]):
                 q = polls[r][i]
-                out = agg.add(r, PollResult(set(), set(q["finished_recving"]), q["failed"], set(), q["errors"]))
+                out = agg.add(
+                    r, PollResult(set(), set(q["finished_recving"]), q["failed"], set(), q["errors"])
+                )
                 once += sorted(out.finished_recving) + sorted(out.failed)
                 finished |= out.finished_recving
     assert sorted(once) == sorted(everyone - skipped), "D's aggregator lost or re-reported a request"

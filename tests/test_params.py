@@ -4,8 +4,16 @@ import pytest
 
 from kvxfer import KVTransferParams
 
-GOOD = {"request_id": "r1", "engine_id": "P", "host": "10.0.0.1", "port": 5000, "tp_size": 2,
-        "block_ids": [3, 1, 4], "num_tokens": 40, "version": 1}
+GOOD = {
+    "request_id": "r1",
+    "engine_id": "P",
+    "host": "10.0.0.1",
+    "port": 5000,
+    "tp_size": 2,
+    "block_ids": [3, 1, 4],
+    "num_tokens": 40,
+    "version": 1,
+}
 
 
 def test_roundtrip_is_json_safe():
@@ -28,10 +36,22 @@ def test_list_for_parallel_sampling():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("request_id", ""), ("request_id", 5), ("engine_id", None), ("host", ""), ("port", 0),
-        ("port", 70000), ("port", "5000"), ("port", True), ("tp_size", 0), ("num_tokens", 0),
-        ("num_tokens", 1.5), ("block_ids", []), ("block_ids", "1,2"), ("block_ids", [1, -1]),
-        ("block_ids", [1, 2.0]), ("version", 99),
+        ("request_id", ""),
+        ("request_id", 5),
+        ("engine_id", None),
+        ("host", ""),
+        ("port", 0),
+        ("port", 70000),
+        ("port", "5000"),
+        ("port", True),
+        ("tp_size", 0),
+        ("num_tokens", 0),
+        ("num_tokens", 1.5),
+        ("block_ids", []),
+        ("block_ids", "1,2"),
+        ("block_ids", [1, -1]),
+        ("block_ids", [1, 2.0]),
+        ("version", 99),
     ],
 )
 def test_bad_field_named(field, value):

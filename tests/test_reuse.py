@@ -30,13 +30,23 @@ def test_quadratic_attention_term_moves_the_crossover():
 
 @pytest.mark.parametrize(
     ("kw", "field"),
-    [({"num_tokens": -1}, "num_tokens"), ({"bytes_per_token": 0}, "bytes_per_token"),
-     ({"link_bytes_per_s": 0}, "link_bytes_per_s"), ({"prefill_tokens_per_s": -1}, "prefill_tokens_per_s"),
-     ({"min_gain": 0.5}, "min_gain"), ({"attn_tokens2_per_s": 0.0}, "attn_tokens2_per_s")],
+    [
+        ({"num_tokens": -1}, "num_tokens"),
+        ({"bytes_per_token": 0}, "bytes_per_token"),
+        ({"link_bytes_per_s": 0}, "link_bytes_per_s"),
+        ({"prefill_tokens_per_s": -1}, "prefill_tokens_per_s"),
+        ({"min_gain": 0.5}, "min_gain"),
+        ({"attn_tokens2_per_s": 0.0}, "attn_tokens2_per_s"),
+    ],
 )
 def test_bad_inputs_named(kw, field):
-    args = {"num_tokens": 10, "bytes_per_token": 10, "link_bytes_per_s": 1.0, "prefill_tokens_per_s": 1.0,
-            "attn_tokens2_per_s": math.inf}
+    args = {
+        "num_tokens": 10,
+        "bytes_per_token": 10,
+        "link_bytes_per_s": 1.0,
+        "prefill_tokens_per_s": 1.0,
+        "attn_tokens2_per_s": math.inf,
+    }
     args.update(kw)
     with pytest.raises(ValueError, match=field):
         decide_reuse(**args)

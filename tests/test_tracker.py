@@ -13,8 +13,10 @@ GQA = KVCacheSpec(2, 2, 8, 16, torch.float16)
 MLA = KVCacheSpec(2, 1, 8, 16, torch.float16, use_mla=True)
 
 
-@pytest.mark.parametrize(("spec", "src_tp", "dst_tp"), [(GQA, 2, 1), (GQA, 1, 2), (GQA, 1, 4), (GQA, 4, 1),
-                                                        (GQA, 2, 4), (MLA, 2, 1), (MLA, 1, 3), (MLA, 4, 2)])
+@pytest.mark.parametrize(
+    ("spec", "src_tp", "dst_tp"),
+    [(GQA, 2, 1), (GQA, 1, 2), (GQA, 1, 4), (GQA, 4, 1), (GQA, 2, 4), (MLA, 2, 1), (MLA, 1, 3), (MLA, 4, 2)],
+)
 def test_source_frees_exactly_when_all_plan_notifications_arrived(spec, src_tp, dst_tp):
     plan = plan_reads(spec, src_tp, spec, dst_tp)
     trackers = [ExportTracker(8, 30.0) for _ in range(src_tp)]

@@ -97,14 +97,22 @@ def unit_view(
     NHD ``[2, nb, bs, h, d]`` and MLA ``[nb, bs, d]`` caches are viewed with block size 1
     (``[2, nb*bs, 1, h, d]``, ``[nb*bs, 1, d]``): a "block" is then one token slot, so
     any concatenation of requests is exact. HND ``[2, nb, h, bs, d]`` cannot be re-blocked (its
-    token stride is inside a block), so it keeps its blocks. Returns (views, spec of the
+    token stride is inside a block), nor can caches whose blocks are padded apart; they keep
+    their blocks. Returns (views, spec of the
     views, unit = tokens per unit).
     """
+    c0 = caches[0]
     if spec.use_mla:
-        views = [c.view(-1, 1, c.shape[-1]) for c in caches]
+        mergeable = c0.stride(0) == c0.shape[1] * c0.stride(1)
+        if mergeable:
+            views = [c.view(-1, 1, c.shape[-1]) for c in caches]
     elif spec.layout is Layout.NHD:
-        views = [c.view(2, -1, 1, c.shape[3], c.shape[4]) for c in caches]
+        mergeable = c0.stride(1) == c0.shape[2] * c0.stride(2)
+        if mergeable:
+            views = [c.view(2, -1, 1, c.shape[3], c.shape[4]) for c in caches]
     else:
+        mergeable = False
+    if not mergeable:  # HND, or blocks padded apart: keep whole blocks as units
         return list(caches), spec, spec.block_size
     return views, dataclasses.replace(spec, block_size=1), 1
 

@@ -72,10 +72,8 @@ def release_segment(shm: shared_memory.SharedMemory) -> None:
 
 
 def _close(shm: shared_memory.SharedMemory, unlink: bool) -> None:
-    try:
+    with contextlib.suppress(BufferError):  # tensors still view it; unmapped when they go
         shm.close()
-    except BufferError:
-        pass  # tensors still view the buffer; the mapping goes when they do
     if unlink:
         with contextlib.suppress(FileNotFoundError):
             shm.unlink()
