@@ -1,0 +1,269 @@
+"""Side channel between engines: pyzmq sockets carrying msgspec-encoded (msgpack) messages.
+
+Every engine rank binds one ROUTER socket (:class:`ControlServer`, served by one thread).
+Requests carry an 8-byte id; replies echo it. :class:`ControlClient` (one DEALER socket per
+remote rank, used from one thread) sends requests and waits for the matching reply with a
+bound; fire-and-forget messages (notifications, heartbeats) get no reply. Stale replies of
+timed-out requests are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import struct
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ControlClient",
+    "ControlServer",
+    "ControlTimeout",
+    "ErrorReply",
+    "Heartbeat",
+    "Hello",
+    "HelloReply",
+    "Notify",
+    "PairReq",
+    "ReadReply",
+    "ReadReq",
+    "SendReply",
+    "SendReq",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class Hello(msgspec.Struct, tag=True):
+    """Handshake from a loader rank: who it is and what it speaks."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    spec: dict
+    compat: str
+    transports: list[str]
+    hostname: str
+    version: int = PROTOCOL_VERSION
+
+
+class HelloReply(msgspec.Struct, tag=True):
+    """The exporter rank's side of the handshake."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    spec: dict
+    compat: str
+    transports: list[str]
+    hostname: str
+    num_blocks: int
+    ipc: dict | None  # {"mapper", "caches": mapper.describe(...), "epochs": name, "num_blocks": n}
+    pg: dict | None  # {"host", "port", "backend"}
+    error: str | None = None
+    version: int = PROTOCOL_VERSION
+
+
+class ReadReq(msgspec.Struct, tag=True):
+    """Check and renew the leases of ``request_ids``; reply with block epochs."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    request_ids: list[str]
+
+
+class ReadReply(msgspec.Struct, tag=True):
+    ok: list[str]
+    epochs: list[bytes]  # int64 block epochs per ok request, in ok order
+    failed: dict[str, str]
+
+
+class PairReq(msgspec.Struct, tag=True):
+    """Ask the exporter rank to join pair group ``key`` (rank 0) for ``pg`` transfers."""
+
+    engine_id: str
+    tp_rank: int
+    key: str
+
+
+class SendReq(msgspec.Struct, tag=True):
+    """Gather ``chunks`` (each one ops call) and send each wire over pair group ``key``."""
+
+    engine_id: str
+    tp_rank: int
+    key: str
+    request_ids: list[str]
+    head_start: int
+    num_heads: int
+    unit: int  # source unit size in tokens (1: token slots, else blocks)
+    chunks: list[tuple[bytes, int]]  # (int64 source unit ids, num_tokens)
+
+
+class SendReply(msgspec.Struct, tag=True):
+    ok: bool
+    failed: dict[str, str]
+
+
+class Notify(msgspec.Struct, tag=True):
+    """``request_ids`` are done on the loader rank (landed, or given up in ``failed``)."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    request_ids: list[str]
+    failed: list[str]
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    engine_id: str
+    tp_rank: int
+    request_ids: list[str]
+
+
+class ErrorReply(msgspec.Struct, tag=True):
+    error: str
+
+
+Message = (
+    Hello | HelloReply | ReadReq | ReadReply | PairReq | SendReq | SendReply | Notify | Heartbeat | ErrorReply
+)
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg) -> bytes:
+    return _enc.encode(msg)
+
+
+def decode(buf: bytes):
+    return _dec.decode(buf)
+
+
+class ControlTimeout(RuntimeError):
+    """A side-channel request got no reply within its bound."""
+
+
+class ControlServer:
+    """ROUTER socket bound to ``tcp://host:port``; :meth:`serve_once` handles what arrived.
+
+    ``handler(msg) -> reply | None`` runs on the serving thread; a None reply sends nothing.
+    """
+
+    def __init__(self, ctx: zmq.Context, host: str, port: int) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+
+    def serve_once(self, handler: Callable, timeout_ms: int) -> int:
+        """Handle every message that arrives within ``timeout_ms``; returns how many."""
+        n = 0
+        if not self._poller.poll(timeout_ms):
+            return 0
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            n += 1
+            if len(frames) != 3:
+                continue
+            ident, mid, payload = frames
+            try:
+                msg = decode(payload)
+            except msgspec.DecodeError as e:
+                reply = ErrorReply(f"malformed message: {e}")
+            else:
+                try:
+                    reply = handler(msg)
+                except Exception as e:  # a handler bug must not kill the side channel
+                    reply = ErrorReply(f"{type(e).__name__}: {e}")
+            if reply is not None:
+                with contextlib.suppress(zmq.Again):  # peer gone and its queue full: drop
+                    self.sock.send_multipart([ident, mid, encode(reply)], zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class ControlClient:
+    """DEALER sockets to remote ranks (by address); use from one thread only."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.ctx = ctx
+        self._socks: dict[str, zmq.Socket] = {}
+        self._ids = itertools.count(1)
+
+    def _sock(self, addr: str) -> zmq.Socket:
+        s = self._socks.get(addr)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 10_000)
+            s.connect(addr)
+            self._socks[addr] = s
+        return s
+
+    def send(self, addr: str, msg) -> None:
+        """Fire and forget (dropped if the peer's queue is full)."""
+        with contextlib.suppress(zmq.Again):
+            self._sock(addr).send_multipart([struct.pack("<Q", 0), encode(msg)], zmq.NOBLOCK)
+
+    def call(self, addr: str, msg, timeout_s: float):
+        """Send ``msg`` and return the decoded reply; :class:`ControlTimeout` after ``timeout_s``."""
+        return self.call_many([(addr, msg)], timeout_s)[0]
+
+    def call_many(self, calls: list[tuple[str, object]], timeout_s: float) -> list:
+        """Send every request at once, then wait for all replies (one overall bound)."""
+        pending: dict[tuple[str, int], int] = {}
+        for i, (addr, msg) in enumerate(calls):
+            mid = next(self._ids)
+            try:
+                self._sock(addr).send_multipart([struct.pack("<Q", mid), encode(msg)], zmq.NOBLOCK)
+            except zmq.Again:
+                raise ControlTimeout(f"side channel to {addr}: send queue full") from None
+            pending[(addr, mid)] = i
+        out: list = [None] * len(calls)
+        poller = zmq.Poller()
+        for addr in {a for a, _ in pending}:
+            poller.register(self._sock(addr), zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                addrs = sorted({a for a, _ in pending})
+                raise ControlTimeout(f"no reply from {', '.join(addrs)} within {timeout_s:.1f}s")
+            for sock, _ in poller.poll(int(left * 1000) + 1):
+                addr = next(a for a, s in self._socks.items() if s is sock)
+                while True:
+                    try:
+                        mid_b, payload = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ValueError:
+                        continue
+                    key = (addr, struct.unpack("<Q", mid_b)[0])
+                    if key in pending:
+                        out[pending.pop(key)] = decode(payload)
+        return out
+
+    def drop(self, addr: str) -> None:
+        """Forget the socket to ``addr`` (after a timeout, so stale replies cannot confuse a retry)."""
+        s = self._socks.pop(addr, None)
+        if s is not None:
+            s.close(0)
+
+    def close(self) -> None:
+        for s in self._socks.values():
+            s.close(0)
+        self._socks.clear()

@@ -1,0 +1,875 @@
+"""TransferEngine: the object a model runner holds, one per TP rank.
+
+It plays both roles: it *exports* requests whose KV it holds (prefill, or decode for
+multi-turn reuse) and *loads* requests from remote engines. Threads (all bounded, all stopped
+by :meth:`close`):
+
+* server: the rank's ROUTER side channel — handshakes, lease grants, pg send requests,
+  notifications, heartbeats — and lease expiry;
+* worker: runs the loads queued by :meth:`load`, one batch per :meth:`poll`, and heartbeats;
+* sender: joins pair groups and sends gathered wires for ``pg`` exports.
+
+Completion: the loader notifies the exporter ranks the plan names (``notify_targets``); an
+exporter rank frees a request when it has the ``expected_notifications`` of the plan of the
+pair of engines. A load is reported exactly once, finished or failed; an export once,
+finished or expired.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import control as C
+from . import ops
+from .metrics import Metrics, now
+from .params import KVTransferParams
+from .plan import Read, plan_reads
+from .spec import KVCacheSpec, Layout
+from .tracker import UNKNOWN, ExportTracker, LoadTracker, PollResult
+from .transports import (
+    TRANSPORTS,
+    Item,
+    WirePipeline,
+    build_chunks,
+    dedupe_prefixes,
+    mapper,
+    unit_view,
+    units_of,
+)
+
+__all__ = ["HandshakeError", "TransferEngine"]
+
+_TICK_MS = 20
+
+
+class HandshakeError(RuntimeError):
+    """The remote engine cannot be reached or is incompatible (the message names why)."""
+
+
+def _host_identity() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _compat_hash(spec: KVCacheSpec) -> str:
+    d = spec.to_dict()
+    return "|".join(str(d[k]) for k in ("use_mla", "num_layers", "num_kv_heads", "head_dim", "dtype"))
+
+
+def _ids(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.int64).reshape(-1)
+
+
+@dataclass
+class _Remote:
+    """A handshaken remote engine, cached by engine id."""
+
+    engine_id: str
+    spec: KVCacheSpec
+    tp_size: int
+    addrs: list[str]
+    transport: str
+    replies: list[C.HelloReply]
+    num_blocks: int
+    ipc: dict = field(default_factory=dict)  # src rank -> (caches view, epochs, handles)
+    pairs: dict = field(default_factory=dict)  # src rank -> (pg, key)
+    pair_gen: int = 0
+    store: object = None
+
+
+@dataclass
+class _LoadItem:
+    request_id: str
+    params: KVTransferParams
+    block_ids: torch.Tensor  # local, exactly ceil(T / block_size)
+
+
+class TransferEngine:
+    """Moves paged KV between engines; one instance per TP rank.
+
+    Args:
+        spec: this engine's cache spec (all ranks alike).
+        caches: this rank's per-layer caches (``spec.cache_shape(num_blocks, tp_size)`` each).
+            For the ``ipc`` transport on CPU, allocate them with
+            :func:`kvxfer.transports.shm.alloc_shm_caches` so loaders can map them.
+        tp_rank, tp_size: this rank and the engine's TP size.
+        engine_id: unique id of the engine (all ranks alike).
+        host: address the side channel (and pg store) bind to and that params advertise.
+        transport: ``"auto"`` (ipc when both sides are on one host and the exporter's caches
+            can be mapped, else pg), ``"ipc"`` or ``"pg"``; an explicit transport that cannot
+            be used fails the request naming why.
+        lease_s: how long exported blocks are held without a heartbeat.
+        port: side-channel port of rank 0; rank r binds ``port + r``. 0 picks a free port,
+            allowed only with ``tp_size == 1`` (other ranks could not be found).
+        timeout_s: bound of every side-channel wait and data transfer (default
+            ``min(lease_s, 10)``).
+        pipeline: :class:`~kvxfer.transports.WirePipeline` moving pg wires (extension point).
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        caches: Sequence[torch.Tensor],
+        tp_rank: int,
+        tp_size: int,
+        engine_id: str,
+        host: str = "127.0.0.1",
+        transport: str = "auto",
+        lease_s: float = 30.0,
+        *,
+        port: int = 0,
+        timeout_s: float | None = None,
+        pipeline: WirePipeline | None = None,
+    ) -> None:
+        if not isinstance(spec, KVCacheSpec):
+            raise ValueError(f"spec: expected a KVCacheSpec, got {type(spec).__name__}")
+        spec.heads_of_rank(tp_rank, tp_size)  # validates tp_rank / tp_size
+        side = ops.make_side(caches, spec, [], 0)
+        if side.num_heads != spec.heads_per_rank(tp_size):
+            raise ValueError(
+                f"caches: hold {side.num_heads} heads per layer, tp_size={tp_size} needs "
+                f"{spec.heads_per_rank(tp_size)}"
+            )
+        if not isinstance(engine_id, str) or not engine_id:
+            raise ValueError(f"engine_id: must be a non-empty string, got {engine_id!r}")
+        if transport not in ("auto", *TRANSPORTS):
+            raise ValueError(f"transport: must be 'auto', 'ipc' or 'pg', got {transport!r}")
+        if not (isinstance(lease_s, (int, float)) and lease_s > 0):
+            raise ValueError(f"lease_s: must be > 0, got {lease_s!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - tp_size:
+            raise ValueError(f"port: must be an int in [0, {65535 - tp_size}], got {port!r}")
+        if port == 0 and tp_size > 1:
+            raise ValueError("port: a tp_size > 1 engine needs an explicit base port (rank r binds port + r)")
+        self.spec = spec
+        self.caches = list(caches)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.engine_id = engine_id
+        self.host = host
+        self.transport = transport
+        self.lease_s = float(lease_s)
+        self.timeout_s = float(timeout_s) if timeout_s is not None else min(self.lease_s, 10.0)
+        self.pipeline = pipeline or WirePipeline()
+        self.num_blocks = side.num_blocks
+        self.device = side.device
+        self._base_port = port
+        self._view, self._view_spec, self._unit = unit_view(self.caches, spec)
+        self._hooks: dict[str, object] = {}  # test hooks: "after_ipc_copy", "before_send"
+        self._metrics = Metrics()
+        self._loads = LoadTracker()
+        self._incoming: list[_LoadItem] = []
+        self._lock = threading.Lock()
+        self._remotes: dict[str, _Remote] = {}
+        self._loader_tp: dict[str, int] = {}
+        self._work: queue.Queue = queue.Queue()
+        self._send_q: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._closed = False
+        self._identity = _host_identity()
+
+    # ----------------------------------------------------------------------- lifecycle
+    def start(self) -> TransferEngine:
+        """Bind the side channel, share the cache description, start the threads."""
+        import zmq
+
+        if self._started:
+            raise RuntimeError("start: already started")
+        self._ctx = zmq.Context()
+        port = self._base_port + self.tp_rank if self._base_port else 0
+        self._server = C.ControlServer(self._ctx, self.host, port)
+        self.port = self._server.port - self.tp_rank
+        self._offers: list[str] = []
+        self._ipc_desc = None
+        epochs = None
+        self._epoch_shm = None
+        if self.transport in ("auto", "ipc") and self.device.type == "cpu":
+            shm = mapper("shm")
+            desc = shm.describe(self.caches)
+            if desc is not None:
+                epochs, self._epoch_shm = shm.alloc_shm_array(self.num_blocks)
+                self._ipc_desc = {
+                    "mapper": "shm",
+                    "caches": desc,
+                    "epochs": self._epoch_shm.name,
+                    "num_blocks": self.num_blocks,
+                }
+                self._offers.append("ipc")
+        self._exports = ExportTracker(self.num_blocks, self.lease_s, epochs)
+        self._store = None
+        if self.transport in ("auto", "pg"):
+            from .transports import pg
+
+            self._store = pg.serve_store(self.host, self.timeout_s)
+            self._pg_backend = pg.pg_backend_for(self.device)
+            self._offers.append("pg")
+        self._client = C.ControlClient(self._ctx)
+        self._sender_pairs: dict[str, object] = {}
+        for target, name in (
+            (self._serve, "server"),
+            (self._work_loop, "worker"),
+            (self._send_loop, "sender"),
+        ):
+            t = threading.Thread(
+                target=target, name=f"kvxfer-{name}-{self.engine_id}-{self.tp_rank}", daemon=True
+            )
+            t.start()
+            self._threads.append(t)
+        self._started = True
+        return self
+
+    def close(self) -> None:
+        """Stop the threads (bounded), close sockets and shared memory. Idempotent."""
+        if self._closed or not self._started:
+            self._closed = True
+            return
+        self._closed = True
+        self._stop.set()
+        self._work.put(None)
+        self._send_q.put(None)
+        for t in self._threads:
+            t.join(timeout=self.timeout_s + 2)
+        self._server.close()
+        self._client.close()
+        for rem in self._remotes.values():
+            for _, _, handles in rem.ipc.values():
+                for h in handles:
+                    mapper("shm").detach(h)
+        self._remotes.clear()
+        self._sender_pairs.clear()
+        if self._epoch_shm is not None:
+            mapper("shm").release_segment(self._epoch_shm)
+        self._ctx.term()
+
+    def __enter__(self) -> TransferEngine:
+        return self.start() if not self._started else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_started(self) -> None:
+        if not self._started or self._closed:
+            raise RuntimeError("engine: call start() first (and not after close())")
+
+    # -------------------------------------------------------------------------- export
+    def export(self, request_id: str, block_ids, num_tokens: int) -> dict:
+        """Hold ``block_ids`` (token order, ``ceil(num_tokens / block_size)`` of them) under a lease.
+
+        Returns the params dict (identical on every rank) that a loader passes to :meth:`load`.
+        The caller frees the blocks once ``poll()`` reports the request in ``finished_sending``
+        or ``expired``.
+        """
+        self._check_started()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
+        ids = _ids(block_ids)
+        need = self.spec.num_blocks_for(num_tokens)
+        if ids.numel() < need:
+            raise ValueError(f"block_ids: num_tokens={num_tokens} needs {need} blocks, got {ids.numel()}")
+        ids = ids[:need].clone()
+        if int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks:
+            raise ValueError(f"block_ids: out of range [0, {self.num_blocks})")
+        self._exports.add(request_id, ids, num_tokens)
+        return KVTransferParams(
+            request_id, self.engine_id, self.host, self.port, self.tp_size, tuple(ids.tolist()), num_tokens
+        ).to_dict()
+
+    def abort_export(self, request_id: str) -> bool:
+        """Release an exported request now (e.g. the client went away); reported as finished_sending.
+
+        A loader still reading it gets it reported failed, never delivered.
+        """
+        self._check_started()
+        return self._exports.abort(request_id)
+
+    # ---------------------------------------------------------------------------- load
+    def load(self, request_id: str, params: dict | KVTransferParams, block_ids) -> None:
+        """Queue a load of ``params`` into local ``block_ids``; it starts at the next :meth:`poll`.
+
+        Malformed params or block ids raise ``ValueError`` (naming the field) here; every
+        later problem is reported by :meth:`poll` as a failed request.
+        """
+        self._check_started()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        p = KVTransferParams.from_dict(params)
+        if isinstance(p, list):
+            raise ValueError("params: load takes one child's params; call load once per n>1 child")
+        ids = _ids(block_ids)
+        need = self.spec.num_blocks_for(p.num_tokens)
+        if ids.numel() < need:
+            raise ValueError(
+                f"block_ids: num_tokens={p.num_tokens} needs {need} local blocks, got {ids.numel()}"
+            )
+        ids = ids[:need].clone()
+        if int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks:
+            raise ValueError(f"block_ids: out of range [0, {self.num_blocks})")
+        if torch.unique(ids).numel() != need:
+            raise ValueError("block_ids: repeated block id")
+        self._loads.add(request_id, ids.tolist(), now())
+        with self._lock:
+            self._incoming.append(_LoadItem(request_id, p, ids))
+
+    def poll(self) -> PollResult:
+        """Start the loads queued since the last poll (one batch) and report what completed."""
+        self._check_started()
+        with self._lock:
+            batch, self._incoming = self._incoming, []
+        if batch:
+            self._work.put(batch)
+        out = PollResult()
+        self._exports.drain(out)
+        self._loads.drain(out)
+        return out
+
+    def stats(self) -> dict:
+        """Counters, bytes, p50/p90/p99 transfer time, busy-time throughput, transports."""
+        s = self._metrics.snapshot()
+        if self._started:
+            s["exports_live"] = self._exports.num_live()
+            s["blocks_held"] = self._exports.held_blocks()
+        s["loads_pending"] = self._loads.pending()
+        s["engine_id"] = self.engine_id
+        s["tp_rank"] = self.tp_rank
+        return s
+
+    # -------------------------------------------------------------------------- server
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._server.serve_once(self._handle, _TICK_MS)
+                n = self._exports.expire()
+                if n:
+                    self._metrics.add("expirations", n)
+            except Exception:  # pragma: no cover - keep serving; errors surface as timeouts
+                if self._stop.is_set():
+                    return
+
+    def _hello_reply(self, error: str | None = None) -> C.HelloReply:
+        pg = (
+            {"host": self.host, "port": self._store.port, "backend": self._pg_backend}
+            if self._store
+            else None
+        )
+        return C.HelloReply(
+            engine_id=self.engine_id,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            spec=self.spec.to_dict(),
+            compat=_compat_hash(self.spec),
+            transports=list(self._offers),
+            hostname=self._identity,
+            num_blocks=self.num_blocks,
+            ipc=self._ipc_desc,
+            pg=pg,
+            error=error,
+        )
+
+    def _handle(self, msg):
+        if isinstance(msg, C.Hello):
+            if msg.version != C.PROTOCOL_VERSION:
+                return self._hello_reply(f"protocol version {msg.version} != {C.PROTOCOL_VERSION}")
+            self._loader_tp[msg.engine_id] = msg.tp_size
+            return self._hello_reply()
+        if isinstance(msg, C.ReadReq):
+            self._loader_tp[msg.engine_id] = msg.tp_size
+            ok, bad = self._exports.grant(msg.request_ids)
+            return C.ReadReply(ok=list(ok), epochs=[e.numpy().tobytes() for e in ok.values()], failed=bad)
+        if isinstance(msg, C.Heartbeat):
+            self._exports.heartbeat(msg.request_ids)
+            return None
+        if isinstance(msg, C.Notify):
+            plan = plan_reads(self.spec, self.tp_size, self.spec, msg.tp_size)
+            expected = plan.expected_notifications(self.tp_rank)
+            released = 0
+            for rid in [*msg.request_ids, *msg.failed]:
+                released += self._exports.notify(rid, (msg.engine_id, msg.tp_rank), expected)
+            if released:
+                self._metrics.add("finished_exports", released)
+            return None
+        if isinstance(msg, C.PairReq):
+            if self._store is None:
+                return C.SendReply(ok=False, failed={"*": "pg transport not offered by this engine"})
+            self._send_q.put(("pair", msg.key))
+            return C.SendReply(ok=True, failed={})
+        if isinstance(msg, C.SendReq):
+            return self._handle_send(msg)
+        return C.ErrorReply(f"unexpected message {type(msg).__name__}")
+
+    def _handle_send(self, msg: C.SendReq):
+        """Gather the chunks under the tracker lock (a consistent snapshot of leased blocks)."""
+        if msg.key not in self._sender_pairs and not self._pair_pending(msg.key):
+            return C.SendReply(ok=False, failed={"*": f"unknown pair group {msg.key}"})
+        wires = []
+        with self._exports.lock:
+            bad = {}
+            for rid in msg.request_ids:
+                if self._exports.lookup(rid) is None:
+                    bad[rid] = "not exported here, already released or lease expired"
+            if bad:
+                return C.SendReply(ok=False, failed=bad)
+            self._exports.heartbeat(msg.request_ids)
+            for units_b, num_tokens in msg.chunks:
+                units = torch.from_numpy(np.frombuffer(units_b, dtype=np.int64).copy())
+                wires.append(
+                    ops.gather_blocks(
+                        self._view, self._view_spec, units, num_tokens, msg.head_start, msg.num_heads
+                    )
+                )
+        self._send_q.put(("send", msg.key, wires))
+        return C.SendReply(ok=True, failed={})
+
+    def _pair_pending(self, key: str) -> bool:
+        return True  # pairs are created in FIFO order on the sender thread before any send
+
+    # -------------------------------------------------------------------------- sender
+    def _send_loop(self) -> None:
+        from .transports import pg
+
+        while not self._stop.is_set():
+            try:
+                job = self._send_q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            key = job[1]
+            try:
+                if job[0] == "pair":
+                    store = pg.connect_store(self.host, self._store.port, self.timeout_s)
+                    self._sender_pairs[key] = pg.new_pair(
+                        store, key, 0, self.host, self.timeout_s, self._pg_backend
+                    )
+                else:
+                    hook = self._hooks.get("before_send")
+                    if hook:
+                        hook()
+                    pair = self._sender_pairs.get(key)
+                    if pair is None:
+                        continue
+                    for wire in job[2]:
+                        self.pipeline.send(pair, wire, 1, self.timeout_s)
+                        self._metrics.add("bytes_sent", wire.numel() * wire.element_size())
+            except Exception:
+                self._sender_pairs.pop(key, None)  # the loader times out and re-pairs
+
+    # -------------------------------------------------------------------------- worker
+    def _work_loop(self) -> None:
+        last_beat = time.monotonic()
+        beat_every = self.lease_s / 3
+        while not self._stop.is_set():
+            try:
+                batch = self._work.get(timeout=min(0.05, beat_every))
+            except queue.Empty:
+                batch = None
+            if batch is None and self._stop.is_set():
+                return
+            if batch:
+                try:
+                    self._run_batch(batch)
+                except Exception as e:  # every request of the batch is still reported once
+                    for it in batch:
+                        if self._loads.fail(it.request_id, f"internal error: {type(e).__name__}: {e}"):
+                            self._metrics.add("failures")
+            if time.monotonic() - last_beat >= beat_every:
+                self._heartbeat()
+                last_beat = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        """Renew the leases of loads queued but not yet run (run ones were renewed by the grant)."""
+        with self._lock:
+            waiting = list(self._incoming)
+        try:
+            queued = [it for b in list(self._work.queue) if b for it in b]
+        except Exception:  # pragma: no cover
+            queued = []
+        by_addr: dict[str, list[str]] = {}
+        for it in waiting + queued:
+            p = it.params
+            for r in range(p.tp_size):
+                by_addr.setdefault(f"tcp://{p.host}:{p.port + r}", []).append(p.request_id)
+        for addr, rids in by_addr.items():
+            self._client.send(addr, C.Heartbeat(self.engine_id, self.tp_rank, rids))
+
+    def _fail(self, items, reason: str) -> None:
+        for it in items:
+            if self._loads.fail(it.request_id, reason):
+                self._metrics.add("failures")
+
+    def _run_batch(self, batch: list[_LoadItem]) -> None:
+        groups: dict[str, list[_LoadItem]] = {}
+        for it in batch:
+            groups.setdefault(it.params.engine_id, []).append(it)
+        for engine_id, items in groups.items():
+            try:
+                rem = self._remote(items[0].params)
+            except HandshakeError as e:
+                self._fail(items, f"handshake with {engine_id}: {e}")
+                continue
+            self._run_remote(rem, items)
+
+    # ------------------------------------------------------------------------ handshake
+    def _remote(self, p: KVTransferParams) -> _Remote:
+        rem = self._remotes.get(p.engine_id)
+        if rem is not None:
+            return rem
+        t0 = now()
+        addrs = [f"tcp://{p.host}:{p.port + r}" for r in range(p.tp_size)]
+        hello = C.Hello(
+            engine_id=self.engine_id,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            spec=self.spec.to_dict(),
+            compat=_compat_hash(self.spec),
+            transports=list(self._offers),
+            hostname=self._identity,
+        )
+        try:
+            replies = self._client.call_many([(a, hello) for a in addrs], self.timeout_s)
+        except C.ControlTimeout as e:
+            for a in addrs:
+                self._client.drop(a)
+            raise HandshakeError(str(e)) from None
+        for r, rep in enumerate(replies):
+            if not isinstance(rep, C.HelloReply):
+                raise HandshakeError(f"rank {r} answered {type(rep).__name__}: {getattr(rep, 'error', '')}")
+            if rep.error:
+                raise HandshakeError(f"rank {r}: {rep.error}")
+            if rep.engine_id != p.engine_id or rep.tp_rank != r or rep.tp_size != p.tp_size:
+                raise HandshakeError(
+                    f"rank {r} at {addrs[r]} is engine {rep.engine_id!r} rank {rep.tp_rank}/{rep.tp_size}, "
+                    f"params name {p.engine_id!r} with tp_size {p.tp_size}"
+                )
+        spec = KVCacheSpec.from_dict(replies[0].spec)
+        mismatch = spec.model_mismatch(self.spec)
+        if mismatch:
+            raise HandshakeError(f"incompatible peer: {mismatch}")
+        try:
+            plan_reads(spec, p.tp_size, self.spec, self.tp_size)
+        except ValueError as e:
+            raise HandshakeError(f"incompatible peer: TP {p.tp_size} -> {self.tp_size}: {e}") from None
+        transport = self._choose_transport(replies)
+        rem = _Remote(
+            p.engine_id, spec, p.tp_size, addrs, transport, replies, min(r.num_blocks for r in replies)
+        )
+        self._remotes[p.engine_id] = rem
+        self._metrics.record_handshake(p.engine_id, now() - t0, transport)
+        return rem
+
+    def _choose_transport(self, replies: list[C.HelloReply]) -> str:
+        same_host = all(r.hostname == self._identity for r in replies)
+        ipc_ok = self.device.type == "cpu" and same_host and all("ipc" in r.transports for r in replies)
+        pg_ok = self.transport in ("auto", "pg") and all("pg" in r.transports for r in replies)
+        if self.transport == "ipc":
+            if not ipc_ok:
+                why = (
+                    "not on one host"
+                    if not same_host
+                    else "the exporter's caches are not mappable (not in shm)"
+                )
+                raise HandshakeError(f"transport 'ipc' was asked for but cannot be used: {why}")
+            return "ipc"
+        if self.transport == "pg":
+            if not pg_ok:
+                raise HandshakeError("transport 'pg' was asked for but the exporter does not offer it")
+            return "pg"
+        if ipc_ok:
+            return "ipc"
+        if pg_ok:
+            return "pg"
+        raise HandshakeError("no common transport (exporter offers " + ",".join(replies[0].transports) + ")")
+
+    # ------------------------------------------------------------------------ transfers
+    def _run_remote(self, rem: _Remote, items: list[_LoadItem]) -> None:
+        src_bs = rem.spec.block_size
+        good: list[_LoadItem] = []
+        for it in items:
+            need = rem.spec.num_blocks_for(it.params.num_tokens)
+            if len(it.params.block_ids) != need:
+                self._fail(
+                    [it], f"params.block_ids: has {len(it.params.block_ids)} ids, num_tokens needs {need}"
+                )
+            elif max(it.params.block_ids) >= rem.num_blocks:
+                self._fail([it], f"params.block_ids: out of the exporter's range [0, {rem.num_blocks})")
+            else:
+                good.append(it)
+        seen_remote: set[str] = set()
+        for it in list(good):
+            if it.params.request_id in seen_remote:
+                good.remove(it)
+                self._fail([it], f"params.request_id: {it.params.request_id!r} is loaded twice in one batch")
+            seen_remote.add(it.params.request_id)
+        if not good:
+            return
+        remote_of = {it.request_id: it.params.request_id for it in good}
+        local_of = {v: k for k, v in remote_of.items()}
+        plan = plan_reads(rem.spec, rem.tp_size, self.spec, self.tp_size)
+        reads = plan.reads(self.tp_rank)
+        src_ranks = sorted({r.src_rank for r in reads})
+        alive = {it.request_id: it for it in good}
+        reasons: dict[str, str] = {}
+        # Lease grants from every source rank read (renews the leases). A rank that does not
+        # know a request yet (its export may trail the rank that published the params) is
+        # asked again until timeout_s; a released request fails at once.
+        epochs: dict[int, dict[str, torch.Tensor]] = {s: {} for s in src_ranks}
+        todo = {s: list(alive) for s in src_ranks}
+        deadline = time.monotonic() + self.timeout_s
+        while any(todo.values()):
+            ranks = [s for s in src_ranks if todo[s]]
+            calls = [
+                (
+                    rem.addrs[s],
+                    C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, [remote_of[r] for r in todo[s]]),
+                )
+                for s in ranks
+            ]
+            try:
+                grants = self._client.call_many(calls, max(0.01, deadline - time.monotonic()))
+            except C.ControlTimeout as e:
+                self._forget(rem)
+                self._fail(good, f"lease grant: {e}")
+                self._notify(rem, plan, [], [it.params.request_id for it in good])
+                return
+            for s, g in zip(ranks, grants):
+                if not isinstance(g, C.ReadReply):
+                    for rid in list(alive):
+                        reasons[rid] = f"rank {s}: {getattr(g, 'error', g)}"
+                    alive.clear()
+                    todo = {}
+                    break
+                epochs[s].update(
+                    {
+                        local_of[rid]: torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy())
+                        for rid, b in zip(g.ok, g.epochs)
+                    }
+                )
+                retry = []
+                for rrid, why in g.failed.items():
+                    rid = local_of.get(rrid)
+                    if rid not in alive:
+                        continue
+                    if why == UNKNOWN and time.monotonic() < deadline:
+                        retry.append(rid)
+                    else:
+                        del alive[rid]
+                        reasons[rid] = f"exporter rank {s}: {why}"
+                todo[s] = [rid for rid in retry if rid in alive]
+            if any(todo.values()):
+                time.sleep(0.005)
+        src_unit = src_bs if (not rem.spec.use_mla and rem.spec.layout is Layout.HND) else 1
+        for s in src_ranks:
+            if not alive:
+                break
+            s_reads = [r for r in reads if r.src_rank == s]
+            t0 = now()
+            try:
+                if rem.transport == "ipc":
+                    moved, bad = self._ipc_read(rem, s, s_reads, list(alive.values()), epochs[s], src_unit)
+                else:
+                    moved, bad = self._pg_read(rem, s, s_reads, list(alive.values()), src_unit)
+            except Exception as e:
+                moved, bad = (
+                    0,
+                    {rid: f"{rem.transport} read from rank {s}: {type(e).__name__}: {e}" for rid in alive},
+                )
+            self._metrics.record_batch(t0, now(), moved, 0)
+            for rid, why in bad.items():
+                if rid in alive:
+                    del alive[rid]
+                    reasons[rid] = why
+        done = list(alive)
+        t_end = now()
+        lat = []
+        for rid in done:
+            start = self._loads.start_of(rid)
+            if self._loads.finish(rid):
+                lat.append(t_end - start)
+        self._metrics.record_done(lat)
+        failed = [it for it in good if it.request_id in reasons]
+        for it in failed:
+            if self._loads.fail(it.request_id, reasons[it.request_id]):
+                self._metrics.add("failures")
+        self._notify(rem, plan, [remote_of[r] for r in done], [it.params.request_id for it in failed])
+
+    def _notify(self, rem: _Remote, plan, done: list[str], failed: list[str]) -> None:
+        if not done and not failed:
+            return
+        msg = C.Notify(self.engine_id, self.tp_rank, self.tp_size, done, failed)
+        for s in plan.notify_targets(self.tp_rank):
+            self._client.send(rem.addrs[s], msg)
+
+    def _forget(self, rem: _Remote) -> None:
+        """Drop a remote that stopped answering; the next load handshakes again."""
+        self._remotes.pop(rem.engine_id, None)
+        for a in rem.addrs:
+            self._client.drop(a)
+
+    def _items(self, loads: list[_LoadItem], src_bs: int, src_unit: int) -> list[Item]:
+        items = []
+        for it in loads:
+            t = it.params.num_tokens
+            src = units_of(_ids(it.params.block_ids), src_bs, t, src_unit)
+            dst = units_of(it.block_ids, self.spec.block_size, t, self._unit)
+            items.append(Item(it.request_id, src, dst, t))
+        dedupe_prefixes(items, src_unit, self._unit)
+        return items
+
+    def _count(self, items: list[Item], num_heads: int) -> tuple[int, int]:
+        bpt = self.spec.bytes_per_token(num_heads=num_heads)
+        moved = sum(i.num_tokens - i.skip for i in items) * bpt
+        saved = sum(i.skip for i in items) * bpt
+        return moved, saved
+
+    def _ipc_map(self, rem: _Remote, s: int):
+        got = rem.ipc.get(s)
+        if got is None:
+            desc = rem.replies[s].ipc
+            m = mapper(desc["mapper"])
+            caches, h1 = m.attach(desc["caches"])
+            ep, h2 = m.attach_array(desc["epochs"], desc["num_blocks"])
+            view, view_spec, _ = unit_view(caches, rem.spec)
+            got = rem.ipc[s] = ((view, view_spec), ep, [h1, h2])
+        return got
+
+    def _ipc_read(self, rem, s, reads: list[Read], loads, granted: dict[str, torch.Tensor], src_unit: int):
+        (src_view, src_spec), ep, _ = self._ipc_map(rem, s)
+        bad: dict[str, str] = {}
+        ids = {it.request_id: _ids(it.params.block_ids) for it in loads}
+
+        def stale(when: str) -> None:
+            rids = [r for r in ids if r not in bad]
+            if not rids:
+                return
+            cat = torch.cat([ids[r] for r in rids])
+            snap = torch.cat([granted[r] for r in rids])
+            diff = (ep[cat] != snap).to(torch.int32)
+            seg = torch.repeat_interleave(
+                torch.arange(len(rids)), torch.tensor([ids[r].numel() for r in rids])
+            )
+            per = torch.zeros(len(rids), dtype=torch.int32).index_add_(0, seg, diff)
+            for k in per.nonzero().flatten().tolist():
+                bad[rids[k]] = f"exporter rank {s}: blocks released {when} (lease ended); not delivered"
+
+        stale("before the copy")
+        loads = [it for it in loads if it.request_id not in bad]
+        items = self._items(loads, rem.spec.block_size, src_unit)
+        moved = saved = calls = 0
+        for r in reads:
+            for ch in build_chunks(items, src_unit, self._unit):
+                ops.copy_blocks(
+                    src_view,
+                    src_spec,
+                    ch.src,
+                    self._view,
+                    self._view_spec,
+                    ch.dst,
+                    ch.num_tokens,
+                    r.src_head_start,
+                    r.dst_head_start,
+                    r.num_heads,
+                )
+                calls += 1
+            m, sv = self._count(items, r.num_heads)
+            moved, saved = moved + m, saved + sv
+        hook = self._hooks.get("after_ipc_copy")
+        if hook:
+            hook(ep)
+        stale("during the copy")
+        self._metrics.add("ops_calls", calls)
+        self._metrics.add("dedup_bytes", saved)
+        return moved, bad
+
+    def _pair(self, rem: _Remote, s: int):
+        from .transports import pg
+
+        got = rem.pairs.get(s)
+        if got is not None:
+            return got
+        rem.pair_gen += 1
+        key = f"{self.engine_id}/{self.tp_rank}/{os.getpid()}/{rem.pair_gen}"
+        rep = self._client.call(rem.addrs[s], C.PairReq(self.engine_id, self.tp_rank, key), self.timeout_s)
+        if not isinstance(rep, C.SendReply) or not rep.ok:
+            raise RuntimeError(f"pair group refused: {getattr(rep, 'failed', rep)}")
+        info = rem.replies[s].pg
+        store = pg.connect_store(info["host"], info["port"], self.timeout_s)
+        group = pg.new_pair(store, key, 1, self.host, self.timeout_s, info["backend"])
+        got = rem.pairs[s] = (group, key)
+        return got
+
+    def _pg_read(self, rem, s, reads: list[Read], loads, src_unit: int):
+        bad: dict[str, str] = {}
+        try:
+            group, key = self._pair(rem, s)
+        except Exception as e:
+            return 0, {it.request_id: f"pg pair with rank {s}: {type(e).__name__}: {e}" for it in loads}
+        moved = saved = calls = 0
+        for r in reads:
+            for _attempt in range(3):
+                loads = [it for it in loads if it.request_id not in bad]
+                if not loads:
+                    break
+                items = self._items(loads, rem.spec.block_size, src_unit)
+                chunks = build_chunks(items, src_unit, self._unit)
+                req = C.SendReq(
+                    self.engine_id,
+                    self.tp_rank,
+                    key,
+                    [it.params.request_id for it in loads],
+                    r.src_head_start,
+                    r.num_heads,
+                    src_unit,
+                    [(c.src.numpy().tobytes(), c.num_tokens) for c in chunks],
+                )
+                try:
+                    rep = self._client.call(rem.addrs[s], req, self.timeout_s)
+                except C.ControlTimeout:
+                    rem.pairs.pop(s, None)
+                    self._forget(rem)
+                    raise
+                if not isinstance(rep, C.SendReply):
+                    raise RuntimeError(f"send request refused: {getattr(rep, 'error', rep)}")
+                if not rep.ok:
+                    if "*" in rep.failed:
+                        rem.pairs.pop(s, None)
+                        raise RuntimeError(rep.failed["*"])
+                    local_of = {it.params.request_id: it.request_id for it in loads}
+                    for rid, why in rep.failed.items():
+                        bad[local_of.get(rid, rid)] = f"exporter rank {s}: {why}"
+                    continue
+                try:
+                    for c in chunks:
+                        wire = torch.empty(
+                            self.spec.wire_shape(c.num_tokens, r.num_heads),
+                            dtype=self.spec.dtype,
+                            device=self.device,
+                        )
+                        self.pipeline.recv(group, wire, 0, self.timeout_s)
+                        ops.scatter_blocks(
+                            wire, self._view, self._view_spec, c.dst, c.num_tokens, r.dst_head_start
+                        )
+                        calls += 1
+                except Exception:
+                    rem.pairs.pop(s, None)  # a timed-out pair may hold a stale receive
+                    raise
+                m, sv = self._count(items, r.num_heads)
+                moved, saved = moved + m, saved + sv
+                break
+        self._metrics.add("ops_calls", calls)
+        self._metrics.add("dedup_bytes", saved)
+        return moved, bad

@@ -1,0 +1,111 @@
+"""Transfer statistics: counts, bytes, latency percentiles, busy-time throughput.
+
+Throughput is bytes over *wall-clock busy time*: the union of the [start, end] intervals of
+all transfers, so overlapping transfers are not double counted (summing per-transfer times
+would understate throughput; dividing by total elapsed time would include idle gaps).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+__all__ = ["Metrics", "busy_time", "percentile"]
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end]`` intervals (seconds)."""
+    total = 0.0
+    cur_s = cur_e = None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` in [0, 100] of ``values`` (0.0 when empty)."""
+    if not values:
+        return 0.0
+    v = sorted(values)
+    k = max(0, min(len(v) - 1, int(-(-q * len(v) // 100)) - 1))
+    return v[k]
+
+
+class Metrics:
+    """Thread-safe counters of one engine rank. Times are ``time.perf_counter()`` seconds."""
+
+    def __init__(self, max_samples: int = 100_000) -> None:
+        self._lock = threading.Lock()
+        self._max = max_samples
+        self.transfers = 0  # requests received successfully
+        self.bytes_received = 0  # wire bytes that crossed into this rank (loads)
+        self.bytes_sent = 0  # wire bytes this rank sent (pg exports)
+        self.failures = 0  # loads reported failed
+        self.expirations = 0  # exports whose lease expired
+        self.finished_exports = 0  # exports freed after all notifications
+        self.handshakes = 0
+        self.handshake_s = 0.0
+        self.ops_calls = 0  # gather/scatter/copy calls issued for loads
+        self.dedup_bytes = 0  # wire bytes not sent because an n>1 sibling carried them
+        self._latency: list[float] = []
+        self._intervals: list[tuple[float, float]] = []
+        self.transports: dict[str, str] = {}  # remote engine -> transport
+
+    def record_handshake(self, engine_id: str, seconds: float, transport: str) -> None:
+        with self._lock:
+            self.handshakes += 1
+            self.handshake_s += seconds
+            self.transports[engine_id] = transport
+
+    def record_batch(self, start: float, end: float, nbytes: int, calls: int) -> None:
+        """One (batch, source rank) transfer that moved ``nbytes`` wire bytes."""
+        with self._lock:
+            self.bytes_received += nbytes
+            self.ops_calls += calls
+            if len(self._intervals) < self._max:
+                self._intervals.append((start, end))
+
+    def record_done(self, latencies: list[float]) -> None:
+        with self._lock:
+            self.transfers += len(latencies)
+            room = self._max - len(self._latency)
+            self._latency.extend(latencies[: max(0, room)])
+
+    def add(self, field: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, field, getattr(self, field) + n)
+
+    def snapshot(self) -> dict:
+        """JSON-safe dict of everything above, with p50/p90/p99 latency and busy throughput."""
+        with self._lock:
+            lat = list(self._latency)
+            busy = busy_time(self._intervals)
+            out = {
+                "transfers": self.transfers,
+                "bytes": self.bytes_received,
+                "bytes_sent": self.bytes_sent,
+                "failures": self.failures,
+                "expirations": self.expirations,
+                "finished_exports": self.finished_exports,
+                "handshakes": self.handshakes,
+                "handshake_s": self.handshake_s,
+                "ops_calls": self.ops_calls,
+                "dedup_bytes": self.dedup_bytes,
+                "transports": dict(self.transports),
+            }
+        out["busy_s"] = busy
+        out["throughput_Bps"] = out["bytes"] / busy if busy > 0 else 0.0
+        for q in (50, 90, 99):
+            out[f"p{q}_s"] = percentile(lat, q)
+        return out
+
+
+def now() -> float:
+    return time.perf_counter()

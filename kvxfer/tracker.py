@@ -1,0 +1,294 @@
+"""Completion tracking: exported requests (leases, notifications), loads, and the aggregator.
+
+Exporter side (:class:`ExportTracker`): a request's blocks are held until it has received the
+number of notifications the transfer plan says this rank must expect (a property of the pair
+of engines, known from the loader's TP size), or until its lease expires. Blocks shared by
+several held requests (n>1 prefixes) are refcounted; when a block's refcount drops to zero its
+*epoch* is bumped, so a loader that copies straight out of this rank's memory (``ipc``) can
+tell, after the copy, whether the blocks were released while it read them.
+
+Loader side (:class:`LoadTracker`): pending loads, each reported exactly once, finished or
+failed with its local block ids.
+
+:class:`CompletionAggregator` merges the per-rank :class:`PollResult` of one engine: a request
+counts as done only when every rank has reported it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+UNKNOWN = "unknown: not exported here (yet)"
+RELEASED = "released: lease expired, aborted or already freed"
+
+__all__ = ["CompletionAggregator", "ExportTracker", "LoadTracker", "PollResult"]
+
+
+@dataclass
+class PollResult:
+    """What :meth:`TransferEngine.poll` returns.
+
+    finished_sending: exported requests whose blocks the caller may now free (all expected
+        notifications arrived, successful or not on the loader).
+    finished_recving: loads that landed completely and correctly.
+    failed: load request id -> local block ids to recompute.
+    expired: exported requests whose lease ended before the loader finished; blocks released.
+    errors: request id -> why it failed (for failed and expired requests).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed: dict[str, list[int]] = field(default_factory=dict)
+    expired: set[str] = field(default_factory=set)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.failed or self.expired)
+
+
+@dataclass
+class _Export:
+    block_ids: torch.Tensor  # int64 [n]
+    num_tokens: int
+    deadline: float
+    notified_by: set = field(default_factory=set)
+    expected: int | None = None
+
+
+class ExportTracker:
+    """Requests this rank exported, their leases, notification counts and block epochs.
+
+    ``epochs`` is an int64 tensor ``[num_blocks]`` (in shared memory when the rank offers
+    ``ipc``); ``refcount`` counts live exports holding each block.
+    """
+
+    def __init__(self, num_blocks: int, lease_s: float, epochs: torch.Tensor | None = None) -> None:
+        if not lease_s > 0:
+            raise ValueError(f"lease_s: must be > 0, got {lease_s!r}")
+        self.lease_s = lease_s
+        self.num_blocks = num_blocks
+        self.epochs = epochs if epochs is not None else torch.zeros(num_blocks, dtype=torch.int64)
+        self.refcount = torch.zeros(num_blocks, dtype=torch.int32)
+        self.lock = threading.RLock()
+        self._live: dict[str, _Export] = {}
+        self._finished: set[str] = set()
+        self._expired: set[str] = set()
+        self._errors: dict[str, str] = {}
+        self._gone: dict[str, None] = {}  # recently released ids (bounded), to tell from unknown
+
+    # ------------------------------------------------------------------ export
+    def add(self, request_id: str, block_ids: torch.Tensor, num_tokens: int) -> None:
+        with self.lock:
+            if request_id in self._live:
+                raise ValueError(f"request_id: {request_id!r} is already exported and not yet released")
+            self.refcount.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
+            self._live[request_id] = _Export(block_ids, num_tokens, time.monotonic() + self.lease_s)
+
+    def _release(self, request_id: str) -> None:
+        e = self._live.pop(request_id)
+        self._gone[request_id] = None
+        if len(self._gone) > 100_000:
+            del self._gone[next(iter(self._gone))]
+        ids = e.block_ids
+        self.refcount.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
+        freed = ids[self.refcount[ids] == 0]
+        self.epochs[freed] += 1
+
+    def grant(self, request_ids: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Check leases and renew them: (request id -> block epochs snapshot, id -> reason)."""
+        ok: dict[str, torch.Tensor] = {}
+        bad: dict[str, str] = {}
+        with self.lock:
+            now = time.monotonic()
+            for rid in request_ids:
+                e = self._live.get(rid)
+                if e is None:
+                    bad[rid] = UNKNOWN if rid not in self._gone else RELEASED
+                else:
+                    e.deadline = max(e.deadline, now + self.lease_s)
+                    ok[rid] = self.epochs[e.block_ids].clone()
+        return ok, bad
+
+    def lookup(self, request_id: str) -> _Export | None:
+        with self.lock:
+            return self._live.get(request_id)
+
+    def heartbeat(self, request_ids: list[str]) -> None:
+        with self.lock:
+            deadline = time.monotonic() + self.lease_s
+            for rid in request_ids:
+                e = self._live.get(rid)
+                if e is not None:
+                    e.deadline = max(e.deadline, deadline)
+
+    def notify(self, request_id: str, sender: tuple, expected: int) -> bool:
+        """Count a notification from ``sender``; release when ``expected`` arrived. True if released."""
+        with self.lock:
+            e = self._live.get(request_id)
+            if e is None:
+                return False
+            if e.expected is None:
+                e.expected = expected
+            e.notified_by.add(sender)
+            if len(e.notified_by) >= e.expected:
+                self._release(request_id)
+                self._finished.add(request_id)
+                return True
+            return False
+
+    def abort(self, request_id: str) -> bool:
+        """Release an export now (the caller aborted it); reported as finished_sending."""
+        with self.lock:
+            if request_id not in self._live:
+                return False
+            self._release(request_id)
+            self._finished.add(request_id)
+            return True
+
+    def expire(self) -> int:
+        """Release every export whose lease has passed; returns how many."""
+        with self.lock:
+            now = time.monotonic()
+            dead = [rid for rid, e in self._live.items() if e.deadline < now]
+            for rid in dead:
+                self._release(rid)
+                self._expired.add(rid)
+                self._errors[rid] = "lease expired before every loader notified"
+            return len(dead)
+
+    def drain(self, out: PollResult) -> None:
+        with self.lock:
+            out.finished_sending |= self._finished
+            out.expired |= self._expired
+            for rid in self._expired:
+                out.errors[rid] = self._errors.pop(rid, "lease expired")
+            self._finished = set()
+            self._expired = set()
+
+    def num_live(self) -> int:
+        with self.lock:
+            return len(self._live)
+
+    def held_blocks(self) -> int:
+        """Blocks still held by a live export (0 when nothing leaks)."""
+        with self.lock:
+            return int((self.refcount > 0).sum())
+
+
+@dataclass
+class _Load:
+    block_ids: list[int]
+    start: float
+
+
+class LoadTracker:
+    """Loads in flight on this rank; each is reported exactly once (finished or failed)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._pending: dict[str, _Load] = {}
+        self._done: set[str] = set()
+        self._failed: dict[str, list[int]] = {}
+        self._errors: dict[str, str] = {}
+
+    def add(self, request_id: str, block_ids: list[int], start: float) -> None:
+        with self.lock:
+            if request_id in self._pending:
+                raise ValueError(f"request_id: {request_id!r} is already being loaded")
+            self._pending[request_id] = _Load(block_ids, start)
+
+    def pending(self) -> int:
+        with self.lock:
+            return len(self._pending)
+
+    def start_of(self, request_id: str) -> float | None:
+        with self.lock:
+            e = self._pending.get(request_id)
+            return None if e is None else e.start
+
+    def finish(self, request_id: str) -> bool:
+        with self.lock:
+            if self._pending.pop(request_id, None) is None:
+                return False
+            self._done.add(request_id)
+            return True
+
+    def fail(self, request_id: str, reason: str) -> bool:
+        with self.lock:
+            e = self._pending.pop(request_id, None)
+            if e is None:
+                return False
+            self._failed[request_id] = list(e.block_ids)
+            self._errors[request_id] = reason
+            return True
+
+    def drain(self, out: PollResult) -> None:
+        with self.lock:
+            out.finished_recving |= self._done
+            out.failed.update(self._failed)
+            out.errors.update(self._errors)
+            self._done, self._failed, self._errors = set(), {}, {}
+
+
+class CompletionAggregator:
+    """Merge the :class:`PollResult` of every TP rank of one engine.
+
+    A request is reported once, when all ``tp_size`` ranks have reported it: loads as
+    ``finished_recving`` when every rank finished, else ``failed`` (union of block ids);
+    exports as ``finished_sending`` when every rank freed them, else ``expired``.
+    """
+
+    def __init__(self, tp_size: int) -> None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size: must be a positive int, got {tp_size!r}")
+        self.tp_size = tp_size
+        self._recv: dict[str, dict[int, list[int] | None]] = {}
+        self._send: dict[str, dict[int, bool]] = {}
+        self._errors: dict[str, str] = {}
+
+    def add(self, tp_rank: int, result: PollResult) -> PollResult:
+        """Fold in one rank's poll result; return the requests now complete on every rank."""
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank: must be in [0, {self.tp_size}), got {tp_rank!r}")
+        out = PollResult()
+        self._errors.update(result.errors)
+        for rid in result.finished_recving:
+            self._recv.setdefault(rid, {})[tp_rank] = None
+        for rid, ids in result.failed.items():
+            self._recv.setdefault(rid, {})[tp_rank] = list(ids)
+        for rid in result.finished_sending:
+            self._send.setdefault(rid, {})[tp_rank] = False
+        for rid in result.expired:
+            self._send.setdefault(rid, {})[tp_rank] = True
+        for rid in set(result.finished_recving) | set(result.failed):
+            ranks = self._recv[rid]
+            if len(ranks) < self.tp_size:
+                continue
+            del self._recv[rid]
+            failed = [ids for ids in ranks.values() if ids is not None]
+            if failed:
+                out.failed[rid] = sorted({b for ids in failed for b in ids})
+                out.errors[rid] = self._errors.pop(rid, "failed on some rank")
+            else:
+                out.finished_recving.add(rid)
+                self._errors.pop(rid, None)
+        for rid in set(result.finished_sending) | set(result.expired):
+            ranks = self._send[rid]
+            if len(ranks) < self.tp_size:
+                continue
+            del self._send[rid]
+            if any(ranks.values()):
+                out.expired.add(rid)
+                out.errors[rid] = self._errors.pop(rid, "lease expired on some rank")
+            else:
+                out.finished_sending.add(rid)
+                self._errors.pop(rid, None)
+        return out
+
+    def pending(self) -> int:
+        """Requests reported by some but not all ranks."""
+        return len(self._recv) + len(self._send)

@@ -1,0 +1,66 @@
+"""2-rank torch ProcessGroups per (exporter rank, loader rank) pair, made lazily from a TCPStore.
+
+No global ``init_process_group``: each exporter rank hosts a TCPStore; a loader rank that reads
+from it over ``pg`` creates a pair group under a key naming (loader engine, loader rank,
+generation) — the exporter is rank 0, the loader rank 1. Gloo on CPU tensors; the same code
+takes NCCL (``backend="nccl"``) for CUDA tensors. Payloads travel as flat uint8 views, so every
+cache dtype (bf16, fp8, ...) moves bit-exactly whatever the backend supports natively.
+A pair whose send or receive failed or timed out is discarded; the next use makes a new one.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+__all__ = ["connect_store", "new_pair", "pg_backend_for", "recv_tensor", "send_tensor", "serve_store"]
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def pg_backend_for(device: torch.device) -> str:
+    """``"gloo"`` for CPU caches, ``"nccl"`` for CUDA caches."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def serve_store(host: str, timeout_s: float):
+    """Start a TCPStore server on a free port of ``host``; returns the store (``.port``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_td(timeout_s))
+
+
+def connect_store(host: str, port: int, timeout_s: float):
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
+
+
+def new_pair(store, key: str, rank: int, host: str, timeout_s: float, backend: str = "gloo"):
+    """Join the 2-rank group ``key`` as ``rank`` (0 exporter, 1 loader); blocks until both join."""
+    import torch.distributed as dist
+
+    prefix = dist.PrefixStore(f"kvxfer/{key}", store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _td(timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(prefix, rank, 2, opts)
+    if backend == "nccl":  # pragma: no cover - GPU only
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(timeout_s)
+        return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
+    raise ValueError(f"backend: must be 'gloo' or 'nccl', got {backend!r}")
+
+
+def send_tensor(pg, tensor: torch.Tensor, peer: int, timeout_s: float) -> None:
+    """Send contiguous ``tensor`` (as bytes) to ``peer``; raises on failure or timeout."""
+    pg.send([tensor.reshape(-1).view(torch.uint8)], peer, 0).wait(_td(timeout_s))
+
+
+def recv_tensor(pg, tensor: torch.Tensor, peer: int, timeout_s: float) -> None:
+    """Receive into contiguous ``tensor`` (as bytes) from ``peer``; raises on failure or timeout."""
+    pg.recv([tensor.reshape(-1).view(torch.uint8)], peer, 0).wait(_td(timeout_s))

@@ -1,0 +1,424 @@
+"""Helpers for engine tests: origin-encoding payloads, free ports, processes joined on a deadline.
+
+Payload rows encode their origin: every element of (request seed, global head, layer, kv,
+token, d) gets a distinct bit pattern, so a wrong copy names itself when compared.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+import traceback
+
+import torch
+
+from kvxfer import ops
+from kvxfer.spec import KVCacheSpec
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def payload(spec: KVCacheSpec, seed: int, num_tokens: int, heads: range) -> torch.Tensor:
+    """Wire ``[len(heads), L, 2, T, D]`` (MLA: ``[L, T, D]``) whose bits encode their origin."""
+    if spec.use_mla:
+        shape = (1, spec.num_layers, 1, num_tokens, spec.head_dim)
+    else:
+        shape = (len(heads), spec.num_layers, 2, num_tokens, spec.head_dim)
+    h = torch.tensor(list(heads), dtype=torch.int64).view(-1, 1, 1, 1, 1)
+    l = torch.arange(shape[1]).view(1, -1, 1, 1, 1)  # noqa: E741
+    kv = torch.arange(shape[2]).view(1, 1, -1, 1, 1)
+    t = torch.arange(num_tokens).view(1, 1, 1, -1, 1)
+    d = torch.arange(spec.head_dim).view(1, 1, 1, 1, -1)
+    v = seed * 1_000_003 + h * 100_019 + l * 10_007 + kv * 5_003 + t * 131 + d
+    es = spec.element_size
+    bits = (v * 2_654_435_761) >> 7
+    if es < 8:
+        bits = bits % (1 << (8 * es)) - (0 if es == 1 else (1 << (8 * es - 1)))
+    w = bits.to(_INT[es]).view(spec.dtype)
+    return w.reshape(spec.wire_shape(num_tokens)) if spec.use_mla else w
+
+
+def fill(
+    caches, spec: KVCacheSpec, tp_rank: int, tp_size: int, block_ids, num_tokens: int, seed: int
+) -> None:
+    """Write request ``seed``'s payload (this rank's heads) into ``block_ids``."""
+    heads = spec.heads_of_rank(tp_rank, tp_size)
+    ops.scatter_blocks(payload(spec, seed, num_tokens, heads), caches, spec, block_ids, num_tokens)
+
+
+def check(
+    caches, spec: KVCacheSpec, tp_rank: int, tp_size: int, block_ids, num_tokens: int, seed: int
+) -> bool:
+    """True when ``block_ids`` hold request ``seed``'s payload for this rank's heads, byte for byte."""
+    heads = spec.heads_of_rank(tp_rank, tp_size)
+    got = ops.gather_blocks(caches, spec, block_ids, num_tokens)
+    want = payload(spec, seed, num_tokens, heads)
+    return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+POISON = 0x5A
+
+
+def poison(caches) -> None:
+    for c in caches:
+        c.view(torch.uint8).fill_(POISON)
+
+
+def untouched(caches, spec: KVCacheSpec, used_blocks: set[int], num_tokens_by_block: dict[int, int]) -> bool:
+    """Blocks not in ``used_blocks`` still hold the poison; the tail slots of partial blocks too."""
+    nb = caches[0].shape[0 if spec.use_mla else 1]
+    free = torch.tensor(sorted(set(range(nb)) - used_blocks), dtype=torch.int64)
+    for c in caches:
+        u8 = c.view(torch.uint8)
+        blocks = u8[free] if spec.use_mla else u8[:, free]
+        if free.numel() and not bool((blocks == POISON).all()):
+            return False
+        for b, n in num_tokens_by_block.items():
+            if n >= spec.block_size:
+                continue
+            if spec.use_mla:
+                tail = u8[b, n:]
+            elif spec.layout.value == "NHD":
+                tail = u8[:, b, n:]
+            else:
+                tail = u8[:, b, :, n:]
+            if not bool((tail == POISON).all()):
+                return False
+    return True
+
+
+def free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
+    """A base port such that ``base .. base+n-1`` (and the next few) are free right now."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(lo, hi - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range found")
+
+
+def _entry(fn, args, q, name):
+    try:
+        q.put((name, "ok", fn(*args)))
+    except BaseException as e:
+        q.put((name, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+_CTX = None
+
+
+def _context():
+    """A forkserver context that preloads torch and kvxfer once: each child then starts in
+    milliseconds instead of re-importing torch (seconds on a loaded 2-core CI runner)."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "kvxfer.engine", "kvxfer.transports.pg", "tests.engine_procs"])
+    return _CTX
+
+
+def run_procs(specs: dict, deadline_s: float = 60.0, ctx=None) -> dict:
+    """Run ``{name: (fn, args)}`` each in its own spawned process; join against one deadline.
+
+    ``args`` may contain ``"@queue:<key>"`` placeholders replaced by shared queues. Returns
+    ``{name: result}``; raises AssertionError naming every process that failed or hung
+    (leftovers are killed).
+    """
+    ctx = ctx or _context()
+    out_q = ctx.Queue()
+    queues: dict[str, object] = {}
+
+    def sub(a):
+        if isinstance(a, str) and a.startswith("@queue:"):
+            return queues.setdefault(a, ctx.Queue())
+        return a
+
+    procs = {}
+    for name, (fn, args) in specs.items():
+        p = ctx.Process(target=_entry, args=(fn, tuple(sub(a) for a in args), out_q, name), daemon=True)
+        p.start()
+        procs[name] = p
+    results: dict = {}
+    errors: list[str] = []
+    end = time.monotonic() + deadline_s
+    while len(results) + len(errors) < len(procs) and time.monotonic() < end:
+        try:
+            name, status, val = out_q.get(timeout=0.2)
+        except Exception:
+            dead = [n for n, p in procs.items() if not p.is_alive() and n not in results]
+            if dead and out_q.empty():
+                # a process died without reporting (killed on purpose, or crashed)
+                for n in dead:
+                    if n not in results and not any(e.startswith(n + ":") for e in errors):
+                        results[n] = ("died", procs[n].exitcode)
+            continue
+        if status == "ok":
+            results[name] = val
+        else:
+            errors.append(f"{name}: {val}")
+    hung = [n for n in procs if n not in results and not any(e.startswith(n + ":") for e in errors)]
+    for p in procs.values():
+        p.join(timeout=max(0.0, min(2.0, end - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    if errors or hung:
+        raise AssertionError("; ".join(errors + [f"{n}: did not finish within {deadline_s}s" for n in hung]))
+    return results
+
+
+# --------------------------------------------------------------------------- process bodies
+def _spec(d: dict) -> KVCacheSpec:
+    return KVCacheSpec.from_dict(d)
+
+
+def _result(r) -> dict:
+    return {
+        "finished_sending": sorted(r.finished_sending),
+        "finished_recving": sorted(r.finished_recving),
+        "failed": {k: list(v) for k, v in r.failed.items()},
+        "expired": sorted(r.expired),
+        "errors": dict(r.errors),
+    }
+
+
+def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl) -> dict:
+    """One exporting rank: fill and export ``sc["requests"]``, poll until all are released.
+
+    ``sc["requests"]``: list of (request_id, num_tokens, seed, src_block_ids). Rank 0 puts
+    the params list on ``q_out`` (once per loader rank). With ``sc["hold"]`` the rank waits
+    for "check" on ``q_ctl``, polls ``hold_s`` seconds recording what was released early,
+    then puts "go" on ``q_out``'s companion (the loader waits for it).
+    """
+    import os
+
+    from kvxfer import TransferEngine
+    from kvxfer.transports.shm import alloc_shm_caches
+
+    spec = _spec(sc["src_spec"])
+    tp = sc["src_tp"]
+    shm = alloc_shm_caches(spec, sc["src_blocks"], tp)
+    poison(shm.caches)
+    eng = TransferEngine(
+        spec,
+        shm.caches,
+        tp_rank,
+        tp,
+        "P",
+        transport=sc["transport"],
+        lease_s=sc.get("lease_s", 10.0),
+        port=sc["src_port"],
+        timeout_s=sc.get("timeout_s"),
+    ).start()
+    if sc.get("die_before_send"):
+        eng._hooks["before_send"] = lambda: os._exit(3)
+    params = []
+    for rid, n, seed, ids in sc["requests"]:
+        fill(shm.caches, spec, tp_rank, tp, ids, n, seed)
+        params.append(eng.export(rid, ids, n))
+    if tp_rank == 0:
+        for _ in range(sc["dst_tp"]):
+            q_out.put(params)
+    want = {r[0] for r in sc["requests"]}
+    seen: list[dict] = []
+    released: set[str] = set()
+    early: list[str] = []
+    end = time.monotonic() + sc.get("deadline_s", 30.0)
+    if sc.get("hold"):
+        q_ctl.get(timeout=30)  # first loader rank finished
+        t_hold = time.monotonic() + sc.get("hold_s", 0.5)
+        while time.monotonic() < t_hold:
+            r = eng.poll()
+            early += sorted(r.finished_sending | r.expired)
+            seen.append(_result(r))
+            released |= r.finished_sending | r.expired
+            time.sleep(0.01)
+        q_ctl.put("go")
+    while released != want and time.monotonic() < end:
+        r = eng.poll()
+        seen.append(_result(r))
+        released |= r.finished_sending | r.expired
+        time.sleep(0.005)
+    stats = eng.stats()
+    eng.close()
+    shm.close()
+    return {"params": params, "polls": seen, "early": early, "stats": stats}
+
+
+def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl) -> dict:
+    """One loading rank: load every request into ``dst_block_ids``, poll until all reported,
+    then check every landed request byte for byte and that nothing else was touched."""
+    from kvxfer import TransferEngine
+
+    spec = _spec(sc["dst_spec"])
+    tp = sc["dst_tp"]
+    caches = [
+        torch.empty(spec.cache_shape(sc["dst_blocks"], tp), dtype=spec.dtype) for _ in range(spec.num_layers)
+    ]
+    poison(caches)
+    eng = TransferEngine(
+        spec,
+        caches,
+        tp_rank,
+        tp,
+        "D",
+        transport=sc["transport"],
+        lease_s=sc.get("lease_s", 10.0),
+        port=sc["dst_port"],
+        timeout_s=sc.get("timeout_s"),
+    ).start()
+    params = q_in.get(timeout=30)
+    if sc.get("hold") and tp_rank == 1:
+        q_ctl.get(timeout=30)  # wait until the exporter checked it did not free early
+    for p, (rid, _n, _seed, _ids) in zip(params, sc["requests"]):
+        eng.load(rid, p, sc["dst_ids"][rid])
+    want = {r[0] for r in sc["requests"]}
+    seen: list[dict] = []
+    got: set[str] = set()
+    end = time.monotonic() + sc.get("deadline_s", 30.0)
+    while got != want and time.monotonic() < end:
+        r = eng.poll()
+        seen.append(_result(r))
+        got |= r.finished_recving | set(r.failed)
+        time.sleep(0.005)
+    if sc.get("hold") and tp_rank == 0:
+        q_ctl.put("check")
+    ok = {}
+    used: set[int] = set()
+    tails: dict[int, int] = {}
+    done = set().union(*[set(s["finished_recving"]) for s in seen]) if seen else set()
+    for rid, n, seed, _ in sc["requests"]:
+        ids = sc["dst_ids"][rid]
+        if rid in done:
+            ok[rid] = check(caches, spec, tp_rank, tp, ids, n, seed)
+            used |= set(ids)
+            tails[ids[-1]] = n - (len(ids) - 1) * spec.block_size
+    clean = untouched(caches, spec, used, tails)
+    stats = eng.stats()
+    eng.close()
+    return {"polls": seen, "ok": ok, "untouched": clean, "stats": stats}
+
+
+# --------------------------------------------------------------------------------- soak
+def soak_exporter(sc: dict, q_d0, q_d1) -> dict:
+    """P (tp=1): export ``sc["num"]`` random-length requests from a small, reused block pool;
+    abort some at random; tell the loaders; free blocks on finished/expired reports."""
+    import random
+
+    from kvxfer import TransferEngine
+    from kvxfer.transports.shm import alloc_shm_caches
+
+    rng = random.Random(sc["seed"])
+    spec = _spec(sc["src_spec"])
+    nb = sc["src_blocks"]
+    shm = alloc_shm_caches(spec, nb, 1)
+    eng = TransferEngine(
+        spec, shm.caches, 0, 1, "P", transport=sc["transport"], lease_s=sc["lease_s"], port=sc["src_port"]
+    ).start()
+    free = list(range(nb))
+    held: dict[str, list[int]] = {}
+    reports: dict[str, int] = {}
+    aborted, skipped = set(), set()
+    next_dst = 0
+    i = 0
+    end = time.monotonic() + sc["deadline_s"]
+
+    def drain():
+        r = eng.poll()
+        for rid in r.finished_sending | r.expired:
+            reports[rid] = reports.get(rid, 0) + 1
+            free.extend(held.pop(rid))
+
+    while (i < sc["num"] or held) and time.monotonic() < end:
+        drain()
+        while i < sc["num"]:
+            n = rng.randint(1, sc["max_tokens"])
+            need = spec.num_blocks_for(n)
+            if len(free) < need:
+                break
+            rng.shuffle(free)
+            ids = [free.pop() for _ in range(need)]
+            rid = f"s{i}"
+            seed = 1000 + i
+            fill(shm.caches, spec, 0, 1, ids, n, seed)
+            params = eng.export(rid, ids, n)
+            held[rid] = ids
+            dst_ids = list(range(next_dst, next_dst + -(-n // sc["dst_block_size"])))
+            next_dst += len(dst_ids)
+            skip = rng.random() < sc["p_skip"]  # the loader never comes: lease expiry
+            if skip:
+                skipped.add(rid)
+            msg = (rid, params, dst_ids, n, seed, skip)
+            q_d0.put(msg)
+            q_d1.put(msg)
+            if rng.random() < sc["p_abort"]:  # the client went away: abort, blocks freed now
+                eng.abort_export(rid)
+                aborted.add(rid)
+            i += 1
+        time.sleep(0.002)
+    q_d0.put(None)
+    q_d1.put(None)
+    stats = eng.stats()
+    eng.close()
+    shm.close()
+    return {
+        "reports": reports,
+        "aborted": sorted(aborted),
+        "skipped": sorted(skipped),
+        "free": len(free),
+        "held": sorted(held),
+        "stats": stats,
+        "exported": i,
+    }
+
+
+def soak_loader(sc: dict, tp_rank: int, q_in) -> dict:
+    from kvxfer import TransferEngine
+
+    spec = _spec(sc["dst_spec"])
+    caches = [
+        torch.empty(spec.cache_shape(sc["dst_blocks"], 2), dtype=spec.dtype) for _ in range(spec.num_layers)
+    ]
+    poison(caches)
+    eng = TransferEngine(
+        spec, caches, tp_rank, 2, "D", transport=sc["transport"], lease_s=sc["lease_s"], port=sc["dst_port"]
+    ).start()
+    loaded: dict[str, tuple] = {}
+    polls: list[dict] = []
+    reported: set[str] = set()
+    ended = False
+    end = time.monotonic() + sc["deadline_s"]
+    while (not ended or reported != set(loaded)) and time.monotonic() < end:
+        while True:
+            try:
+                msg = q_in.get_nowait()
+            except Exception:
+                break
+            if msg is None:
+                ended = True
+                break
+            rid, params, dst_ids, n, seed, skip = msg
+            if not skip:
+                eng.load(rid, params, dst_ids)
+                loaded[rid] = (dst_ids, n, seed)
+        r = eng.poll()
+        polls.append(_result(r))
+        reported |= r.finished_recving | set(r.failed)
+        time.sleep(0.002)
+    done = set().union(*[set(p["finished_recving"]) for p in polls])
+    bad = [rid for rid in done if not check(caches, spec, tp_rank, 2, *loaded[rid])]
+    stats = eng.stats()
+    eng.close()
+    return {"polls": polls, "loaded": sorted(loaded), "bad": bad, "stats": stats, "ended": ended}

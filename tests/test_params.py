@@ -1,0 +1,69 @@
+import json
+
+import pytest
+
+from kvxfer import KVTransferParams
+
+GOOD = {
+    "request_id": "r1",
+    "engine_id": "P",
+    "host": "10.0.0.1",
+    "port": 5000,
+    "tp_size": 2,
+    "block_ids": [3, 1, 4],
+    "num_tokens": 40,
+    "version": 1,
+}
+
+
+def test_roundtrip_is_json_safe():
+    p = KVTransferParams.from_dict(GOOD)
+    d = p.to_dict()
+    assert d == GOOD
+    assert KVTransferParams.from_dict(json.loads(json.dumps(d))) == p
+
+
+def test_list_for_parallel_sampling():
+    kids = [{**GOOD, "request_id": f"r1-{i}"} for i in range(3)]
+    out = KVTransferParams.from_dict(kids)
+    assert [k.request_id for k in out] == ["r1-0", "r1-1", "r1-2"]
+    with pytest.raises(ValueError, match=r"params\[1\]\.num_tokens"):
+        KVTransferParams.from_dict([GOOD, {**GOOD, "num_tokens": -1}])
+    with pytest.raises(ValueError, match="must not be empty"):
+        KVTransferParams.from_dict([])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("request_id", ""),
+        ("request_id", 5),
+        ("engine_id", None),
+        ("host", ""),
+        ("port", 0),
+        ("port", 70000),
+        ("port", "5000"),
+        ("port", True),
+        ("tp_size", 0),
+        ("num_tokens", 0),
+        ("num_tokens", 1.5),
+        ("block_ids", []),
+        ("block_ids", "1,2"),
+        ("block_ids", [1, -1]),
+        ("block_ids", [1, 2.0]),
+        ("version", 99),
+    ],
+)
+def test_bad_field_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        KVTransferParams.from_dict({**GOOD, field: value})
+
+
+def test_missing_field_named():
+    for field in ("request_id", "engine_id", "host", "port", "tp_size", "block_ids", "num_tokens"):
+        d = dict(GOOD)
+        del d[field]
+        with pytest.raises(ValueError, match=field):
+            KVTransferParams.from_dict(d)
+    with pytest.raises(ValueError, match="params"):
+        KVTransferParams.from_dict("not a dict")

@@ -1,0 +1,101 @@
+"""Exporter notification counts from the plan (heterogeneous TP, MLA, replicated heads),
+lease expiry and block epochs, load reports, and the per-engine aggregator."""
+
+import time
+
+import pytest
+import torch
+
+from kvxfer import CompletionAggregator, KVCacheSpec, plan_reads
+from kvxfer.tracker import RELEASED, UNKNOWN, ExportTracker, LoadTracker, PollResult
+
+GQA = KVCacheSpec(2, 2, 8, 16, torch.float16)
+MLA = KVCacheSpec(2, 1, 8, 16, torch.float16, use_mla=True)
+
+
+@pytest.mark.parametrize(
+    ("spec", "src_tp", "dst_tp"),
+    [(GQA, 2, 1), (GQA, 1, 2), (GQA, 1, 4), (GQA, 4, 1), (GQA, 2, 4), (MLA, 2, 1), (MLA, 1, 3), (MLA, 4, 2)],
+)
+def test_source_frees_exactly_when_all_plan_notifications_arrived(spec, src_tp, dst_tp):
+    plan = plan_reads(spec, src_tp, spec, dst_tp)
+    trackers = [ExportTracker(8, 30.0) for _ in range(src_tp)]
+    for t in trackers:
+        t.add("r", torch.tensor([1, 2]), 20)
+    released = [False] * src_tp
+    for d in range(dst_tp):
+        for s in plan.notify_targets(d):
+            assert not released[s], f"rank {s} freed before dst rank {d} notified"
+            released[s] = trackers[s].notify("r", ("D", d), plan.expected_notifications(s))
+    assert all(released), "a source rank never freed (waits for a notification that never comes)"
+    for t in trackers:
+        out = PollResult()
+        t.drain(out)
+        assert out.finished_sending == {"r"} and t.held_blocks() == 0
+
+
+def test_duplicate_notification_counts_once():
+    t = ExportTracker(8, 30.0)
+    t.add("r", torch.tensor([1]), 4)
+    assert not t.notify("r", ("D", 0), 2)
+    assert not t.notify("r", ("D", 0), 2)
+    assert t.notify("r", ("D", 1), 2)
+
+
+def test_lease_expiry_bumps_epochs_of_unshared_blocks_only():
+    t = ExportTracker(8, 0.05)
+    t.add("a", torch.tensor([1, 2, 3]), 40)
+    t.add("b", torch.tensor([1, 2, 4]), 40)  # n>1 sibling shares blocks 1, 2
+    t.heartbeat(["b"])
+    ok, bad = t.grant(["a", "b", "zzz"])
+    assert set(ok) == {"a", "b"} and bad == {"zzz": UNKNOWN}
+    time.sleep(0.01)
+    t.lease_s = 10.0
+    t.heartbeat(["b"])
+    t._live["a"].deadline = 0.0
+    assert t.expire() == 1
+    assert t.epochs[[1, 2, 3, 4]].tolist() == [0, 0, 1, 0]  # 1, 2 still held by b
+    assert t.grant(["a"])[1] == {"a": RELEASED}
+    assert t.abort("b") and t.epochs[[1, 2, 4]].tolist() == [1, 1, 1]
+    out = PollResult()
+    t.drain(out)
+    assert out.expired == {"a"} and out.finished_sending == {"b"} and "lease" in out.errors["a"]
+    assert t.held_blocks() == 0
+
+
+def test_export_twice_rejected_and_lease_must_be_positive():
+    t = ExportTracker(4, 1.0)
+    t.add("r", torch.tensor([0]), 1)
+    with pytest.raises(ValueError, match="already exported"):
+        t.add("r", torch.tensor([1]), 1)
+    with pytest.raises(ValueError, match="lease_s"):
+        ExportTracker(4, 0)
+
+
+def test_load_tracker_reports_once():
+    lt = LoadTracker()
+    lt.add("x", [5, 6], 0.0)
+    lt.add("y", [7], 0.0)
+    with pytest.raises(ValueError, match="already being loaded"):
+        lt.add("x", [1], 0.0)
+    assert lt.finish("x") and not lt.finish("x") and not lt.fail("x", "late")
+    assert lt.fail("y", "boom")
+    out = PollResult()
+    lt.drain(out)
+    assert out.finished_recving == {"x"} and out.failed == {"y": [7]} and out.errors["y"] == "boom"
+    out2 = PollResult()
+    lt.drain(out2)
+    assert out2.empty()
+
+
+def test_aggregator_waits_for_every_rank_and_reports_once():
+    agg = CompletionAggregator(2)
+    assert agg.add(0, PollResult(finished_recving={"a", "b"})).empty()
+    out = agg.add(1, PollResult(finished_recving={"a"}, failed={"b": [3, 4]}, errors={"b": "lease"}))
+    assert out.finished_recving == {"a"} and out.failed == {"b": [3, 4]} and out.errors["b"] == "lease"
+    assert agg.add(0, PollResult(finished_sending={"s"})).empty()
+    out = agg.add(1, PollResult(expired={"s"}))
+    assert out.expired == {"s"} and not out.finished_sending
+    assert agg.pending() == 0
+    with pytest.raises(ValueError, match="tp_rank"):
+        agg.add(2, PollResult())
