@@ -16,8 +16,6 @@ import traceback
 import msgspec
 import pytest
 import torch
-from test_staging import bytes_equal, expected_dst, make_cache, poisoned
-from test_topology import FakeNvml
 
 from kvxfer import ops
 from kvxfer.plan import plan_reads
@@ -31,6 +29,8 @@ from kvxfer.transports.cuda_ipc import (
     local_ipc_info,
     publish_caches,
 )
+from tests.test_staging import bytes_equal, expected_dst, make_cache, poisoned
+from tests.test_topology import FakeNvml
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
