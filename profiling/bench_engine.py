@@ -258,7 +258,7 @@ def main() -> None:
     print(f"  {'phase':<80}" + "".join(f"{n:>10}" for n in names))
     for key, label in PHASES:
         print(f"  {label:<80}" + "".join(f"{cases[n][key]:10.1f}" for n in names))
-    print(f"  {'total per request':<80}" + "".join(f"{cases[n]["total_us"]:10.1f}" for n in names))
+    print(f"  {'total per request':<80}" + "".join(f"{cases[n]['total_us']:10.1f}" for n in names))
     print(f"  target <= 50 us (1 x 4096): {'met' if target <= 50 else 'NOT met'} ({target:.1f} us)")
     print(f"  (last column: requests of 2048..4096 tokens, last block partial)")
     bw = [] if a.host_only else [bandwidth(t, a.tokens, a.reqs, a.iters) for t in ("ipc", "pg")]
