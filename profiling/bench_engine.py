@@ -136,7 +136,8 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
             ex0 = loop.exporter_s
             t0 = time.perf_counter()
             params = [
-                p.export(rid, src_ids[k * per : (k + 1) * per], n) for k, (rid, n) in enumerate(zip(rids, lens))
+                p.export(rid, src_ids[k * per : (k + 1) * per], n)
+                for k, (rid, n) in enumerate(zip(rids, lens))
             ]
             t1 = time.perf_counter()
             for k, (rid, prm) in enumerate(zip(rids, params)):
@@ -260,10 +261,12 @@ def main() -> None:
         print(f"  {label:<80}" + "".join(f"{cases[n][key]:10.1f}" for n in names))
     print(f"  {'total per request':<80}" + "".join(f"{cases[n]['total_us']:10.1f}" for n in names))
     print(f"  target <= 50 us (1 x 4096): {'met' if target <= 50 else 'NOT met'} ({target:.1f} us)")
-    print(f"  (last column: requests of 2048..4096 tokens, last block partial)")
+    print("  (last column: requests of 2048..4096 tokens, last block partial)")
     bw = [] if a.host_only else [bandwidth(t, a.tokens, a.reqs, a.iters) for t in ("ipc", "pg")]
     if bw:
-        print(f"\n{'transport':<9} {'MiB':>8} {'GB/s':>8} {'memcpy GB/s':>12} {'fraction':>9} {'ops calls':>9}")
+        print(
+            f"\n{'transport':<9} {'MiB':>8} {'GB/s':>8} {'memcpy GB/s':>12} {'fraction':>9} {'ops calls':>9}"
+        )
     for r in bw:
         print(
             f"{r['transport']:<9} {r['bytes'] / 2**20:8.1f} {r['GBps']:8.2f} {r['memcpy_GBps']:12.2f} "

@@ -30,20 +30,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
-from ..plan import token_slots
 from ..spec import KVCacheSpec, Layout
 
 __all__ = [
     "TRANSPORTS",
+    "BatchPlan",
+    "CacheView",
     "Chunk",
     "Item",
     "WirePipeline",
     "build_chunks",
+    "cache_views",
     "dedupe_prefixes",
     "mapper",
+    "plan_batch",
     "register_mapper",
+    "shared_prefixes",
     "unit_view",
     "units_of",
 ]
@@ -89,6 +94,36 @@ class WirePipeline:
 
 
 # ------------------------------------------------------------------------------- batching
+@dataclass(frozen=True)
+class CacheView:
+    """One way to address a rank's caches in an ops call: ``unit`` tokens per id.
+
+    ``caches`` is an :class:`kvxfer.ops.PagedCache` (validated once, so ops calls skip the
+    per-layer checks: ~30 us per 32-layer call measured), ``spec`` its spec.
+    """
+
+    caches: Sequence[torch.Tensor]
+    spec: KVCacheSpec
+    unit: int
+
+
+def cache_views(caches: Sequence[torch.Tensor], spec: KVCacheSpec) -> tuple[CacheView, ...]:
+    """The views an ops call may address ``caches`` through, coarsest first.
+
+    Always the caches themselves (unit = ``block_size``: ids are block ids); for NHD and MLA
+    caches whose blocks are not padded apart also the block-size-1 view of
+    :func:`unit_view` (unit = 1: ids are token slots), which lets requests with a partial last
+    block share one ops call.
+    """
+    from .. import ops
+
+    out = [CacheView(ops.register_caches(caches, spec), spec, spec.block_size)]
+    views, vspec, unit = unit_view(caches, spec)
+    if unit == 1 and spec.block_size != 1:
+        out.append(CacheView(ops.register_caches(views, vspec), vspec, 1))
+    return tuple(out)
+
+
 def unit_view(
     caches: Sequence[torch.Tensor], spec: KVCacheSpec
 ) -> tuple[list[torch.Tensor], KVCacheSpec, int]:
@@ -117,20 +152,38 @@ def unit_view(
     return views, dataclasses.replace(spec, block_size=1), 1
 
 
-def units_of(block_ids: torch.Tensor, block_size: int, num_tokens: int, unit: int) -> torch.Tensor:
-    """Unit ids of a request's tokens: token slots when ``unit == 1``, else its blocks."""
+_OFFSETS: dict[int, np.ndarray] = {}
+
+
+def _slots(blocks: np.ndarray, block_size: int, start: int, stop: int) -> np.ndarray:
+    """Token slots (``block * block_size + offset``) of tokens ``[start, stop)``: one numpy op."""
+    off = _OFFSETS.get(block_size)
+    if off is None:
+        off = _OFFSETS[block_size] = np.arange(block_size, dtype=np.int64)
+    b0 = start // block_size
+    rows = blocks[b0 : -(-stop // block_size), None] * block_size + off
+    return rows.reshape(-1)[start - b0 * block_size : stop - b0 * block_size]
+
+
+def _np(ids) -> np.ndarray:
+    return ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+
+
+def units_of(block_ids, block_size: int, num_tokens: int, unit: int) -> np.ndarray:
+    """Unit ids (int64 array) of a request's tokens: token slots when ``unit == 1``, else its blocks."""
+    ids = _np(block_ids).astype(np.int64, copy=False)
     if unit == 1:
-        return token_slots(block_ids, block_size, num_tokens)
-    return block_ids[: -(-num_tokens // block_size)].to(torch.int64)
+        return _slots(ids, block_size, 0, num_tokens)
+    return ids[: -(-num_tokens // block_size)]
 
 
 @dataclass
 class Item:
-    """One request as seen by one (batch, source rank): unit ids on both sides."""
+    """One request as seen by one (batch, source rank): unit ids on both sides (int arrays)."""
 
     request_id: str
-    src: torch.Tensor  # int64 source unit ids, ceil(num_tokens / src_unit)
-    dst: torch.Tensor  # int64 destination unit ids, ceil(num_tokens / dst_unit)
+    src: np.ndarray  # int64 source unit ids, ceil(num_tokens / src_unit)
+    dst: np.ndarray  # int64 destination unit ids, ceil(num_tokens / dst_unit)
     num_tokens: int
     skip: int = 0  # leading tokens carried by an earlier sibling in this batch (n>1)
 
@@ -140,27 +193,30 @@ class Chunk:
     """One ops call: concatenated unit ids of the requests it carries."""
 
     request_ids: list[str]
-    src: torch.Tensor
-    dst: torch.Tensor
+    src: np.ndarray
+    dst: np.ndarray
     num_tokens: int
 
 
-def _common_units(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(a.numel(), b.numel())
-    diff = (a[:n] != b[:n]).nonzero()
-    return int(diff[0]) if diff.numel() else n
+def _common_units(a, b) -> int:
+    a, b = _np(a), _np(b)
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
 
 
-def dedupe_prefixes(items: list[Item], src_unit: int, dst_unit: int) -> None:
-    """Set ``skip`` of every request whose leading tokens an earlier request already carries.
+def shared_prefixes(items: list[Item], src_unit: int, dst_unit: int) -> list[int]:
+    """Leading tokens of each request that an earlier request of the batch already carries.
 
     Two requests share a prefix when their leading source *and* destination units are equal
-    (n>1 children whose loader gives them the same prefix blocks, as prefix caching does);
-    the later one then skips the shared tokens, rounded down to whole units of both sides.
+    (n>1 children whose loader gives them the same prefix blocks, as prefix caching does): the
+    tokens in their common leading units on both sides are the same cache rows.
     """
-    align = math.lcm(src_unit, dst_unit)
+    out = [0] * len(items)
+    if len(items) < 2:
+        return out
     leaders: dict[tuple[int, int], Item] = {}
-    for it in items:
+    for k, it in enumerate(items):
         if it.num_tokens == 0:
             continue
         key = (int(it.src[0]), int(it.dst[0]))
@@ -168,12 +224,20 @@ def dedupe_prefixes(items: list[Item], src_unit: int, dst_unit: int) -> None:
         if lead is None:
             leaders[key] = it
             continue
-        shared = min(
+        out[k] = min(
             _common_units(lead.src, it.src) * src_unit,
             _common_units(lead.dst, it.dst) * dst_unit,
             lead.num_tokens,
             it.num_tokens,
         )
+    return out
+
+
+def dedupe_prefixes(items: list[Item], src_unit: int, dst_unit: int) -> None:
+    """Set ``skip`` of every request whose leading tokens an earlier request already carries
+    (:func:`shared_prefixes`), rounded down to whole units of both sides."""
+    align = math.lcm(src_unit, dst_unit)
+    for it, shared in zip(items, shared_prefixes(items, src_unit, dst_unit)):
         it.skip = shared // align * align
 
 
@@ -182,32 +246,99 @@ def build_chunks(items: list[Item], src_unit: int, dst_unit: int) -> list[Chunk]
 
     A request can follow another in one call only if the tokens before it fill whole units on
     both sides (a multiple of ``lcm(src_unit, dst_unit)``): then token ``t`` of the call lies
-    in unit ``t // unit`` of the concatenated unit lists on either side. With unit 1 (NHD/MLA)
-    everything packs into one call; an HND side starts a new call after a request with a
-    partial last block. Requests' skipped prefixes (:func:`dedupe_prefixes`) are left out.
+    in unit ``t // unit`` of the concatenated unit lists on either side. Requests whose tokens
+    fill whole units go first, so a call closes only after a request with a partial last unit:
+    ``max(1, number of those)`` calls (one with unit 1). Requests' skipped prefixes
+    (:func:`dedupe_prefixes`) are left out.
     """
     align = math.lcm(src_unit, dst_unit)
+    live = [it for it in items if it.num_tokens > it.skip]
+    live.sort(key=lambda it: (it.num_tokens - it.skip) % align != 0)  # stable
     chunks: list[Chunk] = []
     ids: list[str] = []
-    srcs: list[torch.Tensor] = []
-    dsts: list[torch.Tensor] = []
+    srcs: list[np.ndarray] = []
+    dsts: list[np.ndarray] = []
     total = 0
 
     def close() -> None:
         nonlocal ids, srcs, dsts, total
         if total:
-            chunks.append(Chunk(ids, torch.cat(srcs), torch.cat(dsts), total))
+            cat = len(srcs) > 1
+            src = np.concatenate(srcs) if cat else srcs[0]
+            dst = np.concatenate(dsts) if cat else dsts[0]
+            chunks.append(Chunk(ids, src, dst, total))
         ids, srcs, dsts, total = [], [], [], 0
 
-    for it in items:
-        n = it.num_tokens - it.skip
-        if n <= 0:
-            continue
+    for it in live:
         ids.append(it.request_id)
-        srcs.append(it.src[it.skip // src_unit : -(-it.num_tokens // src_unit)])
-        dsts.append(it.dst[it.skip // dst_unit : -(-it.num_tokens // dst_unit)])
-        total += n
+        srcs.append(_np(it.src)[it.skip // src_unit : -(-it.num_tokens // src_unit)])
+        dsts.append(_np(it.dst)[it.skip // dst_unit : -(-it.num_tokens // dst_unit)])
+        total += it.num_tokens - it.skip
         if total % align:
             close()
     close()
     return chunks
+
+
+@dataclass
+class BatchPlan:
+    """How one (batch, source rank) moves: the unit of each side and the ops calls."""
+
+    src_unit: int
+    dst_unit: int
+    chunks: list[Chunk]
+    skipped_tokens: int  # tokens not moved because an n>1 sibling carries them
+
+
+def plan_batch(
+    items: list[Item],
+    src_block_size: int,
+    src_units: Sequence[int],
+    dst_block_size: int,
+    dst_units: Sequence[int],
+) -> BatchPlan:
+    """Choose units for both sides and pack a batch into ops calls.
+
+    ``items`` hold *block* ids on both sides. Every pair of allowed units (each side: its
+    block size, and 1 when its cache has a token-slot view) is scored by (ops calls, tokens
+    moved, ids passed) and the best is built: a lone request, or requests whose lengths fill
+    whole blocks, go as block lists (256 ids for 4K tokens, no per-token array), requests with
+    partial last blocks that would need one call each share one call through token slots.
+    Only per-request Python here; each request's unit ids are one numpy op.
+    """
+    shared = shared_prefixes(items, src_block_size, dst_block_size)
+    lens = [it.num_tokens for it in items]
+    best = None
+    for su in src_units:
+        for du in dst_units:
+            align = math.lcm(su, du)
+            moved = ragged = ids = 0
+            for n, sh in zip(lens, shared):
+                m = n - sh // align * align
+                if m > 0:
+                    moved += m
+                    ragged += m % align != 0
+                    ids += m // su + m // du
+            key = (max(1, ragged) if moved else 0, moved, ids)
+            if best is None or key < best[0]:
+                best = (key, su, du)
+    assert best is not None, "plan_batch: no units to choose from"
+    _, su, du = best
+    align = math.lcm(su, du)
+    unit_items = []
+    for it, sh in zip(items, shared):
+        skip = sh // align * align
+        n = it.num_tokens
+        src, dst = _np(it.src), _np(it.dst)
+        if su == 1 and src_block_size != 1:
+            src = _slots(src, src_block_size, skip, n)
+        else:
+            src = src[skip // su :]
+        if du == 1 and dst_block_size != 1:
+            dst = _slots(dst, dst_block_size, skip, n)
+        else:
+            dst = dst[skip // du :]
+        # ids now start at token ``skip``: a request with nothing skipped from here on
+        unit_items.append((Item(it.request_id, src, dst, n - skip), skip))
+    chunks = build_chunks([u for u, _ in unit_items], su, du)
+    return BatchPlan(su, du, chunks, sum(skip for _, skip in unit_items))
