@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -123,7 +124,7 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
     d = TransferEngine(spec, dst_c, 0, 1, "D", transport="ipc", lease_s=600).start()
     d._client.close()
     loop = d._client = _Loopback(p)
-    t = dict.fromkeys(("export", "load", "loader", "exporter", "poll"), 0.0)
+    t: dict[str, list[float]] = {k: [] for k in ("export", "load", "loader", "exporter", "poll")}
     n_warm = 20
     try:
         for i in range(n_iter + n_warm):
@@ -153,11 +154,8 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
             assert rp.finished_sending == set(rids), rp
             if i >= n_warm:
                 ex = loop.exporter_s - ex0
-                t["export"] += t1 - t0
-                t["load"] += t2 - t1
-                t["loader"] += t3 - t2 - ex
-                t["exporter"] += ex
-                t["poll"] += t4 - t3
+                for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2 - ex, ex, t4 - t3)):
+                    t[k].append(v / batch)
         assert d.stats()["transports"] == {"P": "ipc"}
     finally:
         p.close()
@@ -166,9 +164,12 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
         dst_shm.close()
         ops._MODULES.update(saved)
         ops._available.clear()
-    n = n_iter * batch
-    out = {f"{k}_us": v / n * 1e6 for k, v in t.items()}
-    out["total_us"] = sum(out.values())
+    # Medians over iterations: this machine is shared, and preemption only ever adds time.
+    # total = median of the per-iteration sums; means are reported alongside.
+    out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in t.items()}
+    totals = [sum(x) for x in zip(*t.values())]
+    out["total_us"] = statistics.median(totals) * 1e6
+    out["mean_total_us"] = statistics.mean(totals) * 1e6
     return out
 
 
@@ -253,14 +254,20 @@ def main() -> None:
         "8x2K-4K": host_cost(max(a.host_iters // 8, 10), 8, 4096, unaligned=True),
     }
     target = cases["1x4096"]["total_us"]
-    print("host-side cost per request, us (32 layers, 8x128 bf16, block 16; ipc path, copy kernel")
-    print("and socket hop excluded; DESIGN target <= 50 us for a 4K-token request)")
+    print("host-side cost per request, us, median over iterations (32 layers, 8x128 bf16, block 16;")
+    print("ipc path through the engine's own code; copy kernel and socket hop excluded)")
     names = list(cases)
     print(f"  {'phase':<80}" + "".join(f"{n:>10}" for n in names))
     for key, label in PHASES:
         print(f"  {label:<80}" + "".join(f"{cases[n][key]:10.1f}" for n in names))
-    print(f"  {'total per request':<80}" + "".join(f"{cases[n]['total_us']:10.1f}" for n in names))
-    print(f"  target <= 50 us (1 x 4096): {'met' if target <= 50 else 'NOT met'} ({target:.1f} us)")
+    print(f"  {'total per request (median)':<80}" + "".join(f"{cases[n]['total_us']:10.1f}" for n in names))
+    print(
+        f"  {'total per request (mean)':<80}" + "".join(f"{cases[n]['mean_total_us']:10.1f}" for n in names)
+    )
+    verdict = "met" if target <= 50 else "NOT met"
+    print(
+        f"  DESIGN target <= 50 us for one 4K-token request: {verdict} ({target:.1f} us, {target / 50:.2f}x)"
+    )
     print("  (last column: requests of 2048..4096 tokens, last block partial)")
     bw = [] if a.host_only else [bandwidth(t, a.tokens, a.reqs, a.iters) for t in ("ipc", "pg")]
     if bw:

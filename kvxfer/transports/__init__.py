@@ -306,6 +306,22 @@ def plan_batch(
     partial last blocks that would need one call each share one call through token slots.
     Only per-request Python here; each request's unit ids are one numpy op.
     """
+    if len(items) == 1:  # one call whatever the units: the coarsest (block lists as they are)
+        it = items[0]
+        su, du = src_units[0], dst_units[0]
+        src = (
+            _np(it.src)
+            if su != 1 or src_block_size == 1
+            else _slots(_np(it.src), src_block_size, 0, it.num_tokens)
+        )
+        dst = (
+            _np(it.dst)
+            if du != 1 or dst_block_size == 1
+            else _slots(_np(it.dst), dst_block_size, 0, it.num_tokens)
+        )
+        return BatchPlan(
+            su, du, [Chunk([it.request_id], src, dst, it.num_tokens)] if it.num_tokens else [], 0
+        )
     shared = shared_prefixes(items, src_block_size, dst_block_size)
     lens = [it.num_tokens for it in items]
     best = None
