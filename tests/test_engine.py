@@ -254,3 +254,32 @@ def test_engine_constructor_validates():
         TransferEngine(SPEC, caches[:1], 0, 1, "E")
     with pytest.raises(ValueError, match="tp_rank"):
         TransferEngine(SPEC, half, 3, 2, "E", port=30000)
+
+
+def test_block_ids_of_any_int_kind_and_bad_ones_named():
+    """Lists, tuples, numpy arrays and int tensors are accepted (extra ids ignored, the caller's
+    array copied); floats, negative, out-of-range and too few ids raise naming block_ids."""
+    import numpy as np
+
+    p, d, shm, dshm = _pair("ipc")
+    try:
+        fill(shm.caches, SPEC, 0, 1, [4, 5], 12, seed=3)
+        src = np.array([4, 5, 6])
+        prm = p.export("a", src, 12)
+        src[:] = 0  # the exporter kept its own copy
+        assert prm["block_ids"] == [4, 5] and all(type(x) is int for x in prm["block_ids"])
+        assert p.export("b", torch.tensor([7, 8], dtype=torch.int32), 12)["block_ids"] == [7, 8]
+        assert p.export("c", (9, 10, 11), 12)["block_ids"] == [9, 10]
+        for bad in ([1.5, 2.0], [1, -2], [1, 64], np.array([1.0, 2.0]), [3], [1, "2"], [2**70, 1]):
+            with pytest.raises(ValueError, match="block_ids"):
+                p.export("z", bad, 12)
+            with pytest.raises(ValueError, match="block_ids"):
+                d.load("z", prm, bad)
+        with pytest.raises(ValueError, match="repeated"):
+            d.load("z", prm, np.array([3, 3]))
+        d.load("a", prm, torch.tensor([20, 21]))
+        assert _wait(d, {"a"}, "recv") == {"a": "done"}
+        assert check(dshm.caches, SPEC, 0, 1, [20, 21], 12, seed=3)
+        assert d.stats()["loads_pending"] == 0
+    finally:
+        _close(p, d, shm, dshm)

@@ -1,12 +1,22 @@
 """Packing several requests into one ops call is exact: compare with per-request copies."""
 
+import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from kvxfer import KVCacheSpec, ops
-from kvxfer.transports import Item, build_chunks, dedupe_prefixes, unit_view, units_of
+from kvxfer.transports import (
+    Item,
+    build_chunks,
+    cache_views,
+    dedupe_prefixes,
+    plan_batch,
+    unit_view,
+    units_of,
+)
 
 from .engine_procs import payload, poison
 
@@ -97,3 +107,94 @@ def test_payload_encodes_origin():
     w = payload(spec, 1, 5, range(2))
     flat = w.view(torch.int16).reshape(-1)
     assert torch.unique(flat).numel() > 0.99 * flat.numel()
+
+
+def _cases():
+    nhd16 = KVCacheSpec(2, 2, 8, 16, torch.float16)
+    return [
+        (nhd16, KVCacheSpec(2, 2, 8, 8, torch.float16)),
+        (nhd16, KVCacheSpec(2, 2, 8, 12, torch.float16, layout="HND")),
+        (KVCacheSpec(2, 2, 8, 16, torch.float16, layout="HND"), nhd16),
+        (
+            KVCacheSpec(2, 1, 24, 16, torch.bfloat16, use_mla=True),
+            KVCacheSpec(2, 1, 24, 5, torch.bfloat16, use_mla=True),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("src", "dst"), _cases())
+@pytest.mark.parametrize("lens", [[48], [37], [48, 96, 240], [16, 48, 7, 33, 24, 1, 12]])
+def test_plan_batch_matches_per_request_copies(src, dst, lens):
+    """What the engine runs: block lists in, units chosen per batch, n>1 siblings deduped; the
+    result equals per-request copies byte for byte, and blocks no request names stay poisoned."""
+    rng = random.Random(len(lens))
+    src_c = [torch.empty(src.cache_shape(96, 1), dtype=src.dtype) for _ in range(2)]
+    for c in src_c:
+        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, dtype=torch.uint8))
+    want = [torch.empty(dst.cache_shape(160, 1), dtype=dst.dtype) for _ in range(2)]
+    got = [torch.empty(dst.cache_shape(160, 1), dtype=dst.dtype) for _ in range(2)]
+    poison(want)
+    poison(got)
+    sfree, dfree = list(range(96)), list(range(160))
+    rng.shuffle(sfree)
+    rng.shuffle(dfree)
+    items = []
+    for i, n in enumerate(lens):
+        s_ids = np.array([sfree.pop() for _ in range(src.num_blocks_for(n))])
+        d_ids = np.array([dfree.pop() for _ in range(dst.num_blocks_for(n))])
+        items.append(Item(f"r{i}", s_ids, d_ids, n))
+    if len(lens) > 1:  # an n>1 sibling of r1: its first 2 source and 1 destination blocks are r1's
+        n1 = lens[1]
+        s_ids = np.concatenate([items[1].src[:2], [sfree.pop() for _ in range(src.num_blocks_for(n1) - 2)]])
+        d_ids = np.concatenate([items[1].dst[:1], [dfree.pop() for _ in range(dst.num_blocks_for(n1) - 1)]])
+        items.append(Item("sib", s_ids.astype(np.int64), d_ids.astype(np.int64), n1))
+    for it in items:
+        ops.copy_blocks(src_c, src, it.src, want, dst, it.dst, it.num_tokens)
+    sviews, dviews = cache_views(src_c, src), cache_views(got, dst)
+    bp = plan_batch(items, src.block_size, [v.unit for v in sviews], dst.block_size, [v.unit for v in dviews])
+    sv = next(v for v in sviews if v.unit == bp.src_unit)
+    dv = next(v for v in dviews if v.unit == bp.dst_unit)
+    for ch in bp.chunks:
+        ops.copy_blocks(sv.caches, sv.spec, ch.src, dv.caches, dv.spec, ch.dst, ch.num_tokens)
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    moved = sum(c.num_tokens for c in bp.chunks)
+    assert moved + bp.skipped_tokens == sum(it.num_tokens for it in items)
+    if len(lens) > 1:
+        assert bp.skipped_tokens >= min(2 * src.block_size, dst.block_size) // math.lcm(
+            bp.src_unit, bp.dst_unit
+        ) * math.lcm(bp.src_unit, bp.dst_unit)
+    # Unit choice: one request moves as block lists (no per-token array) in one call.
+    if len(lens) == 1:
+        assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
+        assert len(bp.chunks) == 1 and bp.chunks[0].src.size == src.num_blocks_for(lens[0])
+    # Calls: max(1, requests with a partial last unit); one call when both sides have token slots.
+    if len(sviews) == 2 and len(dviews) == 2:
+        assert len(bp.chunks) == 1
+
+
+def test_plan_batch_one_call_per_ragged_request_on_hnd():
+    # HND caches have no token-slot view: only block units (16) on both sides.
+    lens = [32, 20, 64, 5, 16]  # two requests end inside a block
+    items = [
+        Item(f"r{i}", np.arange(i * 8, i * 8 + -(-n // 16)), np.arange(i * 8, i * 8 + -(-n // 16)), n)
+        for i, n in enumerate(lens)
+    ]
+    bp = plan_batch(items, 16, [16], 16, [16])
+    assert len(bp.chunks) == 2
+    assert sorted(r for c in bp.chunks for r in c.request_ids) == sorted(it.request_id for it in items)
+
+
+@pytest.mark.parametrize(("src", "dst"), _cases())
+def test_plan_batch_whole_block_requests_go_as_block_lists(src, dst):
+    align = math.lcm(src.block_size, dst.block_size)
+    lens = [align, 3 * align, 2 * align]
+    items, s0, d0 = [], 0, 0
+    for i, n in enumerate(lens):
+        ns, nd = src.num_blocks_for(n), dst.num_blocks_for(n)
+        items.append(Item(f"r{i}", np.arange(s0, s0 + ns), np.arange(d0, d0 + nd), n))
+        s0, d0 = s0 + ns, d0 + nd
+    bp = plan_batch(items, src.block_size, [src.block_size, 1], dst.block_size, [dst.block_size, 1])
+    assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
+    assert len(bp.chunks) == 1 and bp.chunks[0].src.tolist() == list(range(s0))
+    assert bp.chunks[0].dst.tolist() == list(range(d0))

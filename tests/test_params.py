@@ -67,3 +67,19 @@ def test_missing_field_named():
             KVTransferParams.from_dict(d)
     with pytest.raises(ValueError, match="params"):
         KVTransferParams.from_dict("not a dict")
+
+
+@pytest.mark.parametrize("ids", [[1, True], [False, 3], [2, 2**70], [3, None], [1.0]])
+def test_block_ids_must_be_non_negative_ints(ids):
+    with pytest.raises(ValueError, match="block_ids"):
+        KVTransferParams.from_dict({**GOOD, "block_ids": ids})
+
+
+def test_block_id_array_cached_and_read_only():
+    p = KVTransferParams.from_dict(GOOD)
+    a = p.block_id_array()
+    assert a.tolist() == GOOD["block_ids"] and a is p.block_id_array()
+    with pytest.raises(ValueError):
+        a[0] = 7
+    q = KVTransferParams("r1", "P", "10.0.0.1", 5000, 2, (3, 1, 4), 40)  # built without from_dict
+    assert q.block_id_array().tolist() == [3, 1, 4] and q == p
