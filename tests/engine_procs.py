@@ -288,7 +288,8 @@ def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl) -> dict:
 
     spec = _spec(sc["dst_spec"])
     tp = sc["dst_tp"]
-    caches, _ = _caches(spec, sc["dst_blocks"], tp, sc.get("device", "cpu"), shared=False)
+    device = sc.get("dst_device", sc.get("device", "cpu"))
+    caches, _ = _caches(spec, sc["dst_blocks"], tp, device, shared=False)
     poison(caches)
     eng = TransferEngine(
         spec,
