@@ -127,7 +127,9 @@ class Group:
         return self.wire_buf[dest][:n].view(shape)
 
 
-def run_row(g: Group, op: str, backend: str, dest: str, T: int, args, limits: dict) -> dict:
+def run_row(
+    g: Group, op: str, backend: str, dest: str, T: int, args, limits: common.CopyLimit, flush
+) -> dict:
     spec, hs, nh, dh = g.spec, g.src_head, g.heads, g.dst_head
     nb = spec.num_blocks_for(T)
     src_ids, dst_ids = g.src_perm[:nb].clone(), g.dst_perm[:nb].clone()
@@ -203,21 +205,26 @@ def run_row(g: Group, op: str, backend: str, dest: str, T: int, args, limits: di
     row.update(res)
     row["wrong"] = res["wrong_bytes"] + res["clobbered_bytes"]
     # Timing, and the limit of the same bytes measured in this run.
-    flush = common.l2_flusher(g.device, args.flush_l2_mb)
-    with common.nvtx_range(f"bench:{name}"):
-        seconds = common.time_fn(fn, g.device, args.iters, args.warmup, flush)
     if g.device.type == "cpu":
         kind = "cpu"
     else:
         kind = "d2d" if dest == "device" else ("d2h" if op == "gather" else "h2d")
-    key = (row["bytes"], kind)
-    if key not in limits:
-        limits[key] = common.measure_limit(row["bytes"], kind, g.device, args.iters, args.warmup, flush)
+    limit_fn = limits.fn(row["bytes"], kind)
+    with common.nvtx_range(f"bench:{name}"):
+        seconds, limit_s = common.time_fns(
+            [fn, limit_fn],
+            g.device,
+            args.iters,
+            args.warmup,
+            flush,
+            names=[f"op:{name}", f"limit:{kind}:{row['bytes']}B"],
+        )
     row.update(
         time_us=seconds * 1e6,
         gbps=row["bytes"] / seconds / 1e9,
         limit_kind=kind,
-        limit_gbps=row["bytes"] / limits[key] / 1e9,
+        limit_us=limit_s * 1e6,
+        limit_gbps=row["bytes"] / limit_s / 1e9,
     )
     row["pct_limit"] = 100.0 * row["gbps"] / row["limit_gbps"]
     return row
@@ -279,14 +286,16 @@ def main(argv=None) -> int:
             " limit = plain copy_ of the same bytes in this run; #wrong = wrong + clobbered bytes",
         ]
     )
-    rows, limits, group, failed = [], {}, None, 0
+    rows, group, failed = [], None, 0
+    limits = common.CopyLimit(device)
+    flush = common.l2_flusher(device, args.flush_l2_mb)
     with common.profiled(device, "sweep"):
         for mname, layout, dest, op, b, T in common.progress(plan, "bench_ops"):
             if group is None or (group.model.name, group.layout) != (mname, layout):
                 group = None  # free the previous buffers first
                 group = Group(MODELS[mname], layout, args, device)
             try:
-                row = run_row(group, op, b, dest, T, args, limits)
+                row = run_row(group, op, b, dest, T, args, limits, flush)
             except Exception as e:  # a backend that fails is reported, and fails the run
                 row = {
                     "model": mname,

@@ -80,46 +80,63 @@ def profiled(device: torch.device, scope: str) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- timing
-def time_fn(
-    fn: Callable[[], Any],
+def time_fns(
+    fns: Sequence[Callable[[], Any]],
     device: torch.device,
     iters: int,
     warmup: int,
     before: Callable[[], Any] | None = None,
-) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs.
+    names: Sequence[str] | None = None,
+) -> list[float]:
+    """Median seconds of each of ``fns`` over ``iters`` rounds after ``warmup`` rounds.
 
-    ``before`` (e.g. an L2 flush) runs before every timed iteration, outside the timed region.
-    On CUDA each iteration is bracketed by events on the current stream, so the time is what
-    the stream spends from the call's first enqueue to its last, host-side work included when
-    the GPU waits for it.
+    The functions run interleaved (round i runs fns[0], fns[1], ... once each), so an op and
+    its limit see the same machine state: noise from other processes, clocks, thermals.
+    ``before`` (e.g. an L2 flush) runs before every timed call, outside the timed region.
+    On CUDA each call is bracketed by events on the current stream: the time is what the
+    stream spends from the call's first enqueue to its last, host-side work included when the
+    GPU waits for it. On CPU it is ``time.perf_counter`` around the call. ``names`` label each
+    timed call with an NVTX range (outside the timed region).
     """
+    names = list(names) if names is not None else [f"fn{i}" for i in range(len(fns))]
     if iters < 1:
         raise ValueError(f"iters: must be >= 1, got {iters}")
     for _ in range(warmup):
-        fn()
+        for fn in fns:
+            fn()
     synchronize(device)
+    times: list[list[float]] = [[] for _ in fns]
     if device.type == "cuda":
-        pairs = []
+        pairs: list[list[tuple]] = [[] for _ in fns]
         with profiled(device, "ops"):
             for _ in range(iters):
+                for fn, p, name in zip(fns, pairs, names):
+                    if before is not None:
+                        before()
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    with nvtx_range(name):
+                        start.record()
+                        fn()
+                        end.record()
+                    p.append((start, end))
+            torch.cuda.synchronize(device)
+        times = [[s.elapsed_time(e) / 1e3 for s, e in p] for p in pairs]
+    else:
+        for _ in range(iters):
+            for fn, t, name in zip(fns, times, names):
                 if before is not None:
                     before()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                pairs.append((start, end))
-            torch.cuda.synchronize(device)
-        return statistics.median(s.elapsed_time(e) for s, e in pairs) / 1e3
-    times = []
-    for _ in range(iters):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+                with nvtx_range(name):
+                    t0 = time.perf_counter()
+                    fn()
+                    t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def time_fn(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int, before=None) -> float:
+    """Median seconds of ``fn()`` (see :func:`time_fns`)."""
+    return time_fns([fn], device, iters, warmup, before)[0]
 
 
 def l2_flusher(device: torch.device, megabytes: int) -> Callable[[], None] | None:
@@ -138,28 +155,44 @@ LIMIT_KINDS = {
 }
 
 
-def measure_limit(
-    nbytes: int, kind: str, device: torch.device, iters: int, warmup: int, before=None
-) -> float:
-    """Median seconds of a plain ``copy_`` of ``nbytes`` bytes of kind ``kind`` (see LIMIT_KINDS)."""
-    if kind not in LIMIT_KINDS:
-        raise ValueError(f"kind: must be one of {sorted(LIMIT_KINDS)}, got {kind!r}")
-    pinned = device.type == "cuda"
-    if kind == "d2d":
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-    elif kind == "d2h":
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    elif kind == "h2d":
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    else:
-        src = torch.empty(nbytes, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-    src.fill_(1)
-    with nvtx_range(f"limit:{kind}:{nbytes}B"):
-        return time_fn(lambda: dst.copy_(src, non_blocking=True), device, iters, warmup, before)
+class CopyLimit:
+    """Plain ``copy_`` of N bytes: the limit a kvxfer op is compared with, in the same run.
+
+    Buffers are kept per kind (see :data:`LIMIT_KINDS`) and grown on demand, so pinned host
+    memory is not re-allocated for every row.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _alloc(self, where: str, nbytes: int) -> torch.Tensor:
+        if where == "dev":
+            t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return t.fill_(1)  # touch every page now, not inside a timed copy
+
+    def fn(self, nbytes: int, kind: str) -> Callable[[], Any]:
+        """A callable copying ``nbytes`` bytes of kind ``kind``."""
+        if kind not in LIMIT_KINDS:
+            raise ValueError(f"kind: must be one of {sorted(LIMIT_KINDS)}, got {kind!r}")
+        if kind not in self._bufs or self._bufs[kind][0].numel() < nbytes:
+            self._bufs.pop(kind, None)
+            src_where, dst_where = {
+                "d2d": ("dev", "dev"),
+                "d2h": ("dev", "host"),
+                "h2d": ("host", "dev"),
+                "cpu": ("host", "host"),
+            }[kind]
+            self._bufs[kind] = (self._alloc(src_where, nbytes), self._alloc(dst_where, nbytes))
+        src, dst = (b[:nbytes] for b in self._bufs[kind])
+        return lambda: dst.copy_(src, non_blocking=True)
+
+    def measure(self, nbytes: int, kind: str, iters: int, warmup: int, before=None) -> float:
+        """Median seconds of the copy alone."""
+        with nvtx_range(f"limit:{kind}:{nbytes}B"):
+            return time_fn(self.fn(nbytes, kind), self.device, iters, warmup, before)
 
 
 # ----------------------------------------------------------------------------- metadata
