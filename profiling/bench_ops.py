@@ -74,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="testing the checker: break each result on purpose; every row must then be wrong",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 with --quick, robust on shared CI cores; else torch's)",
+    )
     a = p.parse_args(argv)
     a.iters = a.iters or (3 if a.quick else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 5)
@@ -210,12 +216,15 @@ def run_row(
     else:
         kind = "d2d" if dest == "device" else ("d2h" if op == "gather" else "h2d")
     limit_fn = limits.fn(row["bytes"], kind)
+    iters, warmup = args.iters, args.warmup
+    if g.device.type == "cpu" and backend != "torch" and args.quick:
+        iters, warmup = 1, 0  # an interpreted kernel (TRITON_INTERPRET=1): correctness, not speed
     with common.nvtx_range(f"bench:{name}"):
         seconds, limit_s = common.time_fns(
             [fn, limit_fn],
             g.device,
-            args.iters,
-            args.warmup,
+            iters,
+            warmup,
             flush,
             names=[f"op:{name}", f"limit:{kind}:{row['bytes']}B"],
         )
@@ -272,6 +281,8 @@ def plan_rows(args, device: torch.device, backends: list[str], write) -> list[tu
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = common.pick_device(args.device)
+    if args.threads or args.quick:
+        torch.set_num_threads(args.threads or 1)
     write = common.table_writer()
     meta = common.run_metadata(device)
     backends = usable_backends(args.backends, device, write)

@@ -264,6 +264,7 @@ def run_metadata(device: torch.device) -> dict:
         "kvxfer": kvxfer.__version__,
         "git_commit": _git_commit(),
         "host": platform.node(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),  # other work on the machine skews CPU timings
     }
 
 
