@@ -376,7 +376,10 @@ def plot_bandwidth(
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
             ax.grid(True, which="both", alpha=0.3)
-        top.legend(fontsize=6, loc="best")
+        if top.get_legend_handles_labels()[0]:
+            top.legend(fontsize=6, loc="best")
+        else:
+            top.text(0.5, 0.5, "no timed rows", ha="center", transform=top.transAxes)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

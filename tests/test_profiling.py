@@ -198,3 +198,43 @@ def test_profiler_scripts_parse():
             ["bash", "-n", os.path.join(ROOT, "profiling", script)], capture_output=True, text=True
         )
         assert res.returncode == 0, res.stderr
+
+
+def test_bench_ops_reports_a_failing_backend(tmp_path, monkeypatch, capsys):
+    """A backend that raises fails the run with an error row; its other rows of that op are skipped."""
+    mod = types.ModuleType("kvxfer_test_raising_backend")
+
+    def boom(*args):
+        raise RuntimeError("kernel launch failed")
+
+    mod.is_available, mod.gather, mod.scatter, mod.copy = (lambda device: True), boom, boom, boom
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(ops._MODULES, "cuda", mod.__name__)
+    monkeypatch.setattr(ops, "_available", {})
+    threads = torch.get_num_threads()
+    try:
+        rc = bench_ops.main(
+            [
+                "--quick",
+                "--backends",
+                "cuda",
+                "--out",
+                str(tmp_path),
+                "--models",
+                "qwen2.5-7b",
+                "--layouts",
+                "NHD",
+                "--ops",
+                "gather",
+                "--sizes",
+                "100,32",
+                "--threads",
+                "1",
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert rc == 1 and "ERROR gather/cuda" in out and "kernel launch failed" in out and "FAILED" in out
+    rows = _load(tmp_path)["rows"]
+    assert len(rows) == 1 and "kernel launch failed" in rows[0]["error"]
