@@ -6,8 +6,8 @@
 #
 #   -s SET    full (default): every section; focused: speed of light, memory workload (chart and
 #             tables: sectors per request, L2/DRAM throughput), launch stats, occupancy, warp stalls
-#   -k REGEX  kernel-name filter (default 'kvxfer|gather|scatter|copy|paged'); the Triton kernels
-#             are named after their Python functions, the CUDA ones after their __global__ names
+#   -k REGEX  kernel-name filter (default 'kvx|move_rows|gather|scatter': the Triton kernel
+#             move_rows_kernel, the CUDA kernels kvx_{gather,scatter,copy}_w<bytes>); '.' for all
 #   -c COUNT  profile at most COUNT kernel launches (default 10; each is replayed many times)
 #   -n RANGE  only kernels inside this NVTX push/pop range, ncu syntax: e.g. 'op:gather:triton:llama3-8b:NHD:device:4096tok/'
 #   -o NAME   report name (default kvxfer_<date>_<time>): $KVXFER_PROFILE_OUT/NAME.ncu-rep
@@ -27,7 +27,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 out_dir="${KVXFER_PROFILE_OUT:-$here/out}"
 name="kvxfer_$(date +%Y%m%d_%H%M%S)"
 set_name=full
-kernel_regex='kvxfer|gather|scatter|copy|paged'
+kernel_regex='kvx|move_rows|gather|scatter'
 count=10
 nvtx_range=""
 while getopts ":s:k:c:n:o:h" opt; do

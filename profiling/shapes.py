@@ -57,6 +57,12 @@ class ModelShape:
         """Heads one transfer moves from this rank."""
         return self.heads_on_rank() - self.slice_start if self.slice_heads is None else self.slice_heads
 
+    def bytes_per_token(self, element_size: int = 2) -> int:
+        """Wire bytes per token of one transfer from this rank."""
+        return (
+            self.num_layers * (1 if self.use_mla else 2) * self.moved_heads() * self.head_dim * element_size
+        )
+
     def layouts(self, wanted: list[str]) -> list[str]:
         """The layouts to sweep: MLA has exactly one."""
         return ["MLA"] if self.use_mla else wanted

@@ -150,7 +150,7 @@ def test_bench_ops_picks_up_backends_and_flags_a_broken_one(tmp_path, monkeypatc
     assert rc == 1
     rows = _load(tmp_path)["rows"]
     fake_rows = [r for r in rows if r["backend"] == "triton"]
-    # Non-torch backends on CPU: first model only, first size only (interpreter-sized).
+    # Non-torch backends on CPU: the fewest bytes per token (qwen 57 KB < MLA 70 KB), first size only.
     assert {(r["model"], r["tokens"]) for r in fake_rows} == {("qwen2.5-7b", 100)}
     assert len(fake_rows) == 2 * 3
     for r in fake_rows:
