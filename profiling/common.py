@@ -330,14 +330,6 @@ def table_writer() -> Callable[[str], None]:
         return print
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 # ----------------------------------------------------------------------------- plots
 def plot_bandwidth(
     rows: Sequence[dict], path: str, title: str, panel: Callable[[dict], str], label: Callable[[dict], str]
