@@ -110,8 +110,12 @@ class Group:
         max_blocks = self.spec.num_blocks_for(max(args.sizes))
         self.num_blocks = max_blocks + max_blocks // 8 + 1  # slack: some blocks the request never uses
         shape = self.spec.cache_shape(self.num_blocks, model.tp)
-        self.src = [torch.empty(shape, dtype=self.spec.dtype, device=device) for _ in range(model.num_layers)]
-        self.dst = [torch.empty_like(c) for c in self.src]
+        src = [torch.empty(shape, dtype=self.spec.dtype, device=device) for _ in range(model.num_layers)]
+        # Validated once, as an engine holds them (ops.register_caches), so each call skips the
+        # per-layer checks.
+        register = getattr(ops, "register_caches", lambda caches, spec: caches)
+        self.src = register(src, self.spec)
+        self.dst = register([torch.empty_like(c) for c in src], self.spec)
         verify.fill_random(self.src, args.seed)
         self.heads = model.moved_heads()
         self.src_head = model.slice_start

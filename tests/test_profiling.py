@@ -190,7 +190,7 @@ def test_bench_plan_quick(tmp_path):
     with open(tmp_path / "bench_plan.json") as f:
         data = json.load(f)
     steps = [r["step"] for r in data["rows"]]
-    assert len(steps) == 6 and any(s.startswith("make_side") for s in steps)
+    assert len(steps) == 8 and any(s.startswith("make_side") for s in steps)
     assert all(r["median_us"] > 0 and r["tokens"] == 4096 and r["layers"] == 32 for r in data["rows"])
 
 
