@@ -9,7 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_readme_ops_example_runs():
-    text = open(os.path.join(ROOT, "README.md")).read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     ops_example = next(b for b in blocks if "plan_reads" in b)
     out = io.StringIO()
