@@ -7,13 +7,13 @@ token, d) gets a distinct bit pattern, so a wrong copy names itself when compare
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 import traceback
 
 import torch
 
 from kvxfer import ops
+from kvxfer.ports import free_port_base  # noqa: F401  (re-exported for tests)
 from kvxfer.spec import KVCacheSpec
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -87,27 +87,6 @@ def untouched(caches, spec: KVCacheSpec, used_blocks: set[int], num_tokens_by_bl
             if not bool((tail == POISON).all()):
                 return False
     return True
-
-
-def free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
-    """A base port such that ``base .. base+n-1`` (and the next few) are free right now."""
-    import random
-
-    for _ in range(200):
-        base = random.randrange(lo, hi - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range found")
 
 
 def _entry(fn, args, q, name):
