@@ -102,6 +102,7 @@ class SendReq(msgspec.Struct, tag=True):
     num_heads: int
     unit: int  # source unit size in tokens (1: token slots, else blocks)
     chunks: list[tuple[bytes, int]]  # (int64 source unit ids, num_tokens)
+    chunk_tokens: int = 0  # staged pipeline: tokens per streamed chunk (0: whole wires)
 
 
 class SendReply(msgspec.Struct, tag=True):

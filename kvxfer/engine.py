@@ -32,11 +32,23 @@ import torch
 from . import control as C
 from . import ops
 from .metrics import Metrics, now
+from .ordering import NOT_READY, StreamOrder
 from .params import KVTransferParams, params_dict
 from .plan import Read, plan_reads
 from .spec import KVCacheSpec
+from .tracing import trace
 from .tracker import UNKNOWN, ExportTracker, LoadTracker, PollResult
-from .transports import TRANSPORTS, BatchPlan, CacheView, Item, WirePipeline, cache_views, mapper, plan_batch
+from .transports import (
+    TRANSPORTS,
+    BatchPlan,
+    CacheView,
+    Item,
+    WirePipeline,
+    cache_views,
+    choice,
+    mapper,
+    plan_batch,
+)
 
 __all__ = ["HandshakeError", "TransferEngine"]
 
@@ -59,6 +71,12 @@ def _host_identity() -> str:
 def _compat_hash(spec: KVCacheSpec) -> str:
     d = spec.to_dict()
     return "|".join(str(d[k]) for k in ("use_mla", "num_layers", "num_kv_heads", "head_dim", "dtype"))
+
+
+def _tag(request_ids) -> str:
+    """NVTX name of a batch: its request id, or the first id and how many more."""
+    n = len(request_ids)
+    return "" if not n else request_ids[0] if n == 1 else f"{request_ids[0]}+{n - 1}"
 
 
 def _ids(x, need: int, num_blocks: int, what: str) -> np.ndarray:
@@ -137,7 +155,13 @@ class TransferEngine:
             allowed only with ``tp_size == 1`` (other ranks could not be found).
         timeout_s: bound of every side-channel wait and data transfer (default
             ``min(lease_s, 10)``).
-        pipeline: :class:`~kvxfer.transports.WirePipeline` moving pg wires (extension point).
+        pipeline: :class:`~kvxfer.transports.WirePipeline` moving pg wires (extension point);
+            :class:`kvxfer.transports.staged.StagedPipeline` streams chunks through staging
+            buffers allocated once, double-buffered (Gloo on CPU, NCCL or pinned host on GPU).
+
+    Stream ordering on CUDA caches (:mod:`kvxfer.ordering`): ``export(..., ready=event)`` or
+    :meth:`set_compute_stream` make the transfer wait for the compute that wrote the blocks;
+    a load is reported finished only after its scatter/copy completed on the GPU.
     """
 
     def __init__(
@@ -206,6 +230,9 @@ class TransferEngine:
         self._started = False
         self._closed = False
         self._identity = _host_identity()
+        self._order = StreamOrder(self.device)
+        self._transport_reasons: dict[str, str] = {}  # remote engine -> why this transport
+        self._topo = None  # kvxfer.topology.probe(), only when two different GPUs handshake
 
     # ----------------------------------------------------------------------- lifecycle
     def start(self) -> TransferEngine:
@@ -219,28 +246,20 @@ class TransferEngine:
         self._server = C.ControlServer(self._ctx, self.host, port)
         self.port = self._server.port - self.tp_rank
         self._offers: list[str] = []
-        self._ipc_desc = None
-        epochs = None
-        self._epoch_shm = None
-        if self.transport in ("auto", "ipc") and self.device.type == "cpu":
-            shm = mapper("shm")
-            desc = shm.describe(self.caches)
-            if desc is not None:
-                epochs, self._epoch_shm = shm.alloc_shm_array(self.num_blocks)
-                self._ipc_desc = {
-                    "mapper": "shm",
-                    "caches": desc,
-                    "epochs": self._epoch_shm.name,
-                    "num_blocks": self.num_blocks,
-                }
-                self._offers.append("ipc")
-        self._exports = ExportTracker(self.num_blocks, self.lease_s, epochs)
+        # ipc entry of the handshake (shm mapper for CPU caches, CUDA IPC for CUDA caches)
+        offer = choice.offer_ipc(
+            self.caches, self.device, self.num_blocks, self.engine_id, self.transport != "pg"
+        )
+        self._ipc_desc, self._epoch_shm = offer.desc, offer.epoch_shm
+        if offer.offered:
+            self._offers.append("ipc")
+        self._exports = ExportTracker(self.num_blocks, self.lease_s, offer.epochs)
         self._store = None
         if self.transport in ("auto", "pg"):
             from .transports import pg
 
             self._store = pg.serve_store(self.host, self.timeout_s)
-            self._pg_backend = pg.pg_backend_for(self.device)
+            self._pg_backend = getattr(self.pipeline, "pg_backend", pg.pg_backend_for)(self.device)
             self._offers.append("pg")
         self._client = C.ControlClient(self._ctx)
         self._sender_pairs: dict[str, object] = {}
@@ -272,8 +291,7 @@ class TransferEngine:
         self._client.close()
         for rem in self._remotes.values():
             for _, _, handles in rem.ipc.values():
-                for h in handles:
-                    mapper("shm").detach(h)
+                choice.detach(handles)
         self._remotes.clear()
         self._sender_pairs.clear()
         if self._epoch_shm is not None:
@@ -291,12 +309,14 @@ class TransferEngine:
             raise RuntimeError("engine: call start() first (and not after close())")
 
     # -------------------------------------------------------------------------- export
-    def export(self, request_id: str, block_ids, num_tokens: int) -> dict:
+    def export(self, request_id: str, block_ids, num_tokens: int, ready=None) -> dict:
         """Hold ``block_ids`` (token order, ``ceil(num_tokens / block_size)`` of them) under a lease.
 
         Returns the params dict (identical on every rank) that a loader passes to :meth:`load`.
         The caller frees the blocks once ``poll()`` reports the request in ``finished_sending``
-        or ``expired``.
+        or ``expired``. ``ready``: CUDA event(s) recorded after the compute that wrote the
+        blocks, or a CUDA stream (an event is recorded on it now); no loader reads the blocks
+        before they completed (default: the :meth:`set_compute_stream` stream, if any).
         """
         self._check_started()
         if not isinstance(request_id, str) or not request_id:
@@ -304,10 +324,16 @@ class TransferEngine:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         ids = _ids(block_ids, self.spec.num_blocks_for(num_tokens), self.num_blocks, num_tokens)
+        self._order.mark(request_id, ready)
         self._exports.add(request_id, ids, num_tokens)
         return params_dict(
             request_id, self.engine_id, self.host, self.port, self.tp_size, ids.tolist(), num_tokens
         )
+
+    def set_compute_stream(self, stream) -> None:
+        """Exports made after this wait for the work issued on ``stream`` before each export
+        (a CUDA event recorded at export; polled, never synchronised). ``None`` stops it."""
+        self._order.set_compute_stream(stream)
 
     def abort_export(self, request_id: str) -> bool:
         """Release an exported request now (e.g. the client went away); reported as finished_sending.
@@ -359,6 +385,9 @@ class TransferEngine:
             s["exports_live"] = self._exports.num_live()
             s["blocks_held"] = self._exports.held_blocks()
         s["loads_pending"] = self._loads.pending()
+        s["transport_reasons"] = dict(self._transport_reasons)
+        s.update(getattr(self.pipeline, "stats", dict)())
+        s["not_ready_grants"] = self._order.num_not_ready
         s["engine_id"] = self.engine_id
         s["tp_rank"] = self.tp_rank
         return s
@@ -382,6 +411,7 @@ class TransferEngine:
                 "port": self._store.port,
                 "backend": self._pg_backend,
                 "units": [v.unit for v in self._views],  # what a SendReq's unit may be
+                **getattr(self.pipeline, "handshake_info", dict)(),
             }
             if self._store
             else None
@@ -409,6 +439,9 @@ class TransferEngine:
         if isinstance(msg, C.ReadReq):
             self._loader_tp[msg.engine_id] = msg.tp_size
             ok, bad = self._exports.grant(msg.request_ids)
+            for rid in self._order.not_ready(list(ok)):  # compute still writing: ask again
+                del ok[rid]
+                bad[rid] = NOT_READY
             return C.ReadReply(ok=list(ok), epochs=[e.tobytes() for e in ok.values()], failed=bad)
         if isinstance(msg, C.Heartbeat):
             self._exports.heartbeat(msg.request_ids)
@@ -449,15 +482,54 @@ class TransferEngine:
             if bad:
                 return C.SendReply(ok=False, failed=bad)
             self._exports.heartbeat(msg.request_ids)
+            if msg.chunk_tokens and getattr(self.pipeline, "streams", False):  # staged: sender gathers
+                why = self.pipeline.check_chunk(self.spec, msg.num_heads, msg.chunk_tokens, msg.unit)
+                if why:
+                    return C.SendReply(ok=False, failed={"*": f"staging: {why}"})
+                self._send_q.put(("stream", msg.key, msg))
+                return C.SendReply(ok=True, failed={})
             for units_b, num_tokens in msg.chunks:
                 units = np.frombuffer(units_b, dtype=np.int64)  # ops copies and checks them
-                wires.append(
-                    ops.gather_blocks(
-                        view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads
+                with trace("gather", _tag(msg.request_ids)):
+                    wires.append(
+                        ops.gather_blocks(
+                            view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads
+                        )
                     )
-                )
         self._send_q.put(("send", msg.key, wires))
         return C.SendReply(ok=True, failed={})
+
+    def _stream_send(self, pair, msg: C.SendReq) -> None:
+        """Staged pg export: gather each chunk (under the tracker lock, so a request released
+        mid-stream is never read: the stream stops and the loader times out and fails it)."""
+        view = self._by_unit[msg.unit]  # checked by _handle_send
+
+        def gather(units, num_tokens: int, out: torch.Tensor) -> None:
+            with self._exports.lock:
+                gone = [r for r in msg.request_ids if self._exports.lookup(r) is None]
+                if gone:
+                    raise RuntimeError(f"released during the stream: {gone}")
+                ops.gather_blocks(
+                    view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads, out=out
+                )
+
+        calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t) for b, t in msg.chunks]
+        with self._order.on_stream("send"):
+            sent = self.pipeline.send_stream(
+                pair,
+                1,
+                self.timeout_s,
+                self._pg_backend,
+                self.spec,
+                self.device,
+                msg.num_heads,
+                msg.unit,
+                msg.chunk_tokens,
+                calls,
+                gather,
+                _tag(msg.request_ids),
+            )
+        self._metrics.add("bytes_sent", sent)
 
     def _pair_pending(self, key: str) -> bool:
         return True  # pairs are created in FIFO order on the sender thread before any send
@@ -487,8 +559,12 @@ class TransferEngine:
                     pair = self._sender_pairs.get(key)
                     if pair is None:
                         continue
+                    if job[0] == "stream":
+                        self._stream_send(pair, job[2])
+                        continue
                     for wire in job[2]:
-                        self.pipeline.send(pair, wire, 1, self.timeout_s)
+                        with trace("send", key):
+                            self.pipeline.send(pair, wire, 1, self.timeout_s)
                         self._metrics.add("bytes_sent", wire.numel() * wire.element_size())
             except Exception:
                 self._sender_pairs.pop(key, None)  # the loader times out and re-pairs
@@ -542,7 +618,11 @@ class TransferEngine:
             groups.setdefault(it.params.engine_id, []).append(it)
         for engine_id, items in groups.items():
             try:
-                rem = self._remote(items[0].params)
+                if engine_id in self._remotes:
+                    rem = self._remote(items[0].params)
+                else:
+                    with trace("handshake", engine_id):
+                        rem = self._remote(items[0].params)
             except HandshakeError as e:
                 self._fail(items, f"handshake with {engine_id}: {e}")
                 continue
@@ -598,27 +678,22 @@ class TransferEngine:
         return rem
 
     def _choose_transport(self, replies: list[C.HelloReply]) -> str:
-        same_host = all(r.hostname == self._identity for r in replies)
-        ipc_ok = self.device.type == "cpu" and same_host and all("ipc" in r.transports for r in replies)
-        pg_ok = self.transport in ("auto", "pg") and all("pg" in r.transports for r in replies)
-        if self.transport == "ipc":
-            if not ipc_ok:
-                why = (
-                    "not on one host"
-                    if not same_host
-                    else "the exporter's caches are not mappable (not in shm)"
-                )
-                raise HandshakeError(f"transport 'ipc' was asked for but cannot be used: {why}")
-            return "ipc"
-        if self.transport == "pg":
-            if not pg_ok:
-                raise HandshakeError("transport 'pg' was asked for but the exporter does not offer it")
-            return "pg"
-        if ipc_ok:
-            return "ipc"
-        if pg_ok:
-            return "pg"
-        raise HandshakeError("no common transport (exporter offers " + ",".join(replies[0].transports) + ")")
+        """Pick the transport (kvxfer.transports.choice); its reason goes to stats()."""
+        try:
+            transport, why = choice.choose(
+                self.transport, self.device, self._ipc_desc["info"], self._identity, replies, self._topology
+            )
+        except ValueError as e:
+            raise HandshakeError(str(e)) from None
+        self._transport_reasons[replies[0].engine_id] = why
+        return transport
+
+    def _topology(self):
+        if self._topo is None:
+            from .topology import probe
+
+            self._topo = probe()
+        return self._topo
 
     # ------------------------------------------------------------------------ transfers
     def _run_remote(self, rem: _Remote, items: list[_LoadItem]) -> None:
@@ -684,7 +759,7 @@ class TransferEngine:
                     rid = local_of.get(rrid)
                     if rid not in alive:
                         continue
-                    if why == UNKNOWN and time.monotonic() < deadline:
+                    if why in (UNKNOWN, NOT_READY) and time.monotonic() < deadline:
                         retry.append(rid)
                     else:
                         del alive[rid]
@@ -698,10 +773,14 @@ class TransferEngine:
             s_reads = [r for r in reads if r.src_rank == s]
             t0 = now()
             try:
-                if rem.transport == "ipc":
-                    moved, bad = self._ipc_read(rem, s, s_reads, list(alive.values()), epochs[s])
-                else:
-                    moved, bad = self._pg_read(rem, s, s_reads, list(alive.values()))
+                with self._order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
+                    if rem.transport == "ipc":
+                        with trace("copy", _tag(list(alive))):
+                            moved, bad = self._ipc_read(rem, s, s_reads, list(alive.values()), epochs[s])
+                    else:
+                        moved, bad = self._pg_read(rem, s, s_reads, list(alive.values()))
+                    if rem.transport == "pg" and alive:  # finished only once the scatters ran
+                        self._order.wait_done(self.timeout_s)
             except Exception as e:
                 moved, bad = (
                     0,
@@ -736,6 +815,9 @@ class TransferEngine:
     def _forget(self, rem: _Remote) -> None:
         """Drop a remote that stopped answering; the next load handshakes again."""
         self._remotes.pop(rem.engine_id, None)
+        for _, _, handles in rem.ipc.values():
+            choice.detach(handles)
+        rem.ipc.clear()
         for a in rem.addrs:
             self._client.drop(a)
 
@@ -757,11 +839,8 @@ class TransferEngine:
     def _ipc_map(self, rem: _Remote, s: int):
         got = rem.ipc.get(s)
         if got is None:
-            desc = rem.replies[s].ipc
-            m = mapper(desc["mapper"])
-            caches, h1 = m.attach(desc["caches"])
-            ep, h2 = m.attach_array(desc["epochs"], desc["num_blocks"])
-            got = rem.ipc[s] = (cache_views(caches, rem.spec), ep, [h1, h2])
+            caches, ep, handles = choice.attach(rem.replies[s].ipc, self.device)
+            got = rem.ipc[s] = (cache_views(caches, rem.spec), ep, handles)
         return got
 
     def _ipc_read(self, rem, s, reads: list[Read], loads, granted: dict[str, np.ndarray]):
@@ -787,6 +866,7 @@ class TransferEngine:
                 calls += 1
             m, sk = self._count(bp, r.num_heads)
             moved, saved = moved + m, saved + sk
+        self._order.wait_done(self.timeout_s)  # CUDA: the copy ran before the epochs are re-read
         hook = self._hooks.get("after_ipc_copy")
         if hook:
             hook(ep)
@@ -838,14 +918,19 @@ class TransferEngine:
         except Exception as e:
             return 0, {it.request_id: f"pg pair with rank {s}: {type(e).__name__}: {e}" for it in loads}
         moved = saved = calls = 0
+        staged = getattr(self.pipeline, "streams", False)
+        pg_info = rem.replies[s].pg
         for r in reads:
             for _attempt in range(3):
                 loads = [it for it in loads if it.request_id not in bad]
                 if not loads:
                     break
-                pg_info = rem.replies[s].pg
                 bp = self._plan(loads, rem.spec.block_size, pg_info.get("units") or [rem.spec.block_size])
                 chunks, dv = bp.chunks, self._by_unit[bp.dst_unit]
+                chunk_tokens = 0
+                if staged:
+                    bpt = self.spec.bytes_per_token(num_heads=r.num_heads)
+                    chunk_tokens = self.pipeline.chunk_tokens_for(pg_info, bpt, bp.src_unit, bp.dst_unit)
                 req = C.SendReq(
                     self.engine_id,
                     self.tp_rank,
@@ -855,6 +940,7 @@ class TransferEngine:
                     r.num_heads,
                     bp.src_unit,
                     [(c.src.tobytes(), c.num_tokens) for c in chunks],
+                    chunk_tokens,
                 )
                 try:
                     rep = self._client.call(rem.addrs[s], req, self.timeout_s)
@@ -872,15 +958,26 @@ class TransferEngine:
                     for rid, why in rep.failed.items():
                         bad[local_of.get(rid, rid)] = f"exporter rank {s}: {why}"
                     continue
+                tag = _tag([it.request_id for it in loads])
                 try:
-                    for c in chunks:
+                    if staged:
+                        calls += self.pipeline.recv_stream(
+                            group, 0, self.timeout_s, rem.replies[s].pg["backend"], self.spec, self.device,
+                            r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens) for c in chunks],
+                            self._scatterer(dv, r.dst_head_start), tag,
+                        )  # fmt: skip
+                    for c in chunks if not staged else ():
                         wire = torch.empty(
                             self.spec.wire_shape(c.num_tokens, r.num_heads),
                             dtype=self.spec.dtype,
                             device=self.device,
                         )
-                        self.pipeline.recv(group, wire, 0, self.timeout_s)
-                        ops.scatter_blocks(wire, dv.caches, dv.spec, c.dst, c.num_tokens, r.dst_head_start)
+                        with trace("recv", tag):
+                            self.pipeline.recv(group, wire, 0, self.timeout_s)
+                        with trace("scatter", tag):
+                            ops.scatter_blocks(
+                                wire, dv.caches, dv.spec, c.dst, c.num_tokens, r.dst_head_start
+                            )
                         calls += 1
                 except Exception:
                     rem.pairs.pop(s, None)  # a timed-out pair may hold a stale receive
@@ -891,3 +988,9 @@ class TransferEngine:
         self._metrics.add("ops_calls", calls)
         self._metrics.add("dedup_bytes", saved)
         return moved, bad
+
+    def _scatterer(self, view: CacheView, head_start: int):
+        def scatter(units, num_tokens: int, wire: torch.Tensor) -> None:
+            ops.scatter_blocks(wire, view.caches, view.spec, units, num_tokens, head_start)
+
+        return scatter

@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .spec import KVCacheSpec
@@ -151,10 +152,18 @@ def token_block_index(num_tokens: int, block_size: int) -> tuple[torch.Tensor, t
     return t // block_size, t % block_size
 
 
-def token_slots(block_ids: torch.Tensor, block_size: int, num_tokens: int) -> torch.Tensor:
+def token_slots(block_ids, block_size: int, num_tokens: int) -> torch.Tensor:
     """Flat cache slot (``block_id * block_size + offset``) of each of ``num_tokens`` tokens.
 
-    ``block_ids`` is the request's block list (int tensor); int64 result of length num_tokens.
+    ``block_ids`` is the request's block list (ints, array or int tensor; at least
+    ``ceil(num_tokens / block_size)`` of them); int64 CPU tensor of length ``num_tokens``.
+    One numpy broadcast (a few µs for 4K tokens) rather than a chain of small torch ops.
     """
-    idx, off = token_block_index(num_tokens, block_size)
-    return block_ids.to(torch.int64)[idx] * block_size + off
+    if isinstance(block_ids, torch.Tensor):
+        ids = block_ids.detach().cpu().numpy()
+    else:
+        ids = np.asarray(block_ids)
+    need = -(-num_tokens // block_size)
+    ids = ids[:need].astype(np.int64, copy=False)
+    slots = (ids[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)[:num_tokens]
+    return torch.from_numpy(slots)

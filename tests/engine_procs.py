@@ -7,13 +7,13 @@ token, d) gets a distinct bit pattern, so a wrong copy names itself when compare
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 import traceback
 
 import torch
 
 from kvxfer import ops
+from kvxfer.ports import free_port_base  # noqa: F401  (re-exported for tests)
 from kvxfer.spec import KVCacheSpec
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -44,7 +44,8 @@ def fill(
 ) -> None:
     """Write request ``seed``'s payload (this rank's heads) into ``block_ids``."""
     heads = spec.heads_of_rank(tp_rank, tp_size)
-    ops.scatter_blocks(payload(spec, seed, num_tokens, heads), caches, spec, block_ids, num_tokens)
+    wire = payload(spec, seed, num_tokens, heads).to(caches[0].device)
+    ops.scatter_blocks(wire, caches, spec, block_ids, num_tokens)
 
 
 def check(
@@ -52,7 +53,7 @@ def check(
 ) -> bool:
     """True when ``block_ids`` hold request ``seed``'s payload for this rank's heads, byte for byte."""
     heads = spec.heads_of_rank(tp_rank, tp_size)
-    got = ops.gather_blocks(caches, spec, block_ids, num_tokens)
+    got = ops.gather_blocks(caches, spec, block_ids, num_tokens).cpu()
     want = payload(spec, seed, num_tokens, heads)
     return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -86,27 +87,6 @@ def untouched(caches, spec: KVCacheSpec, used_blocks: set[int], num_tokens_by_bl
             if not bool((tail == POISON).all()):
                 return False
     return True
-
-
-def free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
-    """A base port such that ``base .. base+n-1`` (and the next few) are free right now."""
-    import random
-
-    for _ in range(200):
-        base = random.randrange(lo, hi - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range found")
 
 
 def _entry(fn, args, q, name):
@@ -184,6 +164,27 @@ def _spec(d: dict) -> KVCacheSpec:
     return KVCacheSpec.from_dict(d)
 
 
+def _pipeline(sc: dict):
+    """``sc["staged"]``: kwargs of a StagedPipeline (chunked, double-buffered pg); else None."""
+    if sc.get("staged") is None:
+        return None
+    from kvxfer.transports.staged import StagedPipeline
+
+    return StagedPipeline(**sc["staged"])
+
+
+def _caches(spec: KVCacheSpec, num_blocks: int, tp: int, device: str, shared: bool):
+    """(caches, owner to close): shm caches on CPU when ``shared``, else plain tensors (CUDA
+    ones from torch's allocator, exportable over CUDA IPC)."""
+    if device == "cpu" and shared:
+        from kvxfer.transports.shm import alloc_shm_caches
+
+        shm = alloc_shm_caches(spec, num_blocks, tp)
+        return shm.caches, shm
+    shape = spec.cache_shape(num_blocks, tp)
+    return [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)], None
+
+
 def _result(r) -> dict:
     return {
         "finished_sending": sorted(r.finished_sending),
@@ -205,15 +206,15 @@ def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl) -> dict:
     import os
 
     from kvxfer import TransferEngine
-    from kvxfer.transports.shm import alloc_shm_caches
 
     spec = _spec(sc["src_spec"])
     tp = sc["src_tp"]
-    shm = alloc_shm_caches(spec, sc["src_blocks"], tp)
-    poison(shm.caches)
+    device = sc.get("device", "cpu")
+    caches, shm = _caches(spec, sc["src_blocks"], tp, device, shared=True)
+    poison(caches)
     eng = TransferEngine(
         spec,
-        shm.caches,
+        caches,
         tp_rank,
         tp,
         "P",
@@ -221,12 +222,13 @@ def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl) -> dict:
         lease_s=sc.get("lease_s", 10.0),
         port=sc["src_port"],
         timeout_s=sc.get("timeout_s"),
+        pipeline=_pipeline(sc),
     ).start()
     if sc.get("die_before_send"):
         eng._hooks["before_send"] = lambda: os._exit(3)
     params = []
     for rid, n, seed, ids in sc["requests"]:
-        fill(shm.caches, spec, tp_rank, tp, ids, n, seed)
+        fill(caches, spec, tp_rank, tp, ids, n, seed)
         params.append(eng.export(rid, ids, n))
     if tp_rank == 0:
         for _ in range(sc["dst_tp"]):
@@ -253,7 +255,8 @@ def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl) -> dict:
         time.sleep(0.005)
     stats = eng.stats()
     eng.close()
-    shm.close()
+    if shm is not None:
+        shm.close()
     return {"params": params, "polls": seen, "early": early, "stats": stats}
 
 
@@ -264,9 +267,8 @@ def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl) -> dict:
 
     spec = _spec(sc["dst_spec"])
     tp = sc["dst_tp"]
-    caches = [
-        torch.empty(spec.cache_shape(sc["dst_blocks"], tp), dtype=spec.dtype) for _ in range(spec.num_layers)
-    ]
+    device = sc.get("dst_device", sc.get("device", "cpu"))
+    caches, _ = _caches(spec, sc["dst_blocks"], tp, device, shared=False)
     poison(caches)
     eng = TransferEngine(
         spec,
@@ -278,6 +280,7 @@ def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl) -> dict:
         lease_s=sc.get("lease_s", 10.0),
         port=sc["dst_port"],
         timeout_s=sc.get("timeout_s"),
+        pipeline=_pipeline(sc),
     ).start()
     params = q_in.get(timeout=30)
     if sc.get("hold") and tp_rank == 1:

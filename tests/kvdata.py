@@ -91,9 +91,9 @@ def rank_cache(
     return caches
 
 
-def as_bytes(caches: list[torch.Tensor]) -> torch.Tensor:
-    """All layers' bytes stacked, for one ``torch.equal``."""
-    return torch.stack([c.contiguous().view(torch.uint8).reshape(-1) for c in caches])
+def as_bytes(tensors) -> torch.Tensor:
+    """All tensors' bytes, flattened and stacked on the CPU, for one ``torch.equal``."""
+    return torch.stack([t.contiguous().view(torch.uint8).reshape(-1).cpu() for t in tensors])
 
 
 def wire_from_truth(truth: torch.Tensor, spec: KVCacheSpec, global_heads: range, layers=None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvxfer import KVCacheSpec, Layout, ops
+from tests.kvdata import as_bytes, first_difference
 
 POISON = 0xA5
 
@@ -145,22 +146,6 @@ def place(caches, spec: KVCacheSpec, rows: torch.Tensor, ids: list[int], layers,
         view = byte_view(caches[layer], spec)
         for h in range(rows.shape[2]):
             view[:, blocks, offs, head_start + h] = rows[i, :, h]
-
-
-def as_bytes(tensors) -> torch.Tensor:
-    """All tensors' bytes, flattened and stacked, on the CPU."""
-    return torch.stack([t.contiguous().view(torch.uint8).reshape(-1).cpu() for t in tensors])
-
-
-def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    """Where two byte tensors first differ, for assertion messages."""
-    if a.shape != b.shape:
-        return f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
-    diff = (a != b).nonzero()
-    if diff.numel() == 0:
-        return "equal"
-    idx = tuple(diff[0].tolist())
-    return f"{diff.shape[0]} bytes differ; first at {idx}: {int(a[idx])} vs {int(b[idx])}"
 
 
 def assert_bytes_equal(got, want, what: str) -> None:

@@ -5,7 +5,9 @@ Two kinds, chosen at handshake and reported in stats (never a silent fallback):
 * ``ipc`` — the loader maps the exporter's cache memory and runs one ``copy_blocks`` per
   (batch, source rank) straight from it into its own cache; no staging. A *cache mapper* says
   how an exporter describes its memory and how a loader maps it: ``"shm"``
-  (:mod:`kvxfer.transports.shm`, CPU caches in POSIX shared memory). Extension point:
+  (:mod:`kvxfer.transports.shm`, CPU caches in POSIX shared memory) and ``"cuda"``
+  (:mod:`kvxfer.transports.cuda_mapper`, CUDA IPC handles); :mod:`kvxfer.transports.choice`
+  picks by cache device and says why ipc cannot be used when it cannot. Extension point:
   :func:`register_mapper` — a CUDA IPC mapper (``describe(caches) -> dict | None``,
   ``attach(desc) -> (caches, handle)``, ``detach(handle)``) plugs in under another name and
   the engine uses it unchanged. Before and after every direct copy the loader compares the
@@ -54,7 +56,10 @@ __all__ = [
 ]
 
 TRANSPORTS = ("ipc", "pg")
-_MAPPERS: dict[str, str | ModuleType] = {"shm": "kvxfer.transports.shm"}
+_MAPPERS: dict[str, str | ModuleType] = {
+    "shm": "kvxfer.transports.shm",
+    "cuda": "kvxfer.transports.cuda_mapper",
+}
 
 
 def register_mapper(name: str, module: str | ModuleType) -> None:

@@ -1,0 +1,165 @@
+"""Stream ordering of transfers against the caller's compute, without host synchronisation.
+
+Two guarantees, one object per engine rank (:class:`StreamOrder`):
+
+* **Exporter: a request's KV moves only after the compute that wrote it.** The caller hands
+  what to wait for at export: ``engine.export(rid, ids, n, ready=ev)`` with ``ready`` a CUDA
+  event (or a list of them) recorded after the kernels that wrote the blocks, or a CUDA stream
+  (an event is recorded on it at export time, capturing everything issued on it so far); or
+  once for all requests ``engine.set_compute_stream(stream)``. Until every such event has
+  completed (``event.query()``, never ``synchronize()``), the rank answers a loader's lease
+  grant with :data:`NOT_READY` and the loader asks again (bounded by its ``timeout_s``), so
+  neither a ``pg`` gather nor an ``ipc`` copy can read blocks the compute is still writing.
+  Granularity is the request (all its layers), not the layer.
+* **Loader: the scatter/copy is ordered before the caller reads the cache.** On CUDA caches
+  every transfer kernel of a (batch, source rank) runs on the rank's own transfer stream
+  (:meth:`StreamOrder.stream`); afterwards the transfer thread records an event on it and
+  polls ``event.query()`` (bounded by ``timeout_s``; sleeps between polls, no
+  ``synchronize()``) before it checks lease epochs, notifies the exporter and marks the
+  requests finished. So ``poll()`` reports a request in ``finished_recving`` only after its
+  bytes are in the cache, and any kernel the caller launches after that poll sees them; the
+  exporter frees its blocks only after the copy that read them completed.
+
+On CPU caches with no ``ready`` given everything here is a no-op (the CPU ops are
+synchronous). Objects with a ``query() -> bool`` method are accepted as events, so a CPU
+offload path can pass the event of its device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["NOT_READY", "StreamOrder"]
+
+NOT_READY = "not ready: the compute writing its KV has not finished (yet)"
+_NULL = contextlib.nullcontext()
+
+
+def _events(ready: Any) -> list:
+    """Normalise ``ready`` (event, stream, or a list of them) to objects with ``query()``."""
+    items = ready if isinstance(ready, (list, tuple)) else [ready]
+    out = []
+    for d in items:
+        if isinstance(d, torch.cuda.Stream):
+            ev = torch.cuda.Event()
+            ev.record(d)
+            out.append(ev)
+        elif callable(getattr(d, "query", None)):
+            out.append(d)
+        else:
+            raise ValueError(
+                f"ready: expected CUDA events or streams (objects with query()), got {type(d).__name__}"
+            )
+    return out
+
+
+class StreamOrder:
+    """Ready-gates of exported requests and the transfer stream of one engine rank."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._streams: dict[str, Any] = {}  # role ("load", "send") -> transfer stream
+        self._compute = None
+        self._pending: dict[str, list] = {}  # request id -> events not yet seen complete
+        self._lock = threading.Lock()
+        self.num_not_ready = 0  # grant answers NOT_READY (stats)
+        self.num_waits = 0  # completion events waited for
+
+    # ------------------------------------------------------------------ exporter side
+    def set_compute_stream(self, stream: Any) -> None:
+        """Every later export waits for the work issued on ``stream`` before it (None: stop)."""
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise ValueError(f"stream: expected a torch.cuda.Stream or None, got {type(stream).__name__}")
+        self._compute = stream
+
+    def mark(self, request_id: str, ready: Any = None) -> None:
+        """Remember what ``request_id``'s export waits for (``ready``, else the compute stream)."""
+        if ready is None:
+            ready = self._compute
+            if ready is None:
+                return
+        events = _events(ready)
+        if not events:
+            return
+        with self._lock:
+            if len(self._pending) >= 4096:  # gates of requests never granted (expired, aborted)
+                for rid in [r for r, evs in self._pending.items() if all(e.query() for e in evs)]:
+                    del self._pending[rid]
+            self._pending[request_id] = events
+
+    def not_ready(self, request_ids: list[str]) -> list[str]:
+        """The ids whose ready events have not all completed (``query()`` only; never blocks).
+        Completed ones are forgotten."""
+        if not self._pending:
+            return []
+        out = []
+        with self._lock:
+            for rid in request_ids:
+                evs = self._pending.get(rid)
+                if evs is None:
+                    continue
+                evs[:] = [e for e in evs if not e.query()]
+                if evs:
+                    out.append(rid)
+                else:
+                    del self._pending[rid]
+        self.num_not_ready += len(out)
+        return out
+
+    def forget(self, live: Any) -> None:
+        """Drop gates of requests no longer exported (``live(rid) -> bool``)."""
+        with self._lock:
+            for rid in [r for r in self._pending if not live(r)]:
+                del self._pending[rid]
+
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ transfer side
+    def stream(self, role: str = "load"):
+        """The rank's transfer stream for ``role`` (``"load"``: copies and scatters into this
+        rank's cache; ``"send"``: gathers for pg exports), created on first use; None on CPU.
+        Two roles, two streams: an engine loading and exporting at once (D->P reuse) does not
+        serialise one behind the other, and staging buffers of one role are only touched on
+        that role's stream."""
+        if not self.cuda:
+            return None
+        s = self._streams.get(role)
+        if s is None:
+            s = self._streams[role] = torch.cuda.Stream(self.device)
+        return s
+
+    def on_stream(self, role: str = "load") -> contextlib.AbstractContextManager:
+        """Context running the enclosed kernels on the ``role`` transfer stream (no-op on CPU)."""
+        return torch.cuda.stream(self.stream(role)) if self.cuda else _NULL
+
+    def wait_done(self, timeout_s: float, role: str = "load") -> None:
+        """Return once the work issued on the transfer stream so far has completed: an event
+        recorded now, polled with ``query()`` (no ``synchronize()``); ``TimeoutError`` after
+        ``timeout_s``. No-op on CPU."""
+        if not self.cuda:
+            return
+        from .staging import record_done
+
+        ev = record_done(self.stream(role))
+        self.num_waits += 1
+        wait_event(ev, timeout_s, "transfer stream")
+
+
+def wait_event(ev: Any, timeout_s: float, what: str) -> None:
+    """Poll ``ev.query()`` until true: spin briefly, then sleep in growing steps (<= 1 ms)."""
+    if ev.query():
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0
+    while not ev.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: CUDA work not complete within {timeout_s}s")
+        time.sleep(pause)
+        pause = min(1e-3, pause * 2 + 2e-5)

@@ -1,0 +1,1 @@
+"""kvxfer benchmarks and profiling helpers (run the scripts; see README.md)."""

@@ -1,0 +1,334 @@
+"""P -> D through TransferEngine over each transport: latency, bandwidth vs the link, host cost.
+
+The exporter (P) runs in its own process; the loader (D) is this process. For every
+(transport, prompt length) a fresh D engine loads one request *cold* (first request to a new
+peer: handshake, mapping or pair-group set-up included), then ``--reqs`` requests *warm*, one
+at a time (load -> poll until finished). Each row: KV bytes, time (cold, or warm p50/p99),
+GB/s at p50, the limit measured in the same run and the fraction of it, D's host-side cost
+per request (time inside ``load()`` plus the ``poll()`` that dispatched it), and ``#wrong``:
+a verification pass compares a digest of what P holds with what landed on D, per request.
+
+Limits, measured between the same two processes in the same run:
+  ipc  a plain ``copy_`` of the same bytes on the cache device (the copy ipc performs);
+  pg   a raw send of the same bytes over a fresh pair group of the same backend (Gloo/NCCL),
+       acknowledged by one byte: the link the engine's pg transport uses.
+
+    python profiling/bench_transfer.py [--quick] [--transports ipc,pg] [--sizes 128,...,32768]
+
+Outputs: the table on stdout, ``bench_transfer.json`` and ``bench_transfer.png`` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common
+
+from kvxfer import KVCacheSpec, Layout, TransferEngine
+from kvxfer.ops import gather_blocks
+from kvxfer.ports import free_port_base
+
+SIZES = [128, 512, 2048, 8192, 32768]
+QUICK_SIZES = [128, 1024]
+DEADLINE_S = 120.0
+POLL_S = 0.0002  # pause between poll() calls while waiting (a model runner's step is longer)
+
+
+def _specs(layers: int) -> tuple[KVCacheSpec, KVCacheSpec]:
+    """Llama-3-8B-shaped caches (8 kv heads x 128, bf16): P NHD block 16, D HND block 32."""
+    p = KVCacheSpec(layers, 8, 128, 16, torch.bfloat16, Layout.NHD)
+    d = KVCacheSpec(layers, 8, 128, 32, torch.bfloat16, Layout.HND)
+    return p, d
+
+
+def digest(wire: torch.Tensor) -> str:
+    """blake2b of the wire's bytes (on the host)."""
+    return hashlib.blake2b(
+        wire.contiguous().view(torch.uint8).cpu().numpy().tobytes(), digest_size=16
+    ).hexdigest()
+
+
+# ----------------------------------------------------------------------------- exporter process
+def exporter(args: dict, cmd_q, reply_q) -> None:
+    """P: one engine over caches filled with seeded noise; serves "export", "link", "stop"."""
+    try:
+        _exporter(args, cmd_q, reply_q)
+    except BaseException as e:  # report, never hang the parent
+        reply_q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _exporter(args: dict, cmd_q, reply_q) -> None:
+    from kvxfer.transports import pg
+    from kvxfer.transports.shm import alloc_shm_caches
+
+    p_spec, _ = _specs(args["layers"])
+    device = torch.device(args["device"])
+    nb = p_spec.num_blocks_for(max(args["sizes"]))
+    if device.type == "cpu":
+        shm = alloc_shm_caches(p_spec, nb, 1)
+        caches = shm.caches
+    else:
+        shm = None
+        caches = [
+            torch.empty(p_spec.cache_shape(nb, 1), dtype=p_spec.dtype, device=device)
+            for _ in range(p_spec.num_layers)
+        ]
+    g = torch.Generator().manual_seed(0)
+    for c in caches:
+        c.view(torch.uint8).copy_(
+            torch.randint(0, 256, c.view(torch.uint8).shape, generator=g, dtype=torch.uint8)
+        )
+    eng = TransferEngine(p_spec, caches, 0, 1, "P", transport="auto", port=args["port"], lease_s=60.0).start()
+    store = pg.serve_store("127.0.0.1", 60.0)
+    reply_q.put(("ready", store.port))
+    live: set[str] = set()
+    link_groups: dict[str, object] = {}
+    ids = list(range(nb))
+    deadline = time.monotonic() + args["deadline_s"]
+    while time.monotonic() < deadline:
+        r = eng.poll()
+        live -= r.finished_sending | r.expired
+        try:
+            cmd = cmd_q.get(timeout=0.001)
+        except Exception:
+            continue
+        if cmd[0] == "stop":
+            break
+        if cmd[0] == "export":
+            _, rid, n = cmd
+            while live and time.monotonic() < deadline:  # the blocks are reused: wait for release
+                r = eng.poll()
+                live -= r.finished_sending | r.expired
+                time.sleep(0.0005)
+            params = eng.export(rid, ids, n)
+            live.add(rid)
+            want = digest(gather_blocks(caches, p_spec, ids, n)) if args["verify"] else None
+            reply_q.put(("params", params, want))
+        elif cmd[0] == "link":  # raw send/recv of nbytes, iters + warmup times, acknowledged
+            _, key, nbytes, rounds = cmd
+            backend = pg.pg_backend_for(device)
+            if key not in link_groups:
+                link_groups[key] = pg.new_pair(store, key, 0, "127.0.0.1", 60.0, backend)
+            group = link_groups[key]
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            ack = torch.ones(1, dtype=torch.uint8, device=device)
+            for _ in range(rounds):
+                pg.recv_tensor(group, buf, 1, 60.0)
+                pg.send_tensor(group, ack, 1, 60.0)
+    reply_q.put(("stats", eng.stats()))
+    eng.close()
+    if shm is not None:
+        shm.close()
+
+
+# ----------------------------------------------------------------------------- loader side
+def _get(reply_q, kind: str, proc) -> tuple:
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        try:
+            msg = reply_q.get(timeout=0.5)
+        except Exception:
+            if not proc.is_alive():
+                raise RuntimeError("the exporter process died") from None
+            continue
+        if msg[0] == "error":
+            raise RuntimeError(f"exporter failed: {msg[1]}")
+        if msg[0] == kind:
+            return msg
+    raise TimeoutError(f"no {kind!r} from the exporter within {DEADLINE_S}s")
+
+
+def _load_one(eng: TransferEngine, rid: str, params: dict, ids: list[int]) -> tuple[float, float]:
+    """(wall seconds load -> finished, host seconds in load() + the dispatching poll())."""
+    t0 = time.perf_counter()
+    eng.load(rid, params, ids)
+    r = eng.poll()
+    host = time.perf_counter() - t0
+    end = time.monotonic() + DEADLINE_S
+    while rid not in r.finished_recving:
+        if rid in r.failed:
+            raise RuntimeError(f"{rid} failed: {r.errors.get(rid)}")
+        if time.monotonic() > end:
+            raise TimeoutError(f"{rid} did not finish within {DEADLINE_S}s")
+        # Poll like a scheduler step does: a tight poll() loop would starve the engine's own
+        # threads of the GIL (measured: 1 MiB ipc load 2.5 ms with this pause, 100-460 ms without).
+        time.sleep(POLL_S)
+        r = eng.poll()
+    return time.perf_counter() - t0, host
+
+
+def _link_limit(
+    transport: str, nbytes: int, device: torch.device, store_port: int, cmd_q, iters: int
+) -> tuple[float, str]:
+    """Median seconds of the transport's raw link for ``nbytes`` (see module doc)."""
+    if transport == "ipc":
+        kind = "d2d" if device.type == "cuda" else "cpu"
+        return common.CopyLimit(device).measure(nbytes, kind, iters, 1), f"copy_{kind}"
+    from kvxfer.transports import pg
+
+    key = f"link-{nbytes}-{time.monotonic_ns()}"
+    rounds = iters + 1
+    cmd_q.put(("link", key, nbytes, rounds))
+    store = pg.connect_store("127.0.0.1", store_port, 60.0)
+    group = pg.new_pair(store, key, 1, "127.0.0.1", 60.0, pg.pg_backend_for(device))
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    ack = torch.empty(1, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        pg.send_tensor(group, buf, 0, 60.0)
+        pg.recv_tensor(group, ack, 0, 60.0)
+        common.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]), f"{pg.pg_backend_for(device)}_send"
+
+
+def run(a: argparse.Namespace) -> int:
+    device = common.pick_device(a.device)
+    p_spec, d_spec = _specs(a.layers)
+    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else (QUICK_SIZES if a.quick else SIZES)
+    transports = a.transports.split(",")
+    ctx = mp.get_context("spawn")
+    cmd_q, reply_q = ctx.Queue(), ctx.Queue()
+    port = free_port_base(1)
+    args = {
+        "layers": a.layers,
+        "device": str(device),
+        "sizes": sizes,
+        "port": port,
+        "verify": True,
+        "deadline_s": DEADLINE_S * (len(sizes) * len(transports) + 2),
+    }
+    proc = ctx.Process(target=exporter, args=(args, cmd_q, reply_q), daemon=True)
+    proc.start()
+    rows: list[dict] = []
+    meta = common.run_metadata(device)
+    cols = [
+        common.Column("transport", "transport", 10),
+        common.Column("phase", "phase", 5),
+        common.Column("tokens", "tokens", 6),
+        common.Column("bytes", "bytes", 11),
+        common.Column("p50_ms", "p50(ms)", 9, "{:.3f}"),
+        common.Column("p99_ms", "p99(ms)", 9, "{:.3f}"),
+        common.Column("gbps", "GB/s", 8, "{:.2f}"),
+        common.Column("limit_kind", "limit", 11),
+        common.Column("limit_gbps", "limit GB/s", 10, "{:.2f}"),
+        common.Column("pct_limit", "%limit", 7, "{:.1f}"),
+        common.Column("host_us", "host us/req", 11, "{:.1f}"),
+        common.Column("wrong", "#wrong", 6),
+    ]
+    table = common.Table(cols, common.table_writer())
+    table.header(
+        [
+            f"kvxfer bench_transfer on {meta['device']} ({device.type}), {meta['date']}",
+            f"P tp=1 NHD block 16 -> D tp=1 HND block 32, {a.layers} layers x 8 kv heads x 128, bf16",
+            f"command: {meta['command']}",
+        ]
+    )
+    failures = 0
+    try:
+        store_port = _get(reply_q, "ready", proc)[1]
+        work = [(t, n) for t in transports for n in sizes]
+        for transport, n in common.progress(work, "bench_transfer"):
+            nbytes = n * p_spec.bytes_per_token()
+            d_ids = list(range(d_spec.num_blocks_for(n)))[::-1]
+            caches = [
+                torch.zeros(d_spec.cache_shape(len(d_ids), 1), dtype=d_spec.dtype, device=device)
+                for _ in range(d_spec.num_layers)
+            ]
+            eng = TransferEngine(
+                d_spec, caches, 0, 1, f"D-{transport}-{n}", transport=transport, lease_s=60.0
+            ).start()
+            try:
+                walls, hosts, wrong = [], [], []
+                for i in range(1 + a.reqs):
+                    rid = f"{transport}-{n}-{i}"
+                    cmd_q.put(("export", rid, n))
+                    _, params, want = _get(reply_q, "params", proc)
+                    wall, host = _load_one(eng, rid, params, d_ids)
+                    if a.corrupt:  # prove the verification can fail: flip one landed byte
+                        caches[0].view(torch.uint8).view(-1)[0].bitwise_not_()  # block 0 is in d_ids
+                    wrong.append(
+                        int(want is not None and digest(gather_blocks(caches, d_spec, d_ids, n)) != want)
+                    )
+                    walls.append(wall)
+                    hosts.append(host)
+                limit_s, limit_kind = _link_limit(transport, nbytes, device, store_port, cmd_q, a.iters)
+                used = eng.stats().get("transports", {})
+            finally:
+                eng.close()
+            limit_gbps = nbytes / limit_s / 1e9
+            for phase, sel in (("cold", walls[:1]), ("warm", walls[1:])):
+                if not sel:
+                    continue
+                p50 = statistics.median(sel)
+                p99 = sorted(sel)[min(len(sel) - 1, round(0.99 * (len(sel) - 1)))]
+                gbps = nbytes / p50 / 1e9
+                row = {
+                    "transport": transport,
+                    "used": used,
+                    "phase": phase,
+                    "tokens": n,
+                    "bytes": nbytes,
+                    "p50_ms": p50 * 1e3,
+                    "p99_ms": p99 * 1e3,
+                    "gbps": gbps,
+                    "limit_kind": limit_kind,
+                    "limit_gbps": limit_gbps,
+                    "pct_limit": 100 * gbps / limit_gbps,
+                    "host_us": statistics.median(hosts[:1] if phase == "cold" else hosts[1:]) * 1e6,
+                    "wrong": sum(wrong[:1] if phase == "cold" else wrong[1:]),
+                    "requests": len(sel),
+                }
+                rows.append(row)
+                table.row(row)
+            failures += sum(wrong)
+    finally:
+        cmd_q.put(("stop",))
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    os.makedirs(a.out, exist_ok=True)
+    common.write_json(os.path.join(a.out, "bench_transfer.json"), meta, rows)
+    common.plot_bandwidth(
+        rows,
+        os.path.join(a.out, "bench_transfer.png"),
+        "kvxfer P->D transfer",
+        panel=lambda r: r["phase"],
+        label=lambda r: r["transport"],
+    )
+    print(f"# rows: {len(rows)}  wrong requests: {failures}  {'OK' if failures == 0 else 'WRONG'}")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 layers, small sizes (CI on CPU)")
+    p.add_argument("--transports", default="ipc,pg")
+    p.add_argument("--sizes", default=None, help="comma list of prompt lengths (default 128..32768)")
+    p.add_argument("--layers", type=int, default=None, help="default 32 (quick: 2)")
+    p.add_argument("--reqs", type=int, default=None, help="warm requests per row (default 10, quick 3)")
+    p.add_argument("--iters", type=int, default=None, help="link-limit iterations (default 10, quick 3)")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
+    p.add_argument("--out", default=common.DEFAULT_OUT)
+    p.add_argument("--corrupt", action="store_true", help="flip a landed byte (tests the #wrong check)")
+    a = p.parse_args(argv)
+    a.layers = a.layers or (2 if a.quick else 32)
+    a.reqs = a.reqs if a.reqs is not None else (3 if a.quick else 10)
+    a.iters = a.iters or (3 if a.quick else 10)
+    return run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""Shared helpers of the kvxfer benchmarks: timing, limits, metadata, tables, JSON, plots.
+
+Timing: CUDA events on GPU (one start/end pair per iteration, read after one synchronize),
+``time.perf_counter`` on CPU; the reported time is the median of ``iters`` runs after
+``warmup`` runs. Bandwidth is always shown next to a limit measured in the same run
+(:func:`measure_limit`: a plain ``copy_`` of the same number of bytes).
+
+Profiling hooks: :func:`nvtx_range` names what the timeline shows; with the environment
+variable ``KVXFER_PROFILE_RANGE=ops`` :func:`profiled` brackets each timed loop with
+``cudaProfilerStart/Stop`` (for ``ncu --profile-from-start off``), with ``=sweep`` the
+benchmark brackets its whole sweep (for ``nsys --capture-range=cudaProfilerApi``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(ROOT, "profiling", "out")
+PROFILE_RANGE = os.environ.get("KVXFER_PROFILE_RANGE", "")  # "", "ops" or "sweep"
+
+
+# ----------------------------------------------------------------------------- devices
+def pick_device(name: str | None = None) -> torch.device:
+    """``name`` if given, else CUDA when present, else CPU."""
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- profiling hooks
+try:  # the nvtx package works without a GPU (no-op unless a profiler is attached)
+    import nvtx as _nvtx
+except ImportError:  # pragma: no cover - nvtx is in the test extra
+    _nvtx = None
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    """An NVTX push/pop range named ``name`` (no-op without the nvtx package)."""
+    if _nvtx is None:
+        yield
+        return
+    with _nvtx.annotate(name):
+        yield
+
+
+@contextlib.contextmanager
+def profiled(device: torch.device, scope: str) -> Iterator[None]:
+    """``cudaProfilerStart/Stop`` around the block when ``KVXFER_PROFILE_RANGE == scope``."""
+    active = device.type == "cuda" and scope == PROFILE_RANGE
+    if active:
+        torch.cuda.synchronize(device)
+        torch.cuda.profiler.start()
+    try:
+        yield
+    finally:
+        if active:
+            torch.cuda.synchronize(device)
+            torch.cuda.profiler.stop()
+
+
+# ----------------------------------------------------------------------------- timing
+def time_fns(
+    fns: Sequence[Callable[[], Any]],
+    device: torch.device,
+    iters: int,
+    warmup: int,
+    before: Callable[[], Any] | None = None,
+    names: Sequence[str] | None = None,
+) -> list[float]:
+    """Median seconds of each of ``fns`` over ``iters`` rounds after ``warmup`` rounds.
+
+    The functions run interleaved (round i runs fns[0], fns[1], ... once each), so an op and
+    its limit see the same machine state: noise from other processes, clocks, thermals.
+    ``before`` (e.g. an L2 flush) runs before every timed call, outside the timed region.
+    On CUDA each call is bracketed by events on the current stream: the time is what the
+    stream spends from the call's first enqueue to its last, host-side work included when the
+    GPU waits for it. On CPU it is ``time.perf_counter`` around the call. ``names`` label each
+    timed call with an NVTX range (outside the timed region).
+    """
+    names = list(names) if names is not None else [f"fn{i}" for i in range(len(fns))]
+    if iters < 1:
+        raise ValueError(f"iters: must be >= 1, got {iters}")
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    synchronize(device)
+    times: list[list[float]] = [[] for _ in fns]
+    if device.type == "cuda":
+        pairs: list[list[tuple]] = [[] for _ in fns]
+        with profiled(device, "ops"):
+            for _ in range(iters):
+                for fn, p, name in zip(fns, pairs, names):
+                    if before is not None:
+                        before()
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    with nvtx_range(name):
+                        start.record()
+                        fn()
+                        end.record()
+                    p.append((start, end))
+            torch.cuda.synchronize(device)
+        times = [[s.elapsed_time(e) / 1e3 for s, e in p] for p in pairs]
+    else:
+        for _ in range(iters):
+            for fn, t, name in zip(fns, times, names):
+                if before is not None:
+                    before()
+                with nvtx_range(name):
+                    t0 = time.perf_counter()
+                    fn()
+                    t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def time_fn(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int, before=None) -> float:
+    """Median seconds of ``fn()`` (see :func:`time_fns`)."""
+    return time_fns([fn], device, iters, warmup, before)[0]
+
+
+def l2_flusher(device: torch.device, megabytes: int) -> Callable[[], None] | None:
+    """A callable that overwrites ``megabytes`` MiB of device memory (evicts L2), or None."""
+    if device.type != "cuda" or megabytes <= 0:
+        return None
+    buf = torch.empty(megabytes << 20, dtype=torch.uint8, device=device)
+    return lambda: buf.zero_()
+
+
+LIMIT_KINDS = {
+    "d2d": "device copy_ (device -> device)",
+    "d2h": "copy_ device -> pinned host",
+    "h2d": "copy_ pinned host -> device",
+    "cpu": "host copy_ (CPU -> CPU)",
+}
+
+
+class CopyLimit:
+    """Plain ``copy_`` of N bytes: the limit a kvxfer op is compared with, in the same run.
+
+    Buffers are kept per kind (see :data:`LIMIT_KINDS`) and grown on demand, so pinned host
+    memory is not re-allocated for every row.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _alloc(self, where: str, nbytes: int) -> torch.Tensor:
+        if where == "dev":
+            t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return t.fill_(1)  # touch every page now, not inside a timed copy
+
+    def fn(self, nbytes: int, kind: str) -> Callable[[], Any]:
+        """A callable copying ``nbytes`` bytes of kind ``kind``."""
+        if kind not in LIMIT_KINDS:
+            raise ValueError(f"kind: must be one of {sorted(LIMIT_KINDS)}, got {kind!r}")
+        if kind not in self._bufs or self._bufs[kind][0].numel() < nbytes:
+            self._bufs.pop(kind, None)
+            src_where, dst_where = {
+                "d2d": ("dev", "dev"),
+                "d2h": ("dev", "host"),
+                "h2d": ("host", "dev"),
+                "cpu": ("host", "host"),
+            }[kind]
+            self._bufs[kind] = (self._alloc(src_where, nbytes), self._alloc(dst_where, nbytes))
+        src, dst = (b[:nbytes] for b in self._bufs[kind])
+        return lambda: dst.copy_(src, non_blocking=True)
+
+    def measure(self, nbytes: int, kind: str, iters: int, warmup: int, before=None) -> float:
+        """Median seconds of the copy alone."""
+        with nvtx_range(f"limit:{kind}:{nbytes}B"):
+            return time_fn(self.fn(nbytes, kind), self.device, iters, warmup, before)
+
+
+# ----------------------------------------------------------------------------- metadata
+def _version(dist: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _driver() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+            return v.decode() if isinstance(v, bytes) else v
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_metadata(device: torch.device) -> dict:
+    """Device name, library versions, date and command line of this run."""
+    import kvxfer
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name = props.name
+        extra = {"sm": f"{props.major}.{props.minor}", "gpu_mem_gib": round(props.total_memory / 2**30, 1)}
+    else:
+        name, extra = _cpu_model(), {"threads": torch.get_num_threads()}
+    return {
+        "device": name,
+        "device_type": device.type,
+        **extra,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([os.path.basename(sys.executable), *sys.argv]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+        "driver": _driver() if device.type == "cuda" else None,
+        "kvxfer": kvxfer.__version__,
+        "git_commit": _git_commit(),
+        "host": platform.node(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),  # other work on the machine skews CPU timings
+    }
+
+
+def write_json(path: str, meta: dict, rows: Sequence[dict], **extra) -> None:
+    """``{"meta": ..., "rows": [...]}``; every row also carries the device name and date."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tagged = [{"device": meta["device"], "date": meta["date"], **r} for r in rows]
+    with open(path, "w") as f:
+        json.dump({"meta": meta, **extra, "rows": tagged}, f, indent=1)
+        f.write("\n")
+
+
+# ----------------------------------------------------------------------------- tables
+@dataclass(frozen=True)
+class Column:
+    """One table column: row key, header, width and a format for the value."""
+
+    key: str
+    header: str
+    width: int
+    fmt: str = "{}"
+
+    def cell(self, row: dict) -> str:
+        v = row.get(self.key)
+        if v is None:
+            return "-".rjust(self.width)
+        return self.fmt.format(v).rjust(self.width)
+
+
+class Table:
+    """nccl-tests-style table: ``#`` header lines, right-aligned rows, streamed as they come."""
+
+    def __init__(self, columns: Sequence[Column], write: Callable[[str], None] = print) -> None:
+        self.columns = list(columns)
+        self.write = write
+
+    def header(self, title_lines: Iterable[str] = ()) -> None:
+        for line in title_lines:
+            self.write(f"# {line}")
+        self.write("#")
+        self.write("#" + " ".join(c.header.rjust(c.width) for c in self.columns)[1:])
+
+    def row(self, row: dict) -> None:
+        self.write(" " + " ".join(c.cell(row) for c in self.columns)[1:])
+
+
+def progress(items: Sequence, desc: str):
+    """tqdm over ``items`` on stderr (hidden when stderr is not a terminal)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the profile extra
+        return items
+    return tqdm(items, desc=desc, file=sys.stderr, disable=None, dynamic_ncols=True, leave=False)
+
+
+def table_writer() -> Callable[[str], None]:
+    """``print`` that does not break a running tqdm bar."""
+    try:
+        from tqdm import tqdm
+
+        return lambda s: tqdm.write(s, file=sys.stdout)
+    except ImportError:  # pragma: no cover
+        return print
+
+
+# ----------------------------------------------------------------------------- plots
+def plot_bandwidth(
+    rows: Sequence[dict], path: str, title: str, panel: Callable[[dict], str], label: Callable[[dict], str]
+) -> None:
+    """PNG of GB/s (top) and % of limit (bottom) vs bytes; one panel column per ``panel(row)``.
+
+    Each line is the rows sharing ``label(row)``; dashed grey lines are the limits measured in
+    the same run (``row["limit_kind"]``). Rows without a time (errors) are left out.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("gbps")]
+    panels = sorted({panel(r) for r in rows}) or ["(no rows)"]
+    fig, axes = plt.subplots(2, len(panels), figsize=(6 * len(panels), 8), squeeze=False, sharex=True)
+    for col, name_ in enumerate(panels):
+        sel = [r for r in rows if panel(r) == name_]
+        top, bottom = axes[0][col], axes[1][col]
+        for name in sorted({label(r) for r in sel}):
+            pts = sorted((r["bytes"], r["gbps"], r["pct_limit"]) for r in sel if label(r) == name)
+            xs = [p[0] for p in pts]
+            top.plot(xs, [p[1] for p in pts], marker="o", ms=3, label=name)
+            bottom.plot(xs, [p[2] for p in pts], marker="o", ms=3)
+        for kind in sorted({r["limit_kind"] for r in sel}):
+            pts = sorted({(r["bytes"], r["limit_gbps"]) for r in sel if r["limit_kind"] == kind})
+            top.plot(
+                [p[0] for p in pts], [p[1] for p in pts], "x:", color="grey", lw=0.8, label=f"limit {kind}"
+            )
+        top.set_title(name_)
+        top.set_ylabel("GB/s")
+        bottom.set_ylabel("% of limit (same run)")
+        bottom.set_xlabel("bytes moved")
+        bottom.axhline(90, color="green", lw=0.8, ls=":")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+        if top.get_legend_handles_labels()[0]:
+            top.legend(fontsize=6, loc="best")
+        else:
+            top.text(0.5, 0.5, "no timed rows", ha="center", transform=top.transAxes)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,55 @@
+"""bench_transfer --quick on CPU: both transports, table + JSON + PNG, and a #wrong that can fail."""
+
+import json
+
+import pytest
+
+from tests.test_profiling import _run, _table_rows
+
+
+def test_bench_transfer_quick(tmp_path):
+    res = _run(
+        "bench_transfer.py",
+        "--quick",
+        "--sizes",
+        "64,200",
+        "--reqs",
+        "2",
+        "--out",
+        str(tmp_path),
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = _table_rows(res.stdout)
+    assert {(r[0], r[1]) for r in rows} == {(t, p) for t in ("ipc", "pg") for p in ("cold", "warm")}
+    assert all(r[-1] == "0" for r in rows), res.stdout
+    assert "wrong requests: 0  OK" in res.stdout
+    data = json.loads((tmp_path / "bench_transfer.json").read_text())
+    assert len(data["rows"]) == 8 and data["meta"]["device"]
+    for r in data["rows"]:
+        assert r["bytes"] == r["tokens"] * 2 * 8 * 2 * 128 * 2  # 2 layers, 8 heads, K+V, 128, bf16
+        assert r["p50_ms"] > 0 and r["limit_gbps"] > 0 and r["used"]
+    assert (tmp_path / "bench_transfer.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("transport", ["ipc"])
+def test_bench_transfer_detects_a_wrong_byte(tmp_path, transport):
+    res = _run(
+        "bench_transfer.py",
+        "--quick",
+        "--sizes",
+        "64",
+        "--reqs",
+        "1",
+        "--transports",
+        transport,
+        "--corrupt",
+        "--out",
+        str(tmp_path),
+        timeout=180,
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "WRONG" in res.stdout
+    warm = [r for r in _table_rows(res.stdout) if r[1] == "warm"]
+    cold = [r for r in _table_rows(res.stdout) if r[1] == "cold"]
+    assert warm and warm[0][-1] == "1" and cold[0][-1] == "1", res.stdout

@@ -1,0 +1,443 @@
+"""GPU-transport wiring, proven on CPU: ipc mapper choice and its messages, the CUDA mapper
+adapter (fake driver), the staged double-buffered pg pipeline over Gloo, stream-ordering gates
+(no-ops on CPU, fake events), NVTX ranges of the engine's phases."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvxfer import KVCacheSpec, TransferEngine, ops, tracing
+from kvxfer import control as C
+from kvxfer.ordering import NOT_READY, StreamOrder
+from kvxfer.transports import choice, cuda_mapper
+from kvxfer.transports.cuda_ipc import publish_caches
+from kvxfer.transports.shm import alloc_shm_caches
+from kvxfer.transports.staged import StagedPipeline, pieces
+
+from .engine_procs import check, fill, poison, untouched
+from .test_cuda_ipc import FakeDriver, carve, info
+
+SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)
+
+
+def _reply(rank=0, transports=("ipc", "pg"), hostname="h", ipc=None, pg=None):
+    return C.HelloReply(
+        engine_id="P",
+        tp_rank=rank,
+        tp_size=1,
+        spec=SPEC.to_dict(),
+        compat="",
+        transports=list(transports),
+        hostname=hostname,
+        num_blocks=8,
+        ipc=ipc,
+        pg=pg,
+    )
+
+
+def _entry(mapper="cuda", **kw):
+    return {"mapper": mapper, "caches": {}, "epochs": "x", "num_blocks": 8, "info": info(**kw), "why": ""}
+
+
+# --------------------------------------------------------------------------- transport choice
+CUDA = torch.device("cuda", 0)  # only compared by type; nothing runs on it
+
+
+def test_choice_cuda_same_gpu_is_ipc_with_reason():
+    local = info(pid=1, process_token="z" * 32)
+    t, why = choice.choose("auto", CUDA, local, "h", [_reply(ipc=_entry())])
+    assert (t, why) == ("ipc", "ipc: same host, same GPU")
+
+
+@pytest.mark.parametrize(
+    "peer_kw, needle",
+    [
+        ({"expandable_segments": True, "alloc_conf": "expandable_segments:True"}, "expandable_segments"),
+        ({"pid_ns": "pid:[1]"}, "PID-namespace isolation"),
+        ({"gpu_uuid": "GPU-7"}, "not visible in this process"),
+        ({"host_id": "node2/boot-b"}, "different hosts"),
+    ],
+)
+def test_choice_cuda_ipc_impossible_error_or_fallback_names_reason(peer_kw, needle):
+    local = info(pid=1, process_token="z" * 32)
+    replies = [_reply(ipc=_entry(**peer_kw))]
+    with pytest.raises(ValueError, match=r"^transport 'ipc' was asked for but cannot be used: .*" + needle):
+        choice.choose("ipc", CUDA, local, "h", replies)
+    t, why = choice.choose("auto", CUDA, local, "h", replies)
+    assert t == "pg" and why.startswith("pg: ipc cannot be used: ") and needle in why
+
+
+def test_choice_names_each_unusable_case():
+    local = info(pid=1, process_token="z" * 32)
+    cases = [
+        ([_reply(ipc=_entry(), hostname="other")], "not on one host"),
+        (
+            [_reply(transports=["pg"], ipc={"mapper": None, "why": "no CuPy here", "info": info()})],
+            "no CuPy here",
+        ),
+        ([_reply(ipc=_entry(mapper="shm"))], "need 'cuda'"),  # CPU exporter, CUDA loader
+        (
+            [_reply(ipc=_entry()), _reply(1, ipc=_entry(pid=1, process_token="z" * 32))],
+            "rank 1: same process",
+        ),
+    ]
+    for replies, needle in cases:
+        t, why = choice.choose("auto", CUDA, local, "h", replies)
+        assert t == "pg" and needle in why, (needle, why)
+    # CPU loader, CUDA exporter: the mapper kinds differ
+    t, why = choice.choose("auto", torch.device("cpu"), info(gpu_uuid=None), "h", [_reply(ipc=_entry())])
+    assert t == "pg" and "need 'shm'" in why
+    with pytest.raises(ValueError, match="'pg' was asked for but the exporter does not offer it"):
+        choice.choose("pg", CUDA, local, "h", [_reply(transports=["ipc"], ipc=_entry())])
+    assert choice.choose("pg", CUDA, local, "h", [_reply(ipc=_entry())]) == ("pg", "pg: requested")
+
+
+def test_choice_consults_topology_only_for_two_gpus():
+    calls = []
+
+    class Topo:
+        error = None
+
+        def by_uuid(self, u):
+            return None
+
+    def topology():
+        calls.append(1)
+        return Topo()
+
+    local = info(pid=1, process_token="z" * 32)
+    choice.choose("auto", CUDA, local, "h", [_reply(ipc=_entry())], topology)
+    assert calls == []  # same GPU: no NVML probe
+    two = [_reply(ipc=_entry(gpu_uuid="GPU-1"))]
+    t, why = choice.choose("auto", CUDA, local, "h", two, topology, peer_access=lambda a, b: True)
+    assert calls == [1] and t == "ipc" and "link unknown to NVML" in why
+    t, why = choice.choose("auto", CUDA, local, "h", two, topology, peer_access=lambda a, b: False)
+    assert t == "pg" and "no peer-to-peer" in why and calls == [1]
+
+
+def test_offer_ipc_cpu():
+    shm = alloc_shm_caches(SPEC, 8, 1)
+    try:
+        o = choice.offer_ipc(shm.caches, torch.device("cpu"), 8, "P")
+        assert o.offered and o.desc["mapper"] == "shm" and o.epochs.shape == (8,)
+        assert o.desc["info"]["gpu_uuid"] is None and o.desc["epochs"] == o.epoch_shm.name
+        o.epoch_shm.close()
+        o.epoch_shm.unlink()
+    finally:
+        shm.close()
+    plain = [torch.zeros(SPEC.cache_shape(8, 1), dtype=SPEC.dtype) for _ in range(2)]
+    o = choice.offer_ipc(plain, torch.device("cpu"), 8, "P")
+    assert not o.offered and "not mappable" in o.desc["why"] and o.epochs is None
+    o = choice.offer_ipc(plain, torch.device("cpu"), 8, "P", enabled=False)
+    assert not o.offered and "pg only" in o.desc["why"]
+    desc, why = cuda_mapper.offer(plain, "P")
+    assert desc is None and "not CUDA" in why
+
+
+# --------------------------------------------------------------------------- CUDA mapper adapter
+def test_cuda_mapper_attach_copy_detach_with_fake_driver():
+    """The mapper the engine calls for CUDA caches: attach maps the published allocations
+    (shared by owners), copy_blocks reads them, detach closes only the last owner's mapping;
+    the epoch array is host shared memory."""
+    drv = FakeDriver()
+    cache = cuda_mapper.handle_cache(drv)
+    try:
+        spec = KVCacheSpec(2, 4, 24, 16, torch.float16)
+        src = carve(drv, spec, 6, 4, 0)
+        desc = publish_caches(src, "P", driver=drv)
+        ep, seg = cuda_mapper.shm.alloc_shm_array(6)
+        ep[:] = torch.arange(6)
+        entry = {"mapper": "cuda", "caches": desc, "epochs": seg.name, "num_blocks": 6, "info": info()}
+        a, ep_a, ha = choice.attach(entry, torch.device("cpu"))
+        b, _, hb = choice.attach(entry, torch.device("cpu"))
+        assert len(drv.opened) == 1 and cache.num_hits == 1  # opened once, shared
+        assert [t.data_ptr() for t in b] == [t.data_ptr() for t in a] == [t.data_ptr() for t in src]
+        assert torch.equal(ep_a, torch.arange(6))
+        dst_spec = KVCacheSpec(2, 4, 24, 8, torch.float16, layout="HND")
+        dst = [torch.full(dst_spec.cache_shape(12, 1), 7.0, dtype=torch.float16) for _ in range(2)]
+        ops.copy_blocks(a, spec, [4, 1], dst, dst_spec, [9, 2, 5, 0], 27)
+        want = ops.gather_blocks(src, spec, [4, 1], 27)
+        got = ops.gather_blocks(dst, dst_spec, [9, 2, 5, 0], 27)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        choice.detach(ha)
+        assert drv.closed == []  # b still uses it
+        choice.detach(hb)
+        assert len(drv.closed) == 1 and len(cache) == 0
+        cuda_mapper.shm.release_segment(seg)
+    finally:
+        cuda_mapper.handle_cache(None)  # fresh cache for other tests
+        cuda_mapper._cache = None
+
+
+# --------------------------------------------------------------------------- staged pipeline units
+def test_pieces_cut_at_unit_boundaries():
+    calls = [(torch.arange(10), 150), (torch.arange(100, 103), 20)]
+    ps = pieces(calls, 64, 16)
+    assert [p.num_tokens for p in ps] == [64, 64, 22, 20] and [p.index for p in ps] == [0, 1, 2, 3]
+    assert ps[1].units.tolist() == [4, 5, 6, 7] and ps[2].units.tolist() == [8, 9]
+    assert [p.num_tokens for p in pieces(calls, 0, 16)] == [150, 20]
+    with pytest.raises(ValueError, match="multiple of the unit"):
+        pieces(calls, 60, 16)
+
+
+def test_staged_pipeline_config_and_chunk_agreement():
+    p = StagedPipeline(buffer_bytes=4096)
+    assert p.pg_backend(torch.device("cpu")) == "gloo" and p.pg_backend(CUDA) == "nccl"
+    assert StagedPipeline(pin_memory=True).pg_backend(CUDA) == "gloo"
+    assert p.handshake_info() == {"staging_bytes": 4096}
+    assert p.chunk_tokens_for({"backend": "gloo"}, 64, 1, 1) == 0  # exporter does not stage
+    assert p.chunk_tokens_for({"staging_bytes": 2048}, 64, 8, 12) == 24  # min buffer, lcm 24
+    assert (
+        StagedPipeline(4096, max_chunk_tokens=10).chunk_tokens_for({"staging_bytes": 1 << 20}, 64, 1, 1) == 10
+    )
+    with pytest.raises(ValueError, match="fewer than one chunk unit"):
+        p.chunk_tokens_for({"staging_bytes": 4096}, 64, 16, 80)
+    assert p.check_chunk(SPEC, 2, 16, 8) == ""  # 256 bytes per token
+    assert "staging buffers hold" in p.check_chunk(SPEC, 2, 24, 8)
+    assert "multiple of the unit" in p.check_chunk(SPEC, 2, 12, 8)
+    for bad in ({"buffer_bytes": 0}, {"depth": 1}, {"max_chunk_tokens": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            StagedPipeline(**bad)
+
+
+# --------------------------------------------------------------------------- engines (in process)
+def _wait(eng, want, timeout=15.0):
+    got, seen = {}, []
+    end = time.monotonic() + timeout
+    while set(got) != set(want) and time.monotonic() < end:
+        r = eng.poll()
+        for rid in r.finished_recving:
+            got[rid] = "done"
+            seen.append(rid)
+        for rid in r.failed:
+            got[rid] = "failed:" + r.errors.get(rid, "")
+            seen.append(rid)
+        time.sleep(0.005)
+    assert len(seen) == len(set(seen)), seen
+    return got
+
+
+STAGED_CASES = [
+    # NHD bs=16 -> HND bs=8 (unit 1 -> unit 8), fp16 head_dim 24
+    (KVCacheSpec(2, 4, 24, 16, torch.float16), KVCacheSpec(2, 4, 24, 8, torch.float16, layout="HND")),
+    # HND bs=8 -> NHD bs=12 (unit 8 -> unit 1), bf16
+    (KVCacheSpec(3, 2, 16, 8, torch.bfloat16, layout="HND"), KVCacheSpec(3, 2, 16, 12, torch.bfloat16)),
+    # MLA bs=16 -> bs=4
+    (
+        KVCacheSpec(2, 1, 72, 16, torch.float16, use_mla=True),
+        KVCacheSpec(2, 1, 72, 4, torch.float16, use_mla=True),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(STAGED_CASES)))
+def test_staged_pg_in_process_chunks_exact_pool_reused(case):
+    src, dst = STAGED_CASES[case]
+    nb = 256
+    sc = [torch.empty(src.cache_shape(nb, 1), dtype=src.dtype) for _ in range(src.num_layers)]
+    dc = [torch.empty(dst.cache_shape(nb, 1), dtype=dst.dtype) for _ in range(dst.num_layers)]
+    poison(sc)
+    poison(dc)
+    bpt = src.bytes_per_token()
+    pp = StagedPipeline(buffer_bytes=48 * bpt)  # 48 tokens per buffer: a 200-token request is >= 5 chunks
+    dp = StagedPipeline(buffer_bytes=64 * bpt)
+    p = TransferEngine(src, sc, 0, 1, "P", transport="pg", pipeline=pp).start()
+    d = TransferEngine(dst, dc, 0, 1, "D", transport="pg", pipeline=dp).start()
+    try:
+        lengths = [200, 37, 1, 96, 130]
+        sfree, dfree = list(range(nb))[::-1], list(range(nb))[::2] + list(range(nb))[1::2]
+        reqs = []
+        for rnd in range(2):  # two polls: the pools must be reused, not reallocated
+            batch = lengths if rnd == 0 else lengths[:2]
+            for i, n in enumerate(batch):
+                rid = f"r{rnd}-{i}"
+                s_ids = [sfree.pop() for _ in range(src.num_blocks_for(n))]
+                d_ids = [dfree.pop() for _ in range(dst.num_blocks_for(n))]
+                fill(sc, src, 0, 1, s_ids, n, seed=10 * rnd + i)
+                d.load(rid, p.export(rid, s_ids, n), d_ids)
+                reqs.append((rid, n, 10 * rnd + i, d_ids))
+            new = {f"r{rnd}-{i}" for i in range(len(batch))}
+            got = _wait(d, new)
+            assert got == dict.fromkeys(new, "done"), got
+            if rnd == 0:
+                ptrs = [pl._storage.data_ptr() for pl in (*pp._pools.values(), *dp._pools.values())]
+        for rid, n, seed, d_ids in reqs:
+            assert check(dc, dst, 0, 1, d_ids, n, seed), rid
+        used = {b for r in reqs for b in r[3]}
+        tails = {r[3][-1]: r[1] - (len(r[3]) - 1) * dst.block_size for r in reqs}
+        assert untouched(dc, dst, used, tails)
+        ds, ps = d.stats(), p.stats()
+        assert ds["staging_pools"] == 1 and ps["staging_pools"] == 1  # one pool each, made once
+        assert [pl._storage.data_ptr() for pl in (*pp._pools.values(), *dp._pools.values())] == ptrs
+        assert ds["staging_chunks_recv"] == ps["staging_chunks_sent"] >= 3 + 2
+        assert ds["staging_fallback_allocs"] == 0 and ds["transfers"] == len(reqs)
+        pool = next(iter(dp._pools.values()))
+        assert pool.num_free == pool.num_buffers and pool.num_leases == ds["staging_streams"]
+    finally:
+        d.close()
+        p.close()
+
+
+def test_staged_loader_with_unstaged_exporter_receives_whole_wires():
+    """An exporter without staging sends whole wires; the staged loader still lands them
+    (into a staging buffer when one fits, else a counted fallback tensor)."""
+    sc = [torch.empty(SPEC.cache_shape(32, 1), dtype=SPEC.dtype) for _ in range(2)]
+    dc = [torch.empty(SPEC.cache_shape(32, 1), dtype=SPEC.dtype) for _ in range(2)]
+    poison(dc)
+    dp = StagedPipeline(buffer_bytes=20 * SPEC.bytes_per_token())
+    p = TransferEngine(SPEC, sc, 0, 1, "P", transport="pg").start()
+    d = TransferEngine(SPEC, dc, 0, 1, "D", transport="pg", pipeline=dp).start()
+    try:
+        fill(sc, SPEC, 0, 1, [3, 4, 5], 20, seed=1)
+        fill(sc, SPEC, 0, 1, [6, 7, 8, 9, 10], 40, seed=2)
+        d.load("a", p.export("a", [3, 4, 5], 20), [1, 2, 3])
+        assert _wait(d, {"a"}) == {"a": "done"}
+        d.load("b", p.export("b", [6, 7, 8, 9, 10], 40), [11, 12, 13, 14, 15])
+        assert _wait(d, {"a", "b"} - {"a"}) == {"b": "done"}
+        assert check(dc, SPEC, 0, 1, [1, 2, 3], 20, 1) and check(dc, SPEC, 0, 1, [11, 12, 13, 14, 15], 40, 2)
+        assert d.stats()["staging_fallback_allocs"] == 1  # only the 40-token wire did not fit
+    finally:
+        d.close()
+        p.close()
+
+
+# --------------------------------------------------------------------------- stream ordering (CPU)
+class FakeEvent:
+    """An event whose completion the test decides (``query()`` only, like torch.cuda.Event)."""
+
+    def __init__(self):
+        self.done = False
+        self.queries = 0
+
+    def query(self):
+        self.queries += 1
+        return self.done
+
+
+def test_stream_order_is_a_noop_on_cpu():
+    o = StreamOrder(torch.device("cpu"))
+    assert o.stream() is None and o.stream("send") is None
+    with o.on_stream():
+        pass
+    o.wait_done(0.0)  # returns at once, nothing recorded
+    o.mark("x", None)
+    assert o.num_pending() == 0 and o.not_ready(["x"]) == [] and o.num_waits == 0
+    with pytest.raises(ValueError, match="ready: expected CUDA events or streams"):
+        o.mark("x", 5)
+    with pytest.raises(ValueError, match=r"stream: expected a torch\.cuda\.Stream"):
+        o.set_compute_stream("s")
+
+
+@pytest.mark.parametrize("transport", ["ipc", "pg"])
+def test_export_waits_for_ready_event(transport):
+    """No loader reads the blocks until the event handed to export completed; then the load
+    lands exactly. (On CPU the event is a fake with query(); on GPU it is a CUDA event.)"""
+    shm, dshm = alloc_shm_caches(SPEC, 16, 1), alloc_shm_caches(SPEC, 16, 1)
+    poison(dshm.caches)
+    p = TransferEngine(SPEC, shm.caches, 0, 1, "P", transport=transport, timeout_s=5.0).start()
+    d = TransferEngine(SPEC, dshm.caches, 0, 1, "D", transport=transport, timeout_s=5.0).start()
+    try:
+        ev = FakeEvent()
+        params = p.export("x", [2, 3], 12, ready=ev)
+        d.load("x", params, [5, 6])
+        end = time.monotonic() + 0.4
+        while time.monotonic() < end:
+            r = d.poll()
+            assert not r.finished_recving and not r.failed, "loaded before the compute finished"
+            time.sleep(0.01)
+        assert ev.queries > 0 and p.stats()["not_ready_grants"] > 0
+        assert untouched(dshm.caches, SPEC, set(), {})
+        fill(shm.caches, SPEC, 0, 1, [2, 3], 12, seed=4)  # "the compute" writes, then completes
+        ev.done = True
+        assert _wait(d, {"x"}) == {"x": "done"}
+        assert check(dshm.caches, SPEC, 0, 1, [5, 6], 12, seed=4)
+    finally:
+        d.close()
+        p.close()
+        shm.close()
+        dshm.close()
+
+
+def test_never_ready_export_fails_bounded_naming_why():
+    shm, dshm = alloc_shm_caches(SPEC, 16, 1), alloc_shm_caches(SPEC, 16, 1)
+    p = TransferEngine(SPEC, shm.caches, 0, 1, "P", transport="ipc", timeout_s=0.5).start()
+    d = TransferEngine(SPEC, dshm.caches, 0, 1, "D", transport="ipc", timeout_s=0.5).start()
+    try:
+        d.load("x", p.export("x", [2], 5, ready=[FakeEvent()]), [1])
+        got = _wait(d, {"x"}, timeout=5)
+        assert got["x"].startswith("failed:") and NOT_READY in got["x"]
+    finally:
+        d.close()
+        p.close()
+        shm.close()
+        dshm.close()
+
+
+# --------------------------------------------------------------------------- reasons and NVTX
+def test_stats_report_transport_reason():
+    shm, dshm = alloc_shm_caches(SPEC, 16, 1), alloc_shm_caches(SPEC, 16, 1)
+    plain = [torch.zeros(SPEC.cache_shape(16, 1), dtype=SPEC.dtype) for _ in range(2)]
+    p1 = TransferEngine(SPEC, shm.caches, 0, 1, "P1").start()
+    p2 = TransferEngine(SPEC, plain, 0, 1, "P2").start()
+    d = TransferEngine(SPEC, dshm.caches, 0, 1, "D").start()
+    try:
+        d.load("a", p1.export("a", [1], 4), [1])
+        d.load("b", p2.export("b", [1], 4), [2])
+        assert set(_wait(d, {"a", "b"}).values()) == {"done"}
+        s = d.stats()
+        assert s["transports"] == {"P1": "ipc", "P2": "pg"}
+        assert s["transport_reasons"] == {
+            "P1": "ipc: shared memory on one host",
+            "P2": "pg: ipc cannot be used: the exporter's caches are not mappable (not in shm)",
+        }
+    finally:
+        for e in (d, p1, p2):
+            e.close()
+        shm.close()
+        dshm.close()
+
+
+class FakeNvtx:
+    def __init__(self):
+        self.ranges: list[str] = []
+        self._lock = threading.Lock()
+
+    def push_range(self, msg, color=None, domain=None):
+        with self._lock:
+            self.ranges.append(msg)
+
+    def pop_range(self, domain=None):
+        pass
+
+
+def test_nvtx_ranges_name_phase_and_request():
+    fake = FakeNvtx()
+    tracing.set_enabled(True, nvtx_module=fake)
+    shm, dshm = alloc_shm_caches(SPEC, 64, 1), alloc_shm_caches(SPEC, 64, 1)
+    engines = []
+    try:
+        pp = StagedPipeline(buffer_bytes=16 * SPEC.bytes_per_token())
+        p = TransferEngine(SPEC, shm.caches, 0, 1, "P", pipeline=pp).start()
+        d_ipc = TransferEngine(SPEC, dshm.caches, 0, 1, "Di", transport="ipc").start()
+        dc = [torch.zeros(SPEC.cache_shape(64, 1), dtype=SPEC.dtype) for _ in range(2)]
+        d_pg = TransferEngine(SPEC, dc, 0, 1, "Dp", transport="pg", pipeline=StagedPipeline(16 * 512)).start()
+        engines = [d_ipc, d_pg, p]
+        d_ipc.load("i1", p.export("i1", [1, 2], 10), [3, 4])
+        d_pg.load("g1", p.export("g1", list(range(10, 15)), 40), list(range(5)))
+        assert _wait(d_ipc, {"i1"}) == {"i1": "done"} and _wait(d_pg, {"g1"}) == {"g1": "done"}
+        names = set(fake.ranges)
+        for want in ("kvxfer.handshake P", "kvxfer.copy i1", "kvxfer.gather g1", "kvxfer.send g1",
+                     "kvxfer.recv g1", "kvxfer.scatter g1"):  # fmt: skip
+            assert want in names, (want, sorted(names))
+        assert sum(r == "kvxfer.send g1" for r in fake.ranges) >= 3  # one per chunk
+    finally:
+        tracing.set_enabled(None)
+        tracing._state["nvtx"] = None
+        for e in engines:
+            e.close()
+        shm.close()
+        dshm.close()

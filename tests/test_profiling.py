@@ -1,0 +1,242 @@
+"""The benchmarks run on CPU (--quick), produce table, JSON and PNG, and their checks can fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from kvxfer import KVCacheSpec, Layout, ops
+from kvxfer.backends import torch_ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from profiling import bench_ops, verify  # noqa: E402
+
+
+def _run(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "profiling", script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    return [line.split() for line in stdout.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _load(out) -> dict:
+    with open(os.path.join(out, "bench_ops.json")) as f:
+        return json.load(f)
+
+
+def test_bench_ops_quick_cpu(tmp_path):
+    res = _run("bench_ops.py", "--quick", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    header = [line for line in res.stdout.splitlines() if "time(us)" in line]
+    assert len(header) == 1 and "GB/s" in header[0] and "%limit" in header[0] and "#wrong" in header[0]
+    rows = _table_rows(res.stdout)
+    # 4 attention shapes x 2 layouts + MLA, 3 ops, 2 sizes for the torch backend at least.
+    assert len(rows) >= 9 * 3 * 2
+    assert all(r[-1] == "0" for r in rows), res.stdout
+    data = _load(tmp_path)
+    for b in ("triton", "cuda"):  # every backend either ran (interpreted, tiny) or was skipped with a note
+        ran = any(r["backend"] == b for r in data["rows"])
+        assert ran or f"# note: skipping backend '{b}'" in res.stdout, b
+    for key in ("device", "date", "command", "torch", "triton", "kvxfer"):
+        assert data["meta"][key], key
+    assert len(data["rows"]) == len(rows)
+    seen = {(r["model"], r["layout"], r["op"]) for r in data["rows"]}
+    assert ("deepseek-v3-mla", "MLA", "copy") in seen and ("llama3-8b-1head", "NHD", "scatter") in seen
+    for r in data["rows"]:
+        assert r["wrong"] == 0 and r["wrong_rows"] == 0 and r["clobbered_bytes"] == 0
+        assert r["bytes"] > 0 and r["gbps"] > 0 and r["limit_gbps"] > 0 and r["pct_limit"] > 0
+        assert r["limit_kind"] == "cpu" and r["device"] == data["meta"]["device"]
+    one_head = next(r for r in data["rows"] if r["model"] == "llama3-8b-1head")
+    assert one_head["heads"] == 1 and one_head["head_dim"] * 2 == 256  # 256-byte runs
+    with open(tmp_path / "bench_ops.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(tmp_path / "bench_ops.png") > 10_000
+
+
+@pytest.mark.parametrize("kind", ["result", "untouched"])
+def test_bench_ops_detects_corruption(tmp_path, kind):
+    res = _run(
+        "bench_ops.py",
+        "--quick",
+        "--backends",
+        "torch",
+        "--corrupt",
+        kind,
+        "--out",
+        str(tmp_path),
+        "--models",
+        "llama3-8b-1head,deepseek-v3-mla",
+        "--sizes",
+        "32,100",
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "FAILED" in res.stdout
+    rows = _load(tmp_path)["rows"]
+    assert len(rows) == (2 + 1) * 3 * 2
+    for r in rows:
+        if kind == "untouched" and r["op"] == "gather":
+            assert r["wrong"] == 0  # a gather has no memory it must leave alone
+        elif kind == "untouched":
+            assert r["clobbered_bytes"] == 1 and r["wrong_bytes"] == 0, r
+        else:
+            assert r["wrong_bytes"] == 1 and r["wrong_rows"] == 1, r
+
+
+def _broken_backend() -> types.ModuleType:
+    """torch_ref with classic bugs: gather drops the last token, scatter/copy write whole blocks."""
+    mod = types.ModuleType("kvxfer_test_broken_backend")
+
+    def spill(side):  # the bug: the tail of a partial last block gets written too
+        if side.num_tokens % side.block_size:
+            view = verify._nhd(side.caches[0], side.layout)
+            view[0, int(side.block_ids[-1]), side.block_size - 1, side.head_start].fill_(0)
+
+    def gather(src, wire):
+        torch_ref.gather(src, wire)
+        wire[:, :, :, -1].fill_(0)
+
+    def scatter(wire, dst):
+        torch_ref.scatter(wire, dst)
+        spill(dst)
+
+    def copy(src, dst):
+        torch_ref.copy(src, dst)
+        spill(dst)
+
+    mod.is_available, mod.gather, mod.scatter, mod.copy = (lambda device: True), gather, scatter, copy
+    return mod
+
+
+def test_bench_ops_picks_up_backends_and_flags_a_broken_one(tmp_path, monkeypatch, capsys):
+    """A second available backend is benchmarked (one tiny size on CPU); its bugs show in #wrong."""
+    fake = _broken_backend()
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setitem(ops._MODULES, "triton", fake.__name__)
+    monkeypatch.setattr(ops, "_available", {})
+    threads = torch.get_num_threads()
+    try:
+        rc = bench_ops.main(
+            [
+                "--quick",
+                "--backends",
+                "torch,triton",
+                "--out",
+                str(tmp_path),
+                "--models",
+                "qwen2.5-7b,deepseek-v3-mla",
+                "--sizes",
+                "100,32",
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)  # --quick sets 1 thread in-process
+    assert rc == 1
+    rows = _load(tmp_path)["rows"]
+    fake_rows = [r for r in rows if r["backend"] == "triton"]
+    # Non-torch backends on CPU: the fewest bytes per token (qwen 57 KB < MLA 70 KB), first size only.
+    assert {(r["model"], r["tokens"]) for r in fake_rows} == {("qwen2.5-7b", 100)}
+    assert len(fake_rows) == 2 * 3
+    for r in fake_rows:
+        if r["op"] == "gather":  # last token of every (head, layer, kv) row group missing
+            assert r["wrong_rows"] == 4 * 28 * 2 and r["clobbered_bytes"] == 0, r
+        else:  # one spilled 256-byte row in the partial last block
+            assert r["wrong_bytes"] == 0 and r["clobbered_bytes"] == 256, r
+    assert all(r["wrong"] == 0 for r in rows if r["backend"] == "torch")
+    assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "MLA"])
+def test_oracle_counts_wrong_rows_exactly(layout):
+    """Gathering one wrong block is reported as exactly that block's rows."""
+    mla = layout == "MLA"
+    spec = KVCacheSpec(3, 1 if mla else 4, 64, 8, torch.bfloat16, Layout.NHD if mla else Layout(layout), mla)
+    caches = [torch.empty(spec.cache_shape(10, 1), dtype=spec.dtype) for _ in range(3)]
+    verify.fill_random(caches, seed=1)
+    ids, T = torch.tensor([7, 2, 5, 0]), 29  # 3 full blocks + 5 tokens
+    wire = ops.gather_blocks(
+        caches, spec, ids, T, head_start=1 if not mla else 0, num_heads=2 if not mla else None
+    )
+    ok = verify.check_wire(wire, caches, layout, ids, 8, T, 1 if not mla else 0)
+    assert ok == {"wrong_bytes": 0, "wrong_rows": 0}
+    bad = ops.gather_blocks(
+        caches, spec, torch.tensor([7, 3, 5, 0]), T, 1 if not mla else 0, 2 if not mla else None
+    )
+    res = verify.check_wire(bad, caches, layout, ids, 8, T, 1 if not mla else 0)
+    heads, kv = (1, 1) if mla else (2, 2)
+    assert res["wrong_rows"] == 8 * heads * kv * 3  # block 1's 8 tokens, every head/kv/layer
+
+
+def test_bench_plan_quick(tmp_path):
+    res = _run("bench_plan.py", "--quick", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "per-request host cost" in res.stdout
+    with open(tmp_path / "bench_plan.json") as f:
+        data = json.load(f)
+    steps = [r["step"] for r in data["rows"]]
+    assert len(steps) == 8 and any(s.startswith("make_side") for s in steps)
+    assert all(r["median_us"] > 0 and r["tokens"] == 4096 and r["layers"] == 32 for r in data["rows"])
+
+
+def test_profiler_scripts_parse():
+    for script in ("nsys.sh", "ncu.sh", "gpu_validate.sh", "gpu_wheels.sh"):
+        res = subprocess.run(
+            ["bash", "-n", os.path.join(ROOT, "profiling", script)], capture_output=True, text=True
+        )
+        assert res.returncode == 0, res.stderr
+
+
+def test_bench_ops_reports_a_failing_backend(tmp_path, monkeypatch, capsys):
+    """A backend that raises fails the run with an error row; its other rows of that op are skipped."""
+    mod = types.ModuleType("kvxfer_test_raising_backend")
+
+    def boom(*args):
+        raise RuntimeError("kernel launch failed")
+
+    mod.is_available, mod.gather, mod.scatter, mod.copy = (lambda device: True), boom, boom, boom
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(ops._MODULES, "cuda", mod.__name__)
+    monkeypatch.setattr(ops, "_available", {})
+    threads = torch.get_num_threads()
+    try:
+        rc = bench_ops.main(
+            [
+                "--quick",
+                "--backends",
+                "cuda",
+                "--out",
+                str(tmp_path),
+                "--models",
+                "qwen2.5-7b",
+                "--layouts",
+                "NHD",
+                "--ops",
+                "gather",
+                "--sizes",
+                "100,32",
+                "--threads",
+                "1",
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert rc == 1 and "ERROR gather/cuda" in out and "kernel launch failed" in out and "FAILED" in out
+    rows = _load(tmp_path)["rows"]
+    assert len(rows) == 1 and "kernel launch failed" in rows[0]["error"]
