@@ -20,8 +20,11 @@ Two kinds, chosen at handshake and reported in stats (never a silent fallback):
   default sends a chunk whole; a chunked, double-buffered staging pipeline (pinned host
   buffers for GPU caches) replaces it without touching the engine.
 
-This module also holds the batching arithmetic shared by both: *unit views* of a cache and the
-packing of several requests into one ops call (:func:`build_chunks`).
+This module also holds the batching arithmetic shared by both: the views an ops call may
+address a cache through (:func:`cache_views`: whole blocks, and token slots for NHD/MLA), the
+choice of units per batch and the packing of several requests into one ops call
+(:func:`plan_batch`, :func:`build_chunks`). Requests travel as block lists; per-token slot
+arrays are built (one numpy op each) only when requests with partial last blocks share a call.
 """
 
 from __future__ import annotations
