@@ -20,7 +20,6 @@ from __future__ import annotations
 import array
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -49,6 +48,7 @@ from .transports import (
     mapper,
     plan_batch,
 )
+from .transports.cuda_ipc import host_id
 
 __all__ = ["HandshakeError", "TransferEngine"]
 
@@ -57,15 +57,6 @@ _TICK_MS = 20
 
 class HandshakeError(RuntimeError):
     """The remote engine cannot be reached or is incompatible (the message names why)."""
-
-
-def _host_identity() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def _compat_hash(spec: KVCacheSpec) -> str:
@@ -229,7 +220,7 @@ class TransferEngine:
         self._threads: list[threading.Thread] = []
         self._started = False
         self._closed = False
-        self._identity = _host_identity()
+        self._identity = host_id()
         self._order = StreamOrder(self.device)
         self._transport_reasons: dict[str, str] = {}  # remote engine -> why this transport
         self._topo = None  # kvxfer.topology.probe(), only when two different GPUs handshake
