@@ -32,6 +32,7 @@ __all__ = [
     "last_backend",
     "make_side",
     "register_caches",
+    "reset_backends",
     "resolve_backend",
     "scatter_blocks",
 ]
@@ -46,8 +47,15 @@ _local = threading.local()
 _available: dict[tuple[str, str], bool] = {}
 
 
+_loaded: dict[str, ModuleType] = {}
+_resolved: dict[tuple[str, str | None], str] = {}
+
+
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(_MODULES[name])
+    mod = _loaded.get(name)
+    if mod is None:
+        mod = _loaded[name] = importlib.import_module(_MODULES[name])
+    return mod
 
 
 def _is_available(name: str, device: torch.device) -> bool:
@@ -77,13 +85,23 @@ def resolve_backend(device: torch.device | str, backend: str | None = None) -> s
     return backend
 
 
+def reset_backends() -> None:
+    """Forget which backends loaded and were chosen (after swapping a backend module in tests)."""
+    _available.clear()
+    _resolved.clear()
+    _loaded.clear()
+
+
 def last_backend() -> str | None:
     """Name of the backend that ran the most recent op on this thread (None before any)."""
     return getattr(_local, "backend", None)
 
 
 def _run(backend: str | None, device: torch.device, fn: str, *args) -> None:
-    name = resolve_backend(device, backend)
+    key = (device.type, backend)
+    name = _resolved.get(key)
+    if name is None:  # availability never changes within a process: resolve once per key
+        name = _resolved[key] = resolve_backend(device, backend)
     getattr(_module(name), fn)(*args)
     _local.backend = name
 
@@ -111,12 +129,16 @@ def _as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bo
         raise ValueError(f"num_tokens: needs {needed} blocks, but {what} has {arr.size}")
     arr = arr[:needed]
     if needed:
-        lo, hi = int(arr.min()), int(arr.max())
+        if unique and needed > 1:  # one sort gives the range and the repeats
+            srt = np.sort(arr)
+            lo, hi = int(srt[0]), int(srt[-1])
+        else:
+            srt = None
+            lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= num_blocks:
             bad = lo if lo < 0 else hi
             raise ValueError(f"{what}: block id {bad} out of range [0, {num_blocks})")
-        if unique and needed > 1:
-            srt = np.sort(arr)
+        if srt is not None:
             dup = srt[1:] == srt[:-1]
             if dup.any():
                 raise ValueError(f"{what}: repeated block id {int(srt[1:][dup][0])} in a destination")
@@ -398,7 +420,8 @@ def copy_blocks(
     selects the same layers on both sides (default all). Both caches live on one device (the
     source may be another process's memory mapped into this one).
     """
-    mismatch = src_spec.model_mismatch(dst_spec) if isinstance(dst_spec, KVCacheSpec) else None
+    same = src_spec is dst_spec
+    mismatch = src_spec.model_mismatch(dst_spec) if not same and isinstance(dst_spec, KVCacheSpec) else None
     if mismatch:
         raise ValueError(f"incompatible caches: {mismatch}")
     src = make_side(

@@ -124,7 +124,7 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
     saved = dict(ops._MODULES)
     sys.modules["kvxfer_bench_null_backend"] = _NullKernel  # type: ignore[assignment]
     ops._MODULES["torch"] = "kvxfer_bench_null_backend"
-    ops._available.clear()
+    ops.reset_backends()
     p = TransferEngine(spec, src, 0, 1, "P", transport="ipc", lease_s=600).start()
     d = TransferEngine(spec, dst_c, 0, 1, "D", transport="ipc", lease_s=600).start()
     d._client.close()
@@ -180,7 +180,7 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
         dst_shm.close()
         ops.copy_blocks = real_copy
         ops._MODULES.update(saved)
-        ops._available.clear()
+        ops.reset_backends()
     # Medians over iterations: this machine is shared, and preemption only ever adds time.
     # total = median of the per-iteration sums; means are reported alongside.
     out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in t.items()}

@@ -124,12 +124,13 @@ def _broken_backend() -> types.ModuleType:
     return mod
 
 
-def test_bench_ops_picks_up_backends_and_flags_a_broken_one(tmp_path, monkeypatch, capsys):
+def test_bench_ops_picks_up_backends_and_flags_a_broken_one(tmp_path, monkeypatch, capsys, request):
     """A second available backend is benchmarked (one tiny size on CPU); its bugs show in #wrong."""
     fake = _broken_backend()
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setitem(ops._MODULES, "triton", fake.__name__)
-    monkeypatch.setattr(ops, "_available", {})
+    ops.reset_backends()
+    request.addfinalizer(ops.reset_backends)
     threads = torch.get_num_threads()
     try:
         rc = bench_ops.main(
@@ -202,7 +203,7 @@ def test_profiler_scripts_parse():
         assert res.returncode == 0, res.stderr
 
 
-def test_bench_ops_reports_a_failing_backend(tmp_path, monkeypatch, capsys):
+def test_bench_ops_reports_a_failing_backend(tmp_path, monkeypatch, capsys, request):
     """A backend that raises fails the run with an error row; its other rows of that op are skipped."""
     mod = types.ModuleType("kvxfer_test_raising_backend")
 
@@ -212,7 +213,8 @@ def test_bench_ops_reports_a_failing_backend(tmp_path, monkeypatch, capsys):
     mod.is_available, mod.gather, mod.scatter, mod.copy = (lambda device: True), boom, boom, boom
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.setitem(ops._MODULES, "cuda", mod.__name__)
-    monkeypatch.setattr(ops, "_available", {})
+    ops.reset_backends()
+    request.addfinalizer(ops.reset_backends)
     threads = torch.get_num_threads()
     try:
         rc = bench_ops.main(

@@ -9,7 +9,7 @@ import torch
 __all__ = ["PagedSide"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs 4x (2.5 vs 0.6 us), twice per op call
 class PagedSide:
     """One rank's paged cache, reduced to what a copy kernel needs.
 
