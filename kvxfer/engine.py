@@ -358,7 +358,12 @@ class TransferEngine:
             self._incoming.append(_LoadItem(request_id, p, ids))
 
     def poll(self) -> PollResult:
-        """Start the loads queued since the last poll (one batch) and report what completed."""
+        """Start the loads queued since the last poll (one batch) and report what completed.
+
+        Call it once per scheduler step. A tight ``while: poll()`` loop with no pause starves
+        the engine's own threads of the GIL (measured on CPU: a 1 MiB load took 100-460 ms
+        instead of 2.5 ms); pause between calls, e.g. ``time.sleep(0.0002)``, when waiting.
+        """
         self._check_started()
         with self._lock:
             batch, self._incoming = self._incoming, []
