@@ -1,0 +1,21 @@
+"""bench_engine runs (small) on CPU and reports host cost per phase and both transports' bandwidth."""
+
+import json
+
+from tests.test_profiling import _run
+
+
+def test_bench_engine_small():
+    res = _run("bench_engine.py", "--host-iters", "10", "--tokens", "256", "--reqs", "2", "--iters", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    assert data["bench"] == "engine"
+    for case in ("1x4096", "8x4096", "8x2K-4K"):
+        row = data["host_cost"][case]
+        parts = ("export_us", "load_us", "loader_us", "exporter_us", "poll_us")
+        assert all(row[k] > 0 for k in parts), row
+        assert 0 < row["ops_checks_us"] < row["loader_us"]
+    assert {b["transport"] for b in data["bandwidth"]} == {"ipc", "pg"}
+    for b in data["bandwidth"]:
+        assert b["fraction_of_memcpy"] > 0 and b["transport_used"] == {"P": b["transport"]}
+    assert "DESIGN target <= 50 us" in res.stdout
