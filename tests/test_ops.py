@@ -228,3 +228,25 @@ def test_registered_caches_give_same_result_and_still_check_spec():
         gather_blocks(reg, other, [0], 4)  # a different spec re-validates the tensors
     with pytest.raises(ValueError, match="dtype"):
         register_caches([c.view(torch.int16) for c in plain], spec)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
+def test_kv_second_allocation_passed_as_strided_view(layout, backend):
+    """Caches allocated K/V-second ([num_blocks, 2, ...], as some attention backends do) are
+    handed over as a transpose(0, 1) view: the ops follow the tensor's strides."""
+    spec = make_spec(layout, torch.bfloat16, 8, head_dim=16, heads=4, layers=2)
+    shape = spec.local_cache_shape(6, 4)  # (2, nb, ...)
+    raw = [torch.full((shape[1], 2, *shape[2:]), 7, dtype=torch.bfloat16) for _ in range(2)]
+    views = [r.transpose(0, 1) for r in raw]
+    assert not views[0].is_contiguous()
+    truth = truth_bytes(spec, 13, seed=6)
+    place(views, spec, truth, range(4), [5, 2])
+    wire = gather_blocks(views, spec, [5, 2], 13, backend=backend)
+    assert_bytes_equal(wire, wire_from_truth(truth, spec, range(4)))
+    dst_raw = [torch.zeros_like(r) for r in raw]
+    dst = [r.transpose(0, 1) for r in dst_raw]
+    scatter_blocks(wire, dst, spec, [1, 3], 13, backend=backend)
+    want = [torch.zeros_like(r).transpose(0, 1) for r in raw]
+    place(want, spec, truth, range(4), [1, 3])
+    assert_bytes_equal(as_bytes(dst), as_bytes(want))
