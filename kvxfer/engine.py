@@ -30,7 +30,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import HandshakeError, LoadItem, Remote, check_block_ids
+from .engine_types import HandshakeError, LoadItem, Remote, check_block_ids, compat_hash
 from .exporter import ExporterRole
 from .loader import LoaderRole
 from .metrics import Metrics, now
@@ -218,6 +218,19 @@ class TransferEngine(ExporterRole, LoaderRole):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _identity_fields(self) -> dict:
+        """Who this rank is and what it speaks: the fields shared by ``Hello`` (as loader) and
+        ``HelloReply`` (as exporter)."""
+        return {
+            "engine_id": self.engine_id,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "spec": self.spec.to_dict(),
+            "compat": compat_hash(self.spec),
+            "transports": list(self._offers),
+            "hostname": self._identity,
+        }
 
     def _check_started(self) -> None:
         if not self._started or self._closed:

@@ -11,7 +11,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import TICK_MS, batch_tag, compat_hash
+from .engine_types import TICK_MS, batch_tag
 from .ordering import NOT_READY
 from .plan import plan_reads
 from .tracing import trace
@@ -45,13 +45,7 @@ class ExporterRole:
             else None
         )
         return C.HelloReply(
-            engine_id=self.engine_id,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            spec=self.spec.to_dict(),
-            compat=compat_hash(self.spec),
-            transports=list(self._offers),
-            hostname=self._identity,
+            **self._identity_fields(),
             num_blocks=self.num_blocks,
             ipc=self._ipc_desc,
             pg=pg,

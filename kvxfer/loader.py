@@ -13,7 +13,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import HandshakeError, LoadItem, Remote, batch_tag, compat_hash
+from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
 from .metrics import now
 from .ordering import NOT_READY
 from .params import KVTransferParams
@@ -101,13 +101,7 @@ class LoaderRole:
         t0 = now()
         addrs = [f"tcp://{p.host}:{p.port + r}" for r in range(p.tp_size)]
         hello = C.Hello(
-            engine_id=self.engine_id,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            spec=self.spec.to_dict(),
-            compat=compat_hash(self.spec),
-            transports=list(self._offers),
-            hostname=self._identity,
+            **self._identity_fields(),
         )
         try:
             replies = self._client.call_many([(a, hello) for a in addrs], self.timeout_s)
