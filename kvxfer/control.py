@@ -63,7 +63,7 @@ class HelloReply(msgspec.Struct, tag=True):
     hostname: str
     num_blocks: int
     ipc: dict | None  # {"mapper", "caches": mapper.describe(...), "epochs": name, "num_blocks": n}
-    pg: dict | None  # {"host", "port", "backend"}
+    pg: dict | None  # {"host", "port", "backend" (preferred), "backends" (all served), "units", ...}
     error: str | None = None
     version: int = PROTOCOL_VERSION
 
@@ -89,6 +89,7 @@ class PairReq(msgspec.Struct, tag=True):
     engine_id: str
     tp_rank: int
     key: str
+    backend: str = ""  # the loader's choice among the handshake's pg "backends" ("" = preferred)
 
 
 class SendReq(msgspec.Struct, tag=True):

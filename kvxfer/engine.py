@@ -175,9 +175,11 @@ class TransferEngine(ExporterRole, LoaderRole):
 
             self._store = pg.serve_store(self.host, self.timeout_s)
             self._pg_backend = getattr(self.pipeline, "pg_backend", pg.pg_backend_for)(self.device)
+            self._pg_backends = choice.offered_pg_backends(self._pg_backend, self.device)
             self._offers.append("pg")
         self._client = C.ControlClient(self._ctx)
         self._sender_pairs: dict[str, object] = {}
+        self._pair_backend: dict[str, str] = {}  # pair key -> backend the loader chose
         for target, name in (
             (self._serve, "server"),
             (self._work_loop, "worker"),

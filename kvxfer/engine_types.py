@@ -76,6 +76,7 @@ class Remote:
     notify_to: list = field(default_factory=list)  # plan.notify_targets(this rank)
     ipc: dict = field(default_factory=dict)  # src rank -> (cache views, epochs, handles)
     pairs: dict = field(default_factory=dict)  # src rank -> (pg, key)
+    pg_backends: list = field(default_factory=list)  # src rank -> pair backend ("nccl"/"gloo")
     pair_gen: int = 0
     store: object = None
 

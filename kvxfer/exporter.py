@@ -4,6 +4,7 @@ sender thread that gathers and sends wires for ``pg`` exports."""
 
 from __future__ import annotations
 
+import logging
 import queue
 
 import numpy as np
@@ -12,9 +13,11 @@ import torch
 from . import control as C
 from . import ops
 from .engine_types import TICK_MS, batch_tag
-from .ordering import NOT_READY
+from .ordering import NOT_READY, wait_event
 from .plan import plan_reads
 from .tracing import trace
+
+_LOG = logging.getLogger(__name__)
 
 
 class ExporterRole:
@@ -38,6 +41,7 @@ class ExporterRole:
                 "host": self.host,
                 "port": self._store.port,
                 "backend": self._pg_backend,
+                "backends": self._pg_backends,
                 "units": [v.unit for v in self._views],  # what a SendReq's unit may be
                 **getattr(self.pipeline, "handshake_info", dict)(),
             }
@@ -82,6 +86,13 @@ class ExporterRole:
         if isinstance(msg, C.PairReq):
             if self._store is None:
                 return C.SendReply(ok=False, failed={"*": "pg transport not offered by this engine"})
+            backend = msg.backend or self._pg_backend
+            if backend not in self._pg_backends:
+                return C.SendReply(
+                    ok=False,
+                    failed={"*": f"pg backend {backend!r} not served here (offers {self._pg_backends})"},
+                )
+            self._pair_backend[msg.key] = backend
             self._send_q.put(("pair", msg.key))
             return C.SendReply(ok=True, failed={})
         if isinstance(msg, C.SendReq):
@@ -110,15 +121,26 @@ class ExporterRole:
                     return C.SendReply(ok=False, failed={"*": f"staging: {why}"})
                 self._send_q.put(("stream", msg.key, msg))
                 return C.SendReply(ok=True, failed={})
+            # Gloo pairs of CUDA caches carry host wires: gather into pinned memory, and the
+            # sender hands a wire to Gloo only after the gather's event completed.
+            host_wire = self.device.type == "cuda" and self._pair_backend.get(msg.key) == "gloo"
             for units_b, num_tokens in msg.chunks:
                 units = np.frombuffer(units_b, dtype=np.int64)  # ops copies and checks them
+                out = None
+                if host_wire:
+                    shape = self.spec.wire_shape(num_tokens, msg.num_heads)
+                    out = torch.empty(shape, dtype=self.spec.dtype, pin_memory=True)
                 with trace("gather", batch_tag(msg.request_ids)):
                     wires.append(
                         ops.gather_blocks(
-                            view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads
+                            view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads, out=out
                         )
                     )
-        self._send_q.put(("send", msg.key, wires))
+            ready = None
+            if host_wire:
+                ready = torch.cuda.Event()
+                ready.record()
+        self._send_q.put(("send", msg.key, wires, ready))
         return C.SendReply(ok=True, failed={})
 
     def _stream_send(self, pair, msg: C.SendReq) -> None:
@@ -141,7 +163,7 @@ class ExporterRole:
                 pair,
                 1,
                 self.timeout_s,
-                self._pg_backend,
+                self._pair_backend.get(msg.key, self._pg_backend),
                 self.spec,
                 self.device,
                 msg.num_heads,
@@ -171,9 +193,8 @@ class ExporterRole:
             try:
                 if job[0] == "pair":
                     store = pg.connect_store(self.host, self._store.port, self.timeout_s)
-                    self._sender_pairs[key] = pg.new_pair(
-                        store, key, 0, self.host, self.timeout_s, self._pg_backend
-                    )
+                    backend = self._pair_backend.get(key, self._pg_backend)
+                    self._sender_pairs[key] = pg.new_pair(store, key, 0, self.host, self.timeout_s, backend)
                 else:
                     hook = self._hooks.get("before_send")
                     if hook:
@@ -184,9 +205,21 @@ class ExporterRole:
                     if job[0] == "stream":
                         self._stream_send(pair, job[2])
                         continue
+                    if job[3] is not None:  # host wires of CUDA caches: the gather must be done
+                        wait_event(job[3], self.timeout_s, f"gather for pair {key}")
                     for wire in job[2]:
                         with trace("send", key):
                             self.pipeline.send(pair, wire, 1, self.timeout_s)
                         self._metrics.add("bytes_sent", wire.numel() * wire.element_size())
-            except Exception:
+            except Exception as e:
+                _LOG.warning(
+                    "kvxfer exporter %s rank %d: pg %s for pair %s failed (%s: %s); the pair is dropped "
+                    "and the loader re-pairs",
+                    self.engine_id,
+                    self.tp_rank,
+                    job[0],
+                    key,
+                    type(e).__name__,
+                    e,
+                )
                 self._sender_pairs.pop(key, None)  # the loader times out and re-pairs

@@ -15,7 +15,7 @@ from . import control as C
 from . import ops
 from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
 from .metrics import now
-from .ordering import NOT_READY
+from .ordering import NOT_READY, wait_event
 from .params import KVTransferParams
 from .plan import Read, plan_reads
 from .spec import KVCacheSpec
@@ -127,25 +127,32 @@ class LoaderRole:
             plan = plan_reads(spec, p.tp_size, self.spec, self.tp_size)
         except ValueError as e:
             raise HandshakeError(f"incompatible peer: TP {p.tp_size} -> {self.tp_size}: {e}") from None
-        transport = self._choose_transport(replies)
+        transport, pg_backends = self._choose_transport(replies)
         rem = Remote(
             p.engine_id, spec, p.tp_size, addrs, transport, replies, min(r.num_blocks for r in replies), plan
         )
+        rem.pg_backends = pg_backends
         rem.reads, rem.notify_to = plan.reads(self.tp_rank), plan.notify_targets(self.tp_rank)
         self._remotes[p.engine_id] = rem
         self._metrics.record_handshake(p.engine_id, now() - t0, transport)
         return rem
 
-    def _choose_transport(self, replies: list[C.HelloReply]) -> str:
-        """Pick the transport (kvxfer.transports.choice); its reason goes to stats()."""
+    def _choose_transport(self, replies: list[C.HelloReply]) -> tuple[str, list[str]]:
+        """Pick the transport and, for pg, each source rank's pair backend
+        (kvxfer.transports.choice); the reasons go to stats()["transport_reasons"]."""
+        info = self._ipc_desc["info"]
+        backends: list[str] = []
         try:
             transport, why = choice.choose(
-                self.transport, self.device, self._ipc_desc["info"], self._identity, replies, self._topology
+                self.transport, self.device, info, self._identity, replies, self._topology
             )
+            if transport == "pg":
+                backends, bwhy = choice.pair_backends(self.device, info, replies)
+                why = f"{why}; {bwhy}" if bwhy else why
         except ValueError as e:
             raise HandshakeError(str(e)) from None
         self._transport_reasons[replies[0].engine_id] = why
-        return transport
+        return transport, backends
 
     def _topology(self):
         if self._topo is None:
@@ -361,12 +368,14 @@ class LoaderRole:
             return got
         rem.pair_gen += 1
         key = f"{self.engine_id}/{self.tp_rank}/{os.getpid()}/{rem.pair_gen}"
-        rep = self._client.call(rem.addrs[s], C.PairReq(self.engine_id, self.tp_rank, key), self.timeout_s)
+        backend = rem.pg_backends[s]
+        req = C.PairReq(self.engine_id, self.tp_rank, key, backend)
+        rep = self._client.call(rem.addrs[s], req, self.timeout_s)
         if not isinstance(rep, C.SendReply) or not rep.ok:
             raise RuntimeError(f"pair group refused: {getattr(rep, 'failed', rep)}")
         info = rem.replies[s].pg
         store = pg.connect_store(info["host"], info["port"], self.timeout_s)
-        group = pg.new_pair(store, key, 1, self.host, self.timeout_s, info["backend"])
+        group = pg.new_pair(store, key, 1, self.host, self.timeout_s, backend)
         got = rem.pairs[s] = (group, key)
         return got
 
@@ -421,15 +430,19 @@ class LoaderRole:
                 try:
                     if staged:
                         calls += self.pipeline.recv_stream(
-                            group, 0, self.timeout_s, rem.replies[s].pg["backend"], self.spec, self.device,
+                            group, 0, self.timeout_s, rem.pg_backends[s], self.spec, self.device,
                             r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens) for c in chunks],
                             self._scatterer(dv, r.dst_head_start), tag,
                         )  # fmt: skip
+                    # Gloo pairs of CUDA caches carry host wires: receive into pinned memory and
+                    # keep it until the CUDA scatter reading it completed.
+                    host_wire = self.device.type == "cuda" and rem.pg_backends[s] == "gloo"
                     for c in chunks if not staged else ():
                         wire = torch.empty(
                             self.spec.wire_shape(c.num_tokens, r.num_heads),
                             dtype=self.spec.dtype,
-                            device=self.device,
+                            device="cpu" if host_wire else self.device,
+                            pin_memory=host_wire,
                         )
                         with trace("recv", tag):
                             self.pipeline.recv(group, wire, 0, self.timeout_s)
@@ -437,6 +450,10 @@ class LoaderRole:
                             ops.scatter_blocks(
                                 wire, dv.caches, dv.spec, c.dst, c.num_tokens, r.dst_head_start
                             )
+                        if host_wire:
+                            done = torch.cuda.Event()
+                            done.record()
+                            wait_event(done, self.timeout_s, "scatter from a host wire")
                         calls += 1
                 except Exception:
                     rem.pairs.pop(s, None)  # a timed-out pair may hold a stale receive

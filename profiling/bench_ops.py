@@ -43,6 +43,7 @@ COLUMNS = [
     common.Column("tokens", "tokens", 6),
     common.Column("bytes", "bytes", 11),
     common.Column("time_us", "time(us)", 10, "{:.1f}"),
+    common.Column("host_us", "host(us)", 8, "{:.1f}"),
     common.Column("gbps", "GB/s", 8, "{:.2f}"),
     common.Column("limit_gbps", "limit GB/s", 10, "{:.2f}"),
     common.Column("pct_limit", "%limit", 7, "{:.1f}"),
@@ -224,7 +225,10 @@ def run_row(
     iters, warmup = args.iters, args.warmup
     if g.device.type == "cpu" and backend != "torch" and args.quick:
         iters, warmup = 1, 0  # an interpreted kernel (TRITON_INTERPRET=1): correctness, not speed
+    host: list[float] = []
     with common.nvtx_range(f"bench:{name}"):
+        # GPU time with the call's host work hidden behind a spin (the kernels' bandwidth); the
+        # host work (validation, planning, launch) is reported apart as host_us.
         seconds, limit_s = common.time_fns(
             [fn, limit_fn],
             g.device,
@@ -232,8 +236,11 @@ def run_row(
             warmup,
             flush,
             names=[f"op:{name}", f"limit:{kind}:{row['bytes']}B"],
+            hide_host=True,
+            host_out=host,
         )
     row.update(
+        host_us=host[0] * 1e6,
         time_us=seconds * 1e6,
         gbps=row["bytes"] / seconds / 1e9,
         limit_kind=kind,
@@ -255,7 +262,9 @@ def usable_backends(names: list[str], device: torch.device, quiet_write) -> list
             continue
         if b == "torch" and device.type == "cuda" and importlib.util.find_spec("cupy") is None:
             # The reference views CUDA cache memory through CuPy (kvxfer/backends/addrspace.py).
-            quiet_write("# note: skipping backend 'torch' on CUDA: it needs cupy (pip install cupy-cuda12x)")
+            quiet_write(
+                "# note: skipping backend 'torch' on CUDA: it needs cupy (pip install cupy-cuda12x or cupy-cuda13x, matching torch.version.cuda)"
+            )
             continue
         out.append(b)
     return out
@@ -309,6 +318,8 @@ def main(argv=None) -> int:
             f"command: {meta['command']}",
             f"dtype {args.dtype}, block {args.block_size}, median of {args.iters} after {args.warmup} warmup;"
             " limit = plain copy_ of the same bytes in this run; #wrong = wrong + clobbered bytes",
+            "time = GPU time of the call (on CUDA its host work is hidden behind a spin kernel);"
+            " host = CPU time of the call (validation, planning, launch)",
         ]
     )
     rows, group, failed, broken = [], None, 0, set()

@@ -10,8 +10,9 @@ a verification pass compares a digest of what P holds with what landed on D, per
 
 Limits, measured between the same two processes in the same run:
   ipc  a plain ``copy_`` of the same bytes on the cache device (the copy ipc performs);
-  pg   a raw send of the same bytes over a fresh pair group of the same backend (Gloo/NCCL),
-       acknowledged by one byte: the link the engine's pg transport uses.
+  pg   a raw send of the same bytes over a fresh pair group of the backend the engine's pg
+       pairs use here, acknowledged by one byte: P and D share one device, so Gloo (through
+       pinned host memory for CUDA caches: NCCL cannot put both ranks of a pair on one GPU).
 
     python profiling/bench_transfer.py [--quick] [--transports ipc,pg] [--sizes 128,...,32768]
 
@@ -117,12 +118,12 @@ def _exporter(args: dict, cmd_q, reply_q) -> None:
             reply_q.put(("params", params, want))
         elif cmd[0] == "link":  # raw send/recv of nbytes, iters + warmup times, acknowledged
             _, key, nbytes, rounds = cmd
-            backend = pg.pg_backend_for(device)
+            backend, where, pinned = _link_kind(device)
             if key not in link_groups:
                 link_groups[key] = pg.new_pair(store, key, 0, "127.0.0.1", 60.0, backend)
             group = link_groups[key]
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            ack = torch.ones(1, dtype=torch.uint8, device=device)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=where, pin_memory=pinned)
+            ack = torch.ones(1, dtype=torch.uint8, device=where, pin_memory=pinned)
             for _ in range(rounds):
                 pg.recv_tensor(group, buf, 1, 60.0)
                 pg.send_tensor(group, ack, 1, 60.0)
@@ -168,6 +169,15 @@ def _load_one(eng: TransferEngine, rid: str, params: dict, ids: list[int]) -> tu
     return time.perf_counter() - t0, host
 
 
+def _link_kind(device: torch.device) -> tuple[str, str, bool]:
+    """(backend, buffer device, pinned) of the raw pg link between P and D here. Both run on
+    one device, where NCCL cannot put the two ranks of a pair, so CUDA caches travel over Gloo
+    through pinned host memory, as the engine's pg pairs do on one GPU."""
+    if device.type == "cuda":
+        return "gloo", "cpu", True
+    return "gloo", "cpu", False
+
+
 def _link_limit(
     transport: str, nbytes: int, device: torch.device, store_port: int, cmd_q, iters: int
 ) -> tuple[float, str]:
@@ -181,9 +191,10 @@ def _link_limit(
     rounds = iters + 1
     cmd_q.put(("link", key, nbytes, rounds))
     store = pg.connect_store("127.0.0.1", store_port, 60.0)
-    group = pg.new_pair(store, key, 1, "127.0.0.1", 60.0, pg.pg_backend_for(device))
-    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    ack = torch.empty(1, dtype=torch.uint8, device=device)
+    backend, where, pinned = _link_kind(device)
+    group = pg.new_pair(store, key, 1, "127.0.0.1", 60.0, backend)
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=where, pin_memory=pinned)
+    ack = torch.empty(1, dtype=torch.uint8, device=where, pin_memory=pinned)
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -191,7 +202,7 @@ def _link_limit(
         pg.recv_tensor(group, ack, 0, 60.0)
         common.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]), f"{pg.pg_backend_for(device)}_send"
+    return statistics.median(times[1:]), f"{backend}_send" + ("_pinned" if pinned else "")
 
 
 def run(a: argparse.Namespace) -> int:

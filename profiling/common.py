@@ -87,6 +87,8 @@ def time_fns(
     warmup: int,
     before: Callable[[], Any] | None = None,
     names: Sequence[str] | None = None,
+    hide_host: bool = False,
+    host_out: list[float] | None = None,
 ) -> list[float]:
     """Median seconds of each of ``fns`` over ``iters`` rounds after ``warmup`` rounds.
 
@@ -95,29 +97,44 @@ def time_fns(
     ``before`` (e.g. an L2 flush) runs before every timed call, outside the timed region.
     On CUDA each call is bracketed by events on the current stream: the time is what the
     stream spends from the call's first enqueue to its last, host-side work included when the
-    GPU waits for it. On CPU it is ``time.perf_counter`` around the call. ``names`` label each
-    timed call with an NVTX range (outside the timed region).
+    GPU waits for it. With ``hide_host`` a spin kernel longer than the call's host work is
+    enqueued before the start event, so the call is fully enqueued before the GPU reaches it
+    and the time is the GPU's alone (the kernels' bandwidth); the host work is measured apart.
+    On CPU it is ``time.perf_counter`` around the call. ``host_out`` (if given) receives the
+    median host seconds of each call (``perf_counter`` around it). ``names`` label each timed
+    call with an NVTX range (outside the timed region).
     """
     names = list(names) if names is not None else [f"fn{i}" for i in range(len(fns))]
     if iters < 1:
         raise ValueError(f"iters: must be >= 1, got {iters}")
+    warm_host: list[float] = [0.0 for _ in fns]
     for _ in range(warmup):
-        for fn in fns:
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
             fn()
+            warm_host[i] = max(warm_host[i], time.perf_counter() - t0)
     synchronize(device)
     times: list[list[float]] = [[] for _ in fns]
+    host: list[list[float]] = [[] for _ in fns]
     if device.type == "cuda":
         pairs: list[list[tuple]] = [[] for _ in fns]
+        # Spin cycles covering 3x the slowest warm-up call's host time (>= 200 us), counted at
+        # 2 GHz (above the boost clock of current GPUs, so the spin lasts at least that long).
+        spin = [int(2e9 * max(3 * h, 200e-6)) for h in warm_host]
         with profiled(device, "ops"):
             for _ in range(iters):
-                for fn, p, name in zip(fns, pairs, names):
+                for i, (fn, p, name) in enumerate(zip(fns, pairs, names)):
                     if before is not None:
                         before()
                     start = torch.cuda.Event(enable_timing=True)
                     end = torch.cuda.Event(enable_timing=True)
+                    if hide_host:
+                        torch.cuda._sleep(spin[i])
                     with nvtx_range(name):
                         start.record()
+                        t0 = time.perf_counter()
                         fn()
+                        host[i].append(time.perf_counter() - t0)
                         end.record()
                     p.append((start, end))
             torch.cuda.synchronize(device)
@@ -131,6 +148,9 @@ def time_fns(
                     t0 = time.perf_counter()
                     fn()
                     t.append(time.perf_counter() - t0)
+        host = times
+    if host_out is not None:
+        host_out[:] = [statistics.median(h) for h in host]
     return [statistics.median(t) for t in times]
 
 

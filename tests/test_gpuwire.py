@@ -119,6 +119,68 @@ def test_choice_consults_topology_only_for_two_gpus():
     assert t == "pg" and "no peer-to-peer" in why and calls == [1]
 
 
+def _pg(backend="nccl", backends=("nccl", "gloo")):
+    return {"host": "h", "port": 1, "backend": backend, "backends": list(backends), "units": [8]}
+
+
+def test_pair_backend_same_gpu_takes_gloo_and_says_why():
+    """NCCL cannot put both ranks of a pair on one GPU: an exporter rank on the loader's GPU is
+    read over Gloo (pinned host staging); ranks on other GPUs keep NCCL."""
+    local = info(gpu_uuid="GPU-a")
+    same, other = _entry(gpu_uuid="GPU-a"), _entry(gpu_uuid="GPU-b")
+    got, why = choice.pair_backends(
+        CUDA, local, [_reply(0, ipc=same, pg=_pg()), _reply(1, ipc=other, pg=_pg())]
+    )
+    assert got == ["gloo", "nccl"]
+    assert why.startswith("Gloo through pinned host staging for exporter rank(s) [0]: they share")
+    assert choice.pair_backends(CUDA, local, [_reply(0, ipc=other, pg=_pg())]) == (["nccl"], "")
+    # another host with a GPU of the same UUID string is not the same GPU
+    elsewhere = _entry(gpu_uuid="GPU-a", host_id="another-host")
+    assert choice.pair_backends(CUDA, local, [_reply(0, ipc=elsewhere, pg=_pg())])[0] == ["nccl"]
+    # a not-offered ipc entry still carries the info the choice needs
+    no_ipc = {"mapper": None, "info": info(gpu_uuid="GPU-a"), "why": "pg only"}
+    assert choice.pair_backends(CUDA, local, [_reply(0, ipc=no_ipc, pg=_pg())])[0] == ["gloo"]
+
+
+def test_pair_backend_same_gpu_nccl_only_is_a_clear_error():
+    local = info(gpu_uuid="GPU-a")
+    with pytest.raises(ValueError, match="shares GPU GPU-a with this loader and offers only NCCL"):
+        choice.pair_backends(
+            CUDA, local, [_reply(0, ipc=_entry(gpu_uuid="GPU-a"), pg=_pg(backends=["nccl"]))]
+        )
+
+
+def test_pair_backend_cpu_and_gloo_exporters_unchanged():
+    cpu = info(gpu_uuid=None)
+    assert choice.pair_backends(
+        torch.device("cpu"), cpu, [_reply(ipc=_entry("shm"), pg=_pg("gloo", ["gloo"]))]
+    )[0] == ["gloo"]
+    # a pinned-staging exporter offers Gloo only, whatever the GPUs
+    local = info(gpu_uuid="GPU-a")
+    assert choice.pair_backends(
+        CUDA, local, [_reply(ipc=_entry(gpu_uuid="GPU-b"), pg=_pg("gloo", ["gloo"]))]
+    )[0] == ["gloo"]
+
+
+def test_offered_pg_backends():
+    assert choice.offered_pg_backends("nccl", CUDA) == ["nccl", "gloo"]
+    assert choice.offered_pg_backends("gloo", CUDA) == ["gloo"]
+    assert choice.offered_pg_backends("gloo", torch.device("cpu")) == ["gloo"]
+
+
+def test_pair_request_for_a_backend_not_served_is_refused():
+    """An exporter refuses a pair on a backend it does not offer, naming what it offers."""
+    caches = [torch.zeros(SPEC.cache_shape(8, 1), dtype=SPEC.dtype) for _ in range(2)]
+    p = TransferEngine(SPEC, caches, 0, 1, "P", transport="pg").start()
+    try:
+        rep = p._handle(C.PairReq("D", 0, "k", "nccl"))
+        assert not rep.ok and "pg backend 'nccl' not served here (offers ['gloo'])" in rep.failed["*"]
+        hello = p._handle(C.Hello(**p._identity_fields()))
+        assert hello.pg["backends"] == ["gloo"]
+    finally:
+        p.close()
+
+
 def test_offer_ipc_cpu():
     shm = alloc_shm_caches(SPEC, 8, 1)
     try:

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from kvxfer import KVCacheSpec, TransferEngine
+from kvxfer import KVCacheSpec, TransferEngine, ops
 
-from .engine_procs import check, fill, poison
+from .engine_procs import check, fill, payload, poison, untouched
 from .test_engine_procs import CASES, _aggregate, _run, _scenario
 
 pytestmark = pytest.mark.gpu
@@ -86,6 +86,9 @@ def test_stream_ordering_export_ready_and_load_completion():
     dc = [torch.empty(spec.cache_shape(32, 1), dtype=spec.dtype, device=dev) for _ in range(2)]
     poison(sc)
     poison(dc)
+    # The payload reaches the GPU first: a pageable host->device copy inside the compute stream
+    # would block the host until the spin ended, and the gate would never be exercised.
+    wire = payload(spec, 9, 90, spec.heads_of_rank(0, 1)).to(dev)
     torch.cuda.synchronize()
     # in one process CUDA IPC is impossible; pinned-host staging over Gloo carries it
     pipe = {"buffer_bytes": 32 * spec.bytes_per_token(), "pin_memory": True}
@@ -95,7 +98,7 @@ def test_stream_ordering_export_ready_and_load_completion():
         compute = torch.cuda.Stream(dev)
         with torch.cuda.stream(compute):
             torch.cuda._sleep(500_000_000)  # ~0.3 s of GPU time before the write
-            fill(sc, spec, 0, 1, [3, 4, 5, 6, 7, 8], 90, seed=9)
+            ops.scatter_blocks(wire, sc, spec, [3, 4, 5, 6, 7, 8], 90)  # device work only
             ev = torch.cuda.Event()
             ev.record(compute)
         d.load("x", p.export("x", [3, 4, 5, 6, 7, 8], 90, ready=ev), [10, 11, 12, 13, 14, 15])
@@ -112,3 +115,47 @@ def test_stream_ordering_export_ready_and_load_completion():
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
+@pytest.mark.parametrize("mode", ["whole", "staged", "staged-pinned"])
+def test_pg_on_one_gpu_takes_gloo_through_pinned_host(mode, dtype):
+    """P and D on one GPU over ``pg`` with the default (NCCL-preferring) set-up: NCCL cannot put
+    both ranks of a pair on one GPU, so the loader picks Gloo through pinned host staging and
+    says why in stats()["transport_reasons"]; the bytes land exactly, the rest stays poisoned."""
+    from kvxfer.transports.staged import StagedPipeline
+
+    spec = KVCacheSpec(2, 4, 64, 16, dtype)
+    dev = torch.device("cuda", 0)
+    sc = [torch.empty(spec.cache_shape(32, 1), dtype=spec.dtype, device=dev) for _ in range(2)]
+    dc = [torch.empty(spec.cache_shape(32, 1), dtype=spec.dtype, device=dev) for _ in range(2)]
+    poison(sc)
+    poison(dc)
+    fill(sc, spec, 0, 1, [3, 4, 5, 6, 7, 8], 90, seed=4)
+    torch.cuda.synchronize()
+
+    def pipe():
+        if mode == "whole":
+            return None
+        return StagedPipeline(buffer_bytes=32 * spec.bytes_per_token(), pin_memory=mode == "staged-pinned")
+
+    p = TransferEngine(spec, sc, 0, 1, "P", transport="pg", pipeline=pipe()).start()
+    d = TransferEngine(spec, dc, 0, 1, "D", transport="pg", pipeline=pipe()).start()
+    try:
+        d.load("x", p.export("x", [3, 4, 5, 6, 7, 8], 90), [20, 21, 22, 23, 24, 25])
+        end = time.monotonic() + 30
+        done = False
+        while not done and time.monotonic() < end:
+            r = d.poll()
+            assert not r.failed, r.errors
+            done = "x" in r.finished_recving
+            time.sleep(0.002)
+        assert done
+        why = d.stats()["transport_reasons"]["P"]
+        if mode != "staged-pinned":  # that exporter offers Gloo alone: nothing to fall back from
+            assert "Gloo through pinned host staging for exporter rank(s) [0]" in why, why
+        assert check(dc, spec, 0, 1, [20, 21, 22, 23, 24, 25], 90, seed=4)
+        assert untouched(dc, spec, {20, 21, 22, 23, 24, 25}, {25: 90 - 5 * 16})
+    finally:
+        p.close()
+        d.close()

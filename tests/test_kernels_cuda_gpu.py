@@ -30,7 +30,9 @@ pytestmark = pytest.mark.gpu
 def dev():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    pytest.importorskip("cupy", reason="the CUDA backend launches through CuPy (pip install cupy-cuda12x)")
+    pytest.importorskip(
+        "cupy", reason="the CUDA backend launches through CuPy (pip install cupy-cuda12x or cupy-cuda13x)"
+    )
     d = torch.device("cuda", torch.cuda.current_device())
     assert cuda.is_available(d), "CUDA device and CuPy present, but the kvxfer kernels did not load"
     return d

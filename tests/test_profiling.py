@@ -21,7 +21,11 @@ from profiling import bench_ops, verify  # noqa: E402
 
 
 def _run(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    # ROOT first; what PYTHONPATH already holds (e.g. wheels carried to a GPU machine) after it
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    if script == "bench_ops.py" and "--device" not in args:
+        args = (*args, "--device", "cpu")  # these are the CPU checks; GPU sweeps run in profiling/
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "profiling", script), *args],
         capture_output=True,
@@ -136,6 +140,8 @@ def test_bench_ops_picks_up_backends_and_flags_a_broken_one(tmp_path, monkeypatc
         rc = bench_ops.main(
             [
                 "--quick",
+                "--device",
+                "cpu",
                 "--backends",
                 "torch,triton",
                 "--out",
@@ -220,6 +226,8 @@ def test_bench_ops_reports_a_failing_backend(tmp_path, monkeypatch, capsys, requ
         rc = bench_ops.main(
             [
                 "--quick",
+                "--device",
+                "cpu",
                 "--backends",
                 "cuda",
                 "--out",

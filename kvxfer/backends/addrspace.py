@@ -54,7 +54,7 @@ def _cuda_bytes(base: int, nbytes: int, device: torch.device) -> torch.Tensor:
     except ImportError as e:  # pragma: no cover - GPU only
         raise RuntimeError(
             "the torch reference backend on CUDA tensors needs cupy to view cache memory "
-            "(pip install cupy-cuda12x), or use backend='triton' / 'cuda'"
+            "(pip install cupy-cuda12x or cupy-cuda13x, matching torch.version.cuda), or use backend='triton' / 'cuda'"
         ) from e
     index = device.index if device.index is not None else torch.cuda.current_device()
     with cupy.cuda.Device(index):

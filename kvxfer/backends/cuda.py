@@ -15,6 +15,7 @@ and device-independent, so the tests run the same plans through a g++ build of t
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import re
@@ -31,6 +32,7 @@ __all__ = [
     "copy_width",
     "gather",
     "is_available",
+    "loaded_from",
     "plan_copy",
     "plan_gather",
     "plan_scatter",
@@ -44,6 +46,8 @@ BLOCKS_PER_SM = 4  # ~56-60 registers per thread (ptxas -v, sm_80) leave room fo
 ITEM_BYTES = 8192  # bytes per item (head, layer, K/V, chunk of tokens) when items are plentiful
 _U32 = 1 << 32
 _FATBIN = "kvxfer_kernels.fatbin"
+_LOG = logging.getLogger(__name__)
+_loaded_from: dict[int, str] = {}  # device index -> "fatbin:<path>" or "nvrtc"
 
 
 @dataclass(frozen=True)
@@ -195,15 +199,38 @@ def _kernels(device_index: int) -> dict:
 
     with cupy.cuda.Device(device_index):
         fatbin = _prebuilt()
-        if fatbin is not None and not os.environ.get("KVXFER_CUDA_FORCE_NVRTC"):
+        if os.environ.get("KVXFER_CUDA_FORCE_NVRTC"):
+            _LOG.info("kvxfer CUDA kernels: KVXFER_CUDA_FORCE_NVRTC set, compiling with NVRTC")
+        elif fatbin is None:
+            _LOG.info(
+                "kvxfer CUDA kernels: no prebuilt fatbin (installed without nvcc), compiling with NVRTC"
+            )
+        else:
             try:
                 module = cupy.RawModule(path=str(fatbin))
-                return {n: module.get_function(n) for n in _entry_names()}
-            except Exception:  # no SASS/PTX this driver accepts: compile from source below
-                pass
+                kernels = {n: module.get_function(n) for n in _entry_names()}
+                _loaded_from[device_index] = f"fatbin:{fatbin}"
+                return kernels
+            except Exception as exc:  # no SASS/PTX this driver accepts: compile from source below
+                _LOG.warning(
+                    "kvxfer CUDA kernels: prebuilt %s did not load on device %d (%s: %s); "
+                    "compiling with NVRTC instead",
+                    fatbin,
+                    device_index,
+                    type(exc).__name__,
+                    exc,
+                )
         code = inline_source(source_dir() / "kvx_kernels.cu")
         module = cupy.RawModule(code=code, options=("-std=c++17",), backend="nvrtc")
-        return {n: module.get_function(n) for n in _entry_names()}
+        kernels = {n: module.get_function(n) for n in _entry_names()}
+        _loaded_from[device_index] = "nvrtc"
+        return kernels
+
+
+def loaded_from(device_index: int = 0) -> str | None:
+    """Where the kernels on ``device_index`` came from: ``"fatbin:<path>"``, ``"nvrtc"``, or None
+    when they have not been loaded there yet."""
+    return _loaded_from.get(device_index)
 
 
 @functools.cache
@@ -219,7 +246,8 @@ def is_available(device: torch.device) -> bool:
             return False
         _kernels(_index(device))
         return True
-    except Exception:
+    except Exception as exc:
+        _LOG.warning("kvxfer CUDA kernels unavailable on %s (%s: %s)", device, type(exc).__name__, exc)
         return False
 
 
