@@ -28,19 +28,28 @@ import torch
 
 from ..backends.base import PagedSide
 
-__all__ = ["copy", "gather", "is_available", "scatter"]
+__all__ = ["copy", "gather", "is_available", "scatter", "unavailable_reason", "warmup"]
 
 
 def is_available(device: torch.device) -> bool:
     """Whether these kernels can run on ``device`` in this process."""
+    return not unavailable_reason(device)
+
+
+def unavailable_reason(device: torch.device) -> str:
+    """Why these kernels cannot run on ``device`` here ("" when they can)."""
     device = torch.device(device)
     try:
         from .launch import INTERPRETED
-    except ImportError:  # triton missing or broken
-        return False
+    except ImportError as e:  # triton missing or broken
+        return f"triton does not import: {e}"
     if device.type == "cuda":
-        return not INTERPRETED and torch.cuda.is_available()
-    return device.type == "cpu" and INTERPRETED
+        if INTERPRETED:
+            return "TRITON_INTERPRET=1 is set: the interpreter runs CPU tensors only"
+        return "" if torch.cuda.is_available() else "no CUDA device is visible"
+    if device.type == "cpu":
+        return "" if INTERPRETED else "CPU tensors need TRITON_INTERPRET=1 set before triton loads"
+    return f"no Triton backend for {device.type} tensors"
 
 
 def gather(src: PagedSide, wire: torch.Tensor) -> None:
@@ -62,3 +71,15 @@ def copy(src: PagedSide, dst: PagedSide) -> None:
     from .launch import move
 
     move(src, dst, src)
+
+
+def warmup(side: PagedSide, wire: torch.Tensor) -> None:
+    """Compile (without launching) the gather, scatter and copy kernels for ``side``'s cache
+    shape family and a wire like ``wire``; a no-op under the CPU interpreter."""
+    from .launch import INTERPRETED, move
+
+    if INTERPRETED or side.device.type != "cuda":
+        return
+    move(side, wire, side, warmup=True)
+    move(wire, side, side, warmup=True)
+    move(side, side, side, warmup=True)

@@ -41,6 +41,7 @@ _WORDS = {
 _INTERP_MAX_BLOCK_T = 1024
 _GPU_TILE_BYTES = 16384
 _GPU_NUM_WARPS = 4
+_GPU_MIN_BLOCK_T = 16
 
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _MAX_TABLES = 256
@@ -81,8 +82,10 @@ class Plan:
         if interpreted:
             self.block_t = min(_next_pow2(num_tokens), _INTERP_MAX_BLOCK_T)
         else:
+            # Token tiles come in a few buckets (at most 16, 32, ... up to the full tile), not one
+            # per power of two of the request size: few compiled variants per cache shape.
             per_tile = max(1, _GPU_TILE_BYTES // (self.block_w * self.word_bytes))
-            self.block_t = min(_next_pow2(num_tokens), _next_pow2(per_tile))
+            self.block_t = min(max(_GPU_MIN_BLOCK_T, _next_pow2(num_tokens)), _next_pow2(per_tile))
         self.num_warps = _GPU_NUM_WARPS
         assert self.align % self.word_bytes == 0 and self.row_words * self.word_bytes == row_bytes
         assert self.row_words % self.vec == 0 and self.block_w >= self.row_words
@@ -165,11 +168,14 @@ def _plan(src: _Side, dst: _Side, shape: PagedSide) -> Plan:
     return _cached_plan(shape.row_bytes, g, _next_pow2(shape.num_tokens), INTERPRETED)
 
 
-def move(src: PagedSide | torch.Tensor, dst: PagedSide | torch.Tensor, shape: PagedSide) -> None:
+def move(
+    src: PagedSide | torch.Tensor, dst: PagedSide | torch.Tensor, shape: PagedSide, warmup: bool = False
+) -> None:
     """One launch moving every row of ``shape`` (heads, layers, kv, tokens) from ``src`` to ``dst``.
 
     ``src``/``dst`` are each a :class:`PagedSide` or a contiguous wire tensor ``[H, L, KV, T, D]``;
-    ``shape`` is the paged side that gives H, L, KV, T and D.
+    ``shape`` is the paged side that gives H, L, KV, T and D. ``warmup=True`` compiles the
+    kernel this call would launch and launches nothing (GPU only).
     """
     dev = shape.device
     if dev.type == "cpu" and not INTERPRETED:
@@ -191,6 +197,9 @@ def move(src: PagedSide | torch.Tensor, dst: PagedSide | torch.Tensor, shape: Pa
     kwargs = plan.constexprs(s.paged, d.paged)
     if dev.type == "cuda":
         with torch.cuda.device(dev):
-            move_rows_kernel[grid](*args, **kwargs, num_warps=plan.num_warps)
-    else:
+            if warmup:
+                move_rows_kernel.warmup(*args, grid=grid, **kwargs, num_warps=plan.num_warps)
+            else:
+                move_rows_kernel[grid](*args, **kwargs, num_warps=plan.num_warps)
+    elif not warmup:
         move_rows_kernel[grid](*args, **kwargs)

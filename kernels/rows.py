@@ -55,7 +55,12 @@ def _row_starts(
     return base, tl.multiple_of(off, VEC)
 
 
-@triton.jit
+# Per-request integers are not specialised (Triton would compile a variant for each value that
+# is 1 or a multiple of 16): a server compiles once per cache shape family, not per request.
+DO_NOT_SPECIALIZE = ("T", "num_t_tiles", "src_head_start", "dst_head_start")
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
 def move_rows_kernel(
     src,
     src_ids,

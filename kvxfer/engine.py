@@ -21,6 +21,7 @@ The class is the public API and the lifecycle; the exporting role's methods live
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Sequence
@@ -47,6 +48,8 @@ from .transports import (
     mapper,
 )
 from .transports.cuda_ipc import host_id
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = ["HandshakeError", "TransferEngine"]
 
@@ -147,6 +150,7 @@ class TransferEngine(ExporterRole, LoaderRole):
         self._identity = host_id()
         self._order = StreamOrder(self.device)
         self._transport_reasons: dict[str, str] = {}  # remote engine -> why this transport
+        self._fenced: list = []  # loads held until their timed-out GPU work completed (loader)
         self._topo = None  # kvxfer.topology.probe(), only when two different GPUs handshake
 
     # ----------------------------------------------------------------------- lifecycle
@@ -161,6 +165,19 @@ class TransferEngine(ExporterRole, LoaderRole):
         self._server = C.ControlServer(self._ctx, self.host, port)
         self.port = self._server.port - self.tp_rank
         self._offers: list[str] = []
+        if self.device.type == "cuda":  # compile/load the kernels now, not on the first request
+            for v in self._views:
+                try:
+                    ops.warmup(v.caches, v.spec)
+                except Exception as e:
+                    _LOG.warning(
+                        "kvxfer engine %s rank %d: kernel warm-up failed (%s: %s); the first transfer "
+                        "will compile or fail with the reason",
+                        self.engine_id,
+                        self.tp_rank,
+                        type(e).__name__,
+                        e,
+                    )
         # ipc entry of the handshake (shm mapper for CPU caches, CUDA IPC for CUDA caches)
         offer = choice.offer_ipc(
             self.caches, self.device, self.num_blocks, self.engine_id, self.transport != "pg"
@@ -180,6 +197,7 @@ class TransferEngine(ExporterRole, LoaderRole):
         self._client = C.ControlClient(self._ctx)
         self._sender_pairs: dict[str, object] = {}
         self._pair_backend: dict[str, str] = {}  # pair key -> backend the loader chose
+        self._stuck: list = []  # FenceTimeouts whose buffers must outlive their CUDA work
         for target, name in (
             (self._serve, "server"),
             (self._work_loop, "worker"),
@@ -206,11 +224,19 @@ class TransferEngine(ExporterRole, LoaderRole):
             t.join(timeout=self.timeout_s + 2)
         self._server.close()
         self._client.close()
+        if self._sender_pairs or any(r.pairs for r in self._remotes.values()):
+            from .transports import pg
+
+            for group in self._sender_pairs.values():
+                pg.discard_pair(group, "engine closed")
+            for rem in self._remotes.values():
+                for group, _ in rem.pairs.values():
+                    pg.discard_pair(group, "engine closed")
+        self._sender_pairs.clear()
         for rem in self._remotes.values():
             for _, _, handles in rem.ipc.values():
                 choice.detach(handles)
         self._remotes.clear()
-        self._sender_pairs.clear()
         if self._epoch_shm is not None:
             mapper("shm").release_segment(self._epoch_shm)
         self._ctx.term()

@@ -13,7 +13,7 @@ import torch
 from . import control as C
 from . import ops
 from .engine_types import TICK_MS, batch_tag
-from .ordering import NOT_READY, wait_event
+from .ordering import NOT_READY, FenceTimeout, event_done, wait_event
 from .plan import plan_reads
 from .tracing import trace
 
@@ -31,9 +31,16 @@ class ExporterRole:
                 n = self._exports.expire()
                 if n:
                     self._metrics.add("expirations", n)
-            except Exception:  # pragma: no cover - keep serving; errors surface as timeouts
+            except Exception as e:  # keep serving; the peer sees a timeout
                 if self._stop.is_set():
                     return
+                _LOG.warning(
+                    "kvxfer exporter %s rank %d: side channel error (%s: %s); still serving",
+                    self.engine_id,
+                    self.tp_rank,
+                    type(e).__name__,
+                    e,
+                )
 
     def _hello_reply(self, error: str | None = None) -> C.HelloReply:
         pg = (
@@ -124,23 +131,34 @@ class ExporterRole:
             # Gloo pairs of CUDA caches carry host wires: gather into pinned memory, and the
             # sender hands a wire to Gloo only after the gather's event completed.
             host_wire = self.device.type == "cuda" and self._pair_backend.get(msg.key) == "gloo"
-            for units_b, num_tokens in msg.chunks:
-                units = np.frombuffer(units_b, dtype=np.int64)  # ops copies and checks them
-                out = None
-                if host_wire:
-                    shape = self.spec.wire_shape(num_tokens, msg.num_heads)
-                    out = torch.empty(shape, dtype=self.spec.dtype, pin_memory=True)
-                with trace("gather", batch_tag(msg.request_ids)):
-                    wires.append(
-                        ops.gather_blocks(
-                            view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads, out=out
+            # CUDA gathers run on the engine's send stream (the sender sends on it too); the
+            # tracker reports these requests released only after the gathers ran, so the caller
+            # cannot reuse their blocks before they were read (kvxfer.tracker.track_gather).
+            with self._order.on_stream("send"):
+                for units_b, num_tokens in msg.chunks:
+                    units = np.frombuffer(units_b, dtype=np.int64)  # ops copies and checks them
+                    out = None
+                    if host_wire:
+                        shape = self.spec.wire_shape(num_tokens, msg.num_heads)
+                        out = torch.empty(shape, dtype=self.spec.dtype, pin_memory=True)
+                    with trace("gather", batch_tag(msg.request_ids)):
+                        wires.append(
+                            ops.gather_blocks(
+                                view.caches,
+                                view.spec,
+                                units,
+                                num_tokens,
+                                msg.head_start,
+                                msg.num_heads,
+                                out=out,
+                            )
                         )
-                    )
-            ready = None
-            if host_wire:
-                ready = torch.cuda.Event()
-                ready.record()
-        self._send_q.put(("send", msg.key, wires, ready))
+                ready = None
+                if self.device.type == "cuda":
+                    ready = torch.cuda.Event()
+                    ready.record()
+                    self._exports.track_gather(msg.request_ids, ready)
+        self._send_q.put(("send", msg.key, wires, ready if host_wire else None))
         return C.SendReply(ok=True, failed={})
 
     def _stream_send(self, pair, msg: C.SendReq) -> None:
@@ -156,6 +174,10 @@ class ExporterRole:
                 ops.gather_blocks(
                     view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads, out=out
                 )
+                if self.device.type == "cuda":  # released only after this gather ran
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    self._exports.track_gather(msg.request_ids, ev)
 
         calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t) for b, t in msg.chunks]
         with self._order.on_stream("send"):
@@ -183,6 +205,8 @@ class ExporterRole:
         from .transports import pg
 
         while not self._stop.is_set():
+            if self._stuck:  # buffers of timed-out CUDA work, dropped once it completed
+                self._stuck[:] = [e for e in self._stuck if not event_done(e.event)]
             try:
                 job = self._send_q.get(timeout=0.1)
             except queue.Empty:
@@ -206,11 +230,16 @@ class ExporterRole:
                         self._stream_send(pair, job[2])
                         continue
                     if job[3] is not None:  # host wires of CUDA caches: the gather must be done
-                        wait_event(job[3], self.timeout_s, f"gather for pair {key}")
-                    for wire in job[2]:
-                        with trace("send", key):
-                            self.pipeline.send(pair, wire, 1, self.timeout_s)
-                        self._metrics.add("bytes_sent", wire.numel() * wire.element_size())
+                        try:
+                            wait_event(job[3], self.timeout_s, f"gather for pair {key}", keep=job[2])
+                        except FenceTimeout as e:  # the pinned wires live until the gather ran
+                            self._stuck.append(e)
+                            raise
+                    with self._order.on_stream("send"):  # NCCL orders its send after the gathers
+                        for wire in job[2]:
+                            with trace("send", key):
+                                self.pipeline.send(pair, wire, 1, self.timeout_s)
+                            self._metrics.add("bytes_sent", wire.numel() * wire.element_size())
             except Exception as e:
                 _LOG.warning(
                     "kvxfer exporter %s rank %d: pg %s for pair %s failed (%s: %s); the pair is dropped "
@@ -222,4 +251,5 @@ class ExporterRole:
                     type(e).__name__,
                     e,
                 )
-                self._sender_pairs.pop(key, None)  # the loader times out and re-pairs
+                # the loader times out and re-pairs; this pair is torn down now
+                pg.discard_pair(self._sender_pairs.pop(key, None), f"{type(e).__name__}: {e}")

@@ -4,6 +4,7 @@ loads one batch per ``poll()``, the handshake with each remote engine (cached), 
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import time
@@ -15,7 +16,7 @@ from . import control as C
 from . import ops
 from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
 from .metrics import now
-from .ordering import NOT_READY, wait_event
+from .ordering import NOT_READY, FenceTimeout, event_done, wait_event
 from .params import KVTransferParams
 from .plan import Read, plan_reads
 from .spec import KVCacheSpec
@@ -29,6 +30,8 @@ from .transports import (
     choice,
     plan_batch,
 )
+
+_LOG = logging.getLogger(__name__)
 
 
 class LoaderRole:
@@ -45,6 +48,8 @@ class LoaderRole:
                 batch = None
             if batch is None and self._stop.is_set():
                 return
+            if self._fenced:
+                self._release_fenced()
             if batch:
                 try:
                     self._run_batch(batch)
@@ -247,6 +252,13 @@ class LoaderRole:
                         moved, bad = self._pg_read(rem, s, s_reads, list(alive.values()))
                     if rem.transport == "pg" and alive:  # finished only once the scatters ran
                         self._order.wait_done(self.timeout_s)
+            except FenceTimeout as e:
+                # The copy/scatter into these requests' blocks may still run: report nothing
+                # (and tell the exporter nothing) until it completed, then fail them.
+                why = f"{rem.transport} read from rank {s}: {e}; reported once the GPU work completed"
+                self._defer(e, rem, [alive[rid] for rid in alive], why, remote_of)
+                moved, bad = 0, {}
+                alive.clear()
             except Exception as e:
                 moved, bad = (
                     0,
@@ -271,6 +283,25 @@ class LoaderRole:
                 self._metrics.add("failures")
         self._notify(rem, plan, [remote_of[r] for r in done], [it.params.request_id for it in failed])
 
+    def _defer(self, fence: FenceTimeout, rem: Remote, items: list[LoadItem], why: str, remote_of) -> None:
+        """Hold ``items`` until ``fence.event`` completed (polled by the worker), then fail them
+        and notify the exporter: their blocks are never reported while GPU work touches them."""
+        _LOG.warning(
+            "kvxfer loader %s rank %d: %s (%d requests held)", self.engine_id, self.tp_rank, why, len(items)
+        )
+        self._fenced.append((fence, rem, items, why))
+
+    def _release_fenced(self) -> None:
+        """Fail (and notify) the held loads whose GPU work has completed."""
+        still = []
+        for fence, rem, items, why in self._fenced:
+            if not event_done(fence.event):
+                still.append((fence, rem, items, why))
+                continue
+            self._fail(items, why)
+            self._notify(rem, rem.plan, [], [it.params.request_id for it in items])
+        self._fenced = still
+
     def _notify(self, rem: Remote, plan, done: list[str], failed: list[str]) -> None:
         if not done and not failed:
             return
@@ -278,8 +309,18 @@ class LoaderRole:
         for s in rem.notify_to:
             self._client.send(rem.addrs[s], msg)
 
+    def _drop_pair(self, rem: Remote, s: int, why: str = "an op failed or timed out") -> None:
+        """Abort and forget the pair group with source rank ``s`` (the next read re-pairs)."""
+        from .transports import pg
+
+        got = rem.pairs.pop(s, None)
+        if got is not None:
+            pg.discard_pair(got[0], why)
+
     def _forget(self, rem: Remote) -> None:
         """Drop a remote that stopped answering; the next load handshakes again."""
+        for s in list(rem.pairs):
+            self._drop_pair(rem, s, "the remote stopped answering")
         self._remotes.pop(rem.engine_id, None)
         for _, _, handles in rem.ipc.values():
             choice.detach(handles)
@@ -413,20 +454,23 @@ class LoaderRole:
                 try:
                     rep = self._client.call(rem.addrs[s], req, self.timeout_s)
                 except C.ControlTimeout:
-                    rem.pairs.pop(s, None)
+                    self._drop_pair(rem, s)
                     self._forget(rem)
                     raise
                 if not isinstance(rep, C.SendReply):
                     raise RuntimeError(f"send request refused: {getattr(rep, 'error', rep)}")
                 if not rep.ok:
                     if "*" in rep.failed:
-                        rem.pairs.pop(s, None)
+                        self._drop_pair(rem, s)
                         raise RuntimeError(rep.failed["*"])
                     local_of = {it.params.request_id: it.request_id for it in loads}
                     for rid, why in rep.failed.items():
                         bad[local_of.get(rid, rid)] = f"exporter rank {s}: {why}"
                     continue
                 tag = batch_tag([it.request_id for it in loads])
+                hook = self._hooks.get("before_recv")
+                if hook:
+                    hook()
                 try:
                     if staged:
                         calls += self.pipeline.recv_stream(
@@ -450,13 +494,13 @@ class LoaderRole:
                             ops.scatter_blocks(
                                 wire, dv.caches, dv.spec, c.dst, c.num_tokens, r.dst_head_start
                             )
-                        if host_wire:
+                        if host_wire:  # the pinned wire lives until the scatter ran
                             done = torch.cuda.Event()
                             done.record()
-                            wait_event(done, self.timeout_s, "scatter from a host wire")
+                            wait_event(done, self.timeout_s, "scatter from a host wire", keep=wire)
                         calls += 1
                 except Exception:
-                    rem.pairs.pop(s, None)  # a timed-out pair may hold a stale receive
+                    self._drop_pair(rem, s)  # a timed-out pair may hold a stale receive
                     raise
                 m, sk = self._count(bp, r.num_heads)
                 moved, saved = moved + m, saved + sk

@@ -13,6 +13,8 @@ it loads, else ``"triton"``, else ``"torch"``; CPU tensors use ``"torch"``.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,9 +26,12 @@ import torch
 from .backends.base import PagedSide
 from .spec import KVCacheSpec, Layout
 
+_LOG = logging.getLogger(__name__)
+
 __all__ = [
     "BACKENDS",
     "PagedCache",
+    "backend_status",
     "copy_blocks",
     "gather_blocks",
     "last_backend",
@@ -35,6 +40,7 @@ __all__ = [
     "reset_backends",
     "resolve_backend",
     "scatter_blocks",
+    "warmup",
 ]
 
 BACKENDS = ("torch", "triton", "cuda")
@@ -58,36 +64,98 @@ def _module(name: str) -> ModuleType:
     return mod
 
 
+_why: dict[tuple[str, str], str] = {}  # (backend, device type) -> why it is unavailable
+_warned: set[tuple[str, str]] = set()
+FORCE_ENV = "KVXFER_BACKEND"  # forces the backend of calls made with backend=None
+
+
 def _is_available(name: str, device: torch.device) -> bool:
     key = (name, device.type)
     if key not in _available:
         try:
-            _available[key] = bool(_module(name).is_available(device))
-        except ImportError:
-            _available[key] = False
+            mod = _module(name)
+            ok = bool(mod.is_available(device))
+            why = (
+                ""
+                if ok
+                else (getattr(mod, "unavailable_reason", lambda d: "")(device) or "is_available() is false")
+            )
+        except ImportError as e:
+            ok, why = False, f"import failed: {e}"
+        _available[key] = ok
+        _why[key] = why
     return _available[key]
 
 
+def _default_order(device: torch.device) -> tuple[str, ...]:
+    return ("torch",) if device.type == "cpu" else ("cuda", "triton", "torch")
+
+
 def resolve_backend(device: torch.device | str, backend: str | None = None) -> str:
-    """The backend a call on ``device`` with ``backend`` would use (raises if unusable)."""
+    """The backend a call on ``device`` with ``backend`` would use (raises if unusable).
+
+    ``backend=None`` takes ``$KVXFER_BACKEND`` when set (an unusable forced backend raises,
+    naming why), else the first available of CUDA C++, Triton, torch on CUDA tensors (torch
+    on CPU). A backend passed over is logged once as a warning with the reason.
+    """
     device = torch.device(device)
     if backend is None:
-        if device.type == "cpu":
-            return "torch"
-        for name in ("cuda", "triton"):
+        forced = os.environ.get(FORCE_ENV, "").strip()
+        if forced:
+            return _require(forced, device, f"${FORCE_ENV}")
+        order = _default_order(device)
+        for name in order:
             if _is_available(name, device):
                 return name
+            key = (name, device.type)
+            if key not in _warned:
+                _warned.add(key)
+                _LOG.warning(
+                    "kvxfer ops: backend %r unavailable for %s tensors (%s); falling back to the next of %s",
+                    name,
+                    device.type,
+                    _why.get(key, ""),
+                    order,
+                )
         return "torch"
+    return _require(backend, device, "backend")
+
+
+def _require(backend: str, device: torch.device, what: str) -> str:
     if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {BACKENDS} or None, got {backend!r}")
+        raise ValueError(f"{what}: must be one of {BACKENDS} or None, got {backend!r}")
     if not _is_available(backend, device):
-        raise ValueError(f"backend: {backend!r} is not available for {device.type} tensors here")
+        why = _why.get((backend, device.type), "")
+        raise ValueError(f"{what}: {backend!r} is not available for {device.type} tensors here ({why})")
     return backend
+
+
+def backend_status(device: torch.device | str = "cuda") -> dict[str, dict]:
+    """Per backend, for tensors on ``device``: ``{"available": bool, "reason": why not (""),
+    "default": True for the one ``backend=None`` picks}``, plus ``"loaded_from"`` for the CUDA
+    C++ kernels once loaded (``"fatbin:<path>"`` or ``"nvrtc"``). Never raises."""
+    device = torch.device(device)
+    out: dict[str, dict] = {}
+    try:
+        default = resolve_backend(device)
+    except ValueError as e:
+        default = f"error: {e}"
+    for name in BACKENDS:
+        ok = _is_available(name, device)
+        row = {"available": ok, "reason": _why.get((name, device.type), ""), "default": name == default}
+        if name == "cuda" and ok and device.type == "cuda":
+            row["loaded_from"] = _module("cuda").loaded_from(device.index or 0)
+        out[name] = row
+    if not any(r["default"] for r in out.values()):
+        out["error"] = {"available": False, "reason": default, "default": False}
+    return out
 
 
 def reset_backends() -> None:
     """Forget which backends loaded and were chosen (after swapping a backend module in tests)."""
     _available.clear()
+    _why.clear()
+    _warned.clear()
     _resolved.clear()
     _loaded.clear()
 
@@ -442,3 +510,22 @@ def copy_blocks(
         raise ValueError(f"dst_caches: on {dst.device}, src_caches on {src.device}; copy needs one device")
     if num_tokens:
         _run(backend, src.device, "copy", src, dst)
+
+
+def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | None = None) -> str:
+    """Prepare the kernels the ops will launch on ``caches`` (load the CUDA C++ module, or
+    compile the Triton variants of this cache shape family for small and large requests)
+    without running them or touching the caches. Returns the backend prepared; an engine's
+    ``start()`` calls it so the first request does not pay for compilation."""
+    info = caches.info if isinstance(caches, PagedCache) else _check_caches(caches, spec, "caches")
+    name = resolve_backend(info.device, backend)
+    fn = getattr(_module(name), "warmup", None)
+    if fn is None:
+        return name
+    # one block (small-request tile) and, if the cache holds them, 4096 tokens (full tiles)
+    for tokens in (1, min(4096, info.num_blocks * spec.block_size)):
+        n = spec.num_blocks_for(tokens)
+        side = make_side(caches, spec, list(range(n)), tokens)
+        wire = torch.empty(side.wire_view_shape(), dtype=side.dtype, device=info.device)
+        fn(side, wire)
+    return name

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NOT_READY", "StreamOrder"]
+__all__ = ["NOT_READY", "FenceTimeout", "StreamOrder", "event_done", "wait_event"]
 
 NOT_READY = "not ready: the compute writing its KV has not finished (yet)"
 _NULL = contextlib.nullcontext()
@@ -152,14 +152,37 @@ class StreamOrder:
         wait_event(ev, timeout_s, "transfer stream")
 
 
-def wait_event(ev: Any, timeout_s: float, what: str) -> None:
-    """Poll ``ev.query()`` until true: spin briefly, then sleep in growing steps (<= 1 ms)."""
+class FenceTimeout(TimeoutError):
+    """A bounded wait for CUDA work ran out while the work may still be running.
+
+    ``event`` completes when that work does; ``keep`` holds buffers the work still reads or
+    writes. Whoever catches it must not free, reuse or report the memory the work touches
+    until ``event.query()`` is true (the engine defers the request's outcome until then).
+    """
+
+    def __init__(self, message: str, event: Any, keep: Any = None) -> None:
+        super().__init__(message)
+        self.event = event
+        self.keep = keep
+
+
+def event_done(ev: Any) -> bool:
+    """``ev.query()``, where an error (a broken CUDA context) counts as done: nothing will run."""
+    try:
+        return bool(ev.query())
+    except Exception:
+        return True
+
+
+def wait_event(ev: Any, timeout_s: float, what: str, keep: Any = None) -> None:
+    """Poll ``ev.query()`` until true: spin briefly, then sleep in growing steps (<= 1 ms).
+    Raises :class:`FenceTimeout` (carrying ``ev`` and ``keep``) after ``timeout_s``."""
     if ev.query():
         return
     deadline = time.monotonic() + timeout_s
     pause = 0.0
     while not ev.query():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: CUDA work not complete within {timeout_s}s")
+            raise FenceTimeout(f"{what}: CUDA work not complete within {timeout_s}s", ev, keep)
         time.sleep(pause)
         pause = min(1e-3, pause * 2 + 2e-5)

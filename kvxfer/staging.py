@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .ordering import event_done
 from .spec import KVCacheSpec
 
 __all__ = [
@@ -123,6 +124,8 @@ class StagingPool:
         self.pinned = pin_memory
         self._free = list(range(num_buffers))
         self._cond = threading.Condition()
+        self._held: dict[int, Any] = {}  # buffer index -> event its last (GPU) user must reach
+        self._quarantine: list[tuple[int, Any]] = []  # released, but their GPU work may still run
         self.num_leases = 0
 
     @property
@@ -142,26 +145,51 @@ class StagingPool:
             raise ValueError(f"n: {n} buffers requested from a pool of {self.num_buffers}")
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            self._unquarantine()
             while len(self._free) < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
                         f"staging pool: {n} buffers not free within {timeout_s}s "
-                        f"({len(self._free)}/{self.num_buffers} free)"
+                        f"({len(self._free)}/{self.num_buffers} free, {len(self._quarantine)} held by "
+                        "GPU work that has not completed)"
                     )
-                self._cond.wait(left)
+                self._cond.wait(min(left, 0.005) if self._quarantine else left)
+                self._unquarantine()
             taken, self._free = self._free[:n], self._free[n:]
             self.num_leases += 1
             return taken
 
     def release(self, indices: Sequence[int]) -> None:
-        """Return leased buffers (by index) to the pool."""
+        """Return leased buffers (by index) to the pool; one marked by :meth:`hold_until` comes
+        back only once its event completed."""
         with self._cond:
             for i in indices:
                 if not 0 <= i < self.num_buffers or i in self._free:
                     raise ValueError(f"release: buffer {i} is not leased")
-            self._free.extend(indices)
+            for i in indices:
+                ev = self._held.pop(i, None)
+                if ev is not None and not event_done(ev):
+                    self._quarantine.append((i, ev))
+                else:
+                    self._free.append(i)
             self._cond.notify_all()
+
+    def hold_until(self, slots: Sequence[torch.Tensor], event: Any) -> None:
+        """Keep the leased buffers ``slots`` out of the pool after their release until
+        ``event`` (``query()``) completed: GPU work that timed out may still read or write them."""
+        with self._cond:
+            for t in slots:
+                for i, b in enumerate(self.buffers):
+                    if b.data_ptr() == t.data_ptr():
+                        self._held[i] = event
+
+    def _unquarantine(self) -> None:
+        if self._quarantine:
+            done = [(i, ev) for i, ev in self._quarantine if event_done(ev)]
+            for item in done:
+                self._quarantine.remove(item)
+                self._free.append(item[0])
 
     @contextlib.contextmanager
     def lease(self, n: int = 2, timeout_s: float = 30.0) -> Iterator[list[torch.Tensor]]:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .ordering import event_done
+
 UNKNOWN = "unknown: not exported here (yet)"
 RELEASED = "released: lease expired, aborted or already freed"
 
@@ -84,6 +86,11 @@ class ExportTracker:
         self._expired: set[str] = set()
         self._errors: dict[str, str] = {}
         self._gone: dict[str, None] = {}  # recently released ids (bounded), to tell from unknown
+        # CUDA gathers reading a request's blocks that may not have run yet (pg exports): the
+        # request's release is reported (finished_sending / expired) only once they completed,
+        # so the caller cannot reuse the blocks before the gather read them.
+        self._inflight: dict[str, list] = {}
+        self._deferred: list[tuple[str, str, list]] = []  # (request id, "finished"|"expired", events)
 
     # ------------------------------------------------------------------ export
     def add(self, request_id: str, block_ids: np.ndarray | torch.Tensor, num_tokens: int) -> None:
@@ -134,6 +141,27 @@ class ExportTracker:
                 if e is not None:
                     e.deadline = max(e.deadline, deadline)
 
+    def track_gather(self, request_ids: list[str], event) -> None:
+        """A CUDA gather reading these requests' blocks was enqueued; ``event`` (``query()``)
+        completes after it. Their release is reported only once it has."""
+        with self.lock:
+            for rid in request_ids:
+                if rid in self._live:
+                    evs = self._inflight.setdefault(rid, [])
+                    if len(evs) >= 8:  # a long stream: drop the ones already complete
+                        evs[:] = [e for e in evs if not event_done(e)]
+                    evs.append(event)
+
+    def _report(self, request_id: str, kind: str) -> None:
+        """Report a released request now, or once the gathers reading its blocks completed."""
+        pending = [e for e in self._inflight.pop(request_id, ()) if not event_done(e)]
+        if pending:
+            self._deferred.append((request_id, kind, pending))
+        elif kind == "finished":
+            self._finished.add(request_id)
+        else:
+            self._expired.add(request_id)
+
     def notify(self, request_id: str, sender: tuple, expected: int) -> bool:
         """Count a notification from ``sender``; release when ``expected`` arrived. True if released."""
         with self.lock:
@@ -145,7 +173,7 @@ class ExportTracker:
             e.notified_by.add(sender)
             if len(e.notified_by) >= e.expected:
                 self._release(request_id)
-                self._finished.add(request_id)
+                self._report(request_id, "finished")
                 return True
             return False
 
@@ -155,7 +183,7 @@ class ExportTracker:
             if request_id not in self._live:
                 return False
             self._release(request_id)
-            self._finished.add(request_id)
+            self._report(request_id, "finished")
             return True
 
     def expire(self) -> int:
@@ -165,12 +193,28 @@ class ExportTracker:
             dead = [rid for rid, e in self._live.items() if e.deadline < now]
             for rid in dead:
                 self._release(rid)
-                self._expired.add(rid)
                 self._errors[rid] = "lease expired before every loader notified"
+                self._report(rid, "expired")
             return len(dead)
+
+    def num_deferred(self) -> int:
+        """Released requests whose report waits for a CUDA gather still reading their blocks."""
+        with self.lock:
+            return len(self._deferred)
 
     def drain(self, out: PollResult) -> None:
         with self.lock:
+            if self._deferred:
+                still = []
+                for rid, kind, evs in self._deferred:
+                    evs = [e for e in evs if not event_done(e)]
+                    if evs:
+                        still.append((rid, kind, evs))
+                    elif kind == "finished":
+                        self._finished.add(rid)
+                    else:
+                        self._expired.add(rid)
+                self._deferred = still
             out.finished_sending |= self._finished
             out.expired |= self._expired
             for rid in self._expired:

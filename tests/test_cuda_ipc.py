@@ -7,6 +7,7 @@ handle returns a tensor aliasing the same memory, so the per-layer rebuild and a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
@@ -21,6 +22,7 @@ from kvxfer import ops
 from kvxfer.plan import plan_reads
 from kvxfer.spec import KVCacheSpec, Layout
 from kvxfer.topology import probe
+from kvxfer.transports import cuda_ipc
 from kvxfer.transports.cuda_ipc import (
     IpcHandleCache,
     choose_transport,
@@ -479,3 +481,66 @@ def test_wait_for_cpu_is_noop_and_rejects_junk():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="deps"):
             wait_for(["event"])
+
+
+def test_publish_makes_the_cache_device_context_current_for_driver_calls():
+    """cuMemGetAddressRange / cuPointerGetAttribute act on the current context: every driver
+    call of a layer runs inside the driver's context() for that layer's device, and a driver
+    error is raised naming the layer (the engine then says why ipc is not offered)."""
+    calls: list[tuple[str, object]] = []
+
+    class CtxDriver(FakeDriver):
+        active = None
+
+        @contextlib.contextmanager
+        def context(self, device):
+            calls.append(("enter", device))
+            CtxDriver.active = device
+            try:
+                yield
+            finally:
+                CtxDriver.active = None
+
+        def address_range(self, ptr):
+            calls.append(("address_range", CtxDriver.active))
+            return super().address_range(ptr)
+
+        def buffer_id(self, ptr):
+            calls.append(("buffer_id", CtxDriver.active))
+            return super().buffer_id(ptr)
+
+    drv = CtxDriver()
+    spec = KVCacheSpec(2, 4, 8, 16, torch.float16)
+    caches = carve(drv, spec, 4, 4, 0)
+    publish_caches(caches, "P", driver=drv)
+    assert [c for c in calls if c[0] != "enter"] and all(
+        dev == caches[0].device for kind, dev in calls if kind != "enter"
+    ), calls
+
+    class Broken(CtxDriver):
+        def address_range(self, ptr):
+            raise RuntimeError("cuMemGetAddressRange failed with CUresult 201")
+
+    with pytest.raises(RuntimeError, match=r"caches\[0\]: cannot export a CUDA IPC handle.*CUresult 201"):
+        publish_caches(caches, "P", driver=Broken())
+
+
+def test_offer_failure_is_logged_with_the_reason(caplog, monkeypatch):
+    """A driver error while exporting handles is reported (warning + the reason the engine
+    puts in its handshake), not silently turned into a pg fallback."""
+    import types
+
+    from kvxfer.transports import cuda_mapper
+
+    def refuse(caches, engine_id, driver=None):
+        raise RuntimeError("caches[0]: cannot export a CUDA IPC handle: CUresult 201")
+
+    monkeypatch.setattr(cuda_ipc, "publish_caches", refuse)
+    monkeypatch.setattr(cuda_mapper, "handle_cache", lambda driver=None: types.SimpleNamespace(driver=None))
+    fake_cuda_layer = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with caplog.at_level("WARNING", logger="kvxfer.transports.cuda_mapper"):
+        desc, why = cuda_mapper.offer([fake_cuda_layer], "P")
+    assert desc is None and "CUresult 201" in why
+    assert any(
+        "ipc not offered" in r.getMessage() and "CUresult 201" in r.getMessage() for r in caplog.records
+    )

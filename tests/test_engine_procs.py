@@ -5,6 +5,7 @@ report per request; an exporter killed mid-transfer."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -167,3 +168,82 @@ def exporter_rank_then_die(sc, tp_rank, q_out, q_ctl):
     q_out.close()
     q_out.join_thread()  # flush before dying
     os._exit(4)
+
+
+def stuck_loader(spec_d: dict, params: dict, q_out) -> None:
+    """D1: loads over pg, then stops right before receiving (as a hung or dying peer would)."""
+    import time as _time
+
+    from kvxfer import TransferEngine
+
+    from .engine_procs import _spec
+
+    spec = _spec(spec_d)
+    caches = [torch.zeros(spec.cache_shape(160, 1), dtype=spec.dtype) for _ in range(spec.num_layers)]
+    eng = TransferEngine(spec, caches, 0, 1, "D1", transport="pg", timeout_s=30.0).start()
+
+    def park():
+        q_out.put("receiving")
+        _time.sleep(120)
+
+    eng._hooks["before_recv"] = park
+    eng.load("a", params, list(range(spec.num_blocks_for(params["num_tokens"]))))
+    end = _time.monotonic() + 120
+    while _time.monotonic() < end:
+        eng.poll()
+        _time.sleep(0.01)
+
+
+def test_loader_killed_mid_send_exporter_keeps_serving():
+    """P sends a 16 MiB wire to D1 over a Gloo pair; D1 dies before receiving it. P's send
+    fails within its bound, the broken pair is aborted, P's lease frees the blocks, and P goes
+    on serving another loader's new request byte for byte (nothing takes P's process down)."""
+    from kvxfer import TransferEngine
+
+    from .engine_procs import _context, check, fill
+
+    spec = KVCacheSpec(2, 8, 128, 16, torch.bfloat16)  # 8 KiB per token of wire
+    nb = 160
+    p_caches = [torch.zeros(spec.cache_shape(nb, 1), dtype=spec.dtype) for _ in range(2)]
+    p = TransferEngine(spec, p_caches, 0, 1, "P", transport="pg", timeout_s=2.0, lease_s=3.0).start()
+    ctx = _context()
+    q = ctx.Queue()
+    ids_a = list(range(128))
+    fill(p_caches, spec, 0, 1, ids_a, 2048, seed=1)
+    params_a = p.export("a", ids_a, 2048)
+    d1 = ctx.Process(target=stuck_loader, args=(spec.to_dict(), params_a, q), daemon=True)
+    d1.start()
+    d2 = None
+    try:
+        assert q.get(timeout=60) == "receiving"
+        d1.kill()
+        d1.join(10)
+        assert not d1.is_alive()
+        ids_b = list(range(128, 131))
+        fill(p_caches, spec, 0, 1, ids_b, 40, seed=2)
+        params_b = p.export("b", ids_b, 40)
+        d_caches = [torch.zeros(spec.cache_shape(16, 1), dtype=spec.dtype) for _ in range(2)]
+        d2 = TransferEngine(spec, d_caches, 0, 1, "D2", transport="pg", timeout_s=5.0).start()
+        d2.load("b", params_b, [7, 8, 9])
+        end = time.monotonic() + 20
+        done, p_seen = None, {"finished_sending": set(), "expired": set()}
+        while time.monotonic() < end and (done is None or "a" not in p_seen["expired"]):
+            r = d2.poll()
+            assert not r.failed, r.errors
+            if "b" in r.finished_recving:
+                done = time.monotonic()
+            rp = p.poll()
+            p_seen["finished_sending"] |= rp.finished_sending
+            p_seen["expired"] |= rp.expired
+            time.sleep(0.01)
+        assert done is not None, "P stopped serving after its peer died"
+        assert check(d_caches, spec, 0, 1, [7, 8, 9], 40, seed=2)
+        assert "b" in p_seen["finished_sending"] and p_seen["expired"] == {"a"}, p_seen
+        assert p.stats()["blocks_held"] == 0
+        assert not [k for k in p._sender_pairs if k.startswith("D1/")]  # the broken pair is gone
+    finally:
+        if d1.is_alive():
+            d1.kill()
+        if d2 is not None:
+            d2.close()
+        p.close()

@@ -439,6 +439,45 @@ def test_never_ready_export_fails_bounded_naming_why():
         dshm.close()
 
 
+def test_timed_out_copy_is_reported_only_after_it_completed():
+    """A wait for the load's GPU work that runs out must not fail the request (the runner
+    would recompute into blocks the copy may still write) nor notify P (P would free blocks the
+    copy may still read) while the work may run: both happen once the work has completed."""
+    from kvxfer.ordering import FenceTimeout
+
+    shm, dshm = alloc_shm_caches(SPEC, 16, 1), alloc_shm_caches(SPEC, 16, 1)
+    p = TransferEngine(SPEC, shm.caches, 0, 1, "P", transport="ipc", timeout_s=2.0).start()
+    d = TransferEngine(SPEC, dshm.caches, 0, 1, "D", transport="ipc", timeout_s=2.0).start()
+    ev = FakeEvent()
+
+    def stuck(timeout_s, role="load"):
+        raise FenceTimeout(f"transfer stream: CUDA work not complete within {timeout_s}s", ev)
+
+    d._order.wait_done = stuck  # the copy is "still running" on the GPU
+    try:
+        d.load("x", p.export("x", [2, 3], 12), [4, 5])
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            r, rp = d.poll(), p.poll()
+            assert r.empty() and rp.empty(), (r, rp)
+            time.sleep(0.01)
+        assert ev.queries > 0 and p.stats()["exports_live"] == 1
+        ev.done = True
+        got = _wait(d, {"x"}, timeout=5)
+        assert got["x"].startswith("failed:") and "reported once the GPU work completed" in got["x"]
+        end = time.monotonic() + 5
+        sent = set()
+        while "x" not in sent and time.monotonic() < end:
+            sent |= p.poll().finished_sending
+            time.sleep(0.01)
+        assert sent == {"x"}  # the failed notification released P's blocks, after the work
+    finally:
+        d.close()
+        p.close()
+        shm.close()
+        dshm.close()
+
+
 # --------------------------------------------------------------------------- reasons and NVTX
 def test_stats_report_transport_reason():
     shm, dshm = alloc_shm_caches(SPEC, 16, 1), alloc_shm_caches(SPEC, 16, 1)

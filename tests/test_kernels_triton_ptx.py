@@ -95,3 +95,26 @@ def test_misaligned_control_is_not_128_bit(ptx):
     """A 4-byte-aligned base must narrow the words: proves the 128-bit check can fail."""
     text = ptx["misaligned4_fp32_gather_sm90"]
     assert not any(WIDE.search(s) for s in _global_ops(text, "st") + _global_ops(text, "ld"))
+
+
+def test_per_request_integers_are_not_specialised_and_tiles_are_bucketed():
+    """A server must compile once per cache shape family, not per request size: the kernel's
+    per-request integers are marked do_not_specialize (checked on the compiled JIT function,
+    outside the interpreter) and GPU plans use a handful of token tiles for every size."""
+    code = (
+        "import json\n"
+        "from kvxfer.kernels.rows import move_rows_kernel as k\n"
+        "from kvxfer.kernels.launch import Plan\n"
+        "names = [k.arg_names[i] if isinstance(i, int) else i for i in k.do_not_specialize]\n"
+        "tiles = sorted({Plan(256, [256], n, interpreted=False).block_t for n in range(1, 70000, 7)})\n"
+        "print(json.dumps({'names': names, 'tiles': tiles}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout)
+    assert sorted(got["names"]) == sorted(["T", "num_t_tiles", "src_head_start", "dst_head_start"])
+    assert got["tiles"] == [16, 32, 64], got["tiles"]  # 256-byte rows: 16 KiB tiles of 64 tokens

@@ -254,3 +254,71 @@ def test_kv_second_allocation_passed_as_strided_view(layout, backend):
     want = [torch.zeros_like(r).transpose(0, 1).cpu() for r in raw]
     place(want, spec, truth, range(4), [1, 3])
     assert_bytes_equal(as_bytes([d.cpu() for d in dst]), as_bytes(want))
+
+
+# --------------------------------------------------------------------------- backend choice
+@pytest.fixture
+def fresh_backends():
+    from kvxfer import ops
+
+    ops.reset_backends()
+    yield ops
+    ops.reset_backends()
+
+
+def test_backend_status_says_why_each_backend_is_unavailable(fresh_backends):
+    ops = fresh_backends
+    st = ops.backend_status("cuda" if not torch.cuda.is_available() else "cpu")
+    for name in ops.BACKENDS:
+        assert set(st[name]) >= {"available", "reason", "default"}
+        assert st[name]["available"] or st[name]["reason"], (name, st[name])
+    assert sum(r["default"] for r in st.values()) == 1
+    cpu = ops.backend_status("cpu")
+    assert cpu["torch"]["available"] and cpu["torch"]["default"]
+    assert not cpu["cuda"]["available"] and "CUDA tensors" in cpu["cuda"]["reason"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback chain of a machine without CUDA")
+def test_fallback_past_an_unavailable_backend_is_logged_with_its_reason(fresh_backends, caplog):
+    ops = fresh_backends
+    with caplog.at_level("WARNING", logger="kvxfer.ops"):
+        assert ops.resolve_backend("cuda") == "torch"
+        ops.resolve_backend("cuda")  # logged once per backend, not per call
+    msgs = [r.getMessage() for r in caplog.records if r.name == "kvxfer.ops"]
+    assert len([m for m in msgs if "'cuda' unavailable" in m]) == 1, msgs
+    assert any("no CUDA device is visible" in m for m in msgs), msgs
+
+
+def test_forced_backend_env(fresh_backends, monkeypatch):
+    """$KVXFER_BACKEND forces backend=None calls; an unusable forced backend is an error
+    naming why, never a silent fallback."""
+    ops = fresh_backends
+    spec = make_spec(Layout.NHD, torch.float16, 4, head_dim=8, heads=2, layers=2)
+    caches = [torch.zeros(spec.local_cache_shape(4, 2), dtype=spec.dtype) for _ in range(2)]
+    monkeypatch.setenv(ops.FORCE_ENV, "cuda")
+    with pytest.raises(
+        ValueError, match=r"\$KVXFER_BACKEND: 'cuda' is not available for cpu tensors here \("
+    ):
+        gather_blocks(caches, spec, [1], 3)
+    monkeypatch.setenv(ops.FORCE_ENV, "bogus")
+    ops.reset_backends()
+    with pytest.raises(ValueError, match=r"\$KVXFER_BACKEND: must be one of"):
+        gather_blocks(caches, spec, [1], 3)
+    monkeypatch.setenv(ops.FORCE_ENV, "torch")
+    ops.reset_backends()
+    gather_blocks(caches, spec, [1], 3)
+    assert ops.last_backend() == "torch"
+
+
+def test_warmup_prepares_without_touching_the_caches(fresh_backends):
+    """ops.warmup resolves the backend and prepares its kernels; it never writes a cache."""
+    ops = fresh_backends
+    spec = make_spec(Layout.HND, torch.bfloat16, 16, head_dim=16, heads=2, layers=2)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    caches = [torch.full(spec.local_cache_shape(8, 2), 3, dtype=spec.dtype, device=dev) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    name = ops.warmup(caches, spec)
+    assert name == ops.resolve_backend(dev)
+    if dev == "cpu":
+        assert ops.warmup(caches, spec, backend="triton") == "triton"  # interpreter: nothing to compile
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))

@@ -574,3 +574,24 @@ def test_gpu_staging_byte_exact(pinned):
     sender.join(30)
     torch.cuda.synchronize()
     assert bytes_equal(dst, want)
+
+
+def test_pool_holds_buffers_of_unfinished_gpu_work_after_release():
+    """A stream that failed while GPU work on its buffers may still run: released buffers
+    return to the pool only once that work's event completed, and acquire waits (bounded)."""
+
+    class Ev:
+        done = False
+
+        def query(self):
+            return self.done
+
+    pool = StagingPool(2, 64)
+    ev = Ev()
+    with pool.lease(2) as slots:
+        pool.hold_until(slots[:1], ev)
+    assert pool.num_free == 1
+    with pytest.raises(TimeoutError, match="1 held by GPU work"):
+        pool.acquire(2, timeout_s=0.05)
+    ev.done = True
+    assert sorted(pool.acquire(2, timeout_s=1.0)) == [0, 1]

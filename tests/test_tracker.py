@@ -3,6 +3,7 @@ lease expiry and block epochs, load reports, and the per-engine aggregator."""
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,3 +100,53 @@ def test_aggregator_waits_for_every_rank_and_reports_once():
     assert agg.pending() == 0
     with pytest.raises(ValueError, match="tp_rank"):
         agg.add(2, PollResult())
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.mark.parametrize("how", ["notify", "abort", "expire"])
+def test_release_is_reported_only_after_inflight_gathers_completed(how):
+    """A pg gather of a request's blocks may still be queued on the GPU when its lease ends or
+    it is aborted: the epochs move at once (ipc readers see it), but the caller hears that the
+    blocks are free only once the gather has run, so it cannot overwrite them first."""
+    tr = ExportTracker(16, lease_s=0.05 if how == "expire" else 30.0)
+    tr.add("r", np.array([3, 4]), 20)
+    ev = _FakeEvent()
+    tr.track_gather(["r", "not-exported"], ev)
+    before = tr.epochs[[3, 4]].clone()
+    if how == "notify":
+        assert tr.notify("r", ("D", 0), 1)
+    elif how == "abort":
+        assert tr.abort("r")
+    else:
+        time.sleep(0.06)
+        assert tr.expire() == 1
+    assert bool((tr.epochs[[3, 4]] > before).all())  # released for readers right away
+    out = PollResult()
+    tr.drain(out)
+    assert out.empty() and tr.num_deferred() == 1
+    ev.done = True
+    out = PollResult()
+    tr.drain(out)
+    got = out.expired if how == "expire" else out.finished_sending
+    assert got == {"r"} and tr.num_deferred() == 0
+    if how == "expire":
+        assert "lease expired" in out.errors["r"]
+
+
+def test_completed_gathers_do_not_delay_release():
+    tr = ExportTracker(8, lease_s=30.0)
+    tr.add("r", np.array([1]), 4)
+    ev = _FakeEvent()
+    ev.done = True
+    tr.track_gather(["r"], ev)
+    assert tr.notify("r", ("D", 0), 1)
+    out = PollResult()
+    tr.drain(out)
+    assert out.finished_sending == {"r"}

@@ -38,6 +38,8 @@ __all__ = [
     "plan_scatter",
     "scatter",
     "source_dir",
+    "unavailable_reason",
+    "warmup",
 ]
 
 WIDTHS = (16, 8, 4, 2, 1)  # copy units in bytes, widest first; each has its own entry point
@@ -238,17 +240,42 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+_unavailable: dict[str, str] = {}  # device type -> why the kernels are not usable there
+
+
 def is_available(device: torch.device) -> bool:
-    """True when ``device`` is a CUDA device and the kernels load on it (never raises)."""
+    """True when ``device`` is a CUDA device and the kernels load on it (never raises; the
+    reason they do not is kept for :func:`unavailable_reason`)."""
     try:
         device = torch.device(device)
-        if device.type != "cuda" or not torch.cuda.is_available():
-            return False
+    except (RuntimeError, TypeError) as exc:
+        _unavailable[str(device)] = f"not a device: {exc}"
+        return False
+    if device.type != "cuda":
+        _unavailable[device.type] = f"the CUDA C++ kernels run on CUDA tensors, not {device.type}"
+        return False
+    if not torch.cuda.is_available():
+        _unavailable[device.type] = "no CUDA device is visible"
+        return False
+    try:
         _kernels(_index(device))
         return True
     except Exception as exc:
-        _LOG.warning("kvxfer CUDA kernels unavailable on %s (%s: %s)", device, type(exc).__name__, exc)
+        why = f"{type(exc).__name__}: {exc}"
+        _unavailable[device.type] = why
+        _LOG.warning("kvxfer CUDA kernels unavailable on %s (%s)", device, why)
         return False
+
+
+def warmup(side: PagedSide, wire: torch.Tensor) -> None:
+    """Load the kernels on ``side``'s device (fatbin, else an NVRTC compile) before the first
+    transfer needs them."""
+    _kernels(_index(side.device))
+
+
+def unavailable_reason(device: torch.device) -> str:
+    """Why :func:`is_available` said False for ``device`` ("" if it did not)."""
+    return _unavailable.get(torch.device(device).type, "")
 
 
 def _index(device: torch.device) -> int:

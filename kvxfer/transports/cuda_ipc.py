@@ -38,6 +38,7 @@ How the engine plugs it in:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -257,20 +258,6 @@ class IpcDriver(Protocol):
         """Unmap what :meth:`open_handle` returned."""
 
 
-class _CudaArray:
-    """Minimal ``__cuda_array_interface__`` owner so torch can view mapped device memory."""
-
-    def __init__(self, ptr: int, size: int) -> None:
-        self.ptr = ptr
-        self.__cuda_array_interface__ = {
-            "shape": (size,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 2,
-            "strides": None,
-        }
-
-
 class CudaIpcDriver:
     """The real driver: CuPy's runtime API for IPC handles, libcuda for base and buffer id."""
 
@@ -312,10 +299,33 @@ class CudaIpcDriver:
     def get_handle(self, base: int) -> bytes:
         return bytes(self._rt.ipcGetMemHandle(base))
 
+    def context(self, device: torch.device):
+        """Make ``device``'s primary context current for driver calls (cudaSetDevice creates
+        it if needed): cuMemGetAddressRange and cuPointerGetAttribute act on the current one."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return self._cupy.cuda.Device(index)
+
     def open_handle(self, handle: bytes, size: int, device: torch.device) -> torch.Tensor:
-        with self._cupy.cuda.Device(device.index):
+        """Map a peer's allocation into ``device``'s context (peer access enabled on demand when
+        it lives on another GPU) and view it, without a copy, as a tensor *of that device*:
+        kernels launched there read the peer's memory in place."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._cupy.cuda.Device(index):
             ptr = self._rt.ipcOpenMemHandle(handle, self._rt.cudaIpcMemLazyEnablePeerAccess)
-        return torch.as_tensor(_CudaArray(ptr, size), device=device)
+            mem = self._cupy.cuda.UnownedMemory(ptr, size, None, index)
+            arr = self._cupy.ndarray(
+                (size,), dtype=self._cupy.uint8, memptr=self._cupy.cuda.MemoryPointer(mem, 0)
+            )
+            # DLPack carries the device id we give (torch.as_tensor with a device would copy
+            # the whole allocation when CUDA reports the memory as another GPU's).
+            t = torch.from_dlpack(arr)
+        if t.data_ptr() != ptr or t.device != torch.device("cuda", index):
+            self._rt.ipcCloseMemHandle(ptr)
+            raise RuntimeError(
+                f"ipc open: mapped {size} bytes at {ptr:#x} on cuda:{index}, but the tensor view is "
+                f"at {t.data_ptr():#x} on {t.device} (a copy, not a mapping)"
+            )
+        return t
 
     def close_handle(self, mapped: torch.Tensor) -> None:
         with self._cupy.cuda.Device(mapped.device.index):
@@ -361,13 +371,17 @@ def publish_caches(caches: Sequence[torch.Tensor], engine_id: str, driver: IpcDr
     layers = []
     for i, c in enumerate(caches):
         ptr = c.data_ptr()
+        context = getattr(driver, "context", None)
         try:
-            base, size = driver.address_range(ptr)
-            if base not in by_base:
-                buffer_id = driver.buffer_id(base)
-                handle = driver.get_handle(base)
-                by_base[base] = len(allocs)
-                allocs.append({"handle": handle.hex(), "base": base, "size": size, "buffer_id": buffer_id})
+            with context(c.device) if context is not None else contextlib.nullcontext():
+                base, size = driver.address_range(ptr)
+                if base not in by_base:
+                    buffer_id = driver.buffer_id(base)
+                    handle = driver.get_handle(base)
+                    by_base[base] = len(allocs)
+                    allocs.append(
+                        {"handle": handle.hex(), "base": base, "size": size, "buffer_id": buffer_id}
+                    )
         except Exception as e:
             hint = " (expandable_segments is on)" if expandable_segments_enabled(_alloc_conf()) else ""
             raise RuntimeError(f"caches[{i}]: cannot export a CUDA IPC handle{hint}: {e}") from e

@@ -19,6 +19,7 @@ interface the engine uses (registered as ``"cuda"``; the CPU one is ``"shm"``).
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ import torch
 from . import cuda_ipc, shm
 
 __all__ = ["attach", "attach_array", "describe", "detach", "handle_cache", "offer"]
+
+_LOG = logging.getLogger(__name__)
 
 _cache: cuda_ipc.IpcHandleCache | None = None
 _lock = threading.Lock()
@@ -50,7 +53,9 @@ def offer(caches: list[torch.Tensor], engine_id: str = "") -> tuple[dict | None,
     try:
         desc = cuda_ipc.publish_caches(caches, engine_id, handle_cache().driver)
     except Exception as e:  # no CuPy, expandable_segments, driver error: say which
-        return None, f"cannot export CUDA IPC handles of the caches: {type(e).__name__}: {e}"
+        why = f"cannot export CUDA IPC handles of the caches: {type(e).__name__}: {e}"
+        _LOG.warning("kvxfer engine %s: ipc not offered: %s", engine_id or "?", why)
+        return None, why
     return desc, ""
 
 

@@ -11,10 +11,28 @@ A pair whose send or receive failed or timed out is discarded; the next use make
 from __future__ import annotations
 
 import datetime
+import logging
 
 import torch
 
-__all__ = ["connect_store", "new_pair", "pg_backend_for", "recv_tensor", "send_tensor", "serve_store"]
+__all__ = [
+    "PAIR_TIMEOUT_FACTOR",
+    "connect_store",
+    "discard_pair",
+    "new_pair",
+    "pg_backend_for",
+    "recv_tensor",
+    "send_tensor",
+    "serve_store",
+]
+
+_LOG = logging.getLogger(__name__)
+
+# A pair group's own timeout (what NCCL's watchdog enforces, tearing down the whole process by
+# default when it fires) is this many times the engine's bound: every send/recv is waited with
+# the engine's timeout_s first, and a pair whose op failed or timed out is aborted explicitly
+# (discard_pair), so the watchdog never sees a timed-out op of ours.
+PAIR_TIMEOUT_FACTOR = 10
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -51,7 +69,7 @@ def new_pair(store, key: str, rank: int, host: str, timeout_s: float, backend: s
         return dist.ProcessGroupGloo(prefix, rank, 2, opts)
     if backend == "nccl":  # pragma: no cover - GPU only
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _td(timeout_s)
+        opts._timeout = _td(timeout_s * PAIR_TIMEOUT_FACTOR)
         return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
     raise ValueError(f"backend: must be 'gloo' or 'nccl', got {backend!r}")
 
@@ -64,3 +82,26 @@ def send_tensor(pg, tensor: torch.Tensor, peer: int, timeout_s: float) -> None:
 def recv_tensor(pg, tensor: torch.Tensor, peer: int, timeout_s: float) -> None:
     """Receive into contiguous ``tensor`` (as bytes) from ``peer``; raises on failure or timeout."""
     pg.recv([tensor.reshape(-1).view(torch.uint8)], peer, 0).wait(_td(timeout_s))
+
+
+def discard_pair(group, why: str = "") -> None:
+    """Abort a pair group whose op failed or timed out (its peer may be dead or stuck), so its
+    communicator and pending ops are torn down now, in this process, without taking the
+    process with them; never raises (a failure to abort is logged)."""
+    if group is None:
+        return
+    for name in ("abort", "shutdown"):
+        fn = getattr(group, name, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except Exception as e:  # an already broken group may refuse: try the next, then log
+            _LOG.warning(
+                "kvxfer pg: %s() of a discarded pair group failed (%s: %s)%s",
+                name,
+                type(e).__name__,
+                e,
+                f"; discarded because {why}" if why else "",
+            )

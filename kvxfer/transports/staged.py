@@ -32,6 +32,7 @@ pinned host memory instead of NCCL).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -76,6 +77,20 @@ def pieces(calls: Sequence[tuple[torch.Tensor, int]], chunk_tokens: int, unit: i
         for ch in ChunkPlan(t, c, unit, unit, 1):
             out.append(Piece(len(out), ch.src_blocks(units), ch.num_tokens))
     return out
+
+
+@contextlib.contextmanager
+def _held_on_error(pool: StagingPool, slots: list[torch.Tensor], cache_device: torch.device):
+    """If the stream fails, GPU work it enqueued may still touch ``slots``: keep them out of
+    the pool until an event recorded now (after all of it, on this stream) completed."""
+    try:
+        yield
+    except BaseException:
+        if cache_device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            pool.hold_until(slots, ev)
+        raise
 
 
 class _Timed:
@@ -255,7 +270,7 @@ class StagedPipeline(WirePipeline):
             with trace("send", tag):
                 return _Timed(pg.send([buf.reshape(-1).view(torch.uint8)], peer, p.index), timeout_s)
 
-        with pool.lease(self.depth, timeout_s) as slots:
+        with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
             n = pipelined_send(ps, slots, view, do_gather, do_send, fences)
         self.num_streams += 1
         self.num_chunks_sent += n
@@ -311,7 +326,7 @@ class StagedPipeline(WirePipeline):
                     fences[0].wait()
             n = len(ps)
         else:
-            with pool.lease(self.depth, timeout_s) as slots:
+            with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
                 n = pipelined_recv(ps, slots, view, do_recv, do_scatter, fences)
         self.num_streams += 1
         self.num_chunks_recv += n
