@@ -3,14 +3,17 @@
 Every engine rank binds one ROUTER socket (:class:`ControlServer`, served by one thread).
 Requests carry an 8-byte id; replies echo it. :class:`ControlClient` (one DEALER socket per
 remote rank, used from one thread) sends requests and waits for the matching reply with a
-bound; fire-and-forget messages (notifications, heartbeats) get no reply. Stale replies of
-timed-out requests are dropped.
+bound; every message is a request with a reply (notifications and heartbeats are acknowledged
+and retried by the engine). Stale replies of timed-out requests, and frames that do not decode,
+are dropped and logged; a malformed request gets an :class:`ErrorReply`, never crashes the
+serving thread. :class:`FaultInjector` drops messages on purpose (tests and soaks).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import struct
 import time
 from collections.abc import Callable
@@ -18,12 +21,16 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+_LOG = logging.getLogger(__name__)
+
 __all__ = [
     "PROTOCOL_VERSION",
+    "Ack",
     "ControlClient",
     "ControlServer",
     "ControlTimeout",
     "ErrorReply",
+    "FaultInjector",
     "Heartbeat",
     "Hello",
     "HelloReply",
@@ -35,11 +42,12 @@ __all__ = [
     "SendReq",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: auth tokens, incarnations, acknowledged notifications
 
 
 class Hello(msgspec.Struct, tag=True):
-    """Handshake from a loader rank: who it is and what it speaks."""
+    """Handshake from a loader rank: who it is, what it speaks, and the capability of one
+    request it holds params for (:mod:`kvxfer.auth`): no proof, no cache description."""
 
     engine_id: str
     tp_rank: int
@@ -48,6 +56,8 @@ class Hello(msgspec.Struct, tag=True):
     compat: str
     transports: list[str]
     hostname: str
+    request_id: str = ""
+    token: str = ""
     version: int = PROTOCOL_VERSION
 
 
@@ -63,47 +73,55 @@ class HelloReply(msgspec.Struct, tag=True):
     hostname: str
     num_blocks: int
     ipc: dict | None  # {"mapper", "caches": mapper.describe(...), "epochs": name, "num_blocks": n}
-    pg: dict | None  # {"host", "port", "backend" (preferred), "backends" (all served), "units", ...}
+    pg: dict | None  # {"host", "port", "backend" (preferred), "backends", "units", "staging_bytes"}
+    incarnation: str = ""  # random per start of the rank: a changed one means it restarted
     error: str | None = None
     version: int = PROTOCOL_VERSION
 
 
 class ReadReq(msgspec.Struct, tag=True):
-    """Check and renew the leases of ``request_ids``; reply with block epochs."""
+    """Check and renew the leases of ``request_ids`` (each with its token); reply with block epochs."""
 
     engine_id: str
     tp_rank: int
     tp_size: int
     request_ids: list[str]
+    tokens: list[str]
 
 
 class ReadReply(msgspec.Struct, tag=True):
     ok: list[str]
     epochs: list[bytes]  # int64 block epochs per ok request, in ok order
     failed: dict[str, str]
+    incarnation: str = ""
 
 
 class PairReq(msgspec.Struct, tag=True):
-    """Ask the exporter rank to join pair group ``key`` (rank 0) for ``pg`` transfers."""
+    """Ask the exporter rank to join pair group ``key`` (rank 0) for ``pg`` transfers, on
+    behalf of ``request_id`` (whose token proves the loader holds its params)."""
 
     engine_id: str
     tp_rank: int
     key: str
-    backend: str = ""  # the loader's choice among the handshake's pg "backends" ("" = preferred)
+    backend: str
+    request_id: str
+    token: str
 
 
 class SendReq(msgspec.Struct, tag=True):
-    """Gather ``chunks`` (each one ops call) and send each wire over pair group ``key``."""
+    """Gather ``calls`` (each one ops call) and stream them over pair group ``key`` in chunks
+    of ``chunk_tokens`` tokens (the staged pipeline, :mod:`kvxfer.transports.staged`)."""
 
     engine_id: str
     tp_rank: int
     key: str
     request_ids: list[str]
+    tokens: list[str]
     head_start: int
     num_heads: int
     unit: int  # source unit size in tokens (1: token slots, else blocks)
-    chunks: list[tuple[bytes, int]]  # (int64 source unit ids, num_tokens)
-    chunk_tokens: int = 0  # staged pipeline: tokens per streamed chunk (0: whole wires)
+    calls: list[tuple[bytes, int]]  # (int64 source unit ids, num_tokens)
+    chunk_tokens: int
 
 
 class SendReply(msgspec.Struct, tag=True):
@@ -112,19 +130,30 @@ class SendReply(msgspec.Struct, tag=True):
 
 
 class Notify(msgspec.Struct, tag=True):
-    """``request_ids`` are done on the loader rank (landed, or given up in ``failed``)."""
+    """``request_ids`` are done on the loader rank (landed, or given up in ``failed``); each
+    id with its token. Acknowledged (:class:`Ack`); the loader retries until it is."""
 
     engine_id: str
     tp_rank: int
     tp_size: int
     request_ids: list[str]
     failed: list[str]
+    tokens: list[str]  # for request_ids + failed, in that order
 
 
 class Heartbeat(msgspec.Struct, tag=True):
+    """Renew the leases of loads queued but not started; acknowledged."""
+
     engine_id: str
     tp_rank: int
     request_ids: list[str]
+    tokens: list[str]
+
+
+class Ack(msgspec.Struct, tag=True):
+    """Reply to a notification or heartbeat: ids whose token did not verify, with why."""
+
+    failed: dict[str, str]
 
 
 class ErrorReply(msgspec.Struct, tag=True):
@@ -132,7 +161,17 @@ class ErrorReply(msgspec.Struct, tag=True):
 
 
 Message = (
-    Hello | HelloReply | ReadReq | ReadReply | PairReq | SendReq | SendReply | Notify | Heartbeat | ErrorReply
+    Hello
+    | HelloReply
+    | ReadReq
+    | ReadReply
+    | PairReq
+    | SendReq
+    | SendReply
+    | Notify
+    | Heartbeat
+    | Ack
+    | ErrorReply
 )
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
@@ -148,6 +187,46 @@ def decode(buf: bytes):
 
 class ControlTimeout(RuntimeError):
     """A side-channel request got no reply within its bound."""
+
+
+class FaultInjector:
+    """Drops side-channel messages on purpose: each outgoing request (client) and each reply
+    (server) is dropped with probability ``drop`` (seeded), or when ``only(msg)`` says so.
+    Install with :func:`set_fault_injector` (process-wide; ``None`` removes it)."""
+
+    def __init__(
+        self, drop: float = 0.0, seed: int = 0, only: Callable[[object], bool] | None = None
+    ) -> None:
+        import random
+
+        if not 0.0 <= drop <= 1.0:
+            raise ValueError(f"drop: must be in [0, 1], got {drop!r}")
+        self.drop = drop
+        self.only = only
+        self._rng = random.Random(seed)
+        self.dropped = 0
+
+    def should_drop(self, msg) -> bool:
+        if self.only is not None and not self.only(msg):
+            return False
+        if self._rng.random() < self.drop:
+            self.dropped += 1
+            return True
+        return False
+
+
+_faults: FaultInjector | None = None
+
+
+def set_fault_injector(faults: FaultInjector | None) -> None:
+    """Install (or, with ``None``, remove) the process-wide :class:`FaultInjector`."""
+    global _faults
+    _faults = faults
+
+
+def _dropped(msg) -> bool:
+    f = _faults
+    return f is not None and f.should_drop(msg)
 
 
 class ControlServer:
@@ -178,19 +257,28 @@ class ControlServer:
             except zmq.Again:
                 return n
             n += 1
-            if len(frames) != 3:
+            if len(frames) != 3 or len(frames[1]) != 8:
+                _LOG.warning(
+                    "kvxfer side channel: dropped a frame set that is not a request (%d frames)", len(frames)
+                )
                 continue
             ident, mid, payload = frames
             try:
                 msg = decode(payload)
-            except msgspec.DecodeError as e:
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 reply = ErrorReply(f"malformed message: {e}")
             else:
                 try:
                     reply = handler(msg)
                 except Exception as e:  # a handler bug must not kill the side channel
+                    _LOG.warning(
+                        "kvxfer side channel: handler failed on %s (%s: %s)",
+                        type(msg).__name__,
+                        type(e).__name__,
+                        e,
+                    )
                     reply = ErrorReply(f"{type(e).__name__}: {e}")
-            if reply is not None:
+            if reply is not None and not _dropped(reply):
                 with contextlib.suppress(zmq.Again):  # peer gone and its queue full: drop
                     self.sock.send_multipart([ident, mid, encode(reply)], zmq.NOBLOCK)
 
@@ -216,11 +304,6 @@ class ControlClient:
             self._socks[addr] = s
         return s
 
-    def send(self, addr: str, msg) -> None:
-        """Fire and forget (dropped if the peer's queue is full)."""
-        with contextlib.suppress(zmq.Again):
-            self._sock(addr).send_multipart([struct.pack("<Q", 0), encode(msg)], zmq.NOBLOCK)
-
     def call(self, addr: str, msg, timeout_s: float):
         """Send ``msg`` and return the decoded reply; :class:`ControlTimeout` after ``timeout_s``."""
         return self.call_many([(addr, msg)], timeout_s)[0]
@@ -230,10 +313,13 @@ class ControlClient:
         pending: dict[tuple[str, int], int] = {}
         for i, (addr, msg) in enumerate(calls):
             mid = next(self._ids)
-            try:
-                self._sock(addr).send_multipart([struct.pack("<Q", mid), encode(msg)], zmq.NOBLOCK)
-            except zmq.Again:
-                raise ControlTimeout(f"side channel to {addr}: send queue full") from None
+            if not _dropped(msg):
+                try:
+                    self._sock(addr).send_multipart([struct.pack("<Q", mid), encode(msg)], zmq.NOBLOCK)
+                except zmq.Again:
+                    raise ControlTimeout(f"side channel to {addr}: send queue full") from None
+            else:
+                self._sock(addr)  # registered for polling; the reply will simply not come
             pending[(addr, mid)] = i
         out: list = [None] * len(calls)
         poller = zmq.Poller()
@@ -249,14 +335,19 @@ class ControlClient:
                 addr = next(a for a, s in self._socks.items() if s is sock)
                 while True:
                     try:
-                        mid_b, payload = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    except ValueError:
+                    if len(frames) != 2 or len(frames[0]) != 8:
+                        _LOG.warning("kvxfer side channel: dropped a malformed reply from %s", addr)
                         continue
-                    key = (addr, struct.unpack("<Q", mid_b)[0])
-                    if key in pending:
-                        out[pending.pop(key)] = decode(payload)
+                    key = (addr, struct.unpack("<Q", frames[0])[0])
+                    if key not in pending:
+                        continue  # a stale reply to a request that timed out
+                    try:
+                        out[pending.pop(key)] = decode(frames[1])
+                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                        raise ControlTimeout(f"side channel to {addr}: undecodable reply ({e})") from None
         return out
 
     def drop(self, addr: str) -> None:

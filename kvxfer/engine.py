@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,6 +33,7 @@ import torch
 
 from . import control as C
 from . import ops
+from .auth import EngineSecret
 from .engine_types import HandshakeError, LoadItem, Remote, check_block_ids, compat_hash
 from .exporter import ExporterRole
 from .loader import LoaderRole
@@ -39,17 +42,13 @@ from .ordering import StreamOrder
 from .params import KVTransferParams, params_dict
 from .spec import KVCacheSpec
 from .tracker import ExportTracker, LoadTracker, PollResult
-from .transports import (
-    TRANSPORTS,
-    CacheView,
-    WirePipeline,
-    cache_views,
-    choice,
-    mapper,
-)
+from .transports import TRANSPORTS, CacheView, cache_views, choice, mapper
 from .transports.cuda_ipc import host_id
+from .transports.staged import StagedPipeline
 
 _LOG = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 5.0  # close() returns within this, even with a thread stuck in a transfer
 
 __all__ = ["HandshakeError", "TransferEngine"]
 
@@ -71,11 +70,15 @@ class TransferEngine(ExporterRole, LoaderRole):
         lease_s: how long exported blocks are held without a heartbeat.
         port: side-channel port of rank 0; rank r binds ``port + r``. 0 picks a free port,
             allowed only with ``tp_size == 1`` (other ranks could not be found).
-        timeout_s: bound of every side-channel wait and data transfer (default
-            ``min(lease_s, 10)``).
-        pipeline: :class:`~kvxfer.transports.WirePipeline` moving pg wires (extension point);
-            :class:`kvxfer.transports.staged.StagedPipeline` streams chunks through staging
-            buffers allocated once, double-buffered (Gloo on CPU, NCCL or pinned host on GPU).
+        timeout_s: a load's deadline, from the ``poll()`` that starts it: its handshake,
+            lease grants, copy or stream, and GPU completion all end by then (default
+            ``min(lease_s, 10)``); also the bound of the exporter's side of a transfer.
+        pipeline: the :class:`~kvxfer.transports.staged.StagedPipeline` of the ``pg``
+            transport (staging buffer size and depth, pinned-host staging on GPU, chunk cap);
+            default ``StagedPipeline()``: 2 x 32 MiB buffers per role.
+        auth_key: a cluster-wide key the engines' secrets derive from (default
+            ``$KVXFER_AUTH_KEY``, else a random secret shared by the ranks on this host:
+            :mod:`kvxfer.auth`). Params carry per-request tokens of it; nothing else needs it.
 
     Stream ordering on CUDA caches (:mod:`kvxfer.ordering`): ``export(..., ready=event)`` or
     :meth:`set_compute_stream` make the transfer wait for the compute that wrote the blocks;
@@ -95,7 +98,8 @@ class TransferEngine(ExporterRole, LoaderRole):
         *,
         port: int = 0,
         timeout_s: float | None = None,
-        pipeline: WirePipeline | None = None,
+        pipeline: StagedPipeline | None = None,
+        auth_key: str | None = None,
     ) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise ValueError(f"spec: expected a KVCacheSpec, got {type(spec).__name__}")
@@ -125,7 +129,12 @@ class TransferEngine(ExporterRole, LoaderRole):
         self.transport = transport
         self.lease_s = float(lease_s)
         self.timeout_s = float(timeout_s) if timeout_s is not None else min(self.lease_s, 10.0)
-        self.pipeline = pipeline or WirePipeline()
+        if pipeline is not None and not isinstance(pipeline, StagedPipeline):
+            raise ValueError(f"pipeline: expected a StagedPipeline or None, got {type(pipeline).__name__}")
+        self.pipeline = pipeline if pipeline is not None else StagedPipeline()
+        if auth_key is not None and (not isinstance(auth_key, str) or not auth_key):
+            raise ValueError("auth_key: must be a non-empty string or None")
+        self._auth_key = auth_key
         self.num_blocks = side.num_blocks
         self.device = side.device
         self._base_port = port
@@ -151,19 +160,43 @@ class TransferEngine(ExporterRole, LoaderRole):
         self._order = StreamOrder(self.device)
         self._transport_reasons: dict[str, str] = {}  # remote engine -> why this transport
         self._fenced: list = []  # loads held until their timed-out GPU work completed (loader)
+        self._notify_q: queue.Queue = queue.Queue()  # (addr, Notify | Heartbeat, deadline)
+        self._sender_pairs: dict[str, object] = {}
+        self._pair_backend: dict[str, str] = {}  # pair key -> backend the loader chose
+        self._server = self._client = self._store = self._secret = None
+        self._epoch_shm = None
         self._topo = None  # kvxfer.topology.probe(), only when two different GPUs handshake
 
     # ----------------------------------------------------------------------- lifecycle
     def start(self) -> TransferEngine:
-        """Bind the side channel, share the cache description, start the threads."""
+        """Bind the side channel, share the cache description, start the threads.
+
+        A failure (a port in use, a key file that cannot be read) releases everything it had
+        made — sockets, the zmq context and its threads, shared memory — and re-raises.
+        """
         import zmq
 
         if self._started:
             raise RuntimeError("start: already started")
+        if self._closed:
+            raise RuntimeError("start: the engine was closed; make a new one")
         self._ctx = zmq.Context()
+        try:
+            self._start_parts()
+        except BaseException:
+            self._release_parts()
+            raise
+        self._started = True
+        return self
+
+    def _start_parts(self) -> None:
         port = self._base_port + self.tp_rank if self._base_port else 0
         self._server = C.ControlServer(self._ctx, self.host, port)
         self.port = self._server.port - self.tp_rank
+        self._secret = EngineSecret(
+            self.engine_id, self._base_port, self.tp_rank, self._auth_key, self.timeout_s
+        )
+        self._incarnation = secrets.token_hex(8)
         self._offers: list[str] = []
         if self.device.type == "cuda":  # compile/load the kernels now, not on the first request
             for v in self._views:
@@ -186,33 +219,33 @@ class TransferEngine(ExporterRole, LoaderRole):
         if offer.offered:
             self._offers.append("ipc")
         self._exports = ExportTracker(self.num_blocks, self.lease_s, offer.epochs)
-        self._store = None
         if self.transport in ("auto", "pg"):
             from .transports import pg
 
             self._store = pg.serve_store(self.host, self.timeout_s)
-            self._pg_backend = getattr(self.pipeline, "pg_backend", pg.pg_backend_for)(self.device)
+            self._pg_backend = self.pipeline.pg_backend(self.device)
             self._pg_backends = choice.offered_pg_backends(self._pg_backend, self.device)
             self._offers.append("pg")
         self._client = C.ControlClient(self._ctx)
-        self._sender_pairs: dict[str, object] = {}
-        self._pair_backend: dict[str, str] = {}  # pair key -> backend the loader chose
-        self._stuck: list = []  # FenceTimeouts whose buffers must outlive their CUDA work
         for target, name in (
             (self._serve, "server"),
             (self._work_loop, "worker"),
             (self._send_loop, "sender"),
+            (self._notify_loop, "notifier"),
         ):
             t = threading.Thread(
                 target=target, name=f"kvxfer-{name}-{self.engine_id}-{self.tp_rank}", daemon=True
             )
             t.start()
             self._threads.append(t)
-        self._started = True
-        return self
 
     def close(self) -> None:
-        """Stop the threads (bounded), close sockets and shared memory. Idempotent."""
+        """Stop the threads, close sockets and shared memory. Idempotent.
+
+        Returns within ``CLOSE_TIMEOUT_S`` (5 s): pair groups are aborted first, so a thread
+        blocked in a transfer wakes up; notifications still unacknowledged get until then; a
+        thread still stuck after the bound is left behind (a daemon) and logged.
+        """
         if self._closed or not self._started:
             self._closed = True
             return
@@ -220,25 +253,48 @@ class TransferEngine(ExporterRole, LoaderRole):
         self._stop.set()
         self._work.put(None)
         self._send_q.put(None)
+        self._discard_pairs("engine closed")
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for t in self._threads:
-            t.join(timeout=self.timeout_s + 2)
-        self._server.close()
-        self._client.close()
-        if self._sender_pairs or any(r.pairs for r in self._remotes.values()):
-            from .transports import pg
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            _LOG.warning(
+                "kvxfer engine %s rank %d: close() left threads still in a transport call: %s",
+                self.engine_id,
+                self.tp_rank,
+                stuck,
+            )
+        self._release_parts()
 
-            for group in self._sender_pairs.values():
-                pg.discard_pair(group, "engine closed")
-            for rem in self._remotes.values():
-                for group, _ in rem.pairs.values():
-                    pg.discard_pair(group, "engine closed")
+    def _discard_pairs(self, why: str) -> None:
+        if not self._sender_pairs and not any(r.pairs for r in self._remotes.values()):
+            return
+        from .transports import pg
+
+        for group in list(self._sender_pairs.values()):
+            pg.discard_pair(group, why)
+        for rem in list(self._remotes.values()):
+            for group, _ in list(rem.pairs.values()):
+                pg.discard_pair(group, why)
+
+    def _release_parts(self) -> None:
+        """Free what :meth:`start` made (whatever part of it was made)."""
         self._sender_pairs.clear()
-        for rem in self._remotes.values():
+        for rem in list(self._remotes.values()):
             for _, _, handles in rem.ipc.values():
                 choice.detach(handles)
         self._remotes.clear()
+        for name in ("_server", "_client"):
+            part = getattr(self, name, None)
+            if part is not None:
+                part.close()
         if self._epoch_shm is not None:
             mapper("shm").release_segment(self._epoch_shm)
+            self._epoch_shm = None
+        if self._secret is not None:
+            self._secret.close()
+        self._store = None
         self._ctx.term()
 
     def __enter__(self) -> TransferEngine:
@@ -283,7 +339,14 @@ class TransferEngine(ExporterRole, LoaderRole):
         self._order.mark(request_id, ready)
         self._exports.add(request_id, ids, num_tokens)
         return params_dict(
-            request_id, self.engine_id, self.host, self.port, self.tp_size, ids.tolist(), num_tokens
+            request_id,
+            self.engine_id,
+            self.host,
+            self.port,
+            self.tp_size,
+            ids.tolist(),
+            num_tokens,
+            self._secret.token(request_id),
         )
 
     def set_compute_stream(self, stream) -> None:
@@ -333,6 +396,9 @@ class TransferEngine(ExporterRole, LoaderRole):
         with self._lock:
             batch, self._incoming = self._incoming, []
         if batch:
+            deadline = time.monotonic() + self.timeout_s  # the loads' one deadline
+            for it in batch:
+                it.deadline = deadline
             self._work.put(batch)
         out = PollResult()
         self._exports.drain(out)

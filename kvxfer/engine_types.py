@@ -77,8 +77,13 @@ class Remote:
     ipc: dict = field(default_factory=dict)  # src rank -> (cache views, epochs, handles)
     pairs: dict = field(default_factory=dict)  # src rank -> (pg, key)
     pg_backends: list = field(default_factory=list)  # src rank -> pair backend ("nccl"/"gloo")
-    pair_gen: int = 0
-    store: object = None
+    host: str = ""  # where the params said the remote listens (a change means a new remote)
+    port: int = 0
+
+    @property
+    def incarnations(self) -> list[str]:
+        """Each rank's incarnation at handshake (a grant with another means it restarted)."""
+        return [r.incarnation for r in self.replies]
 
 
 @dataclass
@@ -86,3 +91,4 @@ class LoadItem:
     request_id: str
     params: KVTransferParams
     block_ids: np.ndarray  # local int64, exactly ceil(T / block_size)
+    deadline: float = 0.0  # monotonic: every wait of this load ends by then (set at dispatch)

@@ -1,12 +1,30 @@
-"""The loading role of :class:`~kvxfer.engine.TransferEngine`: the worker that runs queued
-loads one batch per ``poll()``, the handshake with each remote engine (cached), the reads over
-``ipc`` (one fused copy from the mapped exporter cache) or ``pg``, and the notifications."""
+"""The loading role of :class:`~kvxfer.engine.TransferEngine`.
+
+One load, from ``poll()`` to the notification:
+
+1. ``poll()`` hands the loads queued since the last poll to the worker thread as one batch;
+   each load gets its deadline then (``timeout_s`` from now): every wait below ends by it.
+2. :meth:`LoaderRole._run_batch` groups the batch by remote engine and handshakes with each
+   new one (:meth:`_remote`, cached; a remote whose address changed, or whose rank restarted,
+   is dropped with its pair groups and mappings and handshaken anew).
+3. :meth:`_run_remote` checks the params against the remote, asks every source rank the plan
+   reads for a lease grant (:meth:`_grant`: renews the leases, returns block epochs; retried
+   while a rank does not know a request yet or its compute is not done), then reads from each
+   source rank (:meth:`_read_rank`: one fused copy from the mapped exporter cache over ``ipc``,
+   :meth:`_ipc_read`; or a staged stream over ``pg``, :meth:`_pg_read`), and reports every load
+   once (:meth:`_complete`).
+4. The exporter ranks the plan names are notified (landed, or failed) through the notifier
+   thread (:meth:`_notify_loop`), which retries until acknowledged or the lease is over.
+
+Work on the GPU that outlives its wait is fenced (:class:`~kvxfer.ordering.FenceTimeout`):
+its loads are reported, and their exporters notified, only once it has completed.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
+import secrets
 import time
 
 import numpy as np
@@ -16,22 +34,28 @@ from . import control as C
 from . import ops
 from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
 from .metrics import now
-from .ordering import NOT_READY, FenceTimeout, event_done, wait_event
-from .params import KVTransferParams
+from .ordering import NOT_READY, FenceTimeout, event_done
 from .plan import Read, plan_reads
 from .spec import KVCacheSpec
 from .tracing import trace
 from .tracker import UNKNOWN
-from .transports import (
-    BatchPlan,
-    CacheView,
-    Item,
-    cache_views,
-    choice,
-    plan_batch,
-)
+from .transports import BatchPlan, CacheView, Item, cache_views, choice, plan_batch
 
 _LOG = logging.getLogger(__name__)
+
+RESTARTED = "restarted (its incarnation changed): loads made from params of its previous start are void"
+
+
+class _Expired(Exception):
+    """The batch's deadline passed before a step could start."""
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline``; raises :class:`_Expired` when none are left."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _Expired("the load's deadline passed")
+    return left
 
 
 class LoaderRole:
@@ -54,9 +78,14 @@ class LoaderRole:
                 try:
                     self._run_batch(batch)
                 except Exception as e:  # every request of the batch is still reported once
-                    for it in batch:
-                        if self._loads.fail(it.request_id, f"internal error: {type(e).__name__}: {e}"):
-                            self._metrics.add("failures")
+                    _LOG.warning(
+                        "kvxfer loader %s rank %d: internal error in a batch (%s: %s)",
+                        self.engine_id,
+                        self.tp_rank,
+                        type(e).__name__,
+                        e,
+                    )
+                    self._fail(batch, f"internal error: {type(e).__name__}: {e}")
             if time.monotonic() - last_beat >= beat_every:
                 self._heartbeat()
                 last_beat = time.monotonic()
@@ -67,15 +96,18 @@ class LoaderRole:
             waiting = list(self._incoming)
         try:
             queued = [it for b in list(self._work.queue) if b for it in b]
-        except Exception:  # pragma: no cover
+        except Exception:  # pragma: no cover - a racing get(): the next beat catches up
             queued = []
-        by_addr: dict[str, list[str]] = {}
+        by_addr: dict[str, tuple[list[str], list[str]]] = {}
         for it in waiting + queued:
             p = it.params
             for r in range(p.tp_size):
-                by_addr.setdefault(f"tcp://{p.host}:{p.port + r}", []).append(p.request_id)
-        for addr, rids in by_addr.items():
-            self._client.send(addr, C.Heartbeat(self.engine_id, self.tp_rank, rids))
+                rids, toks = by_addr.setdefault(f"tcp://{p.host}:{p.port + r}", ([], []))
+                rids.append(p.request_id)
+                toks.append(p.token)
+        deadline = time.monotonic() + self.lease_s / 3
+        for addr, (rids, toks) in by_addr.items():
+            self._notify_q.put((addr, C.Heartbeat(self.engine_id, self.tp_rank, rids, toks), deadline))
 
     def _fail(self, items, reason: str) -> None:
         for it in items:
@@ -89,27 +121,38 @@ class LoaderRole:
         for engine_id, items in groups.items():
             try:
                 if engine_id in self._remotes:
-                    rem = self._remote(items[0].params)
+                    rem = self._remote(items[0], items[0].deadline)
                 else:
                     with trace("handshake", engine_id):
-                        rem = self._remote(items[0].params)
-            except HandshakeError as e:
+                        rem = self._remote(items[0], items[0].deadline)
+            except (HandshakeError, _Expired) as e:
                 self._fail(items, f"handshake with {engine_id}: {e}")
                 continue
             self._run_remote(rem, items)
 
     # ------------------------------------------------------------------------ handshake
-    def _remote(self, p: KVTransferParams) -> Remote:
+    def _remote(self, it: LoadItem, deadline: float) -> Remote:
+        """The handshaken remote of ``it``'s params (cached while its address is the same)."""
+        p = it.params
         rem = self._remotes.get(p.engine_id)
         if rem is not None:
-            return rem
+            if (rem.host, rem.port, rem.tp_size) == (p.host, p.port, p.tp_size):
+                return rem
+            _LOG.info(
+                "kvxfer loader %s: engine %s moved from %s:%d to %s:%d (restarted?): handshaking anew",
+                self.engine_id,
+                p.engine_id,
+                rem.host,
+                rem.port,
+                p.host,
+                p.port,
+            )
+            self._forget(rem, "the remote moved to a new address")
         t0 = now()
         addrs = [f"tcp://{p.host}:{p.port + r}" for r in range(p.tp_size)]
-        hello = C.Hello(
-            **self._identity_fields(),
-        )
+        hello = C.Hello(**self._identity_fields(), request_id=p.request_id, token=p.token)
         try:
-            replies = self._client.call_many([(a, hello) for a in addrs], self.timeout_s)
+            replies = self._client.call_many([(a, hello) for a in addrs], _left(deadline))
         except C.ControlTimeout as e:
             for a in addrs:
                 self._client.drop(a)
@@ -136,7 +179,7 @@ class LoaderRole:
         rem = Remote(
             p.engine_id, spec, p.tp_size, addrs, transport, replies, min(r.num_blocks for r in replies), plan
         )
-        rem.pg_backends = pg_backends
+        rem.pg_backends, rem.host, rem.port = pg_backends, p.host, p.port
         rem.reads, rem.notify_to = plan.reads(self.tp_rank), plan.notify_targets(self.tp_rank)
         self._remotes[p.engine_id] = rem
         self._metrics.record_handshake(p.engine_id, now() - t0, transport)
@@ -152,6 +195,11 @@ class LoaderRole:
                 self.transport, self.device, info, self._identity, replies, self._topology
             )
             if transport == "pg":
+                for r in replies:
+                    if not isinstance((r.pg or {}).get("staging_bytes"), int):
+                        raise ValueError(
+                            f"pg: exporter rank {r.tp_rank} advertises no staging buffers (an incompatible kvxfer)"
+                        )
                 backends, bwhy = choice.pair_backends(self.device, info, replies)
                 why = f"{why}; {bwhy}" if bwhy else why
         except ValueError as e:
@@ -167,8 +215,10 @@ class LoaderRole:
         return self._topo
 
     # ------------------------------------------------------------------------ transfers
-    def _run_remote(self, rem: Remote, items: list[LoadItem]) -> None:
+    def _checked(self, rem: Remote, items: list[LoadItem]) -> list[LoadItem]:
+        """The loads whose params fit the remote (the others fail, named)."""
         good: list[LoadItem] = []
+        seen: set[str] = set()
         for it in items:
             need = rem.spec.num_blocks_for(it.params.num_tokens)
             src_ids = it.params.block_id_array()  # uint64: max() bounds both ends
@@ -176,61 +226,75 @@ class LoaderRole:
                 self._fail([it], f"params.block_ids: has {src_ids.size} ids, num_tokens needs {need}")
             elif int(src_ids.max()) >= rem.num_blocks:
                 self._fail([it], f"params.block_ids: out of the exporter's range [0, {rem.num_blocks})")
-            else:
-                good.append(it)
-        seen_remote: set[str] = set()
-        for it in list(good):
-            if it.params.request_id in seen_remote:
-                good.remove(it)
+            elif it.params.request_id in seen:
                 self._fail([it], f"params.request_id: {it.params.request_id!r} is loaded twice in one batch")
-            seen_remote.add(it.params.request_id)
+            else:
+                seen.add(it.params.request_id)
+                good.append(it)
+        return good
+
+    def _run_remote(self, rem: Remote, items: list[LoadItem]) -> None:
+        good = self._checked(rem, items)
         if not good:
             return
-        remote_of = {it.request_id: it.params.request_id for it in good}
-        local_of = {v: k for k, v in remote_of.items()}
-        plan = rem.plan
-        reads = rem.reads
-        src_ranks = sorted({r.src_rank for r in reads})
+        deadline = min(it.deadline for it in good)
         alive = {it.request_id: it for it in good}
         reasons: dict[str, str] = {}
-        # Lease grants from every source rank read (renews the leases). A rank that does not
-        # know a request yet (its export may trail the rank that published the params) is
-        # asked again until timeout_s; a released request fails at once.
+        src_ranks = sorted({r.src_rank for r in rem.reads})
+        try:
+            epochs = self._grant(rem, src_ranks, alive, reasons, deadline)
+        except (C.ControlTimeout, _Expired) as e:
+            self._forget(rem, f"lease grant: {e}")
+            self._complete(rem, good, [], {it.request_id: f"lease grant: {e}" for it in good})
+            return
+        for s in src_ranks:
+            if not alive:
+                break
+            for rid, why in self._read_rank(rem, s, alive, epochs[s], deadline).items():
+                if rid in alive:
+                    del alive[rid]
+                    reasons[rid] = why
+        self._complete(rem, good, list(alive), reasons)
+
+    def _grant(self, rem: Remote, src_ranks: list[int], alive: dict, reasons: dict, deadline: float) -> dict:
+        """Lease grants from every source rank read (renews the leases): ``{rank: {local id:
+        epochs}}``. A rank that does not know a request yet (its export may trail the rank
+        that published the params, or the params came before the export) or whose compute is
+        still writing it is asked again until the deadline; a released request fails at once.
+        Drops from ``alive`` (into ``reasons``) what cannot be read."""
+        remote_of = {rid: it.params.request_id for rid, it in alive.items()}
+        local_of = {v: k for k, v in remote_of.items()}
         epochs: dict[int, dict[str, np.ndarray]] = {s: {} for s in src_ranks}
         todo = {s: list(alive) for s in src_ranks}
-        deadline = time.monotonic() + self.timeout_s
         while any(todo.values()):
             ranks = [s for s in src_ranks if todo[s]]
-            calls = [
-                (
-                    rem.addrs[s],
-                    C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, [remote_of[r] for r in todo[s]]),
-                )
-                for s in ranks
-            ]
-            try:
-                grants = self._client.call_many(calls, max(0.01, deadline - time.monotonic()))
-            except C.ControlTimeout as e:
-                self._forget(rem)
-                self._fail(good, f"lease grant: {e}")
-                self._notify(rem, plan, [], [it.params.request_id for it in good])
-                return
+            calls = []
+            for s in ranks:
+                ids = [remote_of[r] for r in todo[s]]
+                toks = [alive[r].params.token for r in todo[s]]
+                calls.append((rem.addrs[s], C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, ids, toks)))
+            grants = self._client.call_many(calls, _left(deadline))
             for s, g in zip(ranks, grants):
                 if not isinstance(g, C.ReadReply):
-                    for rid in list(alive):
-                        reasons[rid] = f"rank {s}: {getattr(g, 'error', g)}"
+                    why = f"rank {s}: {getattr(g, 'error', g)}"
+                elif g.incarnation != rem.incarnations[s]:
+                    why = f"exporter rank {s} {RESTARTED}"
+                    self._forget(rem, why)
+                else:
+                    why = ""
+                if why:
+                    reasons.update(dict.fromkeys(alive, why))
                     alive.clear()
-                    todo = {}
-                    break
+                    return epochs
                 epochs[s].update(
-                    {local_of[rid]: np.frombuffer(b, dtype=np.int64) for rid, b in zip(g.ok, g.epochs)}
+                    {local_of[r]: np.frombuffer(b, dtype=np.int64) for r, b in zip(g.ok, g.epochs)}
                 )
                 retry = []
                 for rrid, why in g.failed.items():
                     rid = local_of.get(rrid)
                     if rid not in alive:
                         continue
-                    if why in (UNKNOWN, NOT_READY) and time.monotonic() < deadline:
+                    if why in (UNKNOWN, NOT_READY) and time.monotonic() + 0.005 < deadline:
                         retry.append(rid)
                     else:
                         del alive[rid]
@@ -238,38 +302,40 @@ class LoaderRole:
                 todo[s] = [rid for rid in retry if rid in alive]
             if any(todo.values()):
                 time.sleep(0.005)
-        for s in src_ranks:
-            if not alive:
-                break
-            s_reads = [r for r in reads if r.src_rank == s]
-            t0 = now()
-            try:
-                with self._order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
-                    if rem.transport == "ipc":
-                        with trace("copy", batch_tag(list(alive))):
-                            moved, bad = self._ipc_read(rem, s, s_reads, list(alive.values()), epochs[s])
-                    else:
-                        moved, bad = self._pg_read(rem, s, s_reads, list(alive.values()))
-                    if rem.transport == "pg" and alive:  # finished only once the scatters ran
-                        self._order.wait_done(self.timeout_s)
-            except FenceTimeout as e:
-                # The copy/scatter into these requests' blocks may still run: report nothing
-                # (and tell the exporter nothing) until it completed, then fail them.
-                why = f"{rem.transport} read from rank {s}: {e}; reported once the GPU work completed"
-                self._defer(e, rem, [alive[rid] for rid in alive], why, remote_of)
-                moved, bad = 0, {}
-                alive.clear()
-            except Exception as e:
-                moved, bad = (
-                    0,
-                    {rid: f"{rem.transport} read from rank {s}: {type(e).__name__}: {e}" for rid in alive},
-                )
-            self._metrics.record_batch(t0, now(), moved, 0)
-            for rid, why in bad.items():
-                if rid in alive:
-                    del alive[rid]
-                    reasons[rid] = why
-        done = list(alive)
+        return epochs
+
+    def _read_rank(self, rem: Remote, s: int, alive: dict, granted: dict, deadline: float) -> dict[str, str]:
+        """Read the plan's heads of source rank ``s`` for the ``alive`` loads; local id -> why,
+        for those that failed (timed-out GPU work is fenced: its loads leave ``alive`` and are
+        reported once it completed)."""
+        reads = [r for r in rem.reads if r.src_rank == s]
+        loads = list(alive.values())
+        t0 = now()
+        moved, bad = 0, {}
+        try:
+            with self._order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
+                if rem.transport == "ipc":
+                    with trace("copy", batch_tag(list(alive))):
+                        moved, bad = self._ipc_read(rem, s, reads, loads, granted, deadline)
+                else:
+                    moved, bad = self._pg_read(rem, s, reads, loads, deadline)
+                    if len(bad) < len(loads):  # finished only once the scatters ran
+                        self._order.wait_done(_left(deadline))
+        except FenceTimeout as e:
+            why = f"{rem.transport} read from rank {s}: {e}; reported once the GPU work completed"
+            self._defer(e, rem, [it for it in loads if it.request_id not in bad], why)
+            for it in loads:
+                alive.pop(it.request_id, None)
+            moved = 0
+        except Exception as e:
+            bad = {
+                it.request_id: f"{rem.transport} read from rank {s}: {type(e).__name__}: {e}" for it in loads
+            }
+        self._metrics.record_batch(t0, now(), moved, 0)
+        return bad
+
+    def _complete(self, rem: Remote, loads: list[LoadItem], done: list[str], reasons: dict[str, str]) -> None:
+        """Report every load once (finished, or failed with its reason) and notify the exporter."""
         t_end = now()
         lat = []
         for rid in done:
@@ -277,17 +343,18 @@ class LoaderRole:
             if self._loads.finish(rid):
                 lat.append(t_end - start)
         self._metrics.record_done(lat)
-        failed = [it for it in good if it.request_id in reasons]
+        failed = [it for it in loads if it.request_id in reasons]
         for it in failed:
             if self._loads.fail(it.request_id, reasons[it.request_id]):
                 self._metrics.add("failures")
-        self._notify(rem, plan, [remote_of[r] for r in done], [it.params.request_id for it in failed])
+        by_id = {it.request_id: it for it in loads}
+        self._notify(rem, [by_id[r] for r in done], failed)
 
-    def _defer(self, fence: FenceTimeout, rem: Remote, items: list[LoadItem], why: str, remote_of) -> None:
+    def _defer(self, fence: FenceTimeout, rem: Remote, items: list[LoadItem], why: str) -> None:
         """Hold ``items`` until ``fence.event`` completed (polled by the worker), then fail them
         and notify the exporter: their blocks are never reported while GPU work touches them."""
         _LOG.warning(
-            "kvxfer loader %s rank %d: %s (%d requests held)", self.engine_id, self.tp_rank, why, len(items)
+            "kvxfer loader %s rank %d: %s (%d loads held)", self.engine_id, self.tp_rank, why, len(items)
         )
         self._fenced.append((fence, rem, items, why))
 
@@ -298,17 +365,88 @@ class LoaderRole:
             if not event_done(fence.event):
                 still.append((fence, rem, items, why))
                 continue
-            self._fail(items, why)
-            self._notify(rem, rem.plan, [], [it.params.request_id for it in items])
+            self._complete(rem, items, [], dict.fromkeys((it.request_id for it in items), why))
         self._fenced = still
 
-    def _notify(self, rem: Remote, plan, done: list[str], failed: list[str]) -> None:
+    # -------------------------------------------------------------------- notifications
+    def _notify(self, rem: Remote, done: list[LoadItem], failed: list[LoadItem]) -> None:
+        """Queue the notification of every exporter rank the plan names (acknowledged and
+        retried by the notifier thread until the exporter's lease would end anyway)."""
         if not done and not failed:
             return
-        msg = C.Notify(self.engine_id, self.tp_rank, self.tp_size, done, failed)
+        toks = [it.params.token for it in done] + [it.params.token for it in failed]
+        msg = C.Notify(
+            self.engine_id,
+            self.tp_rank,
+            self.tp_size,
+            [it.params.request_id for it in done],
+            [it.params.request_id for it in failed],
+            toks,
+        )
+        deadline = time.monotonic() + self.lease_s
+        direct = self._hooks.get("notify")  # benchmarks: deliver in this thread
         for s in rem.notify_to:
-            self._client.send(rem.addrs[s], msg)
+            if direct is not None:
+                direct(rem.addrs[s], msg)
+            else:
+                self._notify_q.put((rem.addrs[s], msg, deadline))
 
+    def _notify_loop(self) -> None:
+        """Send queued notifications and heartbeats, each until acknowledged or its deadline
+        (retries back off from 50 ms); the notifier has its own socket, so a dead exporter
+        never stalls the loads."""
+        client = C.ControlClient(self._ctx)
+        pending: list[list] = []  # [addr, msg, deadline, next_try, attempts]
+        try:
+            while not self._stop.is_set() or not self._notify_q.empty():
+                try:
+                    addr, msg, deadline = self._notify_q.get(timeout=0.02 if pending else 0.1)
+                    pending.append([addr, msg, deadline, 0.0, 0])
+                    continue  # drain the queue first: one round trip carries all of them
+                except queue.Empty:
+                    pass
+                if self._stop.is_set() and not pending:
+                    return
+                t = time.monotonic()
+                due = [p for p in pending if p[3] <= t]
+                if not due:
+                    continue
+                try:
+                    replies = client.call_many([(p[0], p[1]) for p in due], 0.2)
+                except C.ControlTimeout:
+                    replies = None
+                for k, p in enumerate(due):
+                    rep = None if replies is None else replies[k]
+                    if isinstance(rep, C.Ack):
+                        pending.remove(p)
+                        if rep.failed:
+                            _LOG.warning(
+                                "kvxfer loader %s: %s refused by %s: %s",
+                                self.engine_id,
+                                type(p[1]).__name__,
+                                p[0],
+                                rep.failed,
+                            )
+                        continue
+                    p[4] += 1
+                    if time.monotonic() >= p[2] or self._stop.is_set():
+                        pending.remove(p)
+                        _LOG.warning(
+                            "kvxfer loader %s: %s to %s not acknowledged after %d tries (%s); given up",
+                            self.engine_id,
+                            type(p[1]).__name__,
+                            p[0],
+                            p[4],
+                            "no reply" if rep is None else getattr(rep, "error", rep),
+                        )
+                        self._metrics.add("notify_failures")
+                        continue
+                    p[3] = time.monotonic() + min(1.0, 0.05 * 2 ** p[4])
+                    client.drop(p[0])  # a fresh socket: stale replies cannot confuse the retry
+        finally:
+            client.close()
+
+    # ----------------------------------------------------------------------- remotes
     def _drop_pair(self, rem: Remote, s: int, why: str = "an op failed or timed out") -> None:
         """Abort and forget the pair group with source rank ``s`` (the next read re-pairs)."""
         from .transports import pg
@@ -317,11 +455,12 @@ class LoaderRole:
         if got is not None:
             pg.discard_pair(got[0], why)
 
-    def _forget(self, rem: Remote) -> None:
-        """Drop a remote that stopped answering; the next load handshakes again."""
+    def _forget(self, rem: Remote, why: str = "the remote stopped answering") -> None:
+        """Drop a remote with its pair groups and mappings; the next load handshakes again."""
         for s in list(rem.pairs):
-            self._drop_pair(rem, s, "the remote stopped answering")
-        self._remotes.pop(rem.engine_id, None)
+            self._drop_pair(rem, s, why)
+        if self._remotes.get(rem.engine_id) is rem:
+            del self._remotes[rem.engine_id]
         for _, _, handles in rem.ipc.values():
             choice.detach(handles)
         rem.ipc.clear()
@@ -341,8 +480,9 @@ class LoaderRole:
         bpt = self._bpt.get(num_heads)
         if bpt is None:
             bpt = self._bpt[num_heads] = self.spec.bytes_per_token(num_heads=num_heads)
-        return sum(c.num_tokens for c in bp.chunks) * bpt, bp.skipped_tokens * bpt
+        return sum(c.num_tokens for c in bp.calls) * bpt, bp.skipped_tokens * bpt
 
+    # --------------------------------------------------------------------------- ipc
     def _ipc_map(self, rem: Remote, s: int):
         got = rem.ipc.get(s)
         if got is None:
@@ -350,22 +490,22 @@ class LoaderRole:
             got = rem.ipc[s] = (cache_views(caches, rem.spec), ep, handles)
         return got
 
-    def _ipc_read(self, rem, s, reads: list[Read], loads, granted: dict[str, np.ndarray]):
+    def _ipc_read(self, rem, s, reads: list[Read], loads, granted: dict[str, np.ndarray], deadline: float):
         src_views, ep, _ = self._ipc_map(rem, s)
         bp = self._plan(loads, rem.spec.block_size, [v.unit for v in src_views])
         sv = next(v for v in src_views if v.unit == bp.src_unit)
         dv = self._by_unit[bp.dst_unit]
         moved = saved = calls = 0
         for r in reads:
-            for ch in bp.chunks:
+            for c in bp.calls:
                 ops.copy_blocks(
                     sv.caches,
                     sv.spec,
-                    ch.src,
+                    c.src,
                     dv.caches,
                     dv.spec,
-                    ch.dst,
-                    ch.num_tokens,
+                    c.dst,
+                    c.num_tokens,
                     r.src_head_start,
                     r.dst_head_start,
                     r.num_heads,
@@ -373,7 +513,7 @@ class LoaderRole:
                 calls += 1
             m, sk = self._count(bp, r.num_heads)
             moved, saved = moved + m, saved + sk
-        self._order.wait_done(self.timeout_s)  # CUDA: the copy ran before the epochs are re-read
+        self._order.wait_done(_left(deadline))  # CUDA: the copy ran before the epochs are re-read
         hook = self._hooks.get("after_ipc_copy")
         if hook:
             hook(ep)
@@ -401,33 +541,38 @@ class LoaderRole:
         per = np.logical_or.reduceat(diff, starts)
         return {loads[k].request_id: why for k in np.flatnonzero(per).tolist()}
 
-    def _pair(self, rem: Remote, s: int):
+    # ---------------------------------------------------------------------------- pg
+    def _pair(self, rem: Remote, s: int, token_of: LoadItem, deadline: float):
+        """The pair group with source rank ``s`` (joined on first use; keys never repeat)."""
         from .transports import pg
 
         got = rem.pairs.get(s)
         if got is not None:
             return got
-        rem.pair_gen += 1
-        key = f"{self.engine_id}/{self.tp_rank}/{os.getpid()}/{rem.pair_gen}"
+        key = f"{self.engine_id}/{self.tp_rank}/{secrets.token_hex(8)}"
         backend = rem.pg_backends[s]
-        req = C.PairReq(self.engine_id, self.tp_rank, key, backend)
-        rep = self._client.call(rem.addrs[s], req, self.timeout_s)
+        req = C.PairReq(
+            self.engine_id, self.tp_rank, key, backend, token_of.params.request_id, token_of.params.token
+        )
+        rep = self._client.call(rem.addrs[s], req, _left(deadline))
         if not isinstance(rep, C.SendReply) or not rep.ok:
             raise RuntimeError(f"pair group refused: {getattr(rep, 'failed', rep)}")
         info = rem.replies[s].pg
-        store = pg.connect_store(info["host"], info["port"], self.timeout_s)
-        group = pg.new_pair(store, key, 1, self.host, self.timeout_s, backend)
+        left = _left(deadline)
+        store = pg.connect_store(info["host"], info["port"], left)
+        group = pg.new_pair(store, key, 1, self.host, left, backend)
         got = rem.pairs[s] = (group, key)
         return got
 
-    def _pg_read(self, rem, s, reads: list[Read], loads):
+    def _pg_read(self, rem: Remote, s: int, reads: list[Read], loads, deadline: float):
+        """Stream each read's ops calls from source rank ``s`` through the staged pipeline;
+        (bytes moved, local id -> why for the loads the exporter refused)."""
         bad: dict[str, str] = {}
         try:
-            group, key = self._pair(rem, s)
+            group, key = self._pair(rem, s, loads[0], deadline)
         except Exception as e:
             return 0, {it.request_id: f"pg pair with rank {s}: {type(e).__name__}: {e}" for it in loads}
-        moved = saved = calls = 0
-        staged = getattr(self.pipeline, "streams", False)
+        moved = saved = 0
         pg_info = rem.replies[s].pg
         for r in reads:
             for _attempt in range(3):
@@ -435,79 +580,64 @@ class LoaderRole:
                 if not loads:
                     break
                 bp = self._plan(loads, rem.spec.block_size, pg_info.get("units") or [rem.spec.block_size])
-                chunks, dv = bp.chunks, self._by_unit[bp.dst_unit]
-                chunk_tokens = 0
-                if staged:
-                    bpt = self.spec.bytes_per_token(num_heads=r.num_heads)
-                    chunk_tokens = self.pipeline.chunk_tokens_for(pg_info, bpt, bp.src_unit, bp.dst_unit)
-                req = C.SendReq(
-                    self.engine_id,
-                    self.tp_rank,
-                    key,
-                    [it.params.request_id for it in loads],
-                    r.src_head_start,
-                    r.num_heads,
-                    bp.src_unit,
-                    [(c.src.tobytes(), c.num_tokens) for c in chunks],
-                    chunk_tokens,
-                )
-                try:
-                    rep = self._client.call(rem.addrs[s], req, self.timeout_s)
-                except C.ControlTimeout:
-                    self._drop_pair(rem, s)
-                    self._forget(rem)
-                    raise
-                if not isinstance(rep, C.SendReply):
-                    raise RuntimeError(f"send request refused: {getattr(rep, 'error', rep)}")
-                if not rep.ok:
-                    if "*" in rep.failed:
-                        self._drop_pair(rem, s)
-                        raise RuntimeError(rep.failed["*"])
-                    local_of = {it.params.request_id: it.request_id for it in loads}
-                    for rid, why in rep.failed.items():
-                        bad[local_of.get(rid, rid)] = f"exporter rank {s}: {why}"
+                bpt = self.spec.bytes_per_token(num_heads=r.num_heads)
+                chunk_tokens = self.pipeline.chunk_tokens_for(pg_info, bpt, bp.src_unit, bp.dst_unit)
+                refused = self._send_req(rem, s, key, r, loads, bp, chunk_tokens, deadline)
+                if refused:
+                    bad.update(refused)
                     continue
-                tag = batch_tag([it.request_id for it in loads])
-                hook = self._hooks.get("before_recv")
-                if hook:
-                    hook()
-                try:
-                    if staged:
-                        calls += self.pipeline.recv_stream(
-                            group, 0, self.timeout_s, rem.pg_backends[s], self.spec, self.device,
-                            r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens) for c in chunks],
-                            self._scatterer(dv, r.dst_head_start), tag,
-                        )  # fmt: skip
-                    # Gloo pairs of CUDA caches carry host wires: receive into pinned memory and
-                    # keep it until the CUDA scatter reading it completed.
-                    host_wire = self.device.type == "cuda" and rem.pg_backends[s] == "gloo"
-                    for c in chunks if not staged else ():
-                        wire = torch.empty(
-                            self.spec.wire_shape(c.num_tokens, r.num_heads),
-                            dtype=self.spec.dtype,
-                            device="cpu" if host_wire else self.device,
-                            pin_memory=host_wire,
-                        )
-                        with trace("recv", tag):
-                            self.pipeline.recv(group, wire, 0, self.timeout_s)
-                        with trace("scatter", tag):
-                            ops.scatter_blocks(
-                                wire, dv.caches, dv.spec, c.dst, c.num_tokens, r.dst_head_start
-                            )
-                        if host_wire:  # the pinned wire lives until the scatter ran
-                            done = torch.cuda.Event()
-                            done.record()
-                            wait_event(done, self.timeout_s, "scatter from a host wire", keep=wire)
-                        calls += 1
-                except Exception:
-                    self._drop_pair(rem, s)  # a timed-out pair may hold a stale receive
-                    raise
+                self._recv(rem, s, group, r, loads, bp, chunk_tokens, deadline)
                 m, sk = self._count(bp, r.num_heads)
                 moved, saved = moved + m, saved + sk
                 break
-        self._metrics.add("ops_calls", calls)
         self._metrics.add("dedup_bytes", saved)
         return moved, bad
+
+    def _send_req(self, rem, s, key, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float):
+        """Ask source rank ``s`` to stream ``bp``'s calls; local id -> why for refused loads."""
+        req = C.SendReq(
+            self.engine_id,
+            self.tp_rank,
+            key,
+            [it.params.request_id for it in loads],
+            [it.params.token for it in loads],
+            r.src_head_start,
+            r.num_heads,
+            bp.src_unit,
+            [(c.src.tobytes(), c.num_tokens) for c in bp.calls],
+            chunk_tokens,
+        )
+        try:
+            rep = self._client.call(rem.addrs[s], req, _left(deadline))
+        except C.ControlTimeout:
+            self._forget(rem, "a send request timed out")
+            raise
+        if not isinstance(rep, C.SendReply):
+            raise RuntimeError(f"send request refused: {getattr(rep, 'error', rep)}")
+        if rep.ok:
+            return {}
+        if "*" in rep.failed:
+            self._drop_pair(rem, s, rep.failed["*"])
+            raise RuntimeError(rep.failed["*"])
+        local_of = {it.params.request_id: it.request_id for it in loads}
+        return {local_of.get(rid, rid): f"exporter rank {s}: {why}" for rid, why in rep.failed.items()}
+
+    def _recv(self, rem, s, group, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float) -> None:
+        dv = self._by_unit[bp.dst_unit]
+        tag = batch_tag([it.request_id for it in loads])
+        hook = self._hooks.get("before_recv")
+        if hook:
+            hook()
+        try:
+            n = self.pipeline.recv_stream(
+                group, 0, _left(deadline), rem.pg_backends[s], self.spec, self.device,
+                r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens) for c in bp.calls],
+                self._scatterer(dv, r.dst_head_start), tag,
+            )  # fmt: skip
+        except Exception:
+            self._drop_pair(rem, s)  # a failed stream may leave a receive posted
+            raise
+        self._metrics.add("ops_calls", n)
 
     def _scatterer(self, view: CacheView, head_start: int):
         def scatter(units, num_tokens: int, wire: torch.Tensor) -> None:

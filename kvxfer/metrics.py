@@ -54,6 +54,7 @@ class Metrics:
         self.handshake_s = 0.0
         self.ops_calls = 0  # gather/scatter/copy calls issued for loads
         self.dedup_bytes = 0  # wire bytes not sent because an n>1 sibling carried them
+        self.notify_failures = 0  # notifications/heartbeats never acknowledged (given up)
         self._latency: list[float] = []
         self._intervals: list[tuple[float, float]] = []
         self.transports: dict[str, str] = {}  # remote engine -> transport
@@ -98,6 +99,7 @@ class Metrics:
                 "handshake_s": self.handshake_s,
                 "ops_calls": self.ops_calls,
                 "dedup_bytes": self.dedup_bytes,
+                "notify_failures": self.notify_failures,
                 "transports": dict(self.transports),
             }
         out["busy_s"] = busy

@@ -2,7 +2,9 @@
 
 One plain, JSON-safe dict per request, so a proxy can pass it in an HTTP response; a list of
 them for parallel sampling (n>1), one per child request. Every TP rank of the exporting engine
-returns the same dict: rank ``r`` of the exporter listens on ``port + r`` of ``host``.
+returns the same dict: rank ``r`` of the exporter listens on ``port + r`` of ``host``. The
+dict is the capability to read and release that request: its ``token`` (see
+:mod:`kvxfer.auth`) is presented with every message about it, so treat params like a password.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 
 __all__ = ["PARAMS_VERSION", "KVTransferParams", "block_id_array", "params_dict"]
 
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2  # 2: the request's auth token
 
 
 def _int(d: dict, field: str, minimum: int) -> int:
@@ -64,6 +66,7 @@ def params_dict(
     tp_size: int,
     block_ids: list[int],
     num_tokens: int,
+    token: str,
     version: int = PARAMS_VERSION,
 ) -> dict:
     """The params dict of :meth:`KVTransferParams.to_dict`, built without the dataclass (the
@@ -76,6 +79,7 @@ def params_dict(
         "tp_size": tp_size,
         "block_ids": block_ids,
         "num_tokens": num_tokens,
+        "token": token,
         "version": version,
     }
 
@@ -93,6 +97,8 @@ class KVTransferParams:
         block_ids: the request's block ids on the exporter, in token order (same on every rank);
             exactly ``ceil(num_tokens / block_size)`` of them.
         num_tokens: tokens to move (the last block may be partial).
+        token: the request's capability (:func:`kvxfer.auth.request_token` of the exporting
+            engine's secret): presented with every message about the request.
         version: params format version.
     """
 
@@ -103,6 +109,7 @@ class KVTransferParams:
     tp_size: int
     block_ids: tuple[int, ...]
     num_tokens: int
+    token: str
     version: int = PARAMS_VERSION
 
     def to_dict(self) -> dict:
@@ -115,6 +122,7 @@ class KVTransferParams:
             self.tp_size,
             list(self.block_ids),
             self.num_tokens,
+            self.token,
             self.version,
         )
 
@@ -149,11 +157,14 @@ class KVTransferParams:
             if tp_size > 1 and port + tp_size - 1 > 65535:
                 raise ValueError(f"port: port + tp_size - 1 exceeds 65535 ({port} + {tp_size - 1})")
             num_tokens = _int(d, "num_tokens", 1)
+            token = d.get("token")
+            if not isinstance(token, str) or len(token) != 32:
+                raise ValueError(f"token: must be the 32-character hex token export() made, got {token!r}")
             ids = d.get("block_ids")
             arr = block_id_array(ids)
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
-        out = cls(request_id, engine_id, host, port, tp_size, tuple(ids), num_tokens, version)
+        out = cls(request_id, engine_id, host, port, tp_size, tuple(ids), num_tokens, token, version)
         object.__setattr__(out, "_ids", arr)  # cached; not a field (eq/repr unchanged)
         return out
 

@@ -1,40 +1,27 @@
-"""Staging buffers, chunk plans and the double-buffered gather/send - recv/scatter pipeline.
+"""Staging buffers and the chunked, double-buffered pipeline the ``pg`` transport moves wires through.
 
-The ``pg`` transport moves a request as wire tensors ``[H, L, 2, T, D]`` (MLA ``[L, T, D]``)
-through staging buffers. This module holds the three GPU-independent pieces:
+A request moves as wire tensors ``[H, L, 2, T, D]`` (MLA ``[L, T, D]``) cut into chunks that
+each fit one staging buffer:
 
 * :class:`StagingPool`: ``num_buffers`` buffers of ``buffer_bytes`` carved out of ONE
-  allocation made at construction (device memory, or pinned host memory with
-  ``pin_memory=True``), leased and returned per request, never reallocated.
-* :func:`plan_chunks`: splits a request of ``num_tokens`` tokens into chunks whose wire fits one
-  buffer. Every chunk but the last holds a multiple of ``lcm(src_block_size, dst_block_size)``
-  tokens, so each chunk starts on a block boundary on BOTH sides and is a whole block list
-  slice for :mod:`kvxfer.ops` (``block_ids[t0 // bs : ceil(t1 / bs)]``).
-* :func:`pipelined_send` / :func:`pipelined_recv`: with two (or more) buffers, gather of chunk
-  ``i+1`` runs while chunk ``i`` is on the wire; the receiver posts the receive of chunk
+  allocation made at construction (device memory, or pinned host memory), leased per stream
+  and returned, never reallocated; a buffer that GPU work may still touch after a failure is
+  held back until that work completed (:meth:`StagingPool.hold_until`).
+* :class:`Chunk` / :func:`cut`: both ends cut each ops call ``(unit ids, num_tokens)`` into
+  chunks of the same ``chunk_tokens`` (agreed with :func:`chunk_tokens_for`: a multiple of
+  both sides' units, so every chunk starts on a unit boundary on both sides); chunk ``i`` of
+  a stream travels with tag ``i``.
+* :func:`pipelined_send` / :func:`pipelined_recv`: with two (or more) buffers, the gather of
+  chunk ``i+1`` runs while chunk ``i`` is on the wire; the receiver posts the receive of chunk
   ``i+1`` before it scatters chunk ``i``. ``send``/``recv`` return a work object with
-  ``wait()`` (``torch.distributed`` ``Work`` from ``ProcessGroup.send/recv``), or ``None`` when
-  they completed synchronously. The code is the same for Gloo (CPU; ``wait()`` blocks the host)
-  and NCCL (GPU; ``wait()`` orders the current stream after the communication, the host does
-  not block), because buffer reuse is always expressed as "wait the work that last used this
-  buffer". When buffers are host memory and the caches are CUDA (pinned staging for a CPU
-  transport), pass :func:`host_fences`: a buffer is handed to the transport only after the
-  CUDA copy that filled it finished, and re-filled only after the copy that drained it.
+  ``wait()`` (``ProcessGroup.send/recv`` work, bounded by the caller) or ``None``. Buffer
+  reuse is always "wait the work that last used this buffer", so the code is the same for Gloo
+  (host waits) and NCCL (stream waits). When host buffers stage CUDA caches (Gloo through
+  pinned memory), :class:`HostFence` per buffer makes the host hand a buffer to the transport
+  only after the CUDA gather that filled it completed, and refill it only after the CUDA
+  scatter that drained it completed (``event.query()`` polled, bounded).
 
-How the engine plugs it in (``pg`` transport, one pair group per (exporter rank, loader
-rank)):
-
-1. at start-up: ``pool = StagingPool(num_buffers=2 * concurrent_transfers, buffer_bytes=...,
-   device=cache_device, pin_memory=stage_on_host)``;
-2. after the handshake both sides agree on ``buffer_bytes = min(local, peer)`` (the chunk plan
-   must be identical on both ends) and on each :class:`~kvxfer.plan.Read`;
-3. per read: ``chunks = plan_chunks(num_tokens, src_bs, dst_bs, spec.bytes_per_token(n_heads),
-   buffer_bytes)``;
-   exporter: ``with pool.lease(2, timeout_s) as slots: pipelined_send(chunks, slots,
-   wire_viewer(spec, n_heads), ops_gatherer(caches, spec, block_ids, src_head_start,
-   n_heads), lambda c, b: pg.send([b], peer, tag + c.index), fences)``;
-   loader: the mirror image with ``pipelined_recv``, ``ops_scatterer`` and ``pg.recv``.
-   Every wait is bounded by the pair group's timeout.
+:class:`kvxfer.transports.staged.StagedPipeline` wires these into the engine.
 """
 
 from __future__ import annotations
@@ -49,23 +36,17 @@ from typing import Any, Protocol
 
 import torch
 
-from .ordering import event_done
-from .spec import KVCacheSpec
+from .ordering import event_done, wait_event
 
 __all__ = [
     "Chunk",
-    "ChunkPlan",
-    "CudaHostFence",
+    "HostFence",
     "StagingPool",
-    "host_fences",
-    "ops_gatherer",
-    "ops_scatterer",
+    "chunk_tokens_for",
+    "cut",
     "pipelined_recv",
     "pipelined_send",
-    "plan_chunks",
     "record_done",
-    "wait_for",
-    "wire_viewer",
 ]
 
 # Every buffer starts on a 256-byte boundary: any dtype view is aligned, and CUDA copy kernels
@@ -201,127 +182,61 @@ class StagingPool:
             self.release(idx)
 
 
-def wire_viewer(
-    spec: KVCacheSpec, num_heads: int | None = None, num_layers: int | None = None
-) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
-    """``view(chunk, slot)``: the first bytes of a uint8 buffer as the chunk's contiguous wire
-    ``[num_heads, L, 2, chunk.num_tokens, D]`` (MLA ``[L, chunk.num_tokens, D]``)."""
-
-    def view(chunk: Chunk, slot: torch.Tensor) -> torch.Tensor:
-        shape = spec.wire_shape(chunk.num_tokens, num_heads, num_layers)
-        nbytes = math.prod(shape) * spec.element_size
-        if nbytes > slot.numel():
-            raise ValueError(
-                f"staging buffer: chunk {chunk.index} needs {nbytes} bytes, buffer has {slot.numel()}"
-            )
-        return slot[:nbytes].view(spec.dtype).view(shape)
-
-    return view
-
-
 # --------------------------------------------------------------------------- chunks
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens ``[token_start, token_start + num_tokens)`` of a request; both starts are block
-    aligned, so the chunk is ``src_num_blocks`` source blocks from ``src_block_start`` of the
-    request's source block list, and likewise on the destination."""
+    """``num_tokens`` tokens of one ops call, at this side's unit ids ``units`` (a slice of the
+    call's unit list: a view for tensors), sent as the ``index``-th chunk of a stream."""
 
     index: int
-    token_start: int
+    units: Any
     num_tokens: int
-    src_block_start: int
-    src_num_blocks: int
-    dst_block_start: int
-    dst_num_blocks: int
-
-    def src_blocks(self, block_ids: Any) -> Any:
-        """This chunk's slice of the request's source block list (a view for tensors)."""
-        return block_ids[self.src_block_start : self.src_block_start + self.src_num_blocks]
-
-    def dst_blocks(self, block_ids: Any) -> Any:
-        """This chunk's slice of the request's destination block list."""
-        return block_ids[self.dst_block_start : self.dst_block_start + self.dst_num_blocks]
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """A request split into chunks of ``chunk_tokens`` (the last may be shorter). O(1) to
-    build; chunks are computed on access."""
+def cut(calls: Sequence[tuple[Any, int]], chunk_tokens: int, unit: int) -> list[Chunk]:
+    """Cut ops calls ``(unit ids, num_tokens)`` into chunks of ``chunk_tokens`` tokens.
 
-    num_tokens: int
-    chunk_tokens: int
-    src_block_size: int
-    dst_block_size: int
-    bytes_per_token: int
-
-    def __len__(self) -> int:
-        return -(-self.num_tokens // self.chunk_tokens) if self.num_tokens else 0
-
-    def __getitem__(self, i: int) -> Chunk:
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"chunk {i} out of range [0, {n})")
-        t0 = i * self.chunk_tokens
-        t = min(self.chunk_tokens, self.num_tokens - t0)
-        sb, db = self.src_block_size, self.dst_block_size
-        return Chunk(i, t0, t, t0 // sb, -(-t // sb), t0 // db, -(-t // db))
-
-    def __iter__(self) -> Iterator[Chunk]:
-        return (self[i] for i in range(len(self)))
-
-    @property
-    def max_chunk_bytes(self) -> int:
-        """Wire bytes of the largest chunk."""
-        return min(self.chunk_tokens, self.num_tokens) * self.bytes_per_token
-
-
-def plan_chunks(
-    num_tokens: int,
-    src_block_size: int,
-    dst_block_size: int,
-    bytes_per_token: int,
-    buffer_bytes: int,
-    max_chunk_tokens: int | None = None,
-) -> ChunkPlan:
-    """Split ``num_tokens`` tokens into chunks whose wire fits ``buffer_bytes``.
-
-    Args:
-        num_tokens: tokens of the request (the last block on either side may be partial).
-        src_block_size, dst_block_size: block sizes of the gathering and scattering caches.
-        bytes_per_token: wire bytes per token of this read (``spec.bytes_per_token(heads)``).
-        buffer_bytes: bytes of one staging buffer; both peers must use the same value
-            (the smaller of the two pools') so that they cut identical chunks.
-        max_chunk_tokens: optional cap (e.g. to get more chunks in flight for overlap).
-
-    Every chunk but the last holds the largest multiple of ``lcm(src_block_size,
-    dst_block_size)`` tokens that fits, so chunk boundaries are block boundaries on both sides.
-    Raises ``ValueError`` when a buffer cannot hold even one such unit of a multi-chunk request.
+    ``chunk_tokens`` must be a multiple of ``unit`` (tokens per unit id of this side). A call of
+    ``T <= chunk_tokens`` tokens is one chunk; a longer one gives ``ceil(T / chunk_tokens)``
+    chunks, the last shorter. Both ends call this with their own units and the same
+    ``chunk_tokens``, so they cut at the same tokens and number the chunks alike.
     """
-    _positive_int("num_tokens", num_tokens, allow_zero=True)
-    _positive_int("src_block_size", src_block_size)
-    _positive_int("dst_block_size", dst_block_size)
-    _positive_int("bytes_per_token", bytes_per_token)
-    _positive_int("buffer_bytes", buffer_bytes)
-    if max_chunk_tokens is not None:
-        _positive_int("max_chunk_tokens", max_chunk_tokens)
-    unit = math.lcm(src_block_size, dst_block_size)
+    _positive_int("chunk_tokens", chunk_tokens)
+    _positive_int("unit", unit)
+    if chunk_tokens % unit:
+        raise ValueError(f"chunk_tokens: {chunk_tokens} is not a multiple of the unit {unit}")
+    out: list[Chunk] = []
+    for units, t in calls:
+        for t0 in range(0, t, chunk_tokens):
+            n = min(chunk_tokens, t - t0)
+            u0 = t0 // unit
+            out.append(Chunk(len(out), units[u0 : u0 + -(-n // unit)], n))
+    return out
+
+
+def chunk_tokens_for(
+    buffer_bytes: int,
+    bytes_per_token: int,
+    src_unit: int,
+    dst_unit: int,
+    max_chunk_tokens: int | None = None,
+) -> int:
+    """Tokens per chunk both ends cut with: the most whose wire fits ``buffer_bytes`` (the
+    smaller of the two ends' buffers), rounded down to a multiple of ``lcm(src_unit,
+    dst_unit)``. Raises ``ValueError`` naming the sizes when a buffer cannot hold one unit."""
+    for name, v in (("buffer_bytes", buffer_bytes), ("bytes_per_token", bytes_per_token)):
+        _positive_int(name, v)
+    unit = math.lcm(src_unit, dst_unit)
     fit = buffer_bytes // bytes_per_token
     if max_chunk_tokens is not None:
-        fit = min(fit, max_chunk_tokens)
+        fit = min(fit, _positive_int("max_chunk_tokens", max_chunk_tokens))
     chunk = fit // unit * unit
-    if num_tokens <= fit:  # one chunk: it is the last, no alignment needed
-        chunk = max(num_tokens, 1)
-    elif chunk == 0:
+    if chunk == 0:
         raise ValueError(
-            f"buffer_bytes: {buffer_bytes} bytes hold {buffer_bytes // bytes_per_token} tokens of "
-            f"{bytes_per_token} bytes, fewer than one chunk unit lcm({src_block_size}, {dst_block_size}) = "
-            f"{unit} tokens (need >= {unit * bytes_per_token} bytes"
-            + (f" and max_chunk_tokens >= {unit}" if max_chunk_tokens is not None else "")
-            + ")"
+            f"staging: a buffer of {buffer_bytes} bytes holds {fit} tokens of {bytes_per_token} bytes, "
+            f"fewer than one chunk unit lcm({src_unit}, {dst_unit}) = {unit} tokens"
         )
-    return ChunkPlan(num_tokens, chunk, src_block_size, dst_block_size, bytes_per_token)
+    return chunk
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -329,49 +244,32 @@ class Work(Protocol):
     def wait(self) -> Any: ...
 
 
-class Fence(Protocol):
-    def record(self) -> None: ...
-    def wait(self) -> None: ...
+class HostFence:
+    """Host-side fence of one staging buffer in host memory that CUDA kernels fill or drain:
+    ``record()`` marks the current CUDA stream's position, ``wait()`` polls until the work
+    before it completed (at once if nothing was recorded), bounded by ``timeout_s``
+    (:class:`~kvxfer.ordering.FenceTimeout`, which carries the event)."""
 
-
-class CudaHostFence:
-    """Host-side fence for one staging buffer: ``record()`` marks the current CUDA stream's
-    position, ``wait()`` blocks the host until the work before it finished (immediately when
-    nothing was recorded). Only for host buffers used by a CPU transport with CUDA caches."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self._device = torch.device(device)
+    def __init__(self, timeout_s: float) -> None:
         self._event = torch.cuda.Event()
+        self._recorded = False
+        self._timeout_s = timeout_s
 
     def record(self) -> None:
-        self._event.record(torch.cuda.current_stream(self._device))
+        self._event.record()
+        self._recorded = True
 
     def wait(self) -> None:
-        self._event.synchronize()
+        if self._recorded:
+            wait_event(self._event, self._timeout_s, "staging buffer")
 
 
-def host_fences(num_slots: int, buffer_device: torch.device | str, cache_device: torch.device | str):
-    """Fences for :func:`pipelined_send` / :func:`pipelined_recv`: one
-    :class:`CudaHostFence` per slot when host buffers stage CUDA caches, else ``None``
-    (same-device buffers are ordered by the stream and the transport's work objects)."""
-    buffer_device, cache_device = torch.device(buffer_device), torch.device(cache_device)
-    if buffer_device.type == "cpu" and cache_device.type == "cuda":
-        return [CudaHostFence(cache_device) for _ in range(num_slots)]
-    return None
-
-
-def _check_slots(chunks: ChunkPlan | Sequence[Chunk], slots: Sequence[torch.Tensor], fences) -> int:
+def _check_slots(slots: Sequence[torch.Tensor], fences) -> int:
     depth = len(slots)
     if depth < 2:
         raise ValueError(f"slots: double buffering needs at least 2 buffers, got {depth}")
     if fences is not None and len(fences) != depth:
         raise ValueError(f"fences: one per slot needed ({depth}), got {len(fences)}")
-    if isinstance(chunks, ChunkPlan) and len(chunks):
-        small = min(s.numel() * s.element_size() for s in slots)
-        if chunks.max_chunk_bytes > small:
-            raise ValueError(
-                f"slots: chunks need {chunks.max_chunk_bytes} bytes, the smallest buffer has {small}"
-            )
     return depth
 
 
@@ -382,12 +280,12 @@ def _drain(pending: Sequence[Work | None]) -> None:
 
 
 def pipelined_send(
-    chunks: ChunkPlan | Sequence[Chunk],
+    chunks: Sequence[Chunk],
     slots: Sequence[torch.Tensor],
     view: Callable[[Chunk, torch.Tensor], torch.Tensor],
     gather: Callable[[Chunk, torch.Tensor], None],
     send: Callable[[Chunk, torch.Tensor], Work | None],
-    fences: Sequence[Fence] | None = None,
+    fences: Sequence[HostFence] | None = None,
 ) -> int:
     """Gather and send every chunk, double-buffered; returns the number of chunks sent.
 
@@ -398,7 +296,7 @@ def pipelined_send(
     gather's CUDA copy before handing ``buf`` to the transport. All sends are waited before
     returning, also when a callable raises.
     """
-    depth = _check_slots(chunks, slots, fences)
+    depth = _check_slots(slots, fences)
     pending: list[Work | None] = [None] * depth
     count = 0
     try:
@@ -420,12 +318,12 @@ def pipelined_send(
 
 
 def pipelined_recv(
-    chunks: ChunkPlan | Sequence[Chunk],
+    chunks: Sequence[Chunk],
     slots: Sequence[torch.Tensor],
     view: Callable[[Chunk, torch.Tensor], torch.Tensor],
     recv: Callable[[Chunk, torch.Tensor], Work | None],
     scatter: Callable[[Chunk, torch.Tensor], None],
-    fences: Sequence[Fence] | None = None,
+    fences: Sequence[HostFence] | None = None,
 ) -> int:
     """Receive and scatter every chunk, double-buffered; returns the number of chunks scattered.
 
@@ -435,7 +333,7 @@ def pipelined_recv(
     a slot is re-posted only after the host saw the CUDA scatter that read it finish. Posted
     receives are waited before returning, also when a callable raises.
     """
-    depth = _check_slots(chunks, slots, fences)
+    depth = _check_slots(slots, fences)
     n = len(chunks)
     bufs: list[torch.Tensor | None] = [None] * depth
     pending: list[Work | None] = [None] * depth
@@ -467,82 +365,7 @@ def pipelined_recv(
     return count
 
 
-# --------------------------------------------------------------------------- ops adapters
-def ops_gatherer(
-    caches: Sequence[torch.Tensor],
-    spec: KVCacheSpec,
-    block_ids: Any,
-    head_start: int = 0,
-    num_heads: int | None = None,
-    layers: Any = None,
-    backend: str | None = None,
-) -> Callable[[Chunk, torch.Tensor], None]:
-    """``gather(chunk, buf)`` with :func:`kvxfer.ops.gather_blocks` over the chunk's source
-    blocks (``block_ids`` is the whole request's source block list, token order)."""
-    from . import ops
-
-    ids = torch.as_tensor(block_ids, dtype=torch.int64)
-
-    def gather(chunk: Chunk, buf: torch.Tensor) -> None:
-        ops.gather_blocks(
-            caches,
-            spec,
-            chunk.src_blocks(ids),
-            chunk.num_tokens,
-            head_start,
-            num_heads,
-            layers,
-            out=buf,
-            backend=backend,
-        )
-
-    return gather
-
-
-def ops_scatterer(
-    caches: Sequence[torch.Tensor],
-    spec: KVCacheSpec,
-    block_ids: Any,
-    head_start: int = 0,
-    layers: Any = None,
-    backend: str | None = None,
-) -> Callable[[Chunk, torch.Tensor], None]:
-    """``scatter(chunk, buf)`` with :func:`kvxfer.ops.scatter_blocks` into the chunk's
-    destination blocks (``block_ids`` is the whole request's destination block list)."""
-    from . import ops
-
-    ids = torch.as_tensor(block_ids, dtype=torch.int64)
-
-    def scatter(chunk: Chunk, buf: torch.Tensor) -> None:
-        ops.scatter_blocks(
-            buf, caches, spec, chunk.dst_blocks(ids), chunk.num_tokens, head_start, layers, backend=backend
-        )
-
-    return scatter
-
-
 # --------------------------------------------------------------------------- stream ordering
-def wait_for(deps: Any, stream: Any = None) -> None:
-    """Order ``stream`` (default: the current CUDA stream) after ``deps``: CUDA events and/or
-    streams handed in by the caller (the compute that wrote the layers about to move). No host
-    synchronisation. ``None`` or an empty list does nothing (CPU callers pass nothing)."""
-    if deps is None:
-        return
-    if not isinstance(deps, (list, tuple)):
-        deps = [deps]
-    if not deps:
-        return
-    if stream is None:
-        stream = torch.cuda.current_stream()
-    for d in deps:
-        if isinstance(d, torch.cuda.Event):
-            stream.wait_event(d)
-        elif isinstance(d, torch.cuda.Stream):
-            stream.wait_stream(d)
-        else:
-            raise ValueError(f"deps: expected CUDA events or streams, got {type(d).__name__}")
-
-
 def record_done(stream: Any = None) -> Any:
     """A CUDA event recorded on ``stream`` (default current) after the transfer's work; the
     caller's stream does ``wait_event`` on it before reading the scattered cache."""

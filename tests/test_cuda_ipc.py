@@ -448,7 +448,7 @@ def test_gpu_ipc_two_processes_one_gpu():
 def test_gpu_stream_ordering_transfer_sees_kernel_result():
     """A gather issued on a transfer stream right after a (slow) kernel on the compute stream
     that rewrites the cache sees the new bytes, ordered by an event, not by synchronize()."""
-    from kvxfer.staging import record_done, wait_for
+    from kvxfer.staging import record_done
 
     spec = KVCacheSpec(2, 4, 128, 16, torch.bfloat16)
     caches = [c.cuda() for c in make_cache(spec, 64, 4, 0)]
@@ -463,7 +463,7 @@ def test_gpu_stream_ordering_transfer_sees_kernel_result():
         written = torch.cuda.Event()
         written.record(compute)
     with torch.cuda.stream(transfer):
-        wait_for([written])
+        transfer.wait_event(written)
         wire = ops.gather_blocks(caches, spec, ids, 64 * 16)
         done = record_done()
     torch.cuda.current_stream().wait_event(done)
@@ -471,16 +471,6 @@ def test_gpu_stream_ordering_transfer_sees_kernel_result():
         wire.cpu().view(torch.uint8),
         ops.gather_blocks([v.cpu() for v in new_vals], spec, ids, 64 * 16).view(torch.uint8),
     )
-
-
-def test_wait_for_cpu_is_noop_and_rejects_junk():
-    from kvxfer.staging import wait_for
-
-    wait_for(None)
-    wait_for([])
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="deps"):
-            wait_for(["event"])
 
 
 def test_publish_makes_the_cache_device_context_current_for_driver_calls():

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kvxfer import KVCacheSpec, ops
-from kvxfer.transports import (
+from kvxfer.transports.batching import (
     Item,
-    build_chunks,
     cache_views,
     dedupe_prefixes,
+    pack_calls,
     plan_batch,
     unit_view,
     units_of,
@@ -70,7 +70,7 @@ def test_batched_copy_matches_per_request(src, dst, max_calls_one):
         Item(f"r{i}", units_of(s, src.block_size, n, su), units_of(d, dst.block_size, n, du), n)
         for i, (n, s, d) in enumerate(reqs)
     ]
-    chunks = build_chunks(items, su, du)
+    chunks = pack_calls(items, su, du)
     for ch in chunks:
         ops.copy_blocks(sv, sspec, ch.src, dv, dspec, ch.dst, ch.num_tokens)
     assert sorted(r for ch in chunks for r in ch.request_ids) == sorted(it.request_id for it in items)
@@ -154,11 +154,11 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens):
     bp = plan_batch(items, src.block_size, [v.unit for v in sviews], dst.block_size, [v.unit for v in dviews])
     sv = next(v for v in sviews if v.unit == bp.src_unit)
     dv = next(v for v in dviews if v.unit == bp.dst_unit)
-    for ch in bp.chunks:
+    for ch in bp.calls:
         ops.copy_blocks(sv.caches, sv.spec, ch.src, dv.caches, dv.spec, ch.dst, ch.num_tokens)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-    moved = sum(c.num_tokens for c in bp.chunks)
+    moved = sum(c.num_tokens for c in bp.calls)
     assert moved + bp.skipped_tokens == sum(it.num_tokens for it in items)
     if len(lens) > 1:
         assert bp.skipped_tokens >= min(2 * src.block_size, dst.block_size) // math.lcm(
@@ -167,10 +167,10 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens):
     # Unit choice: one request moves as block lists (no per-token array) in one call.
     if len(lens) == 1:
         assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
-        assert len(bp.chunks) == 1 and bp.chunks[0].src.size == src.num_blocks_for(lens[0])
+        assert len(bp.calls) == 1 and bp.calls[0].src.size == src.num_blocks_for(lens[0])
     # Calls: max(1, requests with a partial last unit); one call when both sides have token slots.
     if len(sviews) == 2 and len(dviews) == 2:
-        assert len(bp.chunks) == 1
+        assert len(bp.calls) == 1
 
 
 def test_plan_batch_one_call_per_ragged_request_on_hnd():
@@ -181,8 +181,8 @@ def test_plan_batch_one_call_per_ragged_request_on_hnd():
         for i, n in enumerate(lens)
     ]
     bp = plan_batch(items, 16, [16], 16, [16])
-    assert len(bp.chunks) == 2
-    assert sorted(r for c in bp.chunks for r in c.request_ids) == sorted(it.request_id for it in items)
+    assert len(bp.calls) == 2
+    assert sorted(r for c in bp.calls for r in c.request_ids) == sorted(it.request_id for it in items)
 
 
 @pytest.mark.parametrize(("src", "dst"), _cases())
@@ -196,5 +196,5 @@ def test_plan_batch_whole_block_requests_go_as_block_lists(src, dst):
         s0, d0 = s0 + ns, d0 + nd
     bp = plan_batch(items, src.block_size, [src.block_size, 1], dst.block_size, [dst.block_size, 1])
     assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
-    assert len(bp.chunks) == 1 and bp.chunks[0].src.tolist() == list(range(s0))
-    assert bp.chunks[0].dst.tolist() == list(range(d0))
+    assert len(bp.calls) == 1 and bp.calls[0].src.tolist() == list(range(s0))
+    assert bp.calls[0].dst.tolist() == list(range(d0))

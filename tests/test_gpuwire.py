@@ -16,7 +16,7 @@ from kvxfer.ordering import NOT_READY, StreamOrder
 from kvxfer.transports import choice, cuda_mapper
 from kvxfer.transports.cuda_ipc import publish_caches
 from kvxfer.transports.shm import alloc_shm_caches
-from kvxfer.transports.staged import StagedPipeline, pieces
+from kvxfer.transports.staged import StagedPipeline
 
 from .engine_procs import check, fill, poison, untouched
 from .test_cuda_ipc import FakeDriver, carve, info
@@ -173,9 +173,10 @@ def test_pair_request_for_a_backend_not_served_is_refused():
     caches = [torch.zeros(SPEC.cache_shape(8, 1), dtype=SPEC.dtype) for _ in range(2)]
     p = TransferEngine(SPEC, caches, 0, 1, "P", transport="pg").start()
     try:
-        rep = p._handle(C.PairReq("D", 0, "k", "nccl"))
+        tok = p.export("r", [1], 4)["token"]
+        rep = p._handle(C.PairReq("D", 0, "k", "nccl", "r", tok))
         assert not rep.ok and "pg backend 'nccl' not served here (offers ['gloo'])" in rep.failed["*"]
-        hello = p._handle(C.Hello(**p._identity_fields()))
+        hello = p._handle(C.Hello(**p._identity_fields(), request_id="r", token=tok))
         assert hello.pg["backends"] == ["gloo"]
     finally:
         p.close()
@@ -236,22 +237,13 @@ def test_cuda_mapper_attach_copy_detach_with_fake_driver():
 
 
 # --------------------------------------------------------------------------- staged pipeline units
-def test_pieces_cut_at_unit_boundaries():
-    calls = [(torch.arange(10), 150), (torch.arange(100, 103), 20)]
-    ps = pieces(calls, 64, 16)
-    assert [p.num_tokens for p in ps] == [64, 64, 22, 20] and [p.index for p in ps] == [0, 1, 2, 3]
-    assert ps[1].units.tolist() == [4, 5, 6, 7] and ps[2].units.tolist() == [8, 9]
-    assert [p.num_tokens for p in pieces(calls, 0, 16)] == [150, 20]
-    with pytest.raises(ValueError, match="multiple of the unit"):
-        pieces(calls, 60, 16)
-
-
 def test_staged_pipeline_config_and_chunk_agreement():
     p = StagedPipeline(buffer_bytes=4096)
     assert p.pg_backend(torch.device("cpu")) == "gloo" and p.pg_backend(CUDA) == "nccl"
     assert StagedPipeline(pin_memory=True).pg_backend(CUDA) == "gloo"
     assert p.handshake_info() == {"staging_bytes": 4096}
-    assert p.chunk_tokens_for({"backend": "gloo"}, 64, 1, 1) == 0  # exporter does not stage
+    with pytest.raises(ValueError, match="advertises no staging buffer size"):
+        p.chunk_tokens_for({"backend": "gloo"}, 64, 1, 1)  # a peer that does not stage
     assert p.chunk_tokens_for({"staging_bytes": 2048}, 64, 8, 12) == 24  # min buffer, lcm 24
     assert (
         StagedPipeline(4096, max_chunk_tokens=10).chunk_tokens_for({"staging_bytes": 1 << 20}, 64, 1, 1) == 10
@@ -261,6 +253,7 @@ def test_staged_pipeline_config_and_chunk_agreement():
     assert p.check_chunk(SPEC, 2, 16, 8) == ""  # 256 bytes per token
     assert "staging buffers hold" in p.check_chunk(SPEC, 2, 24, 8)
     assert "multiple of the unit" in p.check_chunk(SPEC, 2, 12, 8)
+    assert "positive int" in p.check_chunk(SPEC, 2, 0, 8)
     for bad in ({"buffer_bytes": 0}, {"depth": 1}, {"max_chunk_tokens": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             StagedPipeline(**bad)
@@ -336,7 +329,7 @@ def test_staged_pg_in_process_chunks_exact_pool_reused(case):
         assert ds["staging_pools"] == 1 and ps["staging_pools"] == 1  # one pool each, made once
         assert [pl._storage.data_ptr() for pl in (*pp._pools.values(), *dp._pools.values())] == ptrs
         assert ds["staging_chunks_recv"] == ps["staging_chunks_sent"] >= 3 + 2
-        assert ds["staging_fallback_allocs"] == 0 and ds["transfers"] == len(reqs)
+        assert ds["transfers"] == len(reqs)
         pool = next(iter(dp._pools.values()))
         assert pool.num_free == pool.num_buffers and pool.num_leases == ds["staging_streams"]
     finally:
@@ -344,24 +337,41 @@ def test_staged_pg_in_process_chunks_exact_pool_reused(case):
         p.close()
 
 
-def test_staged_loader_with_unstaged_exporter_receives_whole_wires():
-    """An exporter without staging sends whole wires; the staged loader still lands them
-    (into a staging buffer when one fits, else a counted fallback tensor)."""
+def test_ends_with_different_buffers_agree_on_chunks():
+    """Exporter and loader cut the same chunks from min(buffers): a 40-token request through a
+    20-token exporter buffer and a 64-token loader buffer lands exactly in 2+ chunks."""
     sc = [torch.empty(SPEC.cache_shape(32, 1), dtype=SPEC.dtype) for _ in range(2)]
     dc = [torch.empty(SPEC.cache_shape(32, 1), dtype=SPEC.dtype) for _ in range(2)]
     poison(dc)
-    dp = StagedPipeline(buffer_bytes=20 * SPEC.bytes_per_token())
-    p = TransferEngine(SPEC, sc, 0, 1, "P", transport="pg").start()
+    pp = StagedPipeline(buffer_bytes=20 * SPEC.bytes_per_token())
+    dp = StagedPipeline(buffer_bytes=64 * SPEC.bytes_per_token())
+    p = TransferEngine(SPEC, sc, 0, 1, "P", transport="pg", pipeline=pp).start()
     d = TransferEngine(SPEC, dc, 0, 1, "D", transport="pg", pipeline=dp).start()
     try:
-        fill(sc, SPEC, 0, 1, [3, 4, 5], 20, seed=1)
         fill(sc, SPEC, 0, 1, [6, 7, 8, 9, 10], 40, seed=2)
-        d.load("a", p.export("a", [3, 4, 5], 20), [1, 2, 3])
-        assert _wait(d, {"a"}) == {"a": "done"}
         d.load("b", p.export("b", [6, 7, 8, 9, 10], 40), [11, 12, 13, 14, 15])
-        assert _wait(d, {"a", "b"} - {"a"}) == {"b": "done"}
-        assert check(dc, SPEC, 0, 1, [1, 2, 3], 20, 1) and check(dc, SPEC, 0, 1, [11, 12, 13, 14, 15], 40, 2)
-        assert d.stats()["staging_fallback_allocs"] == 1  # only the 40-token wire did not fit
+        assert _wait(d, {"b"}) == {"b": "done"}
+        assert check(dc, SPEC, 0, 1, [11, 12, 13, 14, 15], 40, 2)
+        assert untouched(dc, SPEC, {11, 12, 13, 14, 15}, {15: 40 - 4 * 8})
+        assert d.stats()["staging_chunks_recv"] >= 2 and p.stats()["staging_chunks_sent"] >= 2
+    finally:
+        d.close()
+        p.close()
+
+
+def test_exporter_without_staging_is_refused_by_name():
+    """A peer that does not advertise its staging buffers (an incompatible kvxfer) is refused
+    at the handshake, naming why; nothing is moved."""
+    sc = [torch.empty(SPEC.cache_shape(32, 1), dtype=SPEC.dtype) for _ in range(2)]
+    dc = [torch.zeros(SPEC.cache_shape(32, 1), dtype=SPEC.dtype) for _ in range(2)]
+    p = TransferEngine(SPEC, sc, 0, 1, "P", transport="pg").start()
+    p.pipeline.handshake_info = dict  # advertises nothing
+    d = TransferEngine(SPEC, dc, 0, 1, "D", transport="pg").start()
+    try:
+        d.load("a", p.export("a", [3, 4, 5], 20), [1, 2, 3])
+        got = _wait(d, {"a"})
+        assert got["a"].startswith("failed:") and "advertises no staging buffers" in got["a"], got
+        assert bool((dc[0] == 0).all())
     finally:
         d.close()
         p.close()

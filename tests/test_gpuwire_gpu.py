@@ -60,7 +60,7 @@ def test_staged_pg_pinned_host_between_processes(case):
     _assert_all_landed(res, sc, src_tp, dst_tp, "pg")
     for r in range(dst_tp):
         s = res[f"D{r}"]["stats"]
-        assert s["staging_pools"] == 1 and s["staging_chunks_recv"] >= 3 and s["staging_fallback_allocs"] == 0
+        assert s["staging_pools"] == 1 and s["staging_chunks_recv"] >= 3
 
 
 @pytest.mark.multigpu

@@ -34,7 +34,7 @@ def test_staged_pg_between_processes(case):
         assert d["untouched"]
         s = d["stats"]
         assert s["transfers"] == len(want) and s["failures"] == 0 and s["transports"] == {"P": "pg"}
-        assert s["staging_pools"] == 1 and s["staging_fallback_allocs"] == 0
+        assert s["staging_pools"] == 1
         assert s["staging_chunks_recv"] >= 3 + len(lengths) - 1, s
         assert s["staging_streams"] >= 1
     sent = sum(res[f"P{r}"]["stats"]["staging_chunks_sent"] for r in range(src_tp))

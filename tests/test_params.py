@@ -12,7 +12,8 @@ GOOD = {
     "tp_size": 2,
     "block_ids": [3, 1, 4],
     "num_tokens": 40,
-    "version": 1,
+    "token": "0123456789abcdef0123456789abcdef",
+    "version": 2,
 }
 
 
@@ -52,6 +53,10 @@ def test_list_for_parallel_sampling():
         ("block_ids", [1, -1]),
         ("block_ids", [1, 2.0]),
         ("version", 99),
+        ("version", 1),  # params of a kvxfer without tokens
+        ("token", ""),
+        ("token", None),
+        ("token", "short"),
     ],
 )
 def test_bad_field_named(field, value):
@@ -60,7 +65,7 @@ def test_bad_field_named(field, value):
 
 
 def test_missing_field_named():
-    for field in ("request_id", "engine_id", "host", "port", "tp_size", "block_ids", "num_tokens"):
+    for field in ("request_id", "engine_id", "host", "port", "tp_size", "block_ids", "num_tokens", "token"):
         d = dict(GOOD)
         del d[field]
         with pytest.raises(ValueError, match=field):
@@ -81,5 +86,7 @@ def test_block_id_array_cached_and_read_only():
     assert a.tolist() == GOOD["block_ids"] and a is p.block_id_array()
     with pytest.raises(ValueError):
         a[0] = 7
-    q = KVTransferParams("r1", "P", "10.0.0.1", 5000, 2, (3, 1, 4), 40)  # built without from_dict
+    q = KVTransferParams(
+        "r1", "P", "10.0.0.1", 5000, 2, (3, 1, 4), 40, GOOD["token"]
+    )  # built without from_dict
     assert q.block_id_array().tolist() == [3, 1, 4] and q == p

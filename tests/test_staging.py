@@ -15,18 +15,10 @@ from datetime import timedelta
 import pytest
 import torch
 
+from kvxfer import ops
 from kvxfer.spec import KVCacheSpec, Layout
-from kvxfer.staging import (
-    Chunk,
-    StagingPool,
-    host_fences,
-    ops_gatherer,
-    ops_scatterer,
-    pipelined_recv,
-    pipelined_send,
-    plan_chunks,
-    wire_viewer,
-)
+from kvxfer.staging import Chunk, StagingPool, chunk_tokens_for, cut, pipelined_recv, pipelined_send
+from kvxfer.transports.staged import StagedPipeline
 
 POISON = 0xA5
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -108,66 +100,56 @@ def bytes_equal(a: list, b: list) -> bool:
 
 
 # --------------------------------------------------------------------------- chunk planner
-def test_plan_mixed_block_sizes_partial_last():
+def test_chunk_tokens_agree_on_both_units():
     # 16 (P) vs 32 (D): unit 32; 100 tokens fit a buffer -> chunks of 96.
-    plan = plan_chunks(250, 16, 32, bytes_per_token=10, buffer_bytes=1000)
-    assert plan.chunk_tokens == 96 and len(plan) == 3
-    c = list(plan)
-    assert c[1] == Chunk(1, 96, 96, 6, 6, 3, 3)
-    assert c[2] == Chunk(2, 192, 58, 12, 4, 6, 2)  # 58 tokens: 4 blocks of 16, 2 of 32 (partial)
-    assert plan[-1] == c[2]
-    with pytest.raises(IndexError):
-        plan[3]
+    assert chunk_tokens_for(1000, 10, 16, 32) == 96
+    assert chunk_tokens_for(10_000, 1, 16, 16, max_chunk_tokens=40) == 32
+    with pytest.raises(ValueError, match=r"lcm\(12, 32\) = 96"):
+        chunk_tokens_for(600, 100, 12, 32)
+    with pytest.raises(ValueError, match="lcm"):
+        chunk_tokens_for(10_000, 1, 16, 16, max_chunk_tokens=8)
+    for bad in (dict(buffer_bytes=1.5), dict(bytes_per_token=True), dict(max_chunk_tokens=0)):
+        kw = dict(buffer_bytes=64, bytes_per_token=4, src_unit=16, dst_unit=16) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            chunk_tokens_for(**kw)
+
+
+def test_cut_mixed_block_sizes_partial_last():
+    """Both ends cut the same tokens: 250 tokens, chunks of 96 over blocks of 16 (P) and 32 (D)."""
+    src = cut([(list(range(100, 116)), 250)], 96, 16)
+    dst = cut([(list(range(200, 208)), 250)], 96, 32)
+    assert [(c.index, c.num_tokens) for c in src] == [(0, 96), (1, 96), (2, 58)]
+    assert [(c.index, c.num_tokens) for c in dst] == [(0, 96), (1, 96), (2, 58)]
+    assert src[1].units == list(range(106, 112)) and src[2].units == list(range(112, 116))
+    assert dst[2] == Chunk(2, [206, 207], 58)  # 58 tokens: 2 blocks of 32, the last partial
+    t = torch.arange(1000, 1016)
+    views = cut([(t, 250)], 96, 16)
+    assert views[1].units.data_ptr() == t[6:].data_ptr()  # tensor slices are views
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_plan_tiles_request(seed):
+def test_cut_tiles_calls(seed):
     rng = random.Random(seed)
     sbs, dbs = rng.choice([1, 5, 12, 16, 32, 48]), rng.choice([3, 16, 20, 32, 64])
-    unit = math.lcm(sbs, dbs)
     bpt = rng.randint(1, 50)
+    unit = math.lcm(sbs, dbs)
     buf = rng.randint(unit * bpt, 6 * unit * bpt)
-    T = rng.randint(0, 2000)
-    plan = plan_chunks(T, sbs, dbs, bpt, buf)
-    src_blocks, dst_blocks, t = [], [], 0
-    for i, ch in enumerate(plan):
-        assert ch.index == i and ch.token_start == t and ch.num_tokens > 0
-        assert ch.num_tokens * bpt <= buf
-        if i < len(plan) - 1:
-            assert ch.num_tokens % unit == 0
-        src_blocks += list(ch.src_blocks(list(range(10_000))))
-        dst_blocks += list(ch.dst_blocks(list(range(10_000))))
-        t += ch.num_tokens
-    assert t == T
-    assert src_blocks == list(range(-(-T // sbs))) and dst_blocks == list(range(-(-T // dbs)))
-    assert plan.max_chunk_bytes <= buf
-
-
-def test_plan_small_request_single_chunk_and_errors():
-    # 5 tokens fit even though a full lcm unit (96) would not: one (last) chunk.
-    plan = plan_chunks(5, 12, 32, bytes_per_token=100, buffer_bytes=600)
-    assert [(c.token_start, c.num_tokens, c.src_num_blocks, c.dst_num_blocks) for c in plan] == [(0, 5, 1, 1)]
-    assert len(plan_chunks(0, 16, 16, 8, 64)) == 0
-    with pytest.raises(ValueError, match=r"lcm\(12, 32\) = 96"):
-        plan_chunks(500, 12, 32, bytes_per_token=100, buffer_bytes=600)
-    with pytest.raises(ValueError, match="max_chunk_tokens"):
-        plan_chunks(500, 16, 16, bytes_per_token=1, buffer_bytes=10_000, max_chunk_tokens=8)
-    assert (
-        plan_chunks(500, 16, 16, bytes_per_token=1, buffer_bytes=10_000, max_chunk_tokens=40).chunk_tokens
-        == 32
-    )
-    for bad in (
-        dict(num_tokens=-1),
-        dict(src_block_size=0),
-        dict(bytes_per_token=True),
-        dict(buffer_bytes=1.5),
-    ):
-        kw = (
-            dict(num_tokens=10, src_block_size=16, dst_block_size=16, bytes_per_token=4, buffer_bytes=64)
-            | bad
-        )
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            plan_chunks(**kw)
+    chunk = chunk_tokens_for(buf, bpt, sbs, dbs)
+    assert chunk % unit == 0 and chunk * bpt <= buf
+    lens = [rng.randint(0, 700) for _ in range(rng.randint(1, 3))]
+    for bs in (sbs, dbs):
+        calls, base = [], 0
+        for n in lens:
+            nb = -(-n // bs)
+            calls.append((list(range(base, base + nb)), n))
+            base += nb
+        got = cut(calls, chunk, bs)
+        assert [c.index for c in got] == list(range(len(got)))
+        assert sum(c.num_tokens for c in got) == sum(lens)
+        assert [u for c in got for u in c.units] == list(range(base))
+        assert all(0 < c.num_tokens <= chunk and len(c.units) == -(-c.num_tokens // bs) for c in got)
+    with pytest.raises(ValueError, match="not a multiple of the unit"):
+        cut([([0], 5)], 10, 4)
 
 
 # --------------------------------------------------------------------------- pool
@@ -213,16 +195,16 @@ def test_pool_bounded_wait_and_errors():
             StagingPool(2, 64, pin_memory=True)
 
 
-def test_wire_viewer_checks_size():
+def test_wire_view_checks_size():
     spec = KVCacheSpec(2, 4, 8, 16, torch.bfloat16)
-    view = wire_viewer(spec, num_heads=2)
-    plan = plan_chunks(40, 16, 16, spec.bytes_per_token(2), 2048)
-    buf = torch.empty(2048, dtype=torch.uint8)
-    w = view(plan[0], buf)
-    assert w.shape == (2, 2, 2, plan[0].num_tokens, 8) and w.dtype == torch.bfloat16 and w.is_contiguous()
+    view = StagedPipeline._viewer(spec, num_heads=2)
+    c = cut([(list(range(3)), 40)], 32, 16)[0]
+    buf = torch.empty(4096, dtype=torch.uint8)
+    w = view(c, buf)
+    assert w.shape == (2, 2, 2, 32, 8) and w.dtype == torch.bfloat16 and w.is_contiguous()
     assert w.data_ptr() == buf.data_ptr()
     with pytest.raises(ValueError, match=r"needs \d+ bytes"):
-        view(plan[0], buf[:100])
+        view(c, buf[:100])
 
 
 # --------------------------------------------------------------------------- pipeline ordering (fakes)
@@ -246,7 +228,7 @@ class FakeFence:
 
 
 def _plan4():
-    return plan_chunks(64, 16, 16, bytes_per_token=1, buffer_bytes=16)
+    return cut([(list(range(4)), 64)], 16, 16)
 
 
 def test_send_overlaps_gather_with_previous_send():
@@ -350,12 +332,9 @@ def test_pipeline_argument_errors():
     one = [torch.zeros(16, dtype=torch.uint8)]
     with pytest.raises(ValueError, match="at least 2"):
         pipelined_send(plan, one, None, None, None)
-    small = [torch.zeros(8, dtype=torch.uint8)] * 2
-    with pytest.raises(ValueError, match="smallest buffer has 8"):
-        pipelined_recv(plan, small, None, None, None)
     with pytest.raises(ValueError, match="one per slot"):
         pipelined_send(plan, one * 2, None, None, None, fences=[FakeFence([], 0)])
-    assert host_fences(2, "cpu", "cpu") is None
+    assert StagedPipeline()._fences(StagingPool(2, 64), torch.device("cpu"), 1.0) is None
 
 
 # --------------------------------------------------------------------------- end to end (threads)
@@ -385,18 +364,32 @@ def _setup(case, dtype, mla=False, seed=0):
     dids = torch.randperm(ndb, generator=g)[: dspec.num_blocks_for(T)]
     src = make_cache(sspec, nsb, sspec.heads_per_rank(stp), srank)
     dst = poisoned(dspec, ndb, dspec.heads_per_rank(dtp))
-    plan = plan_chunks(
-        T,
-        sspec.block_size,
-        dspec.block_size,
-        sspec.bytes_per_token(read.num_heads),
-        buffer_bytes=1 << 20,
-        max_chunk_tokens=cap,
-    )
+    bpt = sspec.bytes_per_token(read.num_heads)
+    chunk = chunk_tokens_for(1 << 20, bpt, sspec.block_size, dspec.block_size, cap)
+    src_chunks = cut([(sids, T)], chunk, sspec.block_size)
+    dst_chunks = cut([(dids, T)], chunk, dspec.block_size)
     want = expected_dst(
         src, sspec, sids, dst, dspec, dids, T, read.src_head_start, read.dst_head_start, read.num_heads
     )
-    return sspec, dspec, read, sids, dids, src, dst, plan, want
+    return sspec, dspec, read, src_chunks, dst_chunks, src, dst, chunk * bpt, want
+
+
+def _gatherer(src, spec, read=None):
+    h0, nh = (read.src_head_start, read.num_heads) if read is not None else (0, None)
+
+    def gather(c, buf):
+        ops.gather_blocks(src, spec, c.units, c.num_tokens, h0, nh, out=buf, backend="torch")
+
+    return gather
+
+
+def _scatterer(dst, spec, read=None):
+    h0 = read.dst_head_start if read is not None else 0
+
+    def scatter(c, buf):
+        ops.scatter_blocks(buf, dst, spec, c.units, c.num_tokens, h0, backend="torch")
+
+    return scatter
 
 
 class QueueWork:
@@ -410,29 +403,29 @@ class QueueWork:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_pipeline_threads_byte_exact(case, dtype):
-    sspec, dspec, read, sids, dids, src, dst, plan, want = _setup(CASES[case], dtype)
-    assert len(plan) >= 2 or CASES[case][6] <= CASES[case][7]
+    sspec, dspec, read, schunks, dchunks, src, dst, max_bytes, want = _setup(CASES[case], dtype)
+    assert len(schunks) >= 2 or CASES[case][6] <= CASES[case][7]
     q: queue.Queue = queue.Queue()
-    pool_s, pool_d = StagingPool(2, plan.max_chunk_bytes), StagingPool(3, plan.max_chunk_bytes)
+    pool_s, pool_d = StagingPool(2, max_bytes), StagingPool(3, max_bytes)
     sender = threading.Thread(
         target=lambda: pipelined_send(
-            plan,
+            schunks,
             pool_s.buffers,
-            wire_viewer(sspec, read.num_heads),
-            ops_gatherer(src, sspec, sids, read.src_head_start, read.num_heads, backend="torch"),
+            StagedPipeline._viewer(sspec, read.num_heads),
+            _gatherer(src, sspec, read),
             lambda c, b: q.put(b.clone()),
         )
     )
     sender.start()
     n = pipelined_recv(
-        plan,
+        dchunks,
         pool_d.buffers,
-        wire_viewer(dspec, read.num_heads),
+        StagedPipeline._viewer(dspec, read.num_heads),
         lambda c, b: QueueWork(q, b),
-        ops_scatterer(dst, dspec, dids, read.dst_head_start, backend="torch"),
+        _scatterer(dst, dspec, read),
     )
     sender.join(30)
-    assert not sender.is_alive() and n == len(plan)
+    assert not sender.is_alive() and n == len(dchunks) == len(schunks)
     assert not bytes_equal(
         dst, poisoned(dspec, dst[0].shape[1], dst[0].shape[3 if dspec.layout is Layout.NHD else 2])
     )
@@ -441,23 +434,22 @@ def test_pipeline_threads_byte_exact(case, dtype):
 
 def test_pipeline_threads_mla():
     case = (dict(layout="NHD", block_size=16), 2, 0, dict(layout="NHD", block_size=24), 1, 0, 100, 48)
-    sspec, dspec, _read, sids, dids, src, dst, plan, want = _setup(case, torch.float16, mla=True)
-    assert len(plan) == 3
+    sspec, dspec, _read, schunks, dchunks, src, dst, max_bytes, want = _setup(case, torch.float16, mla=True)
+    assert len(schunks) == 3
     q: queue.Queue = queue.Queue()
-    slots = StagingPool(2, plan.max_chunk_bytes).buffers
     pipelined_send(
-        plan,
-        slots,
-        wire_viewer(sspec),
-        ops_gatherer(src, sspec, sids, backend="torch"),
+        schunks,
+        StagingPool(2, max_bytes).buffers,
+        StagedPipeline._viewer(sspec, 1),
+        _gatherer(src, sspec),
         lambda c, b: q.put(b.clone()),
     )
     pipelined_recv(
-        plan,
-        StagingPool(2, plan.max_chunk_bytes).buffers,
-        wire_viewer(dspec),
+        dchunks,
+        StagingPool(2, max_bytes).buffers,
+        StagedPipeline._viewer(dspec, 1),
         lambda c, b: QueueWork(q, b),
-        ops_scatterer(dst, dspec, dids, backend="torch"),
+        _scatterer(dst, dspec),
     )
     assert bytes_equal(dst, want)
 
@@ -477,32 +469,31 @@ def _gloo_worker(rank: int, port: int, errq) -> None:
         for ci, (case, dtype, depth) in enumerate(
             [(CASES[0], torch.bfloat16, 2), (CASES[1], torch.float8_e5m2, 3), (CASES[2], torch.float16, 2)]
         ):
-            sspec, dspec, read, sids, dids, src, dst, plan, want = _setup(case, dtype, seed=ci)
+            sspec, dspec, read, schunks, dchunks, src, dst, max_bytes, want = _setup(case, dtype, seed=ci)
             tag = 1000 * (ci + 1)
+            pool = StagingPool(depth, max_bytes)
             if rank == 0:
-                pool = StagingPool(depth, plan.max_chunk_bytes)
                 with pool.lease(depth) as slots:
                     n = pipelined_send(
-                        plan,
+                        schunks,
                         slots,
-                        wire_viewer(sspec, read.num_heads),
-                        ops_gatherer(src, sspec, sids, read.src_head_start, read.num_heads, backend="torch"),
+                        StagedPipeline._viewer(sspec, read.num_heads),
+                        _gatherer(src, sspec, read),
                         lambda c, b, tag=tag: pg.send([b.view(torch.uint8).view(-1)], peer, tag + c.index),
                     )
             else:
-                pool = StagingPool(depth, plan.max_chunk_bytes)
                 with pool.lease(depth) as slots:
                     n = pipelined_recv(
-                        plan,
+                        dchunks,
                         slots,
-                        wire_viewer(dspec, read.num_heads),
+                        StagedPipeline._viewer(dspec, read.num_heads),
                         lambda c, b, tag=tag: pg.recv([b.view(torch.uint8).view(-1)], peer, tag + c.index),
-                        ops_scatterer(dst, dspec, dids, read.dst_head_start, backend="torch"),
+                        _scatterer(dst, dspec, read),
                     )
                 if not bytes_equal(dst, want):
                     raise AssertionError(f"case {ci}: destination cache differs from the oracle")
-            if n != len(plan) or len(plan) < 2:
-                raise AssertionError(f"case {ci}: {n} chunks moved, plan has {len(plan)}")
+            if n != len(schunks) or len(schunks) < 2:
+                raise AssertionError(f"case {ci}: {n} chunks moved, the cut has {len(schunks)}")
         errq.put((rank, None))
     except BaseException:
         errq.put((rank, traceback.format_exc()))
@@ -544,32 +535,44 @@ def test_pipeline_over_gloo_two_processes():
 @pytest.mark.parametrize("pinned", [True, False])
 def test_gpu_staging_byte_exact(pinned):
     """CUDA caches through pinned-host (with host fences) or device staging buffers."""
-    sspec, dspec, read, sids, dids, src, dst, plan, want = _setup(CASES[0], torch.bfloat16)
+    sspec, dspec, read, schunks, dchunks, src, dst, max_bytes, want = _setup(CASES[0], torch.bfloat16)
     src = [c.cuda() for c in src]
     dst = [c.cuda() for c in dst]
     dev = "cpu" if pinned else "cuda"
-    pool_s = StagingPool(2, plan.max_chunk_bytes, device=dev, pin_memory=pinned)
-    pool_d = StagingPool(2, plan.max_chunk_bytes, device=dev, pin_memory=pinned)
+    pool_s = StagingPool(2, max_bytes, device=dev, pin_memory=pinned)
+    pool_d = StagingPool(2, max_bytes, device=dev, pin_memory=pinned)
     assert all(b.is_pinned() for b in pool_s.buffers) == pinned
+
+    def fences():
+        return StagedPipeline()._fences(pool_s, torch.device("cuda"), 30.0)
+
+    assert (fences() is not None) == pinned
     q: queue.Queue = queue.Queue()
+
+    def gather(c, buf):
+        ops.gather_blocks(src, sspec, c.units, c.num_tokens, read.src_head_start, read.num_heads, out=buf)
+
+    def scatter(c, buf):
+        ops.scatter_blocks(buf, dst, dspec, c.units, c.num_tokens, read.dst_head_start)
+
     sender = threading.Thread(
         target=lambda: pipelined_send(
-            plan,
+            schunks,
             pool_s.buffers,
-            wire_viewer(sspec, read.num_heads),
-            ops_gatherer(src, sspec, sids, read.src_head_start, read.num_heads),
+            StagedPipeline._viewer(sspec, read.num_heads),
+            gather,
             lambda c, b: q.put(b.clone()),
-            host_fences(2, dev, "cuda"),
+            fences(),
         )
     )
     sender.start()
     pipelined_recv(
-        plan,
+        dchunks,
         pool_d.buffers,
-        wire_viewer(dspec, read.num_heads),
+        StagedPipeline._viewer(dspec, read.num_heads),
         lambda c, b: QueueWork(q, b),
-        ops_scatterer(dst, dspec, dids, read.dst_head_start),
-        host_fences(2, dev, "cuda"),
+        scatter,
+        fences(),
     )
     sender.join(30)
     torch.cuda.synchronize()

@@ -2,367 +2,40 @@
 
 Two kinds, chosen at handshake and reported in stats (never a silent fallback):
 
-* ``ipc`` — the loader maps the exporter's cache memory and runs one ``copy_blocks`` per
-  (batch, source rank) straight from it into its own cache; no staging. A *cache mapper* says
-  how an exporter describes its memory and how a loader maps it: ``"shm"``
-  (:mod:`kvxfer.transports.shm`, CPU caches in POSIX shared memory) and ``"cuda"``
-  (:mod:`kvxfer.transports.cuda_mapper`, CUDA IPC handles); :mod:`kvxfer.transports.choice`
-  picks by cache device and says why ipc cannot be used when it cannot. Extension point:
-  :func:`register_mapper` — a CUDA IPC mapper (``describe(caches) -> dict | None``,
-  ``attach(desc) -> (caches, handle)``, ``detach(handle)``) plugs in under another name and
-  the engine uses it unchanged. Before and after every direct copy the loader compares the
-  exporter's per-block lease epochs (an int64 array the exporter shares) with the snapshot it
-  was granted, so data of released blocks is never delivered.
+* ``ipc`` — the loader maps the exporter's cache memory (a *cache mapper*,
+  :mod:`kvxfer.transports.mappers`: ``"shm"`` for CPU caches in shared memory, ``"cuda"`` for
+  CUDA IPC handles) and runs one ``copy_blocks`` per (batch, source rank) straight from it into
+  its own cache; no staging. After every copy the loader compares the exporter's per-block
+  lease epochs (an int64 array the exporter shares) with the snapshot it was granted, so data
+  of released blocks is never delivered. :mod:`kvxfer.transports.choice` picks the transport
+  and says why ipc cannot be used when it cannot.
 * ``pg`` — a 2-rank torch ProcessGroup per (exporter rank, loader rank) pair
-  (:mod:`kvxfer.transports.pg`): the exporter gathers into a wire tensor and sends it; the
-  loader receives and scatters. Extension point: :class:`WirePipeline` — the engine hands
-  each chunk's wire to ``pipeline.send(...)`` / receives with ``pipeline.recv(...)``; the
-  default sends a chunk whole; a chunked, double-buffered staging pipeline (pinned host
-  buffers for GPU caches) replaces it without touching the engine.
+  (:mod:`kvxfer.transports.pg`: NCCL, or Gloo on CPU and through pinned host memory when both
+  ranks share a GPU) through the chunked, double-buffered staging pipeline of
+  :mod:`kvxfer.transports.staged`.
 
-This module also holds the batching arithmetic shared by both: the views an ops call may
-address a cache through (:func:`cache_views`: whole blocks, and token slots for NHD/MLA), the
-choice of units per batch and the packing of several requests into one ops call
-(:func:`plan_batch`, :func:`build_chunks`). Requests travel as block lists; per-token slot
-arrays are built (one numpy op each) only when requests with partial last blocks share a call.
+Modules, one job each: ``mappers`` (registry), ``shm``/``cuda_ipc``/``cuda_mapper`` (the two
+mappers), ``choice`` (transport and pair backend, with reasons), ``pg`` (pair groups),
+``staged`` (the pg pipeline), ``batching`` (views and packing requests into ops calls).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from types import ModuleType
+from .batching import BatchPlan, CacheView, Call, Item, cache_views, plan_batch, unit_view, units_of
+from .mappers import mapper, register_mapper
 
-import numpy as np
-import torch
-
-from ..spec import KVCacheSpec, Layout
+TRANSPORTS = ("ipc", "pg")
 
 __all__ = [
     "TRANSPORTS",
     "BatchPlan",
     "CacheView",
-    "Chunk",
+    "Call",
     "Item",
-    "WirePipeline",
-    "build_chunks",
     "cache_views",
-    "dedupe_prefixes",
     "mapper",
     "plan_batch",
     "register_mapper",
-    "shared_prefixes",
     "unit_view",
     "units_of",
 ]
-
-TRANSPORTS = ("ipc", "pg")
-_MAPPERS: dict[str, str | ModuleType] = {
-    "shm": "kvxfer.transports.shm",
-    "cuda": "kvxfer.transports.cuda_mapper",
-}
-
-
-def register_mapper(name: str, module: str | ModuleType) -> None:
-    """Register an ``ipc`` cache mapper (module or import path) exposing describe/attach/detach."""
-    _MAPPERS[name] = module
-
-
-def mapper(name: str) -> ModuleType:
-    """The cache mapper registered as ``name``."""
-    import importlib
-
-    m = _MAPPERS.get(name)
-    if m is None:
-        raise ValueError(f"ipc mapper: unknown {name!r} (registered: {sorted(_MAPPERS)})")
-    if isinstance(m, str):
-        m = importlib.import_module(m)
-        _MAPPERS[name] = m
-    return m
-
-
-class WirePipeline:
-    """Moves one chunk's wire tensor over a pair group. Default: the whole wire at once.
-
-    Subclass (e.g. a chunked, double-buffered staging pipeline) and pass it to the engine as
-    ``pipeline=``; both methods must be bounded by ``timeout_s``.
-    """
-
-    def send(self, pg, wire: torch.Tensor, peer: int, timeout_s: float) -> None:
-        from .pg import send_tensor
-
-        send_tensor(pg, wire, peer, timeout_s)
-
-    def recv(self, pg, wire: torch.Tensor, peer: int, timeout_s: float) -> None:
-        from .pg import recv_tensor
-
-        recv_tensor(pg, wire, peer, timeout_s)
-
-
-# ------------------------------------------------------------------------------- batching
-@dataclass(frozen=True)
-class CacheView:
-    """One way to address a rank's caches in an ops call: ``unit`` tokens per id.
-
-    ``caches`` is an :class:`kvxfer.ops.PagedCache` (validated once, so ops calls skip the
-    per-layer checks: ~30 us per 32-layer call measured), ``spec`` its spec.
-    """
-
-    caches: Sequence[torch.Tensor]
-    spec: KVCacheSpec
-    unit: int
-
-
-def cache_views(caches: Sequence[torch.Tensor], spec: KVCacheSpec) -> tuple[CacheView, ...]:
-    """The views an ops call may address ``caches`` through, coarsest first.
-
-    Always the caches themselves (unit = ``block_size``: ids are block ids); for NHD and MLA
-    caches whose blocks are not padded apart also the block-size-1 view of
-    :func:`unit_view` (unit = 1: ids are token slots), which lets requests with a partial last
-    block share one ops call.
-    """
-    from .. import ops
-
-    out = [CacheView(ops.register_caches(caches, spec), spec, spec.block_size)]
-    views, vspec, unit = unit_view(caches, spec)
-    if unit == 1 and spec.block_size != 1:
-        out.append(CacheView(ops.register_caches(views, vspec), vspec, 1))
-    return tuple(out)
-
-
-def unit_view(
-    caches: Sequence[torch.Tensor], spec: KVCacheSpec
-) -> tuple[list[torch.Tensor], KVCacheSpec, int]:
-    """View a cache so several requests can share one ops call.
-
-    NHD ``[2, nb, bs, h, d]`` and MLA ``[nb, bs, d]`` caches are viewed with block size 1
-    (``[2, nb*bs, 1, h, d]``, ``[nb*bs, 1, d]``): a "block" is then one token slot, so
-    any concatenation of requests is exact. HND ``[2, nb, h, bs, d]`` cannot be re-blocked (its
-    token stride is inside a block), nor can caches whose blocks are padded apart; they keep
-    their blocks. Returns (views, spec of the
-    views, unit = tokens per unit).
-    """
-    c0 = caches[0]
-    if spec.use_mla:
-        mergeable = c0.stride(0) == c0.shape[1] * c0.stride(1)
-        if mergeable:
-            views = [c.view(-1, 1, c.shape[-1]) for c in caches]
-    elif spec.layout is Layout.NHD:
-        mergeable = c0.stride(1) == c0.shape[2] * c0.stride(2)
-        if mergeable:
-            views = [c.view(2, -1, 1, c.shape[3], c.shape[4]) for c in caches]
-    else:
-        mergeable = False
-    if not mergeable:  # HND, or blocks padded apart: keep whole blocks as units
-        return list(caches), spec, spec.block_size
-    return views, dataclasses.replace(spec, block_size=1), 1
-
-
-_OFFSETS: dict[int, np.ndarray] = {}
-
-
-def _slots(blocks: np.ndarray, block_size: int, start: int, stop: int) -> np.ndarray:
-    """Token slots (``block * block_size + offset``) of tokens ``[start, stop)``: one numpy op."""
-    off = _OFFSETS.get(block_size)
-    if off is None:
-        off = _OFFSETS[block_size] = np.arange(block_size, dtype=np.int64)
-    b0 = start // block_size
-    rows = blocks[b0 : -(-stop // block_size), None] * block_size + off
-    return rows.reshape(-1)[start - b0 * block_size : stop - b0 * block_size]
-
-
-def _np(ids) -> np.ndarray:
-    return ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
-
-
-def units_of(block_ids, block_size: int, num_tokens: int, unit: int) -> np.ndarray:
-    """Unit ids (int64 array) of a request's tokens: token slots when ``unit == 1``, else its blocks."""
-    ids = _np(block_ids).astype(np.int64, copy=False)
-    if unit == 1:
-        return _slots(ids, block_size, 0, num_tokens)
-    return ids[: -(-num_tokens // block_size)]
-
-
-@dataclass
-class Item:
-    """One request as seen by one (batch, source rank): unit ids on both sides (int arrays)."""
-
-    request_id: str
-    src: np.ndarray  # int64 source unit ids, ceil(num_tokens / src_unit)
-    dst: np.ndarray  # int64 destination unit ids, ceil(num_tokens / dst_unit)
-    num_tokens: int
-    skip: int = 0  # leading tokens carried by an earlier sibling in this batch (n>1)
-
-
-@dataclass
-class Chunk:
-    """One ops call: concatenated unit ids of the requests it carries."""
-
-    request_ids: list[str]
-    src: np.ndarray
-    dst: np.ndarray
-    num_tokens: int
-
-
-def _common_units(a, b) -> int:
-    a, b = _np(a), _np(b)
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
-def shared_prefixes(items: list[Item], src_unit: int, dst_unit: int) -> list[int]:
-    """Leading tokens of each request that an earlier request of the batch already carries.
-
-    Two requests share a prefix when their leading source *and* destination units are equal
-    (n>1 children whose loader gives them the same prefix blocks, as prefix caching does): the
-    tokens in their common leading units on both sides are the same cache rows.
-    """
-    out = [0] * len(items)
-    if len(items) < 2:
-        return out
-    leaders: dict[tuple[int, int], Item] = {}
-    for k, it in enumerate(items):
-        if it.num_tokens == 0:
-            continue
-        key = (int(it.src[0]), int(it.dst[0]))
-        lead = leaders.get(key)
-        if lead is None:
-            leaders[key] = it
-            continue
-        out[k] = min(
-            _common_units(lead.src, it.src) * src_unit,
-            _common_units(lead.dst, it.dst) * dst_unit,
-            lead.num_tokens,
-            it.num_tokens,
-        )
-    return out
-
-
-def dedupe_prefixes(items: list[Item], src_unit: int, dst_unit: int) -> None:
-    """Set ``skip`` of every request whose leading tokens an earlier request already carries
-    (:func:`shared_prefixes`), rounded down to whole units of both sides."""
-    align = math.lcm(src_unit, dst_unit)
-    for it, shared in zip(items, shared_prefixes(items, src_unit, dst_unit)):
-        it.skip = shared // align * align
-
-
-def build_chunks(items: list[Item], src_unit: int, dst_unit: int) -> list[Chunk]:
-    """Pack requests into as few ops calls as exactness allows.
-
-    A request can follow another in one call only if the tokens before it fill whole units on
-    both sides (a multiple of ``lcm(src_unit, dst_unit)``): then token ``t`` of the call lies
-    in unit ``t // unit`` of the concatenated unit lists on either side. Requests whose tokens
-    fill whole units go first, so a call closes only after a request with a partial last unit:
-    ``max(1, number of those)`` calls (one with unit 1). Requests' skipped prefixes
-    (:func:`dedupe_prefixes`) are left out.
-    """
-    align = math.lcm(src_unit, dst_unit)
-    live = [it for it in items if it.num_tokens > it.skip]
-    live.sort(key=lambda it: (it.num_tokens - it.skip) % align != 0)  # stable
-    chunks: list[Chunk] = []
-    ids: list[str] = []
-    srcs: list[np.ndarray] = []
-    dsts: list[np.ndarray] = []
-    total = 0
-
-    def close() -> None:
-        nonlocal ids, srcs, dsts, total
-        if total:
-            cat = len(srcs) > 1
-            src = np.concatenate(srcs) if cat else srcs[0]
-            dst = np.concatenate(dsts) if cat else dsts[0]
-            chunks.append(Chunk(ids, src, dst, total))
-        ids, srcs, dsts, total = [], [], [], 0
-
-    for it in live:
-        ids.append(it.request_id)
-        srcs.append(_np(it.src)[it.skip // src_unit : -(-it.num_tokens // src_unit)])
-        dsts.append(_np(it.dst)[it.skip // dst_unit : -(-it.num_tokens // dst_unit)])
-        total += it.num_tokens - it.skip
-        if total % align:
-            close()
-    close()
-    return chunks
-
-
-@dataclass
-class BatchPlan:
-    """How one (batch, source rank) moves: the unit of each side and the ops calls."""
-
-    src_unit: int
-    dst_unit: int
-    chunks: list[Chunk]
-    skipped_tokens: int  # tokens not moved because an n>1 sibling carries them
-
-
-def plan_batch(
-    items: list[Item],
-    src_block_size: int,
-    src_units: Sequence[int],
-    dst_block_size: int,
-    dst_units: Sequence[int],
-) -> BatchPlan:
-    """Choose units for both sides and pack a batch into ops calls.
-
-    ``items`` hold *block* ids on both sides. Every pair of allowed units (each side: its
-    block size, and 1 when its cache has a token-slot view) is scored by (ops calls, tokens
-    moved, ids passed) and the best is built: a lone request, or requests whose lengths fill
-    whole blocks, go as block lists (256 ids for 4K tokens, no per-token array), requests with
-    partial last blocks that would need one call each share one call through token slots.
-    Only per-request Python here; each request's unit ids are one numpy op.
-    """
-    if len(items) == 1:  # one call whatever the units: the coarsest (block lists as they are)
-        it = items[0]
-        su, du = src_units[0], dst_units[0]
-        src = (
-            _np(it.src)
-            if su != 1 or src_block_size == 1
-            else _slots(_np(it.src), src_block_size, 0, it.num_tokens)
-        )
-        dst = (
-            _np(it.dst)
-            if du != 1 or dst_block_size == 1
-            else _slots(_np(it.dst), dst_block_size, 0, it.num_tokens)
-        )
-        return BatchPlan(
-            su, du, [Chunk([it.request_id], src, dst, it.num_tokens)] if it.num_tokens else [], 0
-        )
-    shared = shared_prefixes(items, src_block_size, dst_block_size)
-    lens = [it.num_tokens for it in items]
-    best = None
-    for su in src_units:
-        for du in dst_units:
-            align = math.lcm(su, du)
-            moved = ragged = ids = 0
-            for n, sh in zip(lens, shared):
-                m = n - sh // align * align
-                if m > 0:
-                    moved += m
-                    ragged += m % align != 0
-                    ids += m // su + m // du
-            key = (max(1, ragged) if moved else 0, moved, ids)
-            if best is None or key < best[0]:
-                best = (key, su, du)
-    assert best is not None, "plan_batch: no units to choose from"
-    _, su, du = best
-    align = math.lcm(su, du)
-    unit_items = []
-    for it, sh in zip(items, shared):
-        skip = sh // align * align
-        n = it.num_tokens
-        src, dst = _np(it.src), _np(it.dst)
-        if su == 1 and src_block_size != 1:
-            src = _slots(src, src_block_size, skip, n)
-        else:
-            src = src[skip // su :]
-        if du == 1 and dst_block_size != 1:
-            dst = _slots(dst, dst_block_size, skip, n)
-        else:
-            dst = dst[skip // du :]
-        # ids now start at token ``skip``: a request with nothing skipped from here on
-        unit_items.append((Item(it.request_id, src, dst, n - skip), skip))
-    chunks = build_chunks([u for u, _ in unit_items], su, du)
-    return BatchPlan(su, du, chunks, sum(skip for _, skip in unit_items))
