@@ -30,7 +30,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import HandshakeError, LoadItem, Remote, check_block_ids, compat_hash
+from .engine_types import HandshakeError, LoadItem, ReleaseItem, Remote, check_block_ids, compat_hash
 from .exporter import ExporterRole
 from .loader import LoaderRole
 from .metrics import Metrics, now
@@ -272,6 +272,23 @@ class TransferEngine(ExporterRole, LoaderRole):
         """
         self._check_started()
         return self._exports.abort(request_id)
+
+    def release(self, params: dict | list | KVTransferParams) -> None:
+        """Tell the exporter of ``params`` that this engine will never load them (the request was
+        aborted, or its KV is already here), so it frees the blocks now rather than at lease end.
+
+        Loader-side counterpart of :meth:`abort_export`; ``params`` may be an n>1 list. Sent
+        from the worker at the next :meth:`poll`: the (cached) handshake, then the notification a
+        failed load would send, to every exporter rank the plan names; the exporter frees a
+        request once every loader rank released or loaded it. An exporter that has not exported
+        the request yet is asked again until ``timeout_s``. Nothing is reported by :meth:`poll`;
+        failures are logged. Malformed params raise ``ValueError`` here.
+        """
+        self._check_started()
+        p = KVTransferParams.from_dict(params)
+        items = [ReleaseItem(x) for x in (p if isinstance(p, list) else [p])]
+        with self._lock:
+            self._incoming.extend(items)
 
     # ---------------------------------------------------------------------------- load
     def load(self, request_id: str, params: dict | KVTransferParams, block_ids) -> None:

@@ -86,3 +86,15 @@ class LoadItem:
     request_id: str
     params: KVTransferParams
     block_ids: np.ndarray  # local int64, exactly ceil(T / block_size)
+
+
+@dataclass
+class ReleaseItem:
+    """A queued :meth:`TransferEngine.release`: ``params`` will never be loaded here.
+
+    ``request_id`` is empty, never a load's id, so the worker's error path (which fails the
+    queued loads by id) reports nothing for it.
+    """
+
+    params: KVTransferParams
+    request_id: str = ""

@@ -4,6 +4,7 @@ loads one batch per ``poll()``, the handshake with each remote engine (cached), 
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import time
@@ -13,7 +14,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
+from .engine_types import HandshakeError, LoadItem, ReleaseItem, Remote, batch_tag
 from .metrics import now
 from .ordering import NOT_READY, wait_event
 from .params import KVTransferParams
@@ -29,6 +30,8 @@ from .transports import (
     choice,
     plan_batch,
 )
+
+_LOG = logging.getLogger(__name__)
 
 
 class LoaderRole:
@@ -78,6 +81,10 @@ class LoaderRole:
                 self._metrics.add("failures")
 
     def _run_batch(self, batch: list[LoadItem]) -> None:
+        releases = [it for it in batch if isinstance(it, ReleaseItem)]
+        if releases:  # TransferEngine.release: notify, move nothing
+            batch = [it for it in batch if not isinstance(it, ReleaseItem)]
+            self._run_releases(releases)
         groups: dict[str, list[LoadItem]] = {}
         for it in batch:
             groups.setdefault(it.params.engine_id, []).append(it)
@@ -348,6 +355,15 @@ class LoaderRole:
     def _stale(ep: np.ndarray, loads, granted: dict[str, np.ndarray], s: int) -> dict[str, str]:
         """Loads whose source blocks' epochs moved since the grant snapshot -> why."""
         why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
+        if any(granted[it.request_id].size != it.params.block_id_array().size for it in loads):
+            # Params sliced to a suffix of the export (a load of only the tokens after a prefix
+            # the loader already holds): the grant snapshot covers the whole export; its tail
+            # belongs to the blocks read. More ids than exported is never valid.
+            granted = dict(granted)
+            for it in loads:
+                g, n = granted[it.request_id], it.params.block_id_array().size
+                if g.size != n:
+                    granted[it.request_id] = g[g.size - n :] if n < g.size else np.full(n, -1, np.int64)
         if len(loads) == 1:
             it = loads[0]
             moved = (ep[it.params.block_id_array().view(np.int64)] != granted[it.request_id]).any()
@@ -470,3 +486,62 @@ class LoaderRole:
             ops.scatter_blocks(wire, view.caches, view.spec, units, num_tokens, head_start)
 
         return scatter
+
+    # ------------------------------------------------------------------------ releases
+    def _run_releases(self, items: list[ReleaseItem]) -> None:
+        """Tell exporters that these requests will never be loaded here (TransferEngine.release).
+
+        Each exporter rank the plan names gets the notification a failed load would send, so
+        it frees the blocks once every loader rank released or loaded them. A rank that does
+        not know a request yet (the params were made before the export) is asked again until
+        ``timeout_s``: a notification for an unknown request would be dropped.
+        """
+        groups: dict[str, list[KVTransferParams]] = {}
+        for it in items:
+            groups.setdefault(it.params.engine_id, []).append(it.params)
+        for engine_id, ps in groups.items():
+            rids = list(dict.fromkeys(p.request_id for p in ps))
+            try:
+                rem = self._remote(ps[0])
+            except HandshakeError as e:
+                _LOG.warning(
+                    "kvxfer %s rank %d: release of %s: handshake with %s failed (%s); the exporter "
+                    "frees them when their lease ends",
+                    self.engine_id, self.tp_rank, rids, engine_id, e,
+                )  # fmt: skip
+                continue
+            todo = {s: list(rids) for s in rem.notify_to}
+            deadline = time.monotonic() + self.timeout_s
+            while any(todo.values()) and time.monotonic() < deadline:
+                ranks = [s for s in rem.notify_to if todo[s]]
+                calls = [
+                    (rem.addrs[s], C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, todo[s]))
+                    for s in ranks
+                ]
+                try:
+                    replies = self._client.call_many(calls, max(0.01, deadline - time.monotonic()))
+                except C.ControlTimeout as e:
+                    self._forget(rem)
+                    _LOG.warning(
+                        "kvxfer %s rank %d: release of %s: %s; the exporter frees them when their lease ends",
+                        self.engine_id, self.tp_rank, rids, e,
+                    )  # fmt: skip
+                    todo = {}
+                    break
+                for s, g in zip(ranks, replies):
+                    todo[s] = (
+                        [r for r, why in g.failed.items() if why == UNKNOWN]
+                        if isinstance(g, C.ReadReply)
+                        else []
+                    )
+                if any(todo.values()):
+                    time.sleep(0.005)
+            if any(todo.values()):
+                _LOG.warning(
+                    "kvxfer %s rank %d: release of %s: not exported by %s within %.1fs; the exporter "
+                    "frees them when their lease ends",
+                    self.engine_id, self.tp_rank, sorted({r for v in todo.values() for r in v}), engine_id,
+                    self.timeout_s,
+                )  # fmt: skip
+            if engine_id in self._remotes:
+                self._notify(rem, rem.plan, [], rids)
