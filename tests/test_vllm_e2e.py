@@ -9,8 +9,23 @@ when vLLM is not importable; not part of CI (about a minute on 2 cores). Run it 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import pytest
+
+# The repository's top-level kernels/ (installed as kvxfer.kernels) would shadow Hugging Face's
+# ``kernels`` package, which transformers probes when vLLM imports it: keep the root off sys.path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _root_off_sys_path():
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+    yield
+    sys.path[:] = saved
+
 
 pytestmark = [
     pytest.mark.slow,
