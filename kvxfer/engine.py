@@ -34,7 +34,7 @@ import torch
 from . import control as C
 from . import ops
 from .auth import EngineSecret
-from .engine_types import HandshakeError, LoadItem, Remote, check_block_ids, compat_hash
+from .engine_types import HandshakeError, LoadItem, ReleaseItem, Remote, check_block_ids, compat_hash
 from .exporter import ExporterRole
 from .loader import LoaderRole
 from .metrics import Metrics, now
@@ -338,6 +338,20 @@ class TransferEngine(ExporterRole, LoaderRole):
         ids = check_block_ids(block_ids, self.spec.num_blocks_for(num_tokens), self.num_blocks, num_tokens)
         self._order.mark(request_id, ready)
         self._exports.add(request_id, ids, num_tokens)
+        return self._params(request_id, ids, num_tokens)
+
+    def params_for(self, request_id: str, block_ids, num_tokens: int) -> dict:
+        """The params :meth:`export` will return for these arguments, without exporting: for a
+        caller that hands params out before the blocks are written (a loader's grant then waits,
+        bounded, until the export appears). A process without an engine (a scheduler) makes the
+        same token with :class:`kvxfer.auth.EngineSecret`."""
+        self._check_started()
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
+        ids = check_block_ids(block_ids, self.spec.num_blocks_for(num_tokens), self.num_blocks, num_tokens)
+        return self._params(request_id, ids, num_tokens)
+
+    def _params(self, request_id: str, ids: np.ndarray, num_tokens: int) -> dict:
         return params_dict(
             request_id,
             self.engine_id,
@@ -361,6 +375,23 @@ class TransferEngine(ExporterRole, LoaderRole):
         """
         self._check_started()
         return self._exports.abort(request_id)
+
+    def release(self, params: dict | list | KVTransferParams) -> None:
+        """Tell the exporter of ``params`` that this engine will never load them (the request was
+        aborted, or its KV is already here), so it frees the blocks now rather than at lease end.
+
+        Loader-side counterpart of :meth:`abort_export`; ``params`` may be an n>1 list. Sent
+        from the worker at the next :meth:`poll`: the (cached) handshake, then the notification a
+        failed load would send, to every exporter rank the plan names; the exporter frees a
+        request once every loader rank released or loaded it. An exporter that has not exported
+        the request yet is asked again until ``timeout_s``. Nothing is reported by :meth:`poll`;
+        failures are logged. Malformed params raise ``ValueError`` here.
+        """
+        self._check_started()
+        p = KVTransferParams.from_dict(params)
+        items = [ReleaseItem(x) for x in (p if isinstance(p, list) else [p])]
+        with self._lock:
+            self._incoming.extend(items)
 
     # ---------------------------------------------------------------------------- load
     def load(self, request_id: str, params: dict | KVTransferParams, block_ids) -> None:

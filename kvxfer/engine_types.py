@@ -92,3 +92,16 @@ class LoadItem:
     params: KVTransferParams
     block_ids: np.ndarray  # local int64, exactly ceil(T / block_size)
     deadline: float = 0.0  # monotonic: every wait of this load ends by then (set at dispatch)
+
+
+@dataclass
+class ReleaseItem:
+    """A queued :meth:`TransferEngine.release`: ``params`` will never be loaded here.
+
+    ``request_id`` is empty, never a load's id, so the worker's error path (which fails the
+    queued loads by id) reports nothing for it.
+    """
+
+    params: KVTransferParams
+    request_id: str = ""
+    deadline: float = 0.0  # monotonic, set at dispatch like a load's

@@ -32,7 +32,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
+from .engine_types import HandshakeError, LoadItem, ReleaseItem, Remote, batch_tag
 from .metrics import now
 from .ordering import NOT_READY, FenceTimeout, event_done
 from .plan import Read, plan_reads
@@ -114,7 +114,11 @@ class LoaderRole:
             if self._loads.fail(it.request_id, reason):
                 self._metrics.add("failures")
 
-    def _run_batch(self, batch: list[LoadItem]) -> None:
+    def _run_batch(self, batch: list[LoadItem | ReleaseItem]) -> None:
+        releases = [it for it in batch if isinstance(it, ReleaseItem)]
+        if releases:  # TransferEngine.release: notify, move nothing
+            batch = [it for it in batch if not isinstance(it, ReleaseItem)]
+            self._run_releases(releases)
         groups: dict[str, list[LoadItem]] = {}
         for it in batch:
             groups.setdefault(it.params.engine_id, []).append(it)
@@ -529,6 +533,15 @@ class LoaderRole:
     def _stale(ep: np.ndarray, loads, granted: dict[str, np.ndarray], s: int) -> dict[str, str]:
         """Loads whose source blocks' epochs moved since the grant snapshot -> why."""
         why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
+        if any(granted[it.request_id].size != it.params.block_id_array().size for it in loads):
+            # Params sliced to a suffix of the export (a load of only the tokens after a prefix
+            # the loader already holds): the grant snapshot covers the whole export; its tail
+            # belongs to the blocks read. More ids than exported is never valid.
+            granted = dict(granted)
+            for it in loads:
+                g, n = granted[it.request_id], it.params.block_id_array().size
+                if g.size != n:
+                    granted[it.request_id] = g[g.size - n :] if n < g.size else np.full(n, -1, np.int64)
         if len(loads) == 1:
             it = loads[0]
             moved = (ep[it.params.block_id_array().view(np.int64)] != granted[it.request_id]).any()
@@ -644,3 +657,68 @@ class LoaderRole:
             ops.scatter_blocks(wire, view.caches, view.spec, units, num_tokens, head_start)
 
         return scatter
+
+    # ------------------------------------------------------------------------ releases
+    def _run_releases(self, items: list[ReleaseItem]) -> None:
+        """Tell exporters that these requests will never be loaded here (TransferEngine.release).
+
+        Each exporter rank the plan names gets the notification a failed load would send, so
+        it frees the blocks once every loader rank released or loaded them. A rank that does
+        not know a request yet (the params were made before the export) is asked again until
+        the release's deadline: a notification for an unknown request would be dropped.
+        """
+        groups: dict[str, list[ReleaseItem]] = {}
+        for it in items:
+            groups.setdefault(it.params.engine_id, []).append(it)
+        for engine_id, its in groups.items():
+            its = list({it.params.request_id: it for it in its}.values())
+            rids = [it.params.request_id for it in its]
+            deadline = min(it.deadline for it in its)
+            try:
+                rem = self._remote(its[0], deadline)
+            except (HandshakeError, _Expired) as e:
+                _LOG.warning(
+                    "kvxfer %s rank %d: release of %s: handshake with %s failed (%s); the exporter "
+                    "frees them when their lease ends",
+                    self.engine_id, self.tp_rank, rids, engine_id, e,
+                )  # fmt: skip
+                continue
+            tok = {it.params.request_id: it.params.token for it in its}
+            todo = {s: list(rids) for s in rem.notify_to}
+            while any(todo.values()) and time.monotonic() < deadline:
+                ranks = [s for s in rem.notify_to if todo[s]]
+                calls = [
+                    (
+                        rem.addrs[s],
+                        C.ReadReq(
+                            self.engine_id, self.tp_rank, self.tp_size, todo[s], [tok[r] for r in todo[s]]
+                        ),
+                    )
+                    for s in ranks
+                ]
+                try:
+                    replies = self._client.call_many(calls, max(0.01, deadline - time.monotonic()))
+                except C.ControlTimeout as e:
+                    self._forget(rem, str(e))
+                    _LOG.warning(
+                        "kvxfer %s rank %d: release of %s: %s; the exporter frees them when their lease ends",
+                        self.engine_id, self.tp_rank, rids, e,
+                    )  # fmt: skip
+                    todo = {}
+                    break
+                for s, g in zip(ranks, replies):
+                    todo[s] = (
+                        [r for r, why in g.failed.items() if why == UNKNOWN]
+                        if isinstance(g, C.ReadReply)
+                        else []
+                    )
+                if any(todo.values()):
+                    time.sleep(0.005)
+            if any(todo.values()):
+                _LOG.warning(
+                    "kvxfer %s rank %d: release of %s: not exported by %s by the deadline; the exporter "
+                    "frees them when their lease ends",
+                    self.engine_id, self.tp_rank, sorted({r for v in todo.values() for r in v}), engine_id,
+                )  # fmt: skip
+            if self._remotes.get(engine_id) is rem:
+                self._notify(rem, [], its)

@@ -1,0 +1,243 @@
+"""``KvxferConnector``: vLLM's ``KVConnectorBase_V1`` over kvxfer (imports vLLM; tested with 0.32, 0.33).
+
+A thin adapter: the scheduler role delegates to :class:`~kvxfer.vllm.scheduler.SchedulerSide`,
+the worker role to :class:`~kvxfer.vllm.worker.WorkerSide`; both are vLLM-free and tested
+against fakes without vLLM installed. Loads are asynchronous (between scheduler steps):
+``wait_for_layer_load`` and ``save_kv_layer`` do nothing, exports are of whole finished
+requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from .config import ConnectorConfig
+from .scheduler import ExportSpec, LoadSpec, SchedulerSide, TransferMeta
+from .worker import WorkerSide
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_LOG = logging.getLogger(__name__)
+
+__all__ = ["KvxferConnector", "KvxferConnectorMetadata", "KvxferHandshakeMetadata", "KvxferStats"]
+
+
+@dataclass
+class KvxferConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step (see :class:`~kvxfer.vllm.scheduler.TransferMeta`)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    exports: list[ExportSpec] = field(default_factory=list)
+    releases: list[dict] = field(default_factory=list)
+
+    def as_meta(self) -> TransferMeta:
+        return TransferMeta(self.loads, self.exports, self.releases)
+
+
+@dataclass
+class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler once after registration: the registered caches' block size and size."""
+
+    block_size: int
+    bytes_per_token: int
+    tp_rank: int
+
+
+_SUMMED = (
+    "transfers",
+    "bytes",
+    "failures",
+    "expirations",
+    "finished_exports",
+    "handshakes",
+    "ops_calls",
+    "busy_s",
+)
+
+
+@dataclass
+class KvxferStats(KVConnectorStats):
+    """kvxfer counters of the last interval, summed over workers; latency percentiles are the
+    worst worker's (engine-lifetime percentiles)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KvxferStats:
+        if not other.is_empty():
+            if self.is_empty():
+                self.data = dict(other.data)
+            else:
+                for k in _SUMMED:
+                    self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+                for k in ("p50_s", "p90_s", "p99_s", "blocks_held"):
+                    self.data[k] = max(self.data.get(k, 0), other.data.get(k, 0))
+                self.data["transports"] = sorted(
+                    set(self.data.get("transports", [])) | set(other.data.get("transports", []))
+                )
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        busy = d.get("busy_s", 0.0)
+        return {
+            "kvxfer_transfers": d.get("transfers", 0),
+            "kvxfer_failures": d.get("failures", 0),
+            "kvxfer_expirations": d.get("expirations", 0),
+            "kvxfer_bytes": d.get("bytes", 0),
+            "kvxfer_GBps": d.get("bytes", 0) / busy / 1e9 if busy > 0 else 0.0,
+            "kvxfer_p50_ms": d.get("p50_s", 0.0) * 1e3,
+            "kvxfer_p99_ms": d.get("p99_s", 0.0) * 1e3,
+        }
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def _backend_name(vllm_config) -> str:
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    if len(names) != 1:
+        raise ValueError(f"attention backends: kvxfer needs one for all layers, got {names}")
+    return names[0]
+
+
+class KvxferConnector(KVConnectorBase_V1):
+    """Disaggregated prefill/decode (and D->P reuse) over kvxfer; see ``docs/INTEGRATION.md``."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = ConnectorConfig.from_vllm(vllm_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise ValueError(
+                f"kv_cache_config: {len(groups)} KV cache groups; KvxferConnector supports models "
+                "with one (full attention or MLA)"
+            )
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(self.cfg)
+        else:
+            self.worker_side = WorkerSide(self.cfg, _tp_rank())
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        m = self.scheduler_side.build_connector_meta()
+        return KvxferConnectorMetadata(m.loads, m.exports, m.releases)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        self.scheduler_side.update_connector_output(
+            connector_output.finished_recving, stats.data if isinstance(stats, KvxferStats) else None
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        info = {r: vars(m) for r, m in metadata.items() if isinstance(m, KvxferHandshakeMetadata)}
+        if info and self.scheduler_side is not None:
+            self.scheduler_side.set_handshake(info)
+
+    def get_finished_count(self) -> int | None:
+        return None  # every worker reports every request it moved
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None  # any layout: kvxfer reads strides
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvxferStats(data=dict(data) if data else {})
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        mc = self._vllm_config.model_config
+        self.worker_side.register(
+            kv_caches,
+            backend=_backend_name(self._vllm_config),
+            head_size=mc.get_head_size(),
+            total_kv_heads=mc.get_total_num_kv_heads(),
+            use_mla=bool(getattr(mc, "use_mla", False)),
+        )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self.worker_side is None or self.worker_side.engine is None:
+            return None
+        return KvxferHandshakeMetadata(**self.worker_side.handshake_info())
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvxferConnectorMetadata):
+            self.worker_side.start(meta.as_meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous, between scheduler steps
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # exports are of finished requests, started by start_load_kv
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self.worker_side.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_side is None:
+            return None
+        d = self.worker_side.stats_delta()
+        return KvxferStats(data=d) if d else None
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+
+    # vLLM 0.33 sleep mode: the engine keeps views of the caches, so it cannot follow a remap.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False

@@ -1,0 +1,388 @@
+"""Scheduler side of the vLLM connector (no vLLM import; requests and blocks are duck-typed).
+
+Lifecycle of a disaggregated request (P: prefill server, D: decode server):
+
+1. The proxy sends the prompt to P with ``kv_transfer_params={"do_remote_decode": true}`` and
+   ``max_tokens=1``. When P finishes it, :meth:`SchedulerSide.request_finished` returns
+   ``(True, params)``: vLLM keeps the blocks, ``params`` (kvxfer params plus
+   ``do_remote_prefill``, the exporter's block size and a prompt hash) become the response's
+   ``kv_transfer_params``, and the next :meth:`build_connector_meta` tells P's workers to
+   ``export``. The params exist one step before the export: D's load waits for it (bounded).
+2. The proxy sends the same prompt to D with those params. :meth:`get_num_new_matched_tokens`
+   offers the tokens D does not hold (all of them, or those after D's own prefix-cache hit when
+   that hit ends on a block boundary of P), D allocates, :meth:`update_state_after_alloc`
+   queues the load, and D's workers ``load``. A failed load is reported as the request's block
+   ids, so vLLM's ``kv_load_failure_policy`` applies.
+3. P's workers report the request in ``finished_sending`` once every D rank notified (or the
+   lease ended): vLLM frees P's blocks then. A D request that will not load (aborted before
+   its blocks were allocated, rejected, a full local hit, a prompt mismatch) sends a release,
+   so P frees them without waiting for the lease.
+
+n>1: D's children (``"<i>_<parent>"``) share one params dict. The first child loads; the others
+wait (``None`` from :meth:`get_num_new_matched_tokens`) until it has, then use D's prefix
+cache and compute only the tail. A params dict with ``"children": [params_0, ...]`` (one
+exported request per child) gives child ``i`` its own ``params_i``.
+
+D->P reuse (multi-turn): a D request whose params carry ``"hold_for_reuse": true`` keeps its
+blocks when it finishes and returns ``{"reuse": params}``; the next turn's request to P carries
+``{"do_remote_decode": true, "reuse": params}``, and P pulls the tokens it does not hold when
+:func:`kvxfer.reuse.decide_reuse` says pulling beats recomputing (else it releases them).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..auth import EngineSecret
+from ..params import KVTransferParams, params_dict
+from ..reuse import decide_reuse
+from .config import ConnectorConfig
+
+_LOG = logging.getLogger(__name__)
+
+__all__ = ["ExportSpec", "LoadSpec", "SchedulerSide", "TransferMeta", "expand_block_ids", "prompt_hash"]
+
+_NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+_CONSUMED_MAX = 65536
+
+
+def prompt_hash(token_ids, num_tokens: int) -> str:
+    """Hash of the first ``num_tokens`` token ids (both sides compute it; a mismatch means the
+    exported KV is not this prompt's)."""
+    ids = array.array("q", list(token_ids[:num_tokens]))
+    return hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
+
+
+def expand_block_ids(block_ids, ratio: int) -> list[int]:
+    """Manager block ids -> kernel block ids when a manager block holds ``ratio`` kernel blocks
+    (vLLM splits blocks a backend cannot take whole); the identity for ``ratio == 1``."""
+    if ratio == 1:
+        return list(block_ids)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return (ids[:, None] * ratio + np.arange(ratio)).reshape(-1).tolist()
+
+
+@dataclass
+class LoadSpec:
+    """Load ``params`` (kvxfer, possibly sliced) into manager blocks ``block_ids`` of request ``request_id``."""
+
+    request_id: str
+    params: dict
+    block_ids: list[int]
+
+
+@dataclass
+class ExportSpec:
+    """Export the first ``num_tokens`` tokens of manager blocks ``block_ids`` as ``request_id``."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class TransferMeta:
+    """What the scheduler side hands the workers for one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    exports: list[ExportSpec] = field(default_factory=list)
+    releases: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class _Source:
+    """A request's remote KV, parsed once."""
+
+    kind: str  # "prefill" (P -> D) or "reuse" (D -> P)
+    params: KVTransferParams
+    block_size: int  # exporter's block size (kvxfer / kernel blocks)
+    num_tokens: int  # tokens to take (min of exported and this prompt's)
+    key: tuple[str, str]  # (exporter engine id, exported request id)
+    ok: bool = True  # False: never load it (release it)
+
+
+class SchedulerSide:
+    """The scheduler half of ``KvxferConnector``; see the module docstring for the lifecycle."""
+
+    def __init__(self, cfg: ConnectorConfig) -> None:
+        self.cfg = cfg
+        self._secret: EngineSecret | None = None  # made on the first export
+        self.kernel_block_size = cfg.block_size  # updated by set_handshake (worker's registered caches)
+        self.bytes_per_token = 0  # whole model, from the workers' handshake metadata
+        self.link_Bps = cfg.reuse_link_Bps  # updated from measured worker stats
+        self._meta = TransferMeta()
+        self._src: dict[str, _Source | None] = {}  # request id -> parsed remote source (None: none)
+        self._done: set[str] = set()  # requests whose load/release was queued
+        self._inflight: dict[tuple[str, str], str] = {}  # remote key -> local request loading it
+        self._loading: dict[str, tuple[str, str]] = {}  # local request -> remote key
+        self._consumed: dict[tuple[str, str], None] = {}  # remote keys already loaded (bounded)
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ handshake
+    def set_handshake(self, per_rank: dict[int, dict]) -> None:
+        """Workers' metadata (``WorkerSide.handshake_info``), by TP rank."""
+        sizes = {int(m["block_size"]) for m in per_rank.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"handshake: TP ranks registered different block sizes {sorted(sizes)}")
+        kbs = sizes.pop()
+        if self.cfg.block_size % kbs:
+            raise ValueError(
+                f"handshake: kernel block size {kbs} does not divide block_size {self.cfg.block_size}"
+            )
+        self.kernel_block_size = kbs
+        self.bytes_per_token = max(int(m.get("bytes_per_token", 0)) for m in per_rank.values())
+
+    @property
+    def ratio(self) -> int:
+        return self.cfg.block_size // self.kernel_block_size
+
+    # ------------------------------------------------------------------ loading side
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            _LOG.warning(msg, *args)
+
+    def _source(self, request) -> _Source | None:
+        rid = request.request_id
+        if rid in self._src:
+            return self._src[rid]
+        src = None
+        params = getattr(request, "kv_transfer_params", None)
+        if params and self.cfg.loads:
+            raw = None
+            kind = ""
+            if params.get("do_remote_prefill"):
+                kind, raw = "prefill", params
+                children = params.get("children")
+                if children is not None:
+                    raw = self._child_params(rid, children)
+            elif isinstance(params.get("reuse"), dict):
+                kind, raw = "reuse", params["reuse"]
+            if raw is not None:
+                src = self._parse(request, kind, raw)
+        self._src[rid] = src
+        return src
+
+    def _child_params(self, rid: str, children) -> dict | None:
+        head = rid.split("_", 1)[0]
+        if not isinstance(children, list) or not head.isdigit() or int(head) >= len(children):
+            _LOG.warning(
+                "kvxfer: request %s: params 'children' has no entry for this request (ids '<i>_<parent>' "
+                "pick entry i); recomputing it",
+                rid,
+            )
+            return None
+        return children[int(head)]
+
+    def _parse(self, request, kind: str, raw: dict) -> _Source | None:
+        rid = request.request_id
+        try:
+            p = KVTransferParams.from_dict(raw)
+            if isinstance(p, list):
+                raise ValueError("expected one request's params, got a list")
+            bs = raw.get("block_size")
+            if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+                raise ValueError(f"block_size: must be a positive int, got {bs!r}")
+            if len(p.block_ids) != -(-p.num_tokens // bs):
+                raise ValueError(f"block_ids: {len(p.block_ids)} ids do not hold num_tokens={p.num_tokens}")
+        except ValueError as e:
+            _LOG.warning("kvxfer: request %s: unusable kv_transfer_params (%s); recomputing it", rid, e)
+            return None
+        prompt = getattr(request, "prompt_token_ids", None) or []
+        n = min(p.num_tokens, len(prompt))
+        src = _Source(kind, p, bs, n, (p.engine_id, p.request_id))
+        want = raw.get("prompt_hash")
+        if n < 1:
+            src.ok = False
+        elif self.cfg.verify_prompt and want is not None and prompt_hash(prompt, p.num_tokens) != want:
+            _LOG.warning(
+                "kvxfer: request %s: its prompt is not the one %s computed (prompt hash differs); "
+                "recomputing it and releasing the remote blocks",
+                rid,
+                p.engine_id,
+            )
+            src.ok = False
+        return src
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens to load beyond ``num_computed_tokens`` (the local, block-aligned hit), and
+        whether asynchronously; ``(None, False)`` while an n>1 sibling loads the same KV."""
+        rid = request.request_id
+        if rid in self._done:
+            return 0, False
+        src = self._source(request)
+        if src is None or not src.ok:
+            return 0, False
+        owner = self._inflight.get(src.key)
+        if owner is not None and owner != rid:
+            return None, False  # a sibling loads it; then the prefix cache has it
+        if src.key in self._consumed:
+            return 0, False
+        k = num_computed_tokens
+        if k >= src.num_tokens:
+            return 0, False  # everything is here already: released in update_state_after_alloc
+        if k % src.block_size or k % self.cfg.block_size:
+            self._warn_once(
+                f"align{src.block_size}",
+                "kvxfer: a local prefix hit of %d tokens does not end on a block of the exporter "
+                "(block_size %d); such requests recompute their remaining tokens locally",
+                k,
+                src.block_size,
+            )
+            return 0, False
+        if src.kind == "reuse" and not self._pull_pays(src.num_tokens - k):
+            return 0, False
+        self._inflight[src.key] = rid
+        return src.num_tokens - k, True
+
+    def _pull_pays(self, num_tokens: int) -> bool:
+        if not self.bytes_per_token:
+            return True  # nothing known about the model size yet: pulling is never worse than a guess
+        d = decide_reuse(
+            num_tokens,
+            self.bytes_per_token,
+            self.link_Bps,
+            self.cfg.reuse_prefill_tokens_per_s,
+            self.cfg.reuse_fixed_pull_s,
+            min_gain=self.cfg.reuse_min_gain,
+        )
+        _LOG.debug(
+            "kvxfer reuse of %d tokens: pull %.4fs vs recompute %.4fs", num_tokens, d.pull_s, d.recompute_s
+        )
+        return d.pull
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Queue the load of the offered tokens into the request's blocks, or the release of
+        the remote KV when nothing will be loaded."""
+        rid = request.request_id
+        if rid in self._done:
+            return
+        src = self._source(request)
+        if src is None:
+            return
+        self._done.add(rid)
+        if num_external_tokens <= 0 or not src.ok:
+            self._release(rid, src)
+            return
+        k = src.num_tokens - num_external_tokens
+        bs = self.cfg.block_size
+        ids = list(blocks.get_block_ids()[0])
+        need = -(-src.num_tokens // bs)
+        if k < 0 or k % bs or k % src.block_size or len(ids) < need:
+            _LOG.warning(
+                "kvxfer: request %s: cannot place %d external tokens after %d local ones in %d blocks; "
+                "not loading",
+                rid,
+                num_external_tokens,
+                k,
+                len(ids),
+            )
+            self._release(rid, src)
+            return
+        p = src.params
+        first = k // src.block_size
+        sliced = params_dict(
+            p.request_id,
+            p.engine_id,
+            p.host,
+            p.port,
+            p.tp_size,
+            list(p.block_ids[first : -(-src.num_tokens // src.block_size)]),
+            src.num_tokens - k,
+            p.token,
+        )
+        self._meta.loads.append(LoadSpec(rid, sliced, ids[k // bs : need]))
+        self._inflight[src.key] = rid
+        self._loading[rid] = src.key
+
+    def _release(self, rid: str, src: _Source) -> None:
+        if self._inflight.get(src.key) == rid:
+            del self._inflight[src.key]
+        if src.key in self._consumed or src.key in self._inflight:
+            return  # a sibling loaded it (P already freed it) or is loading it
+        self._meta.releases.append(src.params.to_dict())
+        self._consume(src.key)
+
+    def _consume(self, key: tuple[str, str]) -> None:
+        self._consumed[key] = None
+        if len(self._consumed) > _CONSUMED_MAX:
+            del self._consumed[next(iter(self._consumed))]
+
+    # ------------------------------------------------------------------ exporting side
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks of a finished prefill (or of a decode kept for reuse) and return the
+        params the other server loads them with; release remote KV this request never loaded."""
+        rid = request.request_id
+        src = self._src.get(rid) if rid in self._loading else self._source(request)
+        if rid not in self._loading:
+            self._src.pop(rid, None)
+        if src is not None and rid not in self._done:  # never allocated: aborted or rejected
+            self._done.add(rid)
+            self._release(rid, src)
+        self._done.discard(rid)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        want_decode = bool(params.get("do_remote_decode"))
+        want_reuse = bool(params.get("hold_for_reuse"))
+        if not (want_decode or want_reuse) or not self.cfg.exports:
+            return False, None
+        status = getattr(getattr(request, "status", None), "name", str(getattr(request, "status", "")))
+        if status not in _NORMAL_FINISH or not block_ids:
+            return False, None  # aborted or errored: nobody will read it
+        bs, kbs = self.cfg.block_size, self.kernel_block_size
+        n = min(int(request.num_computed_tokens), len(block_ids) * bs)
+        if want_decode:
+            n = min(n, int(getattr(request, "num_prompt_tokens", n)))
+        if n < 1:
+            return False, None
+        mgr = list(block_ids[: -(-n // bs)])
+        kids = expand_block_ids(mgr, self.ratio)[: -(-n // kbs)]
+        tokens = getattr(request, "all_token_ids", None) or getattr(request, "prompt_token_ids", None) or []
+        if self._secret is None:  # the workers' engines share it (kvxfer.auth): same host
+            self._secret = EngineSecret(self.cfg.engine_id, self.cfg.base_port, tp_rank=-1)
+        out = params_dict(
+            rid,
+            self.cfg.engine_id,
+            self.cfg.host,
+            self.cfg.base_port,
+            self.cfg.tp_size,
+            kids,
+            n,
+            self._secret.token(rid),
+        )
+        out["block_size"] = kbs
+        if len(tokens) >= n:
+            out["prompt_hash"] = prompt_hash(tokens, n)
+        self._meta.exports.append(ExportSpec(rid, mgr, n))
+        if want_decode:
+            return True, {**out, "do_remote_prefill": True, "do_remote_decode": False}
+        return True, {"reuse": out}
+
+    # ------------------------------------------------------------------ per step
+    def build_connector_meta(self) -> TransferMeta:
+        """This step's loads, exports and releases (the state is reset)."""
+        meta, self._meta = self._meta, TransferMeta()
+        return meta
+
+    def update_connector_output(self, finished_recving, stats: dict | None = None) -> None:
+        """Loads reported finished (or failed) by every worker; measured link throughput."""
+        for rid in finished_recving or ():
+            key = self._loading.pop(rid, None)
+            if key is None:
+                continue
+            self._src.pop(rid, None)
+            if self._inflight.get(key) == rid:
+                del self._inflight[key]
+            self._consume(key)
+        if stats and stats.get("bytes", 0) > 0 and stats.get("busy_s", 0) > 0:
+            measured = stats["bytes"] / stats["busy_s"]
+            self.link_Bps = 0.8 * self.link_Bps + 0.2 * measured
+
+    def num_tracked(self) -> int:
+        """Requests with scheduler-side state (0 once everything finished; for leak checks)."""
+        return len(self._src) + len(self._done) + len(self._loading) + len(self._inflight)
