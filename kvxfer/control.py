@@ -190,28 +190,42 @@ class ControlTimeout(RuntimeError):
 
 
 class FaultInjector:
-    """Drops side-channel messages on purpose: each outgoing request (client) and each reply
-    (server) is dropped with probability ``drop`` (seeded), or when ``only(msg)`` says so.
-    Install with :func:`set_fault_injector` (process-wide; ``None`` removes it)."""
+    """Drops (or delays) side-channel messages on purpose: each outgoing request (client) and
+    each reply (server) that ``only(msg)`` selects (default all) is delayed by ``delay_s`` and
+    dropped with probability ``drop`` (seeded). Install with :func:`set_fault_injector`
+    (process-wide; ``None`` removes it)."""
 
     def __init__(
-        self, drop: float = 0.0, seed: int = 0, only: Callable[[object], bool] | None = None
+        self,
+        drop: float = 0.0,
+        seed: int = 0,
+        only: Callable[[object], bool] | None = None,
+        delay_s: float = 0.0,
     ) -> None:
         import random
+        import threading
 
         if not 0.0 <= drop <= 1.0:
             raise ValueError(f"drop: must be in [0, 1], got {drop!r}")
+        if not delay_s >= 0:
+            raise ValueError(f"delay_s: must be >= 0, got {delay_s!r}")
         self.drop = drop
         self.only = only
+        self.delay_s = delay_s
         self._rng = random.Random(seed)
+        self._lock = threading.Lock()
         self.dropped = 0
 
     def should_drop(self, msg) -> bool:
+        """Whether to drop ``msg`` (a selected message is first delayed by ``delay_s``)."""
         if self.only is not None and not self.only(msg):
             return False
-        if self._rng.random() < self.drop:
-            self.dropped += 1
-            return True
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        with self._lock:
+            if self._rng.random() < self.drop:
+                self.dropped += 1
+                return True
         return False
 
 
@@ -238,11 +252,15 @@ class ControlServer:
     def __init__(self, ctx: zmq.Context, host: str, port: int) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self.sock.bind(f"tcp://{host}:{port}")
-            self.port = port
-        else:
-            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self.sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+            else:
+                self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self.sock.close(0)
+            raise
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
 
@@ -308,8 +326,11 @@ class ControlClient:
         """Send ``msg`` and return the decoded reply; :class:`ControlTimeout` after ``timeout_s``."""
         return self.call_many([(addr, msg)], timeout_s)[0]
 
-    def call_many(self, calls: list[tuple[str, object]], timeout_s: float) -> list:
-        """Send every request at once, then wait for all replies (one overall bound)."""
+    def call_many(self, calls: list[tuple[str, object]], timeout_s: float, partial: bool = False) -> list:
+        """Send every request at once, then wait for all replies (one overall bound).
+
+        :class:`ControlTimeout` when some reply did not come in time, or with ``partial=True``
+        the replies that came, ``None`` for the others."""
         pending: dict[tuple[str, int], int] = {}
         for i, (addr, msg) in enumerate(calls):
             mid = next(self._ids)
@@ -329,6 +350,8 @@ class ControlClient:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
+                if partial:
+                    return out
                 addrs = sorted({a for a, _ in pending})
                 raise ControlTimeout(f"no reply from {', '.join(addrs)} within {timeout_s:.1f}s")
             for sock, _ in poller.poll(int(left * 1000) + 1):

@@ -295,7 +295,7 @@ class TransferEngine(ExporterRole, LoaderRole):
         if self._secret is not None:
             self._secret.close()
         self._store = None
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes any socket still open: term() would wait on it
 
     def __enter__(self) -> TransferEngine:
         return self.start() if not self._started else self

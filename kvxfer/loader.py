@@ -237,7 +237,7 @@ class LoaderRole:
                 good.append(it)
         return good
 
-    def _run_remote(self, rem: Remote, items: list[LoadItem]) -> None:
+    def _run_remote(self, rem: Remote, items: list[LoadItem], retried: bool = False) -> None:
         good = self._checked(rem, items)
         if not good:
             return
@@ -250,6 +250,19 @@ class LoaderRole:
         except (C.ControlTimeout, _Expired) as e:
             self._forget(rem, f"lease grant: {e}")
             self._complete(rem, good, [], {it.request_id: f"lease grant: {e}" for it in good})
+            return
+        if not retried and reasons and all(RESTARTED in why for why in reasons.values()):
+            # The remote restarted at its address: handshake with the new incarnation at once
+            # (new mappings, new pair groups) and run the batch again; params of the previous
+            # start are unknown there and fail by the deadline.
+            try:
+                fresh = self._remote(good[0], deadline)
+            except (HandshakeError, _Expired) as e:
+                self._complete(
+                    rem, good, [], {it.request_id: f"handshake after a restart: {e}" for it in good}
+                )
+                return
+            self._run_remote(fresh, good, retried=True)
             return
         for s in src_ranks:
             if not alive:
@@ -416,11 +429,11 @@ class LoaderRole:
                 if not due:
                     continue
                 try:
-                    replies = client.call_many([(p[0], p[1]) for p in due], 0.2)
-                except C.ControlTimeout:
-                    replies = None
+                    replies = client.call_many([(p[0], p[1]) for p in due], 0.2, partial=True)
+                except C.ControlTimeout:  # a send queue full: every one of them is retried
+                    replies = [None] * len(due)
                 for k, p in enumerate(due):
-                    rep = None if replies is None else replies[k]
+                    rep = replies[k]
                     if isinstance(rep, C.Ack):
                         pending.remove(p)
                         if rep.failed:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+
+# Engine key files (kvxfer.auth) of the test engines go to a private directory removed at
+# exit, not to the machine's /dev/shm (crash tests leave theirs behind on purpose).
+_KEY_DIR = tempfile.mkdtemp(prefix="kvxfer-test-keys-")
+os.environ["XDG_RUNTIME_DIR"] = _KEY_DIR
+atexit.register(shutil.rmtree, _KEY_DIR, True)
 # Triton kernels run on CPU tensors under the interpreter; it must be chosen before triton loads.
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -425,3 +425,180 @@ def soak_loader(sc: dict, tp_rank: int, q_in) -> dict:
     stats = eng.stats()
     eng.close()
     return {"polls": polls, "loaded": sorted(loaded), "bad": bad, "stats": stats, "ended": ended}
+
+
+# --------------------------------------------------------------------------- faults soak
+def _install_faults(sc: dict, who: int) -> None:
+    """Drop a share of the acknowledged messages (notifications, heartbeats, acks) in this
+    process: the engine must retry them, never lose a request or report it twice."""
+    from kvxfer import control as C
+
+    C.set_fault_injector(
+        C.FaultInjector(
+            drop=sc["drop"],
+            seed=sc["seed"] + who,
+            only=lambda m: isinstance(m, (C.Notify, C.Heartbeat, C.Ack)),
+        )
+    )
+
+
+def fault_exporter(sc: dict, part: str, q_d0, q_d1, q_ctl) -> dict:
+    """P for the faults soak. ``part="first"`` exports requests [0, kill_at) and then dies
+    without closing anything (a crash: SIGKILL-like ``os._exit``), after telling the test its
+    shared-memory segments; ``part="second"`` is the restarted P (same engine id, same port),
+    started when told, exporting [kill_at, num)."""
+    import os
+    import random
+
+    from kvxfer import TransferEngine
+    from kvxfer.transports.shm import alloc_shm_caches
+
+    _install_faults(sc, 100 if part == "first" else 200)
+    rng = random.Random(sc["seed"] + (0 if part == "first" else 1))
+    spec = _spec(sc["src_spec"])
+    nb = sc["src_blocks"]
+    lo, hi = (0, sc["kill_at"]) if part == "first" else (sc["kill_at"], sc["num"])
+    if part == "second":
+        assert q_ctl.get(timeout=sc["deadline_s"]) == "go"
+    shm = alloc_shm_caches(spec, nb, 1)
+    eng = TransferEngine(
+        spec,
+        shm.caches,
+        0,
+        1,
+        "P",
+        transport="auto",
+        lease_s=sc["lease_s"],
+        timeout_s=sc["timeout_s"],
+        port=sc["src_port"],
+    ).start()
+    if part == "first":
+        q_ctl.put(("segments", [shm.name, eng._epoch_shm.name if eng._epoch_shm is not None else None]))
+    free = list(range(nb))
+    held: dict[str, list[int]] = {}
+    reports: dict[str, int] = {}
+    aborted: set[str] = set()
+    i = lo
+    end = time.monotonic() + sc["deadline_s"]
+
+    def drain():
+        r = eng.poll()
+        for rid in r.finished_sending | r.expired:
+            reports[rid] = reports.get(rid, 0) + 1
+            free.extend(held.pop(rid))
+
+    while (i < hi or held) and time.monotonic() < end:
+        drain()
+        while i < hi and len(held) < sc["in_flight"]:
+            n = rng.randint(1, sc["max_tokens"])
+            need = spec.num_blocks_for(n)
+            if len(free) < need:
+                break
+            rng.shuffle(free)
+            ids = [free.pop() for _ in range(need)]
+            rid = f"s{i}"
+            fill(shm.caches, spec, 0, 1, ids, n, 1000 + i)
+            params = eng.export(rid, ids, n)
+            held[rid] = ids
+            msg = (rid, params, n, 1000 + i)
+            (q_d0 if i % 2 == 0 else q_d1).put(msg)
+            if rng.random() < sc["p_abort"]:
+                eng.abort_export(rid)  # the client went away: the loader must not get stale bytes
+                aborted.add(rid)
+            i += 1
+        if part == "first" and i >= hi:
+            time.sleep(0.05)  # some loads are in flight now
+            for q in (q_d0, q_d1, q_ctl):
+                q.close()
+                q.join_thread()
+            os._exit(9)  # crash: nothing closed, nothing released
+        time.sleep(0.002)
+    q_d0.put(None)
+    q_d1.put(None)
+    stats = eng.stats()
+    eng.close()
+    shm.close()
+    return {
+        "reports": reports,
+        "aborted": sorted(aborted),
+        "free": len(free),
+        "held": sorted(held),
+        "stats": stats,
+        "exported": i - lo,
+        "threads_left": _engine_threads(),
+    }
+
+
+def _engine_threads() -> int:
+    """kvxfer's threads still alive in this process (the queue feeders of the test are not)."""
+    import threading
+
+    return sum(t.name.startswith("kvxfer-") for t in threading.enumerate())
+
+
+def fault_loader(sc: dict, who: int, q_in) -> dict:
+    """D for the faults soak: loads what it is sent (ipc for D0, pg for D1), polls like a
+    scheduler, checks every delivered request byte for byte, and times each load."""
+
+    from kvxfer import TransferEngine
+
+    _install_faults(sc, who)
+    spec = _spec(sc["dst_spec"])
+    nb = sc["dst_blocks"]
+    caches = [torch.empty(spec.cache_shape(nb, 1), dtype=spec.dtype) for _ in range(spec.num_layers)]
+    poison(caches)
+    eng = TransferEngine(
+        spec,
+        caches,
+        0,
+        1,
+        f"D{who}",
+        transport="ipc" if who == 0 else "pg",
+        lease_s=sc["lease_s"],
+        timeout_s=sc["timeout_s"],
+    ).start()
+    free = list(range(nb))
+    loads: dict[str, tuple] = {}  # rid -> (dst ids, n, seed, t_load)
+    reports: dict[str, list[str]] = {}
+    bad: list[str] = []
+    late: list[tuple[str, float]] = []
+    ended = False
+    end = time.monotonic() + sc["deadline_s"]
+    while (not ended or len(reports) < len(loads)) and time.monotonic() < end:
+        while True:
+            try:
+                msg = q_in.get_nowait()
+            except Exception:
+                break
+            if msg is None:
+                ended = True
+                break
+            rid, params, n, seed = msg
+            need = spec.num_blocks_for(n)
+            if len(free) < need:
+                raise AssertionError("soak: D's block pool is too small")
+            ids = [free.pop() for _ in range(need)]
+            eng.load(rid, params, ids)
+            loads[rid] = (ids, n, seed, time.monotonic())
+        r = eng.poll()
+        t = time.monotonic()
+        for rid in r.finished_recving | set(r.failed):
+            reports.setdefault(rid, []).append("done" if rid in r.finished_recving else "failed")
+            ids, n, seed, t0 = loads[rid]
+            if t - t0 > sc["timeout_s"] + sc["poll_slack_s"]:
+                late.append((rid, round(t - t0, 3)))
+            if rid in r.finished_recving and not check(caches, spec, 0, 1, ids, n, seed):
+                bad.append(rid)
+            free.extend(ids)
+        time.sleep(0.002)
+    stats = eng.stats()
+    eng.close()
+    return {
+        "loads": sorted(loads),
+        "reports": reports,
+        "bad": bad,
+        "late": late,
+        "stats": stats,
+        "ended": ended,
+        "threads_left": _engine_threads(),
+    }
