@@ -11,14 +11,28 @@ from kvxfer import KVCacheSpec, ops
 from kvxfer.transports.batching import (
     Item,
     cache_views,
-    dedupe_prefixes,
     pack_calls,
     plan_batch,
+    shared_prefixes,
     unit_view,
-    units_of,
 )
 
 from .engine_procs import payload, poison
+
+
+def units_of(block_ids, block_size: int, num_tokens: int, unit: int) -> np.ndarray:
+    """Unit ids of a request's tokens: token slots when ``unit == 1``, else its blocks."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if unit == 1:
+        return (ids[:, None] * block_size + np.arange(block_size)).reshape(-1)[:num_tokens]
+    return ids[: -(-num_tokens // block_size)]
+
+
+def dedupe_prefixes(items, src_unit: int, dst_unit: int) -> None:
+    """Skips as plan_batch sets them: shared prefixes rounded down to whole units of both sides."""
+    align = math.lcm(src_unit, dst_unit)
+    for it, shared in zip(items, shared_prefixes(items, src_unit, dst_unit)):
+        it.skip = shared // align * align
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ mappers), ``choice`` (transport and pair backend, with reasons), ``pg`` (pair gr
 
 from __future__ import annotations
 
-from .batching import BatchPlan, CacheView, Call, Item, cache_views, plan_batch, unit_view, units_of
+from .batching import BatchPlan, CacheView, Call, Item, cache_views, plan_batch, unit_view
 from .mappers import mapper, register_mapper
 
 TRANSPORTS = ("ipc", "pg")
@@ -37,5 +37,4 @@ __all__ = [
     "plan_batch",
     "register_mapper",
     "unit_view",
-    "units_of",
 ]

@@ -22,12 +22,10 @@ __all__ = [
     "Call",
     "Item",
     "cache_views",
-    "dedupe_prefixes",
     "pack_calls",
     "plan_batch",
     "shared_prefixes",
     "unit_view",
-    "units_of",
 ]
 
 
@@ -106,14 +104,6 @@ def _np(ids) -> np.ndarray:
     return ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
 
 
-def units_of(block_ids, block_size: int, num_tokens: int, unit: int) -> np.ndarray:
-    """Unit ids (int64 array) of a request's tokens: token slots when ``unit == 1``, else its blocks."""
-    ids = _np(block_ids).astype(np.int64, copy=False)
-    if unit == 1:
-        return _slots(ids, block_size, 0, num_tokens)
-    return ids[: -(-num_tokens // block_size)]
-
-
 @dataclass
 class Item:
     """One request as seen by one (batch, source rank): unit ids on both sides (int arrays)."""
@@ -170,14 +160,6 @@ def shared_prefixes(items: list[Item], src_unit: int, dst_unit: int) -> list[int
     return out
 
 
-def dedupe_prefixes(items: list[Item], src_unit: int, dst_unit: int) -> None:
-    """Set ``skip`` of every request whose leading tokens an earlier request already carries
-    (:func:`shared_prefixes`), rounded down to whole units of both sides."""
-    align = math.lcm(src_unit, dst_unit)
-    for it, shared in zip(items, shared_prefixes(items, src_unit, dst_unit)):
-        it.skip = shared // align * align
-
-
 def pack_calls(items: list[Item], src_unit: int, dst_unit: int) -> list[Call]:
     """Pack requests into as few ops calls as exactness allows.
 
@@ -186,7 +168,7 @@ def pack_calls(items: list[Item], src_unit: int, dst_unit: int) -> list[Call]:
     in unit ``t // unit`` of the concatenated unit lists on either side. Requests whose tokens
     fill whole units go first, so a call closes only after a request with a partial last unit:
     ``max(1, number of those)`` calls (one with unit 1). Requests' skipped prefixes
-    (:func:`dedupe_prefixes`) are left out.
+    (``skip``, from :func:`shared_prefixes`) are left out.
     """
     align = math.lcm(src_unit, dst_unit)
     live = [it for it in items if it.num_tokens > it.skip]
