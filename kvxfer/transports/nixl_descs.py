@@ -1,0 +1,240 @@
+"""Descriptor arithmetic of the ``nixl`` transport: where a request's bytes lie in a paged cache.
+
+Pure numpy, no NIXL: everything here is testable (and tested) on any machine.
+
+* :class:`CacheGeometry` — one rank's caches as NIXL sees them: each layer's base address and
+  the byte strides of the logical shape (``[2, blocks, tokens, heads, dim]`` for NHD,
+  ``[2, blocks, heads, tokens, dim]`` for HND, ``[blocks, tokens, dim]`` for MLA). It travels
+  in the handshake (:meth:`CacheGeometry.to_dict`), so a loader can address the exporter's
+  blocks without the exporter's tensors.
+* :func:`direct_why` — whether D may READ P's blocks byte for byte into its own (the *direct*
+  path): same layout, block size, element size and head dim, and a head slice that is one
+  contiguous run per block on both sides (NHD: the whole rank's heads on both sides; HND: any
+  contiguous head range; MLA: always). ``""`` when it may, else the reason.
+* :func:`block_runs` — the (address, length) runs of a batch of ops calls on one side, in a
+  canonical order ``[layer, kv, full blocks..., partial tails...]``; the two sides of a direct
+  read produce equal-length lists that pair one to one.
+* :func:`coalesce` — merges consecutive pairs that continue contiguously on both sides (adjacent
+  blocks), so a read is one descriptor per contiguous run.
+* :func:`epoch_runs` — the runs of an exporter's lease-epoch array that cover a set of blocks.
+
+No per-block or per-layer Python loop: each list is one broadcast numpy expression.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..spec import KVCacheSpec, Layout
+
+__all__ = ["CacheGeometry", "block_runs", "coalesce", "descs", "direct_why", "epoch_runs", "storages"]
+
+_U64 = np.uint64
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Addresses and byte strides of one rank's per-layer caches.
+
+    ``kind`` is ``"NHD"``, ``"HND"`` or ``"MLA"``; ``heads`` the heads held on the rank (1 for
+    MLA); strides are in bytes (``kv_stride`` 0 for MLA); ``layer_addrs`` the address of element
+    ``[0, 0, ...]`` of each layer.
+    """
+
+    kind: str
+    layer_addrs: tuple[int, ...]
+    num_blocks: int
+    block_size: int
+    heads: int
+    head_dim: int
+    element_size: int
+    kv_stride: int
+    block_stride: int
+    head_stride: int
+    token_stride: int
+
+    @property
+    def num_kv(self) -> int:
+        return 1 if self.kind == "MLA" else 2
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one head row (``head_dim`` elements)."""
+        return self.head_dim * self.element_size
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["layer_addrs"] = list(self.layer_addrs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CacheGeometry:
+        """Rebuild from :meth:`to_dict`; ``ValueError`` naming a missing or malformed field."""
+        try:
+            kw = {k: d[k] for k in cls.__dataclass_fields__}
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"nixl geometry: missing field {e}") from None
+        if kw["kind"] not in ("NHD", "HND", "MLA"):
+            raise ValueError(f"nixl geometry: kind {kw['kind']!r} is not NHD, HND or MLA")
+        kw["layer_addrs"] = tuple(int(a) for a in kw["layer_addrs"])
+        for k, v in kw.items():
+            if k not in ("kind", "layer_addrs") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"nixl geometry: {k} must be a non-negative int, got {v!r}")
+        return cls(**kw)
+
+    @classmethod
+    def of(cls, caches: Sequence[torch.Tensor], spec: KVCacheSpec) -> CacheGeometry:
+        """The geometry of ``caches`` (validated by :func:`kvxfer.ops.register_caches`: all
+        layers share one shape and one set of strides, head rows contiguous)."""
+        c0 = caches[0]
+        es = c0.element_size()
+        st = [s * es for s in c0.stride()]
+        if spec.use_mla:
+            kind, kv, blk, tok, head = "MLA", 0, st[0], st[1], 0
+            nb, heads = c0.shape[0], 1
+        elif spec.layout is Layout.NHD:
+            kind, kv, blk, tok, head = "NHD", st[0], st[1], st[2], st[3]
+            nb, heads = c0.shape[1], c0.shape[3]
+        else:
+            kind, kv, blk, head, tok = "HND", st[0], st[1], st[2], st[3]
+            nb, heads = c0.shape[1], c0.shape[2]
+        return cls(
+            kind,
+            tuple(int(c.data_ptr()) for c in caches),
+            int(nb),
+            spec.block_size,
+            int(heads),
+            spec.head_dim,
+            es,
+            kv,
+            blk,
+            head,
+            tok,
+        )
+
+
+def storages(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of the distinct allocations behind ``tensors`` (layers carved out of
+    one buffer, or K/V-second views, register their allocation once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[int(s.data_ptr())] = int(s.nbytes())
+    return sorted(seen.items())
+
+
+def _contiguous_why(g: CacheGeometry, side: str, head_start: int, num_heads: int) -> str:
+    """Why a block's head slice ``[head_start, +num_heads)`` of ``g`` is not one run ("" if it is)."""
+    rb = g.row_bytes
+    if g.kind == "MLA":
+        return "" if g.token_stride == rb else f"{side}'s MLA token rows are padded"
+    if g.kind == "NHD":
+        if num_heads != g.heads:
+            return f"{side} holds {g.heads} heads per token row in NHD, the read takes {num_heads} of them"
+        if g.head_stride != rb or g.token_stride != g.heads * rb:
+            return f"{side}'s NHD token rows are padded"
+        return ""
+    if g.token_stride != rb or g.head_stride != g.block_size * rb:
+        return f"{side}'s HND head pages are padded"
+    return ""
+
+
+def direct_why(
+    src: CacheGeometry,
+    dst: CacheGeometry,
+    src_head_start: int,
+    dst_head_start: int,
+    num_heads: int,
+) -> str:
+    """``""`` when the read ``(src heads [src_head_start, +num_heads) -> dst heads
+    [dst_head_start, ...))`` can move block for block (the direct path), else why not."""
+    if src.kind != dst.kind:
+        return f"layouts differ ({src.kind} -> {dst.kind})"
+    if src.block_size != dst.block_size:
+        return f"block sizes differ ({src.block_size} -> {dst.block_size})"
+    if src.element_size != dst.element_size or src.head_dim != dst.head_dim:
+        return "head rows differ"
+    return _contiguous_why(src, "the exporter", src_head_start, num_heads) or _contiguous_why(
+        dst, "the loader", dst_head_start, num_heads
+    )
+
+
+def _bases(g: CacheGeometry, head_start: int) -> np.ndarray:
+    """``[L, KV]`` uint64 address of (layer, kv, block 0, head ``head_start``, token 0)."""
+    layers = np.asarray(g.layer_addrs, dtype=_U64)[:, None]
+    kv = (np.arange(g.num_kv, dtype=_U64) * _U64(g.kv_stride))[None, :]
+    return layers + kv + _U64(head_start * g.head_stride)
+
+
+def block_runs(
+    g: CacheGeometry,
+    head_start: int,
+    num_heads: int,
+    full: np.ndarray,
+    tails: np.ndarray,
+    tail_tokens: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Runs ``(addresses, lengths)`` (uint64) covering heads ``[head_start, +num_heads)`` of
+    whole blocks ``full`` and of the first ``tail_tokens[i]`` tokens of blocks ``tails[i]``.
+
+    Order: ``[layer, kv, full blocks in order, then tails in order (HND: one run per head)]``,
+    identical on both sides of a direct read (see :func:`direct_why` for when runs are
+    contiguous). The caller checks the block ids (in range, token order)."""
+    full = np.asarray(full, dtype=np.int64).astype(_U64)
+    tails = np.asarray(tails, dtype=np.int64).astype(_U64)
+    tt = np.asarray(tail_tokens, dtype=np.int64).astype(_U64)
+    base = _bases(g, head_start)  # [L, KV]
+    L, KV = base.shape
+    bstride = _U64(g.block_stride)
+    if g.kind == "HND":
+        full_len = num_heads * g.head_stride
+        # tails: one run per head, [ntail, n]
+        t_off = tails[:, None] * bstride + np.arange(num_heads, dtype=_U64)[None, :] * _U64(g.head_stride)
+        t_len = np.broadcast_to(tt[:, None] * _U64(g.token_stride), t_off.shape)
+    else:
+        full_len = g.block_size * g.token_stride
+        t_off = (tails * bstride)[:, None]
+        t_len = (tt * _U64(g.token_stride))[:, None]
+    f_addr = base[:, :, None] + (full * bstride)[None, None, :]
+    t_addr = base[:, :, None] + t_off.reshape(-1)[None, None, :]
+    addrs = np.concatenate([f_addr, t_addr], axis=2).reshape(-1)
+    one = np.concatenate([np.full(full.size, full_len, dtype=_U64), np.ascontiguousarray(t_len).reshape(-1)])
+    lens = np.broadcast_to(one[None, None, :], (L, KV, one.size)).reshape(-1)
+    return addrs, lens
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive ``(src, dst, len)`` triples that continue contiguously on both sides;
+    returns the merged arrays (one descriptor per contiguous run)."""
+    if src.size <= 1:
+        return src, dst, lens
+    end_s = src[:-1] + lens[:-1]
+    end_d = dst[:-1] + lens[:-1]
+    brk = (src[1:] != end_s) | (dst[1:] != end_d)
+    starts = np.flatnonzero(np.concatenate([[True], brk]))
+    if starts.size == src.size:
+        return src, dst, lens
+    return src[starts], dst[starts], np.add.reduceat(lens, starts)
+
+
+def epoch_runs(
+    src_base: int, dst_base: int, block_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs copying the int64 epochs of ``block_ids`` from an array at ``src_base`` to the same
+    offsets of an array at ``dst_base`` (each block once, adjacent ids merged)."""
+    ids = np.unique(np.asarray(block_ids, dtype=np.int64)).astype(_U64)
+    off = ids * _U64(8)
+    return coalesce(_U64(src_base) + off, _U64(dst_base) + off, np.full(ids.size, 8, dtype=_U64))
+
+
+def descs(addrs: np.ndarray, lens: np.ndarray, device_id: int) -> np.ndarray:
+    """An ``N x 3`` uint64 descriptor array ``(address, length, device id)`` for NIXL."""
+    out = np.empty((addrs.size, 3), dtype=_U64)
+    out[:, 0] = addrs
+    out[:, 1] = lens
+    out[:, 2] = device_id
+    return out
