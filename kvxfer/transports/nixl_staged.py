@@ -1,0 +1,370 @@
+"""The staged path of the ``nixl`` transport: gather into registered staging, READ, scatter.
+
+Used for every read the direct path cannot serve (layouts, block sizes or head slices that do
+not line up, MLA with padded rows...). It is the chunked, double-buffered pipeline of the
+``pg`` transport (:mod:`kvxfer.staging`: both ends :func:`~kvxfer.staging.cut` the ops calls
+into the same chunks of ``chunk_tokens`` tokens) with NIXL in place of send/recv:
+
+1. the loader opens a mailbox for a fresh stream key and asks the exporter (``SendReq`` on the
+   side channel, carrying the requests' tokens) to stream ``calls``;
+2. the exporter gathers chunk ``i`` into one of its registered staging buffers (slot ``s``)
+   and notifies the loader ``R(key, i, s, nbytes)``;
+3. the loader READs ``nbytes`` of the exporter's slot ``s`` into one of its own registered
+   staging buffers, with the notification ``D(key, i)`` that NIXL delivers to the exporter
+   once the READ completed — so the exporter refills slot ``s`` only after it was read;
+4. the loader scatters the chunk while the next one is gathered and read.
+
+Either side that fails sends ``A(key)`` (abort), so the other stops at once instead of waiting
+out its bound. Buffers another transfer may still touch after a failure stay out of the pool:
+the loader's until its READ ended (:class:`~kvxfer.transports.nixl.XferFence`), the
+exporter's until the loader's deadline has certainly passed (the loader never uses a chunk
+after its deadline, and the exporter knows the loader's ``timeout_s`` from its pair request).
+CUDA caches: the host hands a buffer to NIXL only after the gather into it completed, and
+refills a receive buffer only after the scatter that read it completed
+(:class:`~kvxfer.staging.HostFence`), since the NIC reads and writes outside any CUDA stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..spec import KVCacheSpec
+from ..staging import Chunk, HostFence, StagingPool, cut, pipelined_recv, pipelined_send
+from ..tracing import trace
+from .nixl import NixlAgent, NixlError, XferFence, XferTimeout, encode_notif, mem_of
+
+__all__ = ["NixlStaging", "recv_stream", "send_stream"]
+
+
+class NixlStaging:
+    """A :class:`~kvxfer.staging.StagingPool` registered with a NIXL agent, and what a peer
+    needs to address its buffers (:meth:`describe`)."""
+
+    def __init__(
+        self,
+        agent: NixlAgent,
+        depth: int,
+        buffer_bytes: int,
+        cache_device: torch.device,
+        pin_memory: bool,
+        what: str,
+    ) -> None:
+        host = cache_device.type != "cuda" or pin_memory
+        self.pool = StagingPool(
+            depth,
+            buffer_bytes,
+            "cpu" if host else cache_device,
+            pin_memory=host and cache_device.type == "cuda",
+        )
+        agent.register([self.pool._storage], what)
+        self.mem, self.dev = mem_of(self.pool.buffers[0])
+        self.addrs = [int(b.data_ptr()) for b in self.pool.buffers]
+        self._slot = {a: i for i, a in enumerate(self.addrs)}
+        self.cache_device = cache_device
+
+    def slot_of(self, buf: torch.Tensor) -> int:
+        return self._slot[int(buf.data_ptr())]
+
+    def describe(self) -> dict:
+        return {"addrs": self.addrs, "bytes": self.pool.buffer_bytes, "mem": self.mem, "dev": self.dev}
+
+    def fences(self, timeout_s: float) -> list[HostFence] | None:
+        """Host fences per buffer when CUDA kernels fill or drain the buffers (None on CPU)."""
+        if self.cache_device.type != "cuda":
+            return None
+        return [HostFence(timeout_s) for _ in range(self.pool.num_buffers)]
+
+
+def _viewer(spec: KVCacheSpec, num_heads: int) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
+    def view(c: Chunk, slot: torch.Tensor) -> torch.Tensor:
+        shape = spec.wire_shape(c.num_tokens, num_heads)
+        nbytes = math.prod(shape) * spec.element_size
+        if nbytes > slot.numel():
+            raise ValueError(f"staging: chunk {c.index} needs {nbytes} bytes, buffer has {slot.numel()}")
+        return slot[:nbytes].view(spec.dtype).view(shape)
+
+    return view
+
+
+class _Until:
+    """An "event" (``query()``) that completes at a monotonic time: keeps a staging buffer out
+    of the pool until a peer can no longer be reading it."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.t
+
+
+def _abort(agent: NixlAgent, peer: str, key: str) -> None:
+    with contextlib.suppress(NixlError):  # the peer is gone: it has nothing left to stop
+        agent.send_notif(peer, encode_notif("A", key))
+
+
+# --------------------------------------------------------------------------- exporter
+def send_stream(
+    agent: NixlAgent,
+    peer: str,
+    key: str,
+    staging: NixlStaging,
+    spec: KVCacheSpec,
+    num_heads: int,
+    unit: int,
+    chunk_tokens: int,
+    calls: Sequence[tuple[torch.Tensor, int]],
+    gather: Callable[[torch.Tensor, int, torch.Tensor], None],
+    timeout_s: float,
+    peer_timeout_s: float,
+    tag: str = "",
+) -> int:
+    """Exporter: gather every chunk of ``calls`` into the registered staging buffers and let
+    ``peer`` READ it (module doc); returns the bytes read. Every wait ends by ``timeout_s``.
+    ``gather(units, num_tokens, out)`` fills the wire view ``out`` (and raises to stop)."""
+    chunks = cut(calls, chunk_tokens, unit)
+    view = _viewer(spec, num_heads)
+    deadline = time.monotonic() + timeout_s
+    acked: set[int] = set()
+    sent_at: dict[int, tuple[float, torch.Tensor]] = {}  # chunk -> (R sent, slot) until acked
+    failed: list[BaseException] = []  # the first failure: every later wait raises it at once
+    total = 0
+
+    def absorb(msgs) -> None:
+        for frm, m in msgs:
+            if frm != peer:
+                continue
+            if m.kind == "D":
+                acked.add(m.a)
+                sent_at.pop(m.a, None)
+            elif m.kind == "A" and not failed:
+                failed.append(RuntimeError(f"the loader {peer} aborted the stream"))
+
+    class Acked:
+        """Work of one chunk: ``wait()`` returns once the loader's READ of it completed."""
+
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def wait(self) -> None:
+            while self.i not in acked:
+                if failed:
+                    raise failed[0]
+                absorb(agent.wait_box(key, deadline))
+                if self.i in acked:
+                    return
+                if not failed and agent.stopping():
+                    failed.append(NixlError("the engine is closing"))
+                if not failed and time.monotonic() >= deadline:
+                    failed.append(
+                        TimeoutError(f"the loader did not read chunk {self.i} within {timeout_s:.1f}s")
+                    )
+
+    def do_gather(c: Chunk, buf: torch.Tensor) -> None:
+        with trace("gather", tag):
+            gather(c.units, c.num_tokens, buf)
+
+    def do_send(c: Chunk, buf: torch.Tensor) -> Acked:
+        nonlocal total
+        nbytes = buf.numel() * buf.element_size()
+        sent_at[c.index] = (time.monotonic(), buf)
+        with trace("send", tag):
+            agent.send_notif(peer, encode_notif("R", key, c.index, staging.slot_of(buf), nbytes))
+        total += nbytes
+        return Acked(c.index)
+
+    agent.open_box(key)
+    try:
+        with staging.pool.lease(staging.pool.num_buffers, timeout_s) as slots:
+            try:
+                pipelined_send(chunks, slots, view, do_gather, do_send, staging.fences(timeout_s))
+            except BaseException:
+                _abort(agent, peer, key)
+                # Buffers whose chunk was announced but not acknowledged may still be read by
+                # the loader until its own deadline (at most its timeout_s after our notice).
+                for t, buf in list(sent_at.values()):
+                    staging.pool.hold_until([buf], _Until(t + peer_timeout_s + 1.0))
+                raise
+    finally:
+        agent.close_box(key)
+    return total
+
+
+# --------------------------------------------------------------------------- loader
+class _Reads:
+    """The loader's READs of one stream: each chunk's READ starts as soon as both its buffer
+    is posted and the exporter announced it, whichever comes last."""
+
+    def __init__(
+        self,
+        agent: NixlAgent,
+        peer: str,
+        key: str,
+        remote: dict,
+        staging: NixlStaging,
+        deadline: float,
+        tag: str,
+    ) -> None:
+        self.agent, self.peer, self.key, self.remote = agent, peer, key, remote
+        self.staging, self.deadline, self.tag = staging, deadline, tag
+        self.want: dict[int, torch.Tensor] = {}  # chunk -> posted buffer
+        self.ready: dict[int, tuple[int, int]] = {}  # chunk -> (exporter slot, bytes)
+        self.active: dict[int, tuple] = {}  # chunk -> (handle, dlists, buffer)
+        self.done: set[int] = set()
+        self.failed: BaseException | None = None  # the first failure: later waits raise it at once
+
+    def _absorb(self) -> None:
+        for frm, m in self.agent.take(self.key):
+            if frm != self.peer:
+                continue
+            if m.kind == "R":
+                self.ready[m.a] = (m.b, m.c)
+            elif m.kind == "A":
+                raise RuntimeError(
+                    f"the exporter {self.peer} aborted the stream (a request was released, or its gather failed)"
+                )
+
+    def _start(self) -> None:
+        for i in [i for i in self.want if i in self.ready and i not in self.active and i not in self.done]:
+            buf = self.want[i]
+            slot, nbytes = self.ready.pop(i)
+            want = buf.numel() * buf.element_size()
+            addrs = self.remote["addrs"]
+            if not 0 <= slot < len(addrs) or nbytes != want or nbytes > self.remote["bytes"]:
+                raise RuntimeError(
+                    f"the exporter announced chunk {i} as {nbytes} bytes in slot {slot}; "
+                    f"expected {want} bytes in one of {len(addrs)} slots"
+                )
+            local = _one(buf.data_ptr(), nbytes, self.staging.dev)
+            remote = _one(addrs[slot], nbytes, self.remote["dev"])
+            with trace("recv", self.tag):
+                h, dl = self.agent.start_read(
+                    local,
+                    self.staging.mem,
+                    self.peer,
+                    remote,
+                    self.remote["mem"],
+                    encode_notif("D", self.key, i),
+                )
+            self.active[i] = (h, dl, buf)
+
+    def post(self, c: Chunk, buf: torch.Tensor) -> _ReadWork:
+        self.want[c.index] = buf
+        if self.failed is None:
+            try:
+                self._absorb()
+                self._start()
+            except BaseException as e:
+                self.failed = e
+        return _ReadWork(self, c.index)
+
+    def wait(self, i: int) -> None:
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self._wait(i)
+        except BaseException as e:
+            self.failed = e
+            raise
+
+    def _wait(self, i: int) -> None:
+        pause = 0.0
+        while True:
+            self._absorb()
+            self._start()
+            for j, (h, dl, _) in list(self.active.items()):
+                st = self.agent.poll_read(h)
+                if st == "DONE":
+                    self.agent._release(h, dl)
+                    del self.active[j]
+                    self.done.add(j)
+                elif st == "ERR":
+                    raise NixlError(f"NIXL READ of chunk {j} from {self.peer} failed (peer gone?)")
+            if i in self.done:
+                return
+            if self.agent.stopping():
+                raise NixlError("the engine is closing")
+            if time.monotonic() >= self.deadline:
+                raise TimeoutError(f"chunk {i} not read by the load's deadline")
+            self.agent.poll()
+            if pause:
+                time.sleep(pause)
+            pause = min(5e-4, pause * 2 + 2e-5)
+
+    def cancel(self) -> list[tuple[torch.Tensor, XferFence]]:
+        """Cancel every READ still running; those NIXL cannot cancel come back as (buffer,
+        fence)."""
+        held = []
+        for h, dl, buf in self.active.values():
+            if not self.agent._release(h, dl, quiet=True):
+                held.append((buf, XferFence(self.agent, h, dl)))
+        self.active.clear()
+        return held
+
+
+class _ReadWork:
+    __slots__ = ("_i", "_r")
+
+    def __init__(self, reads: _Reads, i: int) -> None:
+        self._r, self._i = reads, i
+
+    def wait(self) -> None:
+        self._r.wait(self._i)
+
+
+def _one(addr: int, nbytes: int, dev: int):
+    import numpy as np
+
+    return np.array([[addr, nbytes, dev]], dtype=np.uint64)
+
+
+def recv_stream(
+    agent: NixlAgent,
+    peer: str,
+    key: str,
+    remote: dict,
+    staging: NixlStaging,
+    spec: KVCacheSpec,
+    num_heads: int,
+    unit: int,
+    chunk_tokens: int,
+    calls: Sequence[tuple[torch.Tensor, int]],
+    scatter: Callable[[torch.Tensor, int, torch.Tensor], None],
+    deadline: float,
+    tag: str = "",
+) -> int:
+    """Loader: READ every chunk of ``calls`` (destination unit ids, tokens) from ``peer``'s
+    staging buffers (``remote``: its :meth:`NixlStaging.describe`) into this side's, and
+    scatter it; returns the number of chunks. The mailbox ``key`` must have been opened before
+    the exporter was asked to stream (it is closed here). Every wait ends by ``deadline``."""
+    chunks = cut(calls, chunk_tokens, unit)
+    view = _viewer(spec, num_heads)
+    reads = _Reads(agent, peer, key, remote, staging, deadline, tag)
+
+    def do_scatter(c: Chunk, buf: torch.Tensor) -> None:
+        with trace("scatter", tag):
+            scatter(c.units, c.num_tokens, buf)
+
+    try:
+        left = max(0.0, deadline - time.monotonic())
+        with staging.pool.lease(staging.pool.num_buffers, left) as slots:
+            try:
+                return pipelined_recv(chunks, slots, view, reads.post, do_scatter, staging.fences(left))
+            except BaseException:
+                _abort(agent, peer, key)
+                for buf, fence in reads.cancel():
+                    staging.pool.hold_until([buf], fence)
+                raise
+    finally:
+        agent.close_box(key)
+
+
+def stream_error(e: BaseException) -> str:
+    """A stream failure as a reason string."""
+    if isinstance(e, XferTimeout):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
