@@ -34,6 +34,7 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "HelloReply",
+    "NixlPairReq",
     "Notify",
     "PairReq",
     "ReadReply",
@@ -59,6 +60,7 @@ class Hello(msgspec.Struct, tag=True):
     request_id: str = ""
     token: str = ""
     version: int = PROTOCOL_VERSION
+    transport: str = ""  # the loader's configured transport ("auto", "ipc", "pg", "nixl")
 
 
 class HelloReply(msgspec.Struct, tag=True):
@@ -77,6 +79,9 @@ class HelloReply(msgspec.Struct, tag=True):
     incarnation: str = ""  # random per start of the rank: a changed one means it restarted
     error: str | None = None
     version: int = PROTOCOL_VERSION
+    # NIXL entry (kvxfer.nixl_role): {"agent", "md", "geometry", "epochs", "staging", "units", ...},
+    # or {"why": <reason>}; None when the loader cannot use NIXL or did not ask for it
+    nixl: dict | None = None
 
 
 class ReadReq(msgspec.Struct, tag=True):
@@ -104,6 +109,20 @@ class PairReq(msgspec.Struct, tag=True):
     tp_rank: int
     key: str
     backend: str
+    request_id: str
+    token: str
+
+
+class NixlPairReq(msgspec.Struct, tag=True):
+    """Ask the exporter rank to load the loader's NIXL agent metadata (staged ``nixl`` reads
+    notify the loader), on behalf of ``request_id``; ``timeout_s`` is the loader's bound (how
+    long it may still read a staging buffer it was told about)."""
+
+    engine_id: str
+    tp_rank: int
+    agent: str
+    md: bytes
+    timeout_s: float
     request_id: str
     token: str
 
@@ -166,6 +185,7 @@ Message = (
     | ReadReq
     | ReadReply
     | PairReq
+    | NixlPairReq
     | SendReq
     | SendReply
     | Notify

@@ -38,12 +38,14 @@ from .engine_types import HandshakeError, LoadItem, ReleaseItem, Remote, check_b
 from .exporter import ExporterRole
 from .loader import LoaderRole
 from .metrics import Metrics, now
+from .nixl_role import NixlRole
 from .ordering import StreamOrder
 from .params import KVTransferParams, params_dict
 from .spec import KVCacheSpec
 from .tracker import ExportTracker, LoadTracker, PollResult
 from .transports import TRANSPORTS, CacheView, cache_views, choice, mapper
 from .transports.cuda_ipc import host_id
+from .transports.nixl import require_nixl
 from .transports.staged import StagedPipeline
 
 _LOG = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ CLOSE_TIMEOUT_S = 5.0  # close() returns within this, even with a thread stuck i
 __all__ = ["HandshakeError", "TransferEngine"]
 
 
-class TransferEngine(ExporterRole, LoaderRole):
+class TransferEngine(ExporterRole, LoaderRole, NixlRole):
     """Moves paged KV between engines; one instance per TP rank.
 
     Args:
@@ -65,8 +67,10 @@ class TransferEngine(ExporterRole, LoaderRole):
         engine_id: unique id of the engine (all ranks alike).
         host: address the side channel (and pg store) bind to and that params advertise.
         transport: ``"auto"`` (ipc when both sides are on one host and the exporter's caches
-            can be mapped, else pg), ``"ipc"`` or ``"pg"``; an explicit transport that cannot
-            be used fails the request naming why.
+            can be mapped; else nixl across hosts when both sides offer it; else pg), ``"ipc"``,
+            ``"pg"`` or ``"nixl"`` (NIXL one-sided READs over UCX, :mod:`kvxfer.nixl_role`;
+            needs ``kvxfer[nixl]``, checked here); an explicit transport that cannot be used
+            fails the request naming why.
         lease_s: how long exported blocks are held without a heartbeat.
         port: side-channel port of rank 0; rank r binds ``port + r``. 0 picks a free port,
             allowed only with ``tp_size == 1`` (other ranks could not be found).
@@ -113,7 +117,9 @@ class TransferEngine(ExporterRole, LoaderRole):
         if not isinstance(engine_id, str) or not engine_id:
             raise ValueError(f"engine_id: must be a non-empty string, got {engine_id!r}")
         if transport not in ("auto", *TRANSPORTS):
-            raise ValueError(f"transport: must be 'auto', 'ipc' or 'pg', got {transport!r}")
+            raise ValueError(f"transport: must be 'auto', 'ipc', 'pg' or 'nixl', got {transport!r}")
+        if transport == "nixl":
+            require_nixl()  # NixlUnavailable (an ImportError) naming how to install it
         if not (isinstance(lease_s, (int, float)) and lease_s > 0):
             raise ValueError(f"lease_s: must be > 0, got {lease_s!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - tp_size:
@@ -213,7 +219,7 @@ class TransferEngine(ExporterRole, LoaderRole):
                     )
         # ipc entry of the handshake (shm mapper for CPU caches, CUDA IPC for CUDA caches)
         offer = choice.offer_ipc(
-            self.caches, self.device, self.num_blocks, self.engine_id, self.transport != "pg"
+            self.caches, self.device, self.num_blocks, self.engine_id, self.transport in ("auto", "ipc")
         )
         self._ipc_desc, self._epoch_shm = offer.desc, offer.epoch_shm
         if offer.offered:
@@ -226,6 +232,7 @@ class TransferEngine(ExporterRole, LoaderRole):
             self._pg_backend = self.pipeline.pg_backend(self.device)
             self._pg_backends = choice.offered_pg_backends(self._pg_backend, self.device)
             self._offers.append("pg")
+        self._nixl_init()  # offers nixl when NIXL imports; the agent now only for transport="nixl"
         self._client = C.ControlClient(self._ctx)
         for target, name in (
             (self._serve, "server"),
@@ -280,6 +287,7 @@ class TransferEngine(ExporterRole, LoaderRole):
 
     def _release_parts(self) -> None:
         """Free what :meth:`start` made (whatever part of it was made)."""
+        self._nixl_close()
         self._sender_pairs.clear()
         for rem in list(self._remotes.values()):
             for _, _, handles in rem.ipc.values():
@@ -445,6 +453,7 @@ class TransferEngine(ExporterRole, LoaderRole):
         s["loads_pending"] = self._loads.pending()
         s["transport_reasons"] = dict(self._transport_reasons)
         s.update(getattr(self.pipeline, "stats", dict)())
+        s.update(self._nixl_stats())
         s["not_ready_grants"] = self._order.num_not_ready
         s["engine_id"] = self.engine_id
         s["tp_rank"] = self.tp_rank

@@ -87,7 +87,9 @@ class ExporterRole:
             if self._authorized([msg.request_id], [msg.token]):
                 return C.ErrorReply("unauthorized: a handshake must present the token of a request's params")
             self._loader_tp[msg.engine_id] = msg.tp_size
-            return self._hello_reply()
+            reply = self._hello_reply()
+            reply.nixl = self._nixl_entry(msg)  # kvxfer.nixl_role
+            return reply
         if isinstance(msg, C.ReadReq):
             bad = self._authorized(msg.request_ids, msg.tokens)
             ids = [r for r in msg.request_ids if r not in bad]
@@ -125,6 +127,8 @@ class ExporterRole:
             return C.SendReply(ok=True, failed={})
         if isinstance(msg, C.SendReq):
             return self._handle_send(msg)
+        if isinstance(msg, C.NixlPairReq):
+            return self._handle_nixl_pair(msg)  # kvxfer.nixl_role
         return C.ErrorReply(f"unexpected message {type(msg).__name__}")
 
     def _handle_notify(self, msg: C.Notify) -> C.Ack:
@@ -148,6 +152,8 @@ class ExporterRole:
         bad = self._authorized(msg.request_ids, msg.tokens)
         if bad:
             return C.SendReply(ok=False, failed={"*": UNAUTHORIZED})
+        if self._nixl_owns(msg.key):
+            return self._handle_nixl_send(msg)  # a staged nixl stream (kvxfer.nixl_role)
         if msg.key not in self._pair_backend:
             return C.SendReply(ok=False, failed={"*": f"unknown pair group {msg.key}"})
         if msg.unit not in self._by_unit:
@@ -218,6 +224,9 @@ class ExporterRole:
             if job is None:
                 return
             kind, key = job[0], job[1]
+            if kind == "nixl":
+                self._nixl_stream_send(job[2])  # kvxfer.nixl_role; logs its own failures
+                continue
             try:
                 if kind == "pair":
                     store = pg.connect_store(self.host, self._store.port, self.timeout_s)

@@ -154,7 +154,9 @@ class LoaderRole:
             self._forget(rem, "the remote moved to a new address")
         t0 = now()
         addrs = [f"tcp://{p.host}:{p.port + r}" for r in range(p.tp_size)]
-        hello = C.Hello(**self._identity_fields(), request_id=p.request_id, token=p.token)
+        hello = C.Hello(
+            **self._identity_fields(), request_id=p.request_id, token=p.token, transport=self.transport
+        )
         try:
             replies = self._client.call_many([(a, hello) for a in addrs], _left(deadline))
         except C.ControlTimeout as e:
@@ -185,6 +187,8 @@ class LoaderRole:
         )
         rem.pg_backends, rem.host, rem.port = pg_backends, p.host, p.port
         rem.reads, rem.notify_to = plan.reads(self.tp_rank), plan.notify_targets(self.tp_rank)
+        if transport == "nixl":
+            self._nixl_setup(rem)  # kvxfer.nixl_role: metadata, direct/staged per read
         self._remotes[p.engine_id] = rem
         self._metrics.record_handshake(p.engine_id, now() - t0, transport)
         return rem
@@ -196,7 +200,13 @@ class LoaderRole:
         backends: list[str] = []
         try:
             transport, why = choice.choose(
-                self.transport, self.device, info, self._identity, replies, self._topology
+                self.transport,
+                self.device,
+                info,
+                self._identity,
+                replies,
+                self._topology,
+                local_nixl=self._nixl_local_why(),
             )
             if transport == "pg":
                 for r in replies:
@@ -334,6 +344,8 @@ class LoaderRole:
                 if rem.transport == "ipc":
                     with trace("copy", batch_tag(list(alive))):
                         moved, bad = self._ipc_read(rem, s, reads, loads, granted, deadline)
+                elif rem.transport == "nixl":  # kvxfer.nixl_role
+                    moved, bad = self._nixl_read(rem, s, reads, loads, granted, deadline)
                 else:
                     moved, bad = self._pg_read(rem, s, reads, loads, deadline)
                     if len(bad) < len(loads):  # finished only once the scatters ran
@@ -481,6 +493,7 @@ class LoaderRole:
         for _, _, handles in rem.ipc.values():
             choice.detach(handles)
         rem.ipc.clear()
+        self._nixl_forget(rem)  # kvxfer.nixl_role
         for a in rem.addrs:
             self._client.drop(a)
 

@@ -13,10 +13,17 @@ Two kinds, chosen at handshake and reported in stats (never a silent fallback):
   (:mod:`kvxfer.transports.pg`: NCCL, or Gloo on CPU and through pinned host memory when both
   ranks share a GPU) through the chunked, double-buffered staging pipeline of
   :mod:`kvxfer.transports.staged`.
+* ``nixl`` — one-sided READs through a NIXL agent per rank (:mod:`kvxfer.transports.nixl`,
+  UCX: InfiniBand, RoCE, EFA, TCP; optional, ``kvxfer[nixl]``): *direct* (the loader READs the
+  exporter's blocks into its own, one descriptor per contiguous run,
+  :mod:`kvxfer.transports.nixl_descs`) when layouts, block sizes and head slices line up, else
+  *staged* (gather, READ of staging buffers, scatter: :mod:`kvxfer.transports.nixl_staged`).
+  The engine's side of it is :mod:`kvxfer.nixl_role`.
 
 Modules, one job each: ``mappers`` (registry), ``shm``/``cuda_ipc``/``cuda_mapper`` (the two
 mappers), ``choice`` (transport and pair backend, with reasons), ``pg`` (pair groups),
-``staged`` (the pg pipeline), ``batching`` (views and packing requests into ops calls).
+``staged`` (the pg pipeline), ``batching`` (views and packing requests into ops calls),
+``nixl`` / ``nixl_descs`` / ``nixl_staged`` (NIXL agents, descriptor lists, the staged path).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 from .batching import BatchPlan, CacheView, Call, Item, cache_views, plan_batch, unit_view
 from .mappers import mapper, register_mapper
 
-TRANSPORTS = ("ipc", "pg")
+TRANSPORTS = ("ipc", "pg", "nixl")
 
 __all__ = [
     "TRANSPORTS",

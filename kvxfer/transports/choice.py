@@ -12,9 +12,10 @@ array (host shared memory on both), and builds the ``ipc`` entry of the handshak
 pid, PID namespace, GPU UUIDs, ``expandable_segments``).
 
 Loader side, at handshake: :func:`choose` returns ``(transport, reason)``; an explicit
-``"ipc"`` that cannot work raises ``ValueError("transport 'ipc' was asked for but cannot be
-used: <reason>")``; ``"auto"`` falls back to ``pg`` with ``reason = "pg: ipc cannot be used:
-<reason>"``. For CUDA caches the decision is :func:`kvxfer.transports.cuda_ipc.choose_transport`
+``"ipc"`` (or ``"nixl"``) that cannot work raises ``ValueError("transport 'ipc' was asked for
+but cannot be used: <reason>")``; ``"auto"`` falls back to ``nixl`` across hosts when both
+sides offer it (``reason = "nixl: ipc cannot be used: not on one host; ..."``), else to ``pg``
+with ``reason = "pg: ipc cannot be used: <reason>"``. Auto never picks ``nixl`` on one host. For CUDA caches the decision is :func:`kvxfer.transports.cuda_ipc.choose_transport`
 (different hosts, ``expandable_segments``, PID namespaces, GPU visibility, same process), with
 NVML topology (:mod:`kvxfer.topology`) consulted only when the two GPUs differ.
 """
@@ -53,10 +54,12 @@ def offer_ipc(
     caches: list[torch.Tensor], device: torch.device, num_blocks: int, engine_id: str, enabled: bool = True
 ) -> IpcOffer:
     """Describe ``caches`` for loaders on this host; allocate the shared epoch array if offered
-    (``enabled=False``: the engine is configured for ``pg`` only; nothing is published)."""
+    (``enabled=False``: the engine is configured for ``pg`` or ``nixl`` only; nothing is
+    published)."""
     info = cuda_ipc.local_ipc_info(device)
     if not enabled:
-        return IpcOffer({"mapper": None, "info": info, "why": "the exporter is configured for pg only"})
+        why = "the exporter is configured for another transport (pg only or nixl only)"
+        return IpcOffer({"mapper": None, "info": info, "why": why})
     name = _mapper_name(device)
     m = mapper(name)
     if name == "cuda":
@@ -117,6 +120,19 @@ def _ipc_usable(
     return True, why_ok
 
 
+def _nixl_usable(local_nixl: str, replies: list) -> tuple[bool, str]:
+    """Whether this loader rank and every exporter rank can use NIXL, and why (not)."""
+    if local_nixl:
+        return False, f"this loader cannot: {local_nixl}"
+    for r in replies:
+        entry = getattr(r, "nixl", None) or {}
+        if "nixl" not in r.transports:
+            return False, f"exporter rank {r.tp_rank} does not offer nixl"
+        if not entry.get("agent"):
+            return False, f"exporter rank {r.tp_rank}: {entry.get('why') or 'no NIXL entry in its handshake'}"
+    return True, "both sides offer NIXL (UCX)"
+
+
 def choose(
     requested: str,
     device: torch.device,
@@ -125,11 +141,18 @@ def choose(
     replies: list,
     topology: Callable[[], Any] | None = None,
     peer_access: Callable[[str, str], bool] | None = None,
+    local_nixl: str = "NIXL is not offered by this loader",
 ) -> tuple[str, str]:
     """``(transport, reason)`` for a loader rank whose handshake got ``replies`` (one per
     exporter rank). Raises ``ValueError`` naming the reason when the requested transport
     cannot be used (never a silent fallback); ``topology()`` is called only for two GPUs;
-    ``peer_access`` as in :func:`kvxfer.transports.cuda_ipc.ipc_supported`."""
+    ``peer_access`` as in :func:`kvxfer.transports.cuda_ipc.ipc_supported`; ``local_nixl``
+    is ``""`` when this loader can use NIXL, else why not."""
+    if requested == "nixl":
+        ok, why = _nixl_usable(local_nixl, replies)
+        if not ok:
+            raise ValueError(f"transport 'nixl' was asked for but cannot be used: {why}")
+        return "nixl", "nixl: requested"
     pg_ok = all("pg" in r.transports for r in replies)
     if requested == "pg":
         if not pg_ok:
@@ -142,6 +165,10 @@ def choose(
         return "ipc", f"ipc: {why}"
     if ok:
         return "ipc", f"ipc: {why}"
+    if not all(r.hostname == identity for r in replies):
+        nok, nwhy = _nixl_usable(local_nixl, replies)
+        if nok:
+            return "nixl", f"nixl: ipc cannot be used: {why}; {nwhy}"
     if pg_ok:
         return "pg", f"pg: ipc cannot be used: {why}"
     raise ValueError(

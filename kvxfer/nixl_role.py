@@ -1,0 +1,558 @@
+"""The ``nixl`` transport's part of :class:`~kvxfer.engine.TransferEngine`, both roles.
+
+One NIXL agent per engine rank (:class:`kvxfer.transports.nixl.NixlAgent`), made at
+``start()`` when the engine is configured ``transport="nixl"``, else (``"auto"``) on first
+need: when a loader on another host that offers NIXL handshakes with this rank, or when this
+rank as a loader picks ``nixl``. Making it registers, once, the rank's caches, the lease-epoch
+array and a send staging pool (``pipeline.depth`` x ``pipeline.buffer_bytes``: device memory
+for CUDA caches, pinned host memory with ``pipeline.pin_memory``, host memory on CPU).
+
+Handshake: the exporter's ``HelloReply.nixl`` entry (given only to a loader that presented a
+request's token, like every cache description) carries its agent metadata, cache geometry
+(:class:`~kvxfer.transports.nixl_descs.CacheGeometry`), epoch array and staging buffers.
+The loader loads the metadata and decides per read (source rank, head slice):
+
+* **direct** — layouts, block sizes and head slices line up
+  (:func:`~kvxfer.transports.nixl_descs.direct_why`): one READ per (batch, source rank) of
+  the exporter's blocks straight into the loader's, one descriptor per contiguous run; then a
+  READ of the exporter's epochs of those blocks, compared with the lease grant's snapshot as
+  ``ipc`` does (a block released before or during the READ is never delivered);
+* **staged** — otherwise: the chunked pipeline of :mod:`kvxfer.transports.nixl_staged`
+  (``SendReq`` on the side channel with the tokens; the exporter gathers under its lease lock,
+  so released blocks are never read). The first staged read of a pair sends the exporter a
+  ``NixlPairReq`` with the loader's connection-only metadata (for the notifications).
+
+Completion, leases, heartbeats and notifications are the engine's, as for the other
+transports. The paths chosen are appended to ``stats()["transport_reasons"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import control as C
+from . import ops
+from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
+from .ordering import FenceTimeout
+from .plan import Read
+from .transports import Item, plan_batch
+from .transports.nixl import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status
+from .transports.nixl_descs import CacheGeometry, block_runs, coalesce, descs, direct_why, epoch_runs
+from .transports.nixl_staged import NixlStaging, recv_stream, send_stream, stream_error
+
+_LOG = logging.getLogger(__name__)
+
+__all__ = ["NixlRole"]
+
+
+@dataclass
+class _SrcRank:
+    """A loader's view of one exporter rank it reads over NIXL."""
+
+    agent: str
+    geometry: CacheGeometry
+    mem: str
+    dev: int
+    epochs_addr: int
+    staging: dict
+    staging_bytes: int
+    units: list[int]
+    mirror: torch.Tensor  # local copy target of the exporter's epochs (registered)
+    mirror_reg: object = None
+    paired: bool = False  # the exporter loaded our connection info (staged reads)
+    paths: dict = field(default_factory=dict)  # (src head start, dst head start, heads) -> "" | why staged
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline``; ``TimeoutError`` when none are left."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the load's deadline passed")
+    return left
+
+
+def _read_key(r: Read) -> tuple[int, int, int]:
+    return (r.src_head_start, r.dst_head_start, r.num_heads)
+
+
+class NixlRole:
+    """Methods of :class:`~kvxfer.engine.TransferEngine` for the ``nixl`` transport."""
+
+    # ------------------------------------------------------------------ lifecycle
+    def _nixl_init(self) -> None:
+        """At start: offer ``nixl`` when NIXL imports (no agent yet, unless configured ``nixl``)."""
+        self._nixl = None
+        self._nixl_build_lock = threading.Lock()
+        self._nixl_remotes: dict[str, tuple[Remote, dict[int, _SrcRank]]] = {}
+        self._nixl_peers: dict[str, float] = {}  # loader agents paired with us -> their timeout_s
+        self._nixl_entry_d: dict | None = None
+        self._nixl_recv: NixlStaging | None = None
+        self._nixl_send: NixlStaging | None = None
+        self._nixl_geo: CacheGeometry | None = None
+        if self.transport not in ("auto", "nixl"):
+            self._nixl_why = f"the engine is configured for transport {self.transport!r}"
+            return
+        self._nixl_why = nixl_status()
+        if self._nixl_why:
+            return
+        self._offers.append("nixl")
+        if self.transport == "nixl":
+            self._nixl_side(raise_errors=True)
+
+    def _nixl_side(self, raise_errors: bool = False) -> NixlAgent | None:
+        """This rank's agent, made (and its memory registered) on first call; None when it
+        cannot be made (``_nixl_why`` says why; ``raise_errors`` raises instead)."""
+        if self._nixl is not None or self._nixl_why:
+            return self._nixl
+        with self._nixl_build_lock:
+            if self._nixl is not None or self._nixl_why:
+                return self._nixl
+            t0 = time.monotonic()
+            agent = None
+            try:
+                name = f"kvxfer/{self.engine_id}/{self.tp_rank}/{self._incarnation}"
+                agent = NixlAgent(name, stop=self._stop)
+                agent.register(self.caches, "caches")
+                agent.register([self._exports.epochs], "lease epochs")
+                send = NixlStaging(
+                    agent,
+                    self.pipeline.depth,
+                    self.pipeline.buffer_bytes,
+                    self.device,
+                    self.pipeline.pin_memory,
+                    "send staging",
+                )
+                geo = CacheGeometry.of(self.caches, self.spec)
+                mem, dev = mem_of(self.caches[0])
+                self._nixl_entry_d = {
+                    "agent": agent.name,
+                    "md": agent.metadata(),  # after every registration: it lists them
+                    "mem": mem,
+                    "dev": dev,
+                    "geometry": geo.to_dict(),
+                    "epochs": {"addr": int(self._exports.epochs.data_ptr()), "num_blocks": self.num_blocks},
+                    "staging": send.describe(),
+                    "staging_bytes": self.pipeline.buffer_bytes,
+                    "units": [v.unit for v in self._views],
+                    "backends": list(agent.backends),
+                }
+                agent.start_pump(f"kvxfer-nixl-{self.engine_id}-{self.tp_rank}")
+            except Exception as e:
+                why = f"NIXL agent could not be set up: {type(e).__name__}: {e}"
+                if agent is not None:
+                    agent.close()
+                if raise_errors:
+                    raise NixlError(why) from e
+                _LOG.warning(
+                    "kvxfer engine %s rank %d: %s; nixl is not offered", self.engine_id, self.tp_rank, why
+                )
+                self._nixl_why = why
+                if "nixl" in self._offers:
+                    self._offers.remove("nixl")
+                return None
+            self._nixl_send, self._nixl_geo = send, geo
+            self._nixl = agent
+            _LOG.info(
+                "kvxfer engine %s rank %d: NIXL agent %s ready in %.0f ms (%s memory)",
+                self.engine_id,
+                self.tp_rank,
+                agent.name,
+                1e3 * (time.monotonic() - t0),
+                mem,
+            )
+            return agent
+
+    def _nixl_close(self) -> None:
+        """Close the agent (after the engine's threads stopped). A thread still inside a NIXL
+        call (close() gave up on it) keeps the agent alive rather than freeing it under it."""
+        agent = getattr(self, "_nixl", None)
+        if agent is None:
+            return
+        if any(t.is_alive() for t in getattr(self, "_threads", [])):
+            _LOG.warning(
+                "kvxfer engine %s rank %d: a thread is still running; the NIXL agent is left open",
+                self.engine_id,
+                self.tp_rank,
+            )
+            return
+        self._nixl = None
+        agent.close()
+
+    def _nixl_local_why(self) -> str:
+        """ "" when this rank (as a loader) can use NIXL, else why not."""
+        return self._nixl_why
+
+    def _nixl_stats(self) -> dict:
+        agent = getattr(self, "_nixl", None)
+        return agent.stats() if agent is not None else {}
+
+    # ------------------------------------------------------------------ exporter
+    def _nixl_entry(self, msg: C.Hello) -> dict | None:
+        """The ``nixl`` entry of the HelloReply to ``msg`` (an authenticated Hello): given to a
+        loader configured for ``nixl``, or to an ``auto`` loader on another host that offers
+        NIXL (auto never picks nixl on one host); None otherwise."""
+        if self.transport not in ("auto", "nixl"):
+            return None
+        asked = msg.transport == "nixl" or (
+            msg.transport in ("", "auto") and "nixl" in msg.transports and msg.hostname != self._identity
+        )
+        if not asked:
+            return None
+        if self._nixl_side() is None:
+            return {"why": self._nixl_why}
+        return self._nixl_entry_d
+
+    def _handle_nixl_pair(self, msg: C.NixlPairReq) -> C.SendReply:
+        """Load a loader's connection info (staged reads notify it), once per loader agent."""
+        if self._authorized([msg.request_id], [msg.token]):
+            return C.SendReply(ok=False, failed={"*": "unauthorized: the token does not match the request"})
+        agent = self._nixl_side()
+        if agent is None:
+            return C.SendReply(ok=False, failed={"*": f"nixl not offered by this engine: {self._nixl_why}"})
+        try:
+            name = agent.add_remote(msg.md, expect=msg.agent)
+        except NixlError as e:
+            return C.SendReply(ok=False, failed={"*": str(e)})
+        self._nixl_peers[name] = float(msg.timeout_s)
+        return C.SendReply(ok=True, failed={})
+
+    def _nixl_owns(self, key: str) -> bool:
+        """Whether a SendReq's key names a staged nixl stream (``<loader agent>#<hex>``)."""
+        return self._nixl is not None and key.rpartition("#")[0] in self._nixl_peers
+
+    def _handle_nixl_send(self, msg: C.SendReq):
+        """Check a staged nixl send request (its tokens were verified) and queue its stream."""
+        if msg.unit not in self._by_unit:
+            return C.SendReply(ok=False, failed={"*": f"unit {msg.unit}: not one of {sorted(self._by_unit)}"})
+        why = self.pipeline.check_chunk(self.spec, msg.num_heads, msg.chunk_tokens, msg.unit)
+        if why:
+            return C.SendReply(ok=False, failed={"*": f"staging: {why}"})
+        with self._exports.lock:
+            gone = {
+                rid: "not exported here, already released or lease expired"
+                for rid in msg.request_ids
+                if self._exports.lookup(rid) is None
+            }
+            if gone:
+                return C.SendReply(ok=False, failed=gone)
+            self._exports.heartbeat(msg.request_ids)
+        self._send_q.put(("nixl", msg.key, msg))
+        return C.SendReply(ok=True, failed={})
+
+    def _nixl_stream_send(self, msg: C.SendReq) -> None:
+        """Sender thread: gather the stream's chunks (under the tracker lock: a request released
+        mid-stream stops it, the loader is told at once) and let the loader READ them."""
+        agent = self._nixl
+        peer = msg.key.rpartition("#")[0]
+        view = self._by_unit[msg.unit]
+        cuda = self.device.type == "cuda"
+
+        def gather(units, num_tokens: int, out: torch.Tensor) -> None:
+            with self._exports.lock:
+                gone = [r for r in msg.request_ids if self._exports.lookup(r) is None]
+                if gone:
+                    raise RuntimeError(f"released during the stream: {gone}")
+                ops.gather_blocks(
+                    view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads, out=out
+                )
+                if cuda:  # pragma: no cover - GPU only
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    self._exports.track_gather(msg.request_ids, ev)
+
+        calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t) for b, t in msg.calls]
+        try:
+            with self._order.on_stream("send"):
+                sent = send_stream(
+                    agent,
+                    peer,
+                    msg.key,
+                    self._nixl_send,
+                    self.spec,
+                    msg.num_heads,
+                    msg.unit,
+                    msg.chunk_tokens,
+                    calls,
+                    gather,
+                    self.timeout_s,
+                    self._nixl_peers.get(peer, self.timeout_s),
+                    batch_tag(msg.request_ids),
+                )
+        except Exception as e:
+            _LOG.warning(
+                "kvxfer exporter %s rank %d: nixl stream %s to %s failed (%s)",
+                self.engine_id,
+                self.tp_rank,
+                msg.key,
+                peer,
+                stream_error(e),
+            )
+            if "disconnected" in str(e):
+                agent.remove_remote(peer)
+                self._nixl_peers.pop(peer, None)
+            return
+        self._metrics.add("bytes_sent", sent)
+
+    # ------------------------------------------------------------------ loader
+    def _nixl_setup(self, rem: Remote) -> None:
+        """At the handshake with ``rem`` (transport nixl): load every source rank's metadata,
+        decide each read's path, and say which in ``stats()["transport_reasons"]``."""
+        agent = self._nixl_side()
+        if agent is None:
+            raise HandshakeError(f"nixl: {self._nixl_why}")
+        old = self._nixl_remotes.pop(rem.engine_id, None)
+        if old is not None:
+            self._nixl_drop(old[1])
+        ranks: dict[int, _SrcRank] = {}
+        try:
+            for s in sorted({r.src_rank for r in rem.reads}):
+                e = rem.replies[s].nixl or {}
+                try:
+                    geo = CacheGeometry.from_dict(e.get("geometry") or {})
+                    ep = e["epochs"]
+                    nb = int(ep["num_blocks"])
+                    mirror = torch.zeros(nb, dtype=torch.int64)
+                    st = _SrcRank(
+                        agent=str(e["agent"]),
+                        geometry=geo,
+                        mem=str(e["mem"]),
+                        dev=int(e["dev"]),
+                        epochs_addr=int(ep["addr"]),
+                        staging=dict(e["staging"]),
+                        staging_bytes=int(e["staging_bytes"]),
+                        units=[int(u) for u in e["units"]],
+                        mirror=mirror,
+                    )
+                except (KeyError, TypeError, ValueError) as x:
+                    raise HandshakeError(f"nixl: exporter rank {s} sent a malformed entry ({x})") from None
+                ranks[s] = st
+                st.mirror_reg = agent.register([mirror], "epoch mirror")
+                agent.add_remote(bytes(e["md"]), expect=st.agent)
+                agent.connect(st.agent)
+        except NixlError as x:
+            self._nixl_drop(ranks)
+            raise HandshakeError(f"nixl: {x}") from None
+        except BaseException:
+            self._nixl_drop(ranks)
+            raise
+        notes = []
+        for r in rem.reads:
+            st = ranks[r.src_rank]
+            why = direct_why(st.geometry, self._nixl_geo, r.src_head_start, r.dst_head_start, r.num_heads)
+            st.paths[_read_key(r)] = why
+            notes.append(f"rank {r.src_rank} " + ("direct" if not why else f"staged ({why})"))
+        self._nixl_remotes[rem.engine_id] = (rem, ranks)
+        base = self._transport_reasons.get(rem.engine_id, "nixl")
+        self._transport_reasons[rem.engine_id] = f"{base}; paths: " + ", ".join(notes)
+
+    def _nixl_drop(self, ranks: dict[int, _SrcRank]) -> None:
+        agent = self._nixl
+        if agent is None:
+            return
+        for st in ranks.values():
+            agent.remove_remote(st.agent)
+            agent.deregister(st.mirror_reg)
+
+    def _nixl_forget(self, rem: Remote) -> None:
+        """Drop the NIXL state of a forgotten remote (its agents are removed: disconnected)."""
+        got = self._nixl_remotes.get(rem.engine_id)
+        if got is not None and got[0] is rem:
+            del self._nixl_remotes[rem.engine_id]
+            self._nixl_drop(got[1])
+
+    def _nixl_read(
+        self, rem: Remote, s: int, reads: list[Read], loads: list[LoadItem], granted: dict, deadline: float
+    ) -> tuple[int, dict[str, str]]:
+        """Read the plan's heads of source rank ``s`` over NIXL: direct reads first (one READ,
+        then the epoch check), then staged ones; (bytes moved, local id -> why for failures)."""
+        got = self._nixl_remotes.get(rem.engine_id)
+        if got is None or got[0] is not rem or s not in got[1]:
+            raise RuntimeError(f"nixl: no state for exporter rank {s} (handshake not done)")
+        st = got[1][s]
+        direct = [r for r in reads if not st.paths.get(_read_key(r), "?")]
+        staged = [r for r in reads if st.paths.get(_read_key(r), "?")]
+        moved, bad = 0, {}
+        try:
+            if direct:
+                moved, bad = self._nixl_direct(rem, s, st, direct, loads, granted, deadline)
+            for r in staged:
+                todo = [it for it in loads if it.request_id not in bad]
+                if not todo:
+                    break
+                m, b = self._nixl_staged(rem, s, st, r, todo, deadline)
+                moved += m
+                bad.update(b)
+        except XferTimeout as e:  # the READ may still write our blocks: fenced until it ended
+            raise FenceTimeout(str(e), e.fence) from None
+        except NixlError as e:
+            if "disconnected" in str(e) or "failed" in str(e):
+                self._forget(rem, f"nixl: {e}")  # the next load handshakes (and connects) anew
+            raise
+        return moved, bad
+
+    def _nixl_direct(
+        self, rem: Remote, s: int, st: _SrcRank, reads: list[Read], loads, granted: dict, deadline: float
+    ) -> tuple[int, dict[str, str]]:
+        agent = self._nixl
+        items = [
+            Item(it.request_id, it.params.block_id_array().view(np.int64), it.block_ids, it.params.num_tokens)
+            for it in loads
+        ]
+        sbs, dbs = rem.spec.block_size, self.spec.block_size
+        bp = plan_batch(items, sbs, [sbs], dbs, [dbs])  # block units on both sides (n>1 dedup)
+        fs, fd, ts, td, tt = [], [], [], [], []
+        for c in bp.calls:  # per call (a few per batch), never per block
+            nfull = c.num_tokens // sbs
+            fs.append(c.src[:nfull])
+            fd.append(c.dst[:nfull])
+            if c.num_tokens % sbs:
+                ts.append(c.src[nfull : nfull + 1])
+                td.append(c.dst[nfull : nfull + 1])
+                tt.append(c.num_tokens % sbs)
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+        fs, fd, ts, td, tt = cat(fs), cat(fd), cat(ts), cat(td), np.asarray(tt, dtype=np.int64)
+        src_a, dst_a, lens = [], [], []
+        for r in reads:
+            sa, sl = block_runs(st.geometry, r.src_head_start, r.num_heads, fs, ts, tt)
+            da, dl = block_runs(self._nixl_geo, r.dst_head_start, r.num_heads, fd, td, tt)
+            if not np.array_equal(sl, dl):  # pragma: no cover - direct_why guarantees it
+                raise RuntimeError("nixl direct: source and destination runs differ")
+            src_a.append(sa)
+            dst_a.append(da)
+            lens.append(sl)
+        sa, da, ln = coalesce(np.concatenate(src_a), np.concatenate(dst_a), np.concatenate(lens))
+        moved = saved = 0
+        for r in reads:
+            m, sk = self._count(bp, r.num_heads)
+            moved, saved = moved + m, saved + sk
+        mem, dev = mem_of(self.caches[0])
+        tag = batch_tag([it.request_id for it in loads])
+        if sa.size:
+            from .tracing import trace
+
+            with trace("copy", tag):
+                agent.read(
+                    descs(da, ln, dev),
+                    mem,
+                    st.agent,
+                    descs(sa, ln, st.dev),
+                    st.mem,
+                    deadline,
+                    f"READ of {sa.size} runs from {st.agent}",
+                )
+        hook = self._hooks.get("after_nixl_read")
+        if hook:
+            hook()
+        # The epoch check, after the READ (as ipc does): epochs only grow, so a block released
+        # before or during the READ shows a moved epoch; its load is failed, never delivered.
+        ids = np.concatenate([it.params.block_id_array().view(np.int64) for it in loads])
+        es, ed, el = epoch_runs(st.epochs_addr, int(st.mirror.data_ptr()), ids)
+        agent.read(
+            descs(ed, el, 0),
+            "DRAM",
+            st.agent,
+            descs(es, el, 0),
+            "DRAM",
+            deadline,
+            f"epoch READ from {st.agent}",
+        )
+        bad = self._stale(st.mirror.numpy(), loads, granted, s)
+        self._metrics.add("dedup_bytes", saved)
+        return moved, bad
+
+    def _nixl_pair(self, rem: Remote, s: int, st: _SrcRank, token_of: LoadItem, deadline: float) -> None:
+        """Give exporter rank ``s`` our connection info (once), so it can notify us."""
+        if st.paired:
+            return
+        agent = self._nixl
+        req = C.NixlPairReq(
+            self.engine_id,
+            self.tp_rank,
+            agent.name,
+            agent.metadata(conn_only=True),
+            float(self.timeout_s),
+            token_of.params.request_id,
+            token_of.params.token,
+        )
+        try:
+            rep = self._client.call(rem.addrs[s], req, _left(deadline))
+        except C.ControlTimeout:
+            self._forget(rem, "a nixl pair request timed out")
+            raise
+        if not isinstance(rep, C.SendReply) or not rep.ok:
+            raise RuntimeError(
+                f"nixl pair refused: {getattr(rep, 'failed', None) or getattr(rep, 'error', rep)}"
+            )
+        st.paired = True
+
+    def _nixl_staged(
+        self, rem: Remote, s: int, st: _SrcRank, r: Read, loads: list[LoadItem], deadline: float
+    ) -> tuple[int, dict[str, str]]:
+        """One staged read (head slice ``r``) from source rank ``s``; (bytes, id -> why)."""
+        agent = self._nixl
+        try:
+            self._nixl_pair(rem, s, st, loads[0], deadline)
+        except Exception as e:
+            return 0, {it.request_id: f"nixl pair with rank {s}: {type(e).__name__}: {e}" for it in loads}
+        if self._nixl_recv is None:
+            self._nixl_recv = NixlStaging(
+                agent,
+                self.pipeline.depth,
+                self.pipeline.buffer_bytes,
+                self.device,
+                self.pipeline.pin_memory,
+                "receive staging",
+            )
+        bad: dict[str, str] = {}
+        moved = saved = 0
+        dv_of = self._by_unit
+        for _attempt in range(3):
+            loads = [it for it in loads if it.request_id not in bad]
+            if not loads:
+                break
+            bp = self._plan(loads, rem.spec.block_size, st.units)
+            bpt = self.spec.bytes_per_token(num_heads=r.num_heads)
+            chunk_tokens = self.pipeline.chunk_tokens_for(
+                {"staging_bytes": st.staging_bytes}, bpt, bp.src_unit, bp.dst_unit
+            )
+            key = f"{agent.name}#{secrets.token_hex(8)}"
+            agent.open_box(key)
+            try:
+                refused = self._send_req(rem, s, key, r, loads, bp, chunk_tokens, deadline)
+            except BaseException:
+                agent.close_box(key)
+                raise
+            if refused:
+                agent.close_box(key)
+                bad.update(refused)
+                continue
+            tag = batch_tag([it.request_id for it in loads])
+            n = recv_stream(
+                agent,
+                st.agent,
+                key,
+                st.staging,
+                self._nixl_recv,
+                self.spec,
+                r.num_heads,
+                bp.dst_unit,
+                chunk_tokens,
+                [(c.dst, c.num_tokens) for c in bp.calls],
+                self._scatterer(dv_of[bp.dst_unit], r.dst_head_start),
+                deadline,
+                tag,
+            )
+            self._order.wait_done(_left(deadline))  # CUDA: the scatters ran
+            self._metrics.add("ops_calls", n)
+            m, sk = self._count(bp, r.num_heads)
+            moved, saved = moved + m, saved + sk
+            break
+        self._metrics.add("dedup_bytes", saved)
+        return moved, bad
