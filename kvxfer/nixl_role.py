@@ -269,6 +269,9 @@ class NixlRole:
 
         calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t) for b, t in msg.calls]
         try:
+            hook = self._hooks.get("before_send")
+            if hook:
+                hook()
             with self._order.on_stream("send"):
                 sent = send_stream(
                     agent,
@@ -434,6 +437,9 @@ class NixlRole:
             moved, saved = moved + m, saved + sk
         mem, dev = mem_of(self.caches[0])
         tag = batch_tag([it.request_id for it in loads])
+        hook = self._hooks.get("before_nixl_read")
+        if hook:
+            hook()
         if sa.size:
             from .tracing import trace
 
@@ -534,6 +540,9 @@ class NixlRole:
                 bad.update(refused)
                 continue
             tag = batch_tag([it.request_id for it in loads])
+            hook = self._hooks.get("before_recv")
+            if hook:
+                hook()
             n = recv_stream(
                 agent,
                 st.agent,

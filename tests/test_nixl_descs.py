@@ -1,0 +1,179 @@
+"""Descriptor lists of the nixl direct path, without NIXL: the runs a READ would move are
+replayed with memmove on real caches and compared byte for byte with ``copy_blocks`` (poison
+everywhere else, partial last blocks included); when the direct path is refused, and why."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer import KVCacheSpec, Layout
+from kvxfer.ops import copy_blocks
+from kvxfer.transports.nixl_descs import (
+    CacheGeometry,
+    block_runs,
+    coalesce,
+    descs,
+    direct_why,
+    epoch_runs,
+    storages,
+)
+from tests.kvdata import as_bytes, empty_cache, first_difference, place, truth_bytes
+
+
+def _spec(kind: str, bs: int, dtype=torch.bfloat16, heads=4, head_dim=24, layers=3) -> KVCacheSpec:
+    if kind == "MLA":
+        return KVCacheSpec(layers, 1, head_dim, bs, dtype, use_mla=True)
+    return KVCacheSpec(layers, heads, head_dim, bs, dtype, Layout(kind))
+
+
+def _split(ids: list[int], num_tokens: int, bs: int):
+    """One call's full blocks, and its partial tail (as block_runs takes them)."""
+    nfull = num_tokens // bs
+    tail = num_tokens % bs
+    return (
+        np.array(ids[:nfull], dtype=np.int64),
+        np.array(ids[nfull : nfull + (1 if tail else 0)], dtype=np.int64),
+        np.array([tail] if tail else [], dtype=np.int64),
+    )
+
+
+def _replay(src_caches, s_spec, s_ids, dst_caches, d_spec, d_ids, n, src_h0, dst_h0, heads) -> int:
+    """Build the direct read's runs and move them with memmove; returns the number of runs."""
+    sg, dg = CacheGeometry.of(src_caches, s_spec), CacheGeometry.of(dst_caches, d_spec)
+    assert direct_why(sg, dg, src_h0, dst_h0, heads) == ""
+    fs, ts, tt = _split(s_ids, n, s_spec.block_size)
+    fd, td, _ = _split(d_ids, n, d_spec.block_size)
+    sa, sl = block_runs(sg, src_h0, heads, fs, ts, tt)
+    da, dl = block_runs(dg, dst_h0, heads, fd, td, tt)
+    assert np.array_equal(sl, dl)
+    sa, da, ln = coalesce(sa, da, sl)
+    d = descs(sa, ln, 0)
+    assert d.shape == (sa.size, 3) and d.dtype == np.uint64
+    for s, t, k in zip(sa.tolist(), da.tolist(), ln.tolist()):
+        ctypes.memmove(t, s, k)
+    return int(sa.size)
+
+
+CASES = [
+    # kind, block, src heads on rank, dst heads on rank, src head start, dst head start, heads read
+    ("NHD", 8, 4, 4, 0, 0, 4),
+    ("HND", 8, 4, 2, 2, 0, 2),  # P tp=1 -> D tp=2, rank 1's heads
+    ("HND", 16, 2, 4, 0, 2, 2),  # P tp=2 rank 1 -> D tp=1
+    ("MLA", 16, 1, 1, 0, 0, 1),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 16, 37])
+def test_direct_runs_move_exactly_what_copy_blocks_moves(case, dtype, num_tokens):
+    kind, bs, sh, dh, s0, d0, n = CASES[case]
+    spec = _spec(kind, bs, dtype)
+    truth = truth_bytes(spec, num_tokens, seed=3)
+    need = spec.num_blocks_for(num_tokens)
+    s_ids = [9, 3, 4, 5, 0][:need]  # 3, 4, 5 adjacent: coalesced
+    d_ids = [1, 6, 7, 8, 11][:need]
+    src = empty_cache(spec, 12, sh, fill=0x3C)  # not the destination's poison: overreads show
+    global_src = range(s0, s0 + n) if kind != "MLA" else range(1)
+    place(src, spec, truth, global_src, s_ids, local_head_start=s0 if kind != "MLA" else 0)
+    got = empty_cache(spec, 12, dh)
+    want = empty_cache(spec, 12, dh)
+    runs = _replay(src, spec, s_ids, got, spec, d_ids, num_tokens, s0, d0, n)
+    copy_blocks(src, spec, s_ids, want, spec, d_ids, num_tokens, s0, d0, n)
+    assert torch.equal(as_bytes(got), as_bytes(want)), first_difference(as_bytes(got), as_bytes(want))
+    assert runs > 0
+
+
+def test_adjacent_blocks_coalesce_to_one_run_per_plane():
+    spec = _spec("NHD", 16)
+    caches = empty_cache(spec, 16, 4)
+    g = CacheGeometry.of(caches, spec)
+    full = np.array([3, 4, 5, 9], dtype=np.int64)
+    a, ln = block_runs(g, 0, 4, full, np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert a.size == 3 * 2 * 4  # layers x kv x blocks
+    sa, da, cl = coalesce(a, a + np.uint64(1 << 40), ln)
+    assert sa.size == 3 * 2 * 2  # [3..5] and [9] per (layer, kv)
+    assert int(cl.sum()) == int(ln.sum())
+    assert set(cl.tolist()) == {3 * g.block_stride, g.block_stride}
+    # only pairs contiguous on BOTH sides merge
+    _, _, cl2 = coalesce(a, a[::-1].copy(), ln)
+    assert cl2.size == a.size
+
+
+def test_kv_second_strided_view_and_layers_of_one_buffer():
+    """K/V-second allocations passed as transpose(0, 1) views, and layers carved from one
+    buffer: the geometry follows the strides; registration takes each allocation once."""
+    spec = _spec("NHD", 8, heads=2)
+    shape = spec.local_cache_shape(6, 2)
+    big = torch.empty((3, shape[1], 2, *shape[2:]), dtype=torch.bfloat16)
+    big.view(torch.uint8).fill_(0x3C)
+    src = [big[i].transpose(0, 1) for i in range(3)]
+    assert len(storages(src)) == 1
+    truth = truth_bytes(spec, 13, seed=4)
+    place(src, spec, truth, range(2), [5, 2])
+    got_raw = torch.empty_like(big)  # poisoned apart from the source
+    got_raw.view(torch.uint8).fill_(0xA5)
+    got = [got_raw[i].transpose(0, 1) for i in range(3)]
+    want = [g.contiguous() for g in got]
+    _replay(src, spec, [5, 2], got, spec, [1, 3], 13, 0, 0, 2)
+    copy_blocks(src, spec, [5, 2], want, spec, [1, 3], 13)
+    assert torch.equal(as_bytes(got), as_bytes(want))
+
+
+def _padded_hnd(spec: KVCacheSpec, nb: int, heads: int) -> list[torch.Tensor]:
+    raw = torch.zeros((2, nb, heads, spec.block_size, spec.head_dim + 8), dtype=spec.dtype)
+    return [raw[..., : spec.head_dim] for _ in range(spec.num_layers)]
+
+
+def test_direct_refused_with_the_reason():
+    nhd16, nhd32, hnd16 = _spec("NHD", 16), _spec("NHD", 32), _spec("HND", 16)
+    g = {
+        "nhd16x4": CacheGeometry.of(empty_cache(nhd16, 4, 4), nhd16),
+        "nhd16x2": CacheGeometry.of(empty_cache(nhd16, 4, 2), nhd16),
+        "nhd32x4": CacheGeometry.of(empty_cache(nhd32, 4, 4), nhd32),
+        "hnd16x4": CacheGeometry.of(empty_cache(hnd16, 4, 4), hnd16),
+        "hnd16pad": CacheGeometry.of(_padded_hnd(hnd16, 4, 4), hnd16),
+        "mla16": CacheGeometry.of(empty_cache(_spec("MLA", 16), 4, 1), _spec("MLA", 16)),
+    }
+    assert direct_why(g["nhd16x4"], g["nhd16x4"], 0, 0, 4) == ""
+    assert "layouts differ (NHD -> HND)" in direct_why(g["nhd16x4"], g["hnd16x4"], 0, 0, 4)
+    assert "block sizes differ (16 -> 32)" in direct_why(g["nhd16x4"], g["nhd32x4"], 0, 0, 4)
+    assert "takes 2 of them" in direct_why(g["nhd16x4"], g["nhd16x2"], 2, 0, 2)  # TP 1 -> 2 in NHD
+    assert "padded" in direct_why(g["hnd16pad"], g["hnd16x4"], 0, 0, 4)
+    assert "layouts differ (MLA -> NHD)" in direct_why(g["mla16"], g["nhd16x4"], 0, 0, 1)
+    assert direct_why(g["hnd16x4"], g["hnd16x4"], 1, 2, 2) == ""  # any head range in HND
+
+
+def test_geometry_round_trips_and_rejects_garbage():
+    spec = _spec("HND", 16)
+    g = CacheGeometry.of(empty_cache(spec, 4, 4), spec)
+    assert CacheGeometry.from_dict(g.to_dict()) == g
+    with pytest.raises(ValueError, match="missing field"):
+        CacheGeometry.from_dict({"kind": "NHD"})
+    bad = g.to_dict() | {"kind": "XYZ"}
+    with pytest.raises(ValueError, match="kind"):
+        CacheGeometry.from_dict(bad)
+    with pytest.raises(ValueError, match="block_stride"):
+        CacheGeometry.from_dict(g.to_dict() | {"block_stride": -1})
+
+
+def test_epoch_runs_cover_each_block_once():
+    sa, da, ln = epoch_runs(1000, 5000, np.array([5, 6, 7, 2, 2, 6], dtype=np.int64))
+    assert sa.tolist() == [1016, 1040] and da.tolist() == [5016, 5040] and ln.tolist() == [8, 24]
+
+
+def test_runs_for_a_4k_token_request_are_vectorised():
+    """32 layers, 256 blocks, a tail: one numpy expression per side, lists of equal length."""
+    spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
+    g = CacheGeometry.of([torch.empty(spec.cache_shape(300, 1), dtype=spec.dtype)] * 32, spec)
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(300)[:257]
+    a, ln = block_runs(g, 0, 8, ids[:256], ids[256:], np.array([5]))
+    assert a.size == ln.size == 32 * 2 * 257
+    assert int(ln.sum()) == 32 * 2 * (256 * 16 + 5) * 8 * 128 * 2
+    assert list(itertools.islice(ln.tolist(), 2)) == [16 * 8 * 128 * 2] * 2
