@@ -96,7 +96,7 @@ def test_adjacent_blocks_coalesce_to_one_run_per_plane():
     full = np.array([3, 4, 5, 9], dtype=np.int64)
     a, ln = block_runs(g, 0, 4, full, np.zeros(0, np.int64), np.zeros(0, np.int64))
     assert a.size == 3 * 2 * 4  # layers x kv x blocks
-    sa, da, cl = coalesce(a, a + np.uint64(1 << 40), ln)
+    sa, _, cl = coalesce(a, a + np.uint64(1 << 40), ln)
     assert sa.size == 3 * 2 * 2  # [3..5] and [9] per (layer, kv)
     assert int(cl.sum()) == int(ln.sum())
     assert set(cl.tolist()) == {3 * g.block_stride, g.block_stride}
