@@ -126,10 +126,12 @@ def _nixl_usable(local_nixl: str, replies: list) -> tuple[bool, str]:
         return False, f"this loader cannot: {local_nixl}"
     for r in replies:
         entry = getattr(r, "nixl", None) or {}
+        if entry.get("why"):
+            return False, f"exporter rank {r.tp_rank}: {entry['why']}"
         if "nixl" not in r.transports:
             return False, f"exporter rank {r.tp_rank} does not offer nixl"
         if not entry.get("agent"):
-            return False, f"exporter rank {r.tp_rank}: {entry.get('why') or 'no NIXL entry in its handshake'}"
+            return False, f"exporter rank {r.tp_rank}: no NIXL entry in its handshake"
     return True, "both sides offer NIXL (UCX)"
 
 

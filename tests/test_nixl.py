@@ -1,0 +1,313 @@
+"""The nixl transport with both engines in one process (UCX on loopback; the default transports
+and ``UCX_TLS=tcp``): direct and staged paths byte for byte, memory registered once, auto picks
+it only across hosts, the side channel's auth in front of NIXL metadata, a lease ending
+during a direct READ or a staged stream, a stuck exporter, and a bounded close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvxfer import KVCacheSpec, TransferEngine, ops
+from kvxfer import control as C
+from kvxfer.transports.nixl import nixl_status
+from kvxfer.transports.shm import alloc_shm_caches
+from kvxfer.transports.staged import StagedPipeline
+
+from .engine_procs import check, fill, payload, poison, untouched
+
+pytestmark = pytest.mark.skipif(bool(nixl_status()), reason=f"NIXL not importable here: {nixl_status()}")
+
+NHD16 = KVCacheSpec(2, 4, 16, 16, torch.float16)
+HND32 = KVCacheSpec(2, 4, 16, 32, torch.float16, layout="HND")
+UCX_MODES = {"default": {}, "tcp": {"UCX_TLS": "tcp"}}
+
+
+@pytest.fixture(params=sorted(UCX_MODES))
+def ucx(request, monkeypatch):
+    """UCX on loopback; ``tcp`` forces the path a cross-node link without RDMA takes."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    for k, v in UCX_MODES[request.param].items():
+        monkeypatch.setenv(k, v)
+    return request.param
+
+
+def _caches(spec, nb=32):
+    c = [torch.empty(spec.cache_shape(nb, 1), dtype=spec.dtype) for _ in range(spec.num_layers)]
+    poison(c)
+    return c
+
+
+def _wait(eng, want, key="recv", timeout=15.0) -> dict:
+    got, seen = {}, []
+    end = time.monotonic() + timeout
+    while set(got) != set(want) and time.monotonic() < end:
+        r = eng.poll()
+        if key == "recv":
+            outs = [(x, "done") for x in r.finished_recving]
+            outs += [(x, "failed: " + r.errors.get(x, "")) for x in r.failed]
+        else:
+            outs = [(x, "done") for x in r.finished_sending] + [(x, "expired") for x in r.expired]
+        for rid, what in outs:
+            seen.append(rid)
+            got[rid] = what
+        time.sleep(0.003)
+    assert len(seen) == len(set(seen)), f"reported more than once: {seen}"
+    return got
+
+
+def _tail(spec, ids, n):
+    return {ids[-1]: n - (len(ids) - 1) * spec.block_size}
+
+
+def test_direct_and_staged_exact_registered_once(ucx):
+    """P (NHD, block 16) serves D1 (same layout: direct) and D2 (HND, block 32: staged), three
+    rounds each: every byte lands, nothing else is touched, memory is registered once."""
+    pc, d1c, d2c = _caches(NHD16), _caches(NHD16), _caches(HND32)
+    pipe = StagedPipeline(buffer_bytes=16 << 10)  # 32 tokens per chunk: several per request
+    p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl", pipeline=pipe).start()
+    d1 = TransferEngine(NHD16, d1c, 0, 1, "D1", transport="nixl").start()
+    d2 = TransferEngine(HND32, d2c, 0, 1, "D2", transport="nixl", pipeline=pipe).start()
+    try:
+        regs = None
+        for rnd in range(3):
+            n = [37, 64, 5][rnd]
+            src = [[3, 4, 5], [9, 10, 11, 12], [20]][rnd]
+            fill(pc, NHD16, 0, 1, src, n, seed=rnd)
+            ids1 = [[1, 2, 7], [14, 15, 16, 17], [30]][rnd]
+            ids2 = [[2, 9], [3, 4], [6]][rnd]
+            d1.load(f"a{rnd}", p.export(f"a{rnd}", src, n), ids1)
+            d2.load(f"b{rnd}", p.export(f"b{rnd}", src, n), ids2)
+            assert _wait(d1, {f"a{rnd}"}) == {f"a{rnd}": "done"}
+            assert _wait(d2, {f"b{rnd}"}) == {f"b{rnd}": "done"}
+            assert check(d1c, NHD16, 0, 1, ids1, n, seed=rnd)
+            assert check(d2c, HND32, 0, 1, ids2, n, seed=rnd)
+            assert untouched(d1c, NHD16, set(ids1), _tail(NHD16, ids1, n))
+            assert untouched(d2c, HND32, set(ids2), _tail(HND32, ids2, n))
+            assert _wait(p, {f"a{rnd}", f"b{rnd}"}, "send") == {f"a{rnd}": "done", f"b{rnd}": "done"}
+            now = [len(e._nixl._regs) for e in (p, d1, d2)]
+            assert regs is None or now == regs, "memory registered again for a request"
+            regs = now
+            poison(d1c)
+            poison(d2c)
+        r1, r2 = d1.stats()["transport_reasons"]["P"], d2.stats()["transport_reasons"]["P"]
+        assert r1 == "nixl: requested; paths: rank 0 direct"
+        assert r2 == "nixl: requested; paths: rank 0 staged (layouts differ (NHD -> HND))"
+        s1, s2 = d1.stats(), d2.stats()
+        assert s1["transports"] == {"P": "nixl"} and s1["failures"] == 0 and s1["transfers"] == 3
+        assert s2["staging_chunks_recv"] == 0  # the pg pipeline's counters stay untouched
+        assert s2["nixl_reads"] == 2 + 2 + 1  # chunks of 32 tokens: 37, 64, 5 tokens
+        assert p.stats()["nixl_notifs"] == 5  # one READ-completion notification per chunk
+        assert p.stats()["blocks_held"] == 0
+    finally:
+        for e in (d1, d2, p):
+            e.close()
+
+
+def test_untouched_around_partial_blocks_direct(ucx):
+    """The last block's tail slots (direct path, partial block) keep the poison."""
+    pc, dc = _caches(NHD16), _caches(NHD16)
+    p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl").start()
+    d = TransferEngine(NHD16, dc, 0, 1, "D", transport="nixl").start()
+    try:
+        fill(pc, NHD16, 0, 1, [8, 9, 10], 35, seed=4)
+        d.load("x", p.export("x", [8, 9, 10], 35), [0, 1, 2])  # 0, 1, 2 adjacent: coalesced
+        assert _wait(d, {"x"}) == {"x": "done"}
+        assert check(dc, NHD16, 0, 1, [0, 1, 2], 35, seed=4)
+        assert untouched(dc, NHD16, {0, 1, 2}, _tail(NHD16, [0, 1, 2], 35))
+        # one run per (layer, kv) plane (blocks and the partial tail adjacent on both sides),
+        # and one for the epochs of blocks 8..10
+        assert d.stats()["nixl_descs"] == 2 * 2 + 1
+    finally:
+        d.close()
+        p.close()
+
+
+def test_n3_children_share_prefix_once(ucx):
+    p_c, d_c = _caches(NHD16, 64), _caches(NHD16, 64)
+    p = TransferEngine(NHD16, p_c, 0, 1, "P", transport="nixl").start()
+    d = TransferEngine(NHD16, d_c, 0, 1, "D", transport="nixl").start()
+    try:
+        prefix, tails = 32, [5, 16, 3]
+        params, dst = [], {}
+        for i, tail in enumerate(tails):
+            n = prefix + tail
+            src_ids = [10, 11, 20 + i]
+            fill(p_c, NHD16, 0, 1, src_ids, n, seed=i)
+            fill(p_c, NHD16, 0, 1, [10, 11], prefix, seed=99)
+            params.append(p.export(f"c{i}", src_ids, n))
+            dst[f"c{i}"] = ([40, 41, 50 + 2 * i], n)
+        for i, prm in enumerate(params):
+            d.load(f"c{i}", prm, dst[f"c{i}"][0])
+        assert _wait(d, {"c0", "c1", "c2"}) == dict.fromkeys(["c0", "c1", "c2"], "done")
+        for i in range(3):
+            ids, n = dst[f"c{i}"]
+            want = payload(NHD16, i, n, range(4)).clone()
+            want[:, :, :, :prefix] = payload(NHD16, 99, prefix, range(4))
+            got = ops.gather_blocks(d_c, NHD16, ids, n)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"c{i}"
+        bpt = NHD16.bytes_per_token()
+        assert d.stats()["bytes"] == (prefix + sum(tails)) * bpt  # the prefix crossed once
+        assert d.stats()["dedup_bytes"] == 2 * prefix * bpt
+        assert _wait(p, {"c0", "c1", "c2"}, "send") == dict.fromkeys(["c0", "c1", "c2"], "done")
+    finally:
+        d.close()
+        p.close()
+
+
+def test_auto_picks_nixl_across_hosts_never_on_one(ucx):
+    """auto: a loader on another host (simulated identity) that offers NIXL gets nixl, with the
+    reason; on one host ipc does the job and the exporter never even makes a NIXL agent."""
+    shm = alloc_shm_caches(NHD16, 16, 1)
+    dc = _caches(NHD16)
+    p = TransferEngine(NHD16, shm.caches, 0, 1, "P").start()
+    near = TransferEngine(NHD16, _caches(NHD16), 0, 1, "Dnear").start()
+    far = TransferEngine(NHD16, dc, 0, 1, "Dfar")
+    far._identity = "another-host/boot-x"
+    far.start()
+    try:
+        fill(shm.caches, NHD16, 0, 1, [1, 2], 20, seed=1)
+        near.load("n", p.export("n", [1, 2], 20), [3, 4])
+        assert _wait(near, {"n"}) == {"n": "done"}
+        assert near.stats()["transports"] == {"P": "ipc"} and p._nixl is None and near._nixl is None
+        far.load("f", p.export("f", [1, 2], 20), [5, 6])
+        assert _wait(far, {"f"}) == {"f": "done"}
+        assert check(dc, NHD16, 0, 1, [5, 6], 20, seed=1)
+        why = far.stats()["transport_reasons"]["P"]
+        assert far.stats()["transports"] == {"P": "nixl"}
+        assert why == (
+            "nixl: ipc cannot be used: not on one host; both sides offer NIXL (UCX); paths: rank 0 direct"
+        )
+        assert p._nixl is not None  # made on the far loader's handshake
+    finally:
+        for e in (far, near, p):
+            e.close()
+        shm.close()
+
+
+def test_nixl_metadata_only_for_token_holders(ucx):
+    """No token, no NIXL metadata; a forged token opens no pair or stream; garbage
+    notifications are dropped; the rightful loader still gets its bytes."""
+    pc, dc = _caches(NHD16), _caches(NHD16)
+    p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl").start()
+    try:
+        fill(pc, NHD16, 0, 1, [2], 6, seed=3)
+        prm = p.export("victim", [2], 6)
+        ident = dict(p._identity_fields(), engine_id="E", transports=["nixl"])
+        forged = "f" * 32
+        for hello in (
+            C.Hello(**ident, transport="nixl"),
+            C.Hello(**ident, request_id="victim", token=forged, transport="nixl"),
+        ):
+            rep = p._handle(hello)
+            assert isinstance(rep, C.ErrorReply) and "unauthorized" in rep.error
+        rep = p._handle(C.Hello(**ident, request_id="victim", token=prm["token"], transport="nixl"))
+        assert rep.nixl["agent"] == p._nixl.name and rep.nixl["md"]
+        rep = p._handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", forged))
+        assert not rep.ok and "unauthorized" in rep.failed["*"]
+        rep = p._handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", prm["token"]))
+        assert not rep.ok and "NIXL" in rep.failed["*"]  # authorized, but not metadata
+        rep = p._handle(C.SendReq("E", 0, "x#k", ["victim"], [forged], 0, 4, 16, [(b"", 6)], 16))
+        assert not rep.ok and "unauthorized" in rep.failed["*"]
+        d = TransferEngine(NHD16, dc, 0, 1, "D", transport="nixl").start()
+        try:
+            d._nixl.send_notif  # noqa: B018 - the loader's agent exists
+            d.load("victim", prm, [9])
+            assert _wait(d, {"victim"}) == {"victim": "done"}
+            assert check(dc, NHD16, 0, 1, [9], 6, seed=3)
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def test_lease_ends_during_direct_read_reported_failed(ucx):
+    """D stalls after its READ (no heartbeat): P's lease ends, the block epochs move, and the
+    epoch READ after the data READ fails the load instead of delivering it."""
+    pc, dc = _caches(NHD16), _caches(NHD16)
+    p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl", lease_s=0.5).start()
+    d = TransferEngine(NHD16, dc, 0, 1, "D", transport="nixl", lease_s=0.5, timeout_s=8.0).start()
+    try:
+        fill(pc, NHD16, 0, 1, [4, 5], 20, seed=1)
+        prm = p.export("slow", [4, 5], 20)
+        released = threading.Event()
+
+        def stall():
+            end = time.monotonic() + 5
+            while p._exports.lookup("slow") is not None and time.monotonic() < end:
+                time.sleep(0.01)
+            released.set() if p._exports.lookup("slow") is None else None
+
+        d._hooks["after_nixl_read"] = stall
+        d.load("slow", prm, [1, 2])
+        got = _wait(d, {"slow"})
+        assert released.is_set()
+        assert got["slow"].startswith("failed:") and "released before or during" in got["slow"], got
+        assert d.stats()["transfers"] == 0 and d.stats()["failures"] == 1
+        assert untouched(dc, NHD16, {1, 2}, {})  # only the failed load's blocks were written
+        assert _wait(p, {"slow"}, "send") == {"slow": "expired"}
+    finally:
+        d.close()
+        p.close()
+
+
+def test_lease_ends_during_staged_stream_fails_at_once(ucx):
+    """A request released while its staged stream runs (the loader parked between chunks, no
+    heartbeat): the exporter's next gather finds it gone and aborts; the loader fails the load
+    at once (not at its deadline) and never scatters a chunk of released blocks as valid."""
+    pc, dc = _caches(NHD16, 64), _caches(HND32, 64)
+    pipe = StagedPipeline(buffer_bytes=16 << 10)  # 32 tokens per chunk: 4 chunks
+    p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl", lease_s=0.5, pipeline=pipe).start()
+    d = TransferEngine(
+        HND32, dc, 0, 1, "D", transport="nixl", lease_s=0.5, timeout_s=20.0, pipeline=pipe
+    ).start()
+    try:
+        ids = list(range(10, 18))
+        fill(pc, NHD16, 0, 1, ids, 128, seed=2)
+        prm = p.export("s", ids, 128)
+
+        def park():
+            end = time.monotonic() + 5
+            while p._exports.lookup("s") is not None and time.monotonic() < end:
+                time.sleep(0.01)
+
+        d._hooks["before_recv"] = park
+        t0 = time.monotonic()
+        d.load("s", prm, [0, 1, 2, 3])
+        got = _wait(d, {"s"}, timeout=25)
+        assert got["s"].startswith("failed:") and "aborted" in got["s"], got
+        assert time.monotonic() - t0 < 10.0  # far before the 20 s deadline
+        assert _wait(p, {"s"}, "send") == {"s": "expired"}
+    finally:
+        d.close()
+        p.close()
+
+
+def test_stuck_exporter_fails_by_the_deadline_and_close_is_bounded(ucx):
+    """The exporter's sender is parked (never gathers): the staged load fails by its deadline
+    naming it; the loader's close() returns within its bound."""
+    from kvxfer.engine import CLOSE_TIMEOUT_S
+
+    pc, dc = _caches(NHD16), _caches(HND32)
+    p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl").start()
+    d = TransferEngine(HND32, dc, 0, 1, "D", transport="nixl", timeout_s=1.5).start()
+    gate = threading.Event()
+    p._hooks["before_send"] = lambda: gate.wait(20)
+    try:
+        d.load("x", p.export("x", [1, 2], 20), [3])
+        t0 = time.monotonic()
+        got = _wait(d, {"x"}, timeout=10)
+        assert got["x"].startswith("failed:") and "deadline" in got["x"], got
+        assert time.monotonic() - t0 < 1.5 + 1.0
+        assert bool((dc[0].view(torch.uint8)[:, 3] == 0x5A).all())  # nothing scattered
+        t0 = time.monotonic()
+        d.close()
+        assert time.monotonic() - t0 < CLOSE_TIMEOUT_S
+    finally:
+        gate.set()
+        d.close()
+        p.close()
