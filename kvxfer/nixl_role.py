@@ -297,7 +297,7 @@ class NixlRole:
                 peer,
                 stream_error(e),
             )
-            if "disconnected" in str(e):
+            if getattr(e, "peer_gone", False):
                 agent.remove_remote(peer)
                 self._nixl_peers.pop(peer, None)
             return
@@ -395,7 +395,7 @@ class NixlRole:
         except XferTimeout as e:  # the READ may still write our blocks: fenced until it ended
             raise FenceTimeout(str(e), e.fence) from None
         except NixlError as e:
-            if "disconnected" in str(e) or "failed" in str(e):
+            if not self._nixl.stopping():
                 self._forget(rem, f"nixl: {e}")  # the next load handshakes (and connects) anew
             raise
         return moved, bad

@@ -77,7 +77,12 @@ class NixlUnavailable(ImportError):
 
 
 class NixlError(RuntimeError):
-    """A NIXL call failed, or a transfer ended in error (the message names which and why)."""
+    """A NIXL call failed, or a transfer ended in error (the message names which and why);
+    ``peer_gone``: NIXL reported the peer disconnected (its process died or it closed)."""
+
+    def __init__(self, message: str, peer_gone: bool = False) -> None:
+        super().__init__(message)
+        self.peer_gone = peer_gone
 
 
 class XferTimeout(NixlError):
@@ -245,7 +250,8 @@ class NixlAgent:
         except self.errors as e:
             gone = self._disconnect is not None and isinstance(e, self._disconnect)
             raise NixlError(
-                f"NIXL {what} failed: {type(e).__name__}: {e}" + (" (the peer disconnected)" if gone else "")
+                f"NIXL {what} failed: {type(e).__name__}: {e}" + (" (the peer disconnected)" if gone else ""),
+                peer_gone=gone,
             ) from None
 
     def register(self, tensors: Sequence[torch.Tensor], what: str) -> Any:
@@ -430,6 +436,11 @@ class NixlAgent:
     # ----------------------------------------------------------------------- notifications
     def send_notif(self, peer: str, msg: bytes) -> None:
         self._call("send_notif", self.agent.send_notif, peer, msg)
+
+    def ping(self, peer: str, key: str) -> None:
+        """A no-op notification to ``peer`` (ignored there): raises :class:`NixlError` with
+        ``peer_gone`` when the peer is dead, which waiting for its notifications never tells."""
+        self.send_notif(peer, encode_notif("P", key))
 
     def open_box(self, key: str) -> None:
         """Start keeping the notifications addressed to ``key``."""

@@ -26,7 +26,6 @@ refills a receive buffer only after the scatter that read it completed
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +37,9 @@ from ..staging import Chunk, HostFence, StagingPool, cut, pipelined_recv, pipeli
 from ..tracing import trace
 from .nixl import NixlAgent, NixlError, XferFence, XferTimeout, encode_notif, mem_of
 
-__all__ = ["NixlStaging", "recv_stream", "send_stream"]
+__all__ = ["PING_S", "NixlStaging", "recv_stream", "send_stream"]
+
+PING_S = 0.2  # a side waiting this long without news pings its peer: a dead one is reported
 
 
 class NixlStaging:
@@ -102,9 +103,13 @@ class _Until:
         return time.monotonic() >= self.t
 
 
-def _abort(agent: NixlAgent, peer: str, key: str) -> None:
-    with contextlib.suppress(NixlError):  # the peer is gone: it has nothing left to stop
+def _abort(agent: NixlAgent, peer: str, key: str) -> bool:
+    """Tell ``peer`` the stream ``key`` is over; True when NIXL says the peer is gone."""
+    try:
         agent.send_notif(peer, encode_notif("A", key))
+    except NixlError as e:
+        return e.peer_gone
+    return False
 
 
 # --------------------------------------------------------------------------- exporter
@@ -125,7 +130,8 @@ def send_stream(
 ) -> int:
     """Exporter: gather every chunk of ``calls`` into the registered staging buffers and let
     ``peer`` READ it (module doc); returns the bytes read. Every wait ends by ``timeout_s``.
-    ``gather(units, num_tokens, out)`` fills the wire view ``out`` (and raises to stop)."""
+    ``gather(units, num_tokens, out)`` fills the wire view ``out`` (and raises to stop). An
+    exception raised here carries ``peer_gone = True`` when NIXL reported the loader gone."""
     chunks = cut(calls, chunk_tokens, unit)
     view = _viewer(spec, num_heads)
     deadline = time.monotonic() + timeout_s
@@ -154,9 +160,15 @@ def send_stream(
             while self.i not in acked:
                 if failed:
                     raise failed[0]
-                absorb(agent.wait_box(key, deadline))
+                got = agent.wait_box(key, min(deadline, time.monotonic() + PING_S))
+                absorb(got)
                 if self.i in acked:
                     return
+                if not got and not failed and time.monotonic() < deadline:
+                    try:
+                        agent.ping(peer, key)  # a dead loader is reported now, not at our bound
+                    except NixlError as e:
+                        failed.append(e)
                 if not failed and agent.stopping():
                     failed.append(NixlError("the engine is closing"))
                 if not failed and time.monotonic() >= deadline:
@@ -182,12 +194,16 @@ def send_stream(
         with staging.pool.lease(staging.pool.num_buffers, timeout_s) as slots:
             try:
                 pipelined_send(chunks, slots, view, do_gather, do_send, staging.fences(timeout_s))
-            except BaseException:
-                _abort(agent, peer, key)
-                # Buffers whose chunk was announced but not acknowledged may still be read by
-                # the loader until its own deadline (at most its timeout_s after our notice).
-                for t, buf in list(sent_at.values()):
-                    staging.pool.hold_until([buf], _Until(t + peer_timeout_s + 1.0))
+            except BaseException as e:
+                gone = _abort(agent, peer, key)
+                if gone:
+                    e.peer_gone = True  # type: ignore[attr-defined]  # the caller forgets the peer
+                else:
+                    # Buffers whose chunk was announced but not acknowledged may still be read
+                    # by the loader until its own deadline (at most its timeout_s after our
+                    # notice); a loader NIXL reports gone reads nothing more.
+                    for t, buf in list(sent_at.values()):
+                        staging.pool.hold_until([buf], _Until(t + peer_timeout_s + 1.0))
                 raise
     finally:
         agent.close_box(key)
@@ -273,7 +289,9 @@ class _Reads:
 
     def _wait(self, i: int) -> None:
         pause = 0.0
+        quiet_since = time.monotonic()
         while True:
+            n = len(self.done) + len(self.ready) + len(self.active)
             self._absorb()
             self._start()
             for j, (h, dl, _) in list(self.active.items()):
@@ -288,8 +306,14 @@ class _Reads:
                 return
             if self.agent.stopping():
                 raise NixlError("the engine is closing")
-            if time.monotonic() >= self.deadline:
+            now = time.monotonic()
+            if now >= self.deadline:
                 raise TimeoutError(f"chunk {i} not read by the load's deadline")
+            if len(self.done) + len(self.ready) + len(self.active) != n:
+                quiet_since = now
+            elif now - quiet_since > PING_S:
+                self.agent.ping(self.peer, self.key)  # a dead exporter is reported now
+                quiet_since = now
             self.agent.poll()
             if pause:
                 time.sleep(pause)
