@@ -8,13 +8,23 @@ GB/s at p50, the limit measured in the same run and the fraction of it, D's host
 per request (time inside ``load()`` plus the ``poll()`` that dispatched it), and ``#wrong``:
 a verification pass compares a digest of what P holds with what landed on D, per request.
 
-Limits, measured between the same two processes in the same run:
-  ipc  a plain ``copy_`` of the same bytes on the cache device (the copy ipc performs);
-  pg   a raw send of the same bytes over a fresh pair group of the backend the engine's pg
-       pairs use here, acknowledged by one byte: P and D share one device, so Gloo (through
-       pinned host memory for CUDA caches: NCCL cannot put both ranks of a pair on one GPU).
+Transports (``--transports``, default ``ipc,pg`` plus ``nixl-direct,nixl-staged`` when NIXL is
+installed): ``nixl-direct`` loads into a D cache laid out like P's (NHD, block 16: READs of P's
+blocks straight into D's), ``nixl-staged`` into the HND block-32 D of the other rows (gather,
+READ of staging buffers, scatter). UCX runs as the environment says (``UCX_TLS`` ...);
+``UCX_NET_DEVICES`` defaults to ``lo`` (P and D share this host); ``--ucx-tls tcp`` forces the
+path a cross-node link without RDMA takes.
 
-    python profiling/bench_transfer.py [--quick] [--transports ipc,pg] [--sizes 128,...,32768]
+Limits, measured between the same two processes in the same run:
+  ipc   a plain ``copy_`` of the same bytes on the cache device (the copy ipc performs);
+  pg    a raw send of the same bytes over a fresh pair group of the backend the engine's pg
+        pairs use here, acknowledged by one byte: P and D share one device, so Gloo (through
+        pinned host memory for CUDA caches: NCCL cannot put both ranks of a pair on one GPU);
+  nixl  the same ``copy_`` as ipc (memcpy on a CPU, a device copy on a GPU): what a transfer
+        between two engines on one host could at best reach.
+
+    python profiling/bench_transfer.py [--quick] [--transports ipc,pg,nixl-direct,nixl-staged]
+        [--sizes 128,...,32768] [--ucx-tls tcp]
 
 Outputs: the table on stdout, ``bench_transfer.json`` and ``bench_transfer.png`` under --out.
 """
@@ -182,7 +192,7 @@ def _link_limit(
     transport: str, nbytes: int, device: torch.device, store_port: int, cmd_q, iters: int
 ) -> tuple[float, str]:
     """Median seconds of the transport's raw link for ``nbytes`` (see module doc)."""
-    if transport == "ipc":
+    if transport == "ipc" or transport.startswith("nixl"):
         kind = "d2d" if device.type == "cuda" else "cpu"
         return common.CopyLimit(device).measure(nbytes, kind, iters, 1), f"copy_{kind}"
     from kvxfer.transports import pg
@@ -205,11 +215,24 @@ def _link_limit(
     return statistics.median(times[1:]), f"{backend}_send" + ("_pinned" if pinned else "")
 
 
+def default_transports() -> str:
+    """``ipc,pg``, and both nixl paths when NIXL can be imported."""
+    from kvxfer.transports.nixl import nixl_status
+
+    return "ipc,pg" + ("" if nixl_status() else ",nixl-direct,nixl-staged")
+
+
 def run(a: argparse.Namespace) -> int:
     device = common.pick_device(a.device)
-    p_spec, d_spec = _specs(a.layers)
+    p_spec, d_spec_staged = _specs(a.layers)
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else (QUICK_SIZES if a.quick else SIZES)
-    transports = a.transports.split(",")
+    transports = (a.transports or default_transports()).split(",")
+    bad = [t for t in transports if t not in ("ipc", "pg", "nixl-direct", "nixl-staged")]
+    if bad:
+        raise SystemExit(f"--transports: unknown {bad} (ipc, pg, nixl-direct, nixl-staged)")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # before the exporter spawns: both are here
+    if a.ucx_tls:
+        os.environ["UCX_TLS"] = a.ucx_tls
     ctx = mp.get_context("spawn")
     cmd_q, reply_q = ctx.Queue(), ctx.Queue()
     port = free_port_base(1)
@@ -226,7 +249,7 @@ def run(a: argparse.Namespace) -> int:
     rows: list[dict] = []
     meta = common.run_metadata(device)
     cols = [
-        common.Column("transport", "transport", 10),
+        common.Column("transport", "transport", 12),
         common.Column("phase", "phase", 5),
         common.Column("tokens", "tokens", 6),
         common.Column("bytes", "bytes", 11),
@@ -243,7 +266,13 @@ def run(a: argparse.Namespace) -> int:
     table.header(
         [
             f"kvxfer bench_transfer on {meta['device']} ({device.type}), {meta['date']}",
-            f"P tp=1 NHD block 16 -> D tp=1 HND block 32, {a.layers} layers x 8 kv heads x 128, bf16",
+            f"P tp=1 NHD block 16 -> D tp=1 HND block 32 (nixl-direct: NHD block 16), {a.layers} layers "
+            "x 8 kv heads x 128, bf16"
+            + (
+                f"; UCX_TLS={os.environ['UCX_TLS']}"
+                if any(t.startswith("nixl") for t in transports) and os.environ.get("UCX_TLS")
+                else ""
+            ),
             f"command: {meta['command']}",
         ]
     )
@@ -252,6 +281,7 @@ def run(a: argparse.Namespace) -> int:
         store_port = _get(reply_q, "ready", proc)[1]
         work = [(t, n) for t in transports for n in sizes]
         for transport, n in common.progress(work, "bench_transfer"):
+            d_spec = p_spec if transport == "nixl-direct" else d_spec_staged
             nbytes = n * p_spec.bytes_per_token()
             d_ids = list(range(d_spec.num_blocks_for(n)))[::-1]
             caches = [
@@ -259,7 +289,13 @@ def run(a: argparse.Namespace) -> int:
                 for _ in range(d_spec.num_layers)
             ]
             eng = TransferEngine(
-                d_spec, caches, 0, 1, f"D-{transport}-{n}", transport=transport, lease_s=60.0
+                d_spec,
+                caches,
+                0,
+                1,
+                f"D-{transport}-{n}",
+                transport="nixl" if transport.startswith("nixl") else transport,
+                lease_s=60.0,
             ).start()
             try:
                 walls, hosts, wrong = [], [], []
@@ -277,6 +313,7 @@ def run(a: argparse.Namespace) -> int:
                     hosts.append(host)
                 limit_s, limit_kind = _link_limit(transport, nbytes, device, store_port, cmd_q, a.iters)
                 used = eng.stats().get("transports", {})
+                reasons = eng.stats().get("transport_reasons", {})
             finally:
                 eng.close()
             limit_gbps = nbytes / limit_s / 1e9
@@ -289,6 +326,7 @@ def run(a: argparse.Namespace) -> int:
                 row = {
                     "transport": transport,
                     "used": used,
+                    "reasons": reasons,
                     "phase": phase,
                     "tokens": n,
                     "bytes": nbytes,
@@ -326,7 +364,8 @@ def run(a: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 layers, small sizes (CI on CPU)")
-    p.add_argument("--transports", default="ipc,pg")
+    p.add_argument("--transports", default=None, help="default ipc,pg (+ nixl-direct,nixl-staged with NIXL)")
+    p.add_argument("--ucx-tls", default=None, help="UCX_TLS for the nixl rows (e.g. tcp)")
     p.add_argument("--sizes", default=None, help="comma list of prompt lengths (default 128..32768)")
     p.add_argument("--layers", type=int, default=None, help="default 32 (quick: 2)")
     p.add_argument("--reqs", type=int, default=None, help="warm requests per row (default 10, quick 3)")

@@ -1,10 +1,14 @@
-"""bench_transfer --quick on CPU: both transports, table + JSON + PNG, and a #wrong that can fail."""
+"""bench_transfer --quick on CPU: every transport (nixl's two paths when NIXL is installed),
+table + JSON + PNG, and a #wrong that can fail."""
 
 import json
 
 import pytest
 
+from kvxfer.transports.nixl import nixl_status
 from tests.test_profiling import _run, _table_rows
+
+TRANSPORTS = ("ipc", "pg") + (() if nixl_status() else ("nixl-direct", "nixl-staged"))
 
 
 def test_bench_transfer_quick(tmp_path):
@@ -21,18 +25,22 @@ def test_bench_transfer_quick(tmp_path):
     )
     assert res.returncode == 0, res.stdout + res.stderr
     rows = _table_rows(res.stdout)
-    assert {(r[0], r[1]) for r in rows} == {(t, p) for t in ("ipc", "pg") for p in ("cold", "warm")}
+    assert {(r[0], r[1]) for r in rows} == {(t, p) for t in TRANSPORTS for p in ("cold", "warm")}
     assert all(r[-1] == "0" for r in rows), res.stdout
     assert "wrong requests: 0  OK" in res.stdout
     data = json.loads((tmp_path / "bench_transfer.json").read_text())
-    assert len(data["rows"]) == 8 and data["meta"]["device"]
+    assert len(data["rows"]) == 4 * len(TRANSPORTS) and data["meta"]["device"]
+    paths = {r["transport"]: r["reasons"].get("P", "") for r in data["rows"]}
+    if "nixl-direct" in paths:  # each nixl row took the path it is named after
+        assert paths["nixl-direct"].endswith("paths: rank 0 direct"), paths
+        assert "paths: rank 0 staged" in paths["nixl-staged"], paths
     for r in data["rows"]:
         assert r["bytes"] == r["tokens"] * 2 * 8 * 2 * 128 * 2  # 2 layers, 8 heads, K+V, 128, bf16
         assert r["p50_ms"] > 0 and r["limit_gbps"] > 0 and r["used"]
     assert (tmp_path / "bench_transfer.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("transport", ["ipc"])
+@pytest.mark.parametrize("transport", ["ipc", *(t for t in TRANSPORTS if t.startswith("nixl"))])
 def test_bench_transfer_detects_a_wrong_byte(tmp_path, transport):
     res = _run(
         "bench_transfer.py",
