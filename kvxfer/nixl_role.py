@@ -542,7 +542,11 @@ class NixlRole:
             tag = batch_tag([it.request_id for it in loads])
             hook = self._hooks.get("before_recv")
             if hook:
-                hook()
+                try:
+                    hook()
+                except BaseException:
+                    agent.close_box(key)
+                    raise
             n = recv_stream(
                 agent,
                 st.agent,

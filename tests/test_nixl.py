@@ -311,3 +311,35 @@ def test_stuck_exporter_fails_by_the_deadline_and_close_is_bounded(ucx):
         gate.set()
         d.close()
         p.close()
+
+
+def test_restarted_exporter_is_read_anew(ucx):
+    """P restarts at the same port (a new incarnation, a new NIXL agent): D's next load
+    handshakes with it at once, loads the new agent's metadata and lands the NEW bytes."""
+    from kvxfer.ports import free_port_base
+
+    port = free_port_base(1)
+    d_c = _caches(NHD16)
+    d = TransferEngine(NHD16, d_c, 0, 1, "D", transport="nixl", timeout_s=5.0).start()
+    p1c, p2c = _caches(NHD16), _caches(NHD16)
+    p1 = TransferEngine(NHD16, p1c, 0, 1, "P", transport="nixl", port=port).start()
+    try:
+        fill(p1c, NHD16, 0, 1, [3, 4], 20, seed=1)
+        d.load("a", p1.export("a", [3, 4], 20), [5, 6])
+        assert _wait(d, {"a"}) == {"a": "done"}
+        old_agent = p1._nixl.name
+        p1.close()
+        p2 = TransferEngine(NHD16, p2c, 0, 1, "P", transport="nixl", port=port).start()
+        try:
+            fill(p2c, NHD16, 0, 1, [3, 4], 20, seed=2)  # same blocks, other bytes
+            t0 = time.monotonic()
+            d.load("b", p2.export("b", [3, 4], 20), [7, 8])
+            assert _wait(d, {"b"}) == {"b": "done"}
+            assert time.monotonic() - t0 < 4.0
+            assert check(d_c, NHD16, 0, 1, [7, 8], 20, seed=2)
+            assert p2._nixl.name != old_agent and old_agent not in d._nixl._remotes
+        finally:
+            p2.close()
+    finally:
+        d.close()
+        p1.close()

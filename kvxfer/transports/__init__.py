@@ -1,6 +1,6 @@
 """Transports: how a request's KV gets from an exporter rank's cache into a loader rank's.
 
-Two kinds, chosen at handshake and reported in stats (never a silent fallback):
+Three kinds, chosen at handshake and reported in stats (never a silent fallback):
 
 * ``ipc`` — the loader maps the exporter's cache memory (a *cache mapper*,
   :mod:`kvxfer.transports.mappers`: ``"shm"`` for CPU caches in shared memory, ``"cuda"`` for

@@ -129,12 +129,13 @@ def send_stream(
     tag: str = "",
 ) -> int:
     """Exporter: gather every chunk of ``calls`` into the registered staging buffers and let
-    ``peer`` READ it (module doc); returns the bytes read. Every wait ends by ``timeout_s``.
+    ``peer`` READ it (module doc); returns the bytes read. Every wait ends ``timeout_s`` after
+    the last progress (the stream's start, or the loader's last completed READ).
     ``gather(units, num_tokens, out)`` fills the wire view ``out`` (and raises to stop). An
     exception raised here carries ``peer_gone = True`` when NIXL reported the loader gone."""
     chunks = cut(calls, chunk_tokens, unit)
     view = _viewer(spec, num_heads)
-    deadline = time.monotonic() + timeout_s
+    bound = [time.monotonic() + timeout_s]  # moves on with every READ completed (as pg's per-op bound)
     acked: set[int] = set()
     sent_at: dict[int, tuple[float, torch.Tensor]] = {}  # chunk -> (R sent, slot) until acked
     failed: list[BaseException] = []  # the first failure: every later wait raises it at once
@@ -147,6 +148,7 @@ def send_stream(
             if m.kind == "D":
                 acked.add(m.a)
                 sent_at.pop(m.a, None)
+                bound[0] = time.monotonic() + timeout_s
             elif m.kind == "A" and not failed:
                 failed.append(RuntimeError(f"the loader {peer} aborted the stream"))
 
@@ -160,18 +162,18 @@ def send_stream(
             while self.i not in acked:
                 if failed:
                     raise failed[0]
-                got = agent.wait_box(key, min(deadline, time.monotonic() + PING_S))
+                got = agent.wait_box(key, min(bound[0], time.monotonic() + PING_S))
                 absorb(got)
                 if self.i in acked:
                     return
-                if not got and not failed and time.monotonic() < deadline:
+                if not got and not failed and time.monotonic() < bound[0]:
                     try:
                         agent.ping(peer, key)  # a dead loader is reported now, not at our bound
                     except NixlError as e:
                         failed.append(e)
                 if not failed and agent.stopping():
                     failed.append(NixlError("the engine is closing"))
-                if not failed and time.monotonic() >= deadline:
+                if not failed and time.monotonic() >= bound[0]:
                     failed.append(
                         TimeoutError(f"the loader did not read chunk {self.i} within {timeout_s:.1f}s")
                     )

@@ -13,7 +13,8 @@ Where things come from:
   ===========================  ==========  ===================================================
   key                          default     meaning
   ===========================  ==========  ===================================================
-  ``transport``                ``"auto"``  ``"auto"``, ``"ipc"`` or ``"pg"`` (kvxfer transports)
+  ``transport``                ``"auto"``  ``"auto"``, ``"ipc"``, ``"pg"`` or ``"nixl"`` (kvxfer
+                                           transports; nixl needs ``kvxfer[nixl]``)
   ``lease_s``                  30          how long P holds exported blocks without heartbeat
   ``timeout_s``                10          bound of every wait (a load whose export has not
                                            appeared by then fails)
@@ -102,9 +103,10 @@ class ConnectorConfig:
             raise ValueError(
                 f"kv_transfer_config.kv_port: ports {bp!r}..{bp!r}+{self.tp_size - 1} must lie in [1, 65535]"
             )
-        if self.transport not in ("auto", "ipc", "pg"):
+        if self.transport not in ("auto", "ipc", "pg", "nixl"):
             raise ValueError(
-                f"kv_connector_extra_config.transport: must be 'auto', 'ipc' or 'pg', got {self.transport!r}"
+                "kv_connector_extra_config.transport: must be 'auto', 'ipc', 'pg' or 'nixl', "
+                f"got {self.transport!r}"
             )
         if not isinstance(self.verify_prompt, bool):
             raise ValueError(
