@@ -42,6 +42,7 @@ from . import ops
 from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
 from .ordering import FenceTimeout
 from .plan import Read
+from .tracing import trace
 from .transports import Item, plan_batch
 from .transports.nixl import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status
 from .transports.nixl_descs import CacheGeometry, block_runs, coalesce, descs, direct_why, epoch_runs
@@ -196,12 +197,15 @@ class NixlRole:
     # ------------------------------------------------------------------ exporter
     def _nixl_entry(self, msg: C.Hello) -> dict | None:
         """The ``nixl`` entry of the HelloReply to ``msg`` (an authenticated Hello): given to a
-        loader configured for ``nixl``, or to an ``auto`` loader on another host that offers
-        NIXL (auto never picks nixl on one host); None otherwise."""
+        loader configured for ``nixl``, and to an ``auto`` loader that offers NIXL when it is on
+        another host or this rank offers nothing else; None otherwise (building the agent costs
+        ~0.5 s and registers memory, so an auto rank does it only when it may be used)."""
         if self.transport not in ("auto", "nixl"):
             return None
         asked = msg.transport == "nixl" or (
-            msg.transport in ("", "auto") and "nixl" in msg.transports and msg.hostname != self._identity
+            msg.transport in ("", "auto")
+            and "nixl" in msg.transports
+            and (msg.hostname != self._identity or self.transport == "nixl")
         )
         if not asked:
             return None
@@ -441,8 +445,6 @@ class NixlRole:
         if hook:
             hook()
         if sa.size:
-            from .tracing import trace
-
             with trace("copy", tag):
                 agent.read(
                     descs(da, ln, dev),

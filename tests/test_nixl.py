@@ -189,6 +189,25 @@ def test_auto_picks_nixl_across_hosts_never_on_one(ucx):
         shm.close()
 
 
+def test_auto_loader_of_a_nixl_only_exporter_on_one_host(ucx):
+    """An exporter configured for nixl offers nothing else: an auto loader on its host takes
+    nixl (and says why) rather than failing for want of a common transport."""
+    pc, dc = _caches(NHD16), _caches(HND32)
+    p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl").start()
+    d = TransferEngine(HND32, dc, 0, 1, "D").start()
+    try:
+        assert p._offers == ["nixl"]
+        fill(pc, NHD16, 0, 1, [1, 2], 20, seed=3)
+        d.load("x", p.export("x", [1, 2], 20), [4])
+        assert _wait(d, {"x"}) == {"x": "done"}
+        assert check(dc, HND32, 0, 1, [4], 20, seed=3)
+        why = d.stats()["transport_reasons"]["P"]
+        assert why.startswith("nixl: the exporter offers no other transport") and "rank 0 staged" in why
+    finally:
+        d.close()
+        p.close()
+
+
 def test_nixl_metadata_only_for_token_holders(ucx):
     """No token, no NIXL metadata; a forged token opens no pair or stream; garbage
     notifications are dropped; the rightful loader still gets its bytes."""

@@ -72,6 +72,9 @@ def test_auto_picks_nixl_only_across_hosts():
             "auto", CPU, INFO, "h", [_reply(hostname="other", nixl=entry)], local_nixl=local
         )
         assert t == "pg" and "not on one host" in why
+    # one host, an exporter configured for nixl alone (offers nothing else): nixl, saying so
+    t, why = choice.choose("auto", CPU, INFO, "h", [_reply(transports=["nixl"], nixl=ENTRY)], local_nixl="")
+    assert t == "nixl" and why.startswith("nixl: the exporter offers no other transport (ipc cannot be used")
     # callers that know nothing of NIXL (default) never get it
     assert choice.choose("auto", CPU, INFO, "h", [_reply(hostname="other", nixl=ENTRY)])[0] == "pg"
 

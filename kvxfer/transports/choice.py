@@ -15,7 +15,8 @@ Loader side, at handshake: :func:`choose` returns ``(transport, reason)``; an ex
 ``"ipc"`` (or ``"nixl"``) that cannot work raises ``ValueError("transport 'ipc' was asked for
 but cannot be used: <reason>")``; ``"auto"`` falls back to ``nixl`` across hosts when both
 sides offer it (``reason = "nixl: ipc cannot be used: not on one host; ..."``), else to ``pg``
-with ``reason = "pg: ipc cannot be used: <reason>"``. Auto never picks ``nixl`` on one host. For CUDA caches the decision is :func:`kvxfer.transports.cuda_ipc.choose_transport`
+with ``reason = "pg: ipc cannot be used: <reason>"``. On one host auto picks ``nixl`` only from
+an exporter that offers nothing else (one configured ``transport="nixl"``). For CUDA caches the decision is :func:`kvxfer.transports.cuda_ipc.choose_transport`
 (different hosts, ``expandable_segments``, PID namespaces, GPU visibility, same process), with
 NVML topology (:mod:`kvxfer.topology`) consulted only when the two GPUs differ.
 """
@@ -167,12 +168,13 @@ def choose(
         return "ipc", f"ipc: {why}"
     if ok:
         return "ipc", f"ipc: {why}"
-    if not all(r.hostname == identity for r in replies):
-        nok, nwhy = _nixl_usable(local_nixl, replies)
-        if nok:
-            return "nixl", f"nixl: ipc cannot be used: {why}; {nwhy}"
+    nok, nwhy = _nixl_usable(local_nixl, replies)
+    if nok and not all(r.hostname == identity for r in replies):
+        return "nixl", f"nixl: ipc cannot be used: {why}; {nwhy}"
     if pg_ok:
         return "pg", f"pg: ipc cannot be used: {why}"
+    if nok:  # one host, but the exporter offers nothing else (it is configured for nixl)
+        return "nixl", f"nixl: the exporter offers no other transport (ipc cannot be used: {why})"
     raise ValueError(
         "no common transport (exporter offers " + ",".join(replies[0].transports) + f"; ipc: {why})"
     )
