@@ -301,6 +301,15 @@ def test_lease_ends_during_staged_stream_fails_at_once(ucx):
         assert got["s"].startswith("failed:") and "aborted" in got["s"], got
         assert time.monotonic() - t0 < 10.0  # far before the 20 s deadline
         assert _wait(p, {"s"}, "send") == {"s": "expired"}
+        # The loader answered the abort with "no READ running": the exporter's staging buffers
+        # are free at once (not held for the loader's 20 s bound), so the next stream runs now.
+        del d._hooks["before_recv"]
+        fill(pc, NHD16, 0, 1, [30, 31], 32, seed=7)
+        t0 = time.monotonic()
+        d.load("t", p.export("t", [30, 31], 32), [9])
+        assert _wait(d, {"t"}, timeout=25) == {"t": "done"}
+        assert time.monotonic() - t0 < 5.0
+        assert check(dc, HND32, 0, 1, [9], 32, seed=7)
     finally:
         d.close()
         p.close()

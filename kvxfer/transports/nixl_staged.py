@@ -15,10 +15,14 @@ into the same chunks of ``chunk_tokens`` tokens) with NIXL in place of send/recv
 4. the loader scatters the chunk while the next one is gathered and read.
 
 Either side that fails sends ``A(key)`` (abort), so the other stops at once instead of waiting
-out its bound. Buffers another transfer may still touch after a failure stay out of the pool:
-the loader's until its READ ended (:class:`~kvxfer.transports.nixl.XferFence`), the
-exporter's until the loader's deadline has certainly passed (the loader never uses a chunk
-after its deadline, and the exporter knows the loader's ``timeout_s`` from its pair request).
+out its bound; the loader's abort (sent also in answer to the exporter's) says whether any of
+its READs is still running. Buffers another transfer may still touch after a failure stay out
+of the pool: the loader's until its READ ended (:class:`~kvxfer.transports.nixl.XferFence`),
+the exporter's — only when the loader did not say "nothing running" within ``ECHO_S`` and is
+not reported gone — until the loader's deadline has certainly passed (the loader never uses a
+chunk after its deadline, and the exporter knows the loader's ``timeout_s`` from its pair
+request). A side waiting ``PING_S`` without news pings its peer: NIXL reports a dead peer on
+the ping at once.
 CUDA caches: the host hands a buffer to NIXL only after the gather into it completed, and
 refills a receive buffer only after the scatter that read it completed
 (:class:`~kvxfer.staging.HostFence`), since the NIC reads and writes outside any CUDA stream.
@@ -40,6 +44,7 @@ from .nixl import NixlAgent, NixlError, XferFence, XferTimeout, encode_notif, me
 __all__ = ["PING_S", "NixlStaging", "recv_stream", "send_stream"]
 
 PING_S = 0.2  # a side waiting this long without news pings its peer: a dead one is reported
+ECHO_S = 1.0  # how long an exporter whose stream failed waits for the loader's "nothing running"
 
 
 class NixlStaging:
@@ -103,10 +108,11 @@ class _Until:
         return time.monotonic() >= self.t
 
 
-def _abort(agent: NixlAgent, peer: str, key: str) -> bool:
-    """Tell ``peer`` the stream ``key`` is over; True when NIXL says the peer is gone."""
+def _abort(agent: NixlAgent, peer: str, key: str, clean: bool = False) -> bool:
+    """Tell ``peer`` the stream ``key`` is over (``clean``: none of this side's READs is still
+    running); True when NIXL says the peer is gone."""
     try:
-        agent.send_notif(peer, encode_notif("A", key))
+        agent.send_notif(peer, encode_notif("A", key, int(clean)))
     except NixlError as e:
         return e.peer_gone
     return False
@@ -139,6 +145,7 @@ def send_stream(
     acked: set[int] = set()
     sent_at: dict[int, tuple[float, torch.Tensor]] = {}  # chunk -> (R sent, slot) until acked
     failed: list[BaseException] = []  # the first failure: every later wait raises it at once
+    clean = [False]  # the loader said none of its READs of this stream is still running
     total = 0
 
     def absorb(msgs) -> None:
@@ -149,8 +156,10 @@ def send_stream(
                 acked.add(m.a)
                 sent_at.pop(m.a, None)
                 bound[0] = time.monotonic() + timeout_s
-            elif m.kind == "A" and not failed:
-                failed.append(RuntimeError(f"the loader {peer} aborted the stream"))
+            elif m.kind == "A":
+                clean[0] = clean[0] or m.a == 1
+                if not failed:
+                    failed.append(RuntimeError(f"the loader {peer} aborted the stream"))
 
     class Acked:
         """Work of one chunk: ``wait()`` returns once the loader's READ of it completed."""
@@ -200,10 +209,15 @@ def send_stream(
                 gone = _abort(agent, peer, key)
                 if gone:
                     e.peer_gone = True  # type: ignore[attr-defined]  # the caller forgets the peer
-                else:
-                    # Buffers whose chunk was announced but not acknowledged may still be read
-                    # by the loader until its own deadline (at most its timeout_s after our
-                    # notice); a loader NIXL reports gone reads nothing more.
+                    raise
+                # A loader answers an abort with its own, saying whether a READ of ours is still
+                # running; wait a moment for it (or for the last acknowledgements).
+                end = time.monotonic() + ECHO_S
+                while sent_at and not clean[0] and time.monotonic() < end:
+                    absorb(agent.wait_box(key, end))
+                if sent_at and not clean[0]:
+                    # Buffers announced but not acknowledged may still be read by the loader
+                    # until its own deadline (at most its timeout_s after our notice).
                     for t, buf in list(sent_at.values()):
                         staging.pool.hold_until([buf], _Until(t + peer_timeout_s + 1.0))
                 raise
@@ -381,9 +395,10 @@ def recv_stream(
             try:
                 return pipelined_recv(chunks, slots, view, reads.post, do_scatter, staging.fences(left))
             except BaseException:
-                _abort(agent, peer, key)
-                for buf, fence in reads.cancel():
+                held = reads.cancel()
+                for buf, fence in held:
                     staging.pool.hold_until([buf], fence)
+                _abort(agent, peer, key, clean=not held)
                 raise
     finally:
         agent.close_box(key)
