@@ -29,6 +29,7 @@ __all__ = [
     "ControlClient",
     "ControlServer",
     "ControlTimeout",
+    "Deferred",
     "ErrorReply",
     "FaultInjector",
     "Heartbeat",
@@ -85,13 +86,18 @@ class HelloReply(msgspec.Struct, tag=True):
 
 
 class ReadReq(msgspec.Struct, tag=True):
-    """Check and renew the leases of ``request_ids`` (each with its token); reply with block epochs."""
+    """Check and renew the leases of ``request_ids`` (each with its token); reply with block
+    epochs and, for layer-wise exports, the layers ready. ``want``: per request, the packed
+    layer mask the loader still needs (empty: all layers). ``wait_s`` > 0: hold the reply
+    (long poll, at most that long) until some wanted layer of some request is ready."""
 
     engine_id: str
     tp_rank: int
     tp_size: int
     request_ids: list[str]
     tokens: list[str]
+    want: list[bytes] = []
+    wait_s: float = 0.0
 
 
 class ReadReply(msgspec.Struct, tag=True):
@@ -99,6 +105,7 @@ class ReadReply(msgspec.Struct, tag=True):
     epochs: list[bytes]  # int64 block epochs per ok request, in ok order
     failed: dict[str, str]
     incarnation: str = ""
+    layers: list[bytes] = []  # per ok request: packed mask of the layers ready (b"": all)
 
 
 class PairReq(msgspec.Struct, tag=True):
@@ -139,8 +146,9 @@ class SendReq(msgspec.Struct, tag=True):
     head_start: int
     num_heads: int
     unit: int  # source unit size in tokens (1: token slots, else blocks)
-    calls: list[tuple[bytes, int]]  # (int64 source unit ids, num_tokens)
+    calls: list[tuple[bytes, int, int]]  # (int64 source unit ids, num_tokens, token offset)
     chunk_tokens: int
+    layers: list[int] = []  # the layer group to send (empty: all layers)
 
 
 class SendReply(msgspec.Struct, tag=True):
@@ -177,6 +185,17 @@ class Ack(msgspec.Struct, tag=True):
 
 class ErrorReply(msgspec.Struct, tag=True):
     error: str
+
+
+class Deferred:
+    """What a handler returns to answer later (a long poll): the server calls ``reply(final)``
+    every tick until it returns a message, and with ``final=True`` once ``deadline`` passed."""
+
+    __slots__ = ("deadline", "reply")
+
+    def __init__(self, reply: Callable[[bool], object | None], deadline: float) -> None:
+        self.reply = reply
+        self.deadline = deadline
 
 
 Message = (
@@ -283,10 +302,15 @@ class ControlServer:
             raise
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
+        self._held: list[tuple[bytes, bytes, Deferred]] = []  # long polls answered later
 
     def serve_once(self, handler: Callable, timeout_ms: int) -> int:
-        """Handle every message that arrives within ``timeout_ms``; returns how many."""
+        """Handle every message that arrives within ``timeout_ms`` (1 ms while long polls are
+        held) and answer held long polls that are ready; returns how many messages arrived."""
         n = 0
+        if self._held:
+            self._answer_held()
+            timeout_ms = min(timeout_ms, 1)
         if not self._poller.poll(timeout_ms):
             return 0
         while True:
@@ -316,9 +340,31 @@ class ControlServer:
                         e,
                     )
                     reply = ErrorReply(f"{type(e).__name__}: {e}")
-            if reply is not None and not _dropped(reply):
-                with contextlib.suppress(zmq.Again):  # peer gone and its queue full: drop
-                    self.sock.send_multipart([ident, mid, encode(reply)], zmq.NOBLOCK)
+            if isinstance(reply, Deferred):
+                self._held.append((ident, mid, reply))
+                continue
+            self._send(ident, mid, reply)
+
+    def _send(self, ident: bytes, mid: bytes, reply) -> None:
+        if reply is not None and not _dropped(reply):
+            with contextlib.suppress(zmq.Again):  # peer gone and its queue full: drop
+                self.sock.send_multipart([ident, mid, encode(reply)], zmq.NOBLOCK)
+
+    def _answer_held(self) -> None:
+        now = time.monotonic()
+        still = []
+        for ident, mid, d in self._held:
+            final = now >= d.deadline
+            try:
+                reply = d.reply(final)
+            except Exception as e:  # a handler bug must not kill the side channel
+                _LOG.warning("kvxfer side channel: held reply failed (%s: %s)", type(e).__name__, e)
+                reply = ErrorReply(f"{type(e).__name__}: {e}")
+            if reply is None and not final:
+                still.append((ident, mid, d))
+            else:
+                self._send(ident, mid, reply)
+        self._held = still
 
     def close(self) -> None:
         self.sock.close(0)

@@ -147,6 +147,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         # Registered once (ops skip per-layer checks); whole blocks, and token slots if possible.
         self._views: tuple[CacheView, ...] = cache_views(self.caches, spec)
         self._by_unit: dict[int, CacheView] = {v.unit: v for v in self._views}
+        self._offset_views: dict = {}  # (unit, offset) -> view: partial loads starting mid-block
         self._expected: dict[int, int] = {}  # loader tp size -> notifications per request
         self._bpt: dict[int, int] = {}  # heads -> wire bytes per token
         self._hooks: dict[str, object] = {}  # test hooks: "after_ipc_copy", "before_send"
@@ -290,7 +291,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._nixl_close()
         self._sender_pairs.clear()
         for rem in list(self._remotes.values()):
-            for _, _, handles in rem.ipc.values():
+            for _, _, handles, _ in rem.ipc.values():
                 choice.detach(handles)
         self._remotes.clear()
         for name in ("_server", "_client"):
@@ -329,7 +330,9 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise RuntimeError("engine: call start() first (and not after close())")
 
     # -------------------------------------------------------------------------- export
-    def export(self, request_id: str, block_ids, num_tokens: int, ready=None) -> dict:
+    def export(
+        self, request_id: str, block_ids, num_tokens: int, ready=None, *, streaming: bool = False
+    ) -> dict:
         """Hold ``block_ids`` (token order, ``ceil(num_tokens / block_size)`` of them) under a lease.
 
         Returns the params dict (identical on every rank) that a loader passes to :meth:`load`.
@@ -337,6 +340,11 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         or ``expired``. ``ready``: CUDA event(s) recorded after the compute that wrote the
         blocks, or a CUDA stream (an event is recorded on it now); no loader reads the blocks
         before they completed (default: the :meth:`set_compute_stream` stream, if any).
+
+        ``streaming=True``: a layer-wise export, made when the prefill starts. No layer is ready
+        until :meth:`mark_ready` says so; loaders pull each group of layers as soon as it is
+        (their grants are held, not spun, while none is), and a load finishes when its last
+        layer landed. ``ready`` is then not used (each group brings its own).
         """
         self._check_started()
         if not isinstance(request_id, str) or not request_id:
@@ -344,9 +352,33 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         ids = check_block_ids(block_ids, self.spec.num_blocks_for(num_tokens), self.num_blocks, num_tokens)
-        self._order.mark(request_id, ready)
-        self._exports.add(request_id, ids, num_tokens)
+        if not streaming:
+            self._order.mark(request_id, ready)
+        self._exports.add(request_id, ids, num_tokens, self.spec.num_layers if streaming else 0)
         return self._params(request_id, ids, num_tokens)
+
+    def mark_ready(self, request_id: str, layers, ready=None) -> None:
+        """Layers ``layers`` (an int, a range or a sequence of layer indices) of the layer-wise
+        export ``request_id`` are written once ``ready`` (CUDA event(s) or a stream, as for
+        :meth:`export`; None: already written) has completed. Raises ``ValueError`` for a layer
+        out of range or marked twice, a request not exported layer-wise, or one already ended;
+        nothing is changed then."""
+        self._check_started()
+        L = self.spec.num_layers
+        if isinstance(layers, bool):
+            raise ValueError(f"layers: must be layer indices, got {layers!r}")
+        idx = [layers] if isinstance(layers, int) else list(layers)
+        if not idx or not all(isinstance(x, int) and not isinstance(x, bool) for x in idx):
+            raise ValueError(f"layers: must be a non-empty set of layer indices, got {layers!r}")
+        bad = [x for x in idx if not 0 <= x < L]
+        if bad:
+            raise ValueError(f"layers: layer {bad[0]} out of range [0, {L})")
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"layers: repeated layer index in {idx}")
+        mask = np.zeros(L, dtype=bool)
+        mask[idx] = True
+        events = [] if ready is None else self._order.events(ready)
+        self._exports.mark_layers(request_id, mask, events)
 
     def params_for(self, request_id: str, block_ids, num_tokens: int) -> dict:
         """The params :meth:`export` will return for these arguments, without exporting: for a
@@ -402,11 +434,18 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             self._incoming.extend(items)
 
     # ---------------------------------------------------------------------------- load
-    def load(self, request_id: str, params: dict | KVTransferParams, block_ids) -> None:
+    def load(
+        self, request_id: str, params: dict | KVTransferParams, block_ids, num_computed_tokens: int = 0
+    ) -> None:
         """Queue a load of ``params`` into local ``block_ids``; it starts at the next :meth:`poll`.
 
-        Malformed params or block ids raise ``ValueError`` (naming the field) here; every
-        later problem is reported by :meth:`poll` as a failed request.
+        ``block_ids`` cover the whole request (``ceil(num_tokens / block_size)`` of them).
+        ``num_computed_tokens=k``: this engine already holds tokens ``[0, k)`` (a prefix-cache
+        hit); only ``[k, num_tokens)`` is pulled and the first ``k / block_size`` blocks are
+        not written. ``k`` must be a multiple of this engine's block size, below ``num_tokens``;
+        the exporter's block size may differ. Malformed params, block ids or ``k`` raise
+        ``ValueError`` (naming the field) here; every later problem is reported by
+        :meth:`poll` as a failed request.
         """
         self._check_started()
         if not isinstance(request_id, str) or not request_id:
@@ -420,9 +459,16 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             srt = np.sort(ids)
             if (srt[1:] == srt[:-1]).any():
                 raise ValueError("block_ids: repeated block id")
+        k = num_computed_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < p.num_tokens:
+            raise ValueError(f"num_computed_tokens: must be an int in [0, {p.num_tokens}), got {k!r}")
+        if k % self.spec.block_size:
+            raise ValueError(
+                f"num_computed_tokens: {k} is not a multiple of the block size {self.spec.block_size}"
+            )
         self._loads.add(request_id, ids, now())
         with self._lock:
-            self._incoming.append(LoadItem(request_id, p, ids))
+            self._incoming.append(LoadItem(request_id, p, ids, first=k))
 
     def poll(self) -> PollResult:
         """Start the loads queued since the last poll (one batch) and report what completed.

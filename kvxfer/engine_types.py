@@ -92,6 +92,7 @@ class LoadItem:
     params: KVTransferParams
     block_ids: np.ndarray  # local int64, exactly ceil(T / block_size)
     deadline: float = 0.0  # monotonic: every wait of this load ends by then (set at dispatch)
+    first: int = 0  # tokens already held here (a partial load): pull [first, num_tokens)
 
 
 @dataclass

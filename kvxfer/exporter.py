@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 
 import numpy as np
 import torch
@@ -20,9 +21,12 @@ from .auth import tokens_match
 from .engine_types import TICK_MS, batch_tag
 from .ordering import NOT_READY
 from .plan import plan_reads
+from .tracker import UNKNOWN
+from .transports.batching import view_at
 
 _LOG = logging.getLogger(__name__)
 
+LONG_POLL_MAX_S = 1.0  # a grant held for new layers is answered within this, whatever the loader asked
 UNAUTHORIZED = "unauthorized: the token does not match the request (params of another engine or forged)"
 
 
@@ -92,19 +96,12 @@ class ExporterRole:
             return reply
         if isinstance(msg, C.ReadReq):
             bad = self._authorized(msg.request_ids, msg.tokens)
-            ids = [r for r in msg.request_ids if r not in bad]
             self._loader_tp[msg.engine_id] = msg.tp_size
-            ok, failed = self._exports.grant(ids)
-            failed.update(bad)
-            for rid in self._order.not_ready(list(ok)):  # compute still writing: ask again
-                del ok[rid]
-                failed[rid] = NOT_READY
-            return C.ReadReply(
-                ok=list(ok),
-                epochs=[e.tobytes() for e in ok.values()],
-                failed=failed,
-                incarnation=self._incarnation,
-            )
+            reply = self._grant_reply(msg, bad, final=msg.wait_s <= 0)
+            if reply is None:  # a long poll: answered when a wanted layer is ready, or at wait_s
+                wait = min(float(msg.wait_s), LONG_POLL_MAX_S)
+                return C.Deferred(lambda final: self._grant_reply(msg, bad, final), time.monotonic() + wait)
+            return reply
         if isinstance(msg, C.Heartbeat):
             bad = self._authorized(msg.request_ids, msg.tokens)
             self._exports.heartbeat([r for r in msg.request_ids if r not in bad])
@@ -130,6 +127,42 @@ class ExporterRole:
         if isinstance(msg, C.NixlPairReq):
             return self._handle_nixl_pair(msg)  # kvxfer.nixl_role
         return C.ErrorReply(f"unexpected message {type(msg).__name__}")
+
+    def _grant_reply(self, msg: C.ReadReq, bad: dict[str, str], final: bool) -> C.ReadReply | None:
+        """Grant (and renew) the leases of ``msg``'s verified requests, with the layers ready of
+        layer-wise exports. None (not ``final``) when nothing the loader wants is ready yet."""
+        ids = [r for r in msg.request_ids if r not in bad]
+        want = dict(zip(msg.request_ids, msg.want)) if msg.want else {}
+        with self._exports.lock:
+            ok, failed = self._exports.grant(ids)
+            masks = {rid: self._exports.layers_ready(rid) for rid in ok}
+        failed.update(bad)
+        for rid in self._order.not_ready(list(ok)):  # compute still writing: ask again
+            del ok[rid]
+            failed[rid] = NOT_READY
+        layers: list[bytes] = []
+        for rid in list(ok):
+            m = masks[rid]
+            if m is None:
+                layers.append(b"")
+                continue
+            w = want.get(rid)
+            wanted = m if not w else m & np.unpackbits(np.frombuffer(w, np.uint8), count=m.size).astype(bool)
+            if not wanted.any():
+                del ok[rid]
+                failed[rid] = NOT_READY
+                continue
+            layers.append(np.packbits(m).tobytes())
+        hard = any(why not in (NOT_READY, UNKNOWN) for why in failed.values())
+        if not final and not ok and not hard:
+            return None
+        return C.ReadReply(
+            ok=list(ok),
+            epochs=[e.tobytes() for e in ok.values()],
+            failed=failed,
+            incarnation=self._incarnation,
+            layers=layers,
+        )
 
     def _handle_notify(self, msg: C.Notify) -> C.Ack:
         """Count a loader rank's notifications (idempotent: a retried one counts once)."""
@@ -158,7 +191,15 @@ class ExporterRole:
             return C.SendReply(ok=False, failed={"*": f"unknown pair group {msg.key}"})
         if msg.unit not in self._by_unit:
             return C.SendReply(ok=False, failed={"*": f"unit {msg.unit}: not one of {sorted(self._by_unit)}"})
-        why = self.pipeline.check_chunk(self.spec, msg.num_heads, msg.chunk_tokens, msg.unit)
+        if msg.layers and (
+            len(set(msg.layers)) != len(msg.layers)
+            or not all(0 <= x < self.spec.num_layers for x in msg.layers)
+        ):
+            return C.SendReply(
+                ok=False, failed={"*": f"layers: {msg.layers} is not a set of layers of this cache"}
+            )
+        nl = len(msg.layers) or None
+        why = self.pipeline.check_chunk(self.spec, msg.num_heads, msg.chunk_tokens, msg.unit, nl)
         if why:
             return C.SendReply(ok=False, failed={"*": f"staging: {why}"})
         with self._exports.lock:
@@ -179,23 +220,31 @@ class ExporterRole:
         read: the stream stops and the loader fails it) on the engine's send stream, and send
         it. On CUDA the tracker reports the requests released only after the gathers ran, so
         the caller cannot reuse their blocks before they were read."""
-        view = self._by_unit[msg.unit]
         cuda = self.device.type == "cuda"
+        layers = list(msg.layers) or None
 
-        def gather(units, num_tokens: int, out: torch.Tensor) -> None:
+        def gather(c, out: torch.Tensor) -> None:
+            view = view_at(self._by_unit, msg.unit, c.offset, self._offset_views)
             with self._exports.lock:
                 gone = [r for r in msg.request_ids if self._exports.lookup(r) is None]
                 if gone:
                     raise RuntimeError(f"released during the stream: {gone}")
                 ops.gather_blocks(
-                    view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads, out=out
+                    view.caches,
+                    view.spec,
+                    c.units,
+                    c.num_tokens,
+                    msg.head_start,
+                    msg.num_heads,
+                    layers,
+                    out=out,
                 )
                 if cuda:
                     ev = torch.cuda.Event()
                     ev.record()
                     self._exports.track_gather(msg.request_ids, ev)
 
-        calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t) for b, t in msg.calls]
+        calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t, o) for b, t, o in msg.calls]
         with self._order.on_stream("send"):
             sent = self.pipeline.send_stream(
                 pair,
@@ -210,6 +259,7 @@ class ExporterRole:
                 calls,
                 gather,
                 batch_tag(msg.request_ids),
+                len(msg.layers) or None,
             )
         self._metrics.add("bytes_sent", sent)
 

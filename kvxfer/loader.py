@@ -39,7 +39,8 @@ from .plan import Read, plan_reads
 from .spec import KVCacheSpec
 from .tracing import trace
 from .tracker import UNKNOWN
-from .transports import BatchPlan, CacheView, Item, cache_views, choice, plan_batch
+from .transports import BatchPlan, Item, cache_views, choice, plan_batch
+from .transports.batching import view_at
 
 _LOG = logging.getLogger(__name__)
 
@@ -248,6 +249,9 @@ class LoaderRole:
         return good
 
     def _run_remote(self, rem: Remote, items: list[LoadItem], retried: bool = False) -> None:
+        """Rounds of grants and reads until every layer of every load landed (a whole export
+        takes one round; a layer-wise one a round per group that becomes ready), or the
+        deadline. Each load is reported as soon as it finished, or failed with its reason."""
         good = self._checked(rem, items)
         if not good:
             return
@@ -255,86 +259,136 @@ class LoaderRole:
         alive = {it.request_id: it for it in good}
         reasons: dict[str, str] = {}
         src_ranks = sorted({r.src_rank for r in rem.reads})
-        try:
-            epochs = self._grant(rem, src_ranks, alive, reasons, deadline)
-        except (C.ControlTimeout, _Expired) as e:
-            self._forget(rem, f"lease grant: {e}")
-            self._complete(rem, good, [], {it.request_id: f"lease grant: {e}" for it in good})
-            return
-        if not retried and reasons and all(RESTARTED in why for why in reasons.values()):
-            # The remote restarted at its address: handshake with the new incarnation at once
-            # (new mappings, new pair groups) and run the batch again; params of the previous
-            # start are unknown there and fail by the deadline.
+        full = np.ones(rem.spec.num_layers, dtype=bool)
+        need = {s: {rid: full.copy() for rid in alive} for s in src_ranks}
+        while alive:
             try:
-                fresh = self._remote(good[0], deadline)
-            except (HandshakeError, _Expired) as e:
-                self._complete(
-                    rem, good, [], {it.request_id: f"handshake after a restart: {e}" for it in good}
-                )
-                return
-            self._run_remote(fresh, good, retried=True)
-            return
-        for s in src_ranks:
-            if not alive:
+                granted = self._grant_round(rem, src_ranks, alive, reasons, need, deadline)
+            except (C.ControlTimeout, _Expired) as e:
+                self._forget(rem, f"lease grant: {e}")
+                reasons.update(dict.fromkeys(alive, f"lease grant: {e}"))
+                alive.clear()
                 break
-            for rid, why in self._read_rank(rem, s, alive, epochs[s], deadline).items():
-                if rid in alive:
-                    del alive[rid]
-                    reasons[rid] = why
-        self._complete(rem, good, list(alive), reasons)
+            if not retried and reasons and not alive and all(RESTARTED in why for why in reasons.values()):
+                # The remote restarted at its address: handshake with the new incarnation at once
+                # (new mappings, new pair groups) and run the batch again; params of the previous
+                # start are unknown there and fail by the deadline.
+                try:
+                    fresh = self._remote(good[0], deadline)
+                except (HandshakeError, _Expired) as e:
+                    self._complete(
+                        rem, good, [], {it.request_id: f"handshake after a restart: {e}" for it in good}
+                    )
+                    return
+                self._run_remote(fresh, good, retried=True)
+                return
+            for s in src_ranks:
+                self._read_granted(rem, s, alive, reasons, need, granted[s], deadline)
+            done = [rid for rid in alive if not any(need[s][rid].any() for s in src_ranks)]
+            if done:
+                self._complete(rem, [alive.pop(rid) for rid in done], done, {})
+        self._complete(rem, [it for it in good if it.request_id in reasons], [], reasons)
 
-    def _grant(self, rem: Remote, src_ranks: list[int], alive: dict, reasons: dict, deadline: float) -> dict:
-        """Lease grants from every source rank read (renews the leases): ``{rank: {local id:
-        epochs}}``. A rank that does not know a request yet (its export may trail the rank
-        that published the params, or the params came before the export) or whose compute is
-        still writing it is asked again until the deadline; a released request fails at once.
-        Drops from ``alive`` (into ``reasons``) what cannot be read."""
+    def _grant_round(
+        self, rem: Remote, src_ranks: list[int], alive: dict, reasons: dict, need: dict, deadline: float
+    ) -> dict:
+        """One round of lease grants (renewing the leases) from every source rank that still
+        has layers to send: ``{rank: {local id: (epochs, layers ready mask)}}``. A grant is held
+        by the exporter (long poll) until some wanted layer is ready; a rank that does not know
+        a request yet (its export may trail the params) or whose compute is still writing it is
+        asked again next round, until the deadline. Drops from ``alive`` (into ``reasons``)
+        what cannot be read."""
         remote_of = {rid: it.params.request_id for rid, it in alive.items()}
         local_of = {v: k for k, v in remote_of.items()}
-        epochs: dict[int, dict[str, np.ndarray]] = {s: {} for s in src_ranks}
-        todo = {s: list(alive) for s in src_ranks}
-        while any(todo.values()):
-            ranks = [s for s in src_ranks if todo[s]]
-            calls = []
-            for s in ranks:
-                ids = [remote_of[r] for r in todo[s]]
-                toks = [alive[r].params.token for r in todo[s]]
-                calls.append((rem.addrs[s], C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, ids, toks)))
-            grants = self._client.call_many(calls, _left(deadline))
-            for s, g in zip(ranks, grants):
-                if not isinstance(g, C.ReadReply):
-                    why = f"rank {s}: {getattr(g, 'error', g)}"
-                elif g.incarnation != rem.incarnations[s]:
-                    why = f"exporter rank {s} {RESTARTED}"
-                    self._forget(rem, why)
-                else:
-                    why = ""
-                if why:
-                    reasons.update(dict.fromkeys(alive, why))
-                    alive.clear()
-                    return epochs
-                epochs[s].update(
-                    {local_of[r]: np.frombuffer(b, dtype=np.int64) for r, b in zip(g.ok, g.epochs)}
+        out: dict[int, dict] = {s: {} for s in src_ranks}
+        ranks, calls = [], []
+        left = _left(deadline)
+        wait = max(0.0, min(0.5, left - 0.05))
+        for s in src_ranks:
+            rids = [rid for rid in alive if need[s][rid].any()]
+            if not rids:
+                continue
+            ranks.append(s)
+            msg = C.ReadReq(
+                self.engine_id,
+                self.tp_rank,
+                self.tp_size,
+                [remote_of[r] for r in rids],
+                [alive[r].params.token for r in rids],
+                [np.packbits(need[s][r]).tobytes() for r in rids],
+                wait,
+            )
+            calls.append((rem.addrs[s], msg))
+        grants = self._client.call_many(calls, left)
+        L = rem.spec.num_layers
+        for s, g in zip(ranks, grants):
+            if not isinstance(g, C.ReadReply):
+                why = f"rank {s}: {getattr(g, 'error', g)}"
+            elif g.incarnation != rem.incarnations[s]:
+                why = f"exporter rank {s} {RESTARTED}"
+                self._forget(rem, why)
+            else:
+                why = ""
+            if why:
+                reasons.update(dict.fromkeys(alive, why))
+                alive.clear()
+                return out
+            for r, b, m in zip(g.ok, g.epochs, g.layers or [b""] * len(g.ok)):
+                mask = (
+                    np.ones(L, bool)
+                    if not m
+                    else np.unpackbits(np.frombuffer(m, np.uint8), count=L).astype(bool)
                 )
-                retry = []
-                for rrid, why in g.failed.items():
-                    rid = local_of.get(rrid)
-                    if rid not in alive:
-                        continue
-                    if why in (UNKNOWN, NOT_READY) and time.monotonic() + 0.005 < deadline:
-                        retry.append(rid)
-                    else:
-                        del alive[rid]
-                        reasons[rid] = f"exporter rank {s}: {why}"
-                todo[s] = [rid for rid in retry if rid in alive]
-            if any(todo.values()):
-                time.sleep(0.005)
-        return epochs
+                out[s][local_of[r]] = (np.frombuffer(b, dtype=np.int64), mask)
+            for rrid, why in g.failed.items():
+                rid = local_of.get(rrid)
+                if rid not in alive:
+                    continue
+                if why in (UNKNOWN, NOT_READY) and time.monotonic() + 0.005 < deadline:
+                    continue  # asked again next round
+                del alive[rid]
+                reasons[rid] = f"exporter rank {s}: {why}"
+        return out
 
-    def _read_rank(self, rem: Remote, s: int, alive: dict, granted: dict, deadline: float) -> dict[str, str]:
-        """Read the plan's heads of source rank ``s`` for the ``alive`` loads; local id -> why,
-        for those that failed (timed-out GPU work is fenced: its loads leave ``alive`` and are
-        reported once it completed)."""
+    def _read_granted(
+        self, rem: Remote, s: int, alive: dict, reasons: dict, need: dict, granted: dict, deadline: float
+    ) -> None:
+        """Read from rank ``s`` the layers it granted that the loads still need, one read per
+        distinct layer set (all layers of a whole export: one read)."""
+        groups: dict[bytes, list[str]] = {}
+        for rid, (_, mask) in granted.items():
+            if rid in alive:
+                todo = need[s][rid] & mask
+                if todo.any():
+                    groups.setdefault(todo.tobytes(), []).append(rid)
+        for key, rids in groups.items():
+            layers_mask = np.frombuffer(key, dtype=bool)
+            layers = None if layers_mask.all() else np.flatnonzero(layers_mask).tolist()
+            sub = {rid: alive[rid] for rid in rids if rid in alive}
+            if not sub:
+                continue
+            bad = self._read_rank(rem, s, sub, {rid: granted[rid][0] for rid in sub}, deadline, layers)
+            for rid in rids:
+                if rid in bad:
+                    alive.pop(rid, None)
+                    reasons[rid] = bad[rid]
+                elif rid not in sub:  # fenced: reported once its GPU work completed
+                    alive.pop(rid, None)
+                else:
+                    need[s][rid] &= ~layers_mask
+
+    def _read_rank(
+        self,
+        rem: Remote,
+        s: int,
+        alive: dict,
+        granted: dict,
+        deadline: float,
+        layers: list[int] | None = None,
+    ) -> dict[str, str]:
+        """Read the plan's heads (and ``layers``, default all) of source rank ``s`` for the
+        ``alive`` loads; local id -> why, for those that failed (timed-out GPU work is fenced:
+        its loads leave ``alive`` and are reported once it completed)."""
         reads = [r for r in rem.reads if r.src_rank == s]
         loads = list(alive.values())
         t0 = now()
@@ -343,11 +397,11 @@ class LoaderRole:
             with self._order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
                 if rem.transport == "ipc":
                     with trace("copy", batch_tag(list(alive))):
-                        moved, bad = self._ipc_read(rem, s, reads, loads, granted, deadline)
+                        moved, bad = self._ipc_read(rem, s, reads, loads, granted, deadline, layers)
                 elif rem.transport == "nixl":  # kvxfer.nixl_role
-                    moved, bad = self._nixl_read(rem, s, reads, loads, granted, deadline)
+                    moved, bad = self._nixl_read(rem, s, reads, loads, granted, deadline, layers)
                 else:
-                    moved, bad = self._pg_read(rem, s, reads, loads, deadline)
+                    moved, bad = self._pg_read(rem, s, reads, loads, deadline, layers)
                     if len(bad) < len(loads):  # finished only once the scatters ran
                         self._order.wait_done(_left(deadline))
         except FenceTimeout as e:
@@ -490,7 +544,7 @@ class LoaderRole:
             self._drop_pair(rem, s, why)
         if self._remotes.get(rem.engine_id) is rem:
             del self._remotes[rem.engine_id]
-        for _, _, handles in rem.ipc.values():
+        for _, _, handles, _ in rem.ipc.values():
             choice.detach(handles)
         rem.ipc.clear()
         self._nixl_forget(rem)  # kvxfer.nixl_role
@@ -501,33 +555,51 @@ class LoaderRole:
         """Units and ops calls for ``loads`` from one source rank (block lists in, no per-token
         arrays unless requests with partial last blocks share a call)."""
         items = [
-            Item(it.request_id, it.params.block_id_array().view(np.int64), it.block_ids, it.params.num_tokens)
+            Item(
+                it.request_id,
+                it.params.block_id_array().view(np.int64),
+                it.block_ids,
+                it.params.num_tokens,
+                first=it.first,
+            )
             for it in loads
         ]
         return plan_batch(items, src_bs, src_units, self.spec.block_size, [v.unit for v in self._views])
 
-    def _count(self, bp: BatchPlan, num_heads: int) -> tuple[int, int]:
+    def _count(self, bp: BatchPlan, num_heads: int, layers: list[int] | None = None) -> tuple[int, int]:
         bpt = self._bpt.get(num_heads)
         if bpt is None:
             bpt = self._bpt[num_heads] = self.spec.bytes_per_token(num_heads=num_heads)
+        if layers is not None:
+            bpt = bpt * len(layers) // self.spec.num_layers
         return sum(c.num_tokens for c in bp.calls) * bpt, bp.skipped_tokens * bpt
 
     # --------------------------------------------------------------------------- ipc
     def _ipc_map(self, rem: Remote, s: int):
+        """(views by unit, epochs, handles, offset-view memo) of source rank ``s``'s mapped caches."""
         got = rem.ipc.get(s)
         if got is None:
             caches, ep, handles = choice.attach(rem.replies[s].ipc, self.device)
-            got = rem.ipc[s] = (cache_views(caches, rem.spec), ep, handles)
+            got = rem.ipc[s] = ({v.unit: v for v in cache_views(caches, rem.spec)}, ep, handles, {})
         return got
 
-    def _ipc_read(self, rem, s, reads: list[Read], loads, granted: dict[str, np.ndarray], deadline: float):
-        src_views, ep, _ = self._ipc_map(rem, s)
-        bp = self._plan(loads, rem.spec.block_size, [v.unit for v in src_views])
-        sv = next(v for v in src_views if v.unit == bp.src_unit)
-        dv = self._by_unit[bp.dst_unit]
+    def _ipc_read(
+        self,
+        rem,
+        s,
+        reads: list[Read],
+        loads,
+        granted: dict[str, np.ndarray],
+        deadline: float,
+        layers: list[int] | None = None,
+    ):
+        src_by_unit, ep, _, memo = self._ipc_map(rem, s)
+        bp = self._plan(loads, rem.spec.block_size, list(src_by_unit))
         moved = saved = calls = 0
         for r in reads:
             for c in bp.calls:
+                sv = view_at(src_by_unit, bp.src_unit, c.src_offset, memo)
+                dv = view_at(self._by_unit, bp.dst_unit, c.dst_offset, self._offset_views)
                 ops.copy_blocks(
                     sv.caches,
                     sv.spec,
@@ -539,9 +611,10 @@ class LoaderRole:
                     r.src_head_start,
                     r.dst_head_start,
                     r.num_heads,
+                    layers=layers,
                 )
                 calls += 1
-            m, sk = self._count(bp, r.num_heads)
+            m, sk = self._count(bp, r.num_heads, layers)
             moved, saved = moved + m, saved + sk
         self._order.wait_done(_left(deadline))  # CUDA: the copy ran before the epochs are re-read
         hook = self._hooks.get("after_ipc_copy")
@@ -603,9 +676,9 @@ class LoaderRole:
         got = rem.pairs[s] = (group, key)
         return got
 
-    def _pg_read(self, rem: Remote, s: int, reads: list[Read], loads, deadline: float):
-        """Stream each read's ops calls from source rank ``s`` through the staged pipeline;
-        (bytes moved, local id -> why for the loads the exporter refused)."""
+    def _pg_read(self, rem: Remote, s: int, reads: list[Read], loads, deadline: float, layers=None):
+        """Stream each read's ops calls (of ``layers``, default all) from source rank ``s``
+        through the staged pipeline; (bytes moved, local id -> why for the loads refused)."""
         bad: dict[str, str] = {}
         try:
             group, key = self._pair(rem, s, loads[0], deadline)
@@ -619,20 +692,24 @@ class LoaderRole:
                 if not loads:
                     break
                 bp = self._plan(loads, rem.spec.block_size, pg_info.get("units") or [rem.spec.block_size])
-                bpt = self.spec.bytes_per_token(num_heads=r.num_heads)
+                bpt = self.spec.bytes_per_token(
+                    num_heads=r.num_heads, num_layers=len(layers) if layers else None
+                )
                 chunk_tokens = self.pipeline.chunk_tokens_for(pg_info, bpt, bp.src_unit, bp.dst_unit)
-                refused = self._send_req(rem, s, key, r, loads, bp, chunk_tokens, deadline)
+                refused = self._send_req(rem, s, key, r, loads, bp, chunk_tokens, deadline, layers)
                 if refused:
                     bad.update(refused)
                     continue
-                self._recv(rem, s, group, r, loads, bp, chunk_tokens, deadline)
-                m, sk = self._count(bp, r.num_heads)
+                self._recv(rem, s, group, r, loads, bp, chunk_tokens, deadline, layers)
+                m, sk = self._count(bp, r.num_heads, layers)
                 moved, saved = moved + m, saved + sk
                 break
         self._metrics.add("dedup_bytes", saved)
         return moved, bad
 
-    def _send_req(self, rem, s, key, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float):
+    def _send_req(
+        self, rem, s, key, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float, layers=None
+    ):
         """Ask source rank ``s`` to stream ``bp``'s calls; local id -> why for refused loads."""
         req = C.SendReq(
             self.engine_id,
@@ -643,8 +720,9 @@ class LoaderRole:
             r.src_head_start,
             r.num_heads,
             bp.src_unit,
-            [(c.src.tobytes(), c.num_tokens) for c in bp.calls],
+            [(c.src.tobytes(), c.num_tokens, c.src_offset) for c in bp.calls],
             chunk_tokens,
+            layers or [],
         )
         try:
             rep = self._client.call(rem.addrs[s], req, _left(deadline))
@@ -661,28 +739,28 @@ class LoaderRole:
         local_of = {it.params.request_id: it.request_id for it in loads}
         return {local_of.get(rid, rid): f"exporter rank {s}: {why}" for rid, why in rep.failed.items()}
 
-    def _recv(self, rem, s, group, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float) -> None:
-        dv = self._by_unit[bp.dst_unit]
+    def _recv(
+        self, rem, s, group, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float, layers=None
+    ) -> None:
         tag = batch_tag([it.request_id for it in loads])
         hook = self._hooks.get("before_recv")
         if hook:
             hook()
+
+        def scatter(c, wire: torch.Tensor) -> None:
+            dv = view_at(self._by_unit, bp.dst_unit, c.offset, self._offset_views)
+            ops.scatter_blocks(wire, dv.caches, dv.spec, c.units, c.num_tokens, r.dst_head_start, layers)
+
         try:
             n = self.pipeline.recv_stream(
                 group, 0, _left(deadline), rem.pg_backends[s], self.spec, self.device,
-                r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens) for c in bp.calls],
-                self._scatterer(dv, r.dst_head_start), tag,
+                r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens, c.dst_offset) for c in bp.calls],
+                scatter, tag, len(layers) if layers else None,
             )  # fmt: skip
         except Exception:
             self._drop_pair(rem, s)  # a failed stream may leave a receive posted
             raise
         self._metrics.add("ops_calls", n)
-
-    def _scatterer(self, view: CacheView, head_start: int):
-        def scatter(units, num_tokens: int, wire: torch.Tensor) -> None:
-            ops.scatter_blocks(wire, view.caches, view.spec, units, num_tokens, head_start)
-
-        return scatter
 
     # ------------------------------------------------------------------------ releases
     def _run_releases(self, items: list[ReleaseItem]) -> None:

@@ -78,6 +78,10 @@ class StreamOrder:
             raise ValueError(f"stream: expected a torch.cuda.Stream or None, got {type(stream).__name__}")
         self._compute = stream
 
+    def events(self, ready: Any) -> list:
+        """``ready`` (CUDA events and/or streams, or objects with ``query()``) as events."""
+        return _events(ready)
+
     def mark(self, request_id: str, ready: Any = None) -> None:
         """Remember what ``request_id``'s export waits for (``ready``, else the compute stream)."""
         if ready is None:

@@ -60,6 +60,8 @@ class _Export:
     deadline: float
     notified_by: set = field(default_factory=set)
     expected: int | None = None
+    marked: np.ndarray | None = None  # layer-wise export: layers marked ready (None: all)
+    gates: list = field(default_factory=list)  # (layers bool mask, events) of marked groups
 
 
 class ExportTracker:
@@ -93,8 +95,11 @@ class ExportTracker:
         self._deferred: list[tuple[str, str, list]] = []  # (request id, "finished"|"expired", events)
 
     # ------------------------------------------------------------------ export
-    def add(self, request_id: str, block_ids: np.ndarray | torch.Tensor, num_tokens: int) -> None:
-        """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``."""
+    def add(
+        self, request_id: str, block_ids: np.ndarray | torch.Tensor, num_tokens: int, num_layers: int = 0
+    ) -> None:
+        """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``.
+        ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`."""
         ids = np.asarray(block_ids, dtype=np.int64)
         with self.lock:
             if request_id in self._live:
@@ -102,7 +107,48 @@ class ExportTracker:
             # One count per live export holding a block (a block listed twice counts once,
             # and is released once).
             self._rc[ids] += 1
-            self._live[request_id] = _Export(ids, num_tokens, time.monotonic() + self.lease_s)
+            e = _Export(ids, num_tokens, time.monotonic() + self.lease_s)
+            if num_layers:
+                e.marked = np.zeros(num_layers, dtype=bool)
+            self._live[request_id] = e
+
+    def mark_layers(self, request_id: str, layers: np.ndarray, events: list) -> None:
+        """Layers ``layers`` (bool mask) of a layer-wise export are written once ``events``
+        (``query()``) completed; ``ValueError`` naming the problem otherwise."""
+        with self.lock:
+            e = self._live.get(request_id)
+            if e is None:
+                raise ValueError(
+                    f"request_id: {request_id!r} is not exported here (never, or released, expired or aborted)"
+                )
+            if e.marked is None:
+                raise ValueError(
+                    f"request_id: {request_id!r} was exported whole, not layer-wise (streaming=True)"
+                )
+            twice = np.flatnonzero(e.marked & layers)
+            if twice.size:
+                raise ValueError(f"layers: layer {int(twice[0])} of {request_id!r} is already marked ready")
+            e.marked |= layers
+            if events:
+                e.gates.append((layers, list(events)))
+
+    def layers_ready(self, request_id: str) -> np.ndarray | None:
+        """Layers of ``request_id`` a loader may read now (marked, their events complete); None
+        for a whole export (all of them). Call under :attr:`lock`."""
+        e = self._live.get(request_id)
+        if e is None or e.marked is None:
+            return None
+        if not e.gates:
+            return e.marked
+        ready = e.marked.copy()
+        still = []
+        for layers, evs in e.gates:
+            evs = [x for x in evs if not event_done(x)]
+            if evs:
+                ready &= ~layers
+                still.append((layers, evs))
+        e.gates = still
+        return ready
 
     def _release(self, request_id: str) -> None:
         e = self._live.pop(request_id)

@@ -61,3 +61,15 @@ def test_bench_transfer_detects_a_wrong_byte(tmp_path, transport):
     warm = [r for r in _table_rows(res.stdout) if r[1] == "warm"]
     cold = [r for r in _table_rows(res.stdout) if r[1] == "cold"]
     assert warm and warm[0][-1] == "1" and cold[0][-1] == "1", res.stdout
+
+
+def test_bench_overlap_quick():
+    """Layer-wise export shortens the tail after the prefill, byte-exact (the figure itself is
+    measured, not asserted here: only that both modes ran, landed right and were reported)."""
+    res = _run("bench_overlap.py", "--quick", "--reqs", "1", "--device", "cpu", timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    modes = {(r["tokens"], r["mode"]) for r in data["rows"]}
+    assert modes == {(t, m) for t in (256, 1024) for m in ("whole", "layer-wise")}
+    assert all(r["wrong"] == 0 and r["tail_ms"] >= 0 and r["prefill_ms"] > 0 for r in data["rows"])
+    assert "wrong requests: 0  OK" in res.stdout

@@ -75,13 +75,27 @@ def as_tokens(cache: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
     return u if spec.layout is Layout.NHD else u.transpose(2, 3)
 
 
-def expected_dst(src, src_spec, src_ids, dst, dst_spec, dst_ids, num_tokens, src_h0, dst_h0, num_heads):
-    """Independent oracle (plain advanced indexing, not kvxfer.ops): dst with the request copied in."""
+def expected_dst(
+    src,
+    src_spec,
+    src_ids,
+    dst,
+    dst_spec,
+    dst_ids,
+    num_tokens,
+    src_h0,
+    dst_h0,
+    num_heads,
+    start=0,
+    layers=None,
+):
+    """Independent oracle (plain advanced indexing, not kvxfer.ops): dst with tokens
+    ``[start, num_tokens)`` of the request copied in (the layers ``layers``, default all)."""
     out = [c.clone() for c in dst]
-    t = torch.arange(num_tokens)
+    t = torch.arange(start, num_tokens)
     sb, so = torch.as_tensor(src_ids)[t // src_spec.block_size], t % src_spec.block_size
     db, do = torch.as_tensor(dst_ids)[t // dst_spec.block_size], t % dst_spec.block_size
-    for layer in range(src_spec.num_layers):
+    for layer in range(src_spec.num_layers) if layers is None else layers:
         s, d = as_tokens(src[layer], src_spec), as_tokens(out[layer], dst_spec)
         rows = s[:, sb, so][:, :, src_h0 : src_h0 + num_heads]
         if dst_spec.use_mla:

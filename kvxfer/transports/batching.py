@@ -22,10 +22,12 @@ __all__ = [
     "Call",
     "Item",
     "cache_views",
+    "offset_view",
     "pack_calls",
     "plan_batch",
     "shared_prefixes",
     "unit_view",
+    "view_at",
 ]
 
 
@@ -57,6 +59,21 @@ def cache_views(caches: Sequence[torch.Tensor], spec: KVCacheSpec) -> tuple[Cach
     if unit == 1 and spec.block_size != 1:
         out.append(CacheView(ops.register_caches(views, vspec), vspec, 1))
     return tuple(out)
+
+
+def view_at(by_unit: dict[int, CacheView], unit: int, offset: int, memo: dict) -> CacheView:
+    """The view an ops call with ``unit`` and ``offset`` (see :class:`Call`) addresses: the unit's
+    own view, or the block view offset by ``offset`` tokens (made once, kept in ``memo``)."""
+    if offset == 0:
+        return by_unit[unit]
+    got = memo.get((unit, offset))
+    if got is None:
+        from .. import ops
+
+        base = by_unit[unit]
+        views, vspec = offset_view(base.caches, base.spec, offset)
+        got = memo[(unit, offset)] = CacheView(ops.register_caches(views, vspec), vspec, unit)
+    return got
 
 
 def unit_view(
@@ -113,16 +130,36 @@ class Item:
     dst: np.ndarray  # int64 destination unit ids, ceil(num_tokens / dst_unit)
     num_tokens: int
     skip: int = 0  # leading tokens carried by an earlier sibling in this batch (n>1)
+    first: int = 0  # leading tokens the loader already holds (a partial load): move [first, n)
 
 
 @dataclass
 class Call:
-    """One ops call: concatenated unit ids of the requests it carries."""
+    """One ops call: concatenated unit ids of the requests it carries. ``src_offset`` /
+    ``dst_offset`` (token offset inside the first unit; only in the short calls that start a
+    partial load off a block boundary) address the side through :func:`offset_view`."""
 
     request_ids: list[str]
     src: np.ndarray
     dst: np.ndarray
     num_tokens: int
+    src_offset: int = 0
+    dst_offset: int = 0
+
+
+def offset_view(caches: Sequence[torch.Tensor], spec: KVCacheSpec, offset: int):
+    """``caches`` seen with every block starting ``offset`` tokens in (block size
+    ``block_size - offset``): block ``b`` of the view is tokens ``[offset, block_size)`` of block
+    ``b``, so an ops call can start a request in the middle of a block. Views, no copies."""
+    bs = spec.block_size
+    if not 0 <= offset < bs:
+        raise ValueError(f"offset: must be in [0, {bs}), got {offset}")
+    if offset == 0:
+        return list(caches), spec
+    dim = 1 if spec.use_mla else (2 if spec.layout is Layout.NHD else 3)
+    return [c.narrow(dim, offset, bs - offset) for c in caches], dataclasses.replace(
+        spec, block_size=bs - offset
+    )
 
 
 def _common_units(a, b) -> int:
@@ -209,6 +246,29 @@ class BatchPlan:
     skipped_tokens: int  # tokens not moved because an n>1 sibling carries them
 
 
+def _head_calls(it: Item, end: int, src_bs: int, su: int, dst_bs: int, du: int) -> list[Call]:
+    """Calls moving tokens ``[it.first, end)`` of a partial load whose start is not on a
+    boundary of both sides' units: one per stretch that stays inside one block of each
+    block-unit side (a unit-1 side takes token slots), each addressed with offsets. At most
+    ``lcm(units) / gcd(block sizes)`` short calls, only at the start of a partial load."""
+    out = []
+    src, dst = _np(it.src), _np(it.dst)
+    t = it.first
+    while t < end:
+        e = end
+        if su != 1:
+            e = min(e, (t // src_bs + 1) * src_bs)
+        if du != 1:
+            e = min(e, (t // dst_bs + 1) * dst_bs)
+        s_ids = _slots(src, src_bs, t, e) if su == 1 and src_bs != 1 else src[t // su : t // su + 1]
+        d_ids = _slots(dst, dst_bs, t, e) if du == 1 and dst_bs != 1 else dst[t // du : t // du + 1]
+        so = 0 if su == 1 else t % src_bs
+        do = 0 if du == 1 else t % dst_bs
+        out.append(Call([it.request_id], s_ids, d_ids, e - t, so, do))
+        t = e
+    return out
+
+
 def plan_batch(
     items: list[Item],
     src_block_size: int,
@@ -218,14 +278,18 @@ def plan_batch(
 ) -> BatchPlan:
     """Choose units for both sides and pack a batch into ops calls.
 
-    ``items`` hold *block* ids on both sides. Every pair of allowed units (each side: its
-    block size, and 1 when its cache has a token-slot view) is scored by (ops calls, tokens
-    moved, ids passed) and the best is built: a lone request, or requests whose lengths fill
-    whole blocks, go as block lists (256 ids for 4K tokens, no per-token array), requests with
-    partial last blocks that would need one call each share one call through token slots.
-    Only per-request Python here; each request's unit ids are one numpy op.
+    ``items`` hold *block* ids on both sides (for the whole request; ``first`` leading tokens
+    of a partial load are not moved). Every pair of allowed units (each side: its block size,
+    and 1 when its cache has a token-slot view) is scored by (ops calls, tokens moved, ids
+    passed) and the best is built: a lone request, or requests whose lengths fill whole blocks,
+    go as block lists (256 ids for 4K tokens, no per-token array), requests with partial last
+    blocks that would need one call each share one call through token slots. A partial load
+    whose first token is not on a unit boundary of both sides starts with a few short offset
+    calls (:func:`_head_calls`). Only per-request Python here; each request's unit ids are one
+    numpy op.
     """
-    if len(items) == 1:  # one call whatever the units: the coarsest (block lists as they are)
+    partial = any(it.first for it in items)
+    if len(items) == 1 and not partial:  # one call whatever the units: the coarsest
         it = items[0]
         su, du = src_units[0], dst_units[0]
         src = (
@@ -239,29 +303,40 @@ def plan_batch(
             else _slots(_np(it.dst), dst_block_size, 0, it.num_tokens)
         )
         return BatchPlan(su, du, [Call([it.request_id], src, dst, it.num_tokens)] if it.num_tokens else [], 0)
-    shared = shared_prefixes(items, src_block_size, dst_block_size)
-    lens = [it.num_tokens for it in items]
+    shared = shared_prefixes(items, src_block_size, dst_block_size) if len(items) > 1 else [0] * len(items)
     best = None
     for su in src_units:
         for du in dst_units:
             align = math.lcm(su, du)
-            moved = ragged = ids = 0
-            for n, sh in zip(lens, shared):
-                m = n - sh // align * align
+            moved = ragged = ids = heads = 0
+            for it, sh in zip(items, shared):
+                n = it.num_tokens
+                start = max(it.first, sh // align * align)
+                heads += start % align != 0
+                m = n - start
                 if m > 0:
                     moved += m
                     ragged += m % align != 0
                     ids += m // su + m // du
-            key = (max(1, ragged) if moved else 0, moved, ids)
+            key = (max(1, ragged) + heads if moved else 0, moved, ids)
             if best is None or key < best[0]:
                 best = (key, su, du)
     assert best is not None, "plan_batch: no units to choose from"
     _, su, du = best
     align = math.lcm(su, du)
     unit_items = []
+    head_calls: list[Call] = []
+    skipped = 0
     for it, sh in zip(items, shared):
-        skip = sh // align * align
         n = it.num_tokens
+        start = max(it.first, sh // align * align)
+        skipped += start - it.first
+        skip = start
+        if start % align:  # a partial load starting inside a unit: short offset calls first
+            skip = min(n, -(-start // align) * align)
+            head_calls += _head_calls(
+                Item(it.request_id, it.src, it.dst, n, 0, start), skip, src_block_size, su, dst_block_size, du
+            )
         src, dst = _np(it.src), _np(it.dst)
         if su == 1 and src_block_size != 1:
             src = _slots(src, src_block_size, skip, n)
@@ -272,6 +347,6 @@ def plan_batch(
         else:
             dst = dst[skip // du :]
         # ids now start at token ``skip``: a request with nothing skipped from here on
-        unit_items.append((Item(it.request_id, src, dst, n - skip), skip))
-    calls = pack_calls([u for u, _ in unit_items], su, du)
-    return BatchPlan(su, du, calls, sum(skip for _, skip in unit_items))
+        unit_items.append(Item(it.request_id, src, dst, n - skip))
+    calls = head_calls + pack_calls(unit_items, su, du)
+    return BatchPlan(su, du, calls, skipped)

@@ -130,13 +130,15 @@ class StagedPipeline:
             min(self.buffer_bytes, peer), bytes_per_token, src_unit, dst_unit, self.max_chunk_tokens
         )
 
-    def check_chunk(self, spec: KVCacheSpec, num_heads: int, chunk_tokens: int, unit: int) -> str:
+    def check_chunk(
+        self, spec: KVCacheSpec, num_heads: int, chunk_tokens: int, unit: int, num_layers: int | None = None
+    ) -> str:
         """Exporter: why a loader's ``chunk_tokens`` cannot be served ("" when it can)."""
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             return f"chunk_tokens {chunk_tokens!r} is not a positive int"
         if chunk_tokens % unit:
             return f"chunk_tokens {chunk_tokens} is not a multiple of the unit {unit}"
-        need = chunk_tokens * spec.bytes_per_token(num_heads=num_heads)
+        need = chunk_tokens * spec.bytes_per_token(num_heads=num_heads, num_layers=num_layers)
         if need > self.buffer_bytes:
             return f"chunk_tokens {chunk_tokens} need {need} bytes, staging buffers hold {self.buffer_bytes}"
         return ""
@@ -165,9 +167,11 @@ class StagedPipeline:
 
     # ------------------------------------------------------------------ streaming
     @staticmethod
-    def _viewer(spec: KVCacheSpec, num_heads: int) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
+    def _viewer(
+        spec: KVCacheSpec, num_heads: int, num_layers: int | None = None
+    ) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
         def view(c: Chunk, slot: torch.Tensor) -> torch.Tensor:
-            shape = spec.wire_shape(c.num_tokens, num_heads)
+            shape = spec.wire_shape(c.num_tokens, num_heads, num_layers)
             nbytes = math.prod(shape) * spec.element_size
             if nbytes > slot.numel():
                 raise ValueError(f"staging: chunk {c.index} needs {nbytes} bytes, buffer has {slot.numel()}")
@@ -192,21 +196,23 @@ class StagedPipeline:
         unit: int,
         chunk_tokens: int,
         calls: Sequence[tuple[torch.Tensor, int]],
-        gather: Callable[[torch.Tensor, int, torch.Tensor], None],
+        gather: Callable[[Chunk, torch.Tensor], None],
         tag: str = "",
+        num_layers: int | None = None,
     ) -> int:
-        """Exporter: gather every chunk of ``calls`` (source unit ids, tokens) into staging
-        buffers and send it; the gather of chunk ``i+1`` overlaps the send of chunk ``i``.
-        Returns the bytes sent. ``gather(units, num_tokens, out)`` fills the wire view ``out``."""
+        """Exporter: gather every chunk of ``calls`` (source unit ids, tokens[, offset]) into
+        staging buffers and send it; the gather of chunk ``i+1`` overlaps the send of chunk
+        ``i``. Returns the bytes sent. ``gather(chunk, out)`` fills the wire view ``out``
+        (``num_layers`` of them: a layer group, default all)."""
         chunks = cut(calls, chunk_tokens, unit)
-        view = self._viewer(spec, num_heads)
+        view = self._viewer(spec, num_heads, num_layers)
         pool = self._pool("send", backend, cache_device)
         fences = self._fences(pool, cache_device, timeout_s)
         sent = 0
 
         def do_gather(c: Chunk, buf: torch.Tensor) -> None:
             with trace("gather", tag):
-                gather(c.units, c.num_tokens, buf)
+                gather(c, buf)
 
         def do_send(c: Chunk, buf: torch.Tensor):
             nonlocal sent
@@ -232,14 +238,15 @@ class StagedPipeline:
         unit: int,
         chunk_tokens: int,
         calls: Sequence[tuple[torch.Tensor, int]],
-        scatter: Callable[[torch.Tensor, int, torch.Tensor], None],
+        scatter: Callable[[Chunk, torch.Tensor], None],
         tag: str = "",
+        num_layers: int | None = None,
     ) -> int:
-        """Loader: receive every chunk of ``calls`` (destination unit ids, tokens) into
-        staging buffers and scatter it; receiving chunk ``i+1`` overlaps scattering chunk
-        ``i``. Returns the number of chunks. ``scatter(units, num_tokens, wire)``."""
+        """Loader: receive every chunk of ``calls`` (destination unit ids, tokens[, offset])
+        into staging buffers and scatter it; receiving chunk ``i+1`` overlaps scattering chunk
+        ``i``. Returns the number of chunks. ``scatter(chunk, wire)``."""
         chunks = cut(calls, chunk_tokens, unit)
-        view = self._viewer(spec, num_heads)
+        view = self._viewer(spec, num_heads, num_layers)
         pool = self._pool("recv", backend, cache_device)
         fences = self._fences(pool, cache_device, timeout_s)
 
@@ -249,7 +256,7 @@ class StagedPipeline:
 
         def do_scatter(c: Chunk, buf: torch.Tensor) -> None:
             with trace("scatter", tag):
-                scatter(c.units, c.num_tokens, buf)
+                scatter(c, buf)
 
         with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
             n = pipelined_recv(chunks, slots, view, do_recv, do_scatter, fences)
