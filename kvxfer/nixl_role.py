@@ -44,8 +44,9 @@ from .ordering import FenceTimeout
 from .plan import Read
 from .tracing import trace
 from .transports import Item, plan_batch
+from .transports.batching import view_at
 from .transports.nixl import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status
-from .transports.nixl_descs import CacheGeometry, block_runs, coalesce, descs, direct_why, epoch_runs
+from .transports.nixl_descs import CacheGeometry, descs, direct_runs, direct_why, epoch_runs
 from .transports.nixl_staged import NixlStaging, recv_stream, send_stream, stream_error
 
 _LOG = logging.getLogger(__name__)
@@ -235,7 +236,16 @@ class NixlRole:
         """Check a staged nixl send request (its tokens were verified) and queue its stream."""
         if msg.unit not in self._by_unit:
             return C.SendReply(ok=False, failed={"*": f"unit {msg.unit}: not one of {sorted(self._by_unit)}"})
-        why = self.pipeline.check_chunk(self.spec, msg.num_heads, msg.chunk_tokens, msg.unit)
+        if msg.layers and (
+            len(set(msg.layers)) != len(msg.layers)
+            or not all(0 <= x < self.spec.num_layers for x in msg.layers)
+        ):
+            return C.SendReply(
+                ok=False, failed={"*": f"layers: {msg.layers} is not a set of layers of this cache"}
+            )
+        why = self.pipeline.check_chunk(
+            self.spec, msg.num_heads, msg.chunk_tokens, msg.unit, len(msg.layers) or None
+        )
         if why:
             return C.SendReply(ok=False, failed={"*": f"staging: {why}"})
         with self._exports.lock:
@@ -255,23 +265,31 @@ class NixlRole:
         mid-stream stops it, the loader is told at once) and let the loader READ them."""
         agent = self._nixl
         peer = msg.key.rpartition("#")[0]
-        view = self._by_unit[msg.unit]
         cuda = self.device.type == "cuda"
+        layers = list(msg.layers) or None
 
-        def gather(units, num_tokens: int, out: torch.Tensor) -> None:
+        def gather(c, out: torch.Tensor) -> None:
+            view = view_at(self._by_unit, msg.unit, c.offset, self._offset_views)
             with self._exports.lock:
                 gone = [r for r in msg.request_ids if self._exports.lookup(r) is None]
                 if gone:
                     raise RuntimeError(f"released during the stream: {gone}")
                 ops.gather_blocks(
-                    view.caches, view.spec, units, num_tokens, msg.head_start, msg.num_heads, out=out
+                    view.caches,
+                    view.spec,
+                    c.units,
+                    c.num_tokens,
+                    msg.head_start,
+                    msg.num_heads,
+                    layers,
+                    out=out,
                 )
                 if cuda:  # pragma: no cover - GPU only
                     ev = torch.cuda.Event()
                     ev.record()
                     self._exports.track_gather(msg.request_ids, ev)
 
-        calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t) for b, t in msg.calls]
+        calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t, o) for b, t, o in msg.calls]
         try:
             hook = self._hooks.get("before_send")
             if hook:
@@ -291,6 +309,7 @@ class NixlRole:
                     self.timeout_s,
                     self._nixl_peers.get(peer, self.timeout_s),
                     batch_tag(msg.request_ids),
+                    len(msg.layers) or None,
                 )
         except Exception as e:
             _LOG.warning(
@@ -375,10 +394,18 @@ class NixlRole:
             self._nixl_drop(got[1])
 
     def _nixl_read(
-        self, rem: Remote, s: int, reads: list[Read], loads: list[LoadItem], granted: dict, deadline: float
+        self,
+        rem: Remote,
+        s: int,
+        reads: list[Read],
+        loads: list[LoadItem],
+        granted: dict,
+        deadline: float,
+        layers: list[int] | None = None,
     ) -> tuple[int, dict[str, str]]:
-        """Read the plan's heads of source rank ``s`` over NIXL: direct reads first (one READ,
-        then the epoch check), then staged ones; (bytes moved, local id -> why for failures)."""
+        """Read the plan's heads (and ``layers``, default all) of source rank ``s`` over NIXL:
+        direct reads first (one READ, then the epoch check), then staged ones; (bytes moved,
+        local id -> why for failures)."""
         got = self._nixl_remotes.get(rem.engine_id)
         if got is None or got[0] is not rem or s not in got[1]:
             raise RuntimeError(f"nixl: no state for exporter rank {s} (handshake not done)")
@@ -388,12 +415,12 @@ class NixlRole:
         moved, bad = 0, {}
         try:
             if direct:
-                moved, bad = self._nixl_direct(rem, s, st, direct, loads, granted, deadline)
+                moved, bad = self._nixl_direct(rem, s, st, direct, loads, granted, deadline, layers)
             for r in staged:
                 todo = [it for it in loads if it.request_id not in bad]
                 if not todo:
                     break
-                m, b = self._nixl_staged(rem, s, st, r, todo, deadline)
+                m, b = self._nixl_staged(rem, s, st, r, todo, deadline, layers)
                 moved += m
                 bad.update(b)
         except XferTimeout as e:  # the READ may still write our blocks: fenced until it ended
@@ -405,39 +432,35 @@ class NixlRole:
         return moved, bad
 
     def _nixl_direct(
-        self, rem: Remote, s: int, st: _SrcRank, reads: list[Read], loads, granted: dict, deadline: float
+        self,
+        rem: Remote,
+        s: int,
+        st: _SrcRank,
+        reads: list[Read],
+        loads,
+        granted: dict,
+        deadline: float,
+        layers: list[int] | None = None,
     ) -> tuple[int, dict[str, str]]:
         agent = self._nixl
         items = [
-            Item(it.request_id, it.params.block_id_array().view(np.int64), it.block_ids, it.params.num_tokens)
+            Item(
+                it.request_id,
+                it.params.block_id_array().view(np.int64),
+                it.block_ids,
+                it.params.num_tokens,
+                first=it.first,
+            )
             for it in loads
         ]
         sbs, dbs = rem.spec.block_size, self.spec.block_size
-        bp = plan_batch(items, sbs, [sbs], dbs, [dbs])  # block units on both sides (n>1 dedup)
-        fs, fd, ts, td, tt = [], [], [], [], []
-        for c in bp.calls:  # per call (a few per batch), never per block
-            nfull = c.num_tokens // sbs
-            fs.append(c.src[:nfull])
-            fd.append(c.dst[:nfull])
-            if c.num_tokens % sbs:
-                ts.append(c.src[nfull : nfull + 1])
-                td.append(c.dst[nfull : nfull + 1])
-                tt.append(c.num_tokens % sbs)
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
-        fs, fd, ts, td, tt = cat(fs), cat(fd), cat(ts), cat(td), np.asarray(tt, dtype=np.int64)
-        src_a, dst_a, lens = [], [], []
-        for r in reads:
-            sa, sl = block_runs(st.geometry, r.src_head_start, r.num_heads, fs, ts, tt)
-            da, dl = block_runs(self._nixl_geo, r.dst_head_start, r.num_heads, fd, td, tt)
-            if not np.array_equal(sl, dl):  # pragma: no cover - direct_why guarantees it
-                raise RuntimeError("nixl direct: source and destination runs differ")
-            src_a.append(sa)
-            dst_a.append(da)
-            lens.append(sl)
-        sa, da, ln = coalesce(np.concatenate(src_a), np.concatenate(dst_a), np.concatenate(lens))
+        # block units on both sides (n>1 prefixes once; a partial load starting inside a block
+        # gets a short head call at the same offset on both sides: equal block sizes)
+        bp = plan_batch(items, sbs, [sbs], dbs, [dbs])
+        sa, da, ln = direct_runs(st.geometry, self._nixl_geo, bp.calls, [_read_key(r) for r in reads], layers)
         moved = saved = 0
         for r in reads:
-            m, sk = self._count(bp, r.num_heads)
+            m, sk = self._count(bp, r.num_heads, layers)
             moved, saved = moved + m, saved + sk
         mem, dev = mem_of(self.caches[0])
         tag = batch_tag([it.request_id for it in loads])
@@ -475,6 +498,13 @@ class NixlRole:
         self._metrics.add("dedup_bytes", saved)
         return moved, bad
 
+    def _nixl_scatterer(self, unit: int, head_start: int, layers: list[int] | None):
+        def scatter(c, wire: torch.Tensor) -> None:
+            dv = view_at(self._by_unit, unit, c.offset, self._offset_views)
+            ops.scatter_blocks(wire, dv.caches, dv.spec, c.units, c.num_tokens, head_start, layers)
+
+        return scatter
+
     def _nixl_pair(self, rem: Remote, s: int, st: _SrcRank, token_of: LoadItem, deadline: float) -> None:
         """Give exporter rank ``s`` our connection info (once), so it can notify us."""
         if st.paired:
@@ -501,9 +531,16 @@ class NixlRole:
         st.paired = True
 
     def _nixl_staged(
-        self, rem: Remote, s: int, st: _SrcRank, r: Read, loads: list[LoadItem], deadline: float
+        self,
+        rem: Remote,
+        s: int,
+        st: _SrcRank,
+        r: Read,
+        loads: list[LoadItem],
+        deadline: float,
+        layers: list[int] | None = None,
     ) -> tuple[int, dict[str, str]]:
-        """One staged read (head slice ``r``) from source rank ``s``; (bytes, id -> why)."""
+        """One staged read (head slice ``r``, ``layers``) from source rank ``s``; (bytes, id -> why)."""
         agent = self._nixl
         try:
             self._nixl_pair(rem, s, st, loads[0], deadline)
@@ -520,20 +557,19 @@ class NixlRole:
             )
         bad: dict[str, str] = {}
         moved = saved = 0
-        dv_of = self._by_unit
         for _attempt in range(3):
             loads = [it for it in loads if it.request_id not in bad]
             if not loads:
                 break
             bp = self._plan(loads, rem.spec.block_size, st.units)
-            bpt = self.spec.bytes_per_token(num_heads=r.num_heads)
+            bpt = self.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
             chunk_tokens = self.pipeline.chunk_tokens_for(
                 {"staging_bytes": st.staging_bytes}, bpt, bp.src_unit, bp.dst_unit
             )
             key = f"{agent.name}#{secrets.token_hex(8)}"
             agent.open_box(key)
             try:
-                refused = self._send_req(rem, s, key, r, loads, bp, chunk_tokens, deadline)
+                refused = self._send_req(rem, s, key, r, loads, bp, chunk_tokens, deadline, layers)
             except BaseException:
                 agent.close_box(key)
                 raise
@@ -559,14 +595,15 @@ class NixlRole:
                 r.num_heads,
                 bp.dst_unit,
                 chunk_tokens,
-                [(c.dst, c.num_tokens) for c in bp.calls],
-                self._scatterer(dv_of[bp.dst_unit], r.dst_head_start),
+                [(c.dst, c.num_tokens, c.dst_offset) for c in bp.calls],
+                self._nixl_scatterer(bp.dst_unit, r.dst_head_start, layers),
                 deadline,
                 tag,
+                len(layers) if layers else None,
             )
             self._order.wait_done(_left(deadline))  # CUDA: the scatters ran
             self._metrics.add("ops_calls", n)
-            m, sk = self._count(bp, r.num_heads)
+            m, sk = self._count(bp, r.num_heads, layers)
             moved, saved = moved + m, saved + sk
             break
         self._metrics.add("dedup_bytes", saved)

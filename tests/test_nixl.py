@@ -371,3 +371,43 @@ def test_restarted_exporter_is_read_anew(ucx):
     finally:
         d.close()
         p1.close()
+
+
+# --------------------------------------------------------------------------- streaming, partial loads
+# The layer-wise streaming and partial-load scenarios of tests/test_streaming.py, run over nixl
+# (called through the module, so pytest does not collect them twice).
+STREAM_CASES = [
+    (("NHD", 16), ("HND", 8), 1),  # staged
+    (("HND", 8), ("NHD", 16), 2),  # staged, TP 2 -> 1
+    (("HND", 16), ("HND", 16), 2),  # direct, TP 2 -> 1 (HND head slices)
+    (("NHD", 16), ("NHD", 16), 1),  # direct
+]
+
+
+@pytest.mark.parametrize("groups", [[1] * 6, [3, 3]], ids=["by-1", "by-3"])
+@pytest.mark.parametrize(
+    ("src", "dst", "src_tp"),
+    STREAM_CASES,
+    ids=["nhd16-hnd8", "tp2-hnd8-nhd16", "tp2-hnd16-direct", "nhd16-direct"],
+)
+def test_layer_groups_stream_over_nixl(ucx, groups, src, dst, src_tp):
+    from . import test_streaming
+
+    test_streaming.test_layer_groups_stream_and_finish_with_the_last("nixl", groups, src, dst, src_tp)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        (("NHD", 16), ("NHD", 16)),
+        (("HND", 16), ("NHD", 8)),
+        (("HND", 32), ("HND", 16)),
+        (("HND", 16), ("HND", 16)),
+    ],
+    ids=["nhd16-direct", "hnd16-nhd8", "hnd32-hnd16", "hnd16-direct"],
+)
+@pytest.mark.parametrize("which", ["one-block", "all-but-one"])
+def test_partial_load_over_nixl(ucx, src, dst, which):
+    from . import test_streaming
+
+    test_streaming.test_partial_load_pulls_only_the_missing_tokens("nixl", src, dst, which)

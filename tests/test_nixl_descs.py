@@ -18,6 +18,7 @@ from kvxfer.transports.nixl_descs import (
     block_runs,
     coalesce,
     descs,
+    direct_runs,
     direct_why,
     epoch_runs,
     storages,
@@ -177,3 +178,39 @@ def test_runs_for_a_4k_token_request_are_vectorised():
     assert a.size == ln.size == 32 * 2 * 257
     assert int(ln.sum()) == 32 * 2 * (256 * 16 + 5) * 8 * 128 * 2
     assert list(itertools.islice(ln.tolist(), 2)) == [16 * 8 * 128 * 2] * 2
+
+
+@pytest.mark.parametrize("kind", ["NHD", "HND", "MLA"])
+@pytest.mark.parametrize("first", [0, 16, 21, 47])
+@pytest.mark.parametrize("layers", [None, [0, 2]])
+def test_direct_runs_of_partial_loads_and_layer_groups(kind, first, layers):
+    """The real planner's calls (block units, a partial load starting inside a block: a head
+    call at the same offset on both sides; n>1 siblings sharing a prefix) and a layer group of
+    a layer-wise export, replayed with memmove: exactly tokens [first, n) of those layers move,
+    nothing else changes (the independent oracle of the staging tests)."""
+    from kvxfer.transports.batching import Item, plan_batch
+    from tests.test_staging import bytes_equal, expected_dst, make_cache, poisoned
+
+    spec = KVCacheSpec(3, 1, 40, 16, torch.bfloat16, use_mla=True) if kind == "MLA" else _spec(kind, 16)
+    heads = spec.num_kv_heads
+    src = make_cache(spec, 24, heads, 0)
+    dst = poisoned(spec, 24, heads)
+    n1, n2 = 60, 50  # two requests: the second a sibling sharing the first block
+    s1, d1 = [3, 4, 9, 10], [11, 12, 5, 6]
+    s2, d2 = [3, 20, 21, 22], [11, 0, 1, 2]
+    want = expected_dst(
+        src, spec, torch.tensor(s1), dst, spec, torch.tensor(d1), n1, 0, 0, heads, first, layers
+    )
+    want = expected_dst(
+        src, spec, torch.tensor(s2), want, spec, torch.tensor(d2), n2, 0, 0, heads, first, layers
+    )
+    items = [
+        Item("a", np.array(s1), np.array(d1), n1, first=first),
+        Item("b", np.array(s2), np.array(d2), n2, first=first),
+    ]
+    bp = plan_batch(items, 16, [16], 16, [16])
+    g = CacheGeometry.of(src, spec), CacheGeometry.of(dst, spec)
+    sa, da, ln = direct_runs(g[0], g[1], bp.calls, [(0, 0, heads)], layers)
+    for s, t, k in zip(sa.tolist(), da.tolist(), ln.tolist()):
+        ctypes.memmove(t, s, k)
+    assert bytes_equal(dst, want), [(c.num_tokens, c.src_offset) for c in bp.calls]

@@ -12,8 +12,11 @@ Pure numpy, no NIXL: everything here is testable (and tested) on any machine.
   contiguous run per block on both sides (NHD: the whole rank's heads on both sides; HND: any
   contiguous head range; MLA: always). ``""`` when it may, else the reason.
 * :func:`block_runs` — the (address, length) runs of a batch of ops calls on one side, in a
-  canonical order ``[layer, kv, full blocks..., partial tails...]``; the two sides of a direct
-  read produce equal-length lists that pair one to one.
+  canonical order ``[layer, kv, full blocks..., partial blocks...]`` (a partial block: a
+  request's last one, or a partial load's first one, which starts inside the block; a layer
+  group of a layer-wise export selects layers); the two sides of a direct read produce
+  equal-length lists that pair one to one.
+* :func:`direct_runs` — both sides' runs of a batch's ops calls (block units), coalesced.
 * :func:`coalesce` — merges consecutive pairs that continue contiguously on both sides (adjacent
   blocks), so a read is one descriptor per contiguous run.
 * :func:`epoch_runs` — the runs of an exporter's lease-epoch array that cover a set of blocks.
@@ -23,6 +26,7 @@ No per-block or per-layer Python loop: each list is one broadcast numpy expressi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +35,16 @@ import torch
 
 from ..spec import KVCacheSpec, Layout
 
-__all__ = ["CacheGeometry", "block_runs", "coalesce", "descs", "direct_why", "epoch_runs", "storages"]
+__all__ = [
+    "CacheGeometry",
+    "block_runs",
+    "coalesce",
+    "descs",
+    "direct_runs",
+    "direct_why",
+    "epoch_runs",
+    "storages",
+]
 
 _U64 = np.uint64
 
@@ -175,36 +188,97 @@ def block_runs(
     head_start: int,
     num_heads: int,
     full: np.ndarray,
-    tails: np.ndarray,
-    tail_tokens: np.ndarray,
+    parts: np.ndarray,
+    part_tokens: np.ndarray,
+    part_start: np.ndarray | None = None,
+    layers: list[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Runs ``(addresses, lengths)`` (uint64) covering heads ``[head_start, +num_heads)`` of
-    whole blocks ``full`` and of the first ``tail_tokens[i]`` tokens of blocks ``tails[i]``.
+    whole blocks ``full`` and of tokens ``[part_start[i], part_start[i] + part_tokens[i])`` of
+    blocks ``parts[i]`` (a request's partial last block starts at 0; a partial load's first
+    block starts inside it), in ``layers`` (default all).
 
-    Order: ``[layer, kv, full blocks in order, then tails in order (HND: one run per head)]``,
+    Order: ``[layer, kv, full blocks in order, then parts in order (HND: one run per head)]``,
     identical on both sides of a direct read (see :func:`direct_why` for when runs are
     contiguous). The caller checks the block ids (in range, token order)."""
+    if layers is not None:
+        g = dataclasses.replace(g, layer_addrs=tuple(g.layer_addrs[i] for i in layers))
     full = np.asarray(full, dtype=np.int64).astype(_U64)
-    tails = np.asarray(tails, dtype=np.int64).astype(_U64)
-    tt = np.asarray(tail_tokens, dtype=np.int64).astype(_U64)
+    parts = np.asarray(parts, dtype=np.int64).astype(_U64)
+    pt = np.asarray(part_tokens, dtype=np.int64).astype(_U64)
+    ps = np.zeros(parts.size, _U64) if part_start is None else np.asarray(part_start, np.int64).astype(_U64)
     base = _bases(g, head_start)  # [L, KV]
     L, KV = base.shape
     bstride = _U64(g.block_stride)
+    tstride = _U64(g.token_stride)
+    p_base = parts * bstride + ps * tstride
     if g.kind == "HND":
         full_len = num_heads * g.head_stride
-        # tails: one run per head, [ntail, n]
-        t_off = tails[:, None] * bstride + np.arange(num_heads, dtype=_U64)[None, :] * _U64(g.head_stride)
-        t_len = np.broadcast_to(tt[:, None] * _U64(g.token_stride), t_off.shape)
+        # parts: one run per head, [nparts, n]
+        p_off = p_base[:, None] + np.arange(num_heads, dtype=_U64)[None, :] * _U64(g.head_stride)
+        p_len = np.broadcast_to(pt[:, None] * tstride, p_off.shape)
     else:
         full_len = g.block_size * g.token_stride
-        t_off = (tails * bstride)[:, None]
-        t_len = (tt * _U64(g.token_stride))[:, None]
+        p_off = p_base[:, None]
+        p_len = (pt * tstride)[:, None]
     f_addr = base[:, :, None] + (full * bstride)[None, None, :]
-    t_addr = base[:, :, None] + t_off.reshape(-1)[None, None, :]
-    addrs = np.concatenate([f_addr, t_addr], axis=2).reshape(-1)
-    one = np.concatenate([np.full(full.size, full_len, dtype=_U64), np.ascontiguousarray(t_len).reshape(-1)])
+    p_addr = base[:, :, None] + p_off.reshape(-1)[None, None, :]
+    addrs = np.concatenate([f_addr, p_addr], axis=2).reshape(-1)
+    one = np.concatenate([np.full(full.size, full_len, dtype=_U64), np.ascontiguousarray(p_len).reshape(-1)])
     lens = np.broadcast_to(one[None, None, :], (L, KV, one.size)).reshape(-1)
     return addrs, lens
+
+
+def direct_runs(
+    src: CacheGeometry,
+    dst: CacheGeometry,
+    calls: Sequence,
+    reads: Sequence[tuple[int, int, int]],
+    layers: list[int] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The coalesced ``(src addresses, dst addresses, lengths)`` of a direct read: ``calls``
+    (:class:`kvxfer.transports.batching.Call` of a plan with block units on both sides, equal
+    block sizes) for each of ``reads`` ``(src head start, dst head start, heads)``, in
+    ``layers`` (default all). A call is whole blocks then at most one partial last block, or a
+    partial load's head (``src_offset == dst_offset``, inside one block)."""
+    bs = src.block_size
+    fs, fd, ps, pd, pt, po = [], [], [], [], [], []
+    for c in calls:  # per call (a few per batch), never per block
+        if c.src_offset or c.dst_offset:
+            if c.src_offset != c.dst_offset or c.src_offset + c.num_tokens > bs:
+                raise ValueError("nixl direct: a partial load's head call does not line up on both sides")
+            ps.append(c.src[:1])
+            pd.append(c.dst[:1])
+            pt.append(c.num_tokens)
+            po.append(c.src_offset)
+            continue
+        nfull = c.num_tokens // bs
+        fs.append(c.src[:nfull])
+        fd.append(c.dst[:nfull])
+        if c.num_tokens % bs:
+            ps.append(c.src[nfull : nfull + 1])
+            pd.append(c.dst[nfull : nfull + 1])
+            pt.append(c.num_tokens % bs)
+            po.append(0)
+
+    def cat(xs: list) -> np.ndarray:
+        return np.concatenate([np.asarray(x, dtype=np.int64) for x in xs]) if xs else np.zeros(0, np.int64)
+
+    fs_a, fd_a, ps_a, pd_a = cat(fs), cat(fd), cat(ps), cat(pd)
+    pt_a, po_a = np.asarray(pt, dtype=np.int64), np.asarray(po, dtype=np.int64)
+    sa, da, ln = [], [], []
+    for h_src, h_dst, n in reads:
+        a, la = block_runs(src, h_src, n, fs_a, ps_a, pt_a, po_a, layers)
+        b, lb = block_runs(dst, h_dst, n, fd_a, pd_a, pt_a, po_a, layers)
+        if not np.array_equal(la, lb):
+            raise ValueError("nixl direct: source and destination runs differ (not a direct read)")
+        sa.append(a)
+        da.append(b)
+        ln.append(la)
+    if not sa:
+        z = np.zeros(0, _U64)
+        return z, z, z
+    return coalesce(np.concatenate(sa), np.concatenate(da), np.concatenate(ln))
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

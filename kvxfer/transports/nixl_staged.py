@@ -86,9 +86,11 @@ class NixlStaging:
         return [HostFence(timeout_s) for _ in range(self.pool.num_buffers)]
 
 
-def _viewer(spec: KVCacheSpec, num_heads: int) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
+def _viewer(
+    spec: KVCacheSpec, num_heads: int, num_layers: int | None = None
+) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
     def view(c: Chunk, slot: torch.Tensor) -> torch.Tensor:
-        shape = spec.wire_shape(c.num_tokens, num_heads)
+        shape = spec.wire_shape(c.num_tokens, num_heads, num_layers)
         nbytes = math.prod(shape) * spec.element_size
         if nbytes > slot.numel():
             raise ValueError(f"staging: chunk {c.index} needs {nbytes} bytes, buffer has {slot.numel()}")
@@ -128,19 +130,21 @@ def send_stream(
     num_heads: int,
     unit: int,
     chunk_tokens: int,
-    calls: Sequence[tuple[torch.Tensor, int]],
-    gather: Callable[[torch.Tensor, int, torch.Tensor], None],
+    calls: Sequence[tuple],
+    gather: Callable[[Chunk, torch.Tensor], None],
     timeout_s: float,
     peer_timeout_s: float,
     tag: str = "",
+    num_layers: int | None = None,
 ) -> int:
     """Exporter: gather every chunk of ``calls`` into the registered staging buffers and let
     ``peer`` READ it (module doc); returns the bytes read. Every wait ends ``timeout_s`` after
     the last progress (the stream's start, or the loader's last completed READ).
-    ``gather(units, num_tokens, out)`` fills the wire view ``out`` (and raises to stop). An
+    ``calls``: (source unit ids, tokens[, offset]); ``gather(chunk, out)`` fills the wire view
+    ``out`` (``num_layers`` layers: a layer group, default all) and raises to stop. An
     exception raised here carries ``peer_gone = True`` when NIXL reported the loader gone."""
     chunks = cut(calls, chunk_tokens, unit)
-    view = _viewer(spec, num_heads)
+    view = _viewer(spec, num_heads, num_layers)
     bound = [time.monotonic() + timeout_s]  # moves on with every READ completed (as pg's per-op bound)
     acked: set[int] = set()
     sent_at: dict[int, tuple[float, torch.Tensor]] = {}  # chunk -> (R sent, slot) until acked
@@ -189,7 +193,7 @@ def send_stream(
 
     def do_gather(c: Chunk, buf: torch.Tensor) -> None:
         with trace("gather", tag):
-            gather(c.units, c.num_tokens, buf)
+            gather(c, buf)
 
     def do_send(c: Chunk, buf: torch.Tensor) -> Acked:
         nonlocal total
@@ -372,22 +376,24 @@ def recv_stream(
     num_heads: int,
     unit: int,
     chunk_tokens: int,
-    calls: Sequence[tuple[torch.Tensor, int]],
-    scatter: Callable[[torch.Tensor, int, torch.Tensor], None],
+    calls: Sequence[tuple],
+    scatter: Callable[[Chunk, torch.Tensor], None],
     deadline: float,
     tag: str = "",
+    num_layers: int | None = None,
 ) -> int:
-    """Loader: READ every chunk of ``calls`` (destination unit ids, tokens) from ``peer``'s
-    staging buffers (``remote``: its :meth:`NixlStaging.describe`) into this side's, and
-    scatter it; returns the number of chunks. The mailbox ``key`` must have been opened before
-    the exporter was asked to stream (it is closed here). Every wait ends by ``deadline``."""
+    """Loader: READ every chunk of ``calls`` (destination unit ids, tokens[, offset]) from
+    ``peer``'s staging buffers (``remote``: its :meth:`NixlStaging.describe`) into this
+    side's, and ``scatter(chunk, wire)`` it; returns the number of chunks. The mailbox ``key``
+    must have been opened before the exporter was asked to stream (it is closed here). Every
+    wait ends by ``deadline``."""
     chunks = cut(calls, chunk_tokens, unit)
-    view = _viewer(spec, num_heads)
+    view = _viewer(spec, num_heads, num_layers)
     reads = _Reads(agent, peer, key, remote, staging, deadline, tag)
 
     def do_scatter(c: Chunk, buf: torch.Tensor) -> None:
         with trace("scatter", tag):
-            scatter(c.units, c.num_tokens, buf)
+            scatter(c, buf)
 
     try:
         left = max(0.0, deadline - time.monotonic())
