@@ -16,7 +16,8 @@ Loader side, at handshake: :func:`choose` returns ``(transport, reason)``; an ex
 but cannot be used: <reason>")``; ``"auto"`` falls back to ``nixl`` across hosts when both
 sides offer it (``reason = "nixl: ipc cannot be used: not on one host; ..."``), else to ``pg``
 with ``reason = "pg: ipc cannot be used: <reason>"``. On one host auto picks ``nixl`` only from
-an exporter that offers nothing else (one configured ``transport="nixl"``). For CUDA caches the decision is :func:`kvxfer.transports.cuda_ipc.choose_transport`
+an exporter that offers nothing else (one configured ``transport="nixl"``). For CUDA caches
+the decision is :func:`kvxfer.transports.cuda_ipc.choose_transport`
 (different hosts, ``expandable_segments``, PID namespaces, GPU visibility, same process), with
 NVML topology (:mod:`kvxfer.topology`) consulted only when the two GPUs differ.
 """
