@@ -1,0 +1,355 @@
+// kvxfer CPU backend: gather / scatter / copy of paged KV rows on the host, with a small thread pool.
+//
+// Built by setup.py (g++ or $CXX, -O3, no CUDA) into kvxfer/_prebuilt/libkvx_cpu-<hash>.so, or
+// lazily by kvxfer/backends/cpu.py into a cache directory; driven through ctypes, which releases
+// the GIL for the whole call. Inputs were validated by kvxfer.ops: nothing is checked twice here.
+//
+// Model (the same as the CUDA kernels, csrc/kvx_copy.cuh): a transfer moves H * L * KV * T rows
+// of R bytes. Row (h, l, kv, t) of a side lives at
+//     layer(l) + head_off + kv * s_kv + h * s_head + block_ids[t / bs] * s_blk + (t % bs) * s_tok
+// with layer(l) = layers[l] for a paged cache, base + l * layer_stride for a dense wire (which is
+// a paged side with one block of bs = T and s_tok = R).
+//
+// Plan, per call:
+//   segments  tokens [t0, t0 + n) that stay inside one block on both sides, merged with the
+//             next one whenever both sides continue contiguously (adjacent block ids)
+//   items     (layer, kv, segment): a 2-D copy of H x n rows; its loops are collapsed wherever
+//             both sides are contiguous (same layout and full heads: one memcpy per block;
+//             HND <-> wire: one memcpy per head and block), the rest is one memcpy per row
+//             with the destination's smaller stride innermost
+//   threads   items split into equal-byte contiguous ranges, one per thread (the caller runs
+//             the first); never fewer than min_bytes_per_thread bytes per thread
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+namespace {
+
+typedef std::int64_t i64;
+
+constexpr int kAbiVersion = 1;
+constexpr int kSideFields = 10;
+constexpr int kHeadFields = 8;
+constexpr int kMaxThreads = 64;
+
+// Flags (args[6]).
+constexpr i64 kFlagStream = 1;  // non-temporal stores for runs of >= kStreamMinRun aligned bytes
+
+constexpr i64 kStreamMinRun = 256;  // shorter runs are memcpy'd even when streaming is on
+
+struct Side {
+  const i64* layers;  // [L] layer base addresses (paged cache), or null (dense wire)
+  i64 base, layer_stride;
+  const i64* block_ids;  // [ceil(T / block_size)]
+  i64 block_size, s_kv, s_blk, s_tok, s_head, head_off;
+
+  char* layer(i64 l) const {
+    const i64 addr = layers ? layers[l] : base + l * layer_stride;
+    return reinterpret_cast<char*>(static_cast<std::uintptr_t>(addr + head_off));
+  }
+  i64 token_offset(i64 t) const {
+    const i64 j = t / block_size;
+    return block_ids[j] * s_blk + (t - j * block_size) * s_tok;
+  }
+};
+
+Side read_side(const i64* a) {
+  Side s;
+  s.layers = reinterpret_cast<const i64*>(static_cast<std::uintptr_t>(a[0]));
+  s.base = a[1];
+  s.layer_stride = a[2];
+  s.block_ids = reinterpret_cast<const i64*>(static_cast<std::uintptr_t>(a[3]));
+  s.block_size = a[4];
+  s.s_kv = a[5];
+  s.s_blk = a[6];
+  s.s_tok = a[7];
+  s.s_head = a[8];
+  s.head_off = a[9];
+  return s;
+}
+
+struct Segment {
+  i64 src_off, dst_off, n;
+};
+
+// ---------------------------------------------------------------------------- copy primitives
+#if defined(__SSE2__)
+// dst and src 16-byte aligned, n a multiple of 64: streaming stores (no read-for-ownership of
+// the destination, nothing of it left in the cache).
+inline void copy_stream(char* dst, const char* src, i64 n) {
+  for (i64 i = 0; i < n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+}
+constexpr bool kHaveStream = true;
+#else
+inline void copy_stream(char* dst, const char* src, i64 n) { std::memcpy(dst, src, n); }
+constexpr bool kHaveStream = false;
+#endif
+
+// One dimension of a 2-D row copy: count, and the byte strides on the source and destination.
+struct Dim {
+  i64 n, s, d;
+};
+
+struct Job {
+  Side src, dst;
+  i64 H, L, KV, T, R;
+  bool stream;
+  i64 min_bytes_per_thread;
+  std::vector<Segment> segs;
+  std::vector<i64> starts;  // item range of each part: [starts[p], starts[p + 1])
+
+  i64 num_items() const { return L * KV * static_cast<i64>(segs.size()); }
+
+  void copy_run(char* d, const char* s, i64 n) const {
+    if (stream && n >= kStreamMinRun && n % 64 == 0 &&
+        ((reinterpret_cast<std::uintptr_t>(d) & 15) == 0)) {
+      copy_stream(d, s, n);
+    } else {
+      std::memcpy(d, s, static_cast<std::size_t>(n));
+    }
+  }
+
+  // H x n rows of R bytes; dims whose strides equal the contiguous run on both sides fold into it.
+  void copy_2d(char* d, const char* s, i64 n_tok) const {
+    Dim dims[2] = {{n_tok, src.s_tok, dst.s_tok}, {H, src.s_head, dst.s_head}};
+    int nd = 2;
+    i64 run = R;
+    for (bool merged = true; merged;) {
+      merged = false;
+      for (int i = 0; i < nd; ++i) {
+        if (dims[i].n == 1 || (dims[i].s == run && dims[i].d == run)) {
+          run *= dims[i].n;
+          dims[i] = dims[--nd];
+          merged = true;
+          break;
+        }
+      }
+    }
+    if (nd == 0) {
+      copy_run(d, s, run);
+    } else if (nd == 1) {
+      const Dim a = dims[0];
+      for (i64 i = 0; i < a.n; ++i) copy_run(d + i * a.d, s + i * a.s, run);
+    } else {
+      // destination's smaller stride innermost: writes go out in order within each outer step
+      Dim outer = dims[0], inner = dims[1];
+      if (std::llabs(outer.d) < std::llabs(inner.d)) std::swap(outer, inner);
+      for (i64 i = 0; i < outer.n; ++i) {
+        char* dd = d + i * outer.d;
+        const char* ss = s + i * outer.s;
+        for (i64 j = 0; j < inner.n; ++j) copy_run(dd + j * inner.d, ss + j * inner.s, run);
+      }
+    }
+  }
+
+  void run_items(i64 begin, i64 end) const {
+    const i64 num_segs = static_cast<i64>(segs.size());
+    for (i64 item = begin; item < end; ++item) {
+      const i64 g = item % num_segs;
+      const i64 lk = item / num_segs;
+      const i64 kv = lk % KV, l = lk / KV;
+      const Segment& seg = segs[g];
+      const char* s = src.layer(l) + kv * src.s_kv + seg.src_off;
+      char* d = dst.layer(l) + kv * dst.s_kv + seg.dst_off;
+      copy_2d(d, s, seg.n);
+    }
+  }
+
+  void run_part(int p) const {
+    run_items(starts[p], starts[p + 1]);
+#if defined(__SSE2__)
+    if (stream) _mm_sfence();  // this thread's streaming stores drained before it reports done
+#endif
+  }
+};
+
+// ---------------------------------------------------------------------------- thread pool
+// Workers sleep on a condition variable between calls. One call uses the pool at a time; a
+// concurrent caller (another engine thread) does not wait for it but runs its job on its own
+// thread. After fork() the child gets a fresh, empty pool (the parent's threads do not exist
+// there).
+class Pool {
+ public:
+  // Run job.run_part(0 .. parts-1): part 0 on the calling thread, the rest on workers.
+  void run(const Job& job, int parts) {
+    std::unique_lock<std::mutex> call(call_mutex_, std::try_to_lock);
+    if (!call.owns_lock() || !grow(parts - 1)) {
+      for (int p = 0; p < parts; ++p) job.run_part(p);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      job_ = &job;
+      parts_ = parts;
+      pending_ = parts - 1;
+      ++generation_;
+    }
+    work_cv_.notify_all();
+    job.run_part(0);
+    std::unique_lock<std::mutex> lk(m_);
+    done_cv_.wait(lk, [this] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  // Make sure `n` workers exist; false if threads cannot be created.
+  bool grow(int n) {
+    try {
+      while (static_cast<int>(workers_.size()) < n) {
+        const int idx = static_cast<int>(workers_.size());
+        workers_.emplace_back([this, idx] { loop(idx + 1); });
+        workers_.back().detach();  // the pool lives for the process (exit or fork ends it)
+      }
+    } catch (const std::system_error&) {
+      return false;
+    }
+    return true;
+  }
+
+  void loop(int part) {
+    unsigned long long seen = 0;
+    for (;;) {
+      const Job* job;
+      {
+        std::unique_lock<std::mutex> lk(m_);
+        work_cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (part >= parts_) continue;
+        job = job_;
+      }
+      job->run_part(part);
+      std::lock_guard<std::mutex> lk(m_);
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex call_mutex_, m_;
+  std::condition_variable work_cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const Job* job_ = nullptr;
+  int parts_ = 0, pending_ = 0;
+  unsigned long long generation_ = 0;
+};
+
+std::atomic<Pool*> g_pool{nullptr};
+std::once_flag g_atfork_once;
+
+// In a forked child the parent's workers do not exist: leak its pool, start a fresh one.
+void reset_pool_in_child() { g_pool.store(nullptr); }
+
+Pool& pool() {
+  std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, reset_pool_in_child); });
+  Pool* p = g_pool.load();
+  if (p == nullptr) {
+    Pool* fresh = new Pool();  // never freed: its detached workers use it until the process ends
+    if (g_pool.compare_exchange_strong(p, fresh)) return *fresh;
+    delete fresh;  // another thread installed one first (no worker started yet: safe to free)
+  }
+  return *p;
+}
+
+// ---------------------------------------------------------------------------- planning
+void make_segments(Job& job) {
+  const Side &a = job.src, &b = job.dst;
+  job.segs.clear();
+  for (i64 t = 0; t < job.T;) {
+    const i64 n = std::min({a.block_size - t % a.block_size, b.block_size - t % b.block_size, job.T - t});
+    const i64 so = a.token_offset(t), d_o = b.token_offset(t);
+    if (!job.segs.empty()) {
+      Segment& prev = job.segs.back();
+      if (prev.src_off + prev.n * a.s_tok == so && prev.dst_off + prev.n * b.s_tok == d_o) {
+        prev.n += n;  // both sides continue contiguously (e.g. adjacent block ids)
+        t += n;
+        continue;
+      }
+    }
+    job.segs.push_back({so, d_o, n});
+    t += n;
+  }
+}
+
+// Equal-byte contiguous item ranges; returns the number of parts.
+int split(Job& job, int max_threads) {
+  const i64 items = job.num_items();
+  const i64 total = job.H * job.L * job.KV * job.T * job.R;
+  i64 parts = std::min<i64>({static_cast<i64>(max_threads), items, total / job.min_bytes_per_thread});
+  parts = std::max<i64>(1, parts);
+  job.starts.assign(static_cast<std::size_t>(parts) + 1, items);
+  job.starts[0] = 0;
+  if (parts == 1) return 1;
+  // Items differ only by their segment's length: walk (layer, kv) x segments by bytes.
+  const i64 num_segs = static_cast<i64>(job.segs.size());
+  i64 acc = 0;
+  int p = 1;
+  for (i64 item = 0; item < items && p < parts; ++item) {
+    acc += job.segs[item % num_segs].n;
+    while (p < parts && acc * parts >= job.L * job.KV * job.T * p) job.starts[p++] = item + 1;
+  }
+  return static_cast<int>(parts);
+}
+
+}  // namespace
+
+extern "C" {
+
+// The layout of kvx_cpu_move's arguments; the Python side refuses a library that disagrees.
+int kvx_cpu_abi_version() { return kAbiVersion; }
+
+// 1 when non-temporal stores are compiled in (SSE2), else 0.
+int kvx_cpu_has_stream() { return kHaveStream ? 1 : 0; }
+
+// args: H, L, KV, T, R (row bytes), threads, flags, min_bytes_per_thread, then the source and
+// destination sides, 10 fields each: layers address (0 for a dense wire), base, layer_stride, block_ids address,
+// block_size, s_kv, s_blk, s_tok, s_head, head_off (byte strides and offsets).
+// Returns 0, or -1 when n is not the expected count, -2 when memory for the plan ran out.
+int kvx_cpu_move(const i64* args, int n) {
+  if (n != kHeadFields + 2 * kSideFields) return -1;
+  try {
+    Job job;
+    job.H = args[0];
+    job.L = args[1];
+    job.KV = args[2];
+    job.T = args[3];
+    job.R = args[4];
+    const int threads = static_cast<int>(std::max<i64>(1, std::min<i64>(args[5], kMaxThreads)));
+    job.stream = (args[6] & kFlagStream) != 0;
+    job.min_bytes_per_thread = std::max<i64>(1, args[7]);
+    job.src = read_side(args + kHeadFields);
+    job.dst = read_side(args + kHeadFields + kSideFields);
+    if (job.T <= 0 || job.H <= 0 || job.L <= 0 || job.KV <= 0 || job.R <= 0) return 0;
+    make_segments(job);
+    const int parts = split(job, threads);
+    if (parts == 1) {
+      job.run_part(0);
+    } else {
+      pool().run(job, parts);
+    }
+    return 0;
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,294 @@
+"""Native CPU backend: ``csrc/cpu/kvx_cpu.cpp`` through ctypes, multi-threaded, GIL released.
+
+The default for CPU tensors when the library loads (``backend=None``; ``backend="cpu"`` forces
+it). Each call is one foreign call: the library splits the transfer into token segments that
+stay inside one block on both sides, copies each (layer, K/V, segment) with as few ``memcpy``
+calls as the two layouts allow (one per block when both sides are contiguous, one per head row
+otherwise) and spreads the work over a small thread pool. ctypes drops the GIL for the call, so
+other Python threads (the engine's, the model runner's) keep running while bytes move.
+
+Where the library comes from, first match wins:
+
+1. ``kvxfer/_prebuilt/libkvx_cpu-<hash>.so``, built by ``setup.py`` when a C++ compiler was
+   found at install time (also in an editable install, where it lands in the source tree);
+2. the cache directory (``$KVXFER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvxfer``, else
+   ``~/.cache/kvxfer``), where it is compiled on first use when missing (logged at INFO);
+3. otherwise the backend is unavailable: one WARNING says why, and CPU tensors go to the torch
+   reference backend.
+
+``<hash>`` covers the source and compile flags, so a stale library is never loaded.
+
+Threads: ``KVXFER_CPU_THREADS`` (default ``min(4, CPUs this process may use)``), or
+:func:`set_num_threads`. Transfers under ~256 KiB per thread use fewer threads. When two Python
+threads copy at once, the second runs its copy on its own thread instead of waiting for the pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from array import array
+from pathlib import Path
+
+import torch
+
+from . import addrspace, cpu_build
+from .base import PagedSide
+
+__all__ = [
+    "copy",
+    "gather",
+    "get_num_threads",
+    "is_available",
+    "library_path",
+    "load_error",
+    "scatter",
+    "set_num_threads",
+    "source_dir",
+]
+
+_LOG = logging.getLogger(__name__)
+_ENV_THREADS = "KVXFER_CPU_THREADS"
+_NUM_ARGS = 8 + 2 * 10  # kvx_cpu_move: 8 header fields + 2 sides of 10 (see the source)
+_FLAG_STREAM = 1
+# Non-temporal stores pay off once a transfer no longer fits in the last-level cache: below
+# this size they are slower (the destination is read back from DRAM by whoever uses it next,
+# and small copies hit in cache anyway). Chosen by the sweep recorded in the module notes below.
+STREAM_MIN_BYTES = 64 << 20
+# Fewer bytes than this per thread and waking another thread (~10-30 us on a shared VM) costs
+# more than it saves: smaller transfers use fewer threads.
+MIN_BYTES_PER_THREAD = 256 << 10
+_ZERO = array("q", [0])  # the block table of a dense wire: one block, id 0
+_ZERO_ADDR = _ZERO.buffer_info()[0]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_path: Path | None = None
+_error: str | None = None
+_tried = False
+
+
+def _default_threads() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+def _threads_from_env() -> int:
+    raw = os.environ.get(_ENV_THREADS)
+    if raw is None or raw.strip() == "":
+        return _default_threads()
+    try:
+        n = int(raw)
+        if n < 1:
+            raise ValueError
+    except ValueError:
+        default = _default_threads()
+        _LOG.warning("%s=%r is not a positive integer; using %d threads", _ENV_THREADS, raw, default)
+        return default
+    return min(n, 64)
+
+
+_num_threads = _threads_from_env()
+
+
+def set_num_threads(n: int) -> None:
+    """Threads one copy may use (1 to 64), the caller's included."""
+    global _num_threads
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
+        raise ValueError(f"n: must be an int in [1, 64], got {n!r}")
+    _num_threads = n
+
+
+def get_num_threads() -> int:
+    """Threads one copy may use (``KVXFER_CPU_THREADS`` or :func:`set_num_threads`)."""
+    return _num_threads
+
+
+# --------------------------------------------------------------------------- finding the library
+def source_dir() -> Path:
+    """The ``csrc`` directory: shipped in the package (``kvxfer/csrc``) or the source checkout's."""
+    here = Path(__file__).resolve().parent.parent  # kvxfer/
+    for cand in (here / "csrc", here.parent / "csrc"):
+        if (cand / cpu_build.SOURCE).is_file():
+            return cand
+    raise FileNotFoundError(f"kvxfer CPU backend source ({cpu_build.SOURCE}) not found")
+
+
+def _prebuilt_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "_prebuilt"
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("KVXFER_CACHE_DIR"):
+        return Path(os.environ["KVXFER_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvxfer"
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))  # CDLL (not PyDLL): every call releases the GIL
+    lib.kvx_cpu_abi_version.restype = ctypes.c_int
+    lib.kvx_cpu_abi_version.argtypes = []
+    abi = lib.kvx_cpu_abi_version()
+    if abi != cpu_build.ABI_VERSION:
+        raise OSError(f"{path}: ABI version {abi}, this kvxfer needs {cpu_build.ABI_VERSION}")
+    lib.kvx_cpu_move.restype = ctypes.c_int
+    lib.kvx_cpu_move.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+def _find_or_build() -> Path:
+    csrc = source_dir()
+    name = cpu_build.library_name(csrc)
+    prebuilt = _prebuilt_dir() / name
+    if prebuilt.is_file():
+        return prebuilt
+    cache = _cache_dir()
+    if (cache / name).is_file():
+        return cache / name
+    _LOG.info(
+        "kvxfer CPU backend: no prebuilt %s (installed without a C++ compiler, or sources changed "
+        "since); compiling it once into %s",
+        name,
+        cache,
+    )
+    return cpu_build.build(cache, csrc)
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _lib_path, _error, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            path = _find_or_build()
+            _lib = _open(path)
+            _lib_path = path
+            _LOG.info("kvxfer CPU backend: loaded %s (%d threads)", path, _num_threads)
+        except Exception as exc:
+            _error = f"{type(exc).__name__}: {exc}"
+            _LOG.warning(
+                "kvxfer CPU backend unavailable, CPU tensors use the torch reference backend "
+                "(several times slower): %s",
+                _error,
+            )
+        _tried = True
+    return _lib
+
+
+def library_path() -> Path | None:
+    """Path of the loaded library (None when not loaded, or not tried yet)."""
+    return _lib_path
+
+
+def load_error() -> str | None:
+    """Why the library did not load (None when it did, or was not tried yet)."""
+    return _error
+
+
+def is_available(device: torch.device) -> bool:
+    """True for CPU devices once the library loads (never raises)."""
+    try:
+        if torch.device(device).type != "cpu":
+            return False
+    except (RuntimeError, TypeError):
+        return False
+    return _load() is not None
+
+
+# --------------------------------------------------------------------------- calls
+def _paged(side: PagedSide) -> tuple[list[int], array]:
+    """The 10 side fields of a paged cache, and the layer table they point into (keep alive)."""
+    es = side.element_size
+    layers = array("q", side.layer_ptrs())
+    fields = [
+        layers.buffer_info()[0],
+        0,
+        0,
+        side.block_ids.data_ptr(),
+        side.block_size,
+        side.stride_kv * es,
+        side.stride_block * es,
+        side.stride_token * es,
+        side.stride_head * es,
+        side.head_start * side.stride_head * es,
+    ]
+    return fields, layers
+
+
+def _dense(wire: torch.Tensor, side: PagedSide) -> list[int]:
+    """The 10 side fields of a contiguous wire [H, L, KV, T, D]: one block of T tokens."""
+    _, num_layers, num_kv, num_tokens, _ = side.wire_view_shape()
+    row = side.row_bytes
+    return [
+        0,
+        wire.data_ptr(),
+        num_kv * num_tokens * row,
+        _ZERO_ADDR,
+        max(num_tokens, 1),
+        num_tokens * row,
+        0,
+        row,
+        num_layers * num_kv * num_tokens * row,
+        0,
+    ]
+
+
+def _move(side: PagedSide, src: list[int], dst: list[int]) -> None:
+    lib = _lib if _lib is not None else _load()
+    if lib is None:
+        raise RuntimeError(f"kvxfer CPU backend unavailable: {_error}")
+    h, num_layers, num_kv, num_tokens, _ = side.wire_view_shape()
+    row = side.row_bytes
+    nbytes = h * num_layers * num_kv * num_tokens * row
+    flags = _FLAG_STREAM if nbytes >= STREAM_MIN_BYTES else 0
+    args = (ctypes.c_int64 * _NUM_ARGS)(
+        h, num_layers, num_kv, num_tokens, row, _num_threads, flags, MIN_BYTES_PER_THREAD, *src, *dst
+    )
+    rc = lib.kvx_cpu_move(args, _NUM_ARGS)
+    if rc != 0:
+        raise RuntimeError(f"kvxfer CPU backend: kvx_cpu_move returned {rc}")
+
+
+def gather(src: PagedSide, wire: torch.Tensor) -> None:
+    """``wire`` [H, L, KV, T, D] (contiguous, CPU) <- the rows of ``src``."""
+    fields, _keep = _paged(src)
+    _move(src, fields, _dense(wire, src))
+
+
+def scatter(wire: torch.Tensor, dst: PagedSide) -> None:
+    """The rows of ``dst`` <- ``wire`` [H, L, KV, T, D] (contiguous, CPU)."""
+    fields, _keep = _paged(dst)
+    _move(dst, _dense(wire, dst), fields)
+
+
+def _span(ptrs: array, layer: torch.Tensor) -> tuple[int, int]:
+    lo, hi = addrspace.tensor_extent(layer)
+    return min(ptrs), max(ptrs) + (hi - lo)
+
+
+def copy(src: PagedSide, dst: PagedSide) -> None:
+    """The rows of ``dst`` <- the rows of ``src`` (both in host memory).
+
+    When the two sides' memory may overlap (both in one allocation, e.g. a copy inside one
+    cache), the rows go through a temporary wire so every row is read before any is written,
+    as in the torch reference.
+    """
+    s_fields, _keep_s = _paged(src)
+    d_fields, _keep_d = _paged(dst)
+    s_lo, s_hi = _span(_keep_s, src.caches[0])
+    d_lo, d_hi = _span(_keep_d, dst.caches[0])
+    if s_lo < d_hi and d_lo < s_hi:
+        wire = torch.empty(src.wire_view_shape(), dtype=src.dtype)
+        wire_fields = _dense(wire, src)
+        _move(src, s_fields, wire_fields)
+        _move(src, wire_fields, d_fields)
+        return
+    _move(src, s_fields, d_fields)
