@@ -100,9 +100,14 @@ def test_case_matrix_matches_reference(case, threaded, request):
         ("MLA", "MLA", 16, 32, range(0, 1)),
     ],
 )
-def test_runs_merge_exactly(src_layout, dst_layout, src_bs, dst_bs, heads, ids_kind, forced_threads):
+@pytest.mark.parametrize("order", ["auto", "dst", "src"])
+def test_runs_merge_exactly(
+    src_layout, dst_layout, src_bs, dst_bs, heads, ids_kind, order, forced_threads, monkeypatch
+):
     """Adjacent block ids let runs continue across blocks (one memcpy for many rows): copy,
-    gather and scatter still move exactly the request's rows and nothing else."""
+    gather and scatter still move exactly the request's rows and nothing else, in each loop
+    order of the 2-D copies (the rule, and the two the sweep compares it with)."""
+    monkeypatch.setattr(cpu, "EXTRA_FLAGS", {"auto": 0, "dst": 2, "src": 4}[order])
     mla = src_layout == "MLA"
 
     def spec(layout, bs):

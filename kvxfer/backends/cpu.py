@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from . import addrspace, cpu_build
+from . import cpu_build
 from .base import PagedSide
 
 __all__ = [
@@ -53,12 +53,21 @@ _LOG = logging.getLogger(__name__)
 _ENV_THREADS = "KVXFER_CPU_THREADS"
 _NUM_ARGS = 8 + 2 * 10  # kvx_cpu_move: 8 header fields + 2 sides of 10 (see the source)
 _FLAG_STREAM = 1
-# Non-temporal stores pay off once a transfer no longer fits in the last-level cache: below
-# this size they are slower (the destination is read back from DRAM by whoever uses it next,
-# and small copies hit in cache anyway). Chosen by the sweep recorded in the module notes below.
-STREAM_MIN_BYTES = 64 << 20
-# Fewer bytes than this per thread and waking another thread (~10-30 us on a shared VM) costs
-# more than it saves: smaller transfers use fewer threads.
+EXTRA_FLAGS = 0  # OR-ed into every call's flags: loop-order overrides for profiling/sweep_cpu.py
+# Non-temporal (streaming) stores from this many bytes per call. They skip the read-for-
+# ownership of every destination line: 2/3 of a plain copy's memory traffic. Measured with
+# profiling/sweep_cpu.py (llama3-8b rows, 1 thread, EPYC 2 vCPU, x = memcpy time / op time):
+#   13 MB:  gather NHD 0.77x -> 1.28x, scatter NHD 0.84x -> 1.40x, copy NHD->HND/32 0.76x -> 1.29x,
+#           gather HND 0.72x -> 1.07x, copy HND->NHD/32 0.72x -> 1.01x
+#   134 MB: 0.72-0.93x -> 1.05-1.43x;   4 MB: 0.62-1.06x -> 1.18-1.62x;   0.3-1 MB: +20-80 %
+# They won at every size tried; below 256 KiB a copy takes under ~25 us and whoever reads the
+# destination next (Gloo sending a wire) finds it in cache, so small copies keep plain stores.
+STREAM_MIN_BYTES = 256 << 10
+# Fewer bytes than this per thread and waking one (~10-30 us on a shared VM) is not repaid:
+# smaller transfers use fewer threads. 128, 256 and 512 KiB were within the noise (+-30 %) of
+# each other at 0.5-2 MB. 2 threads vs 1 (streaming stores on): 134 MB +20-70 % (1.05-1.43x ->
+# 1.59-1.99x), 4 MB -15 % to +35 %, a wash when the other core is busy (chunks are shared, so a
+# late worker costs little: see csrc/cpu/kvx_cpu.cpp).
 MIN_BYTES_PER_THREAD = 256 << 10
 _ZERO = array("q", [0])  # the block table of a dense wire: one block, id 0
 _ZERO_ADDR = _ZERO.buffer_info()[0]
@@ -248,7 +257,7 @@ def _move(side: PagedSide, src: list[int], dst: list[int]) -> None:
     h, num_layers, num_kv, num_tokens, _ = side.wire_view_shape()
     row = side.row_bytes
     nbytes = h * num_layers * num_kv * num_tokens * row
-    flags = _FLAG_STREAM if nbytes >= STREAM_MIN_BYTES else 0
+    flags = (_FLAG_STREAM if nbytes >= STREAM_MIN_BYTES else 0) | EXTRA_FLAGS
     args = (ctypes.c_int64 * _NUM_ARGS)(
         h, num_layers, num_kv, num_tokens, row, _num_threads, flags, MIN_BYTES_PER_THREAD, *src, *dst
     )
@@ -269,9 +278,17 @@ def scatter(wire: torch.Tensor, dst: PagedSide) -> None:
     _move(dst, _dense(wire, dst), fields)
 
 
-def _span(ptrs: array, layer: torch.Tensor) -> tuple[int, int]:
-    lo, hi = addrspace.tensor_extent(layer)
-    return min(ptrs), max(ptrs) + (hi - lo)
+def _touched(side: PagedSide, layers: array) -> tuple[int, int]:
+    """[first, last + 1) byte the side's rows can occupy, over all its layers (a bound: every
+    block, token and K/V of the heads up to the last one moved)."""
+    es = side.element_size
+    reach = (
+        (side.num_kv - 1) * side.stride_kv
+        + (side.num_blocks - 1) * side.stride_block
+        + (side.block_size - 1) * side.stride_token
+        + (side.head_start + side.num_heads - 1) * side.stride_head
+    ) * es + side.row_bytes
+    return min(layers), max(layers) + reach
 
 
 def copy(src: PagedSide, dst: PagedSide) -> None:
@@ -283,8 +300,8 @@ def copy(src: PagedSide, dst: PagedSide) -> None:
     """
     s_fields, _keep_s = _paged(src)
     d_fields, _keep_d = _paged(dst)
-    s_lo, s_hi = _span(_keep_s, src.caches[0])
-    d_lo, d_hi = _span(_keep_d, dst.caches[0])
+    s_lo, s_hi = _touched(src, _keep_s)
+    d_lo, d_hi = _touched(dst, _keep_d)
     if s_lo < d_hi and d_lo < s_hi:
         wire = torch.empty(src.wire_view_shape(), dtype=src.dtype)
         wire_fields = _dense(wire, src)
