@@ -8,6 +8,11 @@ torch thread, round after round, so all see the same machine state; cells are
 ``memcpy time / op time`` (medians). Every column is checked byte for byte against the torch
 reference once before timing.
 
+Before every timed call ``--flush-mb`` MiB (default 96, beyond this machine's 32 MB L3) are
+written, so each call starts cold and no column profits from data the one before left in the
+cache (it did: 20-60 % in an earlier version without it); columns run in a random order each
+round.
+
 Columns (``--configs``, comma list):
   torch                      the torch reference backend
   shim                       the CUDA kernel bodies (csrc/kvx_copy.cuh) compiled by g++ -O3 through
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -152,8 +158,10 @@ def _column(name: str, shim) -> tuple[str | object, Callable[[], None]]:
     return "cpu", apply
 
 
-def sweep(tokens: int, configs: list[str], iters: int, min_kib: list[int], shim) -> dict:
+def sweep(tokens: int, configs: list[str], iters: int, min_kib: list[int], shim, flush_mb: int = 96) -> dict:
     setup = Setup(tokens)
+    flush = torch.empty(max(flush_mb, 1) << 20, dtype=torch.uint8)
+    rng = random.Random(0)
     cols = [(c, k) for c in configs for k in (min_kib if "/" in c else [None])]
     saved = (cpu.get_num_threads(), cpu.EXTRA_FLAGS, cpu.STREAM_MIN_BYTES, cpu.MIN_BYTES_PER_THREAD)
     a = torch.ones(setup.nbytes, dtype=torch.uint8)
@@ -182,14 +190,18 @@ def sweep(tokens: int, configs: list[str], iters: int, min_kib: list[int], shim)
                 fns[(case, c, k)] = run
         times: dict = {key: [] for key in fns}
         mem: list[float] = []
+        keys = [*fns, None]  # None: the memcpy
         for _ in range(iters):
-            for key, run in fns.items():
+            rng.shuffle(keys)
+            for key in keys:
+                if flush_mb:
+                    flush.fill_(len(mem) & 255)
                 t0 = time.perf_counter()
-                run()
-                times[key].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                b.copy_(a)
-                mem.append(time.perf_counter() - t0)
+                if key is None:
+                    b.copy_(a)
+                else:
+                    fns[key]()
+                (mem if key is None else times[key]).append(time.perf_counter() - t0)
     finally:
         cpu.set_num_threads(saved[0])
         cpu.EXTRA_FLAGS, cpu.STREAM_MIN_BYTES, cpu.MIN_BYTES_PER_THREAD = saved[1:]
@@ -213,6 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="torch,shim,1/off/dst,1/off/auto,1/on/auto,2/on/auto")
     p.add_argument("--min-kib", default="256", help="comma list of MIN_BYTES_PER_THREAD values (KiB)")
     p.add_argument("--iters", type=int, default=11)
+    p.add_argument("--flush-mb", type=int, default=96, help="MiB written before each timed call (0: none)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -226,11 +239,12 @@ def main(argv=None) -> int:
         f"# sweep_cpu on {meta['device']}, {meta['date']}, commit {meta['git_commit']}, load {meta['loadavg_1m']}"
     )
     print(
-        "# x = median time of a 1-thread copy_ of the same bytes / median time of the op (interleaved rounds)"
+        "# x = median time of a 1-thread copy_ of the same bytes / median time of the op (interleaved "
+        f"rounds, random order, {a.flush_mb} MiB written before each call)"
     )
     results = []
     for T in (int(x) for x in a.tokens.split(",")):
-        r = sweep(T, configs, a.iters, [int(x) for x in a.min_kib.split(",")], shim)
+        r = sweep(T, configs, a.iters, [int(x) for x in a.min_kib.split(",")], shim, a.flush_mb)
         results.append(r)
         heads = [c + (f"@{k}K" if k else "") for c, k in r["cols"]]
         width = max(12, *(len(h) + 2 for h in heads))

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <system_error>
@@ -42,7 +43,7 @@ namespace {
 typedef std::int64_t i64;
 
 constexpr int kAbiVersion = 1;
-constexpr int kSideFields = 10;
+constexpr int kSideFields = 11;
 constexpr int kHeadFields = 8;
 constexpr int kMaxThreads = 64;
 
@@ -60,6 +61,7 @@ struct Side {
   i64 base, layer_stride;
   const i64* block_ids;  // [ceil(T / block_size)]
   i64 block_size, s_kv, s_blk, s_tok, s_head, head_off;
+  i64 extent;  // bytes from a layer's base address that its rows can reach (overlap checks)
 
   char* layer(i64 l) const {
     const i64 addr = layers ? layers[l] : base + l * layer_stride;
@@ -83,7 +85,45 @@ Side read_side(const i64* a) {
   s.s_tok = a[7];
   s.s_head = a[8];
   s.head_off = a[9];
+  s.extent = a[10];
   return s;
+}
+
+// The dense wire [H, L, KV, T, R] at `base`, as a side.
+Side dense_side(char* base, i64 H, i64 L, i64 KV, i64 T, i64 R) {
+  static const i64 zero = 0;
+  Side s;
+  s.layers = nullptr;
+  s.base = static_cast<i64>(reinterpret_cast<std::uintptr_t>(base));
+  s.layer_stride = KV * T * R;
+  s.block_ids = &zero;
+  s.block_size = T;
+  s.s_kv = T * R;
+  s.s_blk = 0;
+  s.s_tok = R;
+  s.s_head = L * KV * T * R;
+  s.head_off = 0;
+  s.extent = H * L * KV * T * R;
+  return s;
+}
+
+// True when some layer of `a` and some layer of `b` (paged caches) share bytes they can reach:
+// a copy inside one cache, or between views of one allocation.
+bool may_overlap(const Side& a, const Side& b, i64 L) {
+  if (a.layers == nullptr || b.layers == nullptr) return false;
+  std::vector<std::pair<i64, i64>> spans;  // (start, end) of every layer of both sides, 2L
+  spans.reserve(static_cast<std::size_t>(2 * L));
+  for (i64 l = 0; l < L; ++l) {
+    spans.emplace_back(a.layers[l], a.layers[l] + a.extent);
+    spans.emplace_back(b.layers[l], b.layers[l] + b.extent);
+  }
+  std::sort(spans.begin(), spans.end());
+  i64 end = std::numeric_limits<i64>::min();
+  for (const auto& sp : spans) {  // any two spans sharing a byte (also layers of one side that
+    if (sp.first < end) return true;  // alias each other: conservative, the result stays exact)
+    end = std::max(end, sp.second);
+  }
+  return false;
 }
 
 struct Segment {
@@ -348,6 +388,17 @@ int plan_threads(Job& job, int max_threads, i64 min_bytes) {
   return static_cast<int>(threads);
 }
 
+void run(Job& job, int threads, i64 min_bytes) {
+  make_segments(job);
+  const int parts = plan_threads(job, threads, min_bytes);
+  if (parts == 1) {
+    std::atomic<i64> next{0};
+    job.run_chunks(next);
+  } else {
+    pool().run(job, parts - 1);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -359,8 +410,8 @@ int kvx_cpu_abi_version() { return kAbiVersion; }
 int kvx_cpu_has_stream() { return kHaveStream ? 1 : 0; }
 
 // args: H, L, KV, T, R (row bytes), threads, flags, min_bytes_per_thread, then the source and
-// destination sides, 10 fields each: layers address (0 for a dense wire), base, layer_stride, block_ids address,
-// block_size, s_kv, s_blk, s_tok, s_head, head_off (byte strides and offsets).
+// destination sides, 11 fields each: layers address (0 for a dense wire), base, layer_stride,
+// block_ids address, block_size, s_kv, s_blk, s_tok, s_head, head_off, extent (bytes).
 // Returns 0, or -1 when n is not the expected count, -2 when memory for the plan ran out.
 int kvx_cpu_move(const i64* args, int n) {
   if (n != kHeadFields + 2 * kSideFields) return -1;
@@ -378,13 +429,17 @@ int kvx_cpu_move(const i64* args, int n) {
     job.src = read_side(args + kHeadFields);
     job.dst = read_side(args + kHeadFields + kSideFields);
     if (job.T <= 0 || job.H <= 0 || job.L <= 0 || job.KV <= 0 || job.R <= 0) return 0;
-    make_segments(job);
-    const int parts = plan_threads(job, threads, min_bytes);
-    if (parts == 1) {
-      std::atomic<i64> next{0};
-      job.run_chunks(next);
+    if (may_overlap(job.src, job.dst, job.L)) {
+      // Every row read before any is written, as the torch reference does: through a wire.
+      std::unique_ptr<char[]> wire(new char[static_cast<std::size_t>(job.H * job.L * job.KV * job.T * job.R)]);
+      const Side dense = dense_side(wire.get(), job.H, job.L, job.KV, job.T, job.R);
+      Job second = job;
+      job.dst = dense;
+      second.src = dense;
+      run(job, threads, min_bytes);
+      run(second, threads, min_bytes);
     } else {
-      pool().run(job, parts - 1);
+      run(job, threads, min_bytes);
     }
     return 0;
   } catch (const std::bad_alloc&) {

@@ -51,7 +51,7 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 _ENV_THREADS = "KVXFER_CPU_THREADS"
-_NUM_ARGS = 8 + 2 * 10  # kvx_cpu_move: 8 header fields + 2 sides of 10 (see the source)
+_NUM_ARGS = 8 + 2 * 11  # kvx_cpu_move: 8 header fields + 2 sides of 11 (see the source)
 _FLAG_STREAM = 1
 EXTRA_FLAGS = 0  # OR-ed into every call's flags: loop-order overrides for profiling/sweep_cpu.py
 # Non-temporal (streaming) stores from this many bytes per call. They skip the read-for-
@@ -214,9 +214,17 @@ def is_available(device: torch.device) -> bool:
 
 # --------------------------------------------------------------------------- calls
 def _paged(side: PagedSide) -> tuple[list[int], array]:
-    """The 10 side fields of a paged cache, and the layer table they point into (keep alive)."""
+    """The 11 side fields of a paged cache, and the layer table they point into (keep alive)."""
     es = side.element_size
     layers = array("q", side.layer_ptrs())
+    # bytes from a layer's base its rows can reach (every block, token and K/V of the heads up
+    # to the last one moved; strides are non-negative): for the overlap check of a copy
+    extent = (
+        (side.num_kv - 1) * side.stride_kv
+        + (side.num_blocks - 1) * side.stride_block
+        + (side.block_size - 1) * side.stride_token
+        + (side.head_start + side.num_heads - 1) * side.stride_head
+    ) * es + side.row_bytes
     fields = [
         layers.buffer_info()[0],
         0,
@@ -228,12 +236,13 @@ def _paged(side: PagedSide) -> tuple[list[int], array]:
         side.stride_token * es,
         side.stride_head * es,
         side.head_start * side.stride_head * es,
+        extent,
     ]
     return fields, layers
 
 
 def _dense(wire: torch.Tensor, side: PagedSide) -> list[int]:
-    """The 10 side fields of a contiguous wire [H, L, KV, T, D]: one block of T tokens."""
+    """The 11 side fields of a contiguous wire [H, L, KV, T, D]: one block of T tokens."""
     _, num_layers, num_kv, num_tokens, _ = side.wire_view_shape()
     row = side.row_bytes
     return [
@@ -247,6 +256,7 @@ def _dense(wire: torch.Tensor, side: PagedSide) -> list[int]:
         row,
         num_layers * num_kv * num_tokens * row,
         0,
+        wire.numel() * wire.element_size(),
     ]
 
 
@@ -278,34 +288,13 @@ def scatter(wire: torch.Tensor, dst: PagedSide) -> None:
     _move(dst, _dense(wire, dst), fields)
 
 
-def _touched(side: PagedSide, layers: array) -> tuple[int, int]:
-    """[first, last + 1) byte the side's rows can occupy, over all its layers (a bound: every
-    block, token and K/V of the heads up to the last one moved)."""
-    es = side.element_size
-    reach = (
-        (side.num_kv - 1) * side.stride_kv
-        + (side.num_blocks - 1) * side.stride_block
-        + (side.block_size - 1) * side.stride_token
-        + (side.head_start + side.num_heads - 1) * side.stride_head
-    ) * es + side.row_bytes
-    return min(layers), max(layers) + reach
-
-
 def copy(src: PagedSide, dst: PagedSide) -> None:
     """The rows of ``dst`` <- the rows of ``src`` (both in host memory).
 
-    When the two sides' memory may overlap (both in one allocation, e.g. a copy inside one
-    cache), the rows go through a temporary wire so every row is read before any is written,
-    as in the torch reference.
+    When the two sides' layers may share memory (a copy inside one cache, or between views of
+    one allocation) the library moves the rows through a temporary wire, so every row is read
+    before any is written, as in the torch reference.
     """
     s_fields, _keep_s = _paged(src)
     d_fields, _keep_d = _paged(dst)
-    s_lo, s_hi = _touched(src, _keep_s)
-    d_lo, d_hi = _touched(dst, _keep_d)
-    if s_lo < d_hi and d_lo < s_hi:
-        wire = torch.empty(src.wire_view_shape(), dtype=src.dtype)
-        wire_fields = _dense(wire, src)
-        _move(src, s_fields, wire_fields)
-        _move(src, wire_fields, d_fields)
-        return
     _move(src, s_fields, d_fields)
