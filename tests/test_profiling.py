@@ -70,6 +70,30 @@ def test_bench_ops_quick_cpu(tmp_path):
         assert r["limit_kind"] == "cpu" and r["device"] == data["meta"]["device"]
     one_head = next(r for r in data["rows"] if r["model"] == "llama3-8b-1head")
     assert one_head["heads"] == 1 and one_head["head_dim"] * 2 == 256  # 256-byte runs
+    # the native CPU backend ran every row the reference did (it builds with g++ in CI), and
+    # the targets are reported for both (their values are measured, not asserted here)
+    key = lambda r: (r["model"], r["layout"], r["op"], r["to"], r["tokens"])  # noqa: E731
+    assert {key(r) for r in data["rows"] if r["backend"] == "cpu"} == {
+        key(r) for r in data["rows"] if r["backend"] == "torch"
+    }
+    copies = {(r["layout"], r["to"]) for r in data["rows"] if r["model"] == "llama3-8b" and r["op"] == "copy"}
+    assert copies == {(a, b) for a in ("NHD", "HND") for b in ("NHD/32", "HND/32")} | {
+        ("NHD", "NHD/16"),
+        ("HND", "HND/16"),
+    }
+    for b in ("torch", "cpu"):
+        t = data["targets"][b]
+        assert t["ipc"]["rows"] == 4 and t["ipc"]["target"] == 0.6 and isinstance(t["ipc"]["met"], bool)
+        assert (
+            t["pg"]["rows"] == 4
+            and t["pg"]["target"] == 0.5
+            and 0 < t["pg"]["path_fraction"] < t["pg"]["fraction"]
+        )
+        assert (
+            f"#   ipc  {b:<6} copy 16->32: min" in res.stdout
+            and f"#   pg   {b:<6} gather, scatter: min" in res.stdout
+        )
+    assert "backend cpu uses up to" in res.stdout
     with open(tmp_path / "bench_ops.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(tmp_path / "bench_ops.png") > 10_000

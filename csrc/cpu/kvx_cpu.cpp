@@ -133,9 +133,10 @@ struct Segment {
 // ---------------------------------------------------------------------------- copy primitives
 #if defined(__SSE2__)
 // dst 16-byte aligned, n a multiple of 64: streaming stores (no read-for-ownership of the
-// destination, nothing of it left in the cache). Against plain memcpy per run, on llama3-8b
-// rows of 13 MB with one thread: 0.72-0.88x -> 1.01-1.40x of a plain copy_ of the same bytes
-// (numbers and the threshold in kvxfer/backends/cpu.py). Software prefetch of the next item's
+// destination, nothing of it left in the cache): +10-45 % over memcpy per run (numbers and the
+// size threshold in kvxfer/backends/cpu.py). Tried and not kept: software prefetch of the next
+// item's source (its first 8/32 lines, all of it, or one line per line copied): no gain beyond
+// the noise once every call starts from a cold cache. Software prefetch of the next item's
 // first 8 or 32 lines on top: no gain beyond the noise (+-15 %), not kept.
 inline void copy_stream(char* dst, const char* src, i64 n) {
   for (i64 i = 0; i < n; i += 64) {
@@ -165,9 +166,10 @@ struct Dim {
 // the dim whose contiguous side is packed tighter along the other dim (its other stride is
 // smaller): for NHD <-> wire / HND that keeps the NHD side (rows of all heads side by side)
 // sequential and leaves the other side with H sequential streams, instead of walking NHD with a
-// stride of H rows. Measured on llama3-8b rows, 13 MB, one thread (EPYC, 2 vCPU):
-//   destination order always -> this rule:  gather NHD 0.62x -> 1.13x, copy NHD->HND/32 0.63x ->
-//   1.01x of memcpy; scatter NHD keeps destination order (0.95x; source order 0.83x).
+// stride of H rows. profiling/sweep_cpu.py, llama3-8b rows, 13 MB, one thread, cold caches (EPYC,
+// 2 vCPU; x = memcpy time / op time): destination order always -> this rule: gather NHD 0.58x ->
+// 0.90x, copy NHD->HND/32 0.63x -> 0.80x; scatter NHD keeps destination order (0.84x -> 0.87x;
+// source order: 0.64x); HND <-> wire and HND/NHD -> HND have one contiguous run per head.
 enum Order : i64 { kOrderAuto = 0, kOrderDestination = 1, kOrderSource = 2 };
 
 inline i64 iabs(i64 x) { return x < 0 ? -x : x; }

@@ -55,19 +55,20 @@ _NUM_ARGS = 8 + 2 * 11  # kvx_cpu_move: 8 header fields + 2 sides of 11 (see the
 _FLAG_STREAM = 1
 EXTRA_FLAGS = 0  # OR-ed into every call's flags: loop-order overrides for profiling/sweep_cpu.py
 # Non-temporal (streaming) stores from this many bytes per call. They skip the read-for-
-# ownership of every destination line: 2/3 of a plain copy's memory traffic. Measured with
-# profiling/sweep_cpu.py (llama3-8b rows, 1 thread, EPYC 2 vCPU, x = memcpy time / op time):
-#   13 MB:  gather NHD 0.77x -> 1.28x, scatter NHD 0.84x -> 1.40x, copy NHD->HND/32 0.76x -> 1.29x,
-#           gather HND 0.72x -> 1.07x, copy HND->NHD/32 0.72x -> 1.01x
-#   134 MB: 0.72-0.93x -> 1.05-1.43x;   4 MB: 0.62-1.06x -> 1.18-1.62x;   0.3-1 MB: +20-80 %
-# They won at every size tried; below 256 KiB a copy takes under ~25 us and whoever reads the
-# destination next (Gloo sending a wire) finds it in cache, so small copies keep plain stores.
+# ownership of every destination line: 2/3 of a plain copy's memory traffic. profiling/
+# sweep_cpu.py, llama3-8b rows (gather/scatter NHD/HND, copy to NHD/HND block 32), one thread,
+# x = 1-thread memcpy time / op time, plain stores -> streaming stores:
+#   134 MB (warm):  0.71-0.94x -> 1.11-1.33x      13 MB (cold): 0.71-0.90x -> 0.86-1.04x
+#   4 MB (cold):    0.64-0.71x -> 0.73-0.79x
+# Below 256 KiB a copy takes under ~25 us and whoever reads the destination next (Gloo sending
+# a wire) would find it in cache: small copies keep plain stores.
 STREAM_MIN_BYTES = 256 << 10
 # Fewer bytes than this per thread and waking one (~10-30 us on a shared VM) is not repaid:
 # smaller transfers use fewer threads. 128, 256 and 512 KiB were within the noise (+-30 %) of
-# each other at 0.5-2 MB. 2 threads vs 1 (streaming stores on): 134 MB +20-70 % (1.05-1.43x ->
-# 1.59-1.99x), 4 MB -15 % to +35 %, a wash when the other core is busy (chunks are shared, so a
-# late worker costs little: see csrc/cpu/kvx_cpu.cpp).
+# each other at 0.5-2 MB. 2 threads vs 1 (streaming stores) measured while another job kept one
+# of the 2 cores busy: 4 MB 0.73-0.79x -> 0.73-0.85x, 13 MB 0.86-1.04x -> 0.92-1.07x; with the
+# second core free, 134 MB went 1.05-1.43x -> 1.59-1.99x in an earlier (warm, unshuffled) run.
+# Chunks are shared by the pool, so a worker the OS runs late costs little (kvx_cpu.cpp).
 MIN_BYTES_PER_THREAD = 256 << 10
 _ZERO = array("q", [0])  # the block table of a dense wire: one block, id 0
 _ZERO_ADDR = _ZERO.buffer_info()[0]
