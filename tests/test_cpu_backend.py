@@ -147,6 +147,24 @@ def test_runs_merge_exactly(
     _eq(as_bytes(dst), as_bytes(want))
 
 
+def test_block_ids_as_a_strided_tensor():
+    """Block ids handed over as a strided view (every other entry of a table) are read as the
+    values they show, not as the memory under them."""
+    spec = KVCacheSpec(2, 2, 16, 4, torch.bfloat16, Layout.HND)
+    truth = truth_bytes(spec, 10, seed=4)
+    table = torch.tensor([5, 0, 1, 0, 3, 0])
+    ids = table[::2]
+    assert not ids.is_contiguous()
+    src = empty_cache(spec, 6, 2)
+    place(src, spec, truth, range(2), [5, 1, 3])
+    _eq(ops.gather_blocks(src, spec, ids, 10, backend="cpu"), wire_from_truth(truth, spec, range(2)))
+    dst = empty_cache(spec, 6, 2)
+    ops.copy_blocks(src, spec, ids, dst, spec, table[1::2] + torch.tensor([1, 2, 4]), 10, backend="cpu")
+    want = empty_cache(spec, 6, 2)
+    place(want, spec, truth, range(2), [1, 2, 4])
+    _eq(as_bytes(dst), as_bytes(want))
+
+
 @pytest.mark.parametrize("threaded", [False, True])
 def test_copy_within_one_cache_reads_before_writing(threaded, request):
     """Source and destination blocks overlap inside one cache: every row is read before any is

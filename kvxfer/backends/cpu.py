@@ -214,10 +214,11 @@ def is_available(device: torch.device) -> bool:
 
 
 # --------------------------------------------------------------------------- calls
-def _paged(side: PagedSide) -> tuple[list[int], array]:
-    """The 11 side fields of a paged cache, and the layer table they point into (keep alive)."""
+def _paged(side: PagedSide) -> tuple[list[int], tuple[array, torch.Tensor]]:
+    """The 11 side fields of a paged cache, and the tables they point into (keep them alive)."""
     es = side.element_size
     layers = array("q", side.layer_ptrs())
+    ids = side.block_ids.contiguous()  # int64 on the CPU (ops); a strided view is made dense
     # bytes from a layer's base its rows can reach (every block, token and K/V of the heads up
     # to the last one moved; strides are non-negative): for the overlap check of a copy
     extent = (
@@ -230,7 +231,7 @@ def _paged(side: PagedSide) -> tuple[list[int], array]:
         layers.buffer_info()[0],
         0,
         0,
-        side.block_ids.data_ptr(),
+        ids.data_ptr(),
         side.block_size,
         side.stride_kv * es,
         side.stride_block * es,
@@ -239,7 +240,7 @@ def _paged(side: PagedSide) -> tuple[list[int], array]:
         side.head_start * side.stride_head * es,
         extent,
     ]
-    return fields, layers
+    return fields, (layers, ids)
 
 
 def _dense(wire: torch.Tensor, side: PagedSide) -> list[int]:
