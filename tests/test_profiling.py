@@ -256,6 +256,29 @@ def test_oracle_counts_wrong_rows_exactly(layout):
     assert res["wrong_rows"] == 8 * heads * kv * 3  # block 1's 8 tokens, every head/kv/layer
 
 
+def test_sweep_cpu_runs_and_checks_every_column(tmp_path):
+    """The CPU backend's sweep (its decisions' evidence) keeps running: tiny, one round."""
+    out = tmp_path / "sweep.json"
+    res = _run(
+        "sweep_cpu.py",
+        "--tokens",
+        "20",
+        "--iters",
+        "1",
+        "--flush-mb",
+        "1",
+        "--configs",
+        "torch,shim,1/off/dst,2/on/auto",
+        "--json",
+        str(out),
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    cells = json.loads(out.read_text())["results"][0]["cells"]
+    assert len(cells) == 8 * 4 and all(v > 0 for v in cells.values())
+    assert "copy HND->NHD/32 | shim" in cells and "gather NHD | 2/on/auto | 256KiB" in cells
+
+
 def test_bench_plan_quick(tmp_path):
     res = _run("bench_plan.py", "--quick", "--out", str(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
