@@ -12,7 +12,7 @@ Where the library comes from, first match wins:
 1. ``kvxfer/_prebuilt/libkvx_cpu-<hash>.so``, built by ``setup.py`` when a C++ compiler was
    found at install time (also in an editable install, where it lands in the source tree);
 2. the cache directory (``$KVXFER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvxfer``, else
-   ``~/.cache/kvxfer``), where it is compiled on first use when missing (logged at INFO);
+   ``~/.cache/kvxfer``), where it is compiled on first use when missing (one WARNING line);
 3. otherwise the backend is unavailable: one WARNING says why, and CPU tensors go to the torch
    reference backend.
 
@@ -65,10 +65,11 @@ EXTRA_FLAGS = 0  # OR-ed into every call's flags: loop-order overrides for profi
 STREAM_MIN_BYTES = 256 << 10
 # Fewer bytes than this per thread and waking one (~10-30 us on a shared VM) is not repaid:
 # smaller transfers use fewer threads. 128, 256 and 512 KiB were within the noise (+-30 %) of
-# each other at 0.5-2 MB. 2 threads vs 1 (streaming stores) measured while another job kept one
-# of the 2 cores busy: 4 MB 0.73-0.79x -> 0.73-0.85x, 13 MB 0.86-1.04x -> 0.92-1.07x; with the
-# second core free, 134 MB went 1.05-1.43x -> 1.59-1.99x in an earlier (warm, unshuffled) run.
-# Chunks are shared by the pool, so a worker the OS runs late costs little (kvx_cpu.cpp).
+# each other at 0.5-2 MB. 2 threads vs 1 (streaming stores): with the second core mostly free,
+# bench_ops --quick at 13 MB (medians of 3 runs): ipc copies 1.00x -> 1.29x, gather/scatter
+# 1.05x -> 1.29x; while another job kept it busy (sweep_cpu): 4 MB 0.73-0.79x -> 0.73-0.85x,
+# 13 MB 0.86-1.04x -> 0.92-1.07x, 134 MB 1.11-1.33x -> 1.10-1.35x. Chunks are shared by the
+# pool, so a worker the OS runs late costs little (kvx_cpu.cpp).
 MIN_BYTES_PER_THREAD = 256 << 10
 _ZERO = array("q", [0])  # the block table of a dense wire: one block, id 0
 _ZERO_ADDR = _ZERO.buffer_info()[0]
@@ -161,9 +162,10 @@ def _find_or_build() -> Path:
     cache = _cache_dir()
     if (cache / name).is_file():
         return cache / name
-    _LOG.info(
+    # A warning, so that it shows without any logging set up: the first op waits for it.
+    _LOG.warning(
         "kvxfer CPU backend: no prebuilt %s (installed without a C++ compiler, or sources changed "
-        "since); compiling it once into %s",
+        "since); compiling it once into %s (a few seconds)",
         name,
         cache,
     )
