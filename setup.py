@@ -1,18 +1,28 @@
-"""Build hook: packages are declared in pyproject.toml; the CUDA kernels (csrc/) are added here.
+"""Build hook: packages are declared in pyproject.toml; the native code (csrc/) is added here.
 
-``build_py`` ships the kernel sources as ``kvxfer/csrc/`` (for the NVRTC fallback) and, when
-nvcc is found (PATH, or ``$CUDA_HOME/bin``), compiles them into
-``kvxfer/_prebuilt/kvxfer_kernels.fatbin``: SASS for sm_80 and sm_90a plus compute_90 PTX that
-newer GPUs JIT. Without nvcc the install still succeeds (kernels compile at run time with
-NVRTC). ``KVXFER_NO_NVCC=1`` skips nvcc; a failing nvcc fails the build.
+``build_py`` ships the kernel sources as ``kvxfer/csrc/`` (for the NVRTC fallback and the CPU
+backend's lazy build), then:
+
+- CPU backend: when a C++ compiler is found (``$CXX``, else ``g++`` / ``c++`` on PATH), compiles
+  ``csrc/cpu/kvx_cpu.cpp`` into ``kvxfer/_prebuilt/libkvx_cpu-<hash>.so``. In an editable install
+  (``pip install -e .``) the library goes into the source tree's ``kvxfer/_prebuilt/``, where
+  the package is imported from. No compiler, or a failing one, never fails the install: a
+  ``kvxfer: WARNING`` line says why, and the library is compiled on first use instead (or CPU
+  ops fall back to the torch reference; see kvxfer/backends/cpu.py). ``KVXFER_NO_CXX=1`` skips it.
+- CUDA kernels: when nvcc is found (PATH, or ``$CUDA_HOME/bin``), compiles them into
+  ``kvxfer/_prebuilt/kvxfer_kernels.fatbin``: SASS for sm_80 and sm_90a plus compute_90 PTX that
+  newer GPUs JIT. Without nvcc the install still succeeds (kernels compile at run time with
+  NVRTC). ``KVXFER_NO_NVCC=1`` skips nvcc; a failing nvcc fails the build.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -60,8 +70,44 @@ def kernel_sources() -> list[Path]:
     return sorted(p for p in CSRC.rglob("*") if p.suffix in SOURCE_SUFFIXES)
 
 
+def cpu_build() -> ModuleType:
+    """kvxfer/backends/cpu_build.py, loaded by path (standard library only; kvxfer itself and
+    torch are not importable in an isolated build environment)."""
+    spec = importlib.util.spec_from_file_location(
+        "kvxfer_cpu_build", ROOT / "kvxfer" / "backends" / "cpu_build.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_cpu_library(out_dir: Path) -> Path | None:
+    """Build the CPU backend library into ``out_dir``; None (with a warning printed) on failure."""
+    if os.environ.get("KVXFER_NO_CXX"):
+        print("kvxfer: KVXFER_NO_CXX set; CPU backend not built (it compiles on first use if it can)")
+        return None
+    cb = cpu_build()
+    try:
+        cxx = cb.find_compiler()
+        if cxx is None:
+            raise cb.BuildError("no C++ compiler found (set CXX, or install g++)")
+        print("kvxfer: " + " ".join(cb.compile_command(cxx, out_dir / cb.library_name(CSRC), CSRC)))
+        lib = cb.build(out_dir, CSRC, cxx)
+    except cb.BuildError as e:
+        print(
+            f"kvxfer: WARNING: CPU backend not built ({e}); it is compiled on first use if a "
+            "compiler is available then, else CPU ops use the slower torch reference backend"
+        )
+        return None
+    for old in out_dir.glob("libkvx_cpu-*.so"):  # libraries of earlier sources (editable installs)
+        if old != lib:
+            old.unlink()
+    return lib
+
+
 class BuildPyWithKernels(build_py):
-    """build_py + kernel sources as package data + the nvcc fatbin when nvcc exists."""
+    """build_py + kernel sources as package data + the CPU backend library when a C++ compiler
+    exists + the nvcc fatbin when nvcc exists."""
 
     def run(self) -> None:
         super().run()
@@ -70,6 +116,8 @@ class BuildPyWithKernels(build_py):
             dest = pkg / "csrc" / src.relative_to(CSRC)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dest)
+        # An editable install imports kvxfer from the source tree, not from build_lib.
+        build_cpu_library((ROOT / "kvxfer" if self.editable_mode else pkg) / "_prebuilt")
         nvcc = None if os.environ.get("KVXFER_NO_NVCC") else find_nvcc()
         if nvcc is None:
             print("kvxfer: nvcc not found; CUDA kernels will be compiled with NVRTC at run time")

@@ -4,9 +4,11 @@
 shapes); head offsets are local to that rank. Nothing is written unless every argument is
 valid; each problem raises ``ValueError`` naming it.
 
-Backends: ``"torch"`` (reference; CPU and GPU), ``"triton"`` (:mod:`kvxfer.kernels`) and
-``"cuda"`` (:mod:`kvxfer.backends.cuda`). ``backend=None`` picks ``"cuda"`` on CUDA tensors when
-it loads, else ``"triton"``, else ``"torch"``; CPU tensors use ``"torch"``.
+Backends: ``"torch"`` (reference; CPU and GPU), ``"triton"`` (:mod:`kvxfer.kernels`),
+``"cuda"`` (:mod:`kvxfer.backends.cuda`) and ``"cpu"`` (:mod:`kvxfer.backends.cpu`, native and
+threaded; CPU tensors). ``backend=None`` picks ``"cuda"`` on CUDA tensors when it loads, else
+``"triton"``, else ``"torch"``; on CPU tensors ``"cpu"`` when its library loads (else a warning,
+once, and ``"torch"``).
 :func:`last_backend` says which one ran the latest call on this thread.
 """
 
@@ -43,11 +45,12 @@ __all__ = [
     "warmup",
 ]
 
-BACKENDS = ("torch", "triton", "cuda")
+BACKENDS = ("torch", "triton", "cuda", "cpu")
 _MODULES = {
     "torch": "kvxfer.backends.torch_ref",
     "triton": "kvxfer.kernels",
     "cuda": "kvxfer.backends.cuda",
+    "cpu": "kvxfer.backends.cpu",
 }
 _local = threading.local()
 _available: dict[tuple[str, str], bool] = {}
@@ -88,7 +91,7 @@ def _is_available(name: str, device: torch.device) -> bool:
 
 
 def _default_order(device: torch.device) -> tuple[str, ...]:
-    return ("torch",) if device.type == "cpu" else ("cuda", "triton", "torch")
+    return ("cpu", "torch") if device.type == "cpu" else ("cuda", "triton", "torch")
 
 
 def resolve_backend(device: torch.device | str, backend: str | None = None) -> str:
@@ -416,7 +419,7 @@ def gather_blocks(
         layers: layer indices to move, in wire order (default: all).
         out: optional contiguous destination of the wire shape; on the caches' device or, for
             CUDA caches, in pinned host memory.
-        backend: ``None`` (auto), ``"torch"``, ``"triton"`` or ``"cuda"``.
+        backend: ``None`` (auto), ``"torch"``, ``"triton"``, ``"cuda"`` or ``"cpu"``.
 
     Returns:
         The wire tensor ``[num_heads, L, 2, num_tokens, head_dim]`` (MLA: ``[L, num_tokens,

@@ -40,10 +40,12 @@ from kvxfer.transports.shm import alloc_shm_caches
 
 
 class _NullKernel:
-    """Stands in for the torch backend during the host-cost measurement: every check, plan and
-    message of the engine runs; only the data movement itself (the kernel) is skipped."""
+    """Stands in for the CPU backends (native ``cpu`` and the ``torch`` reference, whichever ops
+    picks) during the host-cost measurement: every check, plan and message of the engine runs;
+    only the data movement itself (the kernel) is skipped."""
 
     __name__ = "kvxfer_bench_null_backend"
+    copies = 0  # calls that reached it: host_cost checks the engine's copies did
 
     @staticmethod
     def is_available(device) -> bool:
@@ -59,7 +61,7 @@ class _NullKernel:
 
     @staticmethod
     def copy(src, dst) -> None:
-        pass
+        _NullKernel.copies += 1
 
 
 class _Loopback:
@@ -123,7 +125,8 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
     dst_shm, dst_c = _aliased_shm_caches(spec, nb)
     saved = dict(ops._MODULES)
     sys.modules["kvxfer_bench_null_backend"] = _NullKernel  # type: ignore[assignment]
-    ops._MODULES["torch"] = "kvxfer_bench_null_backend"
+    for name in ("torch", "cpu"):
+        ops._MODULES[name] = "kvxfer_bench_null_backend"
     ops.reset_backends()
     p = TransferEngine(spec, src, 0, 1, "P", transport="ipc", lease_s=600).start()
     d = TransferEngine(spec, dst_c, 0, 1, "D", transport="ipc", lease_s=600).start()
@@ -142,6 +145,7 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
 
     ops.copy_blocks = timed_copy
     n_warm = 20
+    copies0 = _NullKernel.copies
     try:
         for i in range(n_iter + n_warm):
             src_ids = list(range(nb))
@@ -176,6 +180,8 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
                     t[k].append(v / batch)
                 in_ops.append((ops_s[0] - op0) / batch)
         assert d.stats()["transports"] == {"P": "ipc"}
+        # the copies reached the null kernel (not a real backend): the data movement is left out
+        assert _NullKernel.copies - copies0 >= n_iter + n_warm, "copies did not reach the null kernel"
     finally:
         p.close()
         d.close()

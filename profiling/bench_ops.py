@@ -8,10 +8,17 @@ bytes a verification pass against an independent oracle (profiling/verify.py) fo
 moved bytes that differ plus bytes outside the request that changed. Exit status 1 when any
 row is wrong or fails.
 
+``copy`` rows go to each destination of ``--copy-to``: the source's own spec (``same``) and
+block-32 caches of both layouts (what the ipc transport does between engines of different
+block sizes and layouts). On a CPU the run ends with the CPU data-path targets (issue 17) and
+whether each backend meets them: ipc (``copy`` 16 -> 32) >= 0.6x and pg (gather + scatter
+through a wire) >= 0.5x of a plain copy of the same bytes, on Llama-3-8B rows.
+
     python profiling/bench_ops.py --quick                     # CPU/CI: seconds
     python profiling/bench_ops.py --backends triton,cuda      # GPU: the full sweep
 
-Outputs: the table on stdout, ``bench_ops.json`` and ``bench_ops.png`` under ``--out``.
+Outputs: the table on stdout, ``bench_ops.json`` and ``bench_ops.png`` under ``--out`` (the PNG
+only when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -34,11 +41,17 @@ from profiling.shapes import MODELS, ModelShape
 FULL_SIZES = [128 << i for i in range(9)]  # 128 ... 32768 tokens
 QUICK_SIZES = [32, 100]  # 100 = 6 full blocks of 16 + a partial one
 OPS = ("gather", "scatter", "copy")
+COPY_TO = "same,NHD/32,HND/32"
+# CPU data-path targets (issue 17), as fractions of a plain copy_ of the same bytes in the run.
+TARGET_MODEL = "llama3-8b"
+IPC_TARGET = 0.6  # copy_blocks cache -> cache, block 16 -> 32, same layout and NHD <-> HND
+PG_TARGET = 0.5  # gather + scatter through a wire: bytes / (t_gather + t_scatter)
 COLUMNS = [
     common.Column("model", "model", 16),
     common.Column("layout", "layout", 6),
     common.Column("dest", "dest", 7),
     common.Column("op", "op", 7),
+    common.Column("to", "to", 7),
     common.Column("backend", "backend", 7),
     common.Column("tokens", "tokens", 6),
     common.Column("bytes", "bytes", 11),
@@ -54,7 +67,9 @@ COLUMNS = [
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, few iterations (CI on CPU)")
-    p.add_argument("--backends", default="torch,triton,cuda", help="comma list; unavailable ones are skipped")
+    p.add_argument(
+        "--backends", default="torch,triton,cuda,cpu", help="comma list; unavailable ones are skipped"
+    )
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
     p.add_argument("--layouts", default="NHD,HND", help="comma list of NHD,HND (MLA models use their own)")
     p.add_argument("--ops", default=",".join(OPS), help="comma list of gather,scatter,copy")
@@ -62,6 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--dest", default=None, help="comma list of device,pinned (default: both on GPU, device on CPU)"
     )
     p.add_argument("--sizes", default=None, help="comma list of token counts (default 128..32768)")
+    p.add_argument(
+        "--copy-to",
+        default=COPY_TO,
+        help="comma list of copy destinations: 'same' (the source's spec) or LAYOUT/BLOCK_SIZE "
+        f"(MLA models keep MLA); default {COPY_TO}",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20, quick 3)")
@@ -86,8 +107,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.iters = a.iters or (3 if a.quick else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 5)
     a.sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else (QUICK_SIZES if a.quick else FULL_SIZES)
-    for field in ("backends", "models", "layouts", "ops"):
+    for field in ("backends", "models", "layouts", "ops", "copy_to"):
         setattr(a, field, [x for x in getattr(a, field).split(",") if x])
+    for x in a.copy_to:
+        lay, _, bs = x.partition("/")
+        if x != "same" and (lay not in ("NHD", "HND") or not bs.isdigit() or int(bs) < 1):
+            p.error(f"--copy-to: {x!r} is not 'same' or LAYOUT/BLOCK_SIZE (e.g. HND/32)")
     for m in a.models:
         if m not in MODELS:
             p.error(f"--models: unknown model {m!r} (known: {list(MODELS)})")
@@ -128,6 +153,34 @@ class Group:
         self.src_perm = torch.randperm(self.num_blocks, generator=gen)
         self.dst_perm = torch.randperm(self.num_blocks, generator=gen)
 
+    def copy_target(self, to: str, args) -> tuple[str, int]:
+        """(layout, block size) of copy destination ``to`` ('same' or LAYOUT/BLOCK_SIZE)."""
+        if to == "same":
+            return self.layout, self.spec.block_size
+        lay, _, bs = to.partition("/")
+        return ("MLA" if self.layout == "MLA" else lay), int(bs)
+
+    def dst_side(self, to: str, args) -> tuple:
+        """(caches, spec, layout, block permutation, num_blocks) of copy destination ``to``; one
+        extra destination is kept at a time (GPU memory), the source-spec one always."""
+        layout, bs = self.copy_target(to, args)
+        if (layout, bs) == (self.layout, self.spec.block_size):
+            return self.dst, self.spec, self.layout, self.dst_perm, self.num_blocks
+        key = (layout, bs)
+        if getattr(self, "_variant", (None,))[0] != key:
+            self._variant = (None,)  # free the previous one first
+            spec = self.model.spec(layout if layout != "MLA" else "NHD", bs, self.spec.dtype)
+            needed = spec.num_blocks_for(max(args.sizes))
+            num_blocks = needed + needed // 8 + 1
+            caches = [
+                torch.empty(spec.cache_shape(num_blocks, self.model.tp), dtype=spec.dtype, device=self.device)
+                for _ in range(self.model.num_layers)
+            ]
+            register = getattr(ops, "register_caches", lambda caches, spec: caches)
+            perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(args.seed + 2))
+            self._variant = (key, (register(caches, spec), spec, layout, perm, num_blocks))
+        return self._variant[1]
+
     def wire(self, dest: str, num_tokens: int) -> torch.Tensor:
         if dest not in self.wire_buf:
             buf = self.wire_buf["device"]
@@ -140,11 +193,23 @@ class Group:
 
 
 def run_row(
-    g: Group, op: str, backend: str, dest: str, T: int, args, limits: common.CopyLimit, flush
+    g: Group,
+    op: str,
+    backend: str,
+    dest: str,
+    T: int,
+    args,
+    limits: common.CopyLimit,
+    flush,
+    to: str = "same",
 ) -> dict:
     spec, hs, nh, dh = g.spec, g.src_head, g.heads, g.dst_head
     nb = spec.num_blocks_for(T)
     src_ids, dst_ids = g.src_perm[:nb].clone(), g.dst_perm[:nb].clone()
+    dst, d_spec, d_layout, d_num_blocks = g.dst, spec, g.layout, g.num_blocks
+    if op == "copy":
+        dst, d_spec, d_layout, d_perm, d_num_blocks = g.dst_side(to, args)
+        dst_ids = d_perm[: d_spec.num_blocks_for(T)].clone()
     wire = g.wire(dest, T)
     if op == "gather":
 
@@ -165,14 +230,17 @@ def run_row(
     else:
 
         def fn():
-            ops.copy_blocks(g.src, spec, src_ids, g.dst, spec, dst_ids, T, hs, dh, nh, backend=backend)
+            ops.copy_blocks(g.src, spec, src_ids, dst, d_spec, dst_ids, T, hs, dh, nh, backend=backend)
 
-        targets = g.dst
+        targets = dst
     row = {
         "model": g.model.name,
         "layout": g.layout,
         "dest": dest,
         "op": op,
+        "to": "wire" if op == "gather" else f"{d_layout}/{d_spec.block_size}",
+        "dst_layout": d_layout,
+        "dst_block_size": d_spec.block_size,
         "backend": backend,
         "tokens": T,
         "bytes": wire.numel() * wire.element_size(),
@@ -191,7 +259,7 @@ def run_row(
     if ops.last_backend() != backend:
         raise RuntimeError(f"ops ran backend {ops.last_backend()!r}, not {backend!r}")
     if args.corrupt != "none":
-        verify.corrupt(args.corrupt, op, g.layout, wire, g.dst, dst_ids, spec.block_size, T, dh, g.num_blocks)
+        verify.corrupt(args.corrupt, op, d_layout, wire, dst, dst_ids, d_spec.block_size, T, dh, d_num_blocks)
     if op == "gather":
         res = verify.check_wire(wire, g.src, g.layout, src_ids, spec.block_size, T, hs)
         res["clobbered_bytes"] = 0
@@ -203,17 +271,17 @@ def run_row(
                 g.src,
                 g.layout,
                 src_ids,
-                g.dst,
-                g.layout,
+                dst,
+                d_layout,
                 dst_ids,
                 spec.block_size,
-                spec.block_size,
+                d_spec.block_size,
                 T,
                 hs,
                 dh,
                 nh,
             )
-        res["clobbered_bytes"] = verify.clobbered_bytes(g.dst, g.layout, dst_ids, spec.block_size, T, dh, nh)
+        res["clobbered_bytes"] = verify.clobbered_bytes(dst, d_layout, dst_ids, d_spec.block_size, T, dh, nh)
     row.update(res)
     row["wrong"] = res["wrong_bytes"] + res["clobbered_bytes"]
     # Timing, and the limit of the same bytes measured in this run.
@@ -223,7 +291,7 @@ def run_row(
         kind = "d2d" if dest == "device" else ("d2h" if op == "gather" else "h2d")
     limit_fn = limits.fn(row["bytes"], kind)
     iters, warmup = args.iters, args.warmup
-    if g.device.type == "cpu" and backend != "torch" and args.quick:
+    if g.device.type == "cpu" and backend not in ("torch", "cpu") and args.quick:
         iters, warmup = 1, 0  # an interpreted kernel (TRITON_INTERPRET=1): correctness, not speed
     host: list[float] = []
     with common.nvtx_range(f"bench:{name}"):
@@ -290,15 +358,106 @@ def plan_rows(args, device: torch.device, backends: list[str], write) -> list[tu
                 for op in args.ops:
                     if op == "copy" and dest != "device":
                         continue  # copy_blocks moves cache to cache on one device: no host destination
-                    for b in backends:
-                        sizes = args.sizes
-                        if device.type == "cpu" and b != "torch":
-                            # Interpreted kernels (TRITON_INTERPRET=1) are slow: one tiny size, one model.
-                            if mname != interpreted_model:
-                                continue
-                            sizes = sizes[:1]
-                        plan.extend((mname, layout, dest, op, b, T) for T in sizes)
+                    targets = _copy_targets(model, layout, args) if op == "copy" else ["same"]
+                    for to in targets:
+                        for b in backends:
+                            sizes = args.sizes
+                            if device.type == "cpu" and b not in ("torch", "cpu"):
+                                # Interpreted kernels (TRITON_INTERPRET=1) are slow: one tiny size, one model.
+                                if mname != interpreted_model or to != targets[0]:
+                                    continue
+                                sizes = sizes[:1]
+                            plan.extend((mname, layout, dest, op, b, T, to) for T in sizes)
     return plan
+
+
+def _copy_targets(model: ModelShape, layout: str, args) -> list[str]:
+    """``--copy-to`` for one source: MLA destinations differ only by block size (deduplicated),
+    and a target equal to the source's own spec is the 'same' row."""
+    out: list[str] = []
+    seen: set[tuple[str, int]] = set()
+    for to in args.copy_to:
+        if to == "same":
+            key = (layout, args.block_size)
+        else:
+            lay, _, bs = to.partition("/")
+            key = ("MLA" if layout == "MLA" else lay, int(bs))
+        if key == (layout, args.block_size):
+            to = "same"
+        if key not in seen:
+            seen.add(key)
+            out.append(to)
+    return out
+
+
+def _fmt_x(frac: float) -> str:
+    return f"{frac:.2f}x"
+
+
+def cpu_targets(rows: list[dict], backends: list[str], write) -> dict:
+    """The CPU data-path targets on ``TARGET_MODEL`` rows of the largest size in the run.
+
+    ipc: every ``copy`` row from block 16 to another block size (same layout and across
+    layouts), the smallest fraction of the limit counts. pg: every gather and scatter row (the
+    ops the pg transport runs), the smallest counts; printed alongside, and judged against the
+    same figure, the stricter whole-path reading: per layout a gather and a scatter of the same
+    request back to back, bytes / (t_gather + t_scatter) over the limit's bytes / t_limit
+    (= 1 / (1/f_gather + 1/f_scatter)), the smaller layout.
+    Returns ``{backend: {"ipc": {...}, "pg": {...}}}`` (also written to the JSON).
+    """
+    sel = [
+        r for r in rows if r.get("model") == TARGET_MODEL and r.get("dest") == "device" and "pct_limit" in r
+    ]
+    if not sel:
+        write(f"# targets: no {TARGET_MODEL} rows timed in this run (--models {TARGET_MODEL} to see them)")
+        return {}
+    T = max(r["tokens"] for r in sel)
+    nbytes = next(r["bytes"] for r in sel if r["tokens"] == T)
+    write(
+        f"# CPU data-path targets (issue 17) on {TARGET_MODEL} rows, {T} tokens ({nbytes / 1e6:.1f} MB); "
+        "x = fraction of a plain copy_ of the same bytes in this run"
+    )
+    out: dict = {}
+    for b in backends:
+        rb = [r for r in sel if r["backend"] == b and r["tokens"] == T]
+        ipc = [r for r in rb if r["op"] == "copy" and r["dst_block_size"] != r["block_size"]]
+        res: dict = {}
+        if ipc:
+            worst = min(r["pct_limit"] for r in ipc) / 100
+            parts = "  ".join(f"{r['layout']}->{r['to']} {_fmt_x(r['pct_limit'] / 100)}" for r in ipc)
+            met = worst >= IPC_TARGET
+            res["ipc"] = {"fraction": worst, "target": IPC_TARGET, "met": met, "rows": len(ipc)}
+            write(
+                f"#   ipc  {b:<6} copy 16->32: min {_fmt_x(worst)} (target >= {IPC_TARGET:.2f}x) "
+                f"{'met' if met else 'NOT met'}   [{parts}]"
+            )
+        pg, ops_rows = [], [r for r in rb if r["op"] in ("gather", "scatter")]
+        for layout in sorted({r["layout"] for r in rb}):
+            g = [r for r in rb if r["layout"] == layout and r["op"] == "gather"]
+            s = [r for r in rb if r["layout"] == layout and r["op"] == "scatter"]
+            if g and s:
+                fg, fs = g[0]["pct_limit"] / 100, s[0]["pct_limit"] / 100
+                pg.append((layout, 1 / (1 / fg + 1 / fs), fg, fs))
+        if ops_rows:
+            worst = min(r["pct_limit"] for r in ops_rows) / 100
+            met = worst >= PG_TARGET
+            parts = "  ".join(f"{r['layout']} {r['op']} {_fmt_x(r['pct_limit'] / 100)}" for r in ops_rows)
+            res["pg"] = {"fraction": worst, "target": PG_TARGET, "met": met, "rows": len(ops_rows)}
+            write(
+                f"#   pg   {b:<6} gather, scatter: min {_fmt_x(worst)} (target >= {PG_TARGET:.2f}x) "
+                f"{'met' if met else 'NOT met'}   [{parts}]"
+            )
+        if pg:
+            path = min(x[1] for x in pg)
+            res.setdefault("pg", {}).update(path_fraction=path, path_met=path >= PG_TARGET)
+            parts = "  ".join(f"{lay} {_fmt_x(c)}" for lay, c, _, _ in pg)
+            write(
+                f"#        {b:<6} gather then scatter, whole path: min {_fmt_x(path)} "
+                f"({'met' if path >= PG_TARGET else 'NOT met'} on this stricter reading)   [{parts}]"
+            )
+        if res:
+            out[b] = res
+    return out
 
 
 def main(argv=None) -> int:
@@ -320,31 +479,33 @@ def main(argv=None) -> int:
             " limit = plain copy_ of the same bytes in this run; #wrong = wrong + clobbered bytes",
             "time = GPU time of the call (on CUDA its host work is hidden behind a spin kernel);"
             " host = CPU time of the call (validation, planning, launch)",
+            *_cpu_threads_note(device, backends),
         ]
     )
     rows, group, failed, broken = [], None, 0, set()
     limits = common.CopyLimit(device)
     flush = common.l2_flusher(device, args.flush_l2_mb)
     with common.profiled(device, "sweep"):
-        for mname, layout, dest, op, b, T in common.progress(plan, "bench_ops"):
+        for mname, layout, dest, op, b, T, to in common.progress(plan, "bench_ops"):
             if (b, op, dest) in broken:
                 continue
             if group is None or (group.model.name, group.layout) != (mname, layout):
                 group = None  # free the previous buffers first
                 group = Group(MODELS[mname], layout, args, device)
             try:
-                row = run_row(group, op, b, dest, T, args, limits, flush)
+                row = run_row(group, op, b, dest, T, args, limits, flush, to)
             except Exception as e:  # a backend that fails is reported, and fails the run
                 row = {
                     "model": mname,
                     "layout": layout,
                     "dest": dest,
                     "op": op,
+                    "to": to,
                     "backend": b,
                     "tokens": T,
                     "error": f"{type(e).__name__}: {e}",
                 }
-                write(f"# ERROR {op}/{b}/{mname}/{layout}/{dest}/{T}: {row['error']}")
+                write(f"# ERROR {op}/{b}/{mname}/{layout}/{dest}/{T}/{to}: {row['error']}")
                 write(f"# note: skipping the remaining {op}/{b}/{dest} rows after this error")
                 broken.add((b, op, dest))
                 failed += 1
@@ -364,19 +525,33 @@ def main(argv=None) -> int:
                 f"# {b}: %limit min {min(pcts):.1f}  median {sorted(pcts)[len(pcts) // 2]:.1f}  "
                 f"max {max(pcts):.1f}"
             )
+    targets = cpu_targets(rows, backends, write) if device.type == "cpu" else {}
     os.makedirs(args.out, exist_ok=True)
     json_path, png_path = os.path.join(args.out, "bench_ops.json"), os.path.join(args.out, "bench_ops.png")
     sources = {m: MODELS[m].source for m in args.models}
-    common.write_json(json_path, meta, rows, models=sources, limit_kinds=common.LIMIT_KINDS)
-    common.plot_bandwidth(
+    common.write_json(json_path, meta, rows, models=sources, limit_kinds=common.LIMIT_KINDS, targets=targets)
+    drawn = common.plot_bandwidth(
         rows,
         png_path,
         f"kvxfer bench_ops on {meta['device']} ({meta['date']})",
         lambda r: f"{r['op']} -> {r['dest']}",
-        lambda r: f"{r['backend']} {r['model']} {r['layout']}",
+        lambda r: f"{r['backend']} {r['model']} {r['layout']} {r.get('to', '')}",
+        write,
     )
-    write(f"# wrote {json_path} and {png_path}")
+    write(f"# wrote {json_path}" + (f" and {png_path}" if drawn else ""))
     return 1 if failed else 0
+
+
+def _cpu_threads_note(device: torch.device, backends: list[str]) -> list[str]:
+    """Header line: threads of the CPU backend and of the limit's copy_ (CPU runs only)."""
+    if device.type != "cpu":
+        return []
+    note = f"limit copy_ runs on {torch.get_num_threads()} torch thread(s)"
+    if "cpu" in backends:
+        from kvxfer.backends import cpu
+
+        note += f"; backend cpu uses up to {cpu.get_num_threads()} threads (KVXFER_CPU_THREADS)"
+    return [note]
 
 
 if __name__ == "__main__":

@@ -332,34 +332,52 @@ class Table:
 
 
 def progress(items: Sequence, desc: str):
-    """tqdm over ``items`` on stderr (hidden when stderr is not a terminal)."""
+    """tqdm over ``items`` on stderr (hidden when stderr is not a terminal).
+
+    tqdm is optional (``pip install kvxfer[profile]``): without it the items come back as they
+    are and one note on stderr says there is no progress bar.
+    """
     try:
         from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the profile extra
+    except ImportError:
+        print(f"note: tqdm not installed: no progress bar for {desc} (pip install tqdm)", file=sys.stderr)
         return items
     return tqdm(items, desc=desc, file=sys.stderr, disable=None, dynamic_ncols=True, leave=False)
 
 
 def table_writer() -> Callable[[str], None]:
-    """``print`` that does not break a running tqdm bar."""
+    """``print`` that does not break a running tqdm bar (plain ``print`` without tqdm)."""
     try:
         from tqdm import tqdm
 
         return lambda s: tqdm.write(s, file=sys.stdout)
-    except ImportError:  # pragma: no cover
+    except ImportError:
         return print
 
 
 # ----------------------------------------------------------------------------- plots
 def plot_bandwidth(
-    rows: Sequence[dict], path: str, title: str, panel: Callable[[dict], str], label: Callable[[dict], str]
-) -> None:
+    rows: Sequence[dict],
+    path: str,
+    title: str,
+    panel: Callable[[dict], str],
+    label: Callable[[dict], str],
+    write: Callable[[str], None] = print,
+) -> bool:
     """PNG of GB/s (top) and % of limit (bottom) vs bytes; one panel column per ``panel(row)``.
 
     Each line is the rows sharing ``label(row)``; dashed grey lines are the limits measured in
     the same run (``row["limit_kind"]``). Rows without a time (errors) are left out.
+    matplotlib is optional (``pip install kvxfer[profile]``): without it nothing is drawn, one
+    ``# note:`` line goes to ``write`` and the result is False (True when the PNG was written).
     """
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        write(
+            f"# note: matplotlib not installed: {os.path.basename(path)} not drawn (pip install matplotlib)"
+        )
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -397,3 +415,4 @@ def plot_bandwidth(
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

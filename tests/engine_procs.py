@@ -195,13 +195,14 @@ def _result(r) -> dict:
     }
 
 
-def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl) -> dict:
+def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl, q_go=None) -> dict:
     """One exporting rank: fill and export ``sc["requests"]``, poll until all are released.
 
     ``sc["requests"]``: list of (request_id, num_tokens, seed, src_block_ids). Rank 0 puts
     the params list on ``q_out`` (once per loader rank). With ``sc["hold"]`` the rank waits
     for "check" on ``q_ctl``, polls ``hold_s`` seconds recording what was released early,
-    then puts "go" on ``q_out``'s companion (the loader waits for it).
+    then puts "go" on ``q_go`` (default ``q_ctl``; a separate queue, so a waiting loader
+    cannot take the "check" meant for the exporter).
     """
     import os
 
@@ -247,7 +248,7 @@ def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl) -> dict:
             seen.append(_result(r))
             released |= r.finished_sending | r.expired
             time.sleep(0.01)
-        q_ctl.put("go")
+        (q_go or q_ctl).put("go")
     while released != want and time.monotonic() < end:
         r = eng.poll()
         seen.append(_result(r))
@@ -260,7 +261,7 @@ def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl) -> dict:
     return {"params": params, "polls": seen, "early": early, "stats": stats}
 
 
-def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl) -> dict:
+def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl, q_go=None) -> dict:
     """One loading rank: load every request into ``dst_block_ids``, poll until all reported,
     then check every landed request byte for byte and that nothing else was touched."""
     from kvxfer import TransferEngine
@@ -284,7 +285,7 @@ def loader_rank(sc: dict, tp_rank: int, q_in, q_ctl) -> dict:
     ).start()
     params = q_in.get(timeout=30)
     if sc.get("hold") and tp_rank == 1:
-        q_ctl.get(timeout=30)  # wait until the exporter checked it did not free early
+        (q_go or q_ctl).get(timeout=30)  # wait until the exporter checked it did not free early
     for p, (rid, _n, _seed, _ids) in zip(params, sc["requests"]):
         eng.load(rid, p, sc["dst_ids"][rid])
     want = {r[0] for r in sc["requests"]}

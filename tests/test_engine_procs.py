@@ -48,9 +48,9 @@ def _scenario(src_spec, src_tp, dst_spec, dst_tp, transport, lengths, seed=0, **
 def _run(sc, deadline=60.0):
     procs = {}
     for r in range(sc["src_tp"]):
-        procs[f"P{r}"] = (exporter_rank, (sc, r, "@queue:params", "@queue:ctl"))
+        procs[f"P{r}"] = (exporter_rank, (sc, r, "@queue:params", "@queue:ctl", "@queue:go"))
     for r in range(sc["dst_tp"]):
-        procs[f"D{r}"] = (loader_rank, (sc, r, "@queue:params", "@queue:ctl"))
+        procs[f"D{r}"] = (loader_rank, (sc, r, "@queue:params", "@queue:ctl", "@queue:go"))
     return run_procs(procs, deadline)
 
 

@@ -235,7 +235,25 @@ def test_wheel_builds_without_nvcc(tmp_path):
     env["PATH"] = os.pathsep.join(path)
     names = _wheel(tmp_path, env).namelist()
     assert "kvxfer/csrc/kvx_kernels.cu" in names and "kvxfer/csrc/kvx_copy.cuh" in names
-    assert not any("_prebuilt" in n for n in names)
+    assert "kvxfer/csrc/cpu/kvx_cpu.cpp" in names  # for the CPU backend's build on first use
+    assert not any(n.endswith(".fatbin") for n in names)
+    # The CPU backend library is built whenever a C++ compiler is there, nvcc or not.
+    from kvxfer.backends import cpu_build
+
+    cpu_libs = [n for n in names if n.startswith("kvxfer/_prebuilt/libkvx_cpu-")]
+    if cpu_build.find_compiler() is not None:
+        assert cpu_libs == [f"kvxfer/_prebuilt/{cpu_build.library_name(ROOT / 'csrc')}"]
+    else:
+        assert cpu_libs == []
+
+
+def test_wheel_builds_with_a_failing_cxx(tmp_path):
+    """A broken C++ compiler must not fail the install: the wheel builds without the CPU library
+    (the backend compiles it on first use, or falls back to the torch reference)."""
+    env = dict(os.environ, CXX="false", KVXFER_NO_NVCC="1")
+    names = _wheel(tmp_path, env).namelist()
+    assert "kvxfer/csrc/cpu/kvx_cpu.cpp" in names
+    assert not any("libkvx_cpu" in n for n in names)
 
 
 def test_wheel_ships_fatbin_with_nvcc(tmp_path, nvcc_build):

@@ -1,4 +1,5 @@
-"""The torch reference ops against independently built truth, byte for byte."""
+"""The ops against independently built truth, byte for byte: the torch reference and the native
+CPU backend (``cpu``) run every data test; validation runs before any backend is chosen."""
 
 import itertools
 
@@ -19,6 +20,9 @@ from tests.kvdata import (
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 LAYOUTS = [Layout.NHD, Layout.HND, "MLA"]
+# Both CPU backends, named explicitly: "cpu" not loading (it builds with g++ at install or on
+# first use) fails these tests rather than silently testing the fallback twice.
+CPU_BACKENDS = ["torch", "cpu"]
 
 
 def make_spec(layout, dtype=torch.bfloat16, block_size=16, head_dim=72, heads=4, layers=3):
@@ -32,8 +36,9 @@ def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor):
     assert torch.equal(got, want), first_difference(got, want)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("layout,dtype", list(itertools.product(LAYOUTS, DTYPES)))
-def test_gather_scatter_roundtrip_matrix(layout, dtype):
+def test_gather_scatter_roundtrip_matrix(layout, dtype, backend):
     spec = make_spec(layout, dtype, block_size=5)
     num_tokens = 23  # 4 full blocks + 3 tokens
     truth = truth_bytes(spec, num_tokens, seed=1)
@@ -42,12 +47,15 @@ def test_gather_scatter_roundtrip_matrix(layout, dtype):
     src = empty_cache(spec, 12, 1 if layout == "MLA" else 4)
     place(src, spec, truth, range(spec.num_kv_heads), src_ids)
 
-    wire = gather_blocks(src, spec, src_ids, num_tokens, head_start=heads.start, num_heads=len(heads))
-    assert last_backend() == "torch"
+    wire = gather_blocks(
+        src, spec, src_ids, num_tokens, head_start=heads.start, num_heads=len(heads), backend=backend
+    )
+    assert last_backend() == backend
     assert_bytes_equal(wire, wire_from_truth(truth, spec, heads))
 
     dst = empty_cache(spec, 12, 1 if layout == "MLA" else 2)
-    scatter_blocks(wire, dst, spec, dst_ids, num_tokens)
+    scatter_blocks(wire, dst, spec, dst_ids, num_tokens, backend=backend)
+    assert last_backend() == backend
     want = empty_cache(spec, 12, 1 if layout == "MLA" else 2)
     place(want, spec, truth, heads, dst_ids)  # poison everywhere else, tail of block 6 included
     assert_bytes_equal(as_bytes(dst), as_bytes(want))
@@ -63,7 +71,8 @@ def test_gather_scatter_roundtrip_matrix(layout, dtype):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_copy_converts_layout_and_block_size(src_layout, dst_layout, src_bs, dst_bs, dtype):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_copy_converts_layout_and_block_size(src_layout, dst_layout, src_bs, dst_bs, dtype, backend):
     s_spec = make_spec(src_layout, dtype, src_bs, head_dim=96)
     d_spec = make_spec(dst_layout, dtype, dst_bs, head_dim=96)
     num_tokens = 45
@@ -86,23 +95,26 @@ def test_copy_converts_layout_and_block_size(src_layout, dst_layout, src_bs, dst
         src_head_start=heads.start,
         dst_head_start=0,
         num_heads=len(heads),
+        backend=backend,
     )
+    assert last_backend() == backend
     want = empty_cache(d_spec, 2 * len(d_ids) + 2, 1 if mla else 2)
     place(want, d_spec, truth, heads, d_ids)
     assert_bytes_equal(as_bytes(dst), as_bytes(want))
 
 
-def test_layer_subset_and_out_buffer():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_layer_subset_and_out_buffer(backend):
     spec = make_spec(Layout.HND, torch.float16, 4, head_dim=8, layers=5)
     truth = truth_bytes(spec, 10, seed=3)
     src = rank_cache(spec, truth, 0, 1, [4, 1, 2], 6)
     layers = [4, 0, 2]
     out = torch.empty(spec.wire_shape(10, 4, 3), dtype=spec.dtype)
-    got = gather_blocks(src, spec, [4, 1, 2], 10, layers=layers, out=out)
+    got = gather_blocks(src, spec, [4, 1, 2], 10, layers=layers, out=out, backend=backend)
     assert got is out
     assert_bytes_equal(out, wire_from_truth(truth, spec, range(4), layers))
     dst = empty_cache(spec, 6, 4)
-    scatter_blocks(out, dst, spec, [0, 3, 5], 10, layers=layers)
+    scatter_blocks(out, dst, spec, [0, 3, 5], 10, layers=layers, backend=backend)
     for layer in range(5):
         want = empty_cache(spec, 6, 4)[0]
         if layer in layers:
@@ -110,7 +122,8 @@ def test_layer_subset_and_out_buffer():
         assert_bytes_equal(dst[layer], want.view(torch.uint8).reshape(dst[layer].view(torch.uint8).shape))
 
 
-def test_noncontiguous_layer_views_of_one_buffer():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_noncontiguous_layer_views_of_one_buffer(backend):
     """Per-layer caches carved out of one allocation (as engines often do) at odd offsets."""
     spec = make_spec(Layout.NHD, torch.bfloat16, 8, head_dim=6, heads=2, layers=3)
     shape = spec.local_cache_shape(5, 2)
@@ -119,15 +132,17 @@ def test_noncontiguous_layer_views_of_one_buffer():
     caches = [buf[1 + i * n : 1 + (i + 1) * n].view(shape) for i in range(3)]
     truth = truth_bytes(spec, 13, seed=4)
     place(caches, spec, truth, range(2), [3, 0])
-    assert_bytes_equal(gather_blocks(caches, spec, [3, 0], 13), wire_from_truth(truth, spec, range(2)))
+    wire = gather_blocks(caches, spec, [3, 0], 13, backend=backend)
+    assert_bytes_equal(wire, wire_from_truth(truth, spec, range(2)))
 
 
-def test_zero_tokens_is_a_noop():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_zero_tokens_is_a_noop(backend):
     spec = make_spec(Layout.NHD)
     caches = empty_cache(spec, 4, 4)
-    wire = gather_blocks(caches, spec, [], 0)
+    wire = gather_blocks(caches, spec, [], 0, backend=backend)
     assert wire.shape == (4, 3, 2, 0, 72)
-    scatter_blocks(wire, caches, spec, [], 0)
+    scatter_blocks(wire, caches, spec, [], 0, backend=backend)
     assert_bytes_equal(as_bytes(caches), as_bytes(empty_cache(spec, 4, 4)))
 
 
@@ -230,7 +245,7 @@ def test_registered_caches_give_same_result_and_still_check_spec():
         register_caches([c.view(torch.int16) for c in plain], spec)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 @pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
 def test_kv_second_allocation_passed_as_strided_view(layout, backend):
     """Caches allocated K/V-second ([num_blocks, 2, ...], as some attention backends do) are
@@ -274,7 +289,8 @@ def test_backend_status_says_why_each_backend_is_unavailable(fresh_backends):
         assert st[name]["available"] or st[name]["reason"], (name, st[name])
     assert sum(r["default"] for r in st.values()) == 1
     cpu = ops.backend_status("cpu")
-    assert cpu["torch"]["available"] and cpu["torch"]["default"]
+    assert cpu["torch"]["available"]
+    assert cpu["cpu" if cpu["cpu"]["available"] else "torch"]["default"]  # the native backend first
     assert not cpu["cuda"]["available"] and "CUDA tensors" in cpu["cuda"]["reason"]
 
 
