@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
 __all__ = ["PARAMS_VERSION", "KVTransferParams", "block_id_array", "params_dict"]
@@ -49,6 +51,25 @@ def block_id_array(ids: object, field: str = "block_ids") -> np.ndarray:
         raise ValueError(f"{field}: must hold non-negative ints, got a bool")
     out.flags.writeable = False
     return out
+
+
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class _Shape(msgspec.Struct):
+    """The params fields with their types and bounds, checked by one ``msgspec.convert`` call
+    (~5 us for 4K tokens, bools rejected as ints); a dict that fails it goes through the
+    field-by-field checks of :meth:`KVTransferParams._one`, which name the problem."""
+
+    request_id: _NonEmpty
+    engine_id: _NonEmpty
+    host: _NonEmpty
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    block_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)]
+    num_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    token: Annotated[str, msgspec.Meta(min_length=32, max_length=32)]
+    version: int = PARAMS_VERSION
 
 
 def _str(d: dict, field: str) -> str:
@@ -143,6 +164,27 @@ class KVTransferParams:
             return d
         if not isinstance(d, dict):
             raise ValueError(f"{where or 'params'}: expected a dict, got {type(d).__name__}")
+        arr = None
+        try:  # the common case: one C call checks every field
+            f = msgspec.convert(d, _Shape)
+        except msgspec.ValidationError:
+            f = None
+        if (
+            f is not None
+            and f.version == PARAMS_VERSION
+            and (f.tp_size == 1 or f.port + f.tp_size - 1 <= 65535)
+            and type(d["block_ids"]) is list
+        ):
+            ids = f.block_ids
+            try:
+                arr = np.frombuffer(array.array("Q", ids), dtype=np.uint64)
+            except OverflowError:  # over 2**64: the checks below name it
+                arr = None
+        if arr is not None:
+            arr.flags.writeable = False
+            out = cls(f.request_id, f.engine_id, f.host, f.port, f.tp_size, tuple(ids), f.num_tokens, f.token)
+            object.__setattr__(out, "_ids", arr)
+            return out
         try:
             version = d.get("version", PARAMS_VERSION)
             if version != PARAMS_VERSION:

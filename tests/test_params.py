@@ -90,3 +90,35 @@ def test_block_id_array_cached_and_read_only():
         "r1", "P", "10.0.0.1", 5000, 2, (3, 1, 4), 40, GOOD["token"]
     )  # built without from_dict
     assert q.block_id_array().tolist() == [3, 1, 4] and q == p
+
+
+@pytest.mark.parametrize(
+    "d",
+    [
+        GOOD,
+        {k: v for k, v in GOOD.items() if k != "version"},  # version defaults
+        {**GOOD, "block_ids": [0, 1, 2**63 + 5]},  # range is the engine's check, not the params'
+        {**GOOD, "extra": "ignored"},
+    ],
+)
+def test_one_call_check_and_field_checks_agree(d):
+    """The msgspec check (lists) and the field-by-field checks (tuples) build equal params."""
+    fast = KVTransferParams.from_dict(d)
+    slow = KVTransferParams.from_dict({**d, "block_ids": tuple(d["block_ids"])})
+    assert fast == slow
+    assert fast.block_id_array().tolist() == slow.block_id_array().tolist() == list(d["block_ids"])
+    assert not fast.block_id_array().flags.writeable
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        ([1, True], "got a bool"),
+        ([1, -2], "non-negative"),
+        ([1, 2.0], "non-negative"),
+        ([2**64], "non-negative"),
+    ],
+)
+def test_one_call_check_failures_are_named_by_the_field_checks(ids, match):
+    with pytest.raises(ValueError, match=f"block_ids: .*{match}"):
+        KVTransferParams.from_dict({**GOOD, "block_ids": ids})
