@@ -59,6 +59,21 @@ def _left(deadline: float) -> float:
     return left
 
 
+def _full_mask(num_layers: int) -> int:
+    """Every layer as an int bit mask in wire bit order: layer ``i`` is bit ``i`` counted from
+    the most significant bit of ``ceil(L / 8)`` big-endian bytes, so ``mask.to_bytes(n, "big")``
+    is ``numpy.packbits`` of the layer flags (the ``want``/``layers`` fields of the grant
+    messages). Ints, not numpy arrays: ~10 small numpy ops per load cost ~30 us cold."""
+    pad = -num_layers % 8
+    return ((1 << num_layers) - 1) << pad
+
+
+def _mask_layers(mask: int, num_layers: int) -> list[int]:
+    """The layer indices set in ``mask`` (see :func:`_full_mask`), ascending."""
+    top = num_layers + (-num_layers % 8) - 1
+    return [i for i in range(num_layers) if mask >> (top - i) & 1]
+
+
 class LoaderRole:
     """Methods of :class:`~kvxfer.engine.TransferEngine` that load from remote exporters."""
 
@@ -259,8 +274,8 @@ class LoaderRole:
         alive = {it.request_id: it for it in good}
         reasons: dict[str, str] = {}
         src_ranks = sorted({r.src_rank for r in rem.reads})
-        full = np.ones(rem.spec.num_layers, dtype=bool)
-        need = {s: {rid: full.copy() for rid in alive} for s in src_ranks}
+        full = _full_mask(rem.spec.num_layers)
+        need = {s: dict.fromkeys(alive, full) for s in src_ranks}  # layers still wanted, as ints
         while alive:
             try:
                 granted = self._grant_round(rem, src_ranks, alive, reasons, need, deadline)
@@ -284,7 +299,7 @@ class LoaderRole:
                 return
             for s in src_ranks:
                 self._read_granted(rem, s, alive, reasons, need, granted[s], deadline)
-            done = [rid for rid in alive if not any(need[s][rid].any() for s in src_ranks)]
+            done = [rid for rid in alive if not any(need[s][rid] for s in src_ranks)]
             if done:
                 self._complete(rem, [alive.pop(rid) for rid in done], done, {})
         self._complete(rem, [it for it in good if it.request_id in reasons], [], reasons)
@@ -304,8 +319,11 @@ class LoaderRole:
         ranks, calls = [], []
         left = _left(deadline)
         wait = max(0.0, min(0.5, left - 0.05))
+        L = rem.spec.num_layers
+        full = _full_mask(L)
+        nbytes = (L + 7) // 8
         for s in src_ranks:
-            rids = [rid for rid in alive if need[s][rid].any()]
+            rids = [rid for rid in alive if need[s][rid]]
             if not rids:
                 continue
             ranks.append(s)
@@ -315,12 +333,11 @@ class LoaderRole:
                 self.tp_size,
                 [remote_of[r] for r in rids],
                 [alive[r].params.token for r in rids],
-                [np.packbits(need[s][r]).tobytes() for r in rids],
+                [b"" if need[s][r] == full else need[s][r].to_bytes(nbytes, "big") for r in rids],
                 wait,
             )
             calls.append((rem.addrs[s], msg))
         grants = self._client.call_many(calls, left)
-        L = rem.spec.num_layers
         for s, g in zip(ranks, grants):
             if not isinstance(g, C.ReadReply):
                 why = f"rank {s}: {getattr(g, 'error', g)}"
@@ -334,11 +351,7 @@ class LoaderRole:
                 alive.clear()
                 return out
             for r, b, m in zip(g.ok, g.epochs, g.layers or [b""] * len(g.ok)):
-                mask = (
-                    np.ones(L, bool)
-                    if not m
-                    else np.unpackbits(np.frombuffer(m, np.uint8), count=L).astype(bool)
-                )
+                mask = full if not m else int.from_bytes(m, "big") & full
                 out[s][local_of[r]] = (np.frombuffer(b, dtype=np.int64), mask)
             for rrid, why in g.failed.items():
                 rid = local_of.get(rrid)
@@ -355,15 +368,16 @@ class LoaderRole:
     ) -> None:
         """Read from rank ``s`` the layers it granted that the loads still need, one read per
         distinct layer set (all layers of a whole export: one read)."""
-        groups: dict[bytes, list[str]] = {}
+        groups: dict[int, list[str]] = {}
         for rid, (_, mask) in granted.items():
             if rid in alive:
                 todo = need[s][rid] & mask
-                if todo.any():
-                    groups.setdefault(todo.tobytes(), []).append(rid)
-        for key, rids in groups.items():
-            layers_mask = np.frombuffer(key, dtype=bool)
-            layers = None if layers_mask.all() else np.flatnonzero(layers_mask).tolist()
+                if todo:
+                    groups.setdefault(todo, []).append(rid)
+        L = rem.spec.num_layers
+        full = _full_mask(L)
+        for layers_mask, rids in groups.items():
+            layers = None if layers_mask == full else _mask_layers(layers_mask, L)
             sub = {rid: alive[rid] for rid in rids if rid in alive}
             if not sub:
                 continue
@@ -557,7 +571,9 @@ class LoaderRole:
         items = [
             Item(
                 it.request_id,
-                it.params.block_id_array().view(np.int64),
+                # a writable int64 copy (~1 us): the params' array is read-only, and ops hands
+                # ids to torch, which warns on read-only arrays
+                it.params.block_id_array().astype(np.int64),
                 it.block_ids,
                 it.params.num_tokens,
                 first=it.first,
@@ -596,6 +612,11 @@ class LoaderRole:
         src_by_unit, ep, _, memo = self._ipc_map(rem, s)
         bp = self._plan(loads, rem.spec.block_size, list(src_by_unit))
         moved = saved = calls = 0
+        # The ids were checked already (source: against the exporter's block count, on the
+        # grant; destination: range and repeats, at load()): ops skips its own checks, and
+        # still checks a call that carries several loads for repeats among them.
+        src_bound = rem.num_blocks * (rem.spec.block_size // bp.src_unit)
+        dst_bound = self.num_blocks * (self.spec.block_size // bp.dst_unit)
         for r in reads:
             for c in bp.calls:
                 sv = view_at(src_by_unit, bp.src_unit, c.src_offset, memo)
@@ -603,10 +624,10 @@ class LoaderRole:
                 ops.copy_blocks(
                     sv.caches,
                     sv.spec,
-                    c.src,
+                    ops.CheckedIds(c.src, src_bound, False),
                     dv.caches,
                     dv.spec,
-                    c.dst,
+                    ops.CheckedIds(c.dst, dst_bound, len(c.request_ids) == 1),
                     c.num_tokens,
                     r.src_head_start,
                     r.dst_head_start,

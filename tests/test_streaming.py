@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -223,3 +224,20 @@ def test_bad_layer_marks_and_partial_loads_are_named_errors():
         assert d.stats()["loads_pending"] == 0  # nothing queued by the refused loads
     finally:
         _close(ps, p_shm, d, d_shm)
+
+
+@pytest.mark.parametrize("num_layers", [1, 7, 8, 9, 32, 61, 80])
+def test_int_layer_masks_are_packbits_on_the_wire(num_layers):
+    """The loader keeps layer sets as ints whose big-endian bytes are numpy.packbits of the flags."""
+    from kvxfer.loader import _full_mask, _mask_layers
+
+    rng = np.random.default_rng(num_layers)
+    nbytes = (num_layers + 7) // 8
+    full = _full_mask(num_layers)
+    assert full.to_bytes(nbytes, "big") == np.packbits(np.ones(num_layers, bool)).tobytes()
+    for _ in range(20):
+        flags = rng.random(num_layers) < 0.5
+        packed = np.packbits(flags).tobytes()
+        mask = int.from_bytes(packed, "big")
+        assert mask & full == mask and mask.to_bytes(nbytes, "big") == packed
+        assert _mask_layers(mask, num_layers) == np.flatnonzero(flags).tolist()

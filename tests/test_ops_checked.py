@@ -1,0 +1,97 @@
+"""copy_blocks with producer-checked ids (ops.CheckedIds) on registered caches: the engine's
+fast path gives the bytes of the validating path, and falls back to full checks whenever the
+promise of the ids does not cover the op."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer import Layout
+from kvxfer.ops import CheckedIds, copy_blocks, last_backend, register_caches
+from tests.kvdata import as_bytes, empty_cache, place, truth_bytes
+from tests.test_ops import CPU_BACKENDS, assert_bytes_equal, make_spec
+
+
+def _ids(xs, bound, unique):
+    return CheckedIds(np.asarray(xs, dtype=np.int64), bound, unique)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(
+    "src_layout,dst_layout,src_bs,dst_bs",
+    [(Layout.NHD, Layout.HND, 16, 32), (Layout.HND, Layout.NHD, 5, 3), ("MLA", "MLA", 4, 8)],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2])
+def test_checked_ids_copy_matches_truth_and_leaves_poison(
+    src_layout, dst_layout, src_bs, dst_bs, dtype, backend
+):
+    s_spec = make_spec(src_layout, dtype, src_bs, head_dim=40)
+    d_spec = make_spec(dst_layout, dtype, dst_bs, head_dim=40)
+    num_tokens = 37  # partial last block on both sides
+    truth = truth_bytes(s_spec, num_tokens, seed=11)
+    s_ids = list(range(s_spec.num_blocks_for(num_tokens)))[::-1]
+    d_ids = [2 * i + 1 for i in range(d_spec.num_blocks_for(num_tokens))]
+    mla = src_layout == "MLA"
+    src = register_caches(empty_cache(s_spec, len(s_ids) + 1, 1 if mla else 4), s_spec)
+    place(src, s_spec, truth, range(s_spec.num_kv_heads), s_ids)
+    n_dst = 2 * len(d_ids) + 2
+    dst = register_caches(empty_cache(d_spec, n_dst, 1 if mla else 2), d_spec)
+    for head_start in [0] if mla else [1, 2]:  # two head slices on the same caches: two templates
+        heads = range(head_start, head_start + (1 if mla else 2))
+        want = register_caches(empty_cache(d_spec, n_dst, 1 if mla else 2), d_spec)
+        for t, w in zip(dst, want):
+            t.copy_(w)  # poison everywhere
+        copy_blocks(
+            src,
+            s_spec,
+            _ids(s_ids, len(s_ids) + 1, False),
+            dst,
+            d_spec,
+            _ids(d_ids, n_dst, True),
+            num_tokens,
+            src_head_start=heads.start,
+            num_heads=len(heads),
+            backend=backend,
+        )
+        assert last_backend() == backend
+        assert (heads.start, len(heads), None) in src.__dict__["_sides"]  # the template path ran
+        place(want, d_spec, truth, heads, d_ids)
+        assert_bytes_equal(as_bytes(dst), as_bytes(want))
+
+
+def test_checked_ids_layer_subset_uses_its_own_template():
+    spec = make_spec(Layout.NHD, torch.float16, 4, head_dim=8, heads=2, layers=4)
+    truth = truth_bytes(spec, 9, seed=12)
+    src = register_caches(empty_cache(spec, 4, 2), spec)
+    place(src, spec, truth, range(2), [3, 0, 2])
+    for layers in (None, [2, 0]):
+        dst = register_caches(empty_cache(spec, 5, 2), spec)
+        copy_blocks(
+            src, spec, _ids([3, 0, 2], 4, False), dst, spec, _ids([4, 1, 0], 5, True), 9, layers=layers
+        )
+        want = register_caches(empty_cache(spec, 5, 2), spec)
+        for layer in layers if layers is not None else range(4):
+            place([want[layer]], spec, truth[layer : layer + 1], range(2), [4, 1, 0])
+        assert_bytes_equal(as_bytes(dst), as_bytes(want))
+
+
+def test_checked_ids_whose_promise_does_not_cover_the_op_are_checked():
+    spec = make_spec(Layout.NHD, torch.bfloat16, 4, head_dim=8, heads=2, layers=2)
+    src = register_caches(empty_cache(spec, 3, 2), spec)
+    dst = register_caches(empty_cache(spec, 3, 2), spec)
+    before = as_bytes(dst).clone()
+    # bound beyond this cache's block count: range checked, the bad id named
+    with pytest.raises(ValueError, match="src_block_ids: block id 5 out of range"):
+        copy_blocks(src, spec, _ids([5], 8, False), dst, spec, _ids([0], 3, True), 4)
+    # destination ids not promised unique: repeats found
+    with pytest.raises(ValueError, match="dst_block_ids: repeated block id 1"):
+        copy_blocks(src, spec, _ids([0, 2], 3, False), dst, spec, _ids([1, 1], 3, False), 8)
+    # too few ids for the tokens
+    with pytest.raises(ValueError, match="needs 2 blocks"):
+        copy_blocks(src, spec, _ids([0], 3, False), dst, spec, _ids([1, 2], 3, True), 8)
+    # incompatible specs are refused on this path too
+    other = make_spec(Layout.NHD, torch.float16, 4, head_dim=8, heads=2, layers=2)
+    odst = register_caches(empty_cache(other, 3, 2), other)
+    with pytest.raises(ValueError, match="incompatible caches"):
+        copy_blocks(src, spec, _ids([0], 3, False), odst, other, _ids([0], 3, True), 4)
+    assert torch.equal(as_bytes(dst), before)  # nothing written by a refused call
