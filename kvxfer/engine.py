@@ -351,11 +351,15 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        ids = check_block_ids(block_ids, self.spec.num_blocks_for(num_tokens), self.num_blocks, num_tokens)
+        need = self.spec.num_blocks_for(num_tokens)
+        ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens)
         if not streaming:
             self._order.mark(request_id, ready)
-        self._exports.add(request_id, ids, num_tokens, self.spec.num_layers if streaming else 0)
-        return self._params(request_id, ids, num_tokens)
+        token = self._secret.token(request_id)
+        self._exports.add(request_id, ids, num_tokens, self.spec.num_layers if streaming else 0, token)
+        return params_dict(
+            request_id, self.engine_id, self.host, self.port, self.tp_size, ids.tolist(), num_tokens, token
+        )
 
     def mark_ready(self, request_id: str, layers, ready=None) -> None:
         """Layers ``layers`` (an int, a range or a sequence of layer indices) of the layer-wise
@@ -456,8 +460,12 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         need = self.spec.num_blocks_for(p.num_tokens)
         ids = check_block_ids(block_ids, need, self.num_blocks, p.num_tokens)
         if need > 1:
-            srt = np.sort(ids)
-            if (srt[1:] == srt[:-1]).any():
+            if type(block_ids) is list:  # a set of Python ints: ~5 us, a numpy sort ~2x that cold
+                repeated = len(set(block_ids if len(block_ids) == need else block_ids[:need])) != need
+            else:
+                srt = np.sort(ids)
+                repeated = bool((srt[1:] == srt[:-1]).any())
+            if repeated:
                 raise ValueError("block_ids: repeated block id")
         k = num_computed_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < p.num_tokens:

@@ -58,9 +58,11 @@ class ExporterRole:
             return {rid: "unauthorized: one token per request id is needed" for rid in request_ids} or {
                 "*": "unauthorized: one token per request id is needed"
             }
-        token = self._secret.token
+        token, kept = self._secret.token, self._exports.token_of
         return {
-            rid: UNAUTHORIZED for rid, tok in zip(request_ids, tokens) if not tokens_match(token(rid), tok)
+            rid: UNAUTHORIZED
+            for rid, tok in zip(request_ids, tokens)
+            if not tokens_match(kept(rid) or token(rid), tok)
         }
 
     def _hello_reply(self) -> C.HelloReply:

@@ -62,6 +62,7 @@ class _Export:
     expected: int | None = None
     marked: np.ndarray | None = None  # layer-wise export: layers marked ready (None: all)
     gates: list = field(default_factory=list)  # (layers bool mask, events) of marked groups
+    token: str = ""  # the request's auth token (kvxfer.auth), kept to verify messages cheaply
 
 
 class ExportTracker:
@@ -96,10 +97,16 @@ class ExportTracker:
 
     # ------------------------------------------------------------------ export
     def add(
-        self, request_id: str, block_ids: np.ndarray | torch.Tensor, num_tokens: int, num_layers: int = 0
+        self,
+        request_id: str,
+        block_ids: np.ndarray | torch.Tensor,
+        num_tokens: int,
+        num_layers: int = 0,
+        token: str = "",
     ) -> None:
         """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``.
-        ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`."""
+        ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`.
+        ``token``: the request's auth token, returned by :meth:`token_of` while it is live."""
         ids = np.asarray(block_ids, dtype=np.int64)
         with self.lock:
             if request_id in self._live:
@@ -107,7 +114,7 @@ class ExportTracker:
             # One count per live export holding a block (a block listed twice counts once,
             # and is released once).
             self._rc[ids] += 1
-            e = _Export(ids, num_tokens, time.monotonic() + self.lease_s)
+            e = _Export(ids, num_tokens, time.monotonic() + self.lease_s, token=token)
             if num_layers:
                 e.marked = np.zeros(num_layers, dtype=bool)
             self._live[request_id] = e
@@ -174,6 +181,12 @@ class ExportTracker:
                     e.deadline = max(e.deadline, now + self.lease_s)
                     ok[rid] = self._ep[e.block_ids]  # fancy indexing: a copy
         return ok, bad
+
+    def token_of(self, request_id: str) -> str:
+        """The token kept with a live export ("" when it is not live or none was kept). No lock:
+        one dict read, and a token never changes while its export lives."""
+        e = self._live.get(request_id)
+        return e.token if e is not None else ""
 
     def lookup(self, request_id: str) -> _Export | None:
         with self.lock:

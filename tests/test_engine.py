@@ -269,16 +269,19 @@ def test_block_ids_of_any_int_kind_and_bad_ones_named():
         src[:] = 0  # the exporter kept its own copy
         assert prm["block_ids"] == [4, 5] and all(type(x) is int for x in prm["block_ids"])
         assert p.export("b", torch.tensor([7, 8], dtype=torch.int32), 12)["block_ids"] == [7, 8]
-        assert p.export("c", (9, 10, 11), 12)["block_ids"] == [9, 10]
+        prm_c = p.export("c", (9, 10, 11), 12)
+        assert prm_c["block_ids"] == [9, 10]
         for bad in ([1.5, 2.0], [1, -2], [1, 64], np.array([1.0, 2.0]), [3], [1, "2"], [2**70, 1]):
             with pytest.raises(ValueError, match="block_ids"):
                 p.export("z", bad, 12)
             with pytest.raises(ValueError, match="block_ids"):
                 d.load("z", prm, bad)
-        with pytest.raises(ValueError, match="repeated"):
-            d.load("z", prm, np.array([3, 3]))
-        d.load("a", prm, torch.tensor([20, 21]))
-        assert _wait(d, {"a"}, "recv") == {"a": "done"}
+        for rep in (np.array([3, 3]), [3, 3], [3, 3, 9], (3, 3)):  # arrays sort, lists use a set
+            with pytest.raises(ValueError, match="repeated"):
+                d.load("z", prm, rep)
+        d.load("a", prm, [20, 21, 20])  # only the ids the tokens need count: the extra may repeat
+        d.load("c", prm_c, torch.tensor([30, 31], dtype=torch.int32))
+        assert _wait(d, {"a", "c"}, "recv") == {"a": "done", "c": "done"}
         assert check(dshm.caches, SPEC, 0, 1, [20, 21], 12, seed=3)
         assert d.stats()["loads_pending"] == 0
     finally:
