@@ -257,6 +257,20 @@ def bandwidth(transport: str, tokens: int, reqs: int, iters: int) -> dict:
     }
 
 
+HOST_TARGET_US = 50.0  # DESIGN.md: host cost of one 4K-token request
+BATCH_TARGET_US = 25.0  # issue 17: per request, in batches of 8
+BW_TARGETS = {"ipc": 0.6, "pg": 0.5}  # issue 17: fraction of a plain memcpy of the same bytes
+
+
+def python_reference_us() -> float:
+    """Best of 5 x 2000 runs of a fixed Python loop, in us: how fast this (shared) machine runs
+    interpreter code right now. Host-cost figures move with it by up to 2x between runs on
+    the CI VM; the ratio to it is what compares across runs."""
+    import timeit
+
+    return min(timeit.repeat("sum(range(100))", number=2000, repeat=5)) / 2000 * 1e6
+
+
 PHASES = (
     ("export_us", "export()            validate, lease, params dict"),
     ("load_us", "load()              validate params + local ids, queue"),
@@ -294,22 +308,34 @@ def main() -> None:
     print(
         f"  {'total per request (mean)':<80}" + "".join(f"{cases[n]['mean_total_us']:10.1f}" for n in names)
     )
-    verdict = "met" if target <= 50 else "NOT met"
-    print(
-        f"  DESIGN target <= 50 us for one 4K-token request: {verdict} ({target:.1f} us, {target / 50:.2f}x)"
-    )
+    batched = cases["8x4096"]["total_us"]
+    for what, got, goal in (
+        ("DESIGN target <= 50 us for one 4K-token request", target, HOST_TARGET_US),
+        ("issue 17 target <= 25 us per request in batches of 8", batched, BATCH_TARGET_US),
+    ):
+        verdict = "met" if got <= goal else "NOT met"
+        print(f"  {what}: {verdict} ({got:.1f} us, {got / goal:.2f}x)")
     print("  (last column: requests of 2048..4096 tokens, last block partial)")
+    ref = python_reference_us()
+    print(
+        f"  this machine now: {ref:.2f} us for a reference Python loop (sum(range(100)); ~0.75 us on an idle "
+        "2-core CI VM): scale the figures above by it to compare runs"
+    )
     bw = [] if a.host_only else [bandwidth(t, a.tokens, a.reqs, a.iters) for t in ("ipc", "pg")]
     if bw:
         print(
             f"\n{'transport':<9} {'MiB':>8} {'GB/s':>8} {'memcpy GB/s':>12} {'fraction':>9} {'ops calls':>9}"
         )
     for r in bw:
+        goal = BW_TARGETS[r["transport"]]
+        r["target"], r["met"] = goal, r["fraction_of_memcpy"] >= goal
         print(
             f"{r['transport']:<9} {r['bytes'] / 2**20:8.1f} {r['GBps']:8.2f} {r['memcpy_GBps']:12.2f} "
-            f"{r['fraction_of_memcpy']:9.2f} {r['ops_calls']:9d}"
+            f"{r['fraction_of_memcpy']:9.2f} {r['ops_calls']:9d}   target >= {goal:.2f}: "
+            + ("met" if r["met"] else "NOT met")
         )
-    print(json.dumps({"bench": "engine", "host_cost": cases, "bandwidth": bw}))
+    targets = {"host_1x_us": HOST_TARGET_US, "host_batch8_us": BATCH_TARGET_US, "python_reference_us": ref}
+    print(json.dumps({"bench": "engine", "host_cost": cases, "bandwidth": bw, "targets": targets}))
 
 
 if __name__ == "__main__":
