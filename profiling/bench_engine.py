@@ -259,7 +259,10 @@ def bandwidth(transport: str, tokens: int, reqs: int, iters: int) -> dict:
 
 HOST_TARGET_US = 50.0  # DESIGN.md: host cost of one 4K-token request
 BATCH_TARGET_US = 25.0  # issue 17: per request, in batches of 8
-BW_TARGETS = {"ipc": 0.6, "pg": 0.5}  # issue 17: fraction of a plain memcpy of the same bytes
+# Issue 17's CPU data-path targets (fractions of a plain memcpy of the same bytes) are set for
+# the ops (bench_ops --quick prints them); here they are held against the whole transfer,
+# engine, Gloo and staging included, which is stricter.
+BW_TARGETS = {"ipc": 0.6, "pg": 0.5}
 
 
 def python_reference_us() -> float:
@@ -331,7 +334,7 @@ def main() -> None:
         r["target"], r["met"] = goal, r["fraction_of_memcpy"] >= goal
         print(
             f"{r['transport']:<9} {r['bytes'] / 2**20:8.1f} {r['GBps']:8.2f} {r['memcpy_GBps']:12.2f} "
-            f"{r['fraction_of_memcpy']:9.2f} {r['ops_calls']:9d}   target >= {goal:.2f}: "
+            f"{r['fraction_of_memcpy']:9.2f} {r['ops_calls']:9d}   end to end, op target >= {goal:.2f}: "
             + ("met" if r["met"] else "NOT met")
         )
     targets = {"host_1x_us": HOST_TARGET_US, "host_batch8_us": BATCH_TARGET_US, "python_reference_us": ref}
