@@ -191,6 +191,15 @@ class ExporterRole:
             return self._handle_nixl_send(msg)  # a staged nixl stream (kvxfer.nixl_role)
         if msg.key not in self._pair_backend:
             return C.SendReply(ok=False, failed={"*": f"unknown pair group {msg.key}"})
+        refused = self._send_refusal(msg)
+        if refused is not None:
+            return refused
+        self._send_q.put(("stream", msg.key, msg))
+        return C.SendReply(ok=True, failed={})
+
+    def _send_refusal(self, msg: C.SendReq) -> C.SendReply | None:
+        """Why a send request (pg or staged nixl; tokens verified) cannot be streamed, as the
+        reply; None when it can, its requests' leases then renewed."""
         if msg.unit not in self._by_unit:
             return C.SendReply(ok=False, failed={"*": f"unit {msg.unit}: not one of {sorted(self._by_unit)}"})
         if msg.layers and (
@@ -213,15 +222,36 @@ class ExporterRole:
             if gone:
                 return C.SendReply(ok=False, failed=gone)
             self._exports.heartbeat(msg.request_ids)
-        self._send_q.put(("stream", msg.key, msg))
-        return C.SendReply(ok=True, failed={})
+        return None
 
     # -------------------------------------------------------------------------- sender
     def _stream_send(self, pair, msg: C.SendReq) -> None:
-        """Gather each chunk under the tracker lock (a request released mid-stream is never
-        read: the stream stops and the loader fails it) on the engine's send stream, and send
-        it. On CUDA the tracker reports the requests released only after the gathers ran, so
-        the caller cannot reuse their blocks before they were read."""
+        """Gather (:meth:`_stream_gathers`) and send a pg stream's chunks on the engine's send
+        stream."""
+        calls, gather = self._stream_gathers(msg)
+        with self._order.on_stream("send"):
+            sent = self.pipeline.send_stream(
+                pair,
+                1,
+                self.timeout_s,
+                self._pair_backend[msg.key],
+                self.spec,
+                self.device,
+                msg.num_heads,
+                msg.unit,
+                msg.chunk_tokens,
+                calls,
+                gather,
+                batch_tag(msg.request_ids),
+                len(msg.layers) or None,
+            )
+        self._metrics.add("bytes_sent", sent)
+
+    def _stream_gathers(self, msg: C.SendReq):
+        """A send request's chunk calls (unit ids as tensors, tokens, offset) and the gather the
+        staged pipeline runs per chunk: under the tracker lock, so a request released
+        mid-stream is never read (the stream stops and the loader fails it); on CUDA the
+        requests are reported released only after the gathers ran."""
         cuda = self.device.type == "cuda"
         layers = list(msg.layers) or None
 
@@ -247,23 +277,7 @@ class ExporterRole:
                     self._exports.track_gather(msg.request_ids, ev)
 
         calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t, o) for b, t, o in msg.calls]
-        with self._order.on_stream("send"):
-            sent = self.pipeline.send_stream(
-                pair,
-                1,
-                self.timeout_s,
-                self._pair_backend[msg.key],
-                self.spec,
-                self.device,
-                msg.num_heads,
-                msg.unit,
-                msg.chunk_tokens,
-                calls,
-                gather,
-                batch_tag(msg.request_ids),
-                len(msg.layers) or None,
-            )
-        self._metrics.add("bytes_sent", sent)
+        return calls, gather
 
     def _send_loop(self) -> None:
         from .transports import pg

@@ -234,29 +234,9 @@ class NixlRole:
 
     def _handle_nixl_send(self, msg: C.SendReq):
         """Check a staged nixl send request (its tokens were verified) and queue its stream."""
-        if msg.unit not in self._by_unit:
-            return C.SendReply(ok=False, failed={"*": f"unit {msg.unit}: not one of {sorted(self._by_unit)}"})
-        if msg.layers and (
-            len(set(msg.layers)) != len(msg.layers)
-            or not all(0 <= x < self.spec.num_layers for x in msg.layers)
-        ):
-            return C.SendReply(
-                ok=False, failed={"*": f"layers: {msg.layers} is not a set of layers of this cache"}
-            )
-        why = self.pipeline.check_chunk(
-            self.spec, msg.num_heads, msg.chunk_tokens, msg.unit, len(msg.layers) or None
-        )
-        if why:
-            return C.SendReply(ok=False, failed={"*": f"staging: {why}"})
-        with self._exports.lock:
-            gone = {
-                rid: "not exported here, already released or lease expired"
-                for rid in msg.request_ids
-                if self._exports.lookup(rid) is None
-            }
-            if gone:
-                return C.SendReply(ok=False, failed=gone)
-            self._exports.heartbeat(msg.request_ids)
+        refused = self._send_refusal(msg)  # kvxfer.exporter: the checks of a pg stream
+        if refused is not None:
+            return refused
         self._send_q.put(("nixl", msg.key, msg))
         return C.SendReply(ok=True, failed={})
 
@@ -265,31 +245,7 @@ class NixlRole:
         mid-stream stops it, the loader is told at once) and let the loader READ them."""
         agent = self._nixl
         peer = msg.key.rpartition("#")[0]
-        cuda = self.device.type == "cuda"
-        layers = list(msg.layers) or None
-
-        def gather(c, out: torch.Tensor) -> None:
-            view = view_at(self._by_unit, msg.unit, c.offset, self._offset_views)
-            with self._exports.lock:
-                gone = [r for r in msg.request_ids if self._exports.lookup(r) is None]
-                if gone:
-                    raise RuntimeError(f"released during the stream: {gone}")
-                ops.gather_blocks(
-                    view.caches,
-                    view.spec,
-                    c.units,
-                    c.num_tokens,
-                    msg.head_start,
-                    msg.num_heads,
-                    layers,
-                    out=out,
-                )
-                if cuda:  # pragma: no cover - GPU only
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    self._exports.track_gather(msg.request_ids, ev)
-
-        calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t, o) for b, t, o in msg.calls]
+        calls, gather = self._stream_gathers(msg)  # kvxfer.exporter: as for a pg stream
         try:
             hook = self._hooks.get("before_send")
             if hook:
