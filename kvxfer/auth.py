@@ -119,6 +119,7 @@ class EngineSecret:
             self.path = key_path(engine_id, port)
             self.secret = self._shared(self.path, timeout_s)
             self.source = f"host key file {self.path}"
+        self._keyed = _KeyedSha256(self.secret)
 
     @staticmethod
     def _shared(path: Path, timeout_s: float) -> bytes:
@@ -156,10 +157,7 @@ class EngineSecret:
 
     def token(self, request_id: str) -> str:
         """The token of ``request_id`` (:func:`request_token` under this engine's secret)."""
-        keyed = self.__dict__.get("_keyed")
-        if keyed is None or keyed[0] != self.secret:
-            keyed = self._keyed = (self.secret, _KeyedSha256(self.secret))
-        return keyed[1].token(request_id)
+        return self._keyed.token(request_id)
 
     def close(self) -> None:
         """Rank 0 removes the host key file, so the next start of the engine draws a new secret."""

@@ -351,15 +351,12 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        need = self.spec.num_blocks_for(num_tokens)
-        ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens)
+        ids = check_block_ids(block_ids, self.spec.num_blocks_for(num_tokens), self.num_blocks, num_tokens)
         if not streaming:
             self._order.mark(request_id, ready)
         token = self._secret.token(request_id)
         self._exports.add(request_id, ids, num_tokens, self.spec.num_layers if streaming else 0, token)
-        return params_dict(
-            request_id, self.engine_id, self.host, self.port, self.tp_size, ids.tolist(), num_tokens, token
-        )
+        return self._params(request_id, ids, num_tokens, token)
 
     def mark_ready(self, request_id: str, layers, ready=None) -> None:
         """Layers ``layers`` (an int, a range or a sequence of layer indices) of the layer-wise
@@ -393,9 +390,9 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         ids = check_block_ids(block_ids, self.spec.num_blocks_for(num_tokens), self.num_blocks, num_tokens)
-        return self._params(request_id, ids, num_tokens)
+        return self._params(request_id, ids, num_tokens, self._secret.token(request_id))
 
-    def _params(self, request_id: str, ids: np.ndarray, num_tokens: int) -> dict:
+    def _params(self, request_id: str, ids: np.ndarray, num_tokens: int, token: str) -> dict:
         return params_dict(
             request_id,
             self.engine_id,
@@ -404,7 +401,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             self.tp_size,
             ids.tolist(),
             num_tokens,
-            self._secret.token(request_id),
+            token,
         )
 
     def set_compute_stream(self, stream) -> None:

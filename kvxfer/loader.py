@@ -63,7 +63,8 @@ def _full_mask(num_layers: int) -> int:
     """Every layer as an int bit mask in wire bit order: layer ``i`` is bit ``i`` counted from
     the most significant bit of ``ceil(L / 8)`` big-endian bytes, so ``mask.to_bytes(n, "big")``
     is ``numpy.packbits`` of the layer flags (the ``want``/``layers`` fields of the grant
-    messages). Ints, not numpy arrays: ~10 small numpy ops per load cost ~30 us cold."""
+    messages). Ints, not numpy arrays: each small numpy op on a mask cost 5-15 us with a cold
+    cache in ``profiling/bench_engine.py``, and a load made about ten of them."""
     pad = -num_layers % 8
     return ((1 << num_layers) - 1) << pad
 

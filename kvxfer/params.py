@@ -164,26 +164,8 @@ class KVTransferParams:
             return d
         if not isinstance(d, dict):
             raise ValueError(f"{where or 'params'}: expected a dict, got {type(d).__name__}")
-        arr = None
-        try:  # the common case: one C call checks every field
-            f = msgspec.convert(d, _Shape)
-        except msgspec.ValidationError:
-            f = None
-        if (
-            f is not None
-            and f.version == PARAMS_VERSION
-            and (f.tp_size == 1 or f.port + f.tp_size - 1 <= 65535)
-            and type(d["block_ids"]) is list
-        ):
-            ids = f.block_ids
-            try:
-                arr = np.frombuffer(array.array("Q", ids), dtype=np.uint64)
-            except OverflowError:  # over 2**64: the checks below name it
-                arr = None
-        if arr is not None:
-            arr.flags.writeable = False
-            out = cls(f.request_id, f.engine_id, f.host, f.port, f.tp_size, tuple(ids), f.num_tokens, f.token)
-            object.__setattr__(out, "_ids", arr)
+        out = cls._checked_at_once(d)
+        if out is not None:
             return out
         try:
             version = d.get("version", PARAMS_VERSION)
@@ -208,6 +190,28 @@ class KVTransferParams:
             raise ValueError(f"{where}{e}") from None
         out = cls(request_id, engine_id, host, port, tp_size, tuple(ids), num_tokens, token, version)
         object.__setattr__(out, "_ids", arr)  # cached; not a field (eq/repr unchanged)
+        return out
+
+    @classmethod
+    def _checked_at_once(cls, d: dict) -> KVTransferParams | None:
+        """The params of ``d`` when one ``msgspec.convert`` finds every field good (the common
+        case, ~5 us at 4K tokens); None otherwise, and the field checks of :meth:`_one` name
+        what is wrong."""
+        try:
+            f = msgspec.convert(d, _Shape)
+        except msgspec.ValidationError:
+            return None
+        if f.version != PARAMS_VERSION or f.port + f.tp_size - 1 > 65535 or type(d["block_ids"]) is not list:
+            return None
+        try:
+            arr = np.frombuffer(array.array("Q", f.block_ids), dtype=np.uint64)
+        except OverflowError:  # over 2**64
+            return None
+        arr.flags.writeable = False
+        out = cls(
+            f.request_id, f.engine_id, f.host, f.port, f.tp_size, tuple(f.block_ids), f.num_tokens, f.token
+        )
+        object.__setattr__(out, "_ids", arr)
         return out
 
     def block_id_array(self) -> np.ndarray:

@@ -21,9 +21,7 @@ def test_keyed_state_token_is_hmac_sha256(key_len, rid):
     assert k.token(rid) == want  # the kept states are copied, never consumed
 
 
-def test_engine_secret_token_follows_its_secret():
-    s = EngineSecret("E", 0, 0)
-    assert s.token("q") == request_token(s.secret, "q")
-    assert s.token("q") != s.token("q2") and len(s.token("q")) == 32
-    s.secret = bytes(32)  # a replaced secret is picked up, not the cached states
-    assert s.token("q") == request_token(bytes(32), "q")
+def test_engine_secret_token_is_request_token_of_its_secret():
+    for s in (EngineSecret("E", 0, 0), EngineSecret("E", 0, 0, auth_key="cluster")):
+        assert s.token("q") == request_token(s.secret, "q")
+        assert s.token("q") != s.token("q2") and len(s.token("q")) == 32
