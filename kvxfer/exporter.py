@@ -174,10 +174,8 @@ class ExporterRole:
         if expected is None:
             plan = plan_reads(self.spec, self.tp_size, self.spec, msg.tp_size)
             expected = self._expected[msg.tp_size] = plan.expected_notifications(self.tp_rank)
-        released = 0
-        for rid in ids:
-            if rid not in bad:
-                released += self._exports.notify(rid, (msg.engine_id, msg.tp_rank), expected)
+        good = [rid for rid in ids if rid not in bad] if bad else ids
+        released = self._exports.notify_many(good, (msg.engine_id, msg.tp_rank), expected)
         if released:
             self._metrics.add("finished_exports", released)
         return C.Ack(failed=bad)

@@ -435,12 +435,7 @@ class LoaderRole:
     def _complete(self, rem: Remote, loads: list[LoadItem], done: list[str], reasons: dict[str, str]) -> None:
         """Report every load once (finished, or failed with its reason) and notify the exporter."""
         t_end = now()
-        lat = []
-        for rid in done:
-            start = self._loads.start_of(rid)
-            if self._loads.finish(rid):
-                lat.append(t_end - start)
-        self._metrics.record_done(lat)
+        self._metrics.record_done([t_end - start for start in self._loads.finish_many(done)])
         failed = [it for it in loads if it.request_id in reasons]
         for it in failed:
             if self._loads.fail(it.request_id, reasons[it.request_id]):

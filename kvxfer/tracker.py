@@ -223,18 +223,25 @@ class ExportTracker:
 
     def notify(self, request_id: str, sender: tuple, expected: int) -> bool:
         """Count a notification from ``sender``; release when ``expected`` arrived. True if released."""
+        return self.notify_many([request_id], sender, expected) == 1
+
+    def notify_many(self, request_ids: list[str], sender: tuple, expected: int) -> int:
+        """:meth:`notify` for each of ``request_ids`` (one notification message), under one
+        lock; returns how many were released."""
+        released = 0
         with self.lock:
-            e = self._live.get(request_id)
-            if e is None:
-                return False
-            if e.expected is None:
-                e.expected = expected
-            e.notified_by.add(sender)
-            if len(e.notified_by) >= e.expected:
-                self._release(request_id)
-                self._report(request_id, "finished")
-                return True
-            return False
+            for rid in request_ids:
+                e = self._live.get(rid)
+                if e is None:
+                    continue
+                if e.expected is None:
+                    e.expected = expected
+                e.notified_by.add(sender)
+                if len(e.notified_by) >= e.expected:
+                    self._release(rid)
+                    self._report(rid, "finished")
+                    released += 1
+        return released
 
     def abort(self, request_id: str) -> bool:
         """Release an export now (the caller aborted it); reported as finished_sending."""
@@ -317,17 +324,24 @@ class LoadTracker:
         with self.lock:
             return len(self._pending)
 
-    def start_of(self, request_id: str) -> float | None:
-        with self.lock:
-            e = self._pending.get(request_id)
-            return None if e is None else e.start
-
     def finish(self, request_id: str) -> bool:
         with self.lock:
             if self._pending.pop(request_id, None) is None:
                 return False
             self._done.add(request_id)
             return True
+
+    def finish_many(self, request_ids: list[str]) -> list[float]:
+        """:meth:`finish` each of ``request_ids`` under one lock; the start times of those that
+        were pending (each is reported once)."""
+        starts = []
+        with self.lock:
+            for rid in request_ids:
+                e = self._pending.pop(rid, None)
+                if e is not None:
+                    self._done.add(rid)
+                    starts.append(e.start)
+        return starts
 
     def fail(self, request_id: str, reason: str) -> bool:
         with self.lock:

@@ -137,10 +137,13 @@ def _cases():
 
 
 @pytest.mark.parametrize(("src", "dst"), _cases())
-@pytest.mark.parametrize("lens", [[48], [37], [48, 96, 240], [16, 48, 7, 33, 24, 1, 12]])
-def test_plan_batch_matches_per_request_copies(src, dst, lens):
+@pytest.mark.parametrize("lens", [[48], [37], [48, 96, 240], [16, 48, 7, 33, 24, 1, 12], [96, 48, 37]])
+@pytest.mark.parametrize("sibling", [True, False], ids=["sibling", "no-sibling"])
+def test_plan_batch_matches_per_request_copies(src, dst, lens, sibling):
     """What the engine runs: block lists in, units chosen per batch, n>1 siblings deduped; the
-    result equals per-request copies byte for byte, and blocks no request names stay poisoned."""
+    result equals per-request copies byte for byte, and blocks no request names stay poisoned.
+    Without a sibling, batches whose requests fill whole blocks but one take plan_batch's
+    one-call shortcut."""
     rng = random.Random(len(lens))
     src_c = [torch.empty(src.cache_shape(96, 1), dtype=src.dtype) for _ in range(2)]
     for c in src_c:
@@ -157,7 +160,9 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens):
         s_ids = np.array([sfree.pop() for _ in range(src.num_blocks_for(n))])
         d_ids = np.array([dfree.pop() for _ in range(dst.num_blocks_for(n))])
         items.append(Item(f"r{i}", s_ids, d_ids, n))
-    if len(lens) > 1:  # an n>1 sibling of r1: its first 2 source and 1 destination blocks are r1's
+    if (
+        sibling and len(lens) > 1
+    ):  # an n>1 sibling of r1: its first 2 source and 1 destination blocks are r1's
         n1 = lens[1]
         s_ids = np.concatenate([items[1].src[:2], [sfree.pop() for _ in range(src.num_blocks_for(n1) - 2)]])
         d_ids = np.concatenate([items[1].dst[:1], [dfree.pop() for _ in range(dst.num_blocks_for(n1) - 1)]])
@@ -174,7 +179,7 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
     moved = sum(c.num_tokens for c in bp.calls)
     assert moved + bp.skipped_tokens == sum(it.num_tokens for it in items)
-    if len(lens) > 1:
+    if sibling and len(lens) > 1:
         assert bp.skipped_tokens >= min(2 * src.block_size, dst.block_size) // math.lcm(
             bp.src_unit, bp.dst_unit
         ) * math.lcm(bp.src_unit, bp.dst_unit)
@@ -185,6 +190,10 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens):
     # Calls: max(1, requests with a partial last unit); one call when both sides have token slots.
     if len(sviews) == 2 and len(dviews) == 2:
         assert len(bp.calls) == 1
+    align = math.lcm(src.block_size, dst.block_size)
+    if not sibling and sum(n % align != 0 for n in lens) <= 1:  # whole blocks but one: one block call
+        assert len(bp.calls) == 1 and (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
+        assert bp.calls[0].src.size == sum(src.num_blocks_for(n) for n in lens)
 
 
 def test_plan_batch_one_call_per_ragged_request_on_hnd():

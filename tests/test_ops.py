@@ -297,10 +297,10 @@ def test_backend_status_says_why_each_backend_is_unavailable(fresh_backends):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback chain of a machine without CUDA")
 def test_fallback_past_an_unavailable_backend_is_logged_with_its_reason(fresh_backends, caplog):
     ops = fresh_backends
-    with caplog.at_level("WARNING", logger="kvxfer.ops"):
+    with caplog.at_level("WARNING", logger="kvxfer.backends.registry"):
         assert ops.resolve_backend("cuda") == "torch"
         ops.resolve_backend("cuda")  # logged once per backend, not per call
-    msgs = [r.getMessage() for r in caplog.records if r.name == "kvxfer.ops"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "kvxfer.backends.registry"]
     assert len([m for m in msgs if "'cuda' unavailable" in m]) == 1, msgs
     assert any("no CUDA device is visible" in m for m in msgs), msgs
 

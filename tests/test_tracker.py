@@ -43,6 +43,33 @@ def test_duplicate_notification_counts_once():
     assert t.notify("r", ("D", 1), 2)
 
 
+def test_notify_many_counts_each_request_once_and_frees_shared_blocks_last():
+    t = ExportTracker(8, 30.0)
+    t.add("a", torch.tensor([1, 2]), 20)
+    t.add("b", torch.tensor([2, 3]), 20)  # shares block 2 with a
+    t.add("c", torch.tensor([4]), 4)
+    assert t.notify_many(["a", "zzz", "c"], ("D", 0), 2) == 0  # each waits for a second rank
+    assert t.notify_many(["a", "c"], ("D", 0), 2) == 0  # a retried notification counts once
+    assert t.notify_many(["a", "b", "c"], ("D", 1), 2) == 2  # a and c complete; b has one of two
+    assert t.epochs[[1, 2, 3, 4]].tolist() == [1, 0, 0, 1]  # 2 is still held by b
+    assert t.notify_many(["b"], ("D", 0), 2) == 1
+    assert t.epochs[[1, 2, 3, 4]].tolist() == [1, 1, 1, 1] and t.held_blocks() == 0
+    out = PollResult()
+    t.drain(out)
+    assert out.finished_sending == {"a", "b", "c"}
+
+
+def test_load_tracker_finish_many_reports_each_once_with_its_start():
+    lt = LoadTracker()
+    lt.add("x", [1], 1.5)
+    lt.add("y", [2], 2.5)
+    assert lt.finish_many(["y", "zzz", "x", "y"]) == [2.5, 1.5]
+    assert lt.finish_many(["x"]) == [] and not lt.fail("y", "late")
+    out = PollResult()
+    lt.drain(out)
+    assert out.finished_recving == {"x", "y"} and not out.failed
+
+
 def test_lease_expiry_bumps_epochs_of_unshared_blocks_only():
     t = ExportTracker(8, 0.05)
     t.add("a", torch.tensor([1, 2, 3]), 40)
