@@ -339,3 +339,16 @@ def test_bench_ops_reports_a_failing_backend(tmp_path, monkeypatch, capsys, requ
     assert rc == 1 and "ERROR gather/cuda" in out and "kernel launch failed" in out and "FAILED" in out
     rows = _load(tmp_path)["rows"]
     assert len(rows) == 1 and "kernel launch failed" in rows[0]["error"]
+
+
+def test_compare_host_cost_runs_two_trees_interleaved(tmp_path):
+    """Same tree on both sides: every case timed on both, ratios finite; a tree that cannot
+    run the benchmark makes it fail, naming the tree."""
+    r = _run("compare_host_cost.py", ROOT, ROOT, "--rounds", "1", timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out["cases"]) == {"1x4096", "8x4096", "8x2K-4K"}
+    for c in out["cases"].values():
+        assert c["base_us"] > 0 and c["work_us"] > 0 and 0 < c["ratio"] < 100
+    bad = _run("compare_host_cost.py", str(tmp_path), ROOT, "--rounds", "1", timeout=300)
+    assert bad.returncode != 0 and str(tmp_path) in bad.stderr

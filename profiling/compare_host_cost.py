@@ -1,0 +1,104 @@
+"""Host cost of two source trees, interleaved finely enough that a shared VM's speed drifts
+cancel: before -> after for one change to the engine's per-request path.
+
+``bench_engine.py`` run once per tree moves by +-40 % between runs on the 2-vCPU CI VM (its
+reference loop takes 0.72-1.6 us within minutes), which hides changes of 5-20 %. Here one
+worker process per tree imports that tree's ``kvxfer`` and ``profiling/bench_engine.py`` and
+runs a short ``host_cost`` on request; rounds alternate the trees (and which goes first), so
+both see the same machine within seconds. Reported: each tree's median total per request, and
+the median over rounds of the per-round ratio (the figure to quote).
+
+    git worktree add /tmp/base HEAD~1
+    python profiling/compare_host_cost.py /tmp/base . [--rounds 60]
+
+Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CASES = (("1x4096", 60, 1, False), ("8x4096", 8, 8, False), ("8x2K-4K", 8, 8, True))
+
+_WORKER = """
+import json, os, sys
+root = sys.argv[1]
+sys.path[:0] = [root, os.path.join(root, "profiling")]
+import torch
+torch.set_num_threads(1)
+import bench_engine
+for line in sys.stdin:
+    n, batch, unaligned = line.split()
+    r = bench_engine.host_cost(int(n), int(batch), 4096, unaligned=unaligned == "1")
+    print(json.dumps(r["total_us"]), flush=True)
+"""
+
+
+def _worker(root: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": root}
+    return subprocess.Popen(
+        [sys.executable, "-c", _WORKER, root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+        env=env,
+    )
+
+
+def compare(base: str, work: str, rounds: int) -> dict:
+    trees = {"base": os.path.abspath(base), "work": os.path.abspath(work)}
+    procs = {k: _worker(v) for k, v in trees.items()}
+    res: dict[str, dict[str, list[float]]] = {k: {c[0]: [] for c in CASES} for k in trees}
+    try:
+        for r in range(rounds):
+            for name, n, batch, unaligned in CASES:
+                for k in list(trees) if r % 2 == 0 else list(trees)[::-1]:
+                    p = procs[k]
+                    assert p.stdin is not None and p.stdout is not None
+                    p.stdin.write(f"{n} {batch} {int(unaligned)}\n")
+                    p.stdin.flush()
+                    line = p.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"the {k} worker ({trees[k]}) died: run its bench_engine.py alone")
+                    res[k][name].append(float(line))
+    finally:
+        for p in procs.values():
+            if p.stdin:
+                p.stdin.close()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    out = {"trees": trees, "rounds": rounds, "cases": {}}
+    for name, *_ in CASES:
+        ratios = [w / b for w, b in zip(res["work"][name], res["base"][name])]
+        out["cases"][name] = {
+            "base_us": statistics.median(res["base"][name]),
+            "work_us": statistics.median(res["work"][name]),
+            "ratio": statistics.median(ratios),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("base", help="the tree before (a git worktree)")
+    ap.add_argument("work", nargs="?", default=".", help="the tree after (default: this one)")
+    ap.add_argument("--rounds", type=int, default=60)
+    a = ap.parse_args()
+    out = compare(a.base, a.work, a.rounds)
+    print(f"host cost per request, us (median of {a.rounds} interleaved rounds)")
+    print(f"  {'case':<10}{'base':>10}{'work':>10}{'work/base':>11}")
+    for name, c in out["cases"].items():
+        print(f"  {name:<10}{c['base_us']:10.1f}{c['work_us']:10.1f}{c['ratio']:11.2f}")
+    print(json.dumps({"bench": "compare_host_cost", **out}))
+
+
+if __name__ == "__main__":
+    main()
