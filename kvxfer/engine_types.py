@@ -11,6 +11,7 @@ import torch
 from . import control as C
 from .params import KVTransferParams
 from .spec import KVCacheSpec
+from .transports.batching import Item
 
 TICK_MS = 20
 
@@ -93,6 +94,18 @@ class LoadItem:
     block_ids: np.ndarray  # local int64, exactly ceil(T / block_size)
     deadline: float = 0.0  # monotonic: every wait of this load ends by then (set at dispatch)
     first: int = 0  # tokens already held here (a partial load): pull [first, num_tokens)
+
+    def plan_item(self) -> Item:
+        """This load as :func:`kvxfer.transports.plan_batch` takes it: block ids of both sides.
+        The source ids are a writable int64 copy (~1 us): the params' array is read-only, and
+        the ops hand ids to torch, which warns on read-only arrays."""
+        return Item(
+            self.request_id,
+            self.params.block_id_array().astype(np.int64),
+            self.block_ids,
+            self.params.num_tokens,
+            first=self.first,
+        )
 
 
 @dataclass

@@ -39,7 +39,7 @@ from .plan import Read, plan_reads
 from .spec import KVCacheSpec
 from .tracing import trace
 from .tracker import UNKNOWN
-from .transports import BatchPlan, Item, cache_views, choice, plan_batch
+from .transports import BatchPlan, cache_views, choice, plan_batch
 from .transports.batching import view_at
 
 _LOG = logging.getLogger(__name__)
@@ -564,18 +564,7 @@ class LoaderRole:
     def _plan(self, loads: list[LoadItem], src_bs: int, src_units: list[int]) -> BatchPlan:
         """Units and ops calls for ``loads`` from one source rank (block lists in, no per-token
         arrays unless requests with partial last blocks share a call)."""
-        items = [
-            Item(
-                it.request_id,
-                # a writable int64 copy (~1 us): the params' array is read-only, and ops hands
-                # ids to torch, which warns on read-only arrays
-                it.params.block_id_array().astype(np.int64),
-                it.block_ids,
-                it.params.num_tokens,
-                first=it.first,
-            )
-            for it in loads
-        ]
+        items = [it.plan_item() for it in loads]
         return plan_batch(items, src_bs, src_units, self.spec.block_size, [v.unit for v in self._views])
 
     def _count(self, bp: BatchPlan, num_heads: int, layers: list[int] | None = None) -> tuple[int, int]:

@@ -43,7 +43,7 @@ from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
 from .ordering import FenceTimeout
 from .plan import Read
 from .tracing import trace
-from .transports import Item, plan_batch
+from .transports import plan_batch
 from .transports.batching import view_at
 from .transports.nixl import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status
 from .transports.nixl_descs import CacheGeometry, descs, direct_runs, direct_why, epoch_runs
@@ -399,16 +399,7 @@ class NixlRole:
         layers: list[int] | None = None,
     ) -> tuple[int, dict[str, str]]:
         agent = self._nixl
-        items = [
-            Item(
-                it.request_id,
-                it.params.block_id_array().view(np.int64),
-                it.block_ids,
-                it.params.num_tokens,
-                first=it.first,
-            )
-            for it in loads
-        ]
+        items = [it.plan_item() for it in loads]
         sbs, dbs = rem.spec.block_size, self.spec.block_size
         # block units on both sides (n>1 prefixes once; a partial load starting inside a block
         # gets a short head call at the same offset on both sides: equal block sizes)

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from .ordering import event_done, wait_event
+from .spec import KVCacheSpec
 
 __all__ = [
     "Chunk",
@@ -47,11 +48,29 @@ __all__ = [
     "pipelined_recv",
     "pipelined_send",
     "record_done",
+    "wire_viewer",
 ]
 
 # Every buffer starts on a 256-byte boundary: any dtype view is aligned, and CUDA copy kernels
 # get full-width vector accesses.
 _ALIGN = 256
+
+
+def wire_viewer(
+    spec: KVCacheSpec, num_heads: int, num_layers: int | None = None
+) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
+    """``view(chunk, slot)``: the wire of ``chunk`` (``spec.wire_shape`` of its tokens,
+    ``num_heads`` heads, ``num_layers`` layers: default all) at the start of the ``uint8``
+    staging ``slot``; ``ValueError`` naming the chunk when the slot is too small."""
+
+    def view(c: Chunk, slot: torch.Tensor) -> torch.Tensor:
+        shape = spec.wire_shape(c.num_tokens, num_heads, num_layers)
+        nbytes = math.prod(shape) * spec.element_size
+        if nbytes > slot.numel():
+            raise ValueError(f"staging: chunk {c.index} needs {nbytes} bytes, buffer has {slot.numel()}")
+        return slot[:nbytes].view(spec.dtype).view(shape)
+
+    return view
 
 
 def _positive_int(field: str, value: object, allow_zero: bool = False) -> int:

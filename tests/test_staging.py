@@ -17,7 +17,15 @@ import torch
 
 from kvxfer import ops
 from kvxfer.spec import KVCacheSpec, Layout
-from kvxfer.staging import Chunk, StagingPool, chunk_tokens_for, cut, pipelined_recv, pipelined_send
+from kvxfer.staging import (
+    Chunk,
+    StagingPool,
+    chunk_tokens_for,
+    cut,
+    pipelined_recv,
+    pipelined_send,
+    wire_viewer,
+)
 from kvxfer.transports.staged import StagedPipeline
 
 POISON = 0xA5
@@ -211,7 +219,7 @@ def test_pool_bounded_wait_and_errors():
 
 def test_wire_view_checks_size():
     spec = KVCacheSpec(2, 4, 8, 16, torch.bfloat16)
-    view = StagedPipeline._viewer(spec, num_heads=2)
+    view = wire_viewer(spec, num_heads=2)
     c = cut([(list(range(3)), 40)], 32, 16)[0]
     buf = torch.empty(4096, dtype=torch.uint8)
     w = view(c, buf)
@@ -425,7 +433,7 @@ def test_pipeline_threads_byte_exact(case, dtype):
         target=lambda: pipelined_send(
             schunks,
             pool_s.buffers,
-            StagedPipeline._viewer(sspec, read.num_heads),
+            wire_viewer(sspec, read.num_heads),
             _gatherer(src, sspec, read),
             lambda c, b: q.put(b.clone()),
         )
@@ -434,7 +442,7 @@ def test_pipeline_threads_byte_exact(case, dtype):
     n = pipelined_recv(
         dchunks,
         pool_d.buffers,
-        StagedPipeline._viewer(dspec, read.num_heads),
+        wire_viewer(dspec, read.num_heads),
         lambda c, b: QueueWork(q, b),
         _scatterer(dst, dspec, read),
     )
@@ -454,14 +462,14 @@ def test_pipeline_threads_mla():
     pipelined_send(
         schunks,
         StagingPool(2, max_bytes).buffers,
-        StagedPipeline._viewer(sspec, 1),
+        wire_viewer(sspec, 1),
         _gatherer(src, sspec),
         lambda c, b: q.put(b.clone()),
     )
     pipelined_recv(
         dchunks,
         StagingPool(2, max_bytes).buffers,
-        StagedPipeline._viewer(dspec, 1),
+        wire_viewer(dspec, 1),
         lambda c, b: QueueWork(q, b),
         _scatterer(dst, dspec),
     )
@@ -491,7 +499,7 @@ def _gloo_worker(rank: int, port: int, errq) -> None:
                     n = pipelined_send(
                         schunks,
                         slots,
-                        StagedPipeline._viewer(sspec, read.num_heads),
+                        wire_viewer(sspec, read.num_heads),
                         _gatherer(src, sspec, read),
                         lambda c, b, tag=tag: pg.send([b.view(torch.uint8).view(-1)], peer, tag + c.index),
                     )
@@ -500,7 +508,7 @@ def _gloo_worker(rank: int, port: int, errq) -> None:
                     n = pipelined_recv(
                         dchunks,
                         slots,
-                        StagedPipeline._viewer(dspec, read.num_heads),
+                        wire_viewer(dspec, read.num_heads),
                         lambda c, b, tag=tag: pg.recv([b.view(torch.uint8).view(-1)], peer, tag + c.index),
                         _scatterer(dst, dspec, read),
                     )
@@ -573,7 +581,7 @@ def test_gpu_staging_byte_exact(pinned):
         target=lambda: pipelined_send(
             schunks,
             pool_s.buffers,
-            StagedPipeline._viewer(sspec, read.num_heads),
+            wire_viewer(sspec, read.num_heads),
             gather,
             lambda c, b: q.put(b.clone()),
             fences(),
@@ -583,7 +591,7 @@ def test_gpu_staging_byte_exact(pinned):
     pipelined_recv(
         dchunks,
         pool_d.buffers,
-        StagedPipeline._viewer(dspec, read.num_heads),
+        wire_viewer(dspec, read.num_heads),
         lambda c, b: QueueWork(q, b),
         scatter,
         fences(),

@@ -30,14 +30,13 @@ refills a receive buffer only after the scatter that read it completed
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..spec import KVCacheSpec
-from ..staging import Chunk, HostFence, StagingPool, cut, pipelined_recv, pipelined_send
+from ..staging import Chunk, HostFence, StagingPool, cut, pipelined_recv, pipelined_send, wire_viewer
 from ..tracing import trace
 from .nixl import NixlAgent, NixlError, XferFence, XferTimeout, encode_notif, mem_of
 
@@ -86,19 +85,6 @@ class NixlStaging:
         return [HostFence(timeout_s) for _ in range(self.pool.num_buffers)]
 
 
-def _viewer(
-    spec: KVCacheSpec, num_heads: int, num_layers: int | None = None
-) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
-    def view(c: Chunk, slot: torch.Tensor) -> torch.Tensor:
-        shape = spec.wire_shape(c.num_tokens, num_heads, num_layers)
-        nbytes = math.prod(shape) * spec.element_size
-        if nbytes > slot.numel():
-            raise ValueError(f"staging: chunk {c.index} needs {nbytes} bytes, buffer has {slot.numel()}")
-        return slot[:nbytes].view(spec.dtype).view(shape)
-
-    return view
-
-
 class _Until:
     """An "event" (``query()``) that completes at a monotonic time: keeps a staging buffer out
     of the pool until a peer can no longer be reading it."""
@@ -144,7 +130,7 @@ def send_stream(
     ``out`` (``num_layers`` layers: a layer group, default all) and raises to stop. An
     exception raised here carries ``peer_gone = True`` when NIXL reported the loader gone."""
     chunks = cut(calls, chunk_tokens, unit)
-    view = _viewer(spec, num_heads, num_layers)
+    view = wire_viewer(spec, num_heads, num_layers)
     bound = [time.monotonic() + timeout_s]  # moves on with every READ completed (as pg's per-op bound)
     acked: set[int] = set()
     sent_at: dict[int, tuple[float, torch.Tensor]] = {}  # chunk -> (R sent, slot) until acked
@@ -388,7 +374,7 @@ def recv_stream(
     must have been opened before the exporter was asked to stream (it is closed here). Every
     wait ends by ``deadline``."""
     chunks = cut(calls, chunk_tokens, unit)
-    view = _viewer(spec, num_heads, num_layers)
+    view = wire_viewer(spec, num_heads, num_layers)
     reads = _Reads(agent, peer, key, remote, staging, deadline, tag)
 
     def do_scatter(c: Chunk, buf: torch.Tensor) -> None:

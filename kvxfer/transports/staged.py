@@ -29,7 +29,6 @@ exporter offer only Gloo for CUDA caches (staging through pinned host memory ins
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -37,7 +36,16 @@ from datetime import timedelta
 import torch
 
 from ..spec import KVCacheSpec
-from ..staging import Chunk, HostFence, StagingPool, chunk_tokens_for, cut, pipelined_recv, pipelined_send
+from ..staging import (
+    Chunk,
+    HostFence,
+    StagingPool,
+    chunk_tokens_for,
+    cut,
+    pipelined_recv,
+    pipelined_send,
+    wire_viewer,
+)
 from ..tracing import trace
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "StagedPipeline"]
@@ -166,19 +174,6 @@ class StagedPipeline:
         }
 
     # ------------------------------------------------------------------ streaming
-    @staticmethod
-    def _viewer(
-        spec: KVCacheSpec, num_heads: int, num_layers: int | None = None
-    ) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
-        def view(c: Chunk, slot: torch.Tensor) -> torch.Tensor:
-            shape = spec.wire_shape(c.num_tokens, num_heads, num_layers)
-            nbytes = math.prod(shape) * spec.element_size
-            if nbytes > slot.numel():
-                raise ValueError(f"staging: chunk {c.index} needs {nbytes} bytes, buffer has {slot.numel()}")
-            return slot[:nbytes].view(spec.dtype).view(shape)
-
-        return view
-
     def _fences(self, pool: StagingPool, cache_device: torch.device, timeout_s: float):
         if pool.device.type == "cpu" and cache_device.type == "cuda":
             return [HostFence(timeout_s) for _ in range(self.depth)]
@@ -205,7 +200,7 @@ class StagedPipeline:
         ``i``. Returns the bytes sent. ``gather(chunk, out)`` fills the wire view ``out``
         (``num_layers`` of them: a layer group, default all)."""
         chunks = cut(calls, chunk_tokens, unit)
-        view = self._viewer(spec, num_heads, num_layers)
+        view = wire_viewer(spec, num_heads, num_layers)
         pool = self._pool("send", backend, cache_device)
         fences = self._fences(pool, cache_device, timeout_s)
         sent = 0
@@ -246,7 +241,7 @@ class StagedPipeline:
         into staging buffers and scatter it; receiving chunk ``i+1`` overlaps scattering chunk
         ``i``. Returns the number of chunks. ``scatter(chunk, wire)``."""
         chunks = cut(calls, chunk_tokens, unit)
-        view = self._viewer(spec, num_heads, num_layers)
+        view = wire_viewer(spec, num_heads, num_layers)
         pool = self._pool("recv", backend, cache_device)
         fences = self._fences(pool, cache_device, timeout_s)
 
