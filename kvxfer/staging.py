@@ -303,10 +303,22 @@ def _check_slots(slots: Sequence[torch.Tensor], fences) -> int:
     return depth
 
 
-def _drain(pending: Sequence[Work | None]) -> None:
+def _drain(pending: Sequence[Work | None], failed: BaseException | None = None) -> None:
+    """Wait every posted send or receive, all of them even when some fail. After ``failed``
+    (the error that stopped the pipeline) a failing wait is added to it as a note instead of
+    replacing it: the caller reports the first cause (a CUDA fault in a scatter), not the
+    peer's timeout that followed. Without ``failed`` the first failing wait is raised."""
+    errors: list[Exception] = []
     for w in pending:
         if w is not None:
-            w.wait()
+            try:
+                w.wait()
+            except Exception as e:
+                errors.append(e)
+    for e in errors if failed is not None else errors[1:]:
+        (failed or errors[0]).add_note(f"then, draining the pipeline: {type(e).__name__}: {e}")
+    if failed is None and errors:
+        raise errors[0]
 
 
 def pipelined_send(
@@ -324,7 +336,7 @@ def pipelined_send(
     then ``send(chunk, buf)`` (non-blocking; returns a work object or None). So the gather of
     chunk ``i+1`` overlaps the send of chunk ``i``. With ``fences``, the host waits for the
     gather's CUDA copy before handing ``buf`` to the transport. All sends are waited before
-    returning, also when a callable raises.
+    returning, also when a callable raises (its error is the one raised; see :func:`_drain`).
     """
     depth = _check_slots(slots, fences)
     pending: list[Work | None] = [None] * depth
@@ -342,8 +354,10 @@ def pipelined_send(
                 fences[s].wait()
             pending[s] = send(chunk, buf)
             count += 1
-    finally:
-        _drain(pending)
+    except BaseException as e:
+        _drain(pending, e)
+        raise
+    _drain(pending)
     return count
 
 
@@ -361,7 +375,8 @@ def pipelined_recv(
     receive completes it is scattered and the receive of chunk ``i + len(slots)`` is posted into
     the same slot, so receiving chunk ``i+1`` overlaps scattering chunk ``i``. With ``fences``,
     a slot is re-posted only after the host saw the CUDA scatter that read it finish. Posted
-    receives are waited before returning, also when a callable raises.
+    receives are waited before returning, also when a callable raises (its error is the one
+    raised; see :func:`_drain`).
     """
     depth = _check_slots(slots, fences)
     n = len(chunks)
@@ -390,8 +405,10 @@ def pipelined_recv(
             count += 1
             if i + depth < n:
                 post(i + depth)
-    finally:
-        _drain(pending)
+    except BaseException as e:
+        _drain(pending, e)
+        raise
+    _drain(pending)
     return count
 
 

@@ -329,3 +329,26 @@ def test_plan_copy_takes_narrowest_width_of_both_sides():
     ]
     b = ops.make_side(caches, spec, list(range(7)), 100, 0, 8)
     assert cuda.plan_copy(a, b, 4).name == "kvx_copy_w2"
+
+
+def test_device_address_of_host_memory_must_be_pinned_and_mapped(monkeypatch):
+    """The pinned wire's address comes from the driver's pointer attributes; memory that is not
+    pinned host memory, or has no device mapping, is refused naming the address, never handed
+    to a kernel (an illegal address on the GPU)."""
+    import sys
+    import types
+
+    from kvxfer.backends import cuda as kc
+
+    attrs = {"type": 1, "devicePointer": 0x7000}
+    rt = types.SimpleNamespace(
+        memoryTypeHost=1, pointerGetAttributes=lambda p: types.SimpleNamespace(**attrs)
+    )
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    t = torch.empty(64, dtype=torch.uint8)
+    assert kc._device_address(t) == 0x7000
+    for bad in ({"type": 0, "devicePointer": 0x7000}, {"type": 1, "devicePointer": 0}):
+        attrs.update(bad)
+        with pytest.raises(ValueError, match=f"wire: host memory at {t.data_ptr():#x} is not pinned"):
+            kc._device_address(t)

@@ -349,6 +349,65 @@ def test_send_fence_before_transport_and_drain_on_error():
     ]
 
 
+class FailingWork:
+    """A posted send/receive whose wait fails (the peer gave up: a transport timeout)."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait(self):
+        self.log.append(("wait", self.name))
+        raise RuntimeError(f"timeout waiting for chunk {self.name}")
+
+
+def test_recv_reports_the_scatter_fault_not_the_timeout_that_followed():
+    """A scatter that fails (a CUDA fault on a GPU) makes the peer give up, so the receives
+    still posted fail too while the pipeline drains: the scatter's error is raised, the
+    drain's failures ride along as notes, and every posted receive is still waited."""
+    log = []
+    slots = [torch.zeros(16, dtype=torch.uint8) for _ in range(2)]
+
+    def recv(c, b):
+        log.append(("recv", c.index))
+        return FakeWork(log, c.index) if c.index == 0 else FailingWork(log, c.index)
+
+    def scatter(c, b):
+        raise RuntimeError(f"illegal address in the scatter of chunk {c.index}")
+
+    with pytest.raises(RuntimeError, match="illegal address in the scatter of chunk 0") as err:
+        pipelined_recv(_plan4(), slots, lambda c, s: s[: c.num_tokens], recv, scatter)
+    assert any("timeout waiting for chunk 1" in n for n in err.value.__notes__)
+    assert log == [("recv", 0), ("recv", 1), ("wait", 0), ("wait", 1)]
+
+
+def test_send_reports_the_gather_fault_and_a_clean_drain_failure_is_raised():
+    log = []
+    slots = [torch.zeros(16, dtype=torch.uint8) for _ in range(2)]
+
+    def gather(c, b):
+        if c.index == 1:
+            raise RuntimeError("illegal address in the gather of chunk 1")
+
+    def send(c, b):
+        return FailingWork(log, c.index)
+
+    with pytest.raises(RuntimeError, match="gather of chunk 1") as err:
+        pipelined_send(_plan4(), slots, lambda c, s: s[: c.num_tokens], gather, send)
+    assert any("timeout waiting for chunk 0" in n for n in err.value.__notes__)
+    # no other error: the first failing wait is raised once every posted send was waited
+    log.clear()
+    with pytest.raises(RuntimeError, match="timeout waiting for chunk 2") as err:
+        pipelined_send(
+            _plan4()[:4],
+            slots,
+            lambda c, s: s[: c.num_tokens],
+            lambda c, b: None,
+            lambda c, b: FakeWork(log, c.index) if c.index < 2 else FailingWork(log, c.index),
+        )
+    assert log == [("wait", 0), ("wait", 1), ("wait", 2), ("wait", 3)]
+    assert any("timeout waiting for chunk 3" in n for n in err.value.__notes__)
+
+
 def test_pipeline_argument_errors():
     plan = _plan4()
     one = [torch.zeros(16, dtype=torch.uint8)]

@@ -288,7 +288,16 @@ def _device_address(t: torch.Tensor) -> int:
         return t.data_ptr()
     import cupy
 
-    return int(cupy.cuda.runtime.pointerGetAttributes(t.data_ptr()).devicePointer)
+    rt = cupy.cuda.runtime
+    attrs = rt.pointerGetAttributes(t.data_ptr())
+    host = getattr(rt, "memoryTypeHost", 1)
+    if attrs.type != host or not attrs.devicePointer:
+        raise ValueError(
+            f"wire: host memory at {t.data_ptr():#x} is not pinned and mapped for the GPU "
+            f"(memory type {attrs.type}, device pointer {attrs.devicePointer:#x}); a kernel "
+            "cannot write it"
+        )
+    return int(attrs.devicePointer)
 
 
 @functools.lru_cache(maxsize=64)
