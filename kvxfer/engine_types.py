@@ -31,6 +31,13 @@ def batch_tag(request_ids) -> str:
     return "" if not n else request_ids[0] if n == 1 else f"{request_ids[0]}+{n - 1}"
 
 
+def describe_error(e: BaseException) -> str:
+    """``"Type: message"`` of ``e``, with its notes (e.g. what else failed while a staged
+    pipeline drained after it): the reason a failed request or a dropped pair reports."""
+    notes = getattr(e, "__notes__", None)
+    return f"{type(e).__name__}: {e}" + ("".join(f"; {n}" for n in notes) if notes else "")
+
+
 def check_block_ids(x, need: int, num_blocks: int, what: str) -> np.ndarray:
     """The first ``need`` of block ids ``x`` (list/tuple of ints, int array or tensor) as a new
     int64 array, each in ``[0, num_blocks)``; ``ValueError`` naming ``block_ids`` otherwise.

@@ -18,7 +18,7 @@ import torch
 from . import control as C
 from . import ops
 from .auth import tokens_match
-from .engine_types import TICK_MS, batch_tag
+from .engine_types import TICK_MS, batch_tag, describe_error
 from .ordering import NOT_READY
 from .plan import plan_reads
 from .tracker import UNKNOWN
@@ -313,13 +313,12 @@ class ExporterRole:
                 self._stream_send(pair, job[2])
             except Exception as e:
                 _LOG.warning(
-                    "kvxfer exporter %s rank %d: pg %s for pair %s failed (%s: %s); the pair is torn down "
+                    "kvxfer exporter %s rank %d: pg %s for pair %s failed (%s); the pair is torn down "
                     "and the loader re-pairs",
                     self.engine_id,
                     self.tp_rank,
                     kind,
                     key,
-                    type(e).__name__,
-                    e,
+                    describe_error(e),
                 )
-                pg.discard_pair(self._sender_pairs.pop(key, None), f"{type(e).__name__}: {e}")
+                pg.discard_pair(self._sender_pairs.pop(key, None), describe_error(e))

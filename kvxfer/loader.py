@@ -32,7 +32,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import HandshakeError, LoadItem, ReleaseItem, Remote, batch_tag
+from .engine_types import HandshakeError, LoadItem, ReleaseItem, Remote, batch_tag, describe_error
 from .metrics import now
 from .ordering import NOT_READY, FenceTimeout, event_done
 from .plan import Read, plan_reads
@@ -426,9 +426,7 @@ class LoaderRole:
                 alive.pop(it.request_id, None)
             moved = 0
         except Exception as e:
-            bad = {
-                it.request_id: f"{rem.transport} read from rank {s}: {type(e).__name__}: {e}" for it in loads
-            }
+            bad = {it.request_id: f"{rem.transport} read from rank {s}: {describe_error(e)}" for it in loads}
         self._metrics.record_batch(t0, now(), moved, 0)
         return bad
 
@@ -689,7 +687,7 @@ class LoaderRole:
         try:
             group, key = self._pair(rem, s, loads[0], deadline)
         except Exception as e:
-            return 0, {it.request_id: f"pg pair with rank {s}: {type(e).__name__}: {e}" for it in loads}
+            return 0, {it.request_id: f"pg pair with rank {s}: {describe_error(e)}" for it in loads}
         moved = saved = 0
         pg_info = rem.replies[s].pg
         for r in reads:

@@ -39,7 +39,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import HandshakeError, LoadItem, Remote, batch_tag
+from .engine_types import HandshakeError, LoadItem, Remote, batch_tag, describe_error
 from .ordering import FenceTimeout
 from .plan import Read
 from .tracing import trace
@@ -492,7 +492,7 @@ class NixlRole:
         try:
             self._nixl_pair(rem, s, st, loads[0], deadline)
         except Exception as e:
-            return 0, {it.request_id: f"nixl pair with rank {s}: {type(e).__name__}: {e}" for it in loads}
+            return 0, {it.request_id: f"nixl pair with rank {s}: {describe_error(e)}" for it in loads}
         if self._nixl_recv is None:
             self._nixl_recv = NixlStaging(
                 agent,

@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD:/tmp/site"
 # process that had run whole cases before).
 : >"$out/onegpu.log"
 for m in staged-pinned staged whole; do for d in bf16 e4m3; do
-  CUDA_LAUNCH_BLOCKING=1 timeout 40 python3 -m pytest -v -rs -p no:cacheprovider "$one[$m-$d]" >>"$out/onegpu.log" 2>&1
+  CUDA_LAUNCH_BLOCKING=1 timeout 40 python3 -m pytest -v -rs -p no:cacheprovider --log-level=DEBUG "$one[$m-$d]" >>"$out/onegpu.log" 2>&1
   echo "onegpu $m-$d rc=$?"
 done; done
 (cd "$out" && tar czf results.tgz --exclude results.tgz --exclude onegpu.log ./* && find . -maxdepth 1 -type f ! -name results.tgz ! -name onegpu.log -delete)

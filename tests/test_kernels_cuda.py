@@ -352,3 +352,41 @@ def test_device_address_of_host_memory_must_be_pinned_and_mapped(monkeypatch):
         attrs.update(bad)
         with pytest.raises(ValueError, match=f"wire: host memory at {t.data_ptr():#x} is not pinned"):
             kc._device_address(t)
+
+
+def test_launch_logs_kernel_stream_and_addresses_at_debug(monkeypatch, caplog):
+    """At DEBUG every CUDA C++ launch is logged with its kernel, stream, grid and arguments
+    (addresses in hex): what an illegal-address report needs. Driven through fake cupy/torch
+    stream objects: nothing runs."""
+    import sys
+    import types
+
+    from kvxfer.backends import cuda as kc
+
+    launched = []
+
+    class _Ctx:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda i: _Ctx()))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(
+        kc, "_kernels", lambda i: {"kvx_gather_w16": lambda g, b, a: launched.append((g, b, a))}
+    )
+    monkeypatch.setattr(kc, "_cupy_stream", lambda ptr, i: _Ctx())
+    monkeypatch.setattr(kc.torch.cuda, "current_stream", lambda d: types.SimpleNamespace(cuda_stream=0xABC))
+    plan = kc.Launch("kvx_gather_w16", 7, 256, (3, 0x7F0000001000), None)
+    with caplog.at_level("DEBUG", logger="kvxfer.backends.cuda"):
+        kc._launch(plan, torch.device("cuda", 0))
+    assert launched and launched[0][0] == (7,)
+    msg = next(r.getMessage() for r in caplog.records if r.name == "kvxfer.backends.cuda")
+    assert (
+        "kvx_gather_w16" in msg
+        and "stream 0xabc" in msg
+        and "0x7f0000001000" in msg
+        and "grid 7 x 256" in msg
+    )

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvxfer import ops
+from kvxfer.engine_types import describe_error
 from kvxfer.spec import KVCacheSpec, Layout
 from kvxfer.staging import (
     Chunk,
@@ -378,6 +379,10 @@ def test_recv_reports_the_scatter_fault_not_the_timeout_that_followed():
         pipelined_recv(_plan4(), slots, lambda c, s: s[: c.num_tokens], recv, scatter)
     assert any("timeout waiting for chunk 1" in n for n in err.value.__notes__)
     assert log == [("recv", 0), ("recv", 1), ("wait", 0), ("wait", 1)]
+    # the reason a failed load reports names both, the cause first
+    why = describe_error(err.value)
+    assert why.startswith("RuntimeError: illegal address in the scatter of chunk 0; ")
+    assert why.endswith("RuntimeError: timeout waiting for chunk 1")
 
 
 def test_send_reports_the_gather_fault_and_a_clean_drain_failure_is_raised():

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -322,7 +323,19 @@ def _launch(plan: Launch, device: torch.device) -> None:
 
     index = _index(device)
     kernel = _kernels(index)[plan.name]
-    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, index)
+    torch_stream = torch.cuda.current_stream(device).cuda_stream
+    stream = _cupy_stream(torch_stream, index)
+    if _LOG.isEnabledFor(logging.DEBUG):  # what a fault report needs: kernel, stream, addresses
+        _LOG.debug(
+            "launch %s on cuda:%d stream %#x grid %d x %d args %s (thread %s)",
+            plan.name,
+            index,
+            torch_stream,
+            plan.grid,
+            plan.block,
+            [hex(a) if a > 0xFFFFFFFF else a for a in plan.args],
+            threading.current_thread().name,
+        )
     with cupy.cuda.Device(index), stream:
         kernel((plan.grid,), (plan.block,), tuple(np.int64(a) for a in plan.args))
 
