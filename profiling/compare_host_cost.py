@@ -40,7 +40,9 @@ for line in sys.stdin:
 
 
 def _worker(root: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": root}
+    # one hash seed for every worker: dict and set layouts (hence speed) then do not differ
+    # between the two trees' processes by the luck of the seed
+    env = {**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": "0"}
     return subprocess.Popen(
         [sys.executable, "-c", _WORKER, root],
         stdin=subprocess.PIPE,
@@ -51,12 +53,30 @@ def _worker(root: str) -> subprocess.Popen:
     )
 
 
-def compare(base: str, work: str, rounds: int) -> dict:
+def _stop(procs: dict[str, subprocess.Popen]) -> None:
+    for p in procs.values():
+        if p.stdin:
+            p.stdin.close()
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def compare(base: str, work: str, rounds: int, restarts: int = 6) -> dict:
+    """Per case: each tree's median total per request and the median per-round ratio. Fresh
+    worker processes every ``rounds / restarts`` rounds: a process's own layout (ASLR, allocator
+    state) can make it a few % faster or slower for its whole life, which rounds alone do not
+    cancel."""
     trees = {"base": os.path.abspath(base), "work": os.path.abspath(work)}
-    procs = {k: _worker(v) for k, v in trees.items()}
     res: dict[str, dict[str, list[float]]] = {k: {c[0]: [] for c in CASES} for k in trees}
+    per_proc = max(1, -(-rounds // max(1, restarts)))
+    procs: dict[str, subprocess.Popen] = {}
     try:
         for r in range(rounds):
+            if r % per_proc == 0:
+                _stop(procs)
+                procs = {k: _worker(v) for k, v in trees.items()}
             for name, n, batch, unaligned in CASES:
                 for k in list(trees) if r % 2 == 0 else list(trees)[::-1]:
                     p = procs[k]
@@ -68,14 +88,8 @@ def compare(base: str, work: str, rounds: int) -> dict:
                         raise RuntimeError(f"the {k} worker ({trees[k]}) died: run its bench_engine.py alone")
                     res[k][name].append(float(line))
     finally:
-        for p in procs.values():
-            if p.stdin:
-                p.stdin.close()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    out = {"trees": trees, "rounds": rounds, "cases": {}}
+        _stop(procs)
+    out = {"trees": trees, "rounds": rounds, "restarts": restarts, "cases": {}}
     for name, *_ in CASES:
         ratios = [w / b for w, b in zip(res["work"][name], res["base"][name])]
         out["cases"][name] = {
@@ -91,8 +105,9 @@ def main() -> None:
     ap.add_argument("base", help="the tree before (a git worktree)")
     ap.add_argument("work", nargs="?", default=".", help="the tree after (default: this one)")
     ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--restarts", type=int, default=6, help="fresh worker pairs over the run")
     a = ap.parse_args()
-    out = compare(a.base, a.work, a.rounds)
+    out = compare(a.base, a.work, a.rounds, a.restarts)
     print(f"host cost per request, us (median of {a.rounds} interleaved rounds)")
     print(f"  {'case':<10}{'base':>10}{'work':>10}{'work/base':>11}")
     for name, c in out["cases"].items():
