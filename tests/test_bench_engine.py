@@ -19,3 +19,4 @@ def test_bench_engine_small():
     for b in data["bandwidth"]:
         assert b["fraction_of_memcpy"] > 0 and b["transport_used"] == {"P": b["transport"]}
     assert "DESIGN target <= 50 us" in res.stdout
+    assert data["warm_vs_cold"]["warm_us"] > 0 and data["warm_vs_cold"]["cold_us"] > 0
