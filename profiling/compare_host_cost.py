@@ -74,9 +74,10 @@ def compare(base: str, work: str, rounds: int, restarts: int = 6) -> dict:
     procs: dict[str, subprocess.Popen] = {}
     try:
         for r in range(rounds):
-            if r % per_proc == 0:
+            if r % per_proc == 0:  # fresh workers, started in turn base first and work first
                 _stop(procs)
-                procs = {k: _worker(v) for k, v in trees.items()}
+                order = list(trees) if (r // per_proc) % 2 == 0 else list(trees)[::-1]
+                procs = {k: _worker(trees[k]) for k in order}
             for name, n, batch, unaligned in CASES:
                 for k in list(trees) if r % 2 == 0 else list(trees)[::-1]:
                     p = procs[k]
