@@ -149,11 +149,17 @@ class StreamOrder:
         ``timeout_s``. No-op on CPU."""
         if not self.cuda:
             return
-        from .staging import record_done
-
         ev = record_done(self.stream(role))
         self.num_waits += 1
         wait_event(ev, timeout_s, "transfer stream")
+
+
+def record_done(stream: Any = None) -> Any:
+    """A CUDA event recorded on ``stream`` (default current) after the transfer's work; the
+    caller's stream does ``wait_event`` on it before reading the scattered cache."""
+    ev = torch.cuda.Event()
+    ev.record(stream if stream is not None else torch.cuda.current_stream())
+    return ev
 
 
 class FenceTimeout(TimeoutError):

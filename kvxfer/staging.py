@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .ordering import event_done, wait_event
+from .ordering import event_done, record_done, wait_event
 from .spec import KVCacheSpec
 
 __all__ = [
@@ -410,12 +410,3 @@ def pipelined_recv(
         raise
     _drain(pending)
     return count
-
-
-# --------------------------------------------------------------------------- stream ordering
-def record_done(stream: Any = None) -> Any:
-    """A CUDA event recorded on ``stream`` (default current) after the transfer's work; the
-    caller's stream does ``wait_event`` on it before reading the scattered cache."""
-    ev = torch.cuda.Event()
-    ev.record(stream if stream is not None else torch.cuda.current_stream())
-    return ev
