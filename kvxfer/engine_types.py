@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,18 @@ TICK_MS = 20
 
 class HandshakeError(RuntimeError):
     """The remote engine cannot be reached or is incompatible (the message names why)."""
+
+
+class Expired(TimeoutError):
+    """A load's deadline passed before a step could start."""
+
+
+def time_left(deadline: float) -> float:
+    """Seconds to ``deadline`` (monotonic); :class:`Expired` when none are left."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise Expired("the load's deadline passed")
+    return left
 
 
 def compat_hash(spec: KVCacheSpec) -> str:

@@ -11,8 +11,9 @@ One load, from ``poll()`` to the notification:
    reads for a lease grant (:meth:`_grant`: renews the leases, returns block epochs; retried
    while a rank does not know a request yet or its compute is not done), then reads from each
    source rank (:meth:`_read_rank`: one fused copy from the mapped exporter cache over ``ipc``,
-   :meth:`_ipc_read`; or a staged stream over ``pg``, :meth:`_pg_read`), and reports every load
-   once (:meth:`_complete`).
+   :meth:`_ipc_read` in :mod:`kvxfer.ipc_read`; a staged stream over ``pg``, :meth:`_pg_read` in
+   :mod:`kvxfer.pg_read`; or ``nixl``, :mod:`kvxfer.nixl_role`), and reports every load once
+   (:meth:`_complete`).
 4. The exporter ranks the plan names are notified (landed, or failed) through the notifier
    thread (:meth:`_notify_loop`), which retries until acknowledged or the lease is over.
 
@@ -24,39 +25,34 @@ from __future__ import annotations
 
 import logging
 import queue
-import secrets
 import time
 
 import numpy as np
-import torch
 
 from . import control as C
-from . import ops
-from .engine_types import HandshakeError, LoadItem, ReleaseItem, Remote, batch_tag, describe_error
+from .engine_types import (
+    Expired,
+    HandshakeError,
+    LoadItem,
+    ReleaseItem,
+    Remote,
+    batch_tag,
+    describe_error,
+    time_left,
+)
+from .ipc_read import IpcReads
 from .metrics import now
 from .ordering import NOT_READY, FenceTimeout, event_done
-from .plan import Read, plan_reads
+from .pg_read import PgReads
+from .plan import plan_reads
 from .spec import KVCacheSpec
 from .tracing import trace
 from .tracker import UNKNOWN
-from .transports import BatchPlan, cache_views, choice, plan_batch
-from .transports.batching import view_at
+from .transports import BatchPlan, choice, plan_batch
 
 _LOG = logging.getLogger(__name__)
 
 RESTARTED = "restarted (its incarnation changed): loads made from params of its previous start are void"
-
-
-class _Expired(Exception):
-    """The batch's deadline passed before a step could start."""
-
-
-def _left(deadline: float) -> float:
-    """Seconds to ``deadline``; raises :class:`_Expired` when none are left."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise _Expired("the load's deadline passed")
-    return left
 
 
 def _full_mask(num_layers: int) -> int:
@@ -75,7 +71,7 @@ def _mask_layers(mask: int, num_layers: int) -> list[int]:
     return [i for i in range(num_layers) if mask >> (top - i) & 1]
 
 
-class LoaderRole:
+class LoaderRole(IpcReads, PgReads):
     """Methods of :class:`~kvxfer.engine.TransferEngine` that load from remote exporters."""
 
     # -------------------------------------------------------------------------- worker
@@ -146,7 +142,7 @@ class LoaderRole:
                 else:
                     with trace("handshake", engine_id):
                         rem = self._remote(items[0], items[0].deadline)
-            except (HandshakeError, _Expired) as e:
+            except (HandshakeError, Expired) as e:
                 self._fail(items, f"handshake with {engine_id}: {e}")
                 continue
             self._run_remote(rem, items)
@@ -175,7 +171,7 @@ class LoaderRole:
             **self._identity_fields(), request_id=p.request_id, token=p.token, transport=self.transport
         )
         try:
-            replies = self._client.call_many([(a, hello) for a in addrs], _left(deadline))
+            replies = self._client.call_many([(a, hello) for a in addrs], time_left(deadline))
         except C.ControlTimeout as e:
             for a in addrs:
                 self._client.drop(a)
@@ -280,7 +276,7 @@ class LoaderRole:
         while alive:
             try:
                 granted = self._grant_round(rem, src_ranks, alive, reasons, need, deadline)
-            except (C.ControlTimeout, _Expired) as e:
+            except (C.ControlTimeout, Expired) as e:
                 self._forget(rem, f"lease grant: {e}")
                 reasons.update(dict.fromkeys(alive, f"lease grant: {e}"))
                 alive.clear()
@@ -291,7 +287,7 @@ class LoaderRole:
                 # start are unknown there and fail by the deadline.
                 try:
                     fresh = self._remote(good[0], deadline)
-                except (HandshakeError, _Expired) as e:
+                except (HandshakeError, Expired) as e:
                     self._complete(
                         rem, good, [], {it.request_id: f"handshake after a restart: {e}" for it in good}
                     )
@@ -318,7 +314,7 @@ class LoaderRole:
         local_of = {v: k for k, v in remote_of.items()}
         out: dict[int, dict] = {s: {} for s in src_ranks}
         ranks, calls = [], []
-        left = _left(deadline)
+        left = time_left(deadline)
         wait = max(0.0, min(0.5, left - 0.05))
         L = rem.spec.num_layers
         full = _full_mask(L)
@@ -418,7 +414,7 @@ class LoaderRole:
                 else:
                     moved, bad = self._pg_read(rem, s, reads, loads, deadline, layers)
                     if len(bad) < len(loads):  # finished only once the scatters ran
-                        self._order.wait_done(_left(deadline))
+                        self._order.wait_done(time_left(deadline))
         except FenceTimeout as e:
             why = f"{rem.transport} read from rank {s}: {e}; reported once the GPU work completed"
             self._defer(e, rem, [it for it in loads if it.request_id not in bad], why)
@@ -573,199 +569,6 @@ class LoaderRole:
             bpt = bpt * len(layers) // self.spec.num_layers
         return sum(c.num_tokens for c in bp.calls) * bpt, bp.skipped_tokens * bpt
 
-    # --------------------------------------------------------------------------- ipc
-    def _ipc_map(self, rem: Remote, s: int):
-        """(views by unit, epochs, handles, offset-view memo) of source rank ``s``'s mapped caches."""
-        got = rem.ipc.get(s)
-        if got is None:
-            caches, ep, handles = choice.attach(rem.replies[s].ipc, self.device)
-            got = rem.ipc[s] = ({v.unit: v for v in cache_views(caches, rem.spec)}, ep, handles, {})
-        return got
-
-    def _ipc_read(
-        self,
-        rem,
-        s,
-        reads: list[Read],
-        loads,
-        granted: dict[str, np.ndarray],
-        deadline: float,
-        layers: list[int] | None = None,
-    ):
-        src_by_unit, ep, _, memo = self._ipc_map(rem, s)
-        bp = self._plan(loads, rem.spec.block_size, list(src_by_unit))
-        moved = saved = calls = 0
-        # The ids were checked already (source: against the exporter's block count, on the
-        # grant; destination: range and repeats, at load()): ops skips its own checks, and
-        # still checks a call that carries several loads for repeats among them.
-        src_bound = rem.num_blocks * (rem.spec.block_size // bp.src_unit)
-        dst_bound = self.num_blocks * (self.spec.block_size // bp.dst_unit)
-        for r in reads:
-            for c in bp.calls:
-                sv = view_at(src_by_unit, bp.src_unit, c.src_offset, memo)
-                dv = view_at(self._by_unit, bp.dst_unit, c.dst_offset, self._offset_views)
-                ops.copy_blocks(
-                    sv.caches,
-                    sv.spec,
-                    ops.CheckedIds(c.src, src_bound, False),
-                    dv.caches,
-                    dv.spec,
-                    ops.CheckedIds(c.dst, dst_bound, len(c.request_ids) == 1),
-                    c.num_tokens,
-                    r.src_head_start,
-                    r.dst_head_start,
-                    r.num_heads,
-                    layers=layers,
-                )
-                calls += 1
-            m, sk = self._count(bp, r.num_heads, layers)
-            moved, saved = moved + m, saved + sk
-        self._order.wait_done(_left(deadline))  # CUDA: the copy ran before the epochs are re-read
-        hook = self._hooks.get("after_ipc_copy")
-        if hook:
-            hook(ep)
-        # One epoch check, after the copy: epochs only grow, so it also catches blocks released
-        # between the grant and the copy (a separate check before the copy cost ~15 us per
-        # batch and only spared copying data that is then never delivered).
-        bad = self._stale(ep.numpy(), loads, granted, s)
-        self._metrics.add("ops_calls", calls)
-        self._metrics.add("dedup_bytes", saved)
-        return moved, bad
-
-    @staticmethod
-    def _stale(ep: np.ndarray, loads, granted: dict[str, np.ndarray], s: int) -> dict[str, str]:
-        """Loads whose source blocks' epochs moved since the grant snapshot -> why."""
-        why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
-        if any(granted[it.request_id].size != it.params.block_id_array().size for it in loads):
-            # Params sliced to a suffix of the export (a load of only the tokens after a prefix
-            # the loader already holds): the grant snapshot covers the whole export; its tail
-            # belongs to the blocks read. More ids than exported is never valid.
-            granted = dict(granted)
-            for it in loads:
-                g, n = granted[it.request_id], it.params.block_id_array().size
-                if g.size != n:
-                    granted[it.request_id] = g[g.size - n :] if n < g.size else np.full(n, -1, np.int64)
-        if len(loads) == 1:
-            it = loads[0]
-            moved = (ep[it.params.block_id_array().view(np.int64)] != granted[it.request_id]).any()
-            return {it.request_id: why} if moved else {}
-        ids = [it.params.block_id_array().view(np.int64) for it in loads]
-        diff = ep[np.concatenate(ids)] != np.concatenate([granted[it.request_id] for it in loads])
-        if not diff.any():
-            return {}
-        starts = np.cumsum([0] + [a.size for a in ids[:-1]])
-        per = np.logical_or.reduceat(diff, starts)
-        return {loads[k].request_id: why for k in np.flatnonzero(per).tolist()}
-
-    # ---------------------------------------------------------------------------- pg
-    def _pair(self, rem: Remote, s: int, token_of: LoadItem, deadline: float):
-        """The pair group with source rank ``s`` (joined on first use; keys never repeat)."""
-        from .transports import pg
-
-        got = rem.pairs.get(s)
-        if got is not None:
-            return got
-        key = f"{self.engine_id}/{self.tp_rank}/{secrets.token_hex(8)}"
-        backend = rem.pg_backends[s]
-        req = C.PairReq(
-            self.engine_id, self.tp_rank, key, backend, token_of.params.request_id, token_of.params.token
-        )
-        rep = self._client.call(rem.addrs[s], req, _left(deadline))
-        if not isinstance(rep, C.SendReply) or not rep.ok:
-            raise RuntimeError(f"pair group refused: {getattr(rep, 'failed', rep)}")
-        info = rem.replies[s].pg
-        left = _left(deadline)
-        store = pg.connect_store(info["host"], info["port"], left)
-        group = pg.new_pair(store, key, 1, self.host, left, backend)
-        got = rem.pairs[s] = (group, key)
-        return got
-
-    def _pg_read(self, rem: Remote, s: int, reads: list[Read], loads, deadline: float, layers=None):
-        """Stream each read's ops calls (of ``layers``, default all) from source rank ``s``
-        through the staged pipeline; (bytes moved, local id -> why for the loads refused)."""
-        bad: dict[str, str] = {}
-        try:
-            group, key = self._pair(rem, s, loads[0], deadline)
-        except Exception as e:
-            return 0, {it.request_id: f"pg pair with rank {s}: {describe_error(e)}" for it in loads}
-        moved = saved = 0
-        pg_info = rem.replies[s].pg
-        for r in reads:
-            for _attempt in range(3):
-                loads = [it for it in loads if it.request_id not in bad]
-                if not loads:
-                    break
-                bp = self._plan(loads, rem.spec.block_size, pg_info.get("units") or [rem.spec.block_size])
-                bpt = self.spec.bytes_per_token(
-                    num_heads=r.num_heads, num_layers=len(layers) if layers else None
-                )
-                chunk_tokens = self.pipeline.chunk_tokens_for(pg_info, bpt, bp.src_unit, bp.dst_unit)
-                refused = self._send_req(rem, s, key, r, loads, bp, chunk_tokens, deadline, layers)
-                if refused:
-                    bad.update(refused)
-                    continue
-                self._recv(rem, s, group, r, loads, bp, chunk_tokens, deadline, layers)
-                m, sk = self._count(bp, r.num_heads, layers)
-                moved, saved = moved + m, saved + sk
-                break
-        self._metrics.add("dedup_bytes", saved)
-        return moved, bad
-
-    def _send_req(
-        self, rem, s, key, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float, layers=None
-    ):
-        """Ask source rank ``s`` to stream ``bp``'s calls; local id -> why for refused loads."""
-        req = C.SendReq(
-            self.engine_id,
-            self.tp_rank,
-            key,
-            [it.params.request_id for it in loads],
-            [it.params.token for it in loads],
-            r.src_head_start,
-            r.num_heads,
-            bp.src_unit,
-            [(c.src.tobytes(), c.num_tokens, c.src_offset) for c in bp.calls],
-            chunk_tokens,
-            layers or [],
-        )
-        try:
-            rep = self._client.call(rem.addrs[s], req, _left(deadline))
-        except C.ControlTimeout:
-            self._forget(rem, "a send request timed out")
-            raise
-        if not isinstance(rep, C.SendReply):
-            raise RuntimeError(f"send request refused: {getattr(rep, 'error', rep)}")
-        if rep.ok:
-            return {}
-        if "*" in rep.failed:
-            self._drop_pair(rem, s, rep.failed["*"])
-            raise RuntimeError(rep.failed["*"])
-        local_of = {it.params.request_id: it.request_id for it in loads}
-        return {local_of.get(rid, rid): f"exporter rank {s}: {why}" for rid, why in rep.failed.items()}
-
-    def _recv(
-        self, rem, s, group, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float, layers=None
-    ) -> None:
-        tag = batch_tag([it.request_id for it in loads])
-        hook = self._hooks.get("before_recv")
-        if hook:
-            hook()
-
-        def scatter(c, wire: torch.Tensor) -> None:
-            dv = view_at(self._by_unit, bp.dst_unit, c.offset, self._offset_views)
-            ops.scatter_blocks(wire, dv.caches, dv.spec, c.units, c.num_tokens, r.dst_head_start, layers)
-
-        try:
-            n = self.pipeline.recv_stream(
-                group, 0, _left(deadline), rem.pg_backends[s], self.spec, self.device,
-                r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens, c.dst_offset) for c in bp.calls],
-                scatter, tag, len(layers) if layers else None,
-            )  # fmt: skip
-        except Exception:
-            self._drop_pair(rem, s)  # a failed stream may leave a receive posted
-            raise
-        self._metrics.add("ops_calls", n)
-
     # ------------------------------------------------------------------------ releases
     def _run_releases(self, items: list[ReleaseItem]) -> None:
         """Tell exporters that these requests will never be loaded here (TransferEngine.release).
@@ -784,7 +587,7 @@ class LoaderRole:
             deadline = min(it.deadline for it in its)
             try:
                 rem = self._remote(its[0], deadline)
-            except (HandshakeError, _Expired) as e:
+            except (HandshakeError, Expired) as e:
                 _LOG.warning(
                     "kvxfer %s rank %d: release of %s: handshake with %s failed (%s); the exporter "
                     "frees them when their lease ends",

@@ -39,7 +39,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import HandshakeError, LoadItem, Remote, batch_tag, describe_error
+from .engine_types import HandshakeError, LoadItem, Remote, batch_tag, describe_error, time_left
 from .ordering import FenceTimeout
 from .plan import Read
 from .tracing import trace
@@ -70,14 +70,6 @@ class _SrcRank:
     mirror_reg: object = None
     paired: bool = False  # the exporter loaded our connection info (staged reads)
     paths: dict = field(default_factory=dict)  # (src head start, dst head start, heads) -> "" | why staged
-
-
-def _left(deadline: float) -> float:
-    """Seconds to ``deadline``; ``TimeoutError`` when none are left."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the load's deadline passed")
-    return left
 
 
 def _read_key(r: Read) -> tuple[int, int, int]:
@@ -467,7 +459,7 @@ class NixlRole:
             token_of.params.token,
         )
         try:
-            rep = self._client.call(rem.addrs[s], req, _left(deadline))
+            rep = self._client.call(rem.addrs[s], req, time_left(deadline))
         except C.ControlTimeout:
             self._forget(rem, "a nixl pair request timed out")
             raise
@@ -548,7 +540,7 @@ class NixlRole:
                 tag,
                 len(layers) if layers else None,
             )
-            self._order.wait_done(_left(deadline))  # CUDA: the scatters ran
+            self._order.wait_done(time_left(deadline))  # CUDA: the scatters ran
             self._metrics.add("ops_calls", n)
             m, sk = self._count(bp, r.num_heads, layers)
             moved, saved = moved + m, saved + sk

@@ -1,0 +1,103 @@
+"""The loader's ``ipc`` read: one fused copy from the exporter rank's cache, mapped in this
+process (shared memory on CPU, CUDA IPC on a GPU), then one check of the block epochs.
+
+A mixin of :class:`~kvxfer.loader.LoaderRole` (and so of the engine): it uses the engine's
+caches, views, ordering and metrics.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ops
+from .engine_types import Remote, time_left
+from .plan import Read
+from .transports import cache_views, choice
+from .transports.batching import view_at
+
+
+class IpcReads:
+    """Methods of :class:`~kvxfer.engine.TransferEngine` that read over ``ipc``."""
+
+    def _ipc_map(self, rem: Remote, s: int):
+        """(views by unit, epochs, handles, offset-view memo) of source rank ``s``'s mapped caches."""
+        got = rem.ipc.get(s)
+        if got is None:
+            caches, ep, handles = choice.attach(rem.replies[s].ipc, self.device)
+            got = rem.ipc[s] = ({v.unit: v for v in cache_views(caches, rem.spec)}, ep, handles, {})
+        return got
+
+    def _ipc_read(
+        self,
+        rem,
+        s,
+        reads: list[Read],
+        loads,
+        granted: dict[str, np.ndarray],
+        deadline: float,
+        layers: list[int] | None = None,
+    ):
+        src_by_unit, ep, _, memo = self._ipc_map(rem, s)
+        bp = self._plan(loads, rem.spec.block_size, list(src_by_unit))
+        moved = saved = calls = 0
+        # The ids were checked already (source: against the exporter's block count, on the
+        # grant; destination: range and repeats, at load()): ops skips its own checks, and
+        # still checks a call that carries several loads for repeats among them.
+        src_bound = rem.num_blocks * (rem.spec.block_size // bp.src_unit)
+        dst_bound = self.num_blocks * (self.spec.block_size // bp.dst_unit)
+        for r in reads:
+            for c in bp.calls:
+                sv = view_at(src_by_unit, bp.src_unit, c.src_offset, memo)
+                dv = view_at(self._by_unit, bp.dst_unit, c.dst_offset, self._offset_views)
+                ops.copy_blocks(
+                    sv.caches,
+                    sv.spec,
+                    ops.CheckedIds(c.src, src_bound, False),
+                    dv.caches,
+                    dv.spec,
+                    ops.CheckedIds(c.dst, dst_bound, len(c.request_ids) == 1),
+                    c.num_tokens,
+                    r.src_head_start,
+                    r.dst_head_start,
+                    r.num_heads,
+                    layers=layers,
+                )
+                calls += 1
+            m, sk = self._count(bp, r.num_heads, layers)
+            moved, saved = moved + m, saved + sk
+        self._order.wait_done(time_left(deadline))  # CUDA: the copy ran before the epochs are re-read
+        hook = self._hooks.get("after_ipc_copy")
+        if hook:
+            hook(ep)
+        # One epoch check, after the copy: epochs only grow, so it also catches blocks released
+        # between the grant and the copy (a separate check before the copy cost ~15 us per
+        # batch and only spared copying data that is then never delivered).
+        bad = self._stale(ep.numpy(), loads, granted, s)
+        self._metrics.add("ops_calls", calls)
+        self._metrics.add("dedup_bytes", saved)
+        return moved, bad
+
+    @staticmethod
+    def _stale(ep: np.ndarray, loads, granted: dict[str, np.ndarray], s: int) -> dict[str, str]:
+        """Loads whose source blocks' epochs moved since the grant snapshot -> why."""
+        why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
+        if any(granted[it.request_id].size != it.params.block_id_array().size for it in loads):
+            # Params sliced to a suffix of the export (a load of only the tokens after a prefix
+            # the loader already holds): the grant snapshot covers the whole export; its tail
+            # belongs to the blocks read. More ids than exported is never valid.
+            granted = dict(granted)
+            for it in loads:
+                g, n = granted[it.request_id], it.params.block_id_array().size
+                if g.size != n:
+                    granted[it.request_id] = g[g.size - n :] if n < g.size else np.full(n, -1, np.int64)
+        if len(loads) == 1:
+            it = loads[0]
+            moved = (ep[it.params.block_id_array().view(np.int64)] != granted[it.request_id]).any()
+            return {it.request_id: why} if moved else {}
+        ids = [it.params.block_id_array().view(np.int64) for it in loads]
+        diff = ep[np.concatenate(ids)] != np.concatenate([granted[it.request_id] for it in loads])
+        if not diff.any():
+            return {}
+        starts = np.cumsum([0] + [a.size for a in ids[:-1]])
+        per = np.logical_or.reduceat(diff, starts)
+        return {loads[k].request_id: why for k in np.flatnonzero(per).tolist()}
