@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ops
-from .engine_types import Remote, time_left
+from .engine_types import Remote, disjoint_blocks, time_left
 from .plan import Read
 from .transports import cache_views, choice
 from .transports.batching import view_at
@@ -42,9 +42,11 @@ class IpcReads:
         moved = saved = calls = 0
         # The ids were checked already (source: against the exporter's block count, on the
         # grant; destination: range and repeats, at load()): ops skips its own checks, and
-        # still checks a call that carries several loads for repeats among them.
+        # still checks a call that carries several loads for repeats among them unless their
+        # blocks are disjoint.
         src_bound = rem.num_blocks * (rem.spec.block_size // bp.src_unit)
         dst_bound = self.num_blocks * (self.spec.block_size // bp.dst_unit)
+        disjoint = disjoint_blocks(loads)
         for r in reads:
             for c in bp.calls:
                 sv = view_at(src_by_unit, bp.src_unit, c.src_offset, memo)
@@ -55,7 +57,7 @@ class IpcReads:
                     ops.CheckedIds(c.src, src_bound, False),
                     dv.caches,
                     dv.spec,
-                    ops.CheckedIds(c.dst, dst_bound, len(c.request_ids) == 1),
+                    ops.CheckedIds(c.dst, dst_bound, disjoint or len(c.request_ids) == 1),
                     c.num_tokens,
                     r.src_head_start,
                     r.dst_head_start,

@@ -14,7 +14,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import LoadItem, Remote, batch_tag, describe_error, time_left
+from .engine_types import LoadItem, Remote, batch_tag, describe_error, disjoint_blocks, time_left
 from .plan import Read
 from .transports import BatchPlan
 from .transports.batching import view_at
@@ -116,9 +116,13 @@ class PgReads:
         if hook:
             hook()
 
+        # ids checked at load() (range, repeats); disjoint loads: no repeats across them either
+        bound = self.num_blocks * (self.spec.block_size // bp.dst_unit) if disjoint_blocks(loads) else None
+
         def scatter(c, wire: torch.Tensor) -> None:
             dv = view_at(self._by_unit, bp.dst_unit, c.offset, self._offset_views)
-            ops.scatter_blocks(wire, dv.caches, dv.spec, c.units, c.num_tokens, r.dst_head_start, layers)
+            ids = c.units if bound is None else ops.CheckedIds(c.units, bound, True)
+            ops.scatter_blocks(wire, dv.caches, dv.spec, ids, c.num_tokens, r.dst_head_start, layers)
 
         try:
             n = self.pipeline.recv_stream(

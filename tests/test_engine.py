@@ -286,3 +286,38 @@ def test_block_ids_of_any_int_kind_and_bad_ones_named():
         assert d.stats()["loads_pending"] == 0
     finally:
         _close(p, d, shm, dshm)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "pg"])
+def test_batch_of_ragged_loads_with_disjoint_blocks_lands_and_overlapping_ones_are_refused(transport):
+    """Loads of one poll share ops calls (token slots when their last blocks are partial); when
+    their local blocks are disjoint the ops skip the cross-load repeat check, so it must be
+    exact; loads that name one local block twice within a batch are refused, naming it, and
+    nothing lands for them. The blocks no load names stay poisoned."""
+    p, d, shm, dshm = _pair(transport)
+    try:
+        lens = {"a": 13, "b": 21, "c": 7}  # partial last blocks (block size 8)
+        src = {"a": [1, 2], "b": [3, 4, 5], "c": [6]}
+        dst = {"a": [40, 41], "b": [42, 43, 44], "c": [45]}
+        for rid, n in lens.items():
+            fill(shm.caches, SPEC, 0, 1, src[rid], n, seed=len(rid) + n)
+        prm = {rid: p.export(rid, src[rid], n) for rid, n in lens.items()}
+        for rid in lens:
+            d.load(rid, prm[rid], dst[rid])
+        assert _wait(d, set(lens), "recv") == dict.fromkeys(lens, "done")
+        for rid, n in lens.items():
+            assert check(dshm.caches, SPEC, 0, 1, dst[rid], n, seed=len(rid) + n), rid
+        untouched = [b for b in range(64) if b not in {x for ids in dst.values() for x in ids}]
+        for c in dshm.caches:
+            assert bool((c[:, untouched].view(torch.uint8) == POISON).all())
+        # one batch naming local block 50 in two loads: refused before anything is written there
+        fill(shm.caches, SPEC, 0, 1, [10, 11], 16, seed=7)
+        pa, pb = p.export("x", [10], 8), p.export("y", [11], 8)
+        d.load("x", pa, [50])
+        d.load("y", pb, [50])
+        got = _wait(d, {"x", "y"}, "recv")
+        assert all(v.startswith("failed:") and "repeated" in v for v in got.values()), got
+        for c in dshm.caches:
+            assert bool((c[:, 50].view(torch.uint8) == POISON).all())
+    finally:
+        _close(p, d, shm, dshm)
