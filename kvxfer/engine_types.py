@@ -51,17 +51,19 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" + ("".join(f"; {n}" for n in notes) if notes else "")
 
 
-def disjoint_blocks(loads: list[LoadItem]) -> bool:
-    """Whether no local block is named by two of ``loads`` (each load's own ids were checked for
-    repeats at ``load()``): then the destination ids of any ops call over them, block ids or
-    token slots, repeat nothing either, and the ops may skip that check. One sort of the
-    concatenated block lists (2K ids for eight 4K-token loads) where the ops would sort each
-    call's ids (16x as many when they are token slots). False for n>1 siblings that share
-    prefix blocks (their batch is deduped, and the ops check what is left) and for loads that
-    really overlap (the ops then refuse the call, naming the repeated id)."""
+def disjoint_blocks(loads: list[LoadItem], block_size: int) -> bool:
+    """Whether no local block that ``loads`` write is named by two of them (each load's own ids
+    were checked for repeats at ``load()``; the blocks of a prefix this engine already holds,
+    ``first // block_size`` of them, are not written and may be shared): then the destination
+    ids of any ops call over them, block ids or token slots, repeat nothing either, and the ops
+    may skip that check. One sort of the concatenated block lists (2K ids for eight 4K-token
+    loads) where the ops would sort each call's ids (16x as many when they are token slots).
+    False for n>1 siblings that share prefix blocks (their batch is deduped, and the ops check
+    what is left) and for loads that really overlap (the ops then refuse the call, naming the
+    repeated id)."""
     if len(loads) < 2:
         return True
-    cat = np.concatenate([it.block_ids for it in loads])
+    cat = np.concatenate([it.block_ids[it.first // block_size :] for it in loads])
     cat.sort()
     return not bool((cat[1:] == cat[:-1]).any())
 

@@ -46,7 +46,7 @@ class IpcReads:
         # blocks are disjoint.
         src_bound = rem.num_blocks * (rem.spec.block_size // bp.src_unit)
         dst_bound = self.num_blocks * (self.spec.block_size // bp.dst_unit)
-        disjoint = disjoint_blocks(loads)
+        disjoint = disjoint_blocks(loads, self.spec.block_size)
         for r in reads:
             for c in bp.calls:
                 sv = view_at(src_by_unit, bp.src_unit, c.src_offset, memo)

@@ -117,7 +117,11 @@ class PgReads:
             hook()
 
         # ids checked at load() (range, repeats); disjoint loads: no repeats across them either
-        bound = self.num_blocks * (self.spec.block_size // bp.dst_unit) if disjoint_blocks(loads) else None
+        bound = (
+            self.num_blocks * (self.spec.block_size // bp.dst_unit)
+            if disjoint_blocks(loads, self.spec.block_size)
+            else None
+        )
 
         def scatter(c, wire: torch.Tensor) -> None:
             dv = view_at(self._by_unit, bp.dst_unit, c.offset, self._offset_views)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kvxfer import KVCacheSpec, TransferEngine
+from kvxfer import KVCacheSpec, TransferEngine, ops
 from kvxfer.transports.shm import alloc_shm_caches
 
 from .engine_procs import POISON, check, fill, payload, poison
@@ -310,6 +310,19 @@ def test_batch_of_ragged_loads_with_disjoint_blocks_lands_and_overlapping_ones_a
         untouched = [b for b in range(64) if b not in {x for ids in dst.values() for x in ids}]
         for c in dshm.caches:
             assert bool((c[:, untouched].view(torch.uint8) == POISON).all())
+        # two partial loads holding one cached prefix block (60, not written) and disjoint rest
+        fill(shm.caches, SPEC, 0, 1, [12, 13, 14], 20, seed=5)
+        fill(shm.caches, SPEC, 0, 1, [15, 16, 17], 20, seed=6)
+        pq, pr = p.export("q", [12, 13, 14], 20), p.export("r", [15, 16, 17], 20)
+        d.load("q", pq, [60, 46, 47], num_computed_tokens=8)
+        d.load("r", pr, [60, 48, 49], num_computed_tokens=8)
+        assert _wait(d, {"q", "r"}, "recv") == {"q": "done", "r": "done"}
+        for ids, seed in (([60, 46, 47], 5), ([60, 48, 49], 6)):
+            got = ops.gather_blocks(dshm.caches, SPEC, ids, 20)
+            want = payload(SPEC, seed, 20, range(SPEC.num_kv_heads))
+            assert torch.equal(got[..., 8:, :].view(torch.uint8), want[..., 8:, :].view(torch.uint8))
+        for c in dshm.caches:
+            assert bool((c[:, 60].view(torch.uint8) == POISON).all())
         # one batch naming local block 50 in two loads: refused before anything is written there
         fill(shm.caches, SPEC, 0, 1, [10, 11], 16, seed=7)
         pa, pb = p.export("x", [10], 8), p.export("y", [11], 8)
