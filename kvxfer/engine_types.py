@@ -117,11 +117,19 @@ class Remote:
     pg_backends: list = field(default_factory=list)  # src rank -> pair backend ("nccl"/"gloo")
     host: str = ""  # where the params said the remote listens (a change means a new remote)
     port: int = 0
+    _reads_from: dict = field(default_factory=dict, repr=False)  # src rank -> its reads
 
     @property
     def incarnations(self) -> list[str]:
         """Each rank's incarnation at handshake (a grant with another means it restarted)."""
         return [r.incarnation for r in self.replies]
+
+    def reads_from(self, src_rank: int) -> list:
+        """The plan's reads of this rank from source rank ``src_rank`` (kept once made)."""
+        got = self._reads_from.get(src_rank)
+        if got is None:
+            got = self._reads_from[src_rank] = [r for r in self.reads if r.src_rank == src_rank]
+        return got
 
 
 @dataclass

@@ -46,6 +46,7 @@ from .ordering import NOT_READY, FenceTimeout, event_done
 from .pg_read import PgReads
 from .plan import plan_reads
 from .spec import KVCacheSpec
+from .tracing import enabled as tracing_on
 from .tracing import trace
 from .tracker import UNKNOWN
 from .transports import BatchPlan, choice, plan_batch
@@ -299,7 +300,8 @@ class LoaderRole(IpcReads, PgReads):
             done = [rid for rid in alive if not any(need[s][rid] for s in src_ranks)]
             if done:
                 self._complete(rem, [alive.pop(rid) for rid in done], done, {})
-        self._complete(rem, [it for it in good if it.request_id in reasons], [], reasons)
+        if reasons:
+            self._complete(rem, [it for it in good if it.request_id in reasons], [], reasons)
 
     def _grant_round(
         self, rem: Remote, src_ranks: list[int], alive: dict, reasons: dict, need: dict, deadline: float
@@ -400,14 +402,14 @@ class LoaderRole(IpcReads, PgReads):
         """Read the plan's heads (and ``layers``, default all) of source rank ``s`` for the
         ``alive`` loads; local id -> why, for those that failed (timed-out GPU work is fenced:
         its loads leave ``alive`` and are reported once it completed)."""
-        reads = [r for r in rem.reads if r.src_rank == s]
+        reads = rem.reads_from(s)
         loads = list(alive.values())
         t0 = now()
         moved, bad = 0, {}
         try:
             with self._order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
                 if rem.transport == "ipc":
-                    with trace("copy", batch_tag(list(alive))):
+                    with trace("copy", batch_tag(list(alive)) if tracing_on() else None):
                         moved, bad = self._ipc_read(rem, s, reads, loads, granted, deadline, layers)
                 elif rem.transport == "nixl":  # kvxfer.nixl_role
                     moved, bad = self._nixl_read(rem, s, reads, loads, granted, deadline, layers)
