@@ -36,7 +36,11 @@ class IpcReads:
         granted: dict[str, np.ndarray],
         deadline: float,
         layers: list[int] | None = None,
-    ):
+    ) -> tuple[int, dict[str, str]]:
+        """Copy the plan's ``reads`` of source rank ``s`` (``layers``, default all) for ``loads``
+        straight from its mapped caches, one ops call per batch call, then check the block
+        epochs against the grant's (``granted``: local id -> int64 epochs). Returns (wire bytes
+        moved, local id -> why for the loads whose blocks were released meanwhile)."""
         src_by_unit, ep, _, memo = self._ipc_map(rem, s)
         bp = self._plan(loads, rem.spec.block_size, list(src_by_unit))
         moved = saved = calls = 0
