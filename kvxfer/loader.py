@@ -99,7 +99,7 @@ class LoaderRole(IpcReads, PgReads):
                         type(e).__name__,
                         e,
                     )
-                    self._fail(batch, f"internal error: {type(e).__name__}: {e}")
+                    self._fail(batch, f"internal error: {describe_error(e)}")
             if time.monotonic() - last_beat >= beat_every:
                 self._heartbeat()
                 last_beat = time.monotonic()
