@@ -34,7 +34,15 @@ import torch
 from . import control as C
 from . import ops
 from .auth import EngineSecret
-from .engine_types import HandshakeError, LoadItem, ReleaseItem, Remote, check_block_ids, compat_hash
+from .engine_types import (
+    HandshakeError,
+    LoadItem,
+    ReleaseItem,
+    Remote,
+    check_block_ids,
+    compat_hash,
+    has_repeats,
+)
 from .exporter import ExporterRole
 from .loader import LoaderRole
 from .metrics import Metrics, now
@@ -460,8 +468,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             if type(block_ids) is list:  # a set of Python ints: ~5 us, a numpy sort ~2x that cold
                 repeated = len(set(block_ids if len(block_ids) == need else block_ids[:need])) != need
             else:
-                srt = np.sort(ids)
-                repeated = bool((srt[1:] == srt[:-1]).any())
+                repeated = has_repeats(ids)
             if repeated:
                 raise ValueError("block_ids: repeated block id")
         k = num_computed_tokens

@@ -39,9 +39,19 @@ def compat_hash(spec: KVCacheSpec) -> str:
 
 
 def batch_tag(request_ids) -> str:
-    """NVTX name of a batch: its request id, or the first id and how many more."""
+    """NVTX name of a batch: its request id, or the first id and how many more.
+    ``request_ids``: any sized collection of ids (a list, or a dict keyed by them: no copy)."""
     n = len(request_ids)
-    return "" if not n else request_ids[0] if n == 1 else f"{request_ids[0]}+{n - 1}"
+    if not n:
+        return ""
+    first = next(iter(request_ids))
+    return first if n == 1 else f"{first}+{n - 1}"
+
+
+def has_repeats(ids: np.ndarray) -> bool:
+    """Whether an int array names some value twice (one sort)."""
+    srt = np.sort(ids)
+    return bool((srt[1:] == srt[:-1]).any())
 
 
 def describe_error(e: BaseException) -> str:
@@ -63,9 +73,7 @@ def disjoint_blocks(loads: list[LoadItem], block_size: int) -> bool:
     repeated id)."""
     if len(loads) < 2:
         return True
-    cat = np.concatenate([it.block_ids[it.first // block_size :] for it in loads])
-    cat.sort()
-    return not bool((cat[1:] == cat[:-1]).any())
+    return not has_repeats(np.concatenate([it.block_ids[it.first // block_size :] for it in loads]))
 
 
 def check_block_ids(x, need: int, num_blocks: int, what: str) -> np.ndarray:

@@ -46,7 +46,6 @@ from .ordering import NOT_READY, FenceTimeout, event_done
 from .pg_read import PgReads
 from .plan import plan_reads
 from .spec import KVCacheSpec
-from .tracing import enabled as tracing_on
 from .tracing import trace
 from .tracker import UNKNOWN
 from .transports import BatchPlan, choice, plan_batch
@@ -409,7 +408,7 @@ class LoaderRole(IpcReads, PgReads):
         try:
             with self._order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
                 if rem.transport == "ipc":
-                    with trace("copy", batch_tag(list(alive)) if tracing_on() else None):
+                    with trace("copy", batch_tag(alive)):
                         moved, bad = self._ipc_read(rem, s, reads, loads, granted, deadline, layers)
                 elif rem.transport == "nixl":  # kvxfer.nixl_role
                     moved, bad = self._nixl_read(rem, s, reads, loads, granted, deadline, layers)

@@ -325,11 +325,8 @@ class LoadTracker:
             return len(self._pending)
 
     def finish(self, request_id: str) -> bool:
-        with self.lock:
-            if self._pending.pop(request_id, None) is None:
-                return False
-            self._done.add(request_id)
-            return True
+        """Report ``request_id`` finished; False if it was not pending (already reported)."""
+        return bool(self.finish_many([request_id]))
 
     def finish_many(self, request_ids: list[str]) -> list[float]:
         """:meth:`finish` each of ``request_ids`` under one lock; the start times of those that

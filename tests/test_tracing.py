@@ -141,3 +141,11 @@ def test_disabled_cost_is_small(fake):
     t_trace = timeit.timeit(lambda: tracing.trace("gather", "r"), number=n)
     t_empty = timeit.timeit(lambda: None, number=n)
     assert t_trace < 50 * t_empty + 0.05
+
+
+def test_batch_tag_names_a_batch_from_a_list_or_a_dict_of_its_ids():
+    from kvxfer.engine_types import batch_tag
+
+    assert batch_tag([]) == "" and batch_tag({}) == ""
+    assert batch_tag(["r1"]) == "r1" and batch_tag({"r1": 0}) == "r1"
+    assert batch_tag(["r1", "r2", "r3"]) == "r1+2" and batch_tag(dict.fromkeys(["r1", "r2", "r3"])) == "r1+2"
