@@ -23,6 +23,7 @@ its loads are reported, and their exporters notified, only once it has completed
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import time
@@ -481,18 +482,25 @@ class LoaderRole(IpcReads, PgReads):
 
     def _notify_loop(self) -> None:
         """Send queued notifications and heartbeats, each until acknowledged or its deadline
-        (retries back off from 50 ms); the notifier has its own socket, so a dead exporter
+        (retries back off from 100 ms, doubling up to 1 s); the notifier has its own socket, so a dead exporter
         never stalls the loads."""
         client = C.ControlClient(self._ctx)
         pending: list[list] = []  # [addr, msg, deadline, next_try, attempts]
+        q = self._notify_q
         try:
-            while not self._stop.is_set() or not self._notify_q.empty():
-                try:
-                    addr, msg, deadline = self._notify_q.get(timeout=0.02 if pending else 0.1)
-                    pending.append([addr, msg, deadline, 0.0, 0])
-                    continue  # drain the queue first: one round trip carries all of them
-                except queue.Empty:
-                    pass
+            while not self._stop.is_set() or not q.empty():
+                # Block only until the next retry is due; a notification that arrives is sent at
+                # once (it frees the exporter's blocks), with whatever else is queued by then.
+                t = time.monotonic()
+                wait = min([0.1] + [p[3] - t for p in pending])
+                if wait > 0:
+                    with contextlib.suppress(queue.Empty):
+                        pending.append([*q.get(timeout=wait), 0.0, 0])
+                while True:  # one round trip carries all that is queued
+                    try:
+                        pending.append([*q.get_nowait(), 0.0, 0])
+                    except queue.Empty:
+                        break
                 if self._stop.is_set() and not pending:
                     return
                 t = time.monotonic()
