@@ -185,14 +185,23 @@ def event_done(ev: Any) -> bool:
 
 
 def wait_event(ev: Any, timeout_s: float, what: str, keep: Any = None) -> None:
-    """Poll ``ev.query()`` until true: spin briefly, then sleep in growing steps (<= 1 ms).
-    Raises :class:`FenceTimeout` (carrying ``ev`` and ``keep``) after ``timeout_s``."""
+    """Poll ``ev.query()`` until true, sleeping between queries for an eighth of the time
+    waited so far (20 us to 1 ms): completion is seen at most ~12 % (plus one sleep's wake-up)
+    after it happened, at ~20 queries per wait. The doubling steps this replaced saw a 1 ms
+    copy up to 0.9 ms late. Raises :class:`FenceTimeout` (carrying ``ev`` and ``keep``) after
+    ``timeout_s``."""
     if ev.query():
         return
-    deadline = time.monotonic() + timeout_s
-    pause = 0.0
+    start = time.monotonic()
+    deadline = start + timeout_s
     while not ev.query():
-        if time.monotonic() > deadline:
+        t = time.monotonic()
+        if t > deadline:
             raise FenceTimeout(f"{what}: CUDA work not complete within {timeout_s}s", ev, keep)
-        time.sleep(pause)
-        pause = min(1e-3, pause * 2 + 2e-5)
+        time.sleep(poll_pause(t - start))
+
+
+def poll_pause(waited_s: float, cap_s: float = 1e-3) -> float:
+    """How long a completion poll sleeps after ``waited_s`` of waiting: an eighth of it, from
+    20 us up to ``cap_s``, so what completes is seen at most ~12 % late at ~20 polls per wait."""
+    return min(cap_s, 2e-5 + waited_s / 8)

@@ -47,6 +47,7 @@ import msgspec
 import numpy as np
 import torch
 
+from ..ordering import poll_pause
 from .nixl_descs import storages
 
 _LOG = logging.getLogger(__name__)
@@ -394,10 +395,12 @@ class NixlAgent:
         return self._state(handle)
 
     def finish(self, handle, dlists: list, deadline: float, what: str) -> None:
-        """Wait until the READ ``handle`` is done (polling, sleeps growing to 1 ms), then release
-        it. Raises :class:`NixlError` when it failed or the engine stops, and
-        :class:`XferTimeout` (with a fence) when the deadline passed and it cannot be cancelled."""
-        pause = 0.0
+        """Wait until the READ ``handle`` is done (polling, :func:`~kvxfer.ordering.poll_pause`
+        between polls), then release it. Raises :class:`NixlError` when it failed or the engine
+        stops, and :class:`XferTimeout` (with a fence) when the deadline passed and it cannot be
+        cancelled."""
+        start = time.monotonic()
+        first = True
         while True:
             st = self._state(handle)
             if st == "DONE":
@@ -414,9 +417,9 @@ class NixlAgent:
                     f"NIXL {what}: {why} and the transfer cannot be cancelled; fenced until it ends",
                     XferFence(self, handle, dlists),
                 )
-            if pause:
-                time.sleep(pause)
-            pause = min(1e-3, pause * 2 + 2e-5)
+            if not first:  # the first re-poll comes at once
+                time.sleep(poll_pause(time.monotonic() - start))
+            first = False
 
     def read(
         self,
