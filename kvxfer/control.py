@@ -21,7 +21,16 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from .tracing import LazyTag, batch_tag, trace
+
 _LOG = logging.getLogger(__name__)
+
+
+def _msg_tag(msg) -> str:
+    """Trace name of a served message: its type and the request(s) it is about."""
+    ids = getattr(msg, "request_ids", None) or [r for r in [getattr(msg, "request_id", None)] if r]
+    return f"{type(msg).__name__} {batch_tag(ids)}" if ids else type(msg).__name__
+
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -331,7 +340,8 @@ class ControlServer:
                 reply = ErrorReply(f"malformed message: {e}")
             else:
                 try:
-                    reply = handler(msg)
+                    with trace("serve", LazyTag(_msg_tag, msg)):
+                        reply = handler(msg)
                 except Exception as e:  # a handler bug must not kill the side channel
                     _LOG.warning(
                         "kvxfer side channel: handler failed on %s (%s: %s)",

@@ -38,16 +38,6 @@ def compat_hash(spec: KVCacheSpec) -> str:
     return "|".join(str(d[k]) for k in ("use_mla", "num_layers", "num_kv_heads", "head_dim", "dtype"))
 
 
-def batch_tag(request_ids) -> str:
-    """NVTX name of a batch: its request id, or the first id and how many more.
-    ``request_ids``: any sized collection of ids (a list, or a dict keyed by them: no copy)."""
-    n = len(request_ids)
-    if not n:
-        return ""
-    first = next(iter(request_ids))
-    return first if n == 1 else f"{first}+{n - 1}"
-
-
 def has_repeats(ids: np.ndarray) -> bool:
     """Whether an int array names some value twice (one sort)."""
     srt = np.sort(ids)

@@ -18,9 +18,10 @@ import torch
 from . import control as C
 from . import ops
 from .auth import tokens_match
-from .engine_types import TICK_MS, batch_tag, describe_error
+from .engine_types import TICK_MS, describe_error
 from .ordering import NOT_READY
 from .plan import plan_reads
+from .tracing import batch_tag
 from .tracker import UNKNOWN
 from .transports.batching import view_at
 

@@ -37,7 +37,6 @@ from .engine_types import (
     LoadItem,
     ReleaseItem,
     Remote,
-    batch_tag,
     describe_error,
     time_left,
 )
@@ -47,11 +46,17 @@ from .ordering import NOT_READY, FenceTimeout, event_done
 from .pg_read import PgReads
 from .plan import plan_reads
 from .spec import KVCacheSpec
-from .tracing import trace
+from .tracing import LazyTag, batch_tag, items_tag, trace
 from .tracker import UNKNOWN
 from .transports import BatchPlan, choice, plan_batch
 
 _LOG = logging.getLogger(__name__)
+
+
+def _notify_tag(due: list[list]) -> str:
+    """Trace name of one notifier round trip: the request ids its messages carry."""
+    return batch_tag([r for p in due for r in p[1].request_ids])
+
 
 RESTARTED = "restarted (its incarnation changed): loads made from params of its previous start are void"
 
@@ -137,16 +142,17 @@ class LoaderRole(IpcReads, PgReads):
         for it in batch:
             groups.setdefault(it.params.engine_id, []).append(it)
         for engine_id, items in groups.items():
-            try:
-                if engine_id in self._remotes:
-                    rem = self._remote(items[0], items[0].deadline)
-                else:
-                    with trace("handshake", engine_id):
+            with trace("load", LazyTag(items_tag, items)):
+                try:
+                    if engine_id in self._remotes:
                         rem = self._remote(items[0], items[0].deadline)
-            except (HandshakeError, Expired) as e:
-                self._fail(items, f"handshake with {engine_id}: {e}")
-                continue
-            self._run_remote(rem, items)
+                    else:
+                        with trace("handshake", engine_id):
+                            rem = self._remote(items[0], items[0].deadline)
+                except (HandshakeError, Expired) as e:
+                    self._fail(items, f"handshake with {engine_id}: {e}")
+                    continue
+                self._run_remote(rem, items)
 
     # ------------------------------------------------------------------------ handshake
     def _remote(self, it: LoadItem, deadline: float) -> Remote:
@@ -336,7 +342,8 @@ class LoaderRole(IpcReads, PgReads):
                 wait,
             )
             calls.append((rem.addrs[s], msg))
-        grants = self._client.call_many(calls, left)
+        with trace("grant", batch_tag(alive)):
+            grants = self._client.call_many(calls, left)
         for s, g in zip(ranks, grants):
             if not isinstance(g, C.ReadReply):
                 why = f"rank {s}: {getattr(g, 'error', g)}"
@@ -508,7 +515,8 @@ class LoaderRole(IpcReads, PgReads):
                 if not due:
                     continue
                 try:
-                    replies = client.call_many([(p[0], p[1]) for p in due], 0.2, partial=True)
+                    with trace("notify", LazyTag(_notify_tag, due)):
+                        replies = client.call_many([(p[0], p[1]) for p in due], 0.2, partial=True)
                 except C.ControlTimeout:  # a send queue full: every one of them is retried
                     replies = [None] * len(due)
                 for k, p in enumerate(due):

@@ -39,10 +39,10 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import HandshakeError, LoadItem, Remote, batch_tag, describe_error, time_left
+from .engine_types import HandshakeError, LoadItem, Remote, describe_error, time_left
 from .ordering import FenceTimeout
 from .plan import Read
-from .tracing import trace
+from .tracing import batch_tag, trace
 from .transports import plan_batch
 from .transports.batching import view_at
 from .transports.nixl import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .tracing import trace
+
 __all__ = ["NOT_READY", "FenceTimeout", "StreamOrder", "event_done", "wait_event"]
 
 NOT_READY = "not ready: the compute writing its KV has not finished (yet)"
@@ -194,11 +196,12 @@ def wait_event(ev: Any, timeout_s: float, what: str, keep: Any = None) -> None:
         return
     start = time.monotonic()
     deadline = start + timeout_s
-    while not ev.query():
-        t = time.monotonic()
-        if t > deadline:
-            raise FenceTimeout(f"{what}: CUDA work not complete within {timeout_s}s", ev, keep)
-        time.sleep(poll_pause(t - start))
+    with trace("wait", what):
+        while not ev.query():
+            t = time.monotonic()
+            if t > deadline:
+                raise FenceTimeout(f"{what}: CUDA work not complete within {timeout_s}s", ev, keep)
+            time.sleep(poll_pause(t - start))
 
 
 def poll_pause(waited_s: float, cap_s: float = 1e-3) -> float:

@@ -14,8 +14,9 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import LoadItem, Remote, batch_tag, describe_error, disjoint_blocks, time_left
+from .engine_types import LoadItem, Remote, describe_error, disjoint_blocks, time_left
 from .plan import Read
+from .tracing import batch_tag
 from .transports import BatchPlan
 from .transports.batching import view_at
 

@@ -6,10 +6,13 @@ first use; when it is missing, or ``KVXFER_NVTX=0`` is set, or :func:`set_enable
 tracing off, :func:`trace` returns one shared no-op context manager (one dict lookup, no
 allocation), so calls can stay on the hot path.
 
-How the engine plugs it in: wrap the handshake, and per request and source rank the gather,
-send, recv, scatter and copy calls: ``with trace("copy", req_id): ops.copy_blocks(...)``. The
-ranges mark host-side issue time; on the GPU timeline Nsight correlates them with the kernels
-launched inside.
+How the engine plugs it in: the loader's batch (``load``), inside it the handshake, the lease
+``grant`` round trip, per source rank the gather, send, recv, scatter and copy calls
+(``with trace("copy", req_id): ops.copy_blocks(...)``) and the ``wait`` for the transfer
+stream; the notifier's ``notify`` round trip; on the exporter, ``serve`` per side-channel
+message (named by its type). The ranges mark host-side time; on the GPU timeline Nsight
+correlates them with the kernels launched inside. ``profiling/bench_latency.py`` records the
+same ranges without Nsight (a recording stand-in for ``nvtx``) to print a request's timeline.
 """
 
 from __future__ import annotations
@@ -20,16 +23,33 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["PHASES", "enabled", "set_enabled", "trace", "traced"]
+__all__ = ["PHASES", "LazyTag", "batch_tag", "enabled", "items_tag", "set_enabled", "trace", "traced"]
 
-PHASES = ("handshake", "gather", "send", "recv", "scatter", "copy")
+PHASES = (
+    "handshake",
+    "load",
+    "grant",
+    "gather",
+    "send",
+    "recv",
+    "scatter",
+    "copy",
+    "wait",
+    "notify",
+    "serve",
+)
 _COLORS = {
     "handshake": "purple",
+    "load": "gray",  # a loader batch on the worker thread, from dispatch to its last completion
+    "grant": "yellow",  # the lease grant round trip to the exporter ranks
     "gather": "green",
     "send": "blue",
     "recv": "cyan",
     "scatter": "orange",
     "copy": "red",
+    "wait": "pink",  # waiting for the transfer stream's work (CUDA event polls)
+    "notify": "olive",  # the notifier's round trip that frees the exporter's blocks
+    "serve": "brown",  # the exporter handling one side-channel message (its type)
 }
 DOMAIN = "kvxfer"
 _NULL = contextlib.nullcontext()
@@ -128,3 +148,31 @@ def traced(phase: str, request_id_arg: str = "request_id") -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return deco
+
+
+def batch_tag(request_ids) -> str:
+    """NVTX name of a batch: its request id, or the first id and how many more.
+    ``request_ids``: any sized collection of ids (a list, or a dict keyed by them: no copy)."""
+    n = len(request_ids)
+    if not n:
+        return ""
+    first = next(iter(request_ids))
+    return first if n == 1 else f"{first}+{n - 1}"
+
+
+class LazyTag:
+    """A trace range's name, ``make(arg)``, made only when the range is named (with tracing
+    off, a range costs no string)."""
+
+    __slots__ = ("arg", "make")
+
+    def __init__(self, make, arg) -> None:
+        self.make, self.arg = make, arg
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.make(self.arg)), spec)
+
+
+def items_tag(items) -> str:
+    """:func:`batch_tag` of the request ids of ``items`` (objects with a ``request_id``)."""
+    return batch_tag([it.request_id for it in items])

@@ -56,7 +56,7 @@ DEADLINE_S = 120.0
 POLL_S = 0.0002  # pause between poll() calls while waiting (a model runner's step is longer)
 
 
-def _specs(layers: int) -> tuple[KVCacheSpec, KVCacheSpec]:
+def specs(layers: int) -> tuple[KVCacheSpec, KVCacheSpec]:
     """Llama-3-8B-shaped caches (8 kv heads x 128, bf16): P NHD block 16, D HND block 32."""
     p = KVCacheSpec(layers, 8, 128, 16, torch.bfloat16, Layout.NHD)
     d = KVCacheSpec(layers, 8, 128, 32, torch.bfloat16, Layout.HND)
@@ -83,7 +83,7 @@ def _exporter(args: dict, cmd_q, reply_q) -> None:
     from kvxfer.transports import pg
     from kvxfer.transports.shm import alloc_shm_caches
 
-    p_spec, _ = _specs(args["layers"])
+    p_spec, _ = specs(args["layers"])
     device = torch.device(args["device"])
     nb = p_spec.num_blocks_for(max(args["sizes"]))
     if device.type == "cpu":
@@ -224,7 +224,7 @@ def default_transports() -> str:
 
 def run(a: argparse.Namespace) -> int:
     device = common.pick_device(a.device)
-    p_spec, d_spec_staged = _specs(a.layers)
+    p_spec, d_spec_staged = specs(a.layers)
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else (QUICK_SIZES if a.quick else SIZES)
     transports = (a.transports or default_transports()).split(",")
     bad = [t for t in transports if t not in ("ipc", "pg", "nixl-direct", "nixl-staged")]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that does a whole GPU validation pass (fits the 10-minute command limit):
-# fatbin build, kernel sweep, transfer bench + demo, the test suite, and the one-GPU pg cases
-# in their own process (a CUDA fault there must not poison the suite's context). Everything
+# fatbin build, kernel sweep, transfer bench + demo, one request's timeline (bench_latency), the
+# test suite, and the one-GPU pg cases in their own process (a CUDA fault there must not poison
+# the suite's context). Everything
 # lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   run(command="bash profiling/gpu_session.sh", carry=[".whl"])
 set -uo pipefail
@@ -12,6 +13,7 @@ bash $v build >/dev/null 2>&1; grep "loaded from" "$out/build.txt"
 timeout 110 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-1head,deepseek-v3-mla \
   --sizes 4096,32768 >/dev/null 2>&1; echo "ops rc=$?"
 timeout 80 bash $v transfer --sizes 4096 --reqs 5 --iters 3 >/dev/null 2>&1; echo "transfer rc=$?"
+timeout 45 bash $v latency --tokens 16,4096 --reqs 10 >/dev/null 2>&1; echo "latency rc=$?"
 one=tests/test_gpuwire_gpu.py::test_pg_on_one_gpu_takes_gloo_through_pinned_host
 PYTEST_ARGS="--deselect $one" timeout 220 bash $v tests >/dev/null 2>&1; echo "tests rc=$?"
 export PYTHONPATH="$PWD:/tmp/site"

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 import timeit
+import types
 
 import pytest
 
@@ -144,8 +147,87 @@ def test_disabled_cost_is_small(fake):
 
 
 def test_batch_tag_names_a_batch_from_a_list_or_a_dict_of_its_ids():
-    from kvxfer.engine_types import batch_tag
+    from kvxfer.tracing import batch_tag
 
     assert batch_tag([]) == "" and batch_tag({}) == ""
     assert batch_tag(["r1"]) == "r1" and batch_tag({"r1": 0}) == "r1"
     assert batch_tag(["r1", "r2", "r3"]) == "r1+2" and batch_tag(dict.fromkeys(["r1", "r2", "r3"])) == "r1+2"
+
+
+class ThreadedFakeNvtx:
+    """Records pushes and pops with the pushing thread (NVTX range stacks are per thread)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def push_range(self, message=None, color=None, domain=None):
+        self.calls.append(("push", threading.get_ident(), message))
+
+    def pop_range(self, domain=None):
+        self.calls.append(("pop", threading.get_ident(), None))
+
+
+def test_lazy_tag_is_made_only_when_a_range_is_named(fake):
+    made = []
+
+    def make(x):
+        made.append(x)
+        return f"tag-{x}"
+
+    tracing.set_enabled(False)
+    with tracing.trace("load", tracing.LazyTag(make, 1)):
+        pass
+    assert made == []
+    tracing.set_enabled(True)
+    with tracing.trace("load", tracing.LazyTag(make, 2)):
+        pass
+    assert made == [2] and fake.calls[0][1] == "kvxfer.load tag-2"
+    assert tracing.items_tag([types.SimpleNamespace(request_id=r) for r in ("a", "b")]) == "a+1"
+
+
+@pytest.mark.parametrize("transport", ["ipc", "pg"])
+def test_one_load_shows_its_whole_path_as_ranges(monkeypatch, transport):
+    """What an Nsight user sees of one request: on D's worker the load with its grant round trip
+    and its copy (or recv and scatter), the notifier's round trip, and on P the messages served;
+    every range is closed on the thread that opened it."""
+    import torch
+
+    from kvxfer import KVCacheSpec, TransferEngine
+    from kvxfer.transports.shm import alloc_shm_caches
+
+    monkeypatch.delenv("KVXFER_NVTX", raising=False)
+    saved = dict(tracing._state)
+    rec = ThreadedFakeNvtx()
+    tracing.set_enabled(True, nvtx_module=rec)
+    spec = KVCacheSpec(2, 2, 16, 8, torch.float16)
+    src, dst = alloc_shm_caches(spec, 8, 1, fill=3), alloc_shm_caches(spec, 8, 1, fill=0)
+    p = TransferEngine(spec, src.caches, 0, 1, "P", transport=transport, lease_s=30).start()
+    d = TransferEngine(spec, dst.caches, 0, 1, "D", transport=transport, lease_s=30).start()
+    try:
+        d.load("req-9", p.export("req-9", [1, 2], 12), [5, 6])
+        end = time.monotonic() + 20
+        done = sent = False
+        while not (done and sent) and time.monotonic() < end:
+            done = done or "req-9" in d.poll().finished_recving
+            sent = sent or "req-9" in p.poll().finished_sending
+            time.sleep(0.002)
+        assert done and sent
+    finally:
+        d.close()
+        p.close()
+        src.close()
+        dst.close()
+        tracing._state.update(saved)
+    names = [m for kind, _, m in rec.calls if kind == "push"]
+    want = ["kvxfer.load req-9", "kvxfer.grant req-9", "kvxfer.notify req-9"]
+    want += ["kvxfer.serve ReadReq req-9", "kvxfer.serve Notify req-9"]
+    want += ["kvxfer.copy req-9"] if transport == "ipc" else ["kvxfer.recv req-9", "kvxfer.scatter req-9"]
+    assert set(want) <= set(names), names
+    depth: dict[int, int] = {}
+    for kind, tid, _ in rec.calls:
+        depth[tid] = depth.get(tid, 0) + (1 if kind == "push" else -1)
+        assert depth[tid] >= 0, "a range popped on a thread that did not push it"
+    assert all(v == 0 for v in depth.values()), depth
+    # the grant and the copy are inside the load range of the same (worker) thread
+    load_tid = next(t for k, t, m in rec.calls if m == "kvxfer.load req-9")
+    assert next(t for k, t, m in rec.calls if m == "kvxfer.grant req-9") == load_tid

@@ -1,0 +1,45 @@
+"""bench_latency on CPU: one request's timeline across P and D for ipc and pg, from the engine's
+own trace ranges, with a #wrong that can fail."""
+
+import json
+
+import pytest
+
+from tests.test_profiling import _run
+
+
+def _stages(stdout: str) -> dict[str, list[str]]:
+    return {line.split()[0] + (" " + line.split()[1] if line.split()[0] == "serve" else ""): line.split()
+            for line in stdout.splitlines() if line.startswith(" ")}  # fmt: skip
+
+
+@pytest.mark.parametrize("transport", ["ipc", "pg"])
+def test_bench_latency_prints_each_stage_of_the_path(tmp_path, transport):
+    res = _run(
+        "bench_latency.py", "--device", "cpu", "--transport", transport, "--tokens", "16",
+        "--reqs", "3", "--layers", "2", "--out", str(tmp_path), timeout=180,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "#wrong 0" in res.stdout and "wrong requests: 0  OK" in res.stdout
+    got = _stages(res.stdout)
+    want = {"load()", "load", "grant", "serve ReadReq", "done", "notify", "serve Notify", "freed"}
+    want |= {"copy"} if transport == "ipc" else {"serve SendReq", "gather", "send", "recv", "scatter"}
+    assert want <= set(got), res.stdout
+    assert all(row[-1] == "3" for row in got.values()), res.stdout  # every warm request has them
+    ms = {k: (float(v[-6]), float(v[-5])) for k, v in got.items()}  # (first start, last end)
+    # the path's order: grant before the data moves, data before done, the release after done
+    data = "copy" if transport == "ipc" else "scatter"
+    assert ms["grant"][1] <= ms[data][0] <= ms[data][1] <= ms["done"][0] <= ms["freed"][0], ms
+    assert ms["grant"][0] <= ms["serve ReadReq"][0] <= ms["grant"][1], ms
+    data = json.loads((tmp_path / "bench_latency.json").read_text())
+    assert data["meta"]["device"] and len(data["requests"]) == 3
+    assert {r["stage"] for r in data["rows"]} >= {"grant", "notify"}
+
+
+def test_bench_latency_detects_a_wrong_byte(tmp_path):
+    res = _run(
+        "bench_latency.py", "--device", "cpu", "--tokens", "16", "--reqs", "1", "--layers", "2",
+        "--corrupt", "--out", str(tmp_path), timeout=180,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "#wrong 1" in res.stdout and "WRONG" in res.stdout
