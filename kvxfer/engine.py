@@ -299,8 +299,8 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._nixl_close()
         self._sender_pairs.clear()
         for rem in list(self._remotes.values()):
-            for _, _, handles, _ in rem.ipc.values():
-                choice.detach(handles)
+            for m in rem.ipc.values():
+                choice.detach(m.handles)
         self._remotes.clear()
         for name in ("_server", "_client"):
             part = getattr(self, name, None)

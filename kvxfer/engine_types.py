@@ -110,7 +110,7 @@ class Remote:
     plan: object = None  # TransferPlan of (remote -> this engine)
     reads: list = field(default_factory=list)  # plan.reads(this rank)
     notify_to: list = field(default_factory=list)  # plan.notify_targets(this rank)
-    ipc: dict = field(default_factory=dict)  # src rank -> (cache views, epochs, handles)
+    ipc: dict = field(default_factory=dict)  # src rank -> IpcMap
     pairs: dict = field(default_factory=dict)  # src rank -> (pg, key)
     pg_backends: list = field(default_factory=list)  # src rank -> pair backend ("nccl"/"gloo")
     host: str = ""  # where the params said the remote listens (a change means a new remote)

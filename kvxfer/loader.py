@@ -565,8 +565,8 @@ class LoaderRole(IpcReads, PgReads):
             self._drop_pair(rem, s, why)
         if self._remotes.get(rem.engine_id) is rem:
             del self._remotes[rem.engine_id]
-        for _, _, handles, _ in rem.ipc.values():
-            choice.detach(handles)
+        for m in rem.ipc.values():
+            choice.detach(m.handles)
         rem.ipc.clear()
         self._nixl_forget(rem)  # kvxfer.nixl_role
         for a in rem.addrs:
