@@ -20,3 +20,17 @@ def test_bench_engine_small():
         assert b["fraction_of_memcpy"] > 0 and b["transport_used"] == {"P": b["transport"]}
     assert "DESIGN target <= 50 us" in res.stdout
     assert data["warm_vs_cold"]["warm_us"] > 0 and data["warm_vs_cold"]["cold_us"] > 0
+
+
+def test_bench_host_floor_small():
+    """The floor benchmark runs each step any design must take, every copy reaching the null
+    kernel, and prints the engine's own figure of the same run beside it."""
+    res = _run("bench_host_floor.py", "--iters", "20")
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    assert data["bench"] == "host_floor" and data["engine_us"] > 0
+    for mode in ("cold", "warm"):
+        steps = [data[mode][f"{k}_us"] for k in ("export", "load", "grant", "copy", "notify", "poll")]
+        assert all(v > 0 for v in steps), data[mode]
+        assert data[mode]["total_us"] > 0
+    assert "target <= 50 us" in res.stdout
