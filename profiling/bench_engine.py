@@ -64,6 +64,22 @@ class _NullKernel:
         _NullKernel.copies += 1
 
 
+def use_null_backend() -> dict:
+    """Route the CPU backends (native ``cpu`` and the ``torch`` reference) to :class:`_NullKernel`;
+    returns what :func:`restore_backends` needs to undo it."""
+    saved = dict(ops._MODULES)
+    sys.modules["kvxfer_bench_null_backend"] = _NullKernel  # type: ignore[assignment]
+    for name in ("torch", "cpu"):
+        ops._MODULES[name] = "kvxfer_bench_null_backend"
+    ops.reset_backends()
+    return saved
+
+
+def restore_backends(saved: dict) -> None:
+    ops._MODULES.update(saved)
+    ops.reset_backends()
+
+
 class _Loopback:
     """The loader's side-channel client, answered in this thread by the exporter's own handler.
 
@@ -123,11 +139,7 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
     rng = random.Random(0)
     src_shm, src = _aliased_shm_caches(spec, nb)
     dst_shm, dst_c = _aliased_shm_caches(spec, nb)
-    saved = dict(ops._MODULES)
-    sys.modules["kvxfer_bench_null_backend"] = _NullKernel  # type: ignore[assignment]
-    for name in ("torch", "cpu"):
-        ops._MODULES[name] = "kvxfer_bench_null_backend"
-    ops.reset_backends()
+    saved = use_null_backend()
     p = TransferEngine(spec, src, 0, 1, "P", transport="ipc", lease_s=600).start()
     d = TransferEngine(spec, dst_c, 0, 1, "D", transport="ipc", lease_s=600).start()
     d._client.close()
@@ -188,8 +200,7 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
         src_shm.close()
         dst_shm.close()
         ops.copy_blocks = real_copy
-        ops._MODULES.update(saved)
-        ops.reset_backends()
+        restore_backends(saved)
     # Medians over iterations: this machine is shared, and preemption only ever adds time.
     # total = median of the per-iteration sums; means are reported alongside.
     out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in t.items()}
@@ -209,11 +220,7 @@ def warm_vs_cold(n_iter: int = 400) -> dict:
     spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
     src_shm, src = _aliased_shm_caches(spec, 300)
     dst_shm, dst = _aliased_shm_caches(spec, 300)
-    saved = dict(ops._MODULES)
-    sys.modules["kvxfer_bench_null_backend"] = _NullKernel  # type: ignore[assignment]
-    for name in ("torch", "cpu"):
-        ops._MODULES[name] = "kvxfer_bench_null_backend"
-    ops.reset_backends()
+    saved = use_null_backend()
     try:
         sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
         perm = list(range(300))
@@ -244,8 +251,7 @@ def warm_vs_cold(n_iter: int = 400) -> dict:
     finally:
         src_shm.close()
         dst_shm.close()
-        ops._MODULES.update(saved)
-        ops.reset_backends()
+        restore_backends(saved)
 
 
 def bandwidth(transport: str, tokens: int, reqs: int, iters: int) -> dict:

@@ -58,11 +58,7 @@ def floor(n_iter: int, cold: bool) -> dict:
     nb = per + 8
     src_shm, src = bench_engine._aliased_shm_caches(spec, nb)
     dst_shm, dst = bench_engine._aliased_shm_caches(spec, nb)
-    saved = dict(ops._MODULES)
-    sys.modules["kvxfer_bench_null_backend"] = bench_engine._NullKernel  # type: ignore[assignment]
-    for name in ("torch", "cpu"):
-        ops._MODULES[name] = "kvxfer_bench_null_backend"
-    ops.reset_backends()
+    saved = bench_engine.use_null_backend()
     try:
         sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
         key = HmacKey(os.urandom(32))
@@ -137,8 +133,7 @@ def floor(n_iter: int, cold: bool) -> dict:
     finally:
         src_shm.close()
         dst_shm.close()
-        ops._MODULES.update(saved)
-        ops.reset_backends()
+        bench_engine.restore_backends(saved)
 
 
 def main(argv=None) -> int:

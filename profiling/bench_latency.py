@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common
-from bench_transfer import digest
+from bench_transfer import digest, load_one, mappable_caches
 from bench_transfer import specs as transfer_specs
 
 from kvxfer import TransferEngine, tracing
@@ -88,28 +88,6 @@ def _record() -> Recorder:
     return rec
 
 
-def _caches(spec, num_blocks: int, device: torch.device, fill: bool):
-    """Caches the ``ipc`` transport can map: shared memory on a CPU, device memory on a GPU."""
-    from kvxfer.transports.shm import alloc_shm_caches
-
-    if device.type == "cpu":
-        shm = alloc_shm_caches(spec, num_blocks, 1, fill=0)
-        caches = shm.caches
-    else:
-        shm = None
-        caches = [
-            torch.zeros(spec.cache_shape(num_blocks, 1), dtype=spec.dtype, device=device)
-            for _ in range(spec.num_layers)
-        ]
-    if fill:
-        g = torch.Generator().manual_seed(0)
-        for c in caches:
-            c.view(torch.uint8).copy_(
-                torch.randint(0, 256, c.view(torch.uint8).shape, generator=g, dtype=torch.uint8)
-            )
-    return shm, caches
-
-
 # ----------------------------------------------------------------------------- exporter process
 def exporter(args: dict, conn) -> None:
     """P: "export" (params and the digest of what they hold), "freed" (when P's poll reported
@@ -125,7 +103,7 @@ def _exporter(args: dict, conn) -> None:
     p_spec, _ = transfer_specs(args["layers"])
     device = torch.device(args["device"])
     nb = p_spec.num_blocks_for(args["tokens"])
-    shm, caches = _caches(p_spec, nb, device, fill=True)
+    shm, caches = mappable_caches(p_spec, nb, device, fill=True)
     eng = TransferEngine(
         p_spec, caches, 0, 1, "P", transport=args["transport"], port=args["port"], lease_s=60.0
     )
@@ -246,7 +224,7 @@ def run(a: argparse.Namespace) -> int:
         proc = ctx.Process(target=exporter, args=(args, there), daemon=True)
         proc.start()
         d_ids = list(range(d_spec.num_blocks_for(tokens)))[::-1]
-        shm, caches = _caches(d_spec, len(d_ids), device, fill=False)
+        shm, caches = mappable_caches(d_spec, len(d_ids), device, fill=False)
         eng = TransferEngine(d_spec, caches, 0, 1, f"D-{tokens}", transport=a.transport, lease_s=60.0).start()
         per: list[dict] = []
         wrong = 0
@@ -257,19 +235,7 @@ def run(a: argparse.Namespace) -> int:
                 here.send(("export", rid))
                 _, params, want = _get(here, "params", proc)
                 rec.calls.clear()
-                t0 = time.perf_counter()
-                eng.load(rid, params, d_ids)
-                r = eng.poll()
-                t_call = time.perf_counter()
-                end = time.monotonic() + DEADLINE_S
-                while rid not in r.finished_recving:
-                    if rid in r.failed:
-                        raise RuntimeError(f"{rid} failed: {r.errors.get(rid)}")
-                    if time.monotonic() > end:
-                        raise TimeoutError(f"{rid} did not finish within {DEADLINE_S}s")
-                    time.sleep(POLL_S)
-                    r = eng.poll()
-                t_done = time.perf_counter()
+                t0, t_call, t_done = load_one(eng, rid, params, d_ids)
                 here.send(("freed", rid))
                 t_freed = _get(here, "freed", proc)[1]
                 closed = time.monotonic() + 1.0  # the notifier's range closes on P's ack

@@ -70,6 +70,29 @@ def digest(wire: torch.Tensor) -> str:
     ).hexdigest()
 
 
+def mappable_caches(spec, num_blocks: int, device: torch.device, fill: bool):
+    """Caches the ``ipc`` transport can map (shared memory on a CPU, device memory on a GPU),
+    filled with seeded noise or zeros; returns (the shared memory to close or None, caches)."""
+    from kvxfer.transports.shm import alloc_shm_caches
+
+    if device.type == "cpu":
+        shm = alloc_shm_caches(spec, num_blocks, 1, fill=0)
+        caches = shm.caches
+    else:
+        shm = None
+        caches = [
+            torch.zeros(spec.cache_shape(num_blocks, 1), dtype=spec.dtype, device=device)
+            for _ in range(spec.num_layers)
+        ]
+    if fill:
+        g = torch.Generator().manual_seed(0)
+        for c in caches:
+            c.view(torch.uint8).copy_(
+                torch.randint(0, 256, c.view(torch.uint8).shape, generator=g, dtype=torch.uint8)
+            )
+    return shm, caches
+
+
 # ----------------------------------------------------------------------------- exporter process
 def exporter(args: dict, cmd_q, reply_q) -> None:
     """P: one engine over caches filled with seeded noise; serves "export", "link", "stop"."""
@@ -81,25 +104,11 @@ def exporter(args: dict, cmd_q, reply_q) -> None:
 
 def _exporter(args: dict, cmd_q, reply_q) -> None:
     from kvxfer.transports import pg
-    from kvxfer.transports.shm import alloc_shm_caches
 
     p_spec, _ = specs(args["layers"])
-    device = torch.device(args["device"])
     nb = p_spec.num_blocks_for(max(args["sizes"]))
-    if device.type == "cpu":
-        shm = alloc_shm_caches(p_spec, nb, 1)
-        caches = shm.caches
-    else:
-        shm = None
-        caches = [
-            torch.empty(p_spec.cache_shape(nb, 1), dtype=p_spec.dtype, device=device)
-            for _ in range(p_spec.num_layers)
-        ]
-    g = torch.Generator().manual_seed(0)
-    for c in caches:
-        c.view(torch.uint8).copy_(
-            torch.randint(0, 256, c.view(torch.uint8).shape, generator=g, dtype=torch.uint8)
-        )
+    device = torch.device(args["device"])
+    shm, caches = mappable_caches(p_spec, nb, device, fill=True)
     eng = TransferEngine(p_spec, caches, 0, 1, "P", transport="auto", port=args["port"], lease_s=60.0).start()
     store = pg.serve_store("127.0.0.1", 60.0)
     reply_q.put(("ready", store.port))
@@ -160,12 +169,13 @@ def _get(reply_q, kind: str, proc) -> tuple:
     raise TimeoutError(f"no {kind!r} from the exporter within {DEADLINE_S}s")
 
 
-def _load_one(eng: TransferEngine, rid: str, params: dict, ids: list[int]) -> tuple[float, float]:
-    """(wall seconds load -> finished, host seconds in load() + the dispatching poll())."""
+def load_one(eng: TransferEngine, rid: str, params: dict, ids: list[int]) -> tuple[float, float, float]:
+    """Load one request and poll until it finished: ``perf_counter`` at ``load()``, after the
+    ``poll()`` that dispatched it, and when a poll reported it finished."""
     t0 = time.perf_counter()
     eng.load(rid, params, ids)
     r = eng.poll()
-    host = time.perf_counter() - t0
+    t_call = time.perf_counter()
     end = time.monotonic() + DEADLINE_S
     while rid not in r.finished_recving:
         if rid in r.failed:
@@ -176,7 +186,7 @@ def _load_one(eng: TransferEngine, rid: str, params: dict, ids: list[int]) -> tu
         # threads of the GIL (measured: 1 MiB ipc load 2.5 ms with this pause, 100-460 ms without).
         time.sleep(POLL_S)
         r = eng.poll()
-    return time.perf_counter() - t0, host
+    return t0, t_call, time.perf_counter()
 
 
 def _link_kind(device: torch.device) -> tuple[str, str, bool]:
@@ -303,7 +313,8 @@ def run(a: argparse.Namespace) -> int:
                     rid = f"{transport}-{n}-{i}"
                     cmd_q.put(("export", rid, n))
                     _, params, want = _get(reply_q, "params", proc)
-                    wall, host = _load_one(eng, rid, params, d_ids)
+                    t0, t_call, t_done = load_one(eng, rid, params, d_ids)
+                    wall, host = t_done - t0, t_call - t0
                     if a.corrupt:  # prove the verification can fail: flip one landed byte
                         caches[0].view(torch.uint8).view(-1)[0].bitwise_not_()  # block 0 is in d_ids
                     wrong.append(
