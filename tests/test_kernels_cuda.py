@@ -160,6 +160,62 @@ def shim_results(tmp_path_factory):
     return results, f"exit {res.returncode}\n{res.stderr[-6000:]}"
 
 
+@pytest.fixture(scope="session")
+def shim_engine_results(tmp_path_factory):
+    """The engine's transfers (tests/cuda_shim/run_engine.py) with every op launched through the
+    ASan/UBSan g++ build of the CUDA kernels; {scenario id: result}, and stderr."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: cannot build the host shim")
+    lib = build(tmp_path_factory.mktemp("kvx_shim_engine"))
+    asan = subprocess.run(
+        ["g++", "-print-file-name=libasan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    env = dict(
+        os.environ,
+        LD_PRELOAD=asan,
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+    )
+    res = subprocess.run(
+        [sys.executable, str(SHIM / "run_engine.py"), str(lib)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        cwd=ROOT,
+    )
+    results = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            results[d["id"]] = d
+    return results, f"exit {res.returncode}\n{res.stderr[-6000:]}"
+
+
+ENGINE_SCENARIOS = (
+    "pg-staged-bf16",
+    "pg-whole-bf16",
+    "pg-staged-e4m3",
+    "pg-whole-e4m3",
+    "pg-staged-nhd16-hnd32-partial",
+    "pg-staged-hnd32-nhd16",
+    "ipc-nhd16-hnd32-partial",
+)
+
+
+@pytest.mark.parametrize("sid", ENGINE_SCENARIOS)
+def test_shim_engine_transfers(shim_engine_results, sid):
+    """What a GPU run launches for a transfer through the engine (pg whole and staged in chunks,
+    the one-GPU test's caches, bf16 and fp8; offset views of a partial load; ipc), run on CPU
+    buffers under ASan/UBSan: every address in bounds, the bytes exact, the rest poisoned."""
+    results, stderr = shim_engine_results
+    assert sid in results, f"sanitized engine run stopped before this scenario:\n{stderr}"
+    r = results[sid]
+    assert r["ok"], r["error"]
+    want = {"kvx_copy"} if sid.startswith("ipc") else {"kvx_gather", "kvx_scatter"}
+    assert {e.rsplit("_", 1)[0] for e in r["launches"]} == want, r["launches"]
+
+
 def test_case_ids_unique():
     assert len({c.id for c in CASES}) == len(CASES)
 

@@ -25,8 +25,10 @@ struct dim3 {
 };
 
 namespace kvx_shim {
-// The running thread's coordinates (one thread at a time).
-inline dim3 threadIdx, blockIdx, blockDim, gridDim;
+// The running thread's coordinates (one emulated thread at a time per OS thread). thread_local:
+// the engine launches from several threads at once (an exporter's gather while a loader
+// scatters), and shared coordinates made those launches write each other's rows.
+inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 }  // namespace kvx_shim
 using kvx_shim::blockDim;
 using kvx_shim::blockIdx;
