@@ -10,6 +10,8 @@
    movement is measured in part 2). Medians per request over iterations; one request per
    batch (the DESIGN case, target <= 50 us), 8 whole-block requests per batch, and 8
    requests with partial last blocks.
+   Beside it, :func:`host_floor`: the least any design's path for such a request costs here,
+   timed the same way (the steps every design must take, straight-line).
 2. Bandwidth: batches of requests moved P -> D (engines in one process, threads) over ``ipc``
    (one copy_blocks from the mapped shm cache) and ``pg`` (gather, Gloo send/recv over
    loopback, scatter), as a fraction of a plain ``copy_`` of the same bytes in the same run.
@@ -30,12 +32,16 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvxfer import KVCacheSpec, TransferEngine, ops
 from kvxfer import control as C
+from kvxfer.auth import _KeyedSha256 as HmacKey  # what EngineSecret.token runs
+from kvxfer.engine_types import check_block_ids
+from kvxfer.params import KVTransferParams, params_dict
 from kvxfer.transports.shm import alloc_shm_caches
 
 
@@ -311,6 +317,124 @@ def bandwidth(transport: str, tokens: int, reqs: int, iters: int) -> dict:
     }
 
 
+def host_floor(n_iter: int, cold: bool = True) -> dict:
+    """The least one request's control path can cost here: only the steps any design must take
+    for a 4K-token, 32-layer request, in straight-line code with kvxfer's own pieces where they
+    are the irreducible step, and no structure around them (no trackers, threads, plans,
+    metrics, tracing or failure handling):
+
+      export  check the 256 block ids, the request's HMAC token, hold the ids under a lease (a
+              dict), the params dict for the caller
+      load    validate the params (one ``msgspec.convert``) and the local ids; queue the load
+      grant   a lease request encoded, decoded by the exporter, the lease looked up and its
+              blocks' epochs snapshot, the reply encoded and decoded (the socket hop left out)
+      copy    one ``ops.copy_blocks`` with checked ids into the null kernel, then the epoch
+              re-check (a gather of 256 epochs, a byte compare)
+      notify  a notification encoded and decoded, the lease dropped and its blocks' epochs
+              bumped (one fancy-indexed add), the acknowledgement encoded and decoded
+      poll    each side reports the request done
+
+    ``cold``: each iteration first shuffles two 264-id lists, as :func:`host_cost` does. Medians
+    (us) of each step and of the whole, per request."""
+    spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
+    per = spec.num_blocks_for(FLOOR_TOKENS)
+    nb = per + 8
+    src_shm, src = _aliased_shm_caches(spec, nb)
+    dst_shm, dst = _aliased_shm_caches(spec, nb)
+    saved = use_null_backend()
+    try:
+        sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
+        key = HmacKey(os.urandom(32))
+        epochs = np.zeros(nb, dtype=np.int64)
+        live: dict[str, tuple[np.ndarray, float, str]] = {}
+        queued: list = []
+        rng = random.Random(0)
+        steps: dict[str, list[float]] = {k: [] for k in ("export", "load", "grant", "copy", "notify", "poll")}
+        copies0 = _NullKernel.copies
+        for i in range(n_iter + 20):
+            src_ids, dst_ids = list(range(nb)), list(range(nb))
+            if cold or i == 0:
+                rng.shuffle(src_ids)
+                rng.shuffle(dst_ids)
+            rid = f"r{i}"
+            t0 = time.perf_counter()
+            # export
+            ids = check_block_ids(src_ids[:per], per, nb, FLOOR_TOKENS)
+            token = key.token(rid)
+            live[rid] = (ids, time.monotonic() + 600, token)
+            params = params_dict(rid, "P", "127.0.0.1", 5555, 1, ids.tolist(), FLOOR_TOKENS, token)
+            t1 = time.perf_counter()
+            # load
+            p = KVTransferParams.from_dict(params)
+            local = check_block_ids(dst_ids[:per], per, nb, FLOOR_TOKENS)
+            queued.append((rid, p, local))
+            t2 = time.perf_counter()
+            # grant (the exporter's side in the middle)
+            rid, p, local = queued.pop()
+            req = C.decode(C.encode(C.ReadReq("D", 0, 1, [p.request_id], [p.token])))
+            lease = live[req.request_ids[0]]
+            assert req.tokens[0] == lease[2]
+            reply = C.decode(
+                C.encode(C.ReadReply(ok=req.request_ids, epochs=[epochs[lease[0]].tobytes()], failed={}))
+            )
+            snapshot = reply.epochs[0]
+            t3 = time.perf_counter()
+            # copy and epoch re-check
+            src_arr = p.block_id_array().view(np.int64)
+            ops.copy_blocks(  # the engine's planner hands ops a new (writable) id array
+                sc,
+                spec,
+                ops.CheckedIds(src_arr.copy(), nb, False),
+                dc,
+                spec,
+                ops.CheckedIds(local, nb, True),
+                FLOOR_TOKENS,
+            )
+            assert epochs[src_arr].tobytes() == snapshot
+            t4 = time.perf_counter()
+            # notify (the exporter's side in the middle)
+            note = C.decode(C.encode(C.Notify("D", 0, 1, [rid], [], [p.token])))
+            held = live.pop(note.request_ids[0])
+            epochs[held[0]] += 1
+            ack = C.decode(C.encode(C.Ack(failed={})))
+            assert not ack.failed
+            t5 = time.perf_counter()
+            # poll on both sides
+            done_d, done_p = {rid}, {note.request_ids[0]}
+            assert done_d == done_p
+            t6 = time.perf_counter()
+            if i >= 20:
+                for k, a, b in zip(steps, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
+                    steps[k].append(b - a)
+        # every copy reached the null kernel (the data movement is what is left out, nothing else)
+        assert _NullKernel.copies - copies0 == n_iter + 20, "copies did not reach the null kernel"
+        out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in steps.items()}
+        out["total_us"] = statistics.median([sum(x) for x in zip(*steps.values())]) * 1e6
+        return out
+    finally:
+        src_shm.close()
+        dst_shm.close()
+        restore_backends(saved)
+
+
+FLOOR_TOKENS = 4096
+
+
+def floor_vs_engine(n_iter: int, rounds: int = 6) -> dict:
+    """:func:`host_floor` and one-request :func:`host_cost` in alternating short rounds (this
+    VM's speed moves by up to 2x within a run, so a ratio of two separate runs means little):
+    the floor's medians and the median per-round ratio engine / floor."""
+    n = max(n_iter // rounds, 20)
+    ratios, runs = [], []
+    for _ in range(rounds):
+        engine = host_cost(n, 1, FLOOR_TOKENS)["total_us"]
+        runs.append(host_floor(n))
+        ratios.append(engine / runs[-1]["total_us"])
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["engine_ratio"], out["rounds"] = statistics.median(ratios), rounds
+    return out
+
+
 HOST_TARGET_US = 50.0  # DESIGN.md: host cost of one 4K-token request
 BATCH_TARGET_US = 25.0  # issue 17: per request, in batches of 8
 # Issue 17's CPU data-path targets (fractions of a plain memcpy of the same bytes) are set for
@@ -372,6 +496,12 @@ def main() -> None:
     ):
         verdict = "met" if got <= goal else "NOT met"
         print(f"  {what}: {verdict} ({got:.1f} us, {got / goal:.2f}x)")
+    floor = floor_vs_engine(a.host_iters)
+    print(
+        f"  least any design's path costs here (host_floor: only the steps every design takes, as cold): "
+        f"{floor['total_us']:.1f} us; the engine's one request is {floor['engine_ratio']:.1f}x that "
+        f"(median of {floor['rounds']} interleaved rounds)"
+    )
     print("  (last column: requests of 2048..4096 tokens, last block partial)")
     ref = python_reference_us()
     print(
@@ -400,7 +530,14 @@ def main() -> None:
     targets = {"host_1x_us": HOST_TARGET_US, "host_batch8_us": BATCH_TARGET_US, "python_reference_us": ref}
     print(
         json.dumps(
-            {"bench": "engine", "host_cost": cases, "warm_vs_cold": wc, "bandwidth": bw, "targets": targets}
+            {
+                "bench": "engine",
+                "host_cost": cases,
+                "floor": floor,
+                "warm_vs_cold": wc,
+                "bandwidth": bw,
+                "targets": targets,
+            }
         )
     )
 

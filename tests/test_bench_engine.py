@@ -19,6 +19,9 @@ def test_bench_engine_small():
     for b in data["bandwidth"]:
         assert b["fraction_of_memcpy"] > 0 and b["transport_used"] == {"P": b["transport"]}
     assert "DESIGN target <= 50 us" in res.stdout
+    floor = data["floor"]  # the least any design costs, interleaved with the engine's runs
+    assert floor["total_us"] > 0 and floor["engine_ratio"] > 0 and floor["rounds"] >= 1
+    assert "least any design's path costs here" in res.stdout
     assert data["warm_vs_cold"]["warm_us"] > 0 and data["warm_vs_cold"]["cold_us"] > 0
 
 
