@@ -130,11 +130,16 @@ def test_nvrtc_compiles_the_runtime_fallback_source():
 
 # --------------------------------------------------------------------------- host shim
 @pytest.fixture(scope="session")
-def shim_results(tmp_path_factory):
-    """Run the matrix once through the ASan/UBSan g++ build; {case id: result}, and stderr."""
+def shim_lib(tmp_path_factory) -> Path:
+    """The ASan/UBSan g++ build of the host shim (built once per session)."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found: cannot build the host shim")
-    lib = build(tmp_path_factory.mktemp("kvx_shim"))
+    return build(tmp_path_factory.mktemp("kvx_shim"))
+
+
+def _run_sanitized(script: str, lib: Path) -> tuple[dict, str]:
+    """Run ``tests/cuda_shim/<script> LIB`` under ASan/UBSan (a bad address aborts the process);
+    {id: result line} of what it printed, and the tail of its stderr."""
     asan = subprocess.run(
         ["g++", "-print-file-name=libasan.so"], capture_output=True, text=True
     ).stdout.strip()
@@ -145,7 +150,7 @@ def shim_results(tmp_path_factory):
         UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
     )
     res = subprocess.run(
-        [sys.executable, str(SHIM / "run_matrix.py"), str(lib)],
+        [sys.executable, str(SHIM / script), str(lib)],
         capture_output=True,
         text=True,
         env=env,
@@ -161,35 +166,16 @@ def shim_results(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def shim_engine_results(tmp_path_factory):
+def shim_results(shim_lib):
+    """Run the matrix once through the ASan/UBSan g++ build; {case id: result}, and stderr."""
+    return _run_sanitized("run_matrix.py", shim_lib)
+
+
+@pytest.fixture(scope="session")
+def shim_engine_results(shim_lib):
     """The engine's transfers (tests/cuda_shim/run_engine.py) with every op launched through the
     ASan/UBSan g++ build of the CUDA kernels; {scenario id: result}, and stderr."""
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found: cannot build the host shim")
-    lib = build(tmp_path_factory.mktemp("kvx_shim_engine"))
-    asan = subprocess.run(
-        ["g++", "-print-file-name=libasan.so"], capture_output=True, text=True
-    ).stdout.strip()
-    env = dict(
-        os.environ,
-        LD_PRELOAD=asan,
-        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
-        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
-    )
-    res = subprocess.run(
-        [sys.executable, str(SHIM / "run_engine.py"), str(lib)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-        cwd=ROOT,
-    )
-    results = {}
-    for line in res.stdout.splitlines():
-        if line.startswith("{"):
-            d = json.loads(line)
-            results[d["id"]] = d
-    return results, f"exit {res.returncode}\n{res.stderr[-6000:]}"
+    return _run_sanitized("run_engine.py", shim_lib)
 
 
 ENGINE_SCENARIOS = (
