@@ -519,6 +519,14 @@ class LoaderRole(IpcReads, PgReads):
                         replies = client.call_many([(p[0], p[1]) for p in due], 0.2, partial=True)
                 except C.ControlTimeout:  # a send queue full: every one of them is retried
                     replies = [None] * len(due)
+                except Exception as e:  # the notifier must outlive it: retried, given up by the deadline
+                    _LOG.warning(
+                        "kvxfer loader %s: sending %d notification(s) failed (%s); retrying",
+                        self.engine_id,
+                        len(due),
+                        describe_error(e),
+                    )
+                    replies = [None] * len(due)
                 for k, p in enumerate(due):
                     rep = replies[k]
                     if isinstance(rep, C.Ack):

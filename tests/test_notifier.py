@@ -182,3 +182,33 @@ def test_a_notification_past_its_deadline_is_given_up_and_counted(monkeypatch, a
     me = _run_loop(monkeypatch, log, client, feed)
     failures = me._metrics.snapshot().get("notify_failures", 0)
     assert failures == (0 if acked else 1), (failures, log)
+
+
+class _BrokenOnceClient(_FakeClient):
+    """Raises an unexpected error (not a timeout) on its first call, then acknowledges."""
+
+    def call_many(self, calls, timeout_s, partial=False):
+        if not any(e[0] == "raised" for e in self.log):
+            self.log.append(("raised", sorted(m.request_ids[0] for _, m in calls)))
+            raise RuntimeError("socket exploded")
+        return super().call_many(calls, timeout_s, partial)
+
+
+def test_an_unexpected_send_error_is_logged_and_retried_and_the_notifier_lives_on(monkeypatch, caplog):
+    log: list = []
+    client = _BrokenOnceClient(log)
+
+    def feed(q, client):
+        q.put(("tcp://p:1", _notify("a"), time.monotonic() + DEADLINE_S))
+        assert client.sent.wait(DEADLINE_S), f"never retried: {log}"
+        q.put(("tcp://p:1", _notify("b"), time.monotonic() + DEADLINE_S))  # a later one still goes
+        end = time.monotonic() + DEADLINE_S
+        while ("send", ["b"]) not in log and time.monotonic() < end:
+            time.sleep(0.01)
+
+    with caplog.at_level("WARNING", logger="kvxfer.loader"):
+        me = _run_loop(monkeypatch, log, client, feed)
+    sends = [e for e in log if e[0] in ("raised", "send")]
+    assert sends[:3] == [("raised", ["a"]), ("send", ["a"]), ("send", ["b"])], log
+    assert any("socket exploded" in r.getMessage() and "retrying" in r.getMessage() for r in caplog.records)
+    assert me._metrics.snapshot().get("notify_failures", 0) == 0
