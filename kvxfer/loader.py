@@ -15,7 +15,7 @@ One load, from ``poll()`` to the notification:
    :mod:`kvxfer.pg_read`; or ``nixl``, :mod:`kvxfer.nixl_role`), and reports every load once
    (:meth:`_complete`).
 4. The exporter ranks the plan names are notified (landed, or failed) through the notifier
-   thread (:meth:`_notify_loop`), which retries until acknowledged or the lease is over.
+   thread (:mod:`kvxfer.notifier`), which retries until acknowledged or the lease is over.
 
 Work on the GPU that outlives its wait is fenced (:class:`~kvxfer.ordering.FenceTimeout`):
 its loads are reported, and their exporters notified, only once it has completed.
@@ -23,7 +23,6 @@ its loads are reported, and their exporters notified, only once it has completed
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import time
@@ -42,6 +41,7 @@ from .engine_types import (
 )
 from .ipc_read import IpcReads
 from .metrics import now
+from .notifier import Notifier
 from .ordering import NOT_READY, FenceTimeout, event_done
 from .pg_read import PgReads
 from .plan import plan_reads
@@ -51,11 +51,6 @@ from .tracker import UNKNOWN
 from .transports import BatchPlan, choice, plan_batch
 
 _LOG = logging.getLogger(__name__)
-
-
-def _notify_tag(due: list[list]) -> str:
-    """Trace name of one notifier round trip: the request ids its messages carry."""
-    return batch_tag([r for p in due for r in p[1].request_ids])
 
 
 RESTARTED = "restarted (its incarnation changed): loads made from params of its previous start are void"
@@ -77,7 +72,7 @@ def _mask_layers(mask: int, num_layers: int) -> list[int]:
     return [i for i in range(num_layers) if mask >> (top - i) & 1]
 
 
-class LoaderRole(IpcReads, PgReads):
+class LoaderRole(IpcReads, PgReads, Notifier):
     """Methods of :class:`~kvxfer.engine.TransferEngine` that load from remote exporters."""
 
     # -------------------------------------------------------------------------- worker
@@ -486,77 +481,6 @@ class LoaderRole(IpcReads, PgReads):
                 direct(rem.addrs[s], msg)
             else:
                 self._notify_q.put((rem.addrs[s], msg, deadline))
-
-    def _notify_loop(self) -> None:
-        """Send queued notifications and heartbeats, each until acknowledged or its deadline
-        (retries back off from 100 ms, doubling up to 1 s); the notifier has its own socket, so a dead exporter
-        never stalls the loads."""
-        client = C.ControlClient(self._ctx)
-        pending: list[list] = []  # [addr, msg, deadline, next_try, attempts]
-        q = self._notify_q
-        try:
-            while not self._stop.is_set() or not q.empty():
-                # Block only until the next retry is due; a notification that arrives is sent at
-                # once (it frees the exporter's blocks), with whatever else is queued by then.
-                t = time.monotonic()
-                wait = min([0.1] + [p[3] - t for p in pending])
-                if wait > 0:
-                    with contextlib.suppress(queue.Empty):
-                        pending.append([*q.get(timeout=wait), 0.0, 0])
-                while True:  # one round trip carries all that is queued
-                    try:
-                        pending.append([*q.get_nowait(), 0.0, 0])
-                    except queue.Empty:
-                        break
-                if self._stop.is_set() and not pending:
-                    return
-                t = time.monotonic()
-                due = [p for p in pending if p[3] <= t]
-                if not due:
-                    continue
-                try:
-                    with trace("notify", LazyTag(_notify_tag, due)):
-                        replies = client.call_many([(p[0], p[1]) for p in due], 0.2, partial=True)
-                except C.ControlTimeout:  # a send queue full: every one of them is retried
-                    replies = [None] * len(due)
-                except Exception as e:  # the notifier must outlive it: retried, given up by the deadline
-                    _LOG.warning(
-                        "kvxfer loader %s: sending %d notification(s) failed (%s); retrying",
-                        self.engine_id,
-                        len(due),
-                        describe_error(e),
-                    )
-                    replies = [None] * len(due)
-                for k, p in enumerate(due):
-                    rep = replies[k]
-                    if isinstance(rep, C.Ack):
-                        pending.remove(p)
-                        if rep.failed:
-                            _LOG.warning(
-                                "kvxfer loader %s: %s refused by %s: %s",
-                                self.engine_id,
-                                type(p[1]).__name__,
-                                p[0],
-                                rep.failed,
-                            )
-                        continue
-                    p[4] += 1
-                    if time.monotonic() >= p[2] or self._stop.is_set():
-                        pending.remove(p)
-                        _LOG.warning(
-                            "kvxfer loader %s: %s to %s not acknowledged after %d tries (%s); given up",
-                            self.engine_id,
-                            type(p[1]).__name__,
-                            p[0],
-                            p[4],
-                            "no reply" if rep is None else getattr(rep, "error", rep),
-                        )
-                        self._metrics.add("notify_failures")
-                        continue
-                    p[3] = time.monotonic() + min(1.0, 0.05 * 2 ** p[4])
-                    client.drop(p[0])  # a fresh socket: stale replies cannot confuse the retry
-        finally:
-            client.close()
 
     # ----------------------------------------------------------------------- remotes
     def _drop_pair(self, rem: Remote, s: int, why: str = "an op failed or timed out") -> None:

@@ -206,7 +206,7 @@ def test_an_unexpected_send_error_is_logged_and_retried_and_the_notifier_lives_o
         while ("send", ["b"]) not in log and time.monotonic() < end:
             time.sleep(0.01)
 
-    with caplog.at_level("WARNING", logger="kvxfer.loader"):
+    with caplog.at_level("WARNING", logger="kvxfer.notifier"):
         me = _run_loop(monkeypatch, log, client, feed)
     sends = [e for e in log if e[0] in ("raised", "send")]
     assert sends[:3] == [("raised", ["a"]), ("send", ["a"]), ("send", ["b"])], log

@@ -1,0 +1,101 @@
+"""The loader's notifier thread: sends what :meth:`~kvxfer.loader.LoaderRole._notify` and the
+heartbeat queue (``_notify_q``: address, ``Notify`` or ``Heartbeat``, deadline) to the exporter
+ranks, each until acknowledged or its deadline. A notification is what frees the exporter's
+blocks, so it leaves as soon as it is queued, with whatever else is queued by then.
+
+A mixin of :class:`~kvxfer.loader.LoaderRole` (and so of the engine): it uses the engine's
+zmq context, stop event, metrics and notification queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import time
+
+from . import control as C
+from .engine_types import describe_error
+from .tracing import LazyTag, batch_tag, trace
+
+_LOG = logging.getLogger(__name__)
+
+
+def _notify_tag(due: list[list]) -> str:
+    """Trace name of one notifier round trip: the request ids its messages carry."""
+    return batch_tag([r for p in due for r in p[1].request_ids])
+
+
+class Notifier:
+    """The notifier thread's loop, a method of :class:`~kvxfer.engine.TransferEngine`."""
+
+    def _notify_loop(self) -> None:
+        """Send queued notifications and heartbeats, each until acknowledged or its deadline
+        (retries back off from 100 ms, doubling up to 1 s); the notifier has its own socket, so
+        a dead exporter never stalls the loads."""
+        client = C.ControlClient(self._ctx)
+        pending: list[list] = []  # [addr, msg, deadline, next_try, attempts]
+        q = self._notify_q
+        try:
+            while not self._stop.is_set() or not q.empty():
+                # Block only until the next retry is due; a notification that arrives is sent at
+                # once (it frees the exporter's blocks), with whatever else is queued by then.
+                t = time.monotonic()
+                wait = min([0.1] + [p[3] - t for p in pending])
+                if wait > 0:
+                    with contextlib.suppress(queue.Empty):
+                        pending.append([*q.get(timeout=wait), 0.0, 0])
+                while True:  # one round trip carries all that is queued
+                    try:
+                        pending.append([*q.get_nowait(), 0.0, 0])
+                    except queue.Empty:
+                        break
+                if self._stop.is_set() and not pending:
+                    return
+                t = time.monotonic()
+                due = [p for p in pending if p[3] <= t]
+                if not due:
+                    continue
+                try:
+                    with trace("notify", LazyTag(_notify_tag, due)):
+                        replies = client.call_many([(p[0], p[1]) for p in due], 0.2, partial=True)
+                except C.ControlTimeout:  # a send queue full: every one of them is retried
+                    replies = [None] * len(due)
+                except Exception as e:  # the notifier must outlive it: retried, given up by the deadline
+                    _LOG.warning(
+                        "kvxfer loader %s: sending %d notification(s) failed (%s); retrying",
+                        self.engine_id,
+                        len(due),
+                        describe_error(e),
+                    )
+                    replies = [None] * len(due)
+                for k, p in enumerate(due):
+                    rep = replies[k]
+                    if isinstance(rep, C.Ack):
+                        pending.remove(p)
+                        if rep.failed:
+                            _LOG.warning(
+                                "kvxfer loader %s: %s refused by %s: %s",
+                                self.engine_id,
+                                type(p[1]).__name__,
+                                p[0],
+                                rep.failed,
+                            )
+                        continue
+                    p[4] += 1
+                    if time.monotonic() >= p[2] or self._stop.is_set():
+                        pending.remove(p)
+                        _LOG.warning(
+                            "kvxfer loader %s: %s to %s not acknowledged after %d tries (%s); given up",
+                            self.engine_id,
+                            type(p[1]).__name__,
+                            p[0],
+                            p[4],
+                            "no reply" if rep is None else getattr(rep, "error", rep),
+                        )
+                        self._metrics.add("notify_failures")
+                        continue
+                    p[3] = time.monotonic() + min(1.0, 0.05 * 2 ** p[4])
+                    client.drop(p[0])  # a fresh socket: stale replies cannot confuse the retry
+        finally:
+            client.close()
