@@ -47,23 +47,25 @@ def _hooked(sc: dict) -> None:
     TransferEngine.start = start
 
 
-def nixl_exporter(sc, tp_rank, q_out, q_ctl):
+def nixl_exporter(sc, tp_rank, q_out, q_ctl, q_go):
     _env(sc)
-    return exporter_rank(sc, tp_rank, q_out, q_ctl)
+    return exporter_rank(sc, tp_rank, q_out, q_ctl, q_go)
 
 
-def nixl_loader(sc, tp_rank, q_in, q_ctl):
+def nixl_loader(sc, tp_rank, q_in, q_ctl, q_go):
     _env(sc)
     _hooked(sc)
-    return loader_rank(sc, tp_rank, q_in, q_ctl)
+    return loader_rank(sc, tp_rank, q_in, q_ctl, q_go)
 
 
 def _run(sc, deadline=90.0):
     procs = {}
     for r in range(sc["src_tp"]):
-        procs[f"P{r}"] = (nixl_exporter, (sc, r, "@queue:params", "@queue:ctl"))
+        # "go" on its own queue: on the shared one, loader rank 1 could take rank 0's "finished"
+        # meant for the exporter, which then waited 30 s for it (seen once in CI)
+        procs[f"P{r}"] = (nixl_exporter, (sc, r, "@queue:params", "@queue:ctl", "@queue:go"))
     for r in range(sc["dst_tp"]):
-        procs[f"D{r}"] = (nixl_loader, (sc, r, "@queue:params", "@queue:ctl"))
+        procs[f"D{r}"] = (nixl_loader, (sc, r, "@queue:params", "@queue:ctl", "@queue:go"))
     return run_procs(procs, deadline)
 
 
