@@ -2,9 +2,10 @@
 # One device call that does a whole GPU validation pass within the 10-minute command limit:
 # fatbin build, the one-GPU pg cases in their own processes (a CUDA fault there must not poison
 # the suite's context), kernel sweep, transfer bench + demo, one request's timeline
-# (bench_latency), the test suite. Each step gets at most what is left of a 540 s budget (a
-# step that no longer fits is skipped and says so), so the results are always packed: everything
-# lands in $OUT/results.tgz (the device tool returns at most 8 files), plus onegpu.log.
+# (bench_latency), the engine's host cost on this host's CPU (bench_engine), the test suite.
+# Each step gets at most what is left of a 540 s budget (a step that no longer fits is skipped
+# and says so), so the results are always packed: everything lands in $OUT/results.tgz (the
+# device tool returns at most 8 files), plus onegpu.log.
 #   run(command="bash profiling/gpu_session.sh", carry=[".whl"])
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -36,6 +37,7 @@ step ops 110 60 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-
   --sizes 4096,32768
 step transfer 80 40 bash $v transfer --sizes 4096 --reqs 5 --iters 3
 step latency 45 30 bash $v latency --tokens 16,4096 --reqs 10
+step hostcost 25 10 bash $v hostcost 200
 PYTEST_ARGS="--deselect $one" step tests 220 90 bash $v tests
 (cd "$out" && tar czf results.tgz --exclude results.tgz --exclude onegpu.log ./* && find . -maxdepth 1 -type f ! -name results.tgz ! -name onegpu.log -delete)
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/onegpu.log" | tail -12

@@ -15,9 +15,14 @@ def test_bench_engine_small():
         parts = ("export_us", "load_us", "loader_us", "exporter_us", "poll_us")
         assert all(row[k] > 0 for k in parts), row
         assert 0 < row["ops_checks_us"] < row["loader_us"]
+        # each process's share: P's and D's phases, which together make the whole
+        assert row["p_side_us"] > row["export_us"] and row["d_side_us"] > row["loader_us"]
     assert {b["transport"] for b in data["bandwidth"]} == {"ipc", "pg"}
     for b in data["bandwidth"]:
         assert b["fraction_of_memcpy"] > 0 and b["transport_used"] == {"P": b["transport"]}
+    pg = next(b for b in data["bandwidth"] if b["transport"] == "pg")
+    assert pg["link_GBps"] > 0 and pg["fraction_of_link"] > 0  # against the raw Gloo link too
+    assert "on D (loader)" in res.stdout and "the Gloo link itself" in res.stdout
     assert "DESIGN target <= 50 us" in res.stdout
     floor = data["floor"]  # the least any design costs, interleaved with the engine's runs
     assert floor["total_us"] > 0 and floor["engine_ratio"] > 0 and floor["rounds"] >= 1

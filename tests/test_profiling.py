@@ -291,7 +291,7 @@ def test_bench_plan_quick(tmp_path):
 
 
 def test_profiler_scripts_parse():
-    for script in ("nsys.sh", "ncu.sh", "gpu_validate.sh", "gpu_wheels.sh"):
+    for script in ("nsys.sh", "ncu.sh", "gpu_validate.sh", "gpu_wheels.sh", "gpu_session.sh"):
         res = subprocess.run(
             ["bash", "-n", os.path.join(ROOT, "profiling", script)], capture_output=True, text=True
         )
