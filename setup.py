@@ -3,12 +3,14 @@
 ``build_py`` ships the kernel sources as ``kvxfer/csrc/`` (for the NVRTC fallback and the CPU
 backend's lazy build), then:
 
-- CPU backend: when a C++ compiler is found (``$CXX``, else ``g++`` / ``c++`` on PATH), compiles
-  ``csrc/cpu/kvx_cpu.cpp`` into ``kvxfer/_prebuilt/libkvx_cpu-<hash>.so``. In an editable install
-  (``pip install -e .``) the library goes into the source tree's ``kvxfer/_prebuilt/``, where
-  the package is imported from. No compiler, or a failing one, never fails the install: a
-  ``kvxfer: WARNING`` line says why, and the library is compiled on first use instead (or CPU
-  ops fall back to the torch reference; see kvxfer/backends/cpu.py). ``KVXFER_NO_CXX=1`` skips it.
+- CPU backend and control helpers: when a C++ compiler is found (``$CXX``, else ``g++`` /
+  ``c++`` on PATH), compiles ``csrc/cpu/kvx_cpu.cpp`` into ``kvxfer/_prebuilt/libkvx_cpu-<hash>.so``
+  and the extension module ``csrc/ctl/kvx_ctl.cpp`` into ``kvxfer/_prebuilt/_kvx_ctl-<hash><ext>``.
+  In an editable install (``pip install -e .``) they go into the source tree's ``kvxfer/_prebuilt/``,
+  where the package is imported from. No compiler, or a failing one, never fails the install: a
+  ``kvxfer: WARNING`` line says why, and each is compiled on first use instead (else CPU ops fall
+  back to the torch reference, kvxfer/backends/cpu.py, and the bookkeeping to numpy,
+  kvxfer/idops.py). ``KVXFER_NO_CXX=1`` skips both.
 - CUDA kernels: when nvcc is found (PATH, or ``$CUDA_HOME/bin``), compiles them into
   ``kvxfer/_prebuilt/kvxfer_kernels.fatbin``: SASS for sm_80 and sm_90a plus compute_90 PTX that
   newer GPUs JIT. Without nvcc the install still succeeds (kernels compile at run time with
@@ -81,25 +83,35 @@ def cpu_build() -> ModuleType:
     return mod
 
 
-def build_cpu_library(out_dir: Path) -> Path | None:
-    """Build the CPU backend library into ``out_dir``; None (with a warning printed) on failure."""
+FALLBACKS = {  # what runs when a native library is missing at run time too
+    "CPU_LIBRARY": "CPU ops use the slower torch reference backend",
+    "CONTROL_MODULE": "the engine's bookkeeping uses numpy (more host time per request)",
+}
+
+
+def build_native(out_dir: Path, which: str) -> Path | None:
+    """Build the native library ``which`` (``CPU_LIBRARY``: the CPU backend; ``CONTROL_MODULE``:
+    the control-path helpers, kvxfer/idops.py) into ``out_dir``; None (with a warning printed)
+    on failure."""
     if os.environ.get("KVXFER_NO_CXX"):
-        print("kvxfer: KVXFER_NO_CXX set; CPU backend not built (it compiles on first use if it can)")
+        print(f"kvxfer: KVXFER_NO_CXX set; {which} not built (it compiles on first use if it can)")
         return None
     cb = cpu_build()
+    target = getattr(cb, which)
     try:
         cxx = cb.find_compiler()
         if cxx is None:
             raise cb.BuildError("no C++ compiler found (set CXX, or install g++)")
-        print("kvxfer: " + " ".join(cb.compile_command(cxx, out_dir / cb.library_name(CSRC), CSRC)))
-        lib = cb.build(out_dir, CSRC, cxx)
+        out = out_dir / cb.library_name(CSRC, target)
+        print("kvxfer: " + " ".join(cb.compile_command(cxx, out, CSRC, target)))
+        lib = cb.build(out_dir, CSRC, cxx, target)
     except cb.BuildError as e:
         print(
-            f"kvxfer: WARNING: CPU backend not built ({e}); it is compiled on first use if a "
-            "compiler is available then, else CPU ops use the slower torch reference backend"
+            f"kvxfer: WARNING: {which} not built ({e}); it is compiled on first use if a "
+            f"compiler is available then, else {FALLBACKS[which]}"
         )
         return None
-    for old in out_dir.glob("libkvx_cpu-*.so"):  # libraries of earlier sources (editable installs)
+    for old in out_dir.glob(f"{target.prefix}*"):  # libraries of earlier sources (editable installs)
         if old != lib:
             old.unlink()
     return lib
@@ -117,7 +129,9 @@ class BuildPyWithKernels(build_py):
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dest)
         # An editable install imports kvxfer from the source tree, not from build_lib.
-        build_cpu_library((ROOT / "kvxfer" if self.editable_mode else pkg) / "_prebuilt")
+        prebuilt = (ROOT / "kvxfer" if self.editable_mode else pkg) / "_prebuilt"
+        build_native(prebuilt, "CPU_LIBRARY")
+        build_native(prebuilt, "CONTROL_MODULE")
         nvcc = None if os.environ.get("KVXFER_NO_NVCC") else find_nvcc()
         if nvcc is None:
             print("kvxfer: nvcc not found; CUDA kernels will be compiled with NVRTC at run time")

@@ -161,7 +161,7 @@ class ExporterRole:
             return None
         return C.ReadReply(
             ok=list(ok),
-            epochs=[e.tobytes() for e in ok.values()],
+            epochs=list(ok.values()),
             failed=failed,
             incarnation=self._incarnation,
             layers=layers,

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import ops
+from . import idops, ops
 from .engine_types import Remote, disjoint_blocks, time_left
 from .plan import Read
 from .transports import cache_views, choice
@@ -102,26 +102,15 @@ class IpcReads:
     def _stale(ep: np.ndarray, loads, granted: dict[str, np.ndarray], s: int) -> dict[str, str]:
         """Loads whose source blocks' epochs moved since the grant snapshot -> why."""
         why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
-        if any(granted[it.request_id].size != it.params.block_id_array().size for it in loads):
-            # Params sliced to a suffix of the export (a load of only the tokens after a prefix
-            # the loader already holds): the grant snapshot covers the whole export; its tail
-            # belongs to the blocks read. More ids than exported is never valid.
-            granted = dict(granted)
-            for it in loads:
-                g, n = granted[it.request_id], it.params.block_id_array().size
-                if g.size != n:
-                    granted[it.request_id] = g[g.size - n :] if n < g.size else np.full(n, -1, np.int64)
-        if len(loads) == 1:
-            it = loads[0]
-            # byte compare: no ufunc and reduction (~2 small numpy calls fewer, cold)
-            moved = (
-                ep[it.params.block_id_array().view(np.int64)].tobytes() != granted[it.request_id].tobytes()
-            )
-            return {it.request_id: why} if moved else {}
-        ids = [it.params.block_id_array().view(np.int64) for it in loads]
-        diff = ep[np.concatenate(ids)] != np.concatenate([granted[it.request_id] for it in loads])
-        if not diff.any():
-            return {}
-        starts = np.cumsum([0] + [a.size for a in ids[:-1]])
-        per = np.logical_or.reduceat(diff, starts)
-        return {loads[k].request_id: why for k in np.flatnonzero(per).tolist()}
+        out: dict[str, str] = {}
+        for it in loads:  # one native call per load (kvxfer.idops)
+            ids = it.params.block_id_array().view(np.int64)
+            g = granted[it.request_id]
+            if g.size != ids.size:
+                # Params sliced to a suffix of the export (a load of only the tokens after a
+                # prefix the loader already holds): the grant snapshot covers the whole export;
+                # its tail belongs to the blocks read. More ids than exported is never valid.
+                g = g[g.size - ids.size :] if ids.size < g.size else None
+            if g is None or not idops.unchanged(ep, ids, g):
+                out[it.request_id] = why
+        return out

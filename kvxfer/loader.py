@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from . import control as C
+from . import idops
 from .engine_types import (
     Expired,
     HandshakeError,
@@ -253,7 +254,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             src_ids = it.params.block_id_array()  # uint64: max() bounds both ends
             if src_ids.size != need:
                 self._fail([it], f"params.block_ids: has {src_ids.size} ids, num_tokens needs {need}")
-            elif int(src_ids.max()) >= rem.num_blocks:
+            elif idops.max_id(src_ids) >= rem.num_blocks:
                 self._fail([it], f"params.block_ids: out of the exporter's range [0, {rem.num_blocks})")
             elif it.params.request_id in seen:
                 self._fail([it], f"params.request_id: {it.params.request_id!r} is loaded twice in one batch")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import idops
 from .ordering import event_done
 
 UNKNOWN = "unknown: not exported here (yet)"
@@ -107,13 +108,13 @@ class ExportTracker:
         """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``.
         ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`.
         ``token``: the request's auth token, returned by :meth:`token_of` while it is live."""
-        ids = np.asarray(block_ids, dtype=np.int64)
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64)
         with self.lock:
             if request_id in self._live:
                 raise ValueError(f"request_id: {request_id!r} is already exported and not yet released")
             # One count per live export holding a block (a block listed twice counts once,
             # and is released once).
-            self._rc[ids] += 1
+            idops.hold(self._rc, ids)
             e = _Export(ids, num_tokens, time.monotonic() + self.lease_s, token=token)
             if num_layers:
                 e.marked = np.zeros(num_layers, dtype=bool)
@@ -162,14 +163,12 @@ class ExportTracker:
         self._gone[request_id] = None
         if len(self._gone) > 100_000:
             del self._gone[next(iter(self._gone))]
-        ids = e.block_ids
-        rc = self._rc
-        rc[ids] -= 1
-        self._ep[ids] += rc[ids] == 0  # bump the epoch of every block no export holds now
+        idops.release(self._rc, self._ep, e.block_ids)  # bumps the epochs of blocks no export holds now
 
-    def grant(self, request_ids: list[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """Check leases and renew them: (request id -> int64 block epochs snapshot, id -> reason)."""
-        ok: dict[str, np.ndarray] = {}
+    def grant(self, request_ids: list[str]) -> tuple[dict[str, bytes], dict[str, str]]:
+        """Check leases and renew them: (request id -> its blocks' epochs, native int64 bytes; id
+        -> reason)."""
+        ok: dict[str, bytes] = {}
         bad: dict[str, str] = {}
         with self.lock:
             now = time.monotonic()
@@ -179,7 +178,7 @@ class ExportTracker:
                     bad[rid] = UNKNOWN if rid not in self._gone else RELEASED
                 else:
                     e.deadline = max(e.deadline, now + self.lease_s)
-                    ok[rid] = self._ep[e.block_ids]  # fancy indexing: a copy
+                    ok[rid] = idops.snapshot(self._ep, e.block_ids)
         return ok, bad
 
     def token_of(self, request_id: str) -> str:

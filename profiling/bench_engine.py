@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvxfer import KVCacheSpec, TransferEngine, ops
+from kvxfer import KVCacheSpec, TransferEngine, idops, ops
 from kvxfer import control as C
 from kvxfer.auth import _KeyedSha256 as HmacKey  # what EngineSecret.token runs
 from kvxfer.engine_types import check_block_ids
@@ -376,14 +376,17 @@ def host_floor(n_iter: int, cold: bool = True) -> dict:
     metrics, tracing or failure handling):
 
       export  check the 256 block ids, the request's HMAC token, hold the ids under a lease (a
-              dict), the params dict for the caller
+              dict, the blocks' refcounts), the params dict for the caller
       load    validate the params (one ``msgspec.convert``) and the local ids; queue the load
       grant   a lease request encoded, decoded by the exporter, the lease looked up and its
               blocks' epochs snapshot, the reply encoded and decoded (the socket hop left out)
       copy    one ``ops.copy_blocks`` with checked ids into the null kernel, then the epoch
-              re-check (a gather of 256 epochs, a byte compare)
-      notify  a notification encoded and decoded, the lease dropped and its blocks' epochs
-              bumped (one fancy-indexed add), the acknowledgement encoded and decoded
+              re-check of the 256 blocks
+      notify  a notification encoded and decoded, the lease dropped (refcounts down, epochs of
+              blocks no longer held bumped), the acknowledgement encoded and decoded
+
+    The id, refcount and epoch steps are :mod:`kvxfer.idops`'s, as in the engine (native when
+    it loads).
       poll    each side reports the request done
 
     ``cold``: each iteration first shuffles two 264-id lists, as :func:`host_cost` does. Medians
@@ -398,6 +401,8 @@ def host_floor(n_iter: int, cold: bool = True) -> dict:
         sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
         key = HmacKey(os.urandom(32))
         epochs = np.zeros(nb, dtype=np.int64)
+        refcount = np.zeros(nb, dtype=np.int32)
+        idops.ensure()
         live: dict[str, tuple[np.ndarray, float, str]] = {}
         queued: list = []
         rng = random.Random(0)
@@ -413,6 +418,7 @@ def host_floor(n_iter: int, cold: bool = True) -> dict:
             # export
             ids = check_block_ids(src_ids[:per], per, nb, FLOOR_TOKENS)
             token = key.token(rid)
+            idops.hold(refcount, ids)
             live[rid] = (ids, time.monotonic() + 600, token)
             params = params_dict(rid, "P", "127.0.0.1", 5555, 1, ids.tolist(), FLOOR_TOKENS, token)
             t1 = time.perf_counter()
@@ -427,7 +433,9 @@ def host_floor(n_iter: int, cold: bool = True) -> dict:
             lease = live[req.request_ids[0]]
             assert req.tokens[0] == lease[2]
             reply = C.decode(
-                C.encode(C.ReadReply(ok=req.request_ids, epochs=[epochs[lease[0]].tobytes()], failed={}))
+                C.encode(
+                    C.ReadReply(ok=req.request_ids, epochs=[idops.snapshot(epochs, lease[0])], failed={})
+                )
             )
             snapshot = reply.epochs[0]
             t3 = time.perf_counter()
@@ -442,12 +450,12 @@ def host_floor(n_iter: int, cold: bool = True) -> dict:
                 ops.CheckedIds(local, nb, True),
                 FLOOR_TOKENS,
             )
-            assert epochs[src_arr].tobytes() == snapshot
+            assert idops.unchanged(epochs, src_arr, snapshot)
             t4 = time.perf_counter()
             # notify (the exporter's side in the middle)
             note = C.decode(C.encode(C.Notify("D", 0, 1, [rid], [], [p.token])))
             held = live.pop(note.request_ids[0])
-            epochs[held[0]] += 1
+            idops.release(refcount, epochs, held[0])
             ack = C.decode(C.encode(C.Ack(failed={})))
             assert not ack.failed
             t5 = time.perf_counter()

@@ -390,7 +390,7 @@ def _setup_module():
 def test_setup_builds_the_library_under_the_name_the_loader_wants(tmp_path, capsys):
     if not HAS_CXX:
         pytest.skip("no C++ compiler")
-    lib = _setup_module().build_cpu_library(tmp_path)
+    lib = _setup_module().build_native(tmp_path, "CPU_LIBRARY")
     assert lib is not None and lib.name == cpu_build.library_name(cpu.source_dir())
     assert cpu._open(lib).kvx_cpu_abi_version() == cpu_build.ABI_VERSION
     assert "kvxfer: " in capsys.readouterr().out
@@ -399,9 +399,9 @@ def test_setup_builds_the_library_under_the_name_the_loader_wants(tmp_path, caps
 @pytest.mark.parametrize("cxx", ["false", "/no/such/c++"])
 def test_setup_reports_a_failing_compiler_without_failing(tmp_path, monkeypatch, capsys, cxx):
     monkeypatch.setenv("CXX", cxx)
-    assert _setup_module().build_cpu_library(tmp_path) is None
+    assert _setup_module().build_native(tmp_path, "CPU_LIBRARY") is None
     out = capsys.readouterr().out
-    assert "kvxfer: WARNING: CPU backend not built" in out and "compiled on first use" in out
+    assert "kvxfer: WARNING: CPU_LIBRARY not built" in out and "compiled on first use" in out
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob(".libkvx*"))
 
 

@@ -124,22 +124,11 @@ def get_num_threads() -> int:
 # --------------------------------------------------------------------------- finding the library
 def source_dir() -> Path:
     """The ``csrc`` directory: shipped in the package (``kvxfer/csrc``) or the source checkout's."""
-    here = Path(__file__).resolve().parent.parent  # kvxfer/
-    for cand in (here / "csrc", here.parent / "csrc"):
-        if (cand / cpu_build.SOURCE).is_file():
-            return cand
-    raise FileNotFoundError(f"kvxfer CPU backend source ({cpu_build.SOURCE}) not found")
+    return cpu_build.source_dir(cpu_build.CPU_LIBRARY)
 
 
-def _prebuilt_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "_prebuilt"
-
-
-def _cache_dir() -> Path:
-    if os.environ.get("KVXFER_CACHE_DIR"):
-        return Path(os.environ["KVXFER_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvxfer"
+_prebuilt_dir = cpu_build.prebuilt_dir  # module attributes: a test points them elsewhere
+_cache_dir = cpu_build.cache_dir
 
 
 def _open(path: Path) -> ctypes.CDLL:

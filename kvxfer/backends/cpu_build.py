@@ -1,9 +1,11 @@
-"""Building the native CPU backend (``csrc/cpu/kvx_cpu.cpp``) with a host C++ compiler.
+"""Building kvxfer's host-side native code with a host C++ compiler: the CPU backend
+(``csrc/cpu/kvx_cpu.cpp``, a shared library loaded with ctypes) and the control-path helpers
+(``csrc/ctl/kvx_ctl.cpp``, a CPython extension module; :mod:`kvxfer.idops`).
 
 Standard library only: ``setup.py`` loads this file by path at install time (before kvxfer or
-torch are importable), and :mod:`kvxfer.backends.cpu` uses it to find, or build lazily, the
-library at run time. The library's file name carries a hash of its source and compile command,
-so a library built from other sources is never loaded by mistake.
+torch are importable), and :mod:`kvxfer.backends.cpu` / :mod:`kvxfer.idops` use it to find, or
+build lazily, their library at run time. A library's file name carries a hash of its source and
+compile command, so a library built from other sources is never loaded by mistake.
 """
 
 from __future__ import annotations
@@ -13,18 +15,26 @@ import os
 import shlex
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = [
     "ABI_VERSION",
+    "CONTROL_MODULE",
+    "CPU_LIBRARY",
     "CXX_FLAGS",
     "SOURCE",
     "BuildError",
+    "Target",
     "build",
+    "cache_dir",
     "compile_command",
     "find_compiler",
     "library_name",
+    "prebuilt_dir",
+    "source_dir",
     "source_hash",
 ]
 
@@ -32,6 +42,51 @@ SOURCE = Path("cpu") / "kvx_cpu.cpp"  # relative to the csrc directory
 ABI_VERSION = 1  # must equal kAbiVersion in the source
 CXX_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-shared", "-pthread", "-Wall", "-Wextra", "-Werror")
 BUILD_TIMEOUT_S = 300
+
+
+class Target(NamedTuple):  # not a dataclass: setup.py runs this file without a module entry
+    """One native library: its source (relative to ``csrc``), compile flags and file name
+    (``<prefix><hash><suffix>``)."""
+
+    source: Path
+    flags: tuple[str, ...]
+    prefix: str
+    suffix: str
+
+
+CPU_LIBRARY = Target(SOURCE, CXX_FLAGS, "libkvx_cpu-", ".so")
+# An extension module of this interpreter: its headers, its ABI's file suffix (both in the hash).
+CONTROL_MODULE = Target(
+    Path("ctl") / "kvx_ctl.cpp",
+    ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
+     "-Wno-missing-field-initializers", f"-I{sysconfig.get_paths()['include']}"),
+    "_kvx_ctl-",
+    sysconfig.get_config_var("EXT_SUFFIX") or ".so",
+)  # fmt: skip
+
+
+def prebuilt_dir() -> Path:
+    """``kvxfer/_prebuilt``: where ``setup.py`` puts the libraries it built."""
+    return Path(__file__).resolve().parent.parent / "_prebuilt"
+
+
+def cache_dir() -> Path:
+    """Where libraries are built on first use: ``$KVXFER_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/kvxfer``, else ``~/.cache/kvxfer``."""
+    if os.environ.get("KVXFER_CACHE_DIR"):
+        return Path(os.environ["KVXFER_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvxfer"
+
+
+def source_dir(target: Target = CPU_LIBRARY) -> Path:
+    """The ``csrc`` directory holding ``target``'s source: shipped in the package
+    (``kvxfer/csrc``) or the source checkout's."""
+    here = Path(__file__).resolve().parent.parent  # kvxfer/
+    for cand in (here / "csrc", here.parent / "csrc"):
+        if (cand / target.source).is_file():
+            return cand
+    raise FileNotFoundError(f"kvxfer native source ({target.source}) not found")
 
 
 class BuildError(RuntimeError):
@@ -51,25 +106,27 @@ def find_compiler() -> str | None:
     return None
 
 
-def source_hash(csrc: Path | str) -> str:
+def source_hash(csrc: Path | str, target: Target = CPU_LIBRARY) -> str:
     """16 hex digits identifying the source and the compile flags."""
-    h = hashlib.sha256((Path(csrc) / SOURCE).read_bytes())
-    h.update(" ".join(CXX_FLAGS).encode())
+    h = hashlib.sha256((Path(csrc) / target.source).read_bytes())
+    h.update(" ".join(target.flags).encode())
     h.update(str(ABI_VERSION).encode())
     return h.hexdigest()[:16]
 
 
-def library_name(csrc: Path | str) -> str:
+def library_name(csrc: Path | str, target: Target = CPU_LIBRARY) -> str:
     """File name of the library built from the sources under ``csrc``."""
-    return f"libkvx_cpu-{source_hash(csrc)}.so"
+    return f"{target.prefix}{source_hash(csrc, target)}{target.suffix}"
 
 
-def compile_command(cxx: str, out: Path | str, csrc: Path | str) -> list[str]:
-    """The command that builds the library ``out`` from ``csrc/cpu/kvx_cpu.cpp``."""
-    return [*shlex.split(cxx), *CXX_FLAGS, "-o", str(out), str(Path(csrc) / SOURCE)]
+def compile_command(cxx: str, out: Path | str, csrc: Path | str, target: Target = CPU_LIBRARY) -> list[str]:
+    """The command that builds the library ``out`` from ``target``'s source under ``csrc``."""
+    return [*shlex.split(cxx), *target.flags, "-o", str(out), str(Path(csrc) / target.source)]
 
 
-def build(out_dir: Path | str, csrc: Path | str, cxx: str | None = None) -> Path:
+def build(
+    out_dir: Path | str, csrc: Path | str, cxx: str | None = None, target: Target = CPU_LIBRARY
+) -> Path:
     """Compile the library into ``out_dir`` (kept if already there); its path.
 
     The library is written under a temporary name and renamed into place, so concurrent
@@ -77,16 +134,16 @@ def build(out_dir: Path | str, csrc: Path | str, cxx: str | None = None) -> Path
     Raises :class:`BuildError` when no compiler is found or it fails.
     """
     out_dir = Path(out_dir)
-    target = out_dir / library_name(csrc)
-    if target.is_file():
-        return target
+    path = out_dir / library_name(csrc, target)
+    if path.is_file():
+        return path
     cxx = cxx or find_compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found (set CXX, or install g++)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".libkvx_cpu-", suffix=".so", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.prefix}", suffix=target.suffix, dir=out_dir)
     os.close(fd)
-    cmd = compile_command(cxx, tmp, csrc)
+    cmd = compile_command(cxx, tmp, csrc, target)
     try:
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
@@ -97,8 +154,8 @@ def build(out_dir: Path | str, csrc: Path | str, cxx: str | None = None) -> Path
             raise BuildError(
                 f"{shlex.join(cmd)} exited with {res.returncode}" + (f":\n{tail}" if tail else "")
             )
-        os.replace(tmp, target)
+        os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
+    return path

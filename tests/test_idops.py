@@ -1,0 +1,217 @@
+"""kvxfer.idops: the native control-path helpers and their numpy fallback behave alike.
+
+Every case runs through both implementations; where a C++ compiler is present the native one
+must load (a silent fallback to numpy would cost a third more host time per request).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvxfer import idops
+from kvxfer.backends import cpu_build
+
+HAS_CXX = cpu_build.find_compiler() is not None
+
+
+def _native() -> dict:
+    if not idops.ensure():
+        if HAS_CXX:
+            pytest.fail(f"a C++ compiler is here but the native helpers did not load: {idops.status()}")
+        pytest.skip(f"no C++ compiler: {idops.status()}")
+    return idops._native_functions(idops._state["native"])
+
+
+@pytest.fixture(params=["native", "numpy"])
+def impl(request) -> dict:
+    return _native() if request.param == "native" else idops.NUMPY
+
+
+def test_native_is_what_the_engine_uses_when_a_compiler_exists():
+    if not HAS_CXX:
+        pytest.skip("no C++ compiler")
+    assert idops.ensure() and idops.status().startswith("native: ")
+    assert idops.hold is idops._state["native"].hold
+
+
+# ------------------------------------------------------------------------ ids_from_list
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_ids_from_list_converts_the_first_need_ids(impl, kind):
+    ids = kind([7, 0, 3, 9, 1, 5])
+    a = impl["ids_from_list"](ids, 4, 10)
+    assert a.dtype == np.int64 and a.flags.writeable and a.tolist() == [7, 0, 3, 9]
+    assert impl["ids_from_list"](ids, 0, 10).size == 0
+    a[0] = 2  # a new array, not a view of anything the caller holds
+    assert ids[0] == 7
+
+
+def test_ids_from_list_takes_numpy_ints(impl):
+    assert impl["ids_from_list"]([np.int64(4), np.int32(2), 1], 3, 5).tolist() == [4, 2, 1]
+
+
+@pytest.mark.parametrize(
+    "ids, need, why",
+    [
+        ([0, 1, 10], 3, "out of range"),
+        ([0, -1, 2], 3, "out of range"),
+        ([0, 2**64, 2], 3, "out of range"),
+        ([0, 2**63, 2], 3, "out of range"),
+        ([0, True, 2], 3, "must hold ints"),
+        ([0, 1.0, 2], 3, "must hold ints"),
+        ([0, "1", 2], 3, "must hold ints"),
+        ([0, None, 2], 3, "must hold ints"),
+        ([0, 1], 3, "needed"),
+    ],
+)
+def test_ids_from_list_refuses_bad_ids_naming_the_field(impl, ids, need, why):
+    with pytest.raises(ValueError, match="block_ids") as e:
+        impl["ids_from_list"](ids, need, 10)
+    assert why in str(e.value)
+
+
+def test_ids_from_list_refuses_what_is_not_a_list(impl):
+    for bad in (np.arange(3), range(3), "012", {0, 1, 2}):
+        with pytest.raises(ValueError, match="block_ids: must be a list or tuple"):
+            impl["ids_from_list"](bad, 3, 10)
+
+
+@pytest.mark.parametrize("n", [2, 3, 17, 256, 1000])
+def test_ids_from_list_unique_finds_any_repeat(impl, n):
+    rng = np.random.default_rng(n)
+    ids = rng.permutation(10 * n)[:n].tolist()
+    assert impl["ids_from_list"](ids, n, 10 * n, True).tolist() == ids
+    for i, j in ((0, n - 1), (n // 2, n // 2 - 1), (1, n - 1)):
+        dup = list(ids)
+        dup[j] = dup[i]
+        if i != j:
+            with pytest.raises(ValueError, match="repeated block id"):
+                impl["ids_from_list"](dup, n, 10 * n, True)
+            assert impl["ids_from_list"](dup, n, 10 * n, False).tolist() == dup
+    # a repeat past ``need`` is not looked at
+    assert impl["ids_from_list"]([*ids, ids[0]], n, 10 * n, True).tolist() == ids
+
+
+# ------------------------------------------------------------------------ leases
+def _state(nb: int = 64):
+    return np.zeros(nb, np.int32), np.arange(nb, dtype=np.int64) * 10  # epochs encode the block
+
+
+def test_hold_release_bumps_epochs_of_blocks_no_export_holds(impl):
+    rc, ep = _state()
+    a = np.array([1, 2, 3, 40], np.int64)
+    b = np.array([2, 3, 50], np.int64)  # an n>1 sibling sharing 2 and 3
+    impl["hold"](rc, a)
+    impl["hold"](rc, b)
+    assert rc[[1, 2, 3, 40, 50]].tolist() == [1, 2, 2, 1, 1] and rc.sum() == 7
+    before = impl["snapshot"](ep, a)
+    assert np.frombuffer(before, np.int64).tolist() == [10, 20, 30, 400]
+    impl["release"](rc, ep, a)
+    assert ep[[1, 2, 3, 40, 50]].tolist() == [11, 20, 30, 401, 500]  # 2, 3 still held by b
+    assert not impl["unchanged"](ep, a, before)
+    assert impl["unchanged"](ep, b, impl["snapshot"](ep, b))
+    impl["release"](rc, ep, b)
+    assert rc.sum() == 0 and ep[[2, 3, 50]].tolist() == [21, 31, 501]
+
+
+def test_a_repeated_id_counts_per_listing_and_bumps_once(impl):
+    rc, ep = _state()
+    ids = np.array([5, 5, 6], np.int64)
+    impl["hold"](rc, ids)
+    assert rc[[5, 6]].tolist() == [2, 1]
+    impl["release"](rc, ep, ids)
+    assert rc.sum() == 0 and ep[[5, 6]].tolist() == [51, 61]
+
+
+def test_both_implementations_agree_on_random_traffic():
+    native, numpy = _native(), idops.NUMPY
+    rng = np.random.default_rng(0)
+    states = {"native": _state(256), "numpy": _state(256)}
+    live: list[np.ndarray] = []
+    for step in range(300):
+        if live and (rng.random() < 0.45 or len(live) > 20):
+            ids = live.pop(int(rng.integers(len(live))))
+            for name, f in (("native", native), ("numpy", numpy)):
+                f["release"](*states[name], ids)
+        else:
+            ids = rng.integers(0, 256, int(rng.integers(1, 40))).astype(np.int64)
+            live.append(ids)
+            for name, f in (("native", native), ("numpy", numpy)):
+                f["hold"](states[name][0], ids)
+        (rc1, ep1), (rc2, ep2) = states["native"], states["numpy"]
+        assert np.array_equal(rc1, rc2) and np.array_equal(ep1, ep2), step
+        probe = rng.integers(0, 256, 17).astype(np.int64)
+        assert native["snapshot"](ep1, probe) == numpy["snapshot"](ep2, probe)
+
+
+def test_release_of_a_block_not_held_writes_nothing(impl):
+    rc, ep = _state()
+    impl["hold"](rc, np.array([1, 2], np.int64))
+    rc0, ep0 = rc.copy(), ep.copy()
+    with pytest.raises(RuntimeError, match="block 3 is not held"):
+        impl["release"](rc, ep, np.array([1, 2, 3], np.int64))
+    assert np.array_equal(rc, rc0) and np.array_equal(ep, ep0)
+
+
+@pytest.mark.parametrize("bad", [64, -1, 2**40])
+def test_ids_out_of_range_write_nothing(impl, bad):
+    rc, ep = _state()
+    impl["hold"](rc, np.array([1, 2], np.int64))
+    rc0, ep0 = rc.copy(), ep.copy()
+    ids = np.array([1, bad], np.int64)
+    for name, args in (("hold", (rc, ids)), ("release", (rc, ep, ids)), ("snapshot", (ep, ids))):
+        with pytest.raises(IndexError, match=rf"{name}: block id {bad} \(item 1\) out of range \[0, 64\)"):
+            impl[name](*args)
+    with pytest.raises(IndexError, match="out of range"):
+        impl["unchanged"](ep, ids, b"\0" * 16)
+    assert np.array_equal(rc, rc0) and np.array_equal(ep, ep0)
+
+
+def test_wrong_arrays_are_refused(impl):
+    rc, ep = _state()
+    ids = np.array([1, 2], np.int64)
+    with pytest.raises(TypeError, match="ids"):
+        impl["hold"](rc, ids.astype(np.int32))
+    with pytest.raises(TypeError, match="ids"):
+        impl["hold"](rc, np.arange(8, dtype=np.int64)[::2])  # not contiguous
+    with pytest.raises(TypeError, match="refcount"):
+        impl["hold"](rc.astype(np.int64), ids)
+    ro = rc.copy()
+    ro.flags.writeable = False
+    with pytest.raises(TypeError, match="refcount"):
+        impl["hold"](ro, ids)
+    with pytest.raises(TypeError, match="epochs"):
+        impl["release"](rc, ep.astype(np.int32), ids)
+    with pytest.raises(ValueError, match="epochs has 8 blocks, refcount 64"):
+        impl["release"](rc, ep[:8].copy(), ids)
+    assert rc.sum() == 0
+
+
+def test_unchanged_takes_bytes_or_arrays_and_a_short_snapshot_is_a_change(impl):
+    _, ep = _state()
+    ids = np.array([3, 9, 1], np.int64)
+    snap = impl["snapshot"](ep, ids)
+    assert impl["unchanged"](ep, ids, snap)
+    assert impl["unchanged"](ep, ids, np.frombuffer(snap, np.int64))
+    assert not impl["unchanged"](ep, ids, snap[:16])
+    assert impl["unchanged"](ep, ids[:0], b"")
+
+
+def test_max_id_reads_unsigned(impl):
+    assert impl["max_id"](np.array([3, 17, 5], np.uint64)) == 17
+    assert impl["max_id"](np.array([3, -1], np.int64)) == 2**64 - 1  # a negative id is huge
+    assert impl["max_id"](np.zeros(0, np.uint64)) == 0
+    with pytest.raises(TypeError):
+        impl["max_id"](np.array([1, 2], np.int32))
+
+
+def test_numpy_is_used_when_asked_and_says_so():
+    code = "from kvxfer import idops; print(idops.ensure(), idops.status())"
+    env = {**os.environ, idops.ENV: "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"False {idops.ENV}=0: numpy"
