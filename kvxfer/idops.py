@@ -14,9 +14,12 @@ cache directory of the CPU backend (``$KVXFER_CACHE_DIR``, ...), a build into th
 :func:`ensure` (which the engine calls at ``start()``). ``KVXFER_NATIVE_CTL=0`` keeps numpy.
 :func:`status` says which is in use and why.
 
-Arrays: ``ids`` int64 and C-contiguous, ``refcount`` int32 and ``epochs`` int64 of one length
-(the number of blocks). The native functions check every id against that length before they
-write anything (``IndexError`` naming the id); the numpy ones do too.
+Arrays: ``ids`` int64 (or uint64) and C-contiguous, ``refcount`` int32 and ``epochs`` int64 of
+one length (the number of blocks). The native functions check their arguments and every id
+against that length before they write anything (``TypeError`` / ``IndexError`` naming the
+problem): in C a bad id would write outside the array. The numpy ones are the calls the engine
+made before, with numpy's own checks (an id past the end raises ``IndexError``; callers pass
+checked ids).
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from .backends import cpu_build
 
 __all__ = [
     "ABI_VERSION",
+    "as_uint64",
     "ensure",
     "hold",
     "ids_from_list",
     "max_id",
+    "moved",
     "release",
     "snapshot",
     "status",
@@ -48,87 +53,67 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 ABI_VERSION = 1  # must equal kAbiVersion in csrc/ctl/kvx_ctl.cpp
+_MAX_INT64 = 2**63 - 1
 ENV = "KVXFER_NATIVE_CTL"
 TARGET = cpu_build.CONTROL_MODULE
 
 
 # --------------------------------------------------------------------------- numpy versions
+# The calls the engine made before the native module (as few as numpy allows), without the
+# native module's argument checks: the engine's own arrays and checked ids are all they get.
 def _np_ids_from_list(x: list | tuple, need: int, num_blocks: int, unique: bool = False) -> np.ndarray:
     if type(x) is not list and type(x) is not tuple:
         raise ValueError(f"block_ids: must be a list or tuple, got {type(x).__name__}")
     if len(x) < need:
         raise ValueError(f"block_ids: {need} needed, got {len(x)}")
     part = x if len(x) == need else x[:need]
-    try:
-        a = np.frombuffer(array.array("q", part), dtype=np.int64)
+    try:  # unsigned: a negative id raises here, one max() bounds the rest
+        a = np.frombuffer(array.array("Q", part), dtype=np.uint64)
     except OverflowError:
         raise ValueError(f"block_ids: out of range [0, {num_blocks})") from None
     except TypeError as e:
         raise ValueError(f"block_ids: must hold ints ({e})") from None
-    if not need:
-        return a
-    lo, hi = int(a.min()), int(a.max())
-    if lo < 0 or hi >= num_blocks:
+    if need and int(a.max()) >= num_blocks:
         raise ValueError(f"block_ids: out of range [0, {num_blocks})")
-    if lo <= 1 and any(type(part[i]) is bool for i in np.flatnonzero(a <= 1).tolist()):
-        raise ValueError("block_ids: must hold ints, got a bool")
-    if unique and need > 1:
-        srt = np.sort(a)
-        if (srt[1:] == srt[:-1]).any():
-            raise ValueError("block_ids: repeated block id")
-    return a
+    if unique and need > 1 and len(set(part)) != need:
+        raise ValueError("block_ids: repeated block id")
+    return a.view(np.int64)
 
 
-def _check_array(a, dtype, what: str, writable: bool = False) -> None:
-    """The native module's argument checks: a C-contiguous (writable) array of ``dtype``."""
-    if not isinstance(a, np.ndarray) or a.dtype != dtype or not a.flags.c_contiguous:
-        got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
-        raise TypeError(f"{what}: must be a C-contiguous {np.dtype(dtype)} array, got {got}")
-    if writable and not a.flags.writeable:
-        raise TypeError(f"{what}: must be a C-contiguous writable buffer")
-
-
-def _check_ids(ids: np.ndarray, n: int, what: str) -> None:
-    _check_array(ids, np.int64, "ids")
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
-        i = int(np.flatnonzero((ids < 0) | (ids >= n))[0])
-        raise IndexError(f"{what}: block id {int(ids[i])} (item {i}) out of range [0, {n})")
+def _np_as_uint64(x: list) -> np.ndarray:
+    return np.frombuffer(array.array("Q", x), dtype=np.uint64)  # OverflowError / TypeError
 
 
 def _np_hold(refcount: np.ndarray, ids: np.ndarray) -> None:
-    _check_array(refcount, np.int32, "refcount", writable=True)
-    _check_ids(ids, refcount.size, "hold")
-    np.add.at(refcount, ids, 1)  # a repeated id counts twice, as it is released twice
+    refcount[ids] += 1  # buffered: a block listed twice counts once
 
 
 def _np_release(refcount: np.ndarray, epochs: np.ndarray, ids: np.ndarray) -> None:
-    _check_array(refcount, np.int32, "refcount", writable=True)
-    _check_array(epochs, np.int64, "epochs", writable=True)
-    if epochs.size != refcount.size:
-        raise ValueError(f"release: epochs has {epochs.size} blocks, refcount {refcount.size}")
-    _check_ids(ids, refcount.size, "release")
-    if ids.size and (refcount[ids] <= 0).any():
-        raise RuntimeError(f"release: block {int(ids[refcount[ids] <= 0][0])} is not held")
-    np.subtract.at(refcount, ids, 1)
-    epochs[ids[refcount[ids] == 0]] += 1  # once per block, however often it was listed
+    refcount[ids] -= 1
+    epochs[ids] += refcount[ids] == 0
 
 
 def _np_snapshot(epochs: np.ndarray, ids: np.ndarray) -> bytes:
-    _check_array(epochs, np.int64, "epochs")
-    _check_ids(ids, epochs.size, "snapshot")
     return epochs[ids].tobytes()
 
 
 def _np_unchanged(epochs: np.ndarray, ids: np.ndarray, snap) -> bool:
-    _check_array(epochs, np.int64, "epochs")
-    _check_ids(ids, epochs.size, "unchanged")
-    return epochs[ids].tobytes() == memoryview(snap).cast("B").tobytes()
+    return epochs[ids].tobytes() == (snap if type(snap) is bytes else memoryview(snap).cast("B").tobytes())
+
+
+def _np_moved(epochs: np.ndarray, ids_list: list, snaps: list) -> list[int]:
+    if len(ids_list) == 1:  # one load: a byte compare
+        return [] if _np_unchanged(epochs, ids_list[0], snaps[0]) else [0]
+    snap = np.concatenate([np.frombuffer(s, np.int64) if type(s) is bytes else s for s in snaps])
+    diff = epochs[np.concatenate(ids_list)] != snap  # one gather and compare for the batch
+    if not diff.any():
+        return []
+    starts = np.cumsum([0] + [a.size for a in ids_list[:-1]])
+    return np.flatnonzero(np.logical_or.reduceat(diff, starts)).tolist()
 
 
 def _np_max_id(ids: np.ndarray) -> int:
-    if ids.dtype.itemsize != 8 or ids.dtype.kind not in "iu":
-        raise TypeError(f"ids: must hold 8-byte ints, got {ids.dtype}")
-    return int(ids.view(np.uint64).max()) if ids.size else 0
+    return int((ids if ids.dtype.kind == "u" else ids.view(np.uint64)).max()) if ids.size else 0
 
 
 # --------------------------------------------------------------------------- native versions
@@ -141,40 +126,65 @@ def _native_functions(mod: ModuleType) -> dict:
         except TypeError as e:  # not a list/tuple, or an item that is not an int
             raise ValueError(str(e)) from None
 
+    def as_uint64(x: list) -> np.ndarray:
+        try:
+            return np.frombuffer(ids_from_seq(x, len(x), _MAX_INT64, False), dtype=np.uint64)
+        except ValueError as e:  # as array("Q") says it
+            raise OverflowError(str(e)) from None
+
+    unchanged = mod.unchanged
+
+    def moved(epochs: np.ndarray, ids_list: list, snaps: list) -> list[int]:
+        return [i for i, (ids, s) in enumerate(zip(ids_list, snaps)) if not unchanged(epochs, ids, s)]
+
     return {
         "ids_from_list": ids_from_list,
+        "as_uint64": as_uint64,
         "hold": mod.hold,
         "release": mod.release,
         "snapshot": mod.snapshot,
-        "unchanged": mod.unchanged,
+        "unchanged": unchanged,
+        "moved": moved,
         "max_id": mod.max_id,
     }
 
 
 NUMPY = {
     "ids_from_list": _np_ids_from_list,
+    "as_uint64": _np_as_uint64,
     "hold": _np_hold,
     "release": _np_release,
     "snapshot": _np_snapshot,
     "unchanged": _np_unchanged,
+    "moved": _np_moved,
     "max_id": _np_max_id,
 }
 
 # The functions in use (bound by _use): module attributes, so callers write idops.hold(...).
 ids_from_list = _np_ids_from_list
 """``ids_from_list(x, need, num_blocks, unique=False)``: the first ``need`` ids of the list or
-tuple ``x`` as a new writable int64 array, each an int (not a bool; numpy ints are taken) in
-``[0, num_blocks)``, with ``unique`` none repeated; ``ValueError`` naming ``block_ids`` otherwise."""
+tuple ``x`` as a new writable int64 array, each an int (anything with ``__index__``: numpy ints,
+and bools as 0/1, as Python takes them) in ``[0, num_blocks)``, with ``unique`` none repeated;
+``ValueError`` naming ``block_ids`` otherwise."""
+as_uint64 = _np_as_uint64
+"""``as_uint64(x)``: the list of ints ``x`` as a new uint64 array, unbounded but for the type
+(``OverflowError`` for an id that does not fit, ``TypeError`` for one that is not an int; the
+native one also for ids from 2**63 on): params carry ids the exporter's block count bounds
+only after the handshake (:func:`max_id` then)."""
 hold = _np_hold
-"""``hold(refcount, ids)``: one more holder of each block (a repeated id counts twice)."""
+"""``hold(refcount, ids)``: one more holder of each block (a block listed twice counts once)."""
 release = _np_release
-"""``release(refcount, epochs, ids)``: one holder less of each block; the epoch of a block no
-longer held goes up by one. ``RuntimeError`` (nothing written) when some block is not held."""
+"""``release(refcount, epochs, ids)``: one holder less of each block (listed twice: once); the
+epoch of a block no longer held goes up by one."""
 snapshot = _np_snapshot
 """``snapshot(epochs, ids) -> bytes``: ``epochs[ids]`` as native int64 bytes."""
 unchanged = _np_unchanged
 """``unchanged(epochs, ids, snap) -> bool``: whether ``epochs[ids]`` still equals the bytes-like
 ``snap`` (a :func:`snapshot`)."""
+moved = _np_moved
+"""``moved(epochs, ids_list, snaps) -> list[int]``: the indices ``i`` whose ``epochs[ids_list[i]]``
+no longer equal ``snaps[i]`` (each a :func:`snapshot` of as many ids, bytes or int64 array):
+the loads of a batch whose blocks were released since their grant."""
 max_id = _np_max_id
 """``max_id(ids) -> int``: the largest of 8-byte int ``ids`` read as unsigned (0 when empty)."""
 
@@ -228,7 +238,7 @@ def _resolve(build: bool) -> None:
         if build:
             _LOG.warning(
                 "kvxfer control helpers: the native module did not load, numpy is used "
-                "(about a third more host time per request): %s: %s",
+                "(~1.3x the host time per request): %s: %s",
                 type(e).__name__,
                 e,
             )

@@ -103,14 +103,21 @@ class IpcReads:
         """Loads whose source blocks' epochs moved since the grant snapshot -> why."""
         why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
         out: dict[str, str] = {}
-        for it in loads:  # one native call per load (kvxfer.idops)
+        ids_list, snaps, checked = [], [], []
+        for it in loads:
             ids = it.params.block_id_array().view(np.int64)
             g = granted[it.request_id]
             if g.size != ids.size:
                 # Params sliced to a suffix of the export (a load of only the tokens after a
                 # prefix the loader already holds): the grant snapshot covers the whole export;
                 # its tail belongs to the blocks read. More ids than exported is never valid.
-                g = g[g.size - ids.size :] if ids.size < g.size else None
-            if g is None or not idops.unchanged(ep, ids, g):
-                out[it.request_id] = why
+                if ids.size > g.size:
+                    out[it.request_id] = why
+                    continue
+                g = g[g.size - ids.size :]
+            ids_list.append(ids)
+            snaps.append(g)
+            checked.append(it.request_id)
+        for i in idops.moved(ep, ids_list, snaps) if checked else ():
+            out[checked[i]] = why
         return out

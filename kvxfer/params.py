@@ -21,7 +21,6 @@ from . import idops
 __all__ = ["PARAMS_VERSION", "KVTransferParams", "block_id_array", "params_dict"]
 
 PARAMS_VERSION = 2  # 2: the request's auth token
-_MAX_ID = 2**63 - 1  # params ids are bounded by the exporter's block count only after the handshake
 
 
 def _int(d: dict, field: str, minimum: int) -> int:
@@ -207,8 +206,8 @@ class KVTransferParams:
         if f.version != PARAMS_VERSION or f.port + f.tp_size - 1 > 65535 or type(d["block_ids"]) is not list:
             return None
         try:
-            arr = idops.ids_from_list(f.block_ids, len(f.block_ids), _MAX_ID).view(np.uint64)
-        except ValueError:  # above 2**63 - 1: the field checks of _one say so
+            arr = idops.as_uint64(f.block_ids)
+        except (OverflowError, TypeError):  # the field checks of _one say what is wrong
             return None
         arr.flags.writeable = False
         out = cls(

@@ -34,6 +34,8 @@ out = pathlib.Path('kvxfer/_prebuilt/kvxfer_kernels.fatbin'); out.parent.mkdir(e
 cmd = nvcc_command(find_nvcc(), out); print(' '.join(cmd)); subprocess.run(cmd, check=True)"
   cuobjdump --list-elf kvxfer/_prebuilt/kvxfer_kernels.fatbin 2>&1 | head
   python3 -c "import torch; from kvxfer.backends import cuda; assert cuda.is_available(torch.device('cuda')); print('kernels loaded from', cuda.loaded_from(0))"
+  # the control-path helpers (kvxfer/idops.py), built with the host compiler as an engine's start() would
+  python3 -c "from kvxfer import idops; print('control helpers', idops.ensure(), idops.status())"
 }
 case "$step" in
   build)

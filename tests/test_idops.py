@@ -1,7 +1,7 @@
 """kvxfer.idops: the native control-path helpers and their numpy fallback behave alike.
 
 Every case runs through both implementations; where a C++ compiler is present the native one
-must load (a silent fallback to numpy would cost a third more host time per request).
+must load (a silent fallback to numpy would cost ~1.3x the host time per request).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def test_ids_from_list_converts_the_first_need_ids(impl, kind):
     assert ids[0] == 7
 
 
-def test_ids_from_list_takes_numpy_ints(impl):
-    assert impl["ids_from_list"]([np.int64(4), np.int32(2), 1], 3, 5).tolist() == [4, 2, 1]
+def test_ids_from_list_takes_what_python_takes_as_an_int(impl):
+    assert impl["ids_from_list"]([np.int64(4), np.int32(2), 1, True], 4, 5).tolist() == [4, 2, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,6 @@ def test_ids_from_list_takes_numpy_ints(impl):
         ([0, -1, 2], 3, "out of range"),
         ([0, 2**64, 2], 3, "out of range"),
         ([0, 2**63, 2], 3, "out of range"),
-        ([0, True, 2], 3, "must hold ints"),
         ([0, 1.0, 2], 3, "must hold ints"),
         ([0, "1", 2], 3, "must hold ints"),
         ([0, None, 2], 3, "must hold ints"),
@@ -118,11 +117,11 @@ def test_hold_release_bumps_epochs_of_blocks_no_export_holds(impl):
     assert rc.sum() == 0 and ep[[2, 3, 50]].tolist() == [21, 31, 501]
 
 
-def test_a_repeated_id_counts_per_listing_and_bumps_once(impl):
+def test_a_block_listed_twice_counts_once(impl):
     rc, ep = _state()
     ids = np.array([5, 5, 6], np.int64)
     impl["hold"](rc, ids)
-    assert rc[[5, 6]].tolist() == [2, 1]
+    assert rc[[5, 6]].tolist() == [1, 1]
     impl["release"](rc, ep, ids)
     assert rc.sum() == 0 and ep[[5, 6]].tolist() == [51, 61]
 
@@ -148,46 +147,55 @@ def test_both_implementations_agree_on_random_traffic():
         assert native["snapshot"](ep1, probe) == numpy["snapshot"](ep2, probe)
 
 
-def test_release_of_a_block_not_held_writes_nothing(impl):
+def test_an_id_past_the_end_writes_nothing(impl):
     rc, ep = _state()
     impl["hold"](rc, np.array([1, 2], np.int64))
     rc0, ep0 = rc.copy(), ep.copy()
-    with pytest.raises(RuntimeError, match="block 3 is not held"):
-        impl["release"](rc, ep, np.array([1, 2, 3], np.int64))
-    assert np.array_equal(rc, rc0) and np.array_equal(ep, ep0)
-
-
-@pytest.mark.parametrize("bad", [64, -1, 2**40])
-def test_ids_out_of_range_write_nothing(impl, bad):
-    rc, ep = _state()
-    impl["hold"](rc, np.array([1, 2], np.int64))
-    rc0, ep0 = rc.copy(), ep.copy()
-    ids = np.array([1, bad], np.int64)
+    ids = np.array([1, 64], np.int64)
     for name, args in (("hold", (rc, ids)), ("release", (rc, ep, ids)), ("snapshot", (ep, ids))):
-        with pytest.raises(IndexError, match=rf"{name}: block id {bad} \(item 1\) out of range \[0, 64\)"):
+        with pytest.raises(IndexError):
             impl[name](*args)
-    with pytest.raises(IndexError, match="out of range"):
+    with pytest.raises(IndexError):
         impl["unchanged"](ep, ids, b"\0" * 16)
     assert np.array_equal(rc, rc0) and np.array_equal(ep, ep0)
 
 
-def test_wrong_arrays_are_refused(impl):
+# The native module's own argument checks: in C, a bad id or array would write out of bounds.
+@pytest.mark.parametrize("bad", [64, -1, 2**40])
+def test_native_checks_every_id_before_writing(bad):
+    f = _native()
+    rc, ep = _state()
+    f["hold"](rc, np.array([1, 2], np.int64))
+    rc0, ep0 = rc.copy(), ep.copy()
+    ids = np.array([1, bad], np.int64)
+    for name, args in (("hold", (rc, ids)), ("release", (rc, ep, ids)), ("snapshot", (ep, ids))):
+        with pytest.raises(IndexError, match=rf"{name}: block id {bad} \(item 1\) out of range \[0, 64\)"):
+            f[name](*args)
+    with pytest.raises(IndexError, match="out of range"):
+        f["unchanged"](ep, ids, b"\0" * 16)
+    assert np.array_equal(rc, rc0) and np.array_equal(ep, ep0)
+
+
+def test_native_refuses_wrong_arrays():
+    f = _native()
     rc, ep = _state()
     ids = np.array([1, 2], np.int64)
     with pytest.raises(TypeError, match="ids"):
-        impl["hold"](rc, ids.astype(np.int32))
+        f["hold"](rc, ids.astype(np.int32))
     with pytest.raises(TypeError, match="ids"):
-        impl["hold"](rc, np.arange(8, dtype=np.int64)[::2])  # not contiguous
+        f["hold"](rc, np.arange(8, dtype=np.int64)[::2])  # not contiguous
     with pytest.raises(TypeError, match="refcount"):
-        impl["hold"](rc.astype(np.int64), ids)
+        f["hold"](rc.astype(np.int64), ids)
     ro = rc.copy()
     ro.flags.writeable = False
     with pytest.raises(TypeError, match="refcount"):
-        impl["hold"](ro, ids)
+        f["hold"](ro, ids)
     with pytest.raises(TypeError, match="epochs"):
-        impl["release"](rc, ep.astype(np.int32), ids)
+        f["release"](rc, ep.astype(np.int32), ids)
     with pytest.raises(ValueError, match="epochs has 8 blocks, refcount 64"):
-        impl["release"](rc, ep[:8].copy(), ids)
+        f["release"](rc, ep[:8].copy(), ids)
+    with pytest.raises(TypeError):
+        f["max_id"](np.array([1, 2], np.int32))
     assert rc.sum() == 0
 
 
@@ -205,8 +213,6 @@ def test_max_id_reads_unsigned(impl):
     assert impl["max_id"](np.array([3, 17, 5], np.uint64)) == 17
     assert impl["max_id"](np.array([3, -1], np.int64)) == 2**64 - 1  # a negative id is huge
     assert impl["max_id"](np.zeros(0, np.uint64)) == 0
-    with pytest.raises(TypeError):
-        impl["max_id"](np.array([1, 2], np.int32))
 
 
 def test_numpy_is_used_when_asked_and_says_so():
@@ -215,3 +221,30 @@ def test_numpy_is_used_when_asked_and_says_so():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"False {idops.ENV}=0: numpy"
+
+
+def test_as_uint64_takes_params_ids_unbounded_by_a_cache(impl):
+    a = impl["as_uint64"]([0, 5, 2**62])
+    assert a.dtype == np.uint64 and a.tolist() == [0, 5, 2**62]
+    with pytest.raises(OverflowError):
+        impl["as_uint64"]([0, -1])
+    with pytest.raises(OverflowError):
+        impl["as_uint64"]([0, 2**64])
+    with pytest.raises(TypeError):
+        impl["as_uint64"]([0, 1.5])
+
+
+def test_moved_names_the_loads_whose_blocks_were_released(impl):
+    rc, ep = _state()
+    loads = [np.array(x, np.int64) for x in ([1, 2, 3], [4], [5, 6], [7, 8, 9, 10])]
+    for ids in loads:
+        impl["hold"](rc, ids)
+    snaps = [impl["snapshot"](ep, ids) for ids in loads]
+    assert impl["moved"](ep, loads, snaps) == []
+    assert impl["moved"](ep, loads[:1], snaps[:1]) == []
+    impl["release"](rc, ep, loads[2])
+    impl["release"](rc, ep, loads[3])
+    assert impl["moved"](ep, loads, snaps) == [2, 3]
+    assert impl["moved"](ep, loads[3:], snaps[3:]) == [0]
+    as_arrays = [np.frombuffer(s, np.int64) for s in snaps]  # the loader holds them as arrays
+    assert impl["moved"](ep, loads, as_arrays) == [2, 3]

@@ -76,27 +76,43 @@ bool nargs(Py_ssize_t got, Py_ssize_t want, const char *name) {
   return false;
 }
 
-// Whether `x[0..n)` names some value twice: an open-addressing set of twice the size.
+// A set of up to `n` non-negative ids: open addressing in twice the slots.
+class IdSet {
+ public:
+  explicit IdSet(Py_ssize_t n) {
+    size_t cap = 4;
+    while (cap < static_cast<size_t>(n) * 2) cap <<= 1;
+    slots_.assign(cap, -1);
+    mask_ = cap - 1;
+  }
+  // True when `id` was not in the set (it is now).
+  bool insert(int64_t id) {
+    size_t j = static_cast<size_t>((static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> 32) & mask_;
+    while (slots_[j] != -1) {
+      if (slots_[j] == id) return false;
+      j = (j + 1) & mask_;
+    }
+    slots_[j] = id;
+    return true;
+  }
+
+ private:
+  std::vector<int64_t> slots_;
+  size_t mask_ = 0;
+};
+
+// Whether `x[0..n)` (ids >= 0) names some value twice.
 bool has_repeat(const int64_t *x, Py_ssize_t n) {
   if (n < 2) return false;
-  size_t cap = 4;
-  while (cap < static_cast<size_t>(n) * 2) cap <<= 1;
-  std::vector<int64_t> slots(cap, -1);  // ids are >= 0 here
-  const size_t mask = cap - 1;
+  IdSet seen(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    uint64_t h = static_cast<uint64_t>(x[i]) * 0x9E3779B97F4A7C15ull;
-    size_t j = static_cast<size_t>(h >> 32) & mask;
-    while (slots[j] != -1) {
-      if (slots[j] == x[i]) return true;
-      j = (j + 1) & mask;
-    }
-    slots[j] = x[i];
+    if (!seen.insert(x[i])) return true;
   }
   return false;
 }
 
 // ids_from_seq(seq, need, num_blocks, unique) -> bytearray of `need` int64 ids.
-// `seq`: a list or tuple of ints (bool refused; objects with __index__, e.g. numpy ints, taken),
+// `seq`: a list or tuple of ints (anything with __index__: numpy ints, and bools as Python's 0/1),
 // at least `need` long; each in [0, num_blocks); with `unique`, none repeated.
 PyObject *ids_from_seq(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 4, "ids_from_seq")) return nullptr;
@@ -119,11 +135,11 @@ PyObject *ids_from_seq(PyObject *, PyObject *const *args, Py_ssize_t n) {
   for (Py_ssize_t i = 0; i < need; ++i) {
     PyObject *o = items[i];
     long long v;
-    if (PyLong_CheckExact(o)) {
+    if (PyLong_Check(o)) {
       int overflow = 0;
       v = PyLong_AsLongLongAndOverflow(o, &overflow);
       if (overflow) v = -1;  // out of range below
-    } else if (PyBool_Check(o) || !PyIndex_Check(o)) {
+    } else if (!PyIndex_Check(o)) {
       Py_DECREF(out);
       PyObject *r = PyObject_Repr(o);
       PyErr_Format(PyExc_TypeError, "block_ids: must hold ints, item %zd is %s %U", i, Py_TYPE(o)->tp_name,
@@ -158,8 +174,8 @@ PyObject *ids_from_seq(PyObject *, PyObject *const *args, Py_ssize_t n) {
   return out;
 }
 
-// hold(refcount int32[B], ids int64[n]): refcount[id] += 1 for each id (a repeated id counts twice
-// and is released twice).
+// hold(refcount int32[B], ids int64[n]): refcount[id] += 1 for each distinct id (a block listed
+// twice counts once, as numpy's refcount[ids] += 1 does).
 PyObject *hold(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 2, "hold")) return nullptr;
   Buf rc, ids;
@@ -167,13 +183,17 @@ PyObject *hold(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!ids_in_range(ids, rc.count(), "hold")) return nullptr;
   int32_t *r = static_cast<int32_t *>(rc.view.buf);
   const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
-  for (Py_ssize_t i = 0, k = ids.count(); i < k; ++i) ++r[x[i]];
+  const Py_ssize_t k = ids.count();
+  IdSet seen(k);
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    if (seen.insert(x[i])) ++r[x[i]];
+  }
   Py_RETURN_NONE;
 }
 
-// release(refcount int32[B], epochs int64[B], ids int64[n]): refcount[id] -= 1, and the epoch of
-// a block whose count reaches 0 goes up by one. RuntimeError (nothing written) when some id is
-// not held.
+// release(refcount int32[B], epochs int64[B], ids int64[n]): refcount[id] -= 1 for each distinct
+// id, and the epoch of a block whose count reaches 0 goes up by one (numpy: refcount[ids] -= 1;
+// epochs[ids] += refcount[ids] == 0).
 PyObject *release(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 3, "release")) return nullptr;
   Buf rc, ep, ids;
@@ -189,13 +209,9 @@ PyObject *release(PyObject *, PyObject *const *args, Py_ssize_t n) {
   int64_t *e = static_cast<int64_t *>(ep.view.buf);
   const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
   const Py_ssize_t k = ids.count();
+  IdSet seen(k);
   for (Py_ssize_t i = 0; i < k; ++i) {
-    if (r[x[i]] <= 0) {
-      return PyErr_Format(PyExc_RuntimeError, "release: block %lld is not held", static_cast<long long>(x[i]));
-    }
-  }
-  for (Py_ssize_t i = 0; i < k; ++i) {
-    if (--r[x[i]] == 0) ++e[x[i]];
+    if (seen.insert(x[i]) && --r[x[i]] == 0) ++e[x[i]];
   }
   Py_RETURN_NONE;
 }
