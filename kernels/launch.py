@@ -120,10 +120,15 @@ class _Side:
         self.paged = isinstance(x, PagedSide)
         if self.paged:
             self.side, self.wire = x, None
-            self.ptrs = tuple(c.data_ptr() for c in x.caches)
-            es = x.element_size
-            strides = (x.stride_kv, x.stride_block, x.stride_token, x.stride_head)
-            self.byte_values = [s * es for s in strides if s] + list(self.ptrs)
+            got = None if x.memo is None else x.memo.get("triton")  # kept per template (base.py)
+            if got is None:
+                ptrs = tuple(c.data_ptr() for c in x.caches)
+                es = x.element_size
+                strides = (x.stride_kv, x.stride_block, x.stride_token, x.stride_head)
+                got = (ptrs, [s * es for s in strides if s] + list(ptrs))
+                if x.memo is not None:
+                    x.memo["triton"] = got
+            self.ptrs, self.byte_values = got
         else:
             self.side, self.wire = None, x
             self.ptrs = (x.data_ptr(),)

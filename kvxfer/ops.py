@@ -445,6 +445,7 @@ def _template(caches: PagedCache, head_start: int, num_heads: int | None, layers
     t = memo.get(key)
     if t is None:
         t = memo[key] = make_side(caches, caches.spec, [], 0, head_start, num_heads, layers, name=name)
+        t.memo = {}  # shared by every side made from it (kvxfer.backends.base.PagedSide.memo)
     return t
 
 
@@ -464,6 +465,7 @@ def _with_ids(t: PagedSide, ids: torch.Tensor, num_tokens: int) -> PagedSide:
         t.stride_token,
         t.stride_head,
         t.layout,
+        t.memo,
     )
 
 

@@ -20,6 +20,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -432,3 +433,29 @@ def test_launch_logs_kernel_stream_and_addresses_at_debug(monkeypatch, caplog):
         and "0x7f0000001000" in msg
         and "grid 7 x 256" in msg
     )
+
+
+def test_plans_of_a_registered_cache_keep_its_layer_table_per_head_slice():
+    """The engine's sides share their template's memo: the layer bases are computed once per
+    (cache, head slice, layers) and every later plan carries the same table, its own ids."""
+    spec = KVCacheSpec(3, 4, 64, 16, torch.float16, Layout.HND)
+    pc = ops.register_caches(
+        [torch.zeros(spec.local_cache_shape(8, 4), dtype=torch.float16) for _ in range(3)], spec
+    )
+    head_bytes = 16 * 64 * 2
+    for head_start in (0, 2, 0, 2):
+        for ids in ([3, 1], [7, 0]):
+            side, _ = ops._checked_sides(
+                pc, ops.CheckedIds(np.array(ids), 8, True), pc, ops.CheckedIds(np.array(ids), 8, True),
+                20, head_start, head_start, 2, None,
+            )  # fmt: skip
+            assert side.memo is not None
+            launch = cuda.plan_gather(side, 1 << 30, max_blocks=4)
+            assert launch.meta[:3].tolist() == [c.data_ptr() + head_start * head_bytes for c in pc]
+            assert launch.meta[3:].tolist() == ids
+            assert side.memo["cuda"].layers.tolist() == launch.meta[:3].tolist()
+    fresh = ops.make_side(list(pc), spec, [3, 1], 20, 2, 2)  # a side made once: no memo
+    assert fresh.memo is None
+    assert cuda.plan_gather(fresh, 1 << 30, 4).meta.tolist() == [
+        c.data_ptr() + 2 * head_bytes for c in pc
+    ] + [3, 1]

@@ -38,6 +38,10 @@ class PagedSide:
     stride_token: int
     stride_head: int
     layout: str  # "NHD", "HND" or "MLA"
+    # What a backend derives from everything but the block ids and token count, kept across
+    # calls: the sides ops makes from one registered cache's template share the template's
+    # dict (None for a side made once). A backend keys its entry by its name.
+    memo: dict | None = None
 
     @property
     def num_layers(self) -> int:
