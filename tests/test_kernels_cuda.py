@@ -284,10 +284,13 @@ def test_wheel_builds_without_nvcc(tmp_path):
     from kvxfer.backends import cpu_build
 
     cpu_libs = [n for n in names if n.startswith("kvxfer/_prebuilt/libkvx_cpu-")]
+    ctl = [n for n in names if n.startswith("kvxfer/_prebuilt/_kvx_ctl-")]  # kvxfer/idops.py
+    assert "kvxfer/csrc/ctl/kvx_ctl.cpp" in names
     if cpu_build.find_compiler() is not None:
         assert cpu_libs == [f"kvxfer/_prebuilt/{cpu_build.library_name(ROOT / 'csrc')}"]
+        assert ctl == [f"kvxfer/_prebuilt/{cpu_build.library_name(ROOT / 'csrc', cpu_build.CONTROL_MODULE)}"]
     else:
-        assert cpu_libs == []
+        assert cpu_libs == [] and ctl == []
 
 
 def test_wheel_builds_with_a_failing_cxx(tmp_path):
@@ -295,8 +298,8 @@ def test_wheel_builds_with_a_failing_cxx(tmp_path):
     (the backend compiles it on first use, or falls back to the torch reference)."""
     env = dict(os.environ, CXX="false", KVXFER_NO_NVCC="1")
     names = _wheel(tmp_path, env).namelist()
-    assert "kvxfer/csrc/cpu/kvx_cpu.cpp" in names
-    assert not any("libkvx_cpu" in n for n in names)
+    assert "kvxfer/csrc/cpu/kvx_cpu.cpp" in names and "kvxfer/csrc/ctl/kvx_ctl.cpp" in names
+    assert not any("libkvx_cpu" in n or "_kvx_ctl" in n for n in names)
 
 
 def test_wheel_ships_fatbin_with_nvcc(tmp_path, nvcc_build):
