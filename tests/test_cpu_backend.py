@@ -165,6 +165,36 @@ def test_block_ids_as_a_strided_tensor():
     _eq(as_bytes(dst), as_bytes(want))
 
 
+def test_registered_caches_keep_their_tables_across_calls():
+    """The engine's path (registered caches, checked ids): the layer table and static fields
+    are kept in the template's memo, the block ids taken per call; every call lands exactly."""
+    import numpy as np
+
+    spec = KVCacheSpec(3, 4, 32, 4, torch.bfloat16, Layout.NHD)
+    truth = truth_bytes(spec, 10, seed=11)
+    src = empty_cache(spec, 12, 4)
+    place(src, spec, truth, range(4), [9, 2, 5])
+    dst_spec = KVCacheSpec(3, 4, 32, 8, torch.bfloat16, Layout.HND)
+    pc_src, pc_dst = (
+        ops.register_caches(src, spec),
+        ops.register_caches(empty_cache(dst_spec, 8, 4), dst_spec),
+    )
+    for src_ids, dst_ids in (([9, 2, 5], [3, 6]), ([9, 2, 5], [1, 7]), ([9, 2, 5], [0, 4])):
+        ops.copy_blocks(
+            pc_src, spec, ops.CheckedIds(np.array(src_ids), 12, False),
+            pc_dst, dst_spec, ops.CheckedIds(np.array(dst_ids), 8, True), 10, backend="cpu",
+        )  # fmt: skip
+        want = empty_cache(dst_spec, 8, 4)
+        place(want, dst_spec, truth, range(4), dst_ids)
+        for got, w in zip(pc_dst, want):  # poison-free: blocks of earlier rounds are kept too
+            for b in dst_ids:
+                assert torch.equal(
+                    got[:, b].contiguous().view(torch.uint8), w[:, b].contiguous().view(torch.uint8)
+                )
+    memos = [t.memo for t in pc_dst.__dict__["_sides"].values()]
+    assert memos and all("cpu" in m for m in memos)
+
+
 @pytest.mark.parametrize("threaded", [False, True])
 def test_copy_within_one_cache_reads_before_writing(threaded, request):
     """Source and destination blocks overlap inside one cache: every row is read before any is
