@@ -228,8 +228,11 @@ def make_side(
     unique_blocks: bool = False,
     name: str = "caches",
 ) -> PagedSide:
-    """Validate one side of a transfer and describe it as a :class:`PagedSide`."""
-    if isinstance(caches, PagedCache) and (caches.spec is spec or caches.spec == spec):
+    """Validate one side of a transfer and describe it as a :class:`PagedSide`. A side of
+    registered caches (:func:`register_caches`) carries the memo its backend keeps per head
+    slice and layer set (:attr:`PagedSide.memo`)."""
+    registered = isinstance(caches, PagedCache) and (caches.spec is spec or caches.spec == spec)
+    if registered:
         info = caches.info
     else:
         info = _check_caches(caches, spec, name)
@@ -247,9 +250,11 @@ def make_side(
             f"{heads_local} heads on this rank"
         )
     if layers is None:
-        selected = tuple(caches)
+        selected, memo_key = tuple(caches), (head_start, num_heads, None)
     else:
-        selected = tuple(caches[i] for i in _layer_list(layers, spec.num_layers))
+        picked = _layer_list(layers, spec.num_layers)
+        selected, memo_key = tuple(caches[i] for i in picked), (head_start, num_heads, tuple(picked))
+    memo = _memo_of(caches, memo_key) if registered else None
     ids_name = name.replace("caches", "block_ids")
     ids = _as_block_ids(block_ids, info.num_blocks, spec.num_blocks_for(num_tokens), ids_name, unique_blocks)
     return PagedSide(
@@ -267,7 +272,19 @@ def make_side(
         stride_token=info.strides[2],
         stride_head=info.strides[3],
         layout=info.layout,
+        memo=memo,
     )
+
+
+def _memo_of(caches: PagedCache, key: tuple) -> dict:
+    """The backends' memo of registered ``caches`` for one (head_start, num_heads, layers)."""
+    memos = caches.__dict__.get("_memos")
+    if memos is None:
+        memos = caches.__dict__["_memos"] = {}
+    got = memos.get(key)
+    if got is None:
+        got = memos[key] = {}
+    return got
 
 
 def _check_wire(wire: torch.Tensor, side: PagedSide, spec: KVCacheSpec, name: str) -> None:
@@ -445,7 +462,6 @@ def _template(caches: PagedCache, head_start: int, num_heads: int | None, layers
     t = memo.get(key)
     if t is None:
         t = memo[key] = make_side(caches, caches.spec, [], 0, head_start, num_heads, layers, name=name)
-        t.memo = {}  # shared by every side made from it (kvxfer.backends.base.PagedSide.memo)
     return t
 
 
