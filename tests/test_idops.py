@@ -248,3 +248,27 @@ def test_moved_names_the_loads_whose_blocks_were_released(impl):
     assert impl["moved"](ep, loads[3:], snaps[3:]) == [0]
     as_arrays = [np.frombuffer(s, np.int64) for s in snaps]  # the loader holds them as arrays
     assert impl["moved"](ep, loads, as_arrays) == [2, 3]
+
+
+def test_a_list_changed_by_an_items_index_is_read_safely():
+    """An item's ``__index__`` is Python code that may shrink the list being read: the native
+    loop must neither read freed memory nor past the end."""
+    f = _native()
+    ids: list = []
+
+    class Shrinks:
+        def __index__(self) -> int:
+            ids.clear()
+            return 1
+
+    ids.extend([0, Shrinks(), 2, 3])
+    with pytest.raises(ValueError, match="changed while it was read"):
+        f["ids_from_list"](ids, 4, 10)
+
+    class Grows:
+        def __index__(self) -> int:
+            ids2.extend(range(100))  # may move the list's storage
+            return 1
+
+    ids2: list = [0, Grows(), 2, 3]
+    assert f["ids_from_list"](ids2, 4, 10).tolist() == [0, 1, 2, 3]

@@ -147,7 +147,11 @@ PyObject *ids_from_seq(PyObject *, PyObject *const *args, Py_ssize_t n) {
       Py_XDECREF(r);
       return nullptr;
     } else {
+      // __index__ is Python code: it may change the list under us. Hold the item, and read the
+      // list's items again afterwards.
+      Py_INCREF(o);
       PyObject *ix = PyNumber_Index(o);
+      Py_DECREF(o);
       if (ix == nullptr) {
         Py_DECREF(out);
         return nullptr;
@@ -156,6 +160,11 @@ PyObject *ids_from_seq(PyObject *, PyObject *const *args, Py_ssize_t n) {
       v = PyLong_AsLongLongAndOverflow(ix, &overflow);
       Py_DECREF(ix);
       if (overflow) v = -1;
+      if (PySequence_Fast_GET_SIZE(seq) < need) {
+        Py_DECREF(out);
+        return PyErr_Format(PyExc_ValueError, "block_ids: the list changed while it was read");
+      }
+      items = PySequence_Fast_ITEMS(seq);
     }
     if (v == -1 && PyErr_Occurred()) {
       Py_DECREF(out);
