@@ -37,6 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import common
+
 from kvxfer import KVCacheSpec, TransferEngine, idops, ops
 from kvxfer import control as C
 from kvxfer.auth import _KeyedSha256 as HmacKey  # what EngineSecret.token runs
@@ -325,48 +327,9 @@ def bandwidth(transport: str, tokens: int, reqs: int, iters: int) -> dict:
         "transport_used": s["transports"],
     }
     if transport == "pg":  # the link itself: what no pg transfer here can beat
-        lbest = gloo_link_s(nbytes, iters)
+        lbest = common.gloo_loopback_s(nbytes, iters)
         out["link_GBps"], out["fraction_of_link"] = nbytes / lbest / 1e9, lbest / best
     return out
-
-
-def gloo_link_s(nbytes: int, iters: int) -> float:
-    """Best seconds of a raw Gloo send of ``nbytes`` between two pair groups of this process
-    (loopback, one thread per rank, as the engines of :func:`bandwidth` pair): the pg link."""
-    import threading
-
-    from kvxfer.transports import pg
-
-    store = pg.serve_store("127.0.0.1", 60.0)
-    key = f"bench-link-{time.monotonic_ns()}"
-    groups: list = [None, None]
-
-    def join(rank: int) -> None:
-        groups[rank] = pg.new_pair(
-            pg.connect_store("127.0.0.1", store.port, 60.0), key, rank, "127.0.0.1", 60.0
-        )
-
-    threads = [threading.Thread(target=join, args=(r,), daemon=True) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60.0)
-    if any(g is None for g in groups):
-        raise RuntimeError("bench_engine: the Gloo link pair did not form within 60 s")
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(iters + 1):  # the first round is a warm-up
-        t0 = time.perf_counter()
-        sent = groups[0].send([src], 1, 0)
-        pg.recv_tensor(groups[1], dst, 0, 60.0)
-        sent.wait()
-        times.append(time.perf_counter() - t0)
-    if not torch.equal(src, dst):
-        raise RuntimeError("bench_engine: the Gloo link moved wrong bytes")
-    for g in groups:
-        pg.discard_pair(g, "benchmark done")
-    return min(times[1:])
 
 
 def host_floor(n_iter: int, cold: bool = True) -> dict:

@@ -216,6 +216,46 @@ class CopyLimit:
 
 
 # ----------------------------------------------------------------------------- metadata
+def gloo_loopback_s(nbytes: int, iters: int) -> float:
+    """Best seconds of a raw Gloo send of ``nbytes`` between two pair groups of this process
+    (loopback, one thread per rank, as two engines of one process pair): the pg link's limit
+    (``bench_engine.py``; ``bench_transfer.py`` measures it between its two processes)."""
+    import threading
+
+    from kvxfer.transports import pg
+
+    store = pg.serve_store("127.0.0.1", 60.0)
+    key = f"bench-link-{time.monotonic_ns()}"
+    groups: list = [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = pg.new_pair(
+            pg.connect_store("127.0.0.1", store.port, 60.0), key, rank, "127.0.0.1", 60.0
+        )
+
+    threads = [threading.Thread(target=join, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60.0)
+    if any(g is None for g in groups):
+        raise RuntimeError("gloo_loopback_s: the Gloo link pair did not form within 60 s")
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(iters + 1):  # the first round is a warm-up
+        t0 = time.perf_counter()
+        sent = groups[0].send([src], 1, 0)
+        pg.recv_tensor(groups[1], dst, 0, 60.0)
+        sent.wait()
+        times.append(time.perf_counter() - t0)
+    if not torch.equal(src, dst):
+        raise RuntimeError("gloo_loopback_s: the Gloo link moved wrong bytes")
+    for g in groups:
+        pg.discard_pair(g, "benchmark done")
+    return min(times[1:])
+
+
 def _version(dist: str) -> str | None:
     try:
         from importlib.metadata import version
