@@ -120,15 +120,7 @@ class _Side:
         self.paged = isinstance(x, PagedSide)
         if self.paged:
             self.side, self.wire = x, None
-            got = None if x.memo is None else x.memo.get("triton")  # kept per template (base.py)
-            if got is None:
-                ptrs = tuple(c.data_ptr() for c in x.caches)
-                es = x.element_size
-                strides = (x.stride_kv, x.stride_block, x.stride_token, x.stride_head)
-                got = (ptrs, [s * es for s in strides if s] + list(ptrs))
-                if x.memo is not None:
-                    x.memo["triton"] = got
-            self.ptrs, self.byte_values = got
+            self.ptrs, self.byte_values = x.kept("triton", _side_values)  # per template (base.py)
         else:
             self.side, self.wire = None, x
             self.ptrs = (x.data_ptr(),)
@@ -146,6 +138,14 @@ class _Side:
         strides = (side.stride_kv, side.stride_block, side.stride_token, side.stride_head)
         words = tuple(s * w // word_bytes for s in strides)
         return (_table(side.device, self.ptrs), ids), (side.head_start, side.block_size, *words)
+
+
+def _side_values(x: PagedSide) -> tuple[tuple[int, ...], list[int]]:
+    """A paged side's layer addresses, and every byte stride and address its rows use."""
+    ptrs = tuple(c.data_ptr() for c in x.caches)
+    es = x.element_size
+    strides = (x.stride_kv, x.stride_block, x.stride_token, x.stride_head)
+    return ptrs, [s * es for s in strides if s] + list(ptrs)
 
 
 def _table(dev: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:

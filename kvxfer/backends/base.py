@@ -43,6 +43,18 @@ class PagedSide:
     # dict (None for a side made once). A backend keys its entry by its name.
     memo: dict | None = None
 
+    def kept(self, name: str, make):
+        """``make(self)``, kept in :attr:`memo` under ``name`` when this side has a memo (made
+        anew for a side made once). ``make`` must depend on nothing but what the sides of one
+        template share: not the block ids or the token count."""
+        memo = self.memo
+        if memo is None:
+            return make(self)
+        got = memo.get(name)
+        if got is None:
+            got = memo[name] = make(self)
+        return got
+
     @property
     def num_layers(self) -> int:
         return len(self.caches)

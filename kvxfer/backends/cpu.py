@@ -218,42 +218,40 @@ def is_available(device: torch.device) -> bool:
 # --------------------------------------------------------------------------- calls
 def _paged(side: PagedSide) -> tuple[list[int], tuple[array, torch.Tensor]]:
     """The 11 side fields of a paged cache, and the tables they point into (keep them alive).
-    All but the block ids' address are kept in ``side.memo`` (the engine's sides share their
+    All but the block ids' address are kept in the side's memo (the engine's sides share their
     registered cache's template memo: no per-call layer table)."""
-    memo = side.memo
-    got = None if memo is None else memo.get("cpu")
-    if got is None:
-        es = side.element_size
-        layers = array("q", side.layer_ptrs())
-        # bytes from a layer's base its rows can reach (every block, token and K/V of the heads
-        # up to the last one moved; strides are non-negative): for the overlap check of a copy
-        extent = (
-            (side.num_kv - 1) * side.stride_kv
-            + (side.num_blocks - 1) * side.stride_block
-            + (side.block_size - 1) * side.stride_token
-            + (side.head_start + side.num_heads - 1) * side.stride_head
-        ) * es + side.row_bytes
-        static = [
-            layers.buffer_info()[0],
-            0,
-            0,
-            0,  # the block ids' address: per call
-            side.block_size,
-            side.stride_kv * es,
-            side.stride_block * es,
-            side.stride_token * es,
-            side.stride_head * es,
-            side.head_start * side.stride_head * es,
-            extent,
-        ]
-        got = (layers, static)
-        if memo is not None:
-            memo["cpu"] = got
-    layers, static = got
+    layers, static = side.kept("cpu", _static_fields)
     ids = side.block_ids.contiguous()  # int64 on the CPU (ops); a strided view is made dense
     fields = static.copy()
     fields[3] = ids.data_ptr()
     return fields, (layers, ids)
+
+
+def _static_fields(side: PagedSide) -> tuple[array, list[int]]:
+    """The layer table and the side fields that do not depend on the block ids."""
+    es = side.element_size
+    layers = array("q", side.layer_ptrs())
+    # bytes from a layer's base its rows can reach (every block, token and K/V of the heads up
+    # to the last one moved; strides are non-negative): for the overlap check of a copy
+    extent = (
+        (side.num_kv - 1) * side.stride_kv
+        + (side.num_blocks - 1) * side.stride_block
+        + (side.block_size - 1) * side.stride_token
+        + (side.head_start + side.num_heads - 1) * side.stride_head
+    ) * es + side.row_bytes
+    return layers, [
+        layers.buffer_info()[0],
+        0,
+        0,
+        0,  # the block ids' address: per call
+        side.block_size,
+        side.stride_kv * es,
+        side.stride_block * es,
+        side.stride_token * es,
+        side.stride_head * es,
+        side.head_start * side.stride_head * es,
+        extent,
+    ]
 
 
 def _dense(wire: torch.Tensor, side: PagedSide) -> list[int]:

@@ -89,21 +89,19 @@ class _Fields(NamedTuple):
 
 def _paged_fields(side: PagedSide) -> _Fields:
     """Per-layer base addresses (head_start folded in), byte strides (kv, block, token, head)
-    and their gcd, kept in ``side.memo`` (the engine's sides: one per registered cache, head
+    and their gcd, kept in the side's memo (the engine's sides: one per registered cache, head
     slice and layer set). Made per call, with the block table joined by torch, a 32-layer
     copy's plan took ~87 us of host time on the CI VM; kept, and the table filled by numpy:
     ~25 us (``plan_copy``, 4K tokens, timeit)."""
-    memo = side.memo
-    got = None if memo is None else memo.get("cuda")
-    if got is None:
-        es = side.element_size
-        strides = (side.stride_kv * es, side.stride_block * es, side.stride_token * es, side.stride_head * es)
-        head_off = side.head_start * strides[3]
-        layers = [p + head_off for p in side.layer_ptrs()]
-        got = _Fields(np.array(layers, dtype=np.int64), strides, math.gcd(*layers, *strides))
-        if memo is not None:
-            memo["cuda"] = got
-    return got
+    return side.kept("cuda", _make_fields)
+
+
+def _make_fields(side: PagedSide) -> _Fields:
+    es = side.element_size
+    strides = (side.stride_kv * es, side.stride_block * es, side.stride_token * es, side.stride_head * es)
+    head_off = side.head_start * strides[3]
+    layers = [p + head_off for p in side.layer_ptrs()]
+    return _Fields(np.array(layers, dtype=np.int64), strides, math.gcd(*layers, *strides))
 
 
 def _chunk(num_rows: int, num_tokens: int, row_bytes: int, num_warps: int) -> int:
