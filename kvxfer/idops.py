@@ -224,7 +224,6 @@ def _resolve(build: bool) -> None:
             if not build:
                 _state["why"] = "not built yet (TransferEngine.start() builds it)"
                 return
-            _state["tried_build"] = True
             _LOG.warning(
                 "kvxfer control helpers: no prebuilt %s (installed without a C++ compiler, or "
                 "sources changed since); compiling it once into %s",
