@@ -56,14 +56,16 @@ def disjoint_blocks(loads: list[LoadItem], block_size: int) -> bool:
     were checked for repeats at ``load()``; the blocks of a prefix this engine already holds,
     ``first // block_size`` of them, are not written and may be shared): then the destination
     ids of any ops call over them, block ids or token slots, repeat nothing either, and the ops
-    may skip that check. One sort of the concatenated block lists (2K ids for eight 4K-token
-    loads) where the ops would sort each call's ids (16x as many when they are token slots).
+    may skip that check. One check of the block lists together (2K ids for eight 4K-token loads)
+    where the ops would sort each call's ids (16x as many when they are token slots).
     False for n>1 siblings that share prefix blocks (their batch is deduped, and the ops check
     what is left) and for loads that really overlap (the ops then refuse the call, naming the
-    repeated id)."""
+    repeated id). One native pass over a set (:func:`kvxfer.idops.any_repeat`)."""
     if len(loads) < 2:
         return True
-    return not has_repeats(np.concatenate([it.block_ids[it.first // block_size :] for it in loads]))
+    return not idops.any_repeat(
+        [it.block_ids[it.first // block_size :] if it.first else it.block_ids for it in loads]
+    )
 
 
 def check_block_ids(x, need: int, num_blocks: int, what: str, unique: bool = False) -> np.ndarray:

@@ -2,9 +2,13 @@
 
 ``with trace("gather", request_id):`` (or ``@traced("scatter")``) pushes the range
 ``kvxfer.<phase> <request_id>`` in the ``kvxfer`` NVTX domain. The ``nvtx`` package is imported on
-first use; when it is missing, or ``KVXFER_NVTX=0`` is set, or :func:`set_enabled` turned
-tracing off, :func:`trace` returns one shared no-op context manager (one dict lookup, no
-allocation), so calls can stay on the hot path.
+first use; when it is missing, or no NVTX tool (Nsight Systems, Nsight Compute) is attached to
+the process (``nvtx`` then hands out its no-op domain, and so does this module), or
+``KVXFER_NVTX=0`` is set, or :func:`set_enabled` turned tracing off, :func:`trace` returns one
+shared no-op context manager (one dict lookup, no allocation), so calls can stay on the hot
+path. :func:`status` says which, and why. With a tool attached, ranges go straight to the
+domain object (``Domain.push_range``: the package's cheapest call), not through
+``nvtx.push_range``'s lookup of the domain by name on every range.
 
 How the engine plugs it in: the loader's batch (``load``), inside it the handshake, the lease
 ``grant`` round trip, per source rank the gather, send, recv, scatter and copy calls
@@ -23,7 +27,17 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["PHASES", "LazyTag", "batch_tag", "enabled", "items_tag", "set_enabled", "trace", "traced"]
+__all__ = [
+    "PHASES",
+    "LazyTag",
+    "batch_tag",
+    "enabled",
+    "items_tag",
+    "set_enabled",
+    "status",
+    "trace",
+    "traced",
+]
 
 PHASES = (
     "handshake",
@@ -55,26 +69,37 @@ DOMAIN = "kvxfer"
 _NULL = contextlib.nullcontext()
 F = TypeVar("F", bound=Callable[..., Any])
 
-_state: dict[str, Any] = {"enabled": None, "nvtx": None}
+_state: dict[str, Any] = {"enabled": None, "nvtx": None, "domain": None, "why": "not looked at yet"}
 
 
 def _env_enabled() -> bool:
     return os.environ.get("KVXFER_NVTX", "1").strip().lower() not in ("0", "false", "off", "no", "")
 
 
+def _off(why: str) -> bool:
+    _state["enabled"], _state["why"] = False, why
+    return False
+
+
 def _load() -> bool:
-    """Resolve enabled-ness once: env var, then whether ``nvtx`` imports."""
+    """Resolve enabled-ness once: env var, whether ``nvtx`` imports, whether a tool listens."""
     if not _env_enabled():
-        _state["enabled"] = False
-        return False
+        return _off("off: KVXFER_NVTX=0")
     if _state["nvtx"] is None:
         try:
             import nvtx
         except ImportError:
-            _state["enabled"] = False
-            return False
+            return _off("off: the nvtx package is not installed")
         _state["nvtx"] = nvtx
-    _state["enabled"] = True
+    mod = _state["nvtx"]
+    get_domain = getattr(mod, "get_domain", None)  # the nvtx package (stand-ins may lack it)
+    dom = None
+    if get_domain is not None:
+        dom = get_domain(DOMAIN)
+        if type(dom).__name__ == "DummyDomain":  # nvtx's own answer: no tool attached
+            return _off("off: no NVTX tool attached (the nvtx package gave its no-op domain)")
+    _state["domain"], _state["enabled"] = dom, True
+    _state["why"] = f"on: NVTX domain {DOMAIN!r}" + ("" if dom is not None else " (a stand-in nvtx module)")
     return True
 
 
@@ -84,21 +109,30 @@ def enabled() -> bool:
     return _load() if e is None else e
 
 
+def status() -> str:
+    """Whether :func:`trace` emits ranges, and why (``"on: ..."`` or ``"off: ..."``)."""
+    enabled()
+    return _state["why"]
+
+
 def set_enabled(on: bool | None, nvtx_module: Any = None) -> None:
-    """Turn ranges on/off at run time (``None``: back to the env var / import default).
-    ``nvtx_module`` replaces the ``nvtx`` package (tests)."""
+    """Turn ranges on/off at run time (``None``: back to the env var / import default; ``True``
+    still needs ``nvtx`` and, for the real package, an attached tool). ``nvtx_module`` replaces
+    the ``nvtx`` package (tests, ``profiling/bench_latency.py``'s recorder)."""
     if nvtx_module is not None:
         _state["nvtx"] = nvtx_module
     if on is None:
-        _state["enabled"] = None
+        _state["enabled"], _state["why"] = None, "not looked at yet"
     elif on:
         _state["enabled"] = None
         _load()
     else:
-        _state["enabled"] = False
+        _off("off: set_enabled(False)")
 
 
 class _Range:
+    """A range through a stand-in module's ``push_range`` / ``pop_range``."""
+
     __slots__ = ("_color", "_msg", "_nvtx")
 
     def __init__(self, nvtx: Any, msg: str, color: str) -> None:
@@ -110,6 +144,22 @@ class _Range:
 
     def __exit__(self, *exc: object) -> None:
         self._nvtx.pop_range(domain=DOMAIN)
+
+
+class _DomainRange:
+    """A range on the ``kvxfer`` domain object of the nvtx package (a tool is attached)."""
+
+    __slots__ = ("_attrs", "_dom")
+
+    def __init__(self, dom: Any, msg: str, color: str) -> None:
+        self._dom, self._attrs = dom, dom.get_event_attributes(msg, color)
+
+    def __enter__(self) -> _DomainRange:
+        self._dom.push_range(self._attrs)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._dom.pop_range()
 
 
 def trace(phase: str, request_id: object = None) -> contextlib.AbstractContextManager:
@@ -124,6 +174,9 @@ def trace(phase: str, request_id: object = None) -> contextlib.AbstractContextMa
     if e is False or (e is None and not _load()):
         return _NULL
     msg = f"{DOMAIN}.{phase}" if request_id is None else f"{DOMAIN}.{phase} {request_id}"
+    dom = _state["domain"]
+    if dom is not None:
+        return _DomainRange(dom, msg, _COLORS[phase])
     return _Range(_state["nvtx"], msg, _COLORS[phase])
 
 

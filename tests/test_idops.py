@@ -250,6 +250,61 @@ def test_moved_names_the_loads_whose_blocks_were_released(impl):
     assert impl["moved"](ep, loads, as_arrays) == [2, 3]
 
 
+def test_moved_with_a_short_snapshot_or_an_id_out_of_range(impl):
+    _, ep = _state()
+    loads = [np.array([1, 2], np.int64), np.array([3], np.int64)]
+    snaps = [impl["snapshot"](ep, ids) for ids in loads]
+    assert impl["moved"](ep, loads, [snaps[0][:8], snaps[1]]) == [0]  # a short snapshot: a change
+    with pytest.raises(IndexError):
+        impl["moved"](ep, [loads[0], np.array([64], np.int64)], snaps)
+
+
+def test_native_moved_checks_its_arguments_before_comparing():
+    f = _native()
+    _, ep = _state()
+    ids = [np.array([1, 2], np.int64)]
+    with pytest.raises(TypeError, match="must be lists"):
+        f["moved"](ep, tuple(ids), [b"\0" * 16])
+    with pytest.raises(ValueError, match="1 id arrays, 2 snapshots"):
+        f["moved"](ep, ids, [b"\0" * 16, b""])
+    with pytest.raises(TypeError, match="ids"):
+        f["moved"](ep, [ids[0].astype(np.int32)], [b"\0" * 16])
+    with pytest.raises(IndexError, match=r"moved: block id 99 \(item 1\) out of range \[0, 64\)"):
+        f["moved"](ep, [np.array([1, 2], np.int64), np.array([0, 99], np.int64)], [b"\0" * 16] * 2)
+
+
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_any_repeat_reads_the_arrays_as_one_list(impl, kind):
+    a, b, c = (np.array(x, np.int64) for x in ([5, 1, 9], [2, 7], [40, 3]))
+    assert not impl["any_repeat"](kind([a, b, c]))
+    assert not impl["any_repeat"](kind([a])) and not impl["any_repeat"](kind([]))
+    assert impl["any_repeat"](kind([a, b, np.array([8, 9], np.int64)]))  # 9 in the first and the last
+    assert impl["any_repeat"](kind([np.array([4, 4], np.int64)]))  # within one array
+    assert not impl["any_repeat"](kind([a[:0], b]))
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        parts = [
+            rng.integers(0, 3000, size=int(rng.integers(0, 300))) for _ in range(int(rng.integers(1, 9)))
+        ]
+        want = len(np.unique(np.concatenate(parts))) != sum(p.size for p in parts)
+        assert impl["any_repeat"](kind(parts)) == want
+
+
+def test_any_repeat_refuses_negative_ids(impl):
+    with pytest.raises(ValueError, match="negative block id -3"):
+        impl["any_repeat"]([np.array([1, 2], np.int64), np.array([-3], np.int64)])
+
+
+def test_native_any_repeat_refuses_what_is_not_int64_arrays():
+    f = _native()
+    with pytest.raises(TypeError, match="list or tuple"):
+        f["any_repeat"](np.array([1, 2], np.int64))
+    with pytest.raises(TypeError, match="ids"):
+        f["any_repeat"]([np.array([1, 2], np.int32)])
+    with pytest.raises(TypeError, match="ids"):
+        f["any_repeat"]([np.arange(8, dtype=np.int64)[::2]])
+
+
 def test_a_list_changed_by_an_items_index_is_read_safely():
     """An item's ``__index__`` is Python code that may shrink the list being read: the native
     loop must neither read freed memory nor past the end."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -116,17 +117,95 @@ def test_bad_phase_rejected_even_when_disabled(fake):
 
 
 def test_real_nvtx_package_without_profiler():
-    """The installed nvtx package works with no profiler attached, in a fresh interpreter."""
+    """The installed nvtx package with no tool attached (no Nsight here): nvtx hands out its
+    no-op domain, so tracing is off and says why; ranges are the shared no-op."""
+    pytest.importorskip("nvtx", reason="the nvtx package is an optional dependency")
     code = (
+        "import os; os.environ.pop('NVTX_INJECTION64_PATH', None)\n"
         "from kvxfer import tracing\n"
-        "assert tracing.enabled()\n"
+        "assert not tracing.enabled(), tracing.status()\n"
+        "assert 'no NVTX tool attached' in tracing.status(), tracing.status()\n"
+        "assert tracing.trace('gather', 'req-1') is tracing.trace('send', 'req-2')\n"
         "with tracing.trace('gather', 'req-1'):\n"
         "    with tracing.trace('send', 'req-1'): pass\n"
         "import sys; print('nvtx' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=".")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTX_INJECTION")}
+    env.pop("KVXFER_NVTX", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=".", env=env
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+class DummyDomain:
+    """What the nvtx package's ``get_domain`` returns when no tool is attached (its class name)."""
+
+
+class FakeDomain:
+    """A live domain of the nvtx package: attributes made once per range, push and pop on it."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def get_event_attributes(self, message=None, color=None):
+        return (message, color)
+
+    def push_range(self, attributes=None):
+        self.calls.append(("push", *attributes))
+
+    def pop_range(self):
+        self.calls.append(("pop",))
+
+
+def _package(domain_for) -> types.SimpleNamespace:
+    asked = []
+
+    def get_domain(name):
+        asked.append(name)
+        return domain_for(name)
+
+    return types.SimpleNamespace(get_domain=get_domain, asked=asked)
+
+
+def test_ranges_go_to_the_domain_object_when_a_tool_listens(monkeypatch):
+    monkeypatch.delenv("KVXFER_NVTX", raising=False)
+    saved = dict(tracing._state)
+    calls: list = []
+    pkg = _package(lambda name: FakeDomain(calls))
+    try:
+        tracing.set_enabled(True, nvtx_module=pkg)
+        assert tracing.enabled() and tracing.status().startswith("on: NVTX domain 'kvxfer'")
+        with tracing.trace("grant", "r1"), tracing.trace("copy", "r1"):
+            pass
+        assert calls == [
+            ("push", "kvxfer.grant r1", "yellow"),
+            ("push", "kvxfer.copy r1", "red"),
+            ("pop",),
+            ("pop",),
+        ]
+        assert pkg.asked == ["kvxfer"]  # the domain is looked up once, not per range
+    finally:
+        tracing._state.update(saved)
+
+
+def test_no_tool_attached_turns_tracing_off_with_the_reason(monkeypatch):
+    monkeypatch.delenv("KVXFER_NVTX", raising=False)
+    saved = dict(tracing._state)
+    pkg = _package(lambda name: DummyDomain())
+    try:
+        tracing.set_enabled(True, nvtx_module=pkg)
+        assert not tracing.enabled()
+        assert "no NVTX tool attached" in tracing.status()
+        assert tracing.trace("copy", "r") is tracing.trace("grant", "r")
+        tracing.set_enabled(False)
+        assert tracing.status() == "off: set_enabled(False)"
+        monkeypatch.setenv("KVXFER_NVTX", "0")
+        tracing.set_enabled(None)
+        assert tracing.status() == "off: KVXFER_NVTX=0"
+    finally:
+        tracing._state.update(saved)
 
 
 def test_import_kvxfer_does_not_import_nvtx():

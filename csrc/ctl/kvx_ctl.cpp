@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 1;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 2;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A contiguous buffer of `itemsize`-byte integers ("" item: any bytes-like, itemsize 1).
 struct Buf {
@@ -264,6 +264,91 @@ PyObject *unchanged(PyObject *, PyObject *const *args, Py_ssize_t n) {
   Py_RETURN_TRUE;
 }
 
+// moved(epochs int64[B], ids_list, snaps) -> list of the indices i whose epochs[ids_list[i]] no
+// longer equal snaps[i] (bytes-like, as many int64 as ids). One call for a batch's loads.
+PyObject *moved(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 3, "moved")) return nullptr;
+  PyObject *ids_list = args[1], *snaps = args[2];
+  if (!PyList_CheckExact(ids_list) || !PyList_CheckExact(snaps)) {
+    return PyErr_Format(PyExc_TypeError, "moved: ids_list and snaps must be lists, got %s and %s",
+                        Py_TYPE(ids_list)->tp_name, Py_TYPE(snaps)->tp_name);
+  }
+  const Py_ssize_t m = PyList_GET_SIZE(ids_list);
+  if (PyList_GET_SIZE(snaps) != m) {
+    return PyErr_Format(PyExc_ValueError, "moved: %zd id arrays, %zd snapshots", m, PyList_GET_SIZE(snaps));
+  }
+  Buf ep;
+  if (!get(args[0], ep, 8, false, "epochs")) return nullptr;
+  const int64_t *e = static_cast<const int64_t *>(ep.view.buf);
+  // Every argument is checked before anything is compared (a bad one raises, never half a list).
+  std::vector<Buf> ids(m), snap(m);
+  for (Py_ssize_t i = 0; i < m; ++i) {
+    if (!get(PyList_GET_ITEM(ids_list, i), ids[i], 8, false, "ids") ||
+        !get(PyList_GET_ITEM(snaps, i), snap[i], 0, false, "snapshot") ||
+        !ids_in_range(ids[i], ep.count(), "moved")) {
+      return nullptr;
+    }
+  }
+  PyObject *out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < m; ++i) {
+    const Py_ssize_t k = ids[i].count();
+    bool same = snap[i].view.len == k * 8;
+    const int64_t *x = static_cast<const int64_t *>(ids[i].view.buf);
+    const unsigned char *s = static_cast<const unsigned char *>(snap[i].view.buf);
+    for (Py_ssize_t j = 0; same && j < k; ++j) {
+      int64_t v;
+      std::memcpy(&v, s + 8 * j, 8);
+      same = e[x[j]] == v;
+    }
+    if (!same) {
+      PyObject *ix = PyLong_FromSsize_t(i);
+      if (ix == nullptr || PyList_Append(out, ix) != 0) {
+        Py_XDECREF(ix);
+        Py_DECREF(out);
+        return nullptr;
+      }
+      Py_DECREF(ix);
+    }
+  }
+  return out;
+}
+
+// any_repeat(arrays) -> bool: whether the int64 arrays of the list or tuple `arrays`, read as
+// one list, name some id twice (ids must be >= 0: ValueError otherwise).
+PyObject *any_repeat(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 1, "any_repeat")) return nullptr;
+  PyObject *seq = args[0];
+  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+    return PyErr_Format(PyExc_TypeError, "any_repeat: arrays must be a list or tuple, got %s",
+                        Py_TYPE(seq)->tp_name);
+  }
+  const Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+  PyObject **items = PySequence_Fast_ITEMS(seq);
+  std::vector<Buf> bufs(m);
+  Py_ssize_t total = 0;
+  for (Py_ssize_t i = 0; i < m; ++i) {
+    if (!get(items[i], bufs[i], 8, false, "ids")) return nullptr;
+    const int64_t *x = static_cast<const int64_t *>(bufs[i].view.buf);
+    for (Py_ssize_t j = 0, k = bufs[i].count(); j < k; ++j) {
+      if (x[j] < 0) {
+        return PyErr_Format(PyExc_ValueError, "any_repeat: negative block id %lld (array %zd, item %zd)",
+                            static_cast<long long>(x[j]), i, j);
+      }
+    }
+    total += bufs[i].count();
+  }
+  if (total < 2) Py_RETURN_FALSE;
+  IdSet seen(total);
+  for (Py_ssize_t i = 0; i < m; ++i) {
+    const int64_t *x = static_cast<const int64_t *>(bufs[i].view.buf);
+    for (Py_ssize_t j = 0, k = bufs[i].count(); j < k; ++j) {
+      if (!seen.insert(x[j])) Py_RETURN_TRUE;
+    }
+  }
+  Py_RETURN_FALSE;
+}
+
 // max_id(ids 8-byte ints[n]) -> int: the largest id read as unsigned (a negative one is huge),
 // 0 for no ids.
 PyObject *max_id(PyObject *, PyObject *const *args, Py_ssize_t n) {
@@ -295,6 +380,10 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL, "epochs, ids -> bytes of epochs[ids]"},
     {"unchanged", as_method(unchanged),
      METH_FASTCALL, "epochs, ids, snapshot -> whether epochs[ids] still equals the snapshot"},
+    {"moved", as_method(moved), METH_FASTCALL,
+     "epochs, ids_list, snaps -> indices of the loads whose epochs moved since their snapshot"},
+    {"any_repeat", as_method(any_repeat), METH_FASTCALL,
+     "arrays -> whether the int64 arrays, read as one list, name some id twice"},
     {"max_id", as_method(max_id),
      METH_FASTCALL, "ids -> the largest id as unsigned"},
     {"abi_version", abi_version, METH_NOARGS, "the source's ABI version"},
