@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends.base import PagedSide
+from ..backends.base import PagedSide, ids_tensor
 from .rows import move_rows_kernel
 
 __all__ = ["INTERPRETED", "Plan", "move", "plan_move"]
@@ -133,7 +133,7 @@ class _Side:
             return (words, words), (0, 1, 0, 0, 0, 0)
         side = self.side
         ids_dtype = torch.int32 if side.num_blocks <= 2**31 else torch.int64
-        ids = side.block_ids.to(side.device, dtype=ids_dtype, non_blocking=True)
+        ids = ids_tensor(side).to(side.device, dtype=ids_dtype, non_blocking=True)
         w = side.element_size
         strides = (side.stride_kv, side.stride_block, side.stride_token, side.stride_head)
         words = tuple(s * w // word_bytes for s in strides)

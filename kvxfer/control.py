@@ -21,7 +21,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from .tracing import LazyTag, batch_tag, trace
+from .tracing import batch_tag, trace
 
 _LOG = logging.getLogger(__name__)
 
@@ -340,7 +340,7 @@ class ControlServer:
                 reply = ErrorReply(f"malformed message: {e}")
             else:
                 try:
-                    with trace("serve", LazyTag(_msg_tag, msg)):
+                    with trace("serve", _msg_tag, msg):
                         reply = handler(msg)
                 except Exception as e:  # a handler bug must not kill the side channel
                     _LOG.warning(

@@ -115,6 +115,7 @@ class Remote:
     pg_backends: list = field(default_factory=list)  # src rank -> pair backend ("nccl"/"gloo")
     host: str = ""  # where the params said the remote listens (a change means a new remote)
     port: int = 0
+    full_mask: int = 0  # every layer of the remote's spec as a layer mask (kvxfer.loader)
     _reads_from: dict = field(default_factory=dict, repr=False)  # src rank -> its reads
 
     @property

@@ -47,7 +47,7 @@ from .ordering import NOT_READY, FenceTimeout, event_done
 from .pg_read import PgReads
 from .plan import plan_reads
 from .spec import KVCacheSpec
-from .tracing import LazyTag, batch_tag, items_tag, trace
+from .tracing import batch_tag, items_tag, trace
 from .tracker import UNKNOWN
 from .transports import BatchPlan, choice, plan_batch
 
@@ -138,13 +138,15 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         for it in batch:
             groups.setdefault(it.params.engine_id, []).append(it)
         for engine_id, items in groups.items():
-            with trace("load", LazyTag(items_tag, items)):
+            with trace("load", items_tag, items):
                 try:
-                    if engine_id in self._remotes:
-                        rem = self._remote(items[0], items[0].deadline)
-                    else:
+                    rem = self._remotes.get(engine_id)
+                    p = items[0].params
+                    if rem is None:
                         with trace("handshake", engine_id):
                             rem = self._remote(items[0], items[0].deadline)
+                    elif (rem.host, rem.port, rem.tp_size) != (p.host, p.port, p.tp_size):
+                        rem = self._remote(items[0], items[0].deadline)
                 except (HandshakeError, Expired) as e:
                     self._fail(items, f"handshake with {engine_id}: {e}")
                     continue
@@ -202,6 +204,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             p.engine_id, spec, p.tp_size, addrs, transport, replies, min(r.num_blocks for r in replies), plan
         )
         rem.pg_backends, rem.host, rem.port = pg_backends, p.host, p.port
+        rem.full_mask = _full_mask(spec.num_layers)
         rem.reads, rem.notify_to = plan.reads(self.tp_rank), plan.notify_targets(self.tp_rank)
         if transport == "nixl":
             self._nixl_setup(rem)  # kvxfer.nixl_role: metadata, direct/staged per read
@@ -274,7 +277,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         alive = {it.request_id: it for it in good}
         reasons: dict[str, str] = {}
         src_ranks = sorted({r.src_rank for r in rem.reads})
-        full = _full_mask(rem.spec.num_layers)
+        full = rem.full_mask
         need = {s: dict.fromkeys(alive, full) for s in src_ranks}  # layers still wanted, as ints
         while alive:
             try:
@@ -321,7 +324,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         left = time_left(deadline)
         wait = max(0.0, min(0.5, left - 0.05))
         L = rem.spec.num_layers
-        full = _full_mask(L)
+        full = rem.full_mask
         nbytes = (L + 7) // 8
         for s in src_ranks:
             rids = [rid for rid in alive if need[s][rid]]
@@ -338,12 +341,12 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 wait,
             )
             calls.append((rem.addrs[s], msg))
-        with trace("grant", batch_tag(alive)):
+        with trace("grant", batch_tag, alive):
             grants = self._client.call_many(calls, left)
         for s, g in zip(ranks, grants):
             if not isinstance(g, C.ReadReply):
                 why = f"rank {s}: {getattr(g, 'error', g)}"
-            elif g.incarnation != rem.incarnations[s]:
+            elif g.incarnation != rem.replies[s].incarnation:
                 why = f"exporter rank {s} {RESTARTED}"
                 self._forget(rem, why)
             else:
@@ -377,7 +380,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 if todo:
                     groups.setdefault(todo, []).append(rid)
         L = rem.spec.num_layers
-        full = _full_mask(L)
+        full = rem.full_mask
         for layers_mask, rids in groups.items():
             layers = None if layers_mask == full else _mask_layers(layers_mask, L)
             sub = {rid: alive[rid] for rid in rids if rid in alive}
@@ -412,7 +415,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         try:
             with self._order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
                 if rem.transport == "ipc":
-                    with trace("copy", batch_tag(alive)):
+                    with trace("copy", batch_tag, alive):
                         moved, bad = self._ipc_read(rem, s, reads, loads, granted, deadline, layers)
                 elif rem.transport == "nixl":  # kvxfer.nixl_role
                     moved, bad = self._nixl_read(rem, s, reads, loads, granted, deadline, layers)

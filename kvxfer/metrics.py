@@ -79,6 +79,12 @@ class Metrics:
             room = self._max - len(self._latency)
             self._latency.extend(latencies[: max(0, room)])
 
+    def record_ops(self, calls: int, dedup_bytes: int) -> None:
+        """``calls`` ops calls issued for loads, and wire bytes an n>1 sibling carried."""
+        with self._lock:
+            self.ops_calls += calls
+            self.dedup_bytes += dedup_bytes
+
     def add(self, field: str, n: int = 1) -> None:
         with self._lock:
             setattr(self, field, getattr(self, field) + n)

@@ -16,7 +16,7 @@ import time
 
 from . import control as C
 from .engine_types import describe_error
-from .tracing import LazyTag, batch_tag, trace
+from .tracing import batch_tag, trace
 
 _LOG = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Notifier:
                 if not due:
                     continue
                 try:
-                    with trace("notify", LazyTag(_notify_tag, due)):
+                    with trace("notify", _notify_tag, due):
                         replies = client.call_many([(p[0], p[1]) for p in due], 0.2, partial=True)
                 except C.ControlTimeout:  # a send queue full: every one of them is retried
                     replies = [None] * len(due)

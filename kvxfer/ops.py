@@ -55,7 +55,7 @@ __all__ = [
 class CheckedIds:
     """Block ids their producer has already validated, passed where the ops take ``block_ids``.
 
-    ``ids``: int64 numpy array, every id in ``[0, bound)``, and without repeats when
+    ``ids``: C-contiguous int64 numpy array, every id in ``[0, bound)``, and without repeats when
     ``unique``. An op trusts that and skips its own checks (a sort and a min/max, ~25-60 us
     per 4K-token call with a cold cache in ``profiling/bench_engine.py``) when ``bound`` is
     within the cache's block count and ``unique`` covers what the op needs (a destination);
@@ -70,12 +70,12 @@ class CheckedIds:
         self.ids, self.bound, self.unique = ids, bound, unique
 
 
-def _as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bool) -> torch.Tensor:
-    """Validated int64 CPU tensor of the first ``needed`` block ids (numpy: ~5 us for 256 ids)."""
+def _as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bool) -> np.ndarray:
+    """Validated C-contiguous int64 array of the first ``needed`` block ids (~5 us for 256)."""
     if type(block_ids) is CheckedIds:
         c = block_ids
         if c.bound <= num_blocks and (c.unique or not unique) and c.ids.size >= needed:
-            return torch.from_numpy(c.ids[:needed] if c.ids.size > needed else c.ids)
+            return c.ids[:needed] if c.ids.size > needed else c.ids
         block_ids = c.ids  # not enough is known: checked like any other ids
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
@@ -110,7 +110,7 @@ def _as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bo
             dup = srt[1:] == srt[:-1]
             if dup.any():
                 raise ValueError(f"{what}: repeated block id {int(srt[1:][dup][0])} in a destination")
-    return torch.from_numpy(arr)
+    return np.ascontiguousarray(arr)
 
 
 def _layer_list(layers, num_layers: int) -> list[int]:
@@ -415,7 +415,7 @@ def copy_blocks(
         and src_caches.spec is src_spec
         and dst_caches.spec is dst_spec
     ):  # the engine's path: caches registered, ids checked by their producer
-        src, dst = _checked_sides(
+        src, dst, device = _checked_sides(
             src_caches,
             src_block_ids,
             dst_caches,
@@ -426,7 +426,7 @@ def copy_blocks(
             num_heads,
             layers,
         )
-        _run(backend, src.device, "copy", src, dst)
+        _run(backend, device, "copy", src, dst)
         return
     same = src_spec is dst_spec
     mismatch = src_spec.model_mismatch(dst_spec) if not same and isinstance(dst_spec, KVCacheSpec) else None
@@ -498,8 +498,8 @@ def _checked_sides(
     dst_head_start: int,
     num_heads: int | None,
     layers,
-) -> tuple[PagedSide, PagedSide]:
-    """:func:`copy_blocks`'s two sides from memoised templates: the same checks as
+) -> tuple[PagedSide, PagedSide, torch.device]:
+    """:func:`copy_blocks`'s two sides (and their device) from memoised templates: the same checks as
     :func:`make_side`, each made once per (caches, heads, layers), except the ids' (see
     :class:`CheckedIds`, still checked when their promise does not cover the op). ~15 us of a
     4K-token call's ~40 us in ``profiling/bench_engine.py``."""
@@ -511,8 +511,9 @@ def _checked_sides(
         raise ValueError(f"incompatible caches: {got[2]}")
     st = _template(src_caches, src_head_start, num_heads, layers, "src_caches")
     dt = _template(dst_caches, dst_head_start, st.num_heads, layers, "dst_caches")
-    if st.device != dt.device:
-        raise ValueError(f"dst_caches: on {dt.device}, src_caches on {st.device}; copy needs one device")
+    device, dst_device = _device(st), _device(dt)
+    if dst_device is not device and dst_device != device:
+        raise ValueError(f"dst_caches: on {dst_device}, src_caches on {device}; copy needs one device")
     src = _with_ids(
         st,
         _as_block_ids(src_ids, st.num_blocks, ss.num_blocks_for(num_tokens), "src_block_ids", False),
@@ -523,7 +524,17 @@ def _checked_sides(
         _as_block_ids(dst_ids, dt.num_blocks, ds.num_blocks_for(num_tokens), "dst_block_ids", True),
         num_tokens,
     )
-    return src, dst
+    return src, dst, device
+
+
+def _device(template: PagedSide) -> torch.device:
+    """A template's device, kept in its memo (a tensor's ``.device`` is a torch call: a few us
+    with a cold cache, three per copy)."""
+    memo = template.memo
+    got = memo.get("device")
+    if got is None:
+        got = memo["device"] = template.device
+    return got
 
 
 def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | None = None) -> str:

@@ -138,4 +138,4 @@ class PgReads:
         except Exception:
             self._drop_pair(rem, s)  # a failed stream may leave a receive posted
             raise
-        self._metrics.add("ops_calls", n)
+        self._metrics.record_ops(n, 0)

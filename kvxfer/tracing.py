@@ -162,17 +162,21 @@ class _DomainRange:
         self._dom.pop_range()
 
 
-def trace(phase: str, request_id: object = None) -> contextlib.AbstractContextManager:
+def trace(phase: str, request_id: object = None, *tag_args: object) -> contextlib.AbstractContextManager:
     """Context manager for one NVTX range ``kvxfer.<phase> <request_id>``.
 
     ``phase`` is one of :data:`PHASES` (``ValueError`` otherwise, also when disabled, so a typo
-    is caught in CPU tests).
+    is caught in CPU tests). With ``tag_args``, ``request_id`` is a function and the range is
+    named ``request_id(*tag_args)``, called only when a range is made (``trace("grant",
+    batch_tag, ids)``: nothing is computed for the name while tracing is off).
     """
     if phase not in _COLORS:
         raise ValueError(f"phase: must be one of {PHASES}, got {phase!r}")
     e = _state["enabled"]
     if e is False or (e is None and not _load()):
         return _NULL
+    if tag_args:
+        request_id = request_id(*tag_args)
     msg = f"{DOMAIN}.{phase}" if request_id is None else f"{DOMAIN}.{phase} {request_id}"
     dom = _state["domain"]
     if dom is not None:

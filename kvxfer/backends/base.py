@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["PagedSide"]
+__all__ = ["PagedSide", "ids_tensor"]
+
+
+def ids_tensor(side: PagedSide) -> torch.Tensor:
+    """``side.block_ids`` as an int64 CPU tensor (a copy when the array is read-only: torch
+    warns on those), for the backends that index with torch."""
+    ids = side.block_ids
+    return torch.from_numpy(ids if ids.flags.writeable else ids.copy())
 
 
 @dataclass(slots=True)  # not frozen: a frozen init costs 4x (2.5 vs 0.6 us), twice per op call
@@ -21,11 +29,14 @@ class PagedSide:
 
     Token ``t`` of the request lives in block ``block_ids[t // block_size]`` at offset
     ``t % block_size``. ``block_ids`` holds exactly ``ceil(num_tokens / block_size)`` ids, all
-    in ``[0, num_blocks)``, as an int64 CPU tensor.
+    in ``[0, num_blocks)``, as a C-contiguous int64 numpy array (read it in place; it may be
+    read-only: :func:`ids_tensor` gives a tensor). numpy, not torch: the sides are made per
+    ops call, and each torch call on them cost 3-6 us with a cold cache
+    (``profiling/bench_engine.py``) where the backends only need the ids' address or values.
     """
 
     caches: tuple[torch.Tensor, ...]
-    block_ids: torch.Tensor
+    block_ids: np.ndarray
     num_tokens: int
     block_size: int
     num_blocks: int

@@ -32,6 +32,7 @@ import threading
 from array import array
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import cpu_build
@@ -216,19 +217,20 @@ def is_available(device: torch.device) -> bool:
 
 
 # --------------------------------------------------------------------------- calls
-def _paged(side: PagedSide) -> tuple[list[int], tuple[array, torch.Tensor]]:
-    """The 11 side fields of a paged cache, and the tables they point into (keep them alive).
-    All but the block ids' address are kept in the side's memo (the engine's sides share their
-    registered cache's template memo: no per-call layer table)."""
-    layers, static = side.kept("cpu", _static_fields)
-    ids = side.block_ids.contiguous()  # int64 on the CPU (ops); a strided view is made dense
+def _paged(side: PagedSide) -> tuple[list[int], tuple[array, np.ndarray], int]:
+    """The 11 side fields of a paged cache, the tables they point into (keep them alive), and
+    the bytes of a row. All but the block ids' address are kept in the side's memo (the
+    engine's sides share their registered cache's template memo: no per-call layer table, and
+    no torch call per op: each costs a few us with a cold cache)."""
+    layers, static, row = side.kept("cpu", _static_fields)
+    ids = side.block_ids  # C-contiguous int64 (ops)
     fields = static.copy()
-    fields[3] = ids.data_ptr()
-    return fields, (layers, ids)
+    fields[3] = ids.ctypes.data
+    return fields, (layers, ids), row
 
 
-def _static_fields(side: PagedSide) -> tuple[array, list[int]]:
-    """The layer table and the side fields that do not depend on the block ids."""
+def _static_fields(side: PagedSide) -> tuple[array, list[int], int]:
+    """The layer table, the side fields that do not depend on the block ids, the row bytes."""
     es = side.element_size
     layers = array("q", side.layer_ptrs())
     # bytes from a layer's base its rows can reach (every block, token and K/V of the heads up
@@ -239,19 +241,23 @@ def _static_fields(side: PagedSide) -> tuple[array, list[int]]:
         + (side.block_size - 1) * side.stride_token
         + (side.head_start + side.num_heads - 1) * side.stride_head
     ) * es + side.row_bytes
-    return layers, [
-        layers.buffer_info()[0],
-        0,
-        0,
-        0,  # the block ids' address: per call
-        side.block_size,
-        side.stride_kv * es,
-        side.stride_block * es,
-        side.stride_token * es,
-        side.stride_head * es,
-        side.head_start * side.stride_head * es,
-        extent,
-    ]
+    return (
+        layers,
+        [
+            layers.buffer_info()[0],
+            0,
+            0,
+            0,  # the block ids' address: per call
+            side.block_size,
+            side.stride_kv * es,
+            side.stride_block * es,
+            side.stride_token * es,
+            side.stride_head * es,
+            side.head_start * side.stride_head * es,
+            extent,
+        ],
+        side.row_bytes,
+    )
 
 
 def _dense(wire: torch.Tensor, side: PagedSide) -> list[int]:
@@ -273,12 +279,11 @@ def _dense(wire: torch.Tensor, side: PagedSide) -> list[int]:
     ]
 
 
-def _move(side: PagedSide, src: list[int], dst: list[int]) -> None:
+def _move(side: PagedSide, src: list[int], dst: list[int], row: int) -> None:
     lib = _lib if _lib is not None else _load()
     if lib is None:
         raise RuntimeError(f"kvxfer CPU backend unavailable: {_error}")
     h, num_layers, num_kv, num_tokens, _ = side.wire_view_shape()
-    row = side.row_bytes
     nbytes = h * num_layers * num_kv * num_tokens * row
     flags = (_FLAG_STREAM if nbytes >= STREAM_MIN_BYTES else 0) | EXTRA_FLAGS
     args = (ctypes.c_int64 * _NUM_ARGS)(
@@ -291,14 +296,14 @@ def _move(side: PagedSide, src: list[int], dst: list[int]) -> None:
 
 def gather(src: PagedSide, wire: torch.Tensor) -> None:
     """``wire`` [H, L, KV, T, D] (contiguous, CPU) <- the rows of ``src``."""
-    fields, _keep = _paged(src)
-    _move(src, fields, _dense(wire, src))
+    fields, _keep, row = _paged(src)
+    _move(src, fields, _dense(wire, src), row)
 
 
 def scatter(wire: torch.Tensor, dst: PagedSide) -> None:
     """The rows of ``dst`` <- ``wire`` [H, L, KV, T, D] (contiguous, CPU)."""
-    fields, _keep = _paged(dst)
-    _move(dst, _dense(wire, dst), fields)
+    fields, _keep, row = _paged(dst)
+    _move(dst, _dense(wire, dst), fields, row)
 
 
 def copy(src: PagedSide, dst: PagedSide) -> None:
@@ -308,6 +313,6 @@ def copy(src: PagedSide, dst: PagedSide) -> None:
     one allocation) the library moves the rows through a temporary wire, so every row is read
     before any is written, as in the torch reference.
     """
-    s_fields, _keep_s = _paged(src)
-    d_fields, _keep_d = _paged(dst)
-    _move(src, s_fields, d_fields)
+    s_fields, _keep_s, row = _paged(src)
+    d_fields, _keep_d, _ = _paged(dst)
+    _move(src, s_fields, d_fields, row)

@@ -129,7 +129,7 @@ def _plan(
     paged = [s for s in (src, dst) if s is not None]
     fields: list[tuple[int, int, tuple[int, int, int, int], int]] = []  # table offsets, strides, bs
     addresses: list[int] = [row_bytes] if wire_ptr is None else [row_bytes, wire_ptr]
-    per_side = [(_paged_fields(s), s.block_ids.numpy()) for s in paged]
+    per_side = [(_paged_fields(s), s.block_ids) for s in paged]
     # one host table, filled in place: per side its layer bases, then its block ids
     meta_np = np.empty(sum(f.layers.size + ids.size for f, ids in per_side), dtype=np.int64)
     offset = 0

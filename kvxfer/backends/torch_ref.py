@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import addrspace
-from .base import PagedSide
+from .base import PagedSide, ids_tensor
 
 
 def is_available(device: torch.device) -> bool:
@@ -23,7 +23,7 @@ def _row_offsets(side: PagedSide, base: int) -> torch.Tensor:
     """Byte offset from ``base`` of every row, shaped ``[H, L, KV, T]`` (wire order)."""
     es = side.element_size
     t = torch.arange(side.num_tokens, dtype=torch.int64)
-    blocks = side.block_ids[t // side.block_size]
+    blocks = ids_tensor(side)[t // side.block_size]
     tok = blocks * side.stride_block + (t % side.block_size) * side.stride_token
     heads = (side.head_start + torch.arange(side.num_heads, dtype=torch.int64)) * side.stride_head
     kv = torch.arange(side.num_kv, dtype=torch.int64) * side.stride_kv
