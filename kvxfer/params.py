@@ -210,10 +210,21 @@ class KVTransferParams:
         except (OverflowError, TypeError):  # the field checks of _one say what is wrong
             return None
         arr.flags.writeable = False
-        out = cls(
-            f.request_id, f.engine_id, f.host, f.port, f.tp_size, tuple(f.block_ids), f.num_tokens, f.token
+        # The fields as __init__ would set them, without a frozen dataclass's object.__setattr__
+        # per field (~4x a plain init, paid per load()).
+        out = object.__new__(cls)
+        out.__dict__.update(
+            request_id=f.request_id,
+            engine_id=f.engine_id,
+            host=f.host,
+            port=f.port,
+            tp_size=f.tp_size,
+            block_ids=tuple(f.block_ids),
+            num_tokens=f.num_tokens,
+            token=f.token,
+            version=f.version,
+            _ids=arr,
         )
-        object.__setattr__(out, "_ids", arr)
         return out
 
     def block_id_array(self) -> np.ndarray:

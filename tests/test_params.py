@@ -1,8 +1,10 @@
+import dataclasses
 import json
 
 import pytest
 
 from kvxfer import KVTransferParams
+from kvxfer.params import params_dict
 
 GOOD = {
     "request_id": "r1",
@@ -122,3 +124,18 @@ def test_one_call_check_and_field_checks_agree(d):
 def test_one_call_check_failures_are_named_by_the_field_checks(ids, match):
     with pytest.raises(ValueError, match=f"block_ids: .*{match}"):
         KVTransferParams.from_dict({**GOOD, "block_ids": ids})
+
+
+def test_params_from_a_dict_equal_those_made_by_the_constructor():
+    """from_dict builds the frozen dataclass without its __init__ (a hot path): the result must
+    be the same object in every way a caller sees."""
+    d = params_dict("req-1", "eng", "10.0.0.2", 5600, 2, [7, 3, 9], 40, "f" * 32)
+    got = KVTransferParams.from_dict(d)
+    made = KVTransferParams("req-1", "eng", "10.0.0.2", 5600, 2, (7, 3, 9), 40, "f" * 32)
+    assert got == made and hash(got) == hash(made) and repr(got) == repr(made)
+    assert dataclasses.asdict(got) == dataclasses.asdict(made)
+    assert got.to_dict() == d
+    arr = got.block_id_array()
+    assert arr.tolist() == [7, 3, 9] and not arr.flags.writeable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.num_tokens = 1
