@@ -448,7 +448,7 @@ def test_plans_of_a_registered_cache_keep_its_layer_table_per_head_slice():
     head_bytes = 16 * 64 * 2
     for head_start in (0, 2, 0, 2):
         for ids in ([3, 1], [7, 0]):
-            side, _ = ops._checked_sides(
+            side, _, _ = ops._checked_sides(
                 pc, ops.CheckedIds(np.array(ids), 8, True), pc, ops.CheckedIds(np.array(ids), 8, True),
                 20, head_start, head_start, 2, None,
             )  # fmt: skip
