@@ -28,3 +28,11 @@ def test_throughput_over_busy_time_when_transfers_overlap():
     assert s["throughput_Bps"] == pytest.approx(150.0)
     assert s["transfers"] == 3 and s["p50_s"] == 0.2 and s["p99_s"] == 0.3
     assert s["transports"] == {"P": "ipc"} and s["handshakes"] == 1
+
+
+def test_record_ops_adds_both_counters():
+    m = Metrics()
+    m.record_ops(3, 100)
+    m.record_ops(2, 0)
+    s = m.snapshot()
+    assert s["ops_calls"] == 5 and s["dedup_bytes"] == 100

@@ -95,3 +95,55 @@ def test_checked_ids_whose_promise_does_not_cover_the_op_are_checked():
     with pytest.raises(ValueError, match="incompatible caches"):
         copy_blocks(src, spec, _ids([0], 3, False), odst, other, _ids([0], 3, True), 4)
     assert torch.equal(as_bytes(dst), before)  # nothing written by a refused call
+
+
+def _torch_calls(fn) -> list[str]:
+    """The calls into torch (its C functions and Tensor methods, its Python code) while ``fn``
+    runs: a torch call runs torch's dispatcher, ~6 us each with a cold cache."""
+    import sys
+
+    seen: list[str] = []
+
+    def prof(frame, event, arg):
+        if event == "c_call":
+            q = getattr(arg, "__qualname__", "") or ""
+            owner = type(getattr(arg, "__self__", None)).__module__ or ""
+            module = getattr(arg, "__module__", "") or ""
+            if (
+                module.startswith("torch")
+                or owner.startswith("torch")
+                or q.startswith(("Tensor.", "TensorBase."))
+            ):
+                seen.append(q)
+        elif event == "call" and "/torch/" in frame.f_code.co_filename:
+            seen.append(f"{frame.f_code.co_filename.rsplit('/torch/', 1)[-1]}:{frame.f_code.co_name}")
+
+    old = sys.getprofile()
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(old)
+    return seen
+
+
+def test_the_engines_copy_makes_no_torch_call_once_its_sides_are_kept():
+    """The engine's ops call (registered caches, checked ids, the native CPU backend): after
+    the first call of a head slice has kept its template, a copy makes no torch call at all;
+    the sides carry their ids as numpy and the device is kept (each torch call cost ~6 us of
+    host time per request with a cold cache, profiling/bench_engine.py)."""
+    from kvxfer.backends.registry import backend_status
+
+    status = backend_status("cpu")["cpu"]
+    if not status["available"]:
+        pytest.skip(f"the native CPU backend does not load here: {status['reason']}")
+    spec = make_spec(Layout.NHD, torch.bfloat16, 16)
+    src = register_caches(empty_cache(spec, 9, 2), spec)
+    dst = register_caches(empty_cache(spec, 9, 2), spec)
+
+    def copy(ids):
+        copy_blocks(src, spec, _ids(ids, 9, False), dst, spec, _ids(ids[::-1], 9, True), 40, backend="cpu")
+
+    copy([1, 2, 3])  # keeps the templates and the backend's tables
+    assert _torch_calls(lambda: copy([4, 5, 6])) == []
+    assert last_backend() == "cpu"

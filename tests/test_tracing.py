@@ -310,3 +310,20 @@ def test_one_load_shows_its_whole_path_as_ranges(monkeypatch, transport):
     # the grant and the copy are inside the load range of the same (worker) thread
     load_tid = next(t for k, t, m in rec.calls if m == "kvxfer.load req-9")
     assert next(t for k, t, m in rec.calls if m == "kvxfer.grant req-9") == load_tid
+
+
+def test_a_range_name_function_runs_only_when_a_range_is_made(fake):
+    made = []
+
+    def name(ids):
+        made.append(ids)
+        return tracing.batch_tag(ids)
+
+    tracing.set_enabled(False)
+    with tracing.trace("grant", name, ["r1", "r2"]):
+        pass
+    assert made == [] and fake.calls == []
+    tracing.set_enabled(True)
+    with tracing.trace("grant", name, ["r1", "r2"]):
+        pass
+    assert made == [["r1", "r2"]] and fake.calls[0][1] == "kvxfer.grant r1+1"
