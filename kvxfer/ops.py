@@ -70,13 +70,23 @@ class CheckedIds:
         self.ids, self.bound, self.unique = ids, bound, unique
 
 
+_INT64 = np.dtype(np.int64)
+
+
 def _as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bool) -> np.ndarray:
     """Validated C-contiguous int64 array of the first ``needed`` block ids (~5 us for 256)."""
     if type(block_ids) is CheckedIds:
         c = block_ids
-        if c.bound <= num_blocks and (c.unique or not unique) and c.ids.size >= needed:
-            return c.ids[:needed] if c.ids.size > needed else c.ids
-        block_ids = c.ids  # not enough is known: checked like any other ids
+        ids = c.ids
+        if (
+            c.bound <= num_blocks
+            and (c.unique or not unique)
+            and ids.size >= needed
+            and ids.dtype is _INT64
+            and ids.flags.c_contiguous  # backends read the ids in place (the CPU one by address)
+        ):
+            return ids[:needed] if ids.size > needed else ids
+        block_ids = ids  # not enough is known: checked (and made dense int64) like any other ids
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
             raise ValueError(f"{what}: must hold integers, got {block_ids.dtype}")
@@ -501,8 +511,9 @@ def _checked_sides(
 ) -> tuple[PagedSide, PagedSide, torch.device]:
     """:func:`copy_blocks`'s two sides (and their device) from memoised templates: the same checks as
     :func:`make_side`, each made once per (caches, heads, layers), except the ids' (see
-    :class:`CheckedIds`, still checked when their promise does not cover the op). ~15 us of a
-    4K-token call's ~40 us in ``profiling/bench_engine.py``."""
+    :class:`CheckedIds`, still checked when their promise does not cover the op). No torch
+    call: the ids stay numpy and the device is kept (``profiling/bench_engine.py``: the ops
+    call of a 4K-token request ~18 us with a cold cache, ~50-65 us with those torch calls)."""
     ss, ds = src_caches.spec, dst_caches.spec
     got = _compatible.get((id(ss), id(ds)))
     if got is None or got[0] is not ss or got[1] is not ds:

@@ -147,3 +147,29 @@ def test_the_engines_copy_makes_no_torch_call_once_its_sides_are_kept():
     copy([1, 2, 3])  # keeps the templates and the backend's tables
     assert _torch_calls(lambda: copy([4, 5, 6])) == []
     assert last_backend() == "cpu"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("kind", ["strided", "int32"])
+def test_checked_ids_that_are_not_dense_int64_are_checked_and_made_dense(backend, kind):
+    """Backends read a side's ids in place (the CPU one by address): checked ids that are a
+    strided view or another dtype go through the full checks, which make them dense int64."""
+    spec = make_spec(Layout.NHD, torch.bfloat16, 4)
+    num_tokens = 10
+    truth = truth_bytes(spec, num_tokens, seed=5)
+    s_ids, d_ids = [6, 2, 4], [1, 5, 3]
+    src = register_caches(empty_cache(spec, 8, 4), spec)
+    place(src, spec, truth, range(4), s_ids)
+    dst = register_caches(empty_cache(spec, 8, 4), spec)
+    want = register_caches(empty_cache(spec, 8, 4), spec)
+
+    def wrap(ids, unique):
+        if kind == "strided":
+            a = np.zeros(2 * len(ids), dtype=np.int64)
+            a[::2] = ids
+            return CheckedIds(a[::2], 8, unique)
+        return CheckedIds(np.asarray(ids, dtype=np.int32), 8, unique)
+
+    copy_blocks(src, spec, wrap(s_ids, False), dst, spec, wrap(d_ids, True), num_tokens, backend=backend)
+    place(want, spec, truth, range(4), d_ids)
+    assert_bytes_equal(as_bytes(dst), as_bytes(want))
