@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import control as C
-from . import idops, ops
+from . import idops, ops, tracing
 from .auth import EngineSecret
 from .engine_types import (
     HandshakeError,
@@ -507,6 +507,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         s.update(self._nixl_stats())
         s["not_ready_grants"] = self._order.num_not_ready
         s["bookkeeping"] = idops.status()  # "native: <path>" or "numpy (<why>)"
+        s["nvtx"] = tracing.status()  # "on: ..." or "off: <why>" (no tool attached, KVXFER_NVTX=0, ...)
         s["engine_id"] = self.engine_id
         s["tp_rank"] = self.tp_rank
         return s

@@ -327,3 +327,19 @@ def test_a_range_name_function_runs_only_when_a_range_is_made(fake):
     with tracing.trace("grant", name, ["r1", "r2"]):
         pass
     assert made == [["r1", "r2"]] and fake.calls[0][1] == "kvxfer.grant r1+1"
+
+
+def test_engine_stats_say_whether_ranges_are_made_and_why(fake):
+    import torch
+
+    from kvxfer import KVCacheSpec, TransferEngine
+
+    spec = KVCacheSpec(2, 2, 16, 8, torch.float16)
+    caches = [torch.zeros(spec.cache_shape(4, 1), dtype=spec.dtype) for _ in range(2)]
+    eng = TransferEngine(spec, caches, 0, 1, "S", transport="ipc").start()
+    try:
+        assert eng.stats()["nvtx"].startswith("on: NVTX domain 'kvxfer'")
+        tracing.set_enabled(False)
+        assert eng.stats()["nvtx"] == "off: set_enabled(False)"
+    finally:
+        eng.close()
