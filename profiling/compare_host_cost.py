@@ -93,10 +93,17 @@ def compare(base: str, work: str, rounds: int, restarts: int = 6) -> dict:
     out = {"trees": trees, "rounds": rounds, "restarts": restarts, "cases": {}}
     for name, *_ in CASES:
         ratios = [w / b for w, b in zip(res["work"][name], res["base"][name])]
+        # per pair of worker processes: a process's layout moves its speed for its whole life,
+        # so the spread of these medians is the part of the noise that more rounds do not cancel
+        pairs = [statistics.median(ratios[i : i + per_proc]) for i in range(0, len(ratios), per_proc)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
         out["cases"][name] = {
             "base_us": statistics.median(res["base"][name]),
             "work_us": statistics.median(res["work"][name]),
             "ratio": statistics.median(ratios),
+            "ratio_q1": q1,
+            "ratio_q3": q3,
+            "pair_ratios": pairs,
         }
     return out
 
@@ -110,9 +117,13 @@ def main() -> None:
     a = ap.parse_args()
     out = compare(a.base, a.work, a.rounds, a.restarts)
     print(f"host cost per request, us (median of {a.rounds} interleaved rounds)")
-    print(f"  {'case':<10}{'base':>10}{'work':>10}{'work/base':>11}")
+    print(f"  {'case':<10}{'base':>10}{'work':>10}{'work/base':>11}{'rounds q1-q3':>15}{'worker pairs':>15}")
     for name, c in out["cases"].items():
-        print(f"  {name:<10}{c['base_us']:10.1f}{c['work_us']:10.1f}{c['ratio']:11.2f}")
+        q = f"{c['ratio_q1']:.2f}-{c['ratio_q3']:.2f}"
+        pr = f"{min(c['pair_ratios']):.2f}-{max(c['pair_ratios']):.2f}"
+        print(f"  {name:<10}{c['base_us']:10.1f}{c['work_us']:10.1f}{c['ratio']:11.2f}{q:>15}{pr:>15}")
+    print("  (work/base: median of the per-round ratios; worker pairs: min-max of each pair's median,")
+    print("   the noise of process layout that more rounds do not cancel: quote a range over runs)")
     print(json.dumps({"bench": "compare_host_cost", **out}))
 
 

@@ -350,5 +350,6 @@ def test_compare_host_cost_runs_two_trees_interleaved(tmp_path):
     assert set(out["cases"]) == {"1x4096", "8x4096", "8x2K-4K"}
     for c in out["cases"].values():
         assert c["base_us"] > 0 and c["work_us"] > 0 and 0 < c["ratio"] < 100
+        assert c["ratio_q1"] <= c["ratio"] <= c["ratio_q3"] and len(c["pair_ratios"]) == 1
     bad = _run("compare_host_cost.py", str(tmp_path), ROOT, "--rounds", "1", timeout=300)
     assert bad.returncode != 0 and str(tmp_path) in bad.stderr
