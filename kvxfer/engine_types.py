@@ -38,12 +38,6 @@ def compat_hash(spec: KVCacheSpec) -> str:
     return "|".join(str(d[k]) for k in ("use_mla", "num_layers", "num_kv_heads", "head_dim", "dtype"))
 
 
-def has_repeats(ids: np.ndarray) -> bool:
-    """Whether an int array names some value twice (one sort)."""
-    srt = np.sort(ids)
-    return bool((srt[1:] == srt[:-1]).any())
-
-
 def describe_error(e: BaseException) -> str:
     """``"Type: message"`` of ``e``, with its notes (e.g. what else failed while a staged
     pipeline drained after it): the reason a failed request or a dropped pair reports."""
@@ -91,7 +85,7 @@ def check_block_ids(x, need: int, num_blocks: int, what: str, unique: bool = Fal
         a = np.array(t[:need], dtype=np.int64).view(np.uint64)
     if need and int(a.max()) >= num_blocks:
         raise ValueError(f"block_ids: out of range [0, {num_blocks})")
-    if unique and need > 1 and has_repeats(a):
+    if unique and need > 1 and idops.any_repeat([a.view(np.int64)]):  # in range: none negative
         raise ValueError("block_ids: repeated block id")
     return a.view(np.int64)
 
@@ -117,11 +111,6 @@ class Remote:
     port: int = 0
     full_mask: int = 0  # every layer of the remote's spec as a layer mask (kvxfer.loader)
     _reads_from: dict = field(default_factory=dict, repr=False)  # src rank -> its reads
-
-    @property
-    def incarnations(self) -> list[str]:
-        """Each rank's incarnation at handshake (a grant with another means it restarted)."""
-        return [r.incarnation for r in self.replies]
 
     def reads_from(self, src_rank: int) -> list:
         """The plan's reads of this rank from source rank ``src_rank`` (kept once made)."""

@@ -55,7 +55,7 @@ class IpcReads:
         straight from its mapped caches, one ops call per batch call, then check the block
         epochs against the grant's (``granted``: local id -> int64 epochs). Returns (wire bytes
         moved, local id -> why for the loads whose blocks were released meanwhile)."""
-        mapped = rem.ipc.get(s) or self._ipc_map(rem, s)
+        mapped = self._ipc_map(rem, s)
         src_by_unit, memo = mapped.views, mapped.memo
         bp = self._plan(loads, rem.spec.block_size, list(src_by_unit))
         moved = saved = calls = 0
@@ -65,19 +65,11 @@ class IpcReads:
         # blocks are disjoint.
         src_bound = rem.num_blocks * (rem.spec.block_size // bp.src_unit)
         dst_bound = self.num_blocks * (self.spec.block_size // bp.dst_unit)
-        disjoint = len(loads) < 2 or disjoint_blocks(loads, self.spec.block_size)
+        disjoint = disjoint_blocks(loads, self.spec.block_size)
         for r in reads:
             for c in bp.calls:
-                sv = (
-                    view_at(src_by_unit, bp.src_unit, c.src_offset, memo)
-                    if c.src_offset
-                    else src_by_unit[bp.src_unit]
-                )
-                dv = (
-                    view_at(self._by_unit, bp.dst_unit, c.dst_offset, self._offset_views)
-                    if c.dst_offset
-                    else self._by_unit[bp.dst_unit]
-                )
+                sv = view_at(src_by_unit, bp.src_unit, c.src_offset, memo)
+                dv = view_at(self._by_unit, bp.dst_unit, c.dst_offset, self._offset_views)
                 ops.copy_blocks(
                     sv.caches,
                     sv.spec,

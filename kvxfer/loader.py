@@ -140,13 +140,11 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         for engine_id, items in groups.items():
             with trace("load", items_tag, items):
                 try:
-                    rem = self._remotes.get(engine_id)
-                    p = items[0].params
-                    if rem is None:
+                    if engine_id in self._remotes:
+                        rem = self._remote(items[0], items[0].deadline)
+                    else:
                         with trace("handshake", engine_id):
                             rem = self._remote(items[0], items[0].deadline)
-                    elif (rem.host, rem.port, rem.tp_size) != (p.host, p.port, p.tp_size):
-                        rem = self._remote(items[0], items[0].deadline)
                 except (HandshakeError, Expired) as e:
                     self._fail(items, f"handshake with {engine_id}: {e}")
                     continue

@@ -522,7 +522,8 @@ def _checked_sides(
         raise ValueError(f"incompatible caches: {got[2]}")
     st = _template(src_caches, src_head_start, num_heads, layers, "src_caches")
     dt = _template(dst_caches, dst_head_start, st.num_heads, layers, "dst_caches")
-    device, dst_device = _device(st), _device(dt)
+    # the device kept in the template's memo: a tensor's .device is a torch call (a few us cold)
+    device, dst_device = st.kept("device", _side_device), dt.kept("device", _side_device)
     if dst_device is not device and dst_device != device:
         raise ValueError(f"dst_caches: on {dst_device}, src_caches on {device}; copy needs one device")
     src = _with_ids(
@@ -538,14 +539,8 @@ def _checked_sides(
     return src, dst, device
 
 
-def _device(template: PagedSide) -> torch.device:
-    """A template's device, kept in its memo (a tensor's ``.device`` is a torch call: a few us
-    with a cold cache, three per copy)."""
-    memo = template.memo
-    got = memo.get("device")
-    if got is None:
-        got = memo["device"] = template.device
-    return got
+def _side_device(side: PagedSide) -> torch.device:
+    return side.device
 
 
 def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | None = None) -> str:

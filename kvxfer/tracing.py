@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 
 __all__ = [
     "PHASES",
-    "LazyTag",
     "batch_tag",
     "enabled",
     "items_tag",
@@ -215,19 +214,6 @@ def batch_tag(request_ids) -> str:
         return ""
     first = next(iter(request_ids))
     return first if n == 1 else f"{first}+{n - 1}"
-
-
-class LazyTag:
-    """A trace range's name, ``make(arg)``, made only when the range is named (with tracing
-    off, a range costs no string)."""
-
-    __slots__ = ("arg", "make")
-
-    def __init__(self, make, arg) -> None:
-        self.make, self.arg = make, arg
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.make(self.arg)), spec)
 
 
 def items_tag(items) -> str:

@@ -246,7 +246,7 @@ class ThreadedFakeNvtx:
         self.calls.append(("pop", threading.get_ident(), None))
 
 
-def test_lazy_tag_is_made_only_when_a_range_is_named(fake):
+def test_a_range_name_function_runs_only_when_a_range_is_made(fake):
     made = []
 
     def make(x):
@@ -254,11 +254,11 @@ def test_lazy_tag_is_made_only_when_a_range_is_named(fake):
         return f"tag-{x}"
 
     tracing.set_enabled(False)
-    with tracing.trace("load", tracing.LazyTag(make, 1)):
+    with tracing.trace("load", make, 1):
         pass
-    assert made == []
+    assert made == [] and fake.calls == []
     tracing.set_enabled(True)
-    with tracing.trace("load", tracing.LazyTag(make, 2)):
+    with tracing.trace("load", make, 2):
         pass
     assert made == [2] and fake.calls[0][1] == "kvxfer.load tag-2"
     assert tracing.items_tag([types.SimpleNamespace(request_id=r) for r in ("a", "b")]) == "a+1"
@@ -310,23 +310,6 @@ def test_one_load_shows_its_whole_path_as_ranges(monkeypatch, transport):
     # the grant and the copy are inside the load range of the same (worker) thread
     load_tid = next(t for k, t, m in rec.calls if m == "kvxfer.load req-9")
     assert next(t for k, t, m in rec.calls if m == "kvxfer.grant req-9") == load_tid
-
-
-def test_a_range_name_function_runs_only_when_a_range_is_made(fake):
-    made = []
-
-    def name(ids):
-        made.append(ids)
-        return tracing.batch_tag(ids)
-
-    tracing.set_enabled(False)
-    with tracing.trace("grant", name, ["r1", "r2"]):
-        pass
-    assert made == [] and fake.calls == []
-    tracing.set_enabled(True)
-    with tracing.trace("grant", name, ["r1", "r2"]):
-        pass
-    assert made == [["r1", "r2"]] and fake.calls[0][1] == "kvxfer.grant r1+1"
 
 
 def test_engine_stats_say_whether_ranges_are_made_and_why(fake):

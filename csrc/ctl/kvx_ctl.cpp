@@ -241,6 +241,22 @@ PyObject *snapshot(PyObject *, PyObject *const *args, Py_ssize_t n) {
   return out;
 }
 
+// Whether epochs[ids] (ids checked in range) equal the int64 of the bytes-like `snap` (not when
+// its length differs).
+bool same_epochs(const Buf &ep, const Buf &ids, const Buf &snap) {
+  const Py_ssize_t k = ids.count();
+  if (snap.view.len != k * 8) return false;
+  const int64_t *e = static_cast<const int64_t *>(ep.view.buf);
+  const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
+  const unsigned char *s = static_cast<const unsigned char *>(snap.view.buf);
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    int64_t v;
+    std::memcpy(&v, s + 8 * i, 8);  // a bytes object's data need not be 8-byte aligned
+    if (e[x[i]] != v) return false;
+  }
+  return true;
+}
+
 // unchanged(epochs int64[B], ids int64[n], snap) -> bool: epochs[ids] equals the n int64 of the
 // bytes-like `snap` (False when its length differs).
 PyObject *unchanged(PyObject *, PyObject *const *args, Py_ssize_t n) {
@@ -251,17 +267,7 @@ PyObject *unchanged(PyObject *, PyObject *const *args, Py_ssize_t n) {
     return nullptr;
   }
   if (!ids_in_range(ids, ep.count(), "unchanged")) return nullptr;
-  const Py_ssize_t k = ids.count();
-  if (snap.view.len != k * 8) Py_RETURN_FALSE;
-  const int64_t *e = static_cast<const int64_t *>(ep.view.buf);
-  const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
-  const unsigned char *s = static_cast<const unsigned char *>(snap.view.buf);
-  for (Py_ssize_t i = 0; i < k; ++i) {
-    int64_t v;
-    std::memcpy(&v, s + 8 * i, 8);  // a bytes object's data need not be 8-byte aligned
-    if (e[x[i]] != v) Py_RETURN_FALSE;
-  }
-  Py_RETURN_TRUE;
+  return PyBool_FromLong(same_epochs(ep, ids, snap));
 }
 
 // moved(epochs int64[B], ids_list, snaps) -> list of the indices i whose epochs[ids_list[i]] no
@@ -279,7 +285,6 @@ PyObject *moved(PyObject *, PyObject *const *args, Py_ssize_t n) {
   }
   Buf ep;
   if (!get(args[0], ep, 8, false, "epochs")) return nullptr;
-  const int64_t *e = static_cast<const int64_t *>(ep.view.buf);
   // Every argument is checked before anything is compared (a bad one raises, never half a list).
   std::vector<Buf> ids(m), snap(m);
   for (Py_ssize_t i = 0; i < m; ++i) {
@@ -292,16 +297,7 @@ PyObject *moved(PyObject *, PyObject *const *args, Py_ssize_t n) {
   PyObject *out = PyList_New(0);
   if (out == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < m; ++i) {
-    const Py_ssize_t k = ids[i].count();
-    bool same = snap[i].view.len == k * 8;
-    const int64_t *x = static_cast<const int64_t *>(ids[i].view.buf);
-    const unsigned char *s = static_cast<const unsigned char *>(snap[i].view.buf);
-    for (Py_ssize_t j = 0; same && j < k; ++j) {
-      int64_t v;
-      std::memcpy(&v, s + 8 * j, 8);
-      same = e[x[j]] == v;
-    }
-    if (!same) {
+    if (!same_epochs(ep, ids[i], snap[i])) {
       PyObject *ix = PyLong_FromSsize_t(i);
       if (ix == nullptr || PyList_Append(out, ix) != 0) {
         Py_XDECREF(ix);
