@@ -57,19 +57,20 @@ class IpcReads:
         moved, local id -> why for the loads whose blocks were released meanwhile)."""
         mapped = self._ipc_map(rem, s)
         src_by_unit, memo = mapped.views, mapped.memo
-        bp = self._plan(loads, rem.spec.block_size, list(src_by_unit))
+        bp = self._plan(loads, rem.spec.block_size, list(src_by_unit), split_tails=True)
         moved = saved = calls = 0
         # The ids were checked already (source: against the exporter's block count, on the
         # grant; destination: range and repeats, at load()): ops skips its own checks, and
         # still checks a call that carries several loads for repeats among them unless their
         # blocks are disjoint.
-        src_bound = rem.num_blocks * (rem.spec.block_size // bp.src_unit)
-        dst_bound = self.num_blocks * (self.spec.block_size // bp.dst_unit)
         disjoint = disjoint_blocks(loads, self.spec.block_size)
         for r in reads:
             for c in bp.calls:
-                sv = view_at(src_by_unit, bp.src_unit, c.src_offset, memo)
-                dv = view_at(self._by_unit, bp.dst_unit, c.dst_offset, self._offset_views)
+                su, du = bp.units(c)
+                src_bound = rem.num_blocks * (rem.spec.block_size // su)
+                dst_bound = self.num_blocks * (self.spec.block_size // du)
+                sv = view_at(src_by_unit, su, c.src_offset, memo)
+                dv = view_at(self._by_unit, du, c.dst_offset, self._offset_views)
                 ops.copy_blocks(
                     sv.caches,
                     sv.spec,

@@ -139,11 +139,13 @@ def _cases():
 @pytest.mark.parametrize(("src", "dst"), _cases())
 @pytest.mark.parametrize("lens", [[48], [37], [48, 96, 240], [16, 48, 7, 33, 24, 1, 12], [96, 48, 37]])
 @pytest.mark.parametrize("sibling", [True, False], ids=["sibling", "no-sibling"])
-def test_plan_batch_matches_per_request_copies(src, dst, lens, sibling):
+@pytest.mark.parametrize("split_tails", [False, True], ids=["one-unit", "split-tails"])
+def test_plan_batch_matches_per_request_copies(src, dst, lens, sibling, split_tails):
     """What the engine runs: block lists in, units chosen per batch, n>1 siblings deduped; the
     result equals per-request copies byte for byte, and blocks no request names stay poisoned.
     Without a sibling, batches whose requests fill whole blocks but one take plan_batch's
-    one-call shortcut."""
+    one-call shortcut; with ``split_tails`` (the ipc read) also batches with several requests
+    ending inside a block, whose tails then go in a second call of token slots."""
     rng = random.Random(len(lens))
     src_c = [torch.empty(src.cache_shape(96, 1), dtype=src.dtype) for _ in range(2)]
     for c in src_c:
@@ -170,10 +172,13 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens, sibling):
     for it in items:
         ops.copy_blocks(src_c, src, it.src, want, dst, it.dst, it.num_tokens)
     sviews, dviews = cache_views(src_c, src), cache_views(got, dst)
-    bp = plan_batch(items, src.block_size, [v.unit for v in sviews], dst.block_size, [v.unit for v in dviews])
-    sv = next(v for v in sviews if v.unit == bp.src_unit)
-    dv = next(v for v in dviews if v.unit == bp.dst_unit)
+    bp = plan_batch(
+        items, src.block_size, [v.unit for v in sviews], dst.block_size, [v.unit for v in dviews], split_tails
+    )
     for ch in bp.calls:
+        su, du = bp.units(ch)
+        sv = next(v for v in sviews if v.unit == su)
+        dv = next(v for v in dviews if v.unit == du)
         ops.copy_blocks(sv.caches, sv.spec, ch.src, dv.caches, dv.spec, ch.dst, ch.num_tokens)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
@@ -187,13 +192,24 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens, sibling):
     if len(lens) == 1:
         assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
         assert len(bp.calls) == 1 and bp.calls[0].src.size == src.num_blocks_for(lens[0])
-    # Calls: max(1, requests with a partial last unit); one call when both sides have token slots.
-    if len(sviews) == 2 and len(dviews) == 2:
-        assert len(bp.calls) == 1
+    # Calls: max(1, requests with a partial last unit); one call when both sides have token
+    # slots, or two (blocks, then the tails' slots) with split_tails and no sibling.
     align = math.lcm(src.block_size, dst.block_size)
-    if not sibling and sum(n % align != 0 for n in lens) <= 1:  # whole blocks but one: one block call
-        assert len(bp.calls) == 1 and (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
-        assert bp.calls[0].src.size == sum(src.num_blocks_for(n) for n in lens)
+    num_ragged = sum(n % align != 0 for n in lens)
+    slots_both = len(sviews) == 2 and len(dviews) == 2
+    if slots_both and not (split_tails and not sibling):
+        assert len(bp.calls) == 1
+    if not sibling and (num_ragged <= 1 or split_tails and slots_both):  # block lists
+        assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
+        assert bp.units(bp.calls[0]) == (src.block_size, dst.block_size)
+        if num_ragged <= 1:  # one block call
+            assert len(bp.calls) == 1 and bp.calls[0].src.size == sum(src.num_blocks_for(n) for n in lens)
+        else:  # whole blocks of all, one request whole, the others' tails as token slots
+            assert len(bp.calls) == 2 and bp.units(bp.calls[1]) == (1, 1)
+            ragged = [n for n in lens if n % align]  # the last stays whole in the block call
+            assert bp.calls[1].num_tokens == sum(n % align for n in ragged[:-1])
+            assert bp.calls[1].num_tokens == bp.calls[1].src.size == bp.calls[1].dst.size
+            assert bp.calls[0].num_tokens == sum(lens) - bp.calls[1].num_tokens
 
 
 def test_plan_batch_one_call_per_ragged_request_on_hnd():

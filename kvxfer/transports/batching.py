@@ -117,6 +117,20 @@ def _slots(blocks: np.ndarray, block_size: int, start: int, stop: int) -> np.nda
     return rows.reshape(-1)[start - b0 * block_size : stop - b0 * block_size]
 
 
+def _tail_slots(blocks: list[np.ndarray], block_size: int, spans: list[tuple[int, int]]) -> np.ndarray:
+    """Token slots of tokens ``[start, stop)`` of each request (its block ids, one span each;
+    every ``start`` a multiple of ``block_size``, every span under ``lcm`` of the two sides'
+    block sizes: one block or a few), concatenated in order. Python ints over the few blocks
+    of each tail, one array at the end: 13 us for 7 tails of one block on the CI VM, against
+    30 us for a :func:`_slots` per tail and 39 us for a fixed chain of numpy ops over all."""
+    out: list[int] = []
+    for a, (start, stop) in zip(blocks, spans):
+        for k, b in enumerate(a[start // block_size : -(-stop // block_size)].tolist()):
+            lo = b * block_size
+            out.extend(range(lo, lo + min(block_size, stop - start - k * block_size)))
+    return np.array(out, dtype=np.int64)
+
+
 def _np(ids) -> np.ndarray:
     return ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
 
@@ -137,7 +151,10 @@ class Item:
 class Call:
     """One ops call: concatenated unit ids of the requests it carries. ``src_offset`` /
     ``dst_offset`` (token offset inside the first unit; only in the short calls that start a
-    partial load off a block boundary) address the side through :func:`offset_view`."""
+    partial load off a block boundary) address the side through :func:`offset_view`.
+    ``src_unit`` / ``dst_unit``: the call's own units where they differ from its plan's (the
+    token-slot call of a plan with ``split_tails``); 0 means the plan's
+    (:meth:`BatchPlan.units`)."""
 
     request_ids: list[str]
     src: np.ndarray
@@ -145,6 +162,8 @@ class Call:
     num_tokens: int
     src_offset: int = 0
     dst_offset: int = 0
+    src_unit: int = 0
+    dst_unit: int = 0
 
 
 def offset_view(caches: Sequence[torch.Tensor], spec: KVCacheSpec, offset: int):
@@ -245,6 +264,10 @@ class BatchPlan:
     calls: list[Call]
     skipped_tokens: int  # tokens not moved because an n>1 sibling carries them
 
+    def units(self, c: Call) -> tuple[int, int]:
+        """The (source, destination) units call ``c`` addresses its sides in."""
+        return c.src_unit or self.src_unit, c.dst_unit or self.dst_unit
+
 
 def _head_calls(it: Item, end: int, src_bs: int, su: int, dst_bs: int, du: int) -> list[Call]:
     """Calls moving tokens ``[it.first, end)`` of a partial load whose start is not on a
@@ -269,38 +292,70 @@ def _head_calls(it: Item, end: int, src_bs: int, su: int, dst_bs: int, du: int) 
     return out
 
 
-def _whole_block_call(
+def _body_tail_calls(
     items: list[Item],
     src_block_size: int,
     src_units: Sequence[int],
     dst_block_size: int,
     dst_units: Sequence[int],
+    split_tails: bool,
 ) -> BatchPlan | None:
-    """The plan of a batch with no partial load and no shared prefix whose requests, all but at
-    most one, fill whole blocks on both sides: one call over the concatenated block lists (the
-    partial one last). The scoring of :func:`plan_batch` picks exactly this (one call, fewest
-    ids), so it is skipped: ~15 us per request for batches of 8 on the CI VM. None otherwise."""
+    """The plan of a batch with no partial load and no shared prefix, in block units: one call
+    over the concatenated block lists, where every request but the last fills whole blocks on
+    both sides (a multiple of ``lcm`` of the block sizes; one request with a partial last block
+    goes last, whole). None when more than one request ends in a partial block, unless
+    ``split_tails`` and both sides have token-slot views (unit 1): then the others' bodies (their
+    whole ``lcm`` stretches) go in that call too, and their tails (fewer than ``lcm`` tokens
+    each) follow in one call of token slots, whose units it carries (:attr:`Call.src_unit`).
+
+    The general scoring of :func:`plan_batch` would move such a batch in one call of token slots
+    (~3K slot ids per request and side): building those arrays cost ~40 us per request for
+    batches of 8 requests of 2K-4K tokens on the CI VM (``profiling/bench_engine.py``, column
+    8x2K-4K), the tails' slots well under 1 us; and a call in whole blocks moves 16-token rows
+    where a slot call moves single tokens."""
     if src_units[0] != src_block_size or dst_units[0] != dst_block_size:
         return None
     align = math.lcm(src_block_size, dst_block_size)
     live = [it for it in items if it.num_tokens]
     ragged = [it for it in live if it.num_tokens % align]
-    if len(ragged) > 1:
+    if len(ragged) > 1 and not (split_tails and 1 in src_units and 1 in dst_units):
         return None
-    if ragged:
-        live = [it for it in live if it.num_tokens % align == 0] + ragged
     if not live:
         return BatchPlan(src_block_size, dst_block_size, [], 0)
-    srcs = [_np(it.src)[: -(-it.num_tokens // src_block_size)] for it in live]
-    dsts = [_np(it.dst)[: -(-it.num_tokens // dst_block_size)] for it in live]
-    cat = len(live) > 1
-    call = Call(
-        [it.request_id for it in live],
-        np.concatenate(srcs) if cat else srcs[0],
-        np.concatenate(dsts) if cat else dsts[0],
-        sum(it.num_tokens for it in live),
-    )
-    return BatchPlan(src_block_size, dst_block_size, [call], 0)
+    last = ragged.pop() if ragged else None
+    body: list[Item] = [it for it in live if it.num_tokens % align == 0]
+    tails: list[tuple[Item, int]] = []
+    for it in ragged:  # all but the last: the body in blocks here, the tail in slots below
+        start = it.num_tokens - it.num_tokens % align
+        tails.append((it, start))
+        if start:
+            body.append(Item(it.request_id, it.src, it.dst, start))
+    if last is not None:
+        body.append(last)
+    srcs = [_np(it.src)[: -(-it.num_tokens // src_block_size)] for it in body]
+    dsts = [_np(it.dst)[: -(-it.num_tokens // dst_block_size)] for it in body]
+    cat = len(body) > 1
+    calls = [
+        Call(
+            [it.request_id for it in body],
+            np.concatenate(srcs) if cat else srcs[0],
+            np.concatenate(dsts) if cat else dsts[0],
+            sum(it.num_tokens for it in body),
+        )
+    ]
+    if tails:
+        spans = [(start, it.num_tokens) for it, start in tails]
+        calls.append(
+            Call(
+                [it.request_id for it, _ in tails],
+                _tail_slots([_np(it.src) for it, _ in tails], src_block_size, spans),
+                _tail_slots([_np(it.dst) for it, _ in tails], dst_block_size, spans),
+                sum(it.num_tokens - start for it, start in tails),
+                src_unit=1,
+                dst_unit=1,
+            )
+        )
+    return BatchPlan(src_block_size, dst_block_size, calls, 0)
 
 
 def plan_batch(
@@ -309,6 +364,7 @@ def plan_batch(
     src_units: Sequence[int],
     dst_block_size: int,
     dst_units: Sequence[int],
+    split_tails: bool = False,
 ) -> BatchPlan:
     """Choose units for both sides and pack a batch into ops calls.
 
@@ -321,6 +377,12 @@ def plan_batch(
     whose first token is not on a unit boundary of both sides starts with a few short offset
     calls (:func:`_head_calls`). Only per-request Python here; each request's unit ids are one
     numpy op.
+
+    ``split_tails``: the caller takes calls in units of their own (:meth:`BatchPlan.units`).
+    Then requests with partial last blocks move their whole blocks in one block call and only
+    their tails as token slots, in a second call (:func:`_body_tail_calls`), instead of all
+    their tokens as slots. The ``ipc`` read takes them; the staged streams (one unit per
+    stream) do not.
     """
     partial = any(it.first for it in items)
     if len(items) == 1 and not partial:  # one call whatever the units: the coarsest
@@ -339,7 +401,7 @@ def plan_batch(
         return BatchPlan(su, du, [Call([it.request_id], src, dst, it.num_tokens)] if it.num_tokens else [], 0)
     shared = shared_prefixes(items, src_block_size, dst_block_size) if len(items) > 1 else [0] * len(items)
     if not partial and not any(shared):
-        whole = _whole_block_call(items, src_block_size, src_units, dst_block_size, dst_units)
+        whole = _body_tail_calls(items, src_block_size, src_units, dst_block_size, dst_units, split_tails)
         if whole is not None:
             return whole
     best = None
