@@ -199,7 +199,7 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens, sibling, split_ta
     slots_both = len(sviews) == 2 and len(dviews) == 2
     if slots_both and not (split_tails and not sibling):
         assert len(bp.calls) == 1
-    if not sibling and (num_ragged <= 1 or split_tails and slots_both):  # block lists
+    if not sibling and (num_ragged <= 1 or (split_tails and slots_both)):  # block lists
         assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
         assert bp.units(bp.calls[0]) == (src.block_size, dst.block_size)
         if num_ragged <= 1:  # one block call
