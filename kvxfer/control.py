@@ -53,7 +53,7 @@ __all__ = [
     "SendReq",
 ]
 
-PROTOCOL_VERSION = 2  # 2: auth tokens, incarnations, acknowledged notifications
+PROTOCOL_VERSION = 3  # 2: auth tokens, incarnations, acknowledged notifications; 3: SendReq call units
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -154,8 +154,9 @@ class SendReq(msgspec.Struct, tag=True):
     tokens: list[str]
     head_start: int
     num_heads: int
-    unit: int  # source unit size in tokens (1: token slots, else blocks)
-    calls: list[tuple[bytes, int, int]]  # (int64 source unit ids, num_tokens, token offset)
+    unit: int  # source unit size in tokens (1: token slots, else blocks) of calls naming none
+    # (int64 source unit ids, num_tokens, token offset, the call's source unit or 0 for ``unit``)
+    calls: list[tuple[bytes, int, int, int]]
     chunk_tokens: int
     layers: list[int] = []  # the layer group to send (empty: all layers)
 

@@ -199,8 +199,10 @@ class ExporterRole:
     def _send_refusal(self, msg: C.SendReq) -> C.SendReply | None:
         """Why a send request (pg or staged nixl; tokens verified) cannot be streamed, as the
         reply; None when it can, its requests' leases then renewed."""
-        if msg.unit not in self._by_unit:
-            return C.SendReply(ok=False, failed={"*": f"unit {msg.unit}: not one of {sorted(self._by_unit)}"})
+        units = sorted({msg.unit, *(c[3] for c in msg.calls if c[3])})  # the calls' own units, if any
+        for u in units:
+            if u not in self._by_unit:
+                return C.SendReply(ok=False, failed={"*": f"unit {u}: not one of {sorted(self._by_unit)}"})
         if msg.layers and (
             len(set(msg.layers)) != len(msg.layers)
             or not all(0 <= x < self.spec.num_layers for x in msg.layers)
@@ -209,9 +211,10 @@ class ExporterRole:
                 ok=False, failed={"*": f"layers: {msg.layers} is not a set of layers of this cache"}
             )
         nl = len(msg.layers) or None
-        why = self.pipeline.check_chunk(self.spec, msg.num_heads, msg.chunk_tokens, msg.unit, nl)
-        if why:
-            return C.SendReply(ok=False, failed={"*": f"staging: {why}"})
+        for u in units:
+            why = self.pipeline.check_chunk(self.spec, msg.num_heads, msg.chunk_tokens, u, nl)
+            if why:
+                return C.SendReply(ok=False, failed={"*": f"staging: {why}"})
         with self._exports.lock:
             gone = {
                 rid: "not exported here, already released or lease expired"
@@ -255,7 +258,7 @@ class ExporterRole:
         layers = list(msg.layers) or None
 
         def gather(c, out: torch.Tensor) -> None:
-            view = view_at(self._by_unit, msg.unit, c.offset, self._offset_views)
+            view = view_at(self._by_unit, c.unit, c.offset, self._offset_views)
             with self._exports.lock:
                 gone = [r for r in msg.request_ids if self._exports.lookup(r) is None]
                 if gone:
@@ -275,7 +278,9 @@ class ExporterRole:
                     ev.record()
                     self._exports.track_gather(msg.request_ids, ev)
 
-        calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t, o) for b, t, o in msg.calls]
+        calls = [
+            (torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t, o, u) for b, t, o, u in msg.calls
+        ]
         return calls, gather
 
     def _send_loop(self) -> None:

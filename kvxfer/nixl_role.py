@@ -437,9 +437,9 @@ class NixlRole:
         self._metrics.add("dedup_bytes", saved)
         return moved, bad
 
-    def _nixl_scatterer(self, unit: int, head_start: int, layers: list[int] | None):
+    def _nixl_scatterer(self, head_start: int, layers: list[int] | None):
         def scatter(c, wire: torch.Tensor) -> None:
-            dv = view_at(self._by_unit, unit, c.offset, self._offset_views)
+            dv = view_at(self._by_unit, c.unit, c.offset, self._offset_views)
             ops.scatter_blocks(wire, dv.caches, dv.spec, c.units, c.num_tokens, head_start, layers)
 
         return scatter
@@ -500,7 +500,7 @@ class NixlRole:
             loads = [it for it in loads if it.request_id not in bad]
             if not loads:
                 break
-            bp = self._plan(loads, rem.spec.block_size, st.units)
+            bp = self._plan(loads, rem.spec.block_size, st.units, split_tails=True)
             bpt = self.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
             chunk_tokens = self.pipeline.chunk_tokens_for(
                 {"staging_bytes": st.staging_bytes}, bpt, bp.src_unit, bp.dst_unit
@@ -534,8 +534,8 @@ class NixlRole:
                 r.num_heads,
                 bp.dst_unit,
                 chunk_tokens,
-                [(c.dst, c.num_tokens, c.dst_offset) for c in bp.calls],
-                self._nixl_scatterer(bp.dst_unit, r.dst_head_start, layers),
+                [(c.dst, c.num_tokens, c.dst_offset, c.dst_unit) for c in bp.calls],
+                self._nixl_scatterer(r.dst_head_start, layers),
                 deadline,
                 tag,
                 len(layers) if layers else None,

@@ -61,7 +61,12 @@ class PgReads:
                 loads = [it for it in loads if it.request_id not in bad]
                 if not loads:
                     break
-                bp = self._plan(loads, rem.spec.block_size, pg_info.get("units") or [rem.spec.block_size])
+                bp = self._plan(
+                    loads,
+                    rem.spec.block_size,
+                    pg_info.get("units") or [rem.spec.block_size],
+                    split_tails=True,
+                )
                 bpt = self.spec.bytes_per_token(
                     num_heads=r.num_heads, num_layers=len(layers) if layers else None
                 )
@@ -90,7 +95,7 @@ class PgReads:
             r.src_head_start,
             r.num_heads,
             bp.src_unit,
-            [(c.src.tobytes(), c.num_tokens, c.src_offset) for c in bp.calls],
+            [(c.src.tobytes(), c.num_tokens, c.src_offset, c.src_unit) for c in bp.calls],
             chunk_tokens,
             layers or [],
         )
@@ -118,21 +123,18 @@ class PgReads:
             hook()
 
         # ids checked at load() (range, repeats); disjoint loads: no repeats across them either
-        bound = (
-            self.num_blocks * (self.spec.block_size // bp.dst_unit)
-            if disjoint_blocks(loads, self.spec.block_size)
-            else None
-        )
+        disjoint = disjoint_blocks(loads, self.spec.block_size)
 
         def scatter(c, wire: torch.Tensor) -> None:
-            dv = view_at(self._by_unit, bp.dst_unit, c.offset, self._offset_views)
-            ids = c.units if bound is None else ops.CheckedIds(c.units, bound, True)
+            dv = view_at(self._by_unit, c.unit, c.offset, self._offset_views)
+            bound = self.num_blocks * (self.spec.block_size // c.unit)
+            ids = ops.CheckedIds(c.units, bound, True) if disjoint else c.units
             ops.scatter_blocks(wire, dv.caches, dv.spec, ids, c.num_tokens, r.dst_head_start, layers)
 
         try:
             n = self.pipeline.recv_stream(
                 group, 0, time_left(deadline), rem.pg_backends[s], self.spec, self.device,
-                r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens, c.dst_offset) for c in bp.calls],
+                r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens, c.dst_offset, c.dst_unit) for c in bp.calls],
                 scatter, tag, len(layers) if layers else None,
             )  # fmt: skip
         except Exception:

@@ -205,42 +205,48 @@ class StagingPool:
 @dataclass(frozen=True)
 class Chunk:
     """``num_tokens`` tokens of one ops call, at this side's unit ids ``units`` (a slice of the
-    call's unit list: a view for tensors), sent as the ``index``-th chunk of a stream.
-    ``offset``: the call starts that many tokens into its first unit (a partial load's head;
-    :func:`kvxfer.transports.batching.offset_view`)."""
+    call's unit list: a view for tensors; ``unit`` tokens per id), sent as the ``index``-th
+    chunk of a stream. ``offset``: the call starts that many tokens into its first unit (a
+    partial load's head; :func:`kvxfer.transports.batching.offset_view`)."""
 
     index: int
     units: Any
     num_tokens: int
     offset: int = 0
+    unit: int = 1
 
 
 def cut(calls: Sequence[tuple], chunk_tokens: int, unit: int) -> list[Chunk]:
-    """Cut ops calls ``(unit ids, num_tokens[, offset])`` into chunks of ``chunk_tokens`` tokens.
+    """Cut ops calls ``(unit ids, num_tokens[, offset[, call unit]])`` into chunks of
+    ``chunk_tokens`` tokens.
 
-    ``chunk_tokens`` must be a multiple of ``unit`` (tokens per unit id of this side). A call of
-    ``T <= chunk_tokens`` tokens is one chunk; a longer one gives ``ceil(T / chunk_tokens)``
-    chunks, the last shorter. Both ends call this with their own units and the same
-    ``chunk_tokens``, so they cut at the same tokens and number the chunks alike. A call with an
-    offset is a partial load's short head (within one unit) and is never cut.
+    ``unit``: tokens per unit id of this side, for calls that do not name their own (a call
+    unit of 0 or none; a batch whose requests end inside a block sends their tails as token
+    slots, unit 1, after a call in blocks). ``chunk_tokens`` must be a multiple of every unit.
+    A call of ``T <= chunk_tokens`` tokens is one chunk; a longer one gives
+    ``ceil(T / chunk_tokens)`` chunks, the last shorter. Both ends call this with their own
+    units and the same ``chunk_tokens``, so they cut at the same tokens and number the chunks
+    alike. A call with an offset is a partial load's short head (within one unit) and is never
+    cut.
     """
     _positive_int("chunk_tokens", chunk_tokens)
     _positive_int("unit", unit)
-    if chunk_tokens % unit:
-        raise ValueError(f"chunk_tokens: {chunk_tokens} is not a multiple of the unit {unit}")
     out: list[Chunk] = []
     for call in calls:
         units, t = call[0], call[1]
         offset = call[2] if len(call) > 2 else 0
+        u = (call[3] if len(call) > 3 else 0) or unit
+        if chunk_tokens % u:
+            raise ValueError(f"chunk_tokens: {chunk_tokens} is not a multiple of the unit {u}")
         if offset:
             if t > chunk_tokens:
                 raise ValueError(f"cut: an offset call of {t} tokens exceeds a chunk of {chunk_tokens}")
-            out.append(Chunk(len(out), units, t, offset))
+            out.append(Chunk(len(out), units, t, offset, u))
             continue
         for t0 in range(0, t, chunk_tokens):
             n = min(chunk_tokens, t - t0)
-            u0 = t0 // unit
-            out.append(Chunk(len(out), units[u0 : u0 + -(-n // unit)], n))
+            u0 = t0 // u
+            out.append(Chunk(len(out), units[u0 : u0 + -(-n // u)], n, 0, u))
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 from kvxfer import KVCacheSpec, TransferEngine, ops
 from kvxfer.transports.shm import alloc_shm_caches
 
-from .engine_procs import POISON, check, fill, payload, poison
+from .engine_procs import POISON, check, fill, payload, poison, untouched
 
 SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)
 
@@ -332,5 +332,48 @@ def test_batch_of_ragged_loads_with_disjoint_blocks_lands_and_overlapping_ones_a
         assert all(v.startswith("failed:") and "repeated" in v for v in got.values()), got
         for c in dshm.caches:
             assert bool((c[:, 50].view(torch.uint8) == POISON).all())
+    finally:
+        _close(p, d, shm, dshm)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "pg"])
+@pytest.mark.parametrize(
+    ("dst", "ipc_calls"),
+    [
+        (KVCacheSpec(2, 2, 16, 8, torch.float16), 2),  # blocks, then the tails as token slots
+        (KVCacheSpec(2, 2, 16, 32, torch.float16), 2),
+        (KVCacheSpec(2, 2, 16, 8, torch.float16, layout="HND"), 3),  # no slot view: a call per tail
+    ],
+    ids=["nhd16-nhd8", "nhd16-nhd32", "nhd16-hnd8"],
+)
+def test_ragged_batch_across_block_sizes_lands_exactly(transport, dst, ipc_calls):
+    """One batch of loads whose lengths end inside a block, between block sizes that differ:
+    the loader moves their whole blocks in one call and only their tails as token slots where
+    both caches have a slot view (else one call per request ending inside a block); every load
+    lands byte for byte, the tail slots of partial blocks and every block no load names stay
+    poisoned."""
+    src = KVCacheSpec(2, 2, 16, 16, torch.float16)
+    p, d, shm, dshm = _pair(transport, src=src, dst=dst)
+    try:
+        lens = {"a": 37, "b": 64, "c": 5, "e": 90}
+        src_ids, dst_ids, s0, d0 = {}, {}, 3, 60
+        for rid, n in lens.items():
+            src_ids[rid] = list(range(s0, s0 + src.num_blocks_for(n)))
+            dst_ids[rid] = list(range(d0, d0 - dst.num_blocks_for(n), -1))  # descending, apart
+            s0, d0 = s0 + src.num_blocks_for(n) + 1, d0 - dst.num_blocks_for(n) - 1
+            fill(shm.caches, src, 0, 1, src_ids[rid], n, seed=ord(rid))
+        prm = {rid: p.export(rid, src_ids[rid], n) for rid, n in lens.items()}
+        for rid in lens:
+            d.load(rid, prm[rid], dst_ids[rid])
+        assert _wait(d, set(lens), "recv") == dict.fromkeys(lens, "done")
+        for rid, n in lens.items():
+            assert check(dshm.caches, dst, 0, 1, dst_ids[rid], n, seed=ord(rid)), rid
+        used = {b for ids in dst_ids.values() for b in ids}
+        tails = {
+            ids[-1]: n - (len(ids) - 1) * dst.block_size for ids, n in zip(dst_ids.values(), lens.values())
+        }
+        assert untouched(dshm.caches, dst, used, tails)
+        if transport == "ipc":
+            assert d.stats()["ops_calls"] == ipc_calls
     finally:
         _close(p, d, shm, dshm)

@@ -300,7 +300,9 @@ def test_side_channel_answers_only_holders_of_the_params(shm_pair):
         assert rep.ok == [] and rep.epochs == [] and "unauthorized" in rep.failed["victim"]
         rep = client.call(addr, C.Notify("E", 0, 1, ["victim"], [], [forged]), 5.0)
         assert "unauthorized" in rep.failed["victim"]
-        rep = client.call(addr, C.SendReq("E", 0, "k", ["victim"], [forged], 0, 2, 8, [(b"", 6, 0)], 8), 5.0)
+        rep = client.call(
+            addr, C.SendReq("E", 0, "k", ["victim"], [forged], 0, 2, 8, [(b"", 6, 0, 0)], 8), 5.0
+        )
         assert not rep.ok and "unauthorized" in rep.failed["*"]
         rep = client.call(addr, C.PairReq("E", 0, "k", "gloo", "victim", forged), 5.0)
         assert not rep.ok and "unauthorized" in rep.failed["*"]

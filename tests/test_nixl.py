@@ -230,7 +230,7 @@ def test_nixl_metadata_only_for_token_holders(ucx):
         assert not rep.ok and "unauthorized" in rep.failed["*"]
         rep = p._handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", prm["token"]))
         assert not rep.ok and "NIXL" in rep.failed["*"]  # authorized, but not metadata
-        rep = p._handle(C.SendReq("E", 0, "x#k", ["victim"], [forged], 0, 4, 16, [(b"", 6)], 16))
+        rep = p._handle(C.SendReq("E", 0, "x#k", ["victim"], [forged], 0, 4, 16, [(b"", 6, 0, 0)], 16))
         assert not rep.ok and "unauthorized" in rep.failed["*"]
         d = TransferEngine(NHD16, dc, 0, 1, "D", transport="nixl").start()
         try:

@@ -144,7 +144,7 @@ def test_cut_mixed_block_sizes_partial_last():
     assert [(c.index, c.num_tokens) for c in src] == [(0, 96), (1, 96), (2, 58)]
     assert [(c.index, c.num_tokens) for c in dst] == [(0, 96), (1, 96), (2, 58)]
     assert src[1].units == list(range(106, 112)) and src[2].units == list(range(112, 116))
-    assert dst[2] == Chunk(2, [206, 207], 58)  # 58 tokens: 2 blocks of 32, the last partial
+    assert dst[2] == Chunk(2, [206, 207], 58, 0, 32)  # 58 tokens: 2 blocks of 32, the last partial
     t = torch.arange(1000, 1016)
     views = cut([(t, 250)], 96, 16)
     assert views[1].units.data_ptr() == t[6:].data_ptr()  # tensor slices are views
@@ -173,6 +173,21 @@ def test_cut_tiles_calls(seed):
         assert all(0 < c.num_tokens <= chunk and len(c.units) == -(-c.num_tokens // bs) for c in got)
     with pytest.raises(ValueError, match="not a multiple of the unit"):
         cut([([0], 5)], 10, 4)
+
+
+def test_cut_calls_in_units_of_their_own():
+    """A batch's block call, then its tails as token slots (a call unit of 1): each chunk keeps
+    its call's unit, both ends cut at the same tokens; a call unit the chunk cannot hold is
+    refused, naming it."""
+    calls = [(list(range(10)), 150, 0), (list(range(500, 520)), 20, 0, 1)]
+    got = cut(calls, 64, 16)
+    assert [(c.num_tokens, c.unit) for c in got] == [(64, 16), (64, 16), (22, 16), (20, 1)]
+    assert got[2].units == [8, 9] and got[3].units == list(range(500, 520))
+    dst = cut([(list(range(5)), 150, 0), (list(range(700, 720)), 20, 0, 1)], 64, 32)
+    assert [(c.index, c.num_tokens) for c in dst] == [(c.index, c.num_tokens) for c in got]
+    assert [c.unit for c in dst] == [32, 32, 32, 1]
+    with pytest.raises(ValueError, match="not a multiple of the unit 48"):
+        cut([([0], 5, 0, 48)], 64, 16)
 
 
 # --------------------------------------------------------------------------- pool
