@@ -130,11 +130,12 @@ class LoadItem:
 
     def plan_item(self) -> Item:
         """This load as :func:`kvxfer.transports.plan_batch` takes it: block ids of both sides.
-        The source ids are a writable int64 copy (~1 us): the params' array is read-only, and
-        the ops hand ids to torch, which warns on read-only arrays."""
+        The source ids are the params' read-only array seen as int64, no copy (the loader
+        bounds them by the exporter's block count before it plans); the backends that hand ids
+        to torch copy read-only ones themselves (:func:`kvxfer.backends.base.ids_tensor`)."""
         return Item(
             self.request_id,
-            self.params.block_id_array().astype(np.int64),
+            self.params.block_id_array().view(np.int64),
             self.block_ids,
             self.params.num_tokens,
             first=self.first,
