@@ -2,7 +2,8 @@
 # One device call that does a whole GPU validation pass within the 10-minute command limit:
 # fatbin build, the one-GPU pg cases in their own processes (a CUDA fault there must not poison
 # the suite's context), kernel sweep, transfer bench + demo, one request's timeline
-# (bench_latency), the engine's host cost on this host's CPU (bench_engine), the test suite.
+# (bench_latency), a ragged batch's two plans (bench_batching), the engine's host cost on this
+# host's CPU (bench_engine), the test suite.
 # Each step gets at most what is left of a 540 s budget (a step that no longer fits is skipped
 # and says so), so the results are always packed: everything lands in $OUT/results.tgz (the
 # device tool returns at most 8 files), plus onegpu.log.
@@ -37,6 +38,7 @@ step ops 110 60 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-
   --sizes 4096,32768
 step transfer 80 40 bash $v transfer --sizes 4096 --reqs 5 --iters 3
 step latency 45 30 bash $v latency --tokens 16,4096 --reqs 10
+step batching 30 15 bash $v batching --backends cuda,triton
 step hostcost 25 10 bash $v hostcost 200
 PYTEST_ARGS="--deselect $one" step tests 220 90 bash $v tests
 (cd "$out" && tar czf results.tgz --exclude results.tgz --exclude onegpu.log ./* && find . -maxdepth 1 -type f ! -name results.tgz ! -name onegpu.log -delete)

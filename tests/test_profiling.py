@@ -353,3 +353,46 @@ def test_compare_host_cost_runs_two_trees_interleaved(tmp_path):
         assert c["ratio_q1"] <= c["ratio"] <= c["ratio_q3"] and len(c["pair_ratios"]) == 1
     bad = _run("compare_host_cost.py", str(tmp_path), ROOT, "--rounds", "1", timeout=300)
     assert bad.returncode != 0 and str(tmp_path) in bad.stderr
+
+
+def test_bench_batching_quick_both_plans_exact(tmp_path):
+    res = _run(
+        "bench_batching.py", "--quick", "--device", "cpu", "--backends", "cpu,torch", "--out", str(tmp_path)
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(tmp_path / "bench_batching.json") as f:
+        rows = json.load(f)["rows"]
+    assert {(r["to"], r["backend"], r["plan"]) for r in rows} == {
+        (f"NHD/{bs}", b, p) for bs in (16, 32) for b in ("cpu", "torch") for p in ("slots", "split")
+    }
+    assert all(r["wrong"] == 0 and r["gbps"] > 0 and r["frac"] > 0 for r in rows)
+    for r in rows:  # 8 requests of 100-400 tokens end inside a block (seed 0): slots pass every token
+        if r["plan"] == "slots":
+            assert r["calls"] == 1 and r["ids"] == 2 * r["tokens"]
+        else:
+            assert r["calls"] == 2 and r["ids"] < r["tokens"] // 2
+
+
+def test_bench_batching_counts_a_misplaced_tail(tmp_path, monkeypatch, capsys):
+    """The verification is real: tails written one slot off land outside the requests and miss
+    their own rows; the split rows count both and the run fails."""
+    from profiling import bench_batching
+
+    real = bench_batching.plan_batch
+
+    def shifted(items, *a):
+        bp = real(items, *a)
+        if len(bp.calls) == 2:  # the split plan: its tail call, one slot on (a tail has
+            # fewer tokens than a block, so the shifted slots stay inside their blocks)
+            bp.calls[1].dst = bp.calls[1].dst + 1
+        return bp
+
+    monkeypatch.setattr(bench_batching, "plan_batch", shifted)
+    rc = bench_batching.main(
+        ["--quick", "--device", "cpu", "--backends", "cpu", "--to", "16", "--out", str(tmp_path)]
+    )
+    assert rc == 1
+    with open(tmp_path / "bench_batching.json") as f:
+        rows = {r["plan"]: r for r in json.load(f)["rows"]}
+    assert rows["slots"]["wrong"] == 0 and rows["split"]["wrong"] > 0
+    assert "1 rows WRONG" in capsys.readouterr().out
