@@ -7,26 +7,11 @@ would understate throughput; dividing by total elapsed time would include idle g
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
-__all__ = ["Metrics", "busy_time", "percentile"]
-
-
-def busy_time(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of ``[start, end]`` intervals (seconds)."""
-    total = 0.0
-    cur_s = cur_e = None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        elif e > cur_e:
-            cur_e = e
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
+__all__ = ["Metrics", "percentile"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -39,11 +24,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Metrics:
-    """Thread-safe counters of one engine rank. Times are ``time.perf_counter()`` seconds."""
+    """Thread-safe counters of one engine rank. Times are ``time.perf_counter()`` seconds.
+
+    Latency percentiles cover the last ``max_samples`` transfers (a long-running server's
+    figures follow its recent traffic). Busy time is kept as a running union of the transfer
+    intervals, in constant memory: they are recorded in start order (one worker thread records
+    them), so each one either extends the open span or closes it and opens the next.
+    """
 
     def __init__(self, max_samples: int = 100_000) -> None:
         self._lock = threading.Lock()
-        self._max = max_samples
         self.transfers = 0  # requests received successfully
         self.bytes_received = 0  # wire bytes that crossed into this rank (loads)
         self.bytes_sent = 0  # wire bytes this rank sent (pg exports)
@@ -55,8 +45,9 @@ class Metrics:
         self.ops_calls = 0  # gather/scatter/copy calls issued for loads
         self.dedup_bytes = 0  # wire bytes not sent because an n>1 sibling carried them
         self.notify_failures = 0  # notifications/heartbeats never acknowledged (given up)
-        self._latency: list[float] = []
-        self._intervals: list[tuple[float, float]] = []
+        self._latency: collections.deque[float] = collections.deque(maxlen=max_samples)
+        self._busy_closed = 0.0  # busy seconds of the spans closed so far
+        self._span: tuple[float, float] | None = None  # the open span of overlapping transfers
         self.transports: dict[str, str] = {}  # remote engine -> transport
 
     def record_handshake(self, engine_id: str, seconds: float, transport: str) -> None:
@@ -70,14 +61,18 @@ class Metrics:
         with self._lock:
             self.bytes_received += nbytes
             self.ops_calls += calls
-            if len(self._intervals) < self._max:
-                self._intervals.append((start, end))
+            span = self._span
+            if span is None or start > span[1]:
+                if span is not None:
+                    self._busy_closed += span[1] - span[0]
+                self._span = (start, end)
+            else:  # overlaps the open span (an earlier start can only come from a racing recorder)
+                self._span = (min(span[0], start), max(span[1], end))
 
     def record_done(self, latencies: list[float]) -> None:
         with self._lock:
             self.transfers += len(latencies)
-            room = self._max - len(self._latency)
-            self._latency.extend(latencies[: max(0, room)])
+            self._latency.extend(latencies)
 
     def record_ops(self, calls: int, dedup_bytes: int) -> None:
         """``calls`` ops calls issued for loads, and wire bytes an n>1 sibling carried."""
@@ -93,7 +88,8 @@ class Metrics:
         """JSON-safe dict of everything above, with p50/p90/p99 latency and busy throughput."""
         with self._lock:
             lat = list(self._latency)
-            busy = busy_time(self._intervals)
+            span = self._span
+            busy = self._busy_closed + (span[1] - span[0] if span is not None else 0.0)
             out = {
                 "transfers": self.transfers,
                 "bytes": self.bytes_received,

@@ -1,13 +1,22 @@
 import pytest
 
-from kvxfer.metrics import Metrics, busy_time, percentile
+from kvxfer.metrics import Metrics, percentile
 
 
-def test_busy_time_merges_overlaps():
-    assert busy_time([]) == 0.0
-    assert busy_time([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
-    assert busy_time([(0, 10), (1, 2), (3, 4)]) == pytest.approx(10.0)
-    assert busy_time([(5, 6), (0, 1)]) == pytest.approx(2.0)
+@pytest.mark.parametrize(
+    ("intervals", "busy"),
+    [
+        ([], 0.0),
+        ([(0, 1), (0.5, 2), (3, 4)], 3.0),
+        ([(0, 10), (1, 2), (3, 4)], 10.0),
+        ([(0, 1), (1, 3)], 3.0),
+    ],
+)
+def test_busy_time_merges_overlaps(intervals, busy):
+    m = Metrics()
+    for s, e in intervals:
+        m.record_batch(s, e, 1, 1)
+    assert m.snapshot()["busy_s"] == pytest.approx(busy)
 
 
 def test_percentile_nearest_rank():
@@ -36,3 +45,18 @@ def test_record_ops_adds_both_counters():
     m.record_ops(2, 0)
     s = m.snapshot()
     assert s["ops_calls"] == 5 and s["dedup_bytes"] == 100
+
+
+def test_a_long_run_keeps_recent_percentiles_and_exact_busy_time_in_bounded_memory():
+    """Past ``max_samples`` the percentiles follow the latest transfers (not the first ones,
+    frozen), and busy time still counts every interval, overlaps once."""
+    m = Metrics(max_samples=4)
+    m.record_done([9.0] * 10)  # an early slow spell
+    m.record_done([0.1, 0.2, 0.3, 0.4])
+    for k in range(1000):  # pairs of overlapping transfers, 1 s apart
+        m.record_batch(k, k + 0.5, 1, 1)
+        m.record_batch(k + 0.25, k + 0.75, 1, 1)
+    s = m.snapshot()
+    assert s["transfers"] == 14 and s["p50_s"] == 0.2 and s["p99_s"] == 0.4
+    assert s["busy_s"] == pytest.approx(750.0) and s["bytes"] == 2000
+    assert len(m._latency) == 4 and not hasattr(m, "_intervals")
