@@ -496,7 +496,8 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         return out
 
     def stats(self) -> dict:
-        """Counters, bytes, p50/p90/p99 transfer time, busy-time throughput, transports."""
+        """Counters, bytes, p50/p90/p99 transfer time (of the last 100 000 loads), busy-time
+        throughput, transports."""
         s = self._metrics.snapshot()
         if self._started:
             s["exports_live"] = self._exports.num_live()
