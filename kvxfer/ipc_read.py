@@ -57,7 +57,7 @@ class IpcReads:
         moved, local id -> why for the loads whose blocks were released meanwhile)."""
         mapped = self._ipc_map(rem, s)
         src_by_unit, memo = mapped.views, mapped.memo
-        bp = self._plan(loads, rem.spec.block_size, list(src_by_unit), split_tails=True)
+        bp = self._plan(loads, rem.spec.block_size, list(src_by_unit))
         moved = saved = calls = 0
         # The ids were checked already (source: against the exporter's block count, on the
         # grant; destination: range and repeats, at load()): ops skips its own checks, and

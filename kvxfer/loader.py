@@ -506,16 +506,11 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         for a in rem.addrs:
             self._client.drop(a)
 
-    def _plan(
-        self, loads: list[LoadItem], src_bs: int, src_units: list[int], split_tails: bool = False
-    ) -> BatchPlan:
-        """Units and ops calls for ``loads`` from one source rank (block lists in, no per-token
-        arrays unless requests with partial last blocks share a call; ``split_tails``: see
-        :func:`~kvxfer.transports.plan_batch`)."""
+    def _plan(self, loads: list[LoadItem], src_bs: int, src_units: list[int]) -> BatchPlan:
+        """Units and ops calls for ``loads`` from one source rank (block lists in; token slots
+        only for the tails of requests that end inside a block; each call names its units)."""
         items = [it.plan_item() for it in loads]
-        return plan_batch(
-            items, src_bs, src_units, self.spec.block_size, [v.unit for v in self._views], split_tails
-        )
+        return plan_batch(items, src_bs, src_units, self.spec.block_size, [v.unit for v in self._views])
 
     def _count(self, bp: BatchPlan, num_heads: int, layers: list[int] | None = None) -> tuple[int, int]:
         bpt = self._bpt.get(num_heads)

@@ -500,7 +500,7 @@ class NixlRole:
             loads = [it for it in loads if it.request_id not in bad]
             if not loads:
                 break
-            bp = self._plan(loads, rem.spec.block_size, st.units, split_tails=True)
+            bp = self._plan(loads, rem.spec.block_size, st.units)
             bpt = self.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
             chunk_tokens = self.pipeline.chunk_tokens_for(
                 {"staging_bytes": st.staging_bytes}, bpt, bp.src_unit, bp.dst_unit

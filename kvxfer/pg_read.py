@@ -61,12 +61,7 @@ class PgReads:
                 loads = [it for it in loads if it.request_id not in bad]
                 if not loads:
                     break
-                bp = self._plan(
-                    loads,
-                    rem.spec.block_size,
-                    pg_info.get("units") or [rem.spec.block_size],
-                    split_tails=True,
-                )
+                bp = self._plan(loads, rem.spec.block_size, pg_info.get("units") or [rem.spec.block_size])
                 bpt = self.spec.bytes_per_token(
                     num_heads=r.num_heads, num_layers=len(layers) if layers else None
                 )

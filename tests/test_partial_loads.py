@@ -36,8 +36,9 @@ def run_plan(bp, src_views, dst_views, src_spec, dst_spec, h0=0, nh=None, layers
     by_dst = {v.unit: v for v in dst_views}
     memo_s, memo_d = {}, {}
     for c in bp.calls:
-        sv = view_at(by_src, bp.src_unit, c.src_offset, memo_s)
-        dv = view_at(by_dst, bp.dst_unit, c.dst_offset, memo_d)
+        su, du = bp.units(c)
+        sv = view_at(by_src, su, c.src_offset, memo_s)
+        dv = view_at(by_dst, du, c.dst_offset, memo_d)
         ops.copy_blocks(
             sv.caches, sv.spec, c.src, dv.caches, dv.spec, c.dst, c.num_tokens, h0, h0, nh, layers
         )

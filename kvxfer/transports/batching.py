@@ -372,7 +372,7 @@ def plan_batch(
     src_units: Sequence[int],
     dst_block_size: int,
     dst_units: Sequence[int],
-    split_tails: bool = False,
+    split_tails: bool = True,
 ) -> BatchPlan:
     """Choose units for both sides and pack a batch into ops calls.
 
@@ -386,11 +386,11 @@ def plan_batch(
     calls (:func:`_head_calls`). Only per-request Python here; each request's unit ids are one
     numpy op.
 
-    ``split_tails``: the caller takes calls in units of their own (:meth:`BatchPlan.units`).
-    Then requests with partial last blocks move their whole blocks in one block call and only
-    their tails as token slots, in a second call (:func:`_body_tail_calls`), instead of all
-    their tokens as slots. The ``ipc`` read takes them; the staged streams (one unit per
-    stream) do not.
+    ``split_tails`` (default): requests with partial last blocks move their whole blocks in
+    one block call and only their tails as token slots, in a second call whose units differ
+    from the plan's (:func:`_body_tail_calls`; callers address each call in
+    :meth:`BatchPlan.units`). False: all their tokens go as slots in one call, the plan before
+    protocol 3 (``profiling/bench_batching.py`` compares the two).
     """
     partial = any(it.first for it in items)
     if len(items) == 1 and not partial:  # one call whatever the units: the coarsest
