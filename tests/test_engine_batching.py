@@ -184,21 +184,30 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens, sibling, split_ta
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
     moved = sum(c.num_tokens for c in bp.calls)
     assert moved + bp.skipped_tokens == sum(it.num_tokens for it in items)
-    if sibling and len(lens) > 1:
-        assert bp.skipped_tokens >= min(2 * src.block_size, dst.block_size) // math.lcm(
-            bp.src_unit, bp.dst_unit
-        ) * math.lcm(bp.src_unit, bp.dst_unit)
+    align = math.lcm(src.block_size, dst.block_size)
+    num_ragged = sum(n % align != 0 for n in lens)
+    slots_both = len(sviews) == 2 and len(dviews) == 2
+    split = split_tails and slots_both
+    if sibling and len(lens) > 1:  # the shared prefix: exactly with split tails, else whole units
+        shared = min(2 * src.block_size, dst.block_size)
+        lcm_units = math.lcm(bp.src_unit, bp.dst_unit)
+        assert bp.skipped_tokens >= (shared if split else shared // lcm_units * lcm_units)
     # Unit choice: one request moves as block lists (no per-token array) in one call.
     if len(lens) == 1:
         assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
         assert len(bp.calls) == 1 and bp.calls[0].src.size == src.num_blocks_for(lens[0])
     # Calls: max(1, requests with a partial last unit); one call when both sides have token
-    # slots, or two (blocks, then the tails' slots) with split_tails and no sibling.
-    align = math.lcm(src.block_size, dst.block_size)
-    num_ragged = sum(n % align != 0 for n in lens)
-    slots_both = len(sviews) == 2 and len(dviews) == 2
-    if slots_both and not (split_tails and not sibling):
+    # slots; with split tails a block call and at most one call of token slots after it (what
+    # does not fill whole blocks: tails, a sibling's head past its shared prefix).
+    if slots_both and not split_tails:
         assert len(bp.calls) == 1
+    if split:
+        assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
+        assert [bp.units(c) for c in bp.calls] in (
+            [(src.block_size, dst.block_size)],
+            [(src.block_size, dst.block_size), (1, 1)],
+        )
+        assert all(c.num_tokens == c.src.size == c.dst.size for c in bp.calls[1:])
     if not sibling and (num_ragged <= 1 or (split_tails and slots_both)):  # block lists
         assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
         assert bp.units(bp.calls[0]) == (src.block_size, dst.block_size)

@@ -118,14 +118,15 @@ def _slots(blocks: np.ndarray, block_size: int, start: int, stop: int) -> np.nda
 
 
 def _extend_slots(out: list[int], blocks: np.ndarray, block_size: int, start: int, stop: int) -> None:
-    """Append the token slots of tokens ``[start, stop)`` (``start`` a multiple of
-    ``block_size``; a tail of fewer than ``lcm`` of the two sides' block sizes: one block or a
-    few) to ``out`` as Python ints. A batch's tails, one array at the end: 13 us for 7 tails of
-    one block on the CI VM, against 30 us for a :func:`_slots` per tail and 39 us for a fixed
-    chain of numpy ops over all of them."""
-    for k, b in enumerate(blocks[start // block_size : -(-stop // block_size)].tolist()):
-        lo = b * block_size
-        out.extend(range(lo, lo + min(block_size, stop - start - k * block_size)))
+    """Append the token slots of tokens ``[start, stop)`` (fewer than ``lcm`` of the two sides'
+    block sizes: a head or a tail, one block or a few) to ``out`` as Python ints. A batch's
+    tails, one array at the end: 13 us for 7 tails of one block on the CI VM, against 30 us
+    for a :func:`_slots` per tail and 39 us for a fixed chain of numpy ops over all of them."""
+    b0 = start // block_size
+    for k, b in enumerate(blocks[b0 : -(-stop // block_size)].tolist()):
+        first = (b0 + k) * block_size  # the block's first token
+        base = b * block_size - first
+        out.extend(range(base + max(start, first), base + min(stop, first + block_size)))
 
 
 def _np(ids) -> np.ndarray:
@@ -289,81 +290,77 @@ def _head_calls(it: Item, end: int, src_bs: int, su: int, dst_bs: int, du: int) 
     return out
 
 
-def _body_tail_calls(
-    items: list[Item],
-    src_block_size: int,
-    src_units: Sequence[int],
-    dst_block_size: int,
-    dst_units: Sequence[int],
-    split_tails: bool,
+def _split_plan(
+    items: list[Item], shared: list[int], src_block_size: int, dst_block_size: int, slots: bool
 ) -> BatchPlan | None:
-    """The plan of a batch with no partial load and no shared prefix, in block units: one call
-    over the concatenated block lists, where every request but the last fills whole blocks on
-    both sides (a multiple of ``lcm`` of the block sizes; one request with a partial last block
-    goes last, whole). None when more than one request ends in a partial block, unless
-    ``split_tails`` and both sides have token-slot views (unit 1): then the others' bodies (their
-    whole ``lcm`` stretches) go in that call too, and their tails (fewer than ``lcm`` tokens
-    each) follow in one call of token slots, whose units it carries (:attr:`Call.src_unit`).
+    """A batch in block units, what is not whole blocks as token slots: one call over every
+    request's whole ``lcm`` stretches of blocks (the last request that ends inside a block goes
+    last in it, to its end), and one call of token slots on both sides (:attr:`Call.src_unit`
+    1) for the rest: the tails of the other requests that end inside a block, and the heads of
+    requests whose moved tokens start off a boundary of both sides' blocks (a partial load's
+    ``first``, or an n>1 sibling's ``shared`` prefix, skipped exactly). None when that rest is
+    not empty and ``slots`` is false (a side without a token-slot view).
 
-    The general scoring of :func:`plan_batch` would move such a batch in one call of token slots
-    (~3K slot ids per request and side): building those arrays cost ~40 us per request for
-    batches of 8 requests of 2K-4K tokens on the CI VM (``profiling/bench_engine.py``, column
-    8x2K-4K), the tails' slots well under 1 us; and a call in whole blocks moves 16-token rows
-    where a slot call moves single tokens."""
-    if src_units[0] != src_block_size or dst_units[0] != dst_block_size:
-        return None
+    The scoring of :func:`plan_batch` would move a batch with several requests ending inside a
+    block in one call of token slots: ~3K ids per request and side, whose arrays cost ~40 us
+    per request to build for batches of 8 requests of 2K-4K tokens on the CI VM
+    (``profiling/bench_engine.py``, column 8x2K-4K), and a kernel moving single token rows
+    where it can move 16-token blocks (``profiling/bench_batching.py``)."""
     sbs, dbs = src_block_size, dst_block_size
     align = math.lcm(sbs, dbs)
-    last = next((it for it in reversed(items) if it.num_tokens % align), None)  # goes last, whole
-    slots_ok = split_tails and 1 in src_units and 1 in dst_units
+    spans = []  # (item, first token moved, first token on a boundary of both sides' blocks)
+    skipped = 0
+    last = None  # the last request ending inside a block with whole blocks to move
+    for it, sh in zip(items, shared):
+        n = it.num_tokens
+        start = min(n, max(it.first, sh))
+        skipped += max(0, start - it.first)
+        if start < n:
+            a = min(n, -(-start // align) * align)
+            spans.append((it, start, a))
+            if n % align and a < n:
+                last = it
     rids: list[str] = []
     srcs: list[np.ndarray] = []
     dsts: list[np.ndarray] = []
     total = 0
-    tail_rids: list[str] = []
-    tail_src: list[int] = []
-    tail_dst: list[int] = []
-    for it in items:  # one pass: whole requests and bodies in blocks, tails as slots
+    slot_rids: list[str] = []
+    slot_src: list[int] = []
+    slot_dst: list[int] = []
+    for it, start, a in spans:  # one pass: whole blocks, heads and tails as slots
         n = it.num_tokens
-        if not n or it is last:
-            continue
+        e = n if it is last else max(a, n - n % align)  # the blocks moved are tokens [a, e)
         src, dst = _np(it.src), _np(it.dst)
-        body = n - n % align
-        if body != n:
-            if not slots_ok:
+        if start < a or e < n:
+            if not slots:
                 return None
-            tail_rids.append(it.request_id)
-            _extend_slots(tail_src, src, sbs, body, n)
-            _extend_slots(tail_dst, dst, dbs, body, n)
-            if not body:
-                continue
-        rids.append(it.request_id)
-        srcs.append(src[: body // sbs])
-        dsts.append(dst[: body // dbs])
-        total += body
-    if last is not None:
+            slot_rids.append(it.request_id)
+            for lo, hi in ((start, a), (e, n)):
+                if lo < hi:
+                    _extend_slots(slot_src, src, sbs, lo, hi)
+                    _extend_slots(slot_dst, dst, dbs, lo, hi)
+        if a < e and it is not last:
+            rids.append(it.request_id)
+            srcs.append(src[a // sbs : e // sbs])
+            dsts.append(dst[a // dbs : e // dbs])
+            total += e - a
+    if last is not None:  # after the others: its last block is partial
+        _, start, a = next(sp for sp in spans if sp[0] is last)
         n = last.num_tokens
         rids.append(last.request_id)
-        srcs.append(_np(last.src)[: -(-n // sbs)])
-        dsts.append(_np(last.dst)[: -(-n // dbs)])
-        total += n
+        srcs.append(_np(last.src)[a // sbs : -(-n // sbs)])
+        dsts.append(_np(last.dst)[a // dbs : -(-n // dbs)])
+        total += n - a
     calls = []
     if total:
         cat = len(srcs) > 1
-        calls.append(
-            Call(
-                rids,
-                np.concatenate(srcs) if cat else srcs[0],
-                np.concatenate(dsts) if cat else dsts[0],
-                total,
-            )
-        )
-    if tail_rids:
-        src_ids = np.array(tail_src, dtype=np.int64)
-        calls.append(
-            Call(tail_rids, src_ids, np.array(tail_dst, dtype=np.int64), src_ids.size, src_unit=1, dst_unit=1)
-        )
-    return BatchPlan(sbs, dbs, calls, 0)
+        src_ids = np.concatenate(srcs) if cat else srcs[0]
+        calls.append(Call(rids, src_ids, np.concatenate(dsts) if cat else dsts[0], total))
+    if slot_rids:
+        src_ids = np.array(slot_src, dtype=np.int64)
+        dst_ids = np.array(slot_dst, dtype=np.int64)
+        calls.append(Call(slot_rids, src_ids, dst_ids, src_ids.size, src_unit=1, dst_unit=1))
+    return BatchPlan(sbs, dbs, calls, skipped)
 
 
 def plan_batch(
@@ -386,11 +383,13 @@ def plan_batch(
     calls (:func:`_head_calls`). Only per-request Python here; each request's unit ids are one
     numpy op.
 
-    ``split_tails`` (default): requests with partial last blocks move their whole blocks in
-    one block call and only their tails as token slots, in a second call whose units differ
-    from the plan's (:func:`_body_tail_calls`; callers address each call in
-    :meth:`BatchPlan.units`). False: all their tokens go as slots in one call, the plan before
-    protocol 3 (``profiling/bench_batching.py`` compares the two).
+    ``split_tails`` (default), when both sides have token-slot views: every request's whole
+    blocks in one block call, and only what does not fill whole blocks (tails of requests
+    that end inside a block, heads of partial loads and n>1 siblings that start inside one) as
+    token slots, in a second call whose units differ from the plan's (:func:`_split_plan`;
+    callers address each call in :meth:`BatchPlan.units`). False: the scoring above, which
+    moves such a batch as slots in one call, the plan before protocol 3
+    (``profiling/bench_batching.py`` compares the two).
     """
     partial = any(it.first for it in items)
     if len(items) == 1 and not partial:  # one call whatever the units: the coarsest
@@ -408,10 +407,11 @@ def plan_batch(
         )
         return BatchPlan(su, du, [Call([it.request_id], src, dst, it.num_tokens)] if it.num_tokens else [], 0)
     shared = shared_prefixes(items, src_block_size, dst_block_size) if len(items) > 1 else [0] * len(items)
-    if not partial and not any(shared):
-        whole = _body_tail_calls(items, src_block_size, src_units, dst_block_size, dst_units, split_tails)
-        if whole is not None:
-            return whole
+    if src_units[0] == src_block_size and dst_units[0] == dst_block_size:
+        slots = split_tails and 1 in src_units and 1 in dst_units
+        plan = _split_plan(items, shared, src_block_size, dst_block_size, slots)
+        if plan is not None:
+            return plan
     best = None
     for su in src_units:
         for du in dst_units:
