@@ -332,7 +332,7 @@ def bandwidth(transport: str, tokens: int, reqs: int, iters: int) -> dict:
     return out
 
 
-def host_floor(n_iter: int, cold: bool = True) -> dict:
+def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
     """The least one request's control path can cost here: only the steps any design must take
     for a 4K-token, 32-layer request, in straight-line code with kvxfer's own pieces where they
     are the irreducible step, and no structure around them (no trackers, threads, plans,
@@ -347,16 +347,16 @@ def host_floor(n_iter: int, cold: bool = True) -> dict:
               re-check of the 256 blocks
       notify  a notification encoded and decoded, the lease dropped (refcounts down, epochs of
               blocks no longer held bumped), the acknowledgement encoded and decoded
-
-    The id, refcount and epoch steps are :mod:`kvxfer.idops`'s, as in the engine (native when
-    it loads).
       poll    each side reports the request done
 
-    ``cold``: each iteration first shuffles two 264-id lists, as :func:`host_cost` does. Medians
-    (us) of each step and of the whole, per request."""
+    The id, refcount and epoch steps are :mod:`kvxfer.idops`'s, as in the engine (native when
+    it loads). ``batch`` requests per round: export and load each, then one grant message,
+    one ops call over all their ids (one epoch check) and one notification for all of them,
+    as a loader batches a poll's loads. ``cold``: each round first shuffles two id lists, as
+    :func:`host_cost` does. Medians (us) of each step and of the whole, per request."""
     spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
     per = spec.num_blocks_for(FLOOR_TOKENS)
-    nb = per + 8
+    nb = per * batch + 8
     src_shm, src = _aliased_shm_caches(spec, nb)
     dst_shm, dst = _aliased_shm_caches(spec, nb)
     saved = use_null_backend()
@@ -367,68 +367,82 @@ def host_floor(n_iter: int, cold: bool = True) -> dict:
         refcount = np.zeros(nb, dtype=np.int32)
         idops.ensure()
         live: dict[str, tuple[np.ndarray, float, str]] = {}
-        queued: list = []
         rng = random.Random(0)
         steps: dict[str, list[float]] = {k: [] for k in ("export", "load", "grant", "copy", "notify", "poll")}
         copies0 = _NullKernel.copies
+        tokens = FLOOR_TOKENS * batch
         for i in range(n_iter + 20):
             src_ids, dst_ids = list(range(nb)), list(range(nb))
             if cold or i == 0:
                 rng.shuffle(src_ids)
                 rng.shuffle(dst_ids)
-            rid = f"r{i}"
+            rids = [f"r{i}-{k}" for k in range(batch)]
             t0 = time.perf_counter()
             # export
-            ids = check_block_ids(src_ids[:per], per, nb, FLOOR_TOKENS)
-            token = key.token(rid)
-            idops.hold(refcount, ids)
-            live[rid] = (ids, time.monotonic() + 600, token)
-            params = params_dict(rid, "P", "127.0.0.1", 5555, 1, ids.tolist(), FLOOR_TOKENS, token)
+            params = []
+            for k, rid in enumerate(rids):
+                ids = check_block_ids(src_ids[k * per : (k + 1) * per], per, nb, FLOOR_TOKENS)
+                token = key.token(rid)
+                idops.hold(refcount, ids)
+                live[rid] = (ids, time.monotonic() + 600, token)
+                params.append(params_dict(rid, "P", "127.0.0.1", 5555, 1, ids.tolist(), FLOOR_TOKENS, token))
             t1 = time.perf_counter()
             # load
-            p = KVTransferParams.from_dict(params)
-            local = check_block_ids(dst_ids[:per], per, nb, FLOOR_TOKENS)
-            queued.append((rid, p, local))
+            queued = []
+            for k, (rid, prm) in enumerate(zip(rids, params)):
+                p = KVTransferParams.from_dict(prm)
+                local = check_block_ids(dst_ids[k * per : (k + 1) * per], per, nb, FLOOR_TOKENS)
+                queued.append((rid, p, local))
             t2 = time.perf_counter()
             # grant (the exporter's side in the middle)
-            rid, p, local = queued.pop()
-            req = C.decode(C.encode(C.ReadReq("D", 0, 1, [p.request_id], [p.token])))
-            lease = live[req.request_ids[0]]
-            assert req.tokens[0] == lease[2]
-            reply = C.decode(
+            req = C.decode(
                 C.encode(
-                    C.ReadReply(ok=req.request_ids, epochs=[idops.snapshot(epochs, lease[0])], failed={})
+                    C.ReadReq(
+                        "D", 0, 1, [p.request_id for _, p, _ in queued], [p.token for _, p, _ in queued]
+                    )
                 )
             )
-            snapshot = reply.epochs[0]
+            leases = [live[r] for r in req.request_ids]
+            assert all(t == lease[2] for t, lease in zip(req.tokens, leases))
+            reply = C.decode(
+                C.encode(
+                    C.ReadReply(
+                        ok=req.request_ids,
+                        epochs=[idops.snapshot(epochs, lease[0]) for lease in leases],
+                        failed={},
+                    )
+                )
+            )
+            snapshots = [np.frombuffer(b, dtype=np.int64) for b in reply.epochs]
             t3 = time.perf_counter()
             # copy and epoch re-check
-            src_arr = p.block_id_array().view(np.int64)
+            src_arrs = [p.block_id_array().view(np.int64) for _, p, _ in queued]
+            one = batch == 1
             ops.copy_blocks(  # the engine's planner hands ops a new (writable) id array
                 sc,
                 spec,
-                ops.CheckedIds(src_arr.copy(), nb, False),
+                ops.CheckedIds(src_arrs[0].copy() if one else np.concatenate(src_arrs), nb, False),
                 dc,
                 spec,
-                ops.CheckedIds(local, nb, True),
-                FLOOR_TOKENS,
+                ops.CheckedIds(queued[0][2] if one else np.concatenate([q[2] for q in queued]), nb, True),
+                tokens,
             )
-            assert idops.unchanged(epochs, src_arr, snapshot)
+            assert not idops.moved(epochs, src_arrs, snapshots)
             t4 = time.perf_counter()
             # notify (the exporter's side in the middle)
-            note = C.decode(C.encode(C.Notify("D", 0, 1, [rid], [], [p.token])))
-            held = live.pop(note.request_ids[0])
-            idops.release(refcount, epochs, held[0])
+            note = C.decode(C.encode(C.Notify("D", 0, 1, rids, [], [p.token for _, p, _ in queued])))
+            for r in note.request_ids:
+                idops.release(refcount, epochs, live.pop(r)[0])
             ack = C.decode(C.encode(C.Ack(failed={})))
             assert not ack.failed
             t5 = time.perf_counter()
             # poll on both sides
-            done_d, done_p = {rid}, {note.request_ids[0]}
+            done_d, done_p = set(rids), set(note.request_ids)
             assert done_d == done_p
             t6 = time.perf_counter()
             if i >= 20:
                 for k, a, b in zip(steps, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
-                    steps[k].append(b - a)
+                    steps[k].append((b - a) / batch)
         # every copy reached the null kernel (the data movement is what is left out, nothing else)
         assert _NullKernel.copies - copies0 == n_iter + 20, "copies did not reach the null kernel"
         out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in steps.items()}
@@ -443,15 +457,15 @@ def host_floor(n_iter: int, cold: bool = True) -> dict:
 FLOOR_TOKENS = 4096
 
 
-def floor_vs_engine(n_iter: int, rounds: int = 6) -> dict:
-    """:func:`host_floor` and one-request :func:`host_cost` in alternating short rounds (this
-    VM's speed moves by up to 2x within a run, so a ratio of two separate runs means little):
-    the floor's medians and the median per-round ratio engine / floor."""
-    n = max(n_iter // rounds, 20)
+def floor_vs_engine(n_iter: int, rounds: int = 6, batch: int = 1) -> dict:
+    """:func:`host_floor` and :func:`host_cost` of ``batch`` requests at a time in alternating
+    short rounds (this VM's speed moves by up to 2x within a run, so a ratio of two separate
+    runs means little): the floor's medians and the median per-round ratio engine / floor."""
+    n = max(n_iter // rounds // batch, 20)
     ratios, runs = [], []
     for _ in range(rounds):
-        engine = host_cost(n, 1, FLOOR_TOKENS)["total_us"]
-        runs.append(host_floor(n))
+        engine = host_cost(n, batch, FLOOR_TOKENS)["total_us"]
+        runs.append(host_floor(n, batch=batch))
         ratios.append(engine / runs[-1]["total_us"])
     out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     out["engine_ratio"], out["rounds"] = statistics.median(ratios), rounds
@@ -532,6 +546,12 @@ def main() -> None:
         f"{floor['total_us']:.1f} us; the engine's one request is {floor['engine_ratio']:.1f}x that "
         f"(median of {floor['rounds']} interleaved rounds)"
     )
+    floor8 = floor_vs_engine(a.host_iters, batch=8)
+    print(
+        f"  the same in batches of 8 (one grant, one ops call, one notification for all): "
+        f"{floor8['total_us']:.1f} us per request, of which export() + load() {floor8['export_us'] + floor8['load_us']:.1f} us; "
+        f"the engine is {floor8['engine_ratio']:.1f}x that"
+    )
     print("  (last column: requests of 2048..4096 tokens, last block partial)")
     ref = python_reference_us()
     print(
@@ -570,6 +590,7 @@ def main() -> None:
                 "bench": "engine",
                 "host_cost": cases,
                 "floor": floor,
+                "floor_batch8": floor8,
                 "warm_vs_cold": wc,
                 "bandwidth": bw,
                 "targets": targets,

@@ -27,6 +27,9 @@ def test_bench_engine_small():
     floor = data["floor"]  # the least any design costs, interleaved with the engine's runs
     assert floor["total_us"] > 0 and floor["engine_ratio"] > 0 and floor["rounds"] >= 1
     assert "least any design's path costs here" in res.stdout
+    floor8 = data["floor_batch8"]  # the same steps for 8 requests at a time, per request
+    assert floor8["total_us"] > 0 and floor8["engine_ratio"] > 0
+    assert "the same in batches of 8" in res.stdout
     assert data["warm_vs_cold"]["warm_us"] > 0 and data["warm_vs_cold"]["cold_us"] > 0
 
 
