@@ -10,8 +10,8 @@
    movement is measured in part 2). Medians per request over iterations; one request per
    batch (the DESIGN case, target <= 50 us), 8 whole-block requests per batch, and 8
    requests with partial last blocks.
-   Beside it, :func:`host_floor`: the least any design's path for such a request costs here,
-   timed the same way (the steps every design must take, straight-line).
+   Beside it, :func:`bench_host_floor.host_floor`: the least any design's path for such a
+   request costs here, timed the same way (the steps every design must take, straight-line).
 2. Bandwidth: batches of requests moved P -> D (engines in one process, threads) over ``ipc``
    (one copy_blocks from the mapped shm cache) and ``pg`` (gather, Gloo send/recv over
    loopback, scatter), as a fraction of a plain ``copy_`` of the same bytes in the same run.
@@ -24,7 +24,6 @@ Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -32,103 +31,16 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common
+from bench_host_floor import FLOOR_TOKENS, host_floor
+from engine_harness import Loopback, NullKernel, aliased_shm_caches, restore_backends, use_null_backend
 
-from kvxfer import KVCacheSpec, TransferEngine, idops, ops
-from kvxfer import control as C
-from kvxfer.auth import _KeyedSha256 as HmacKey  # what EngineSecret.token runs
-from kvxfer.engine_types import check_block_ids
-from kvxfer.params import KVTransferParams, params_dict
+from kvxfer import KVCacheSpec, TransferEngine, ops
 from kvxfer.transports.shm import alloc_shm_caches
-
-
-class _NullKernel:
-    """Stands in for the CPU backends (native ``cpu`` and the ``torch`` reference, whichever ops
-    picks) during the host-cost measurement: every check, plan and message of the engine runs;
-    only the data movement itself (the kernel) is skipped."""
-
-    __name__ = "kvxfer_bench_null_backend"
-    copies = 0  # calls that reached it: host_cost checks the engine's copies did
-
-    @staticmethod
-    def is_available(device) -> bool:
-        return True
-
-    @staticmethod
-    def gather(src, wire) -> None:
-        pass
-
-    @staticmethod
-    def scatter(wire, dst) -> None:
-        pass
-
-    @staticmethod
-    def copy(src, dst) -> None:
-        _NullKernel.copies += 1
-
-
-def use_null_backend() -> dict:
-    """Route the CPU backends (native ``cpu`` and the ``torch`` reference) to :class:`_NullKernel`;
-    returns what :func:`restore_backends` needs to undo it."""
-    saved = dict(ops._MODULES)
-    sys.modules["kvxfer_bench_null_backend"] = _NullKernel  # type: ignore[assignment]
-    for name in ("torch", "cpu"):
-        ops._MODULES[name] = "kvxfer_bench_null_backend"
-    ops.reset_backends()
-    return saved
-
-
-def restore_backends(saved: dict) -> None:
-    ops._MODULES.update(saved)
-    ops.reset_backends()
-
-
-class _Loopback:
-    """The loader's side-channel client, answered in this thread by the exporter's own handler.
-
-    Messages are encoded and decoded exactly as over zmq; the socket hop itself (latency, not
-    host work) is left out. Time spent on the exporter's side (decode, handle, encode reply)
-    is accumulated in ``exporter_s``.
-    """
-
-    def __init__(self, exporter: TransferEngine) -> None:
-        self.exporter = exporter
-        self.exporter_s = 0.0
-
-    def _deliver(self, msg):
-        buf = C.encode(msg)
-        t0 = time.perf_counter()
-        reply = self.exporter._handle(C.decode(buf))
-        out = None if reply is None else C.encode(reply)
-        self.exporter_s += time.perf_counter() - t0
-        return None if out is None else C.decode(out)
-
-    def call_many(self, calls, timeout_s):
-        return [self._deliver(msg) for _, msg in calls]
-
-    def call(self, addr, msg, timeout_s):
-        return self._deliver(msg)
-
-    def send(self, addr, msg) -> None:
-        self._deliver(msg)
-
-    def drop(self, addr) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _aliased_shm_caches(spec: KVCacheSpec, num_blocks: int):
-    """Caches whose layers all alias one shared-memory layer (no data moves, so 32 layers of a
-    4K-token cache need not take 32 x the memory); mappable by the ipc transport."""
-    one = alloc_shm_caches(dataclasses.replace(spec, num_layers=1), num_blocks, 1)
-    return one, [one.caches[0]] * spec.num_layers
 
 
 def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: bool = False) -> dict:
@@ -145,13 +57,13 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
     per = spec.num_blocks_for(tokens)
     nb = per * batch + 8
     rng = random.Random(0)
-    src_shm, src = _aliased_shm_caches(spec, nb)
-    dst_shm, dst_c = _aliased_shm_caches(spec, nb)
+    src_shm, src = aliased_shm_caches(spec, nb)
+    dst_shm, dst_c = aliased_shm_caches(spec, nb)
     saved = use_null_backend()
     p = TransferEngine(spec, src, 0, 1, "P", transport="ipc", lease_s=600).start()
     d = TransferEngine(spec, dst_c, 0, 1, "D", transport="ipc", lease_s=600).start()
     d._client.close()
-    loop = d._client = _Loopback(p)
+    loop = d._client = Loopback(p)
     d._hooks["notify"] = lambda addr, msg: loop.call(addr, msg, d.timeout_s)  # answered in this thread
     t: dict[str, list[float]] = {k: [] for k in ("export", "load", "loader", "exporter", "poll")}
     side: dict[str, list[float]] = {"P": [], "D": []}
@@ -166,7 +78,7 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
 
     ops.copy_blocks = timed_copy
     n_warm = 20
-    copies0 = _NullKernel.copies
+    copies0 = NullKernel.copies
     try:
         for i in range(n_iter + n_warm):
             src_ids = list(range(nb))
@@ -207,7 +119,7 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
                 in_ops.append((ops_s[0] - op0) / batch)
         assert d.stats()["transports"] == {"P": "ipc"}
         # the copies reached the null kernel (not a real backend): the data movement is left out
-        assert _NullKernel.copies - copies0 >= n_iter + n_warm, "copies did not reach the null kernel"
+        assert NullKernel.copies - copies0 >= n_iter + n_warm, "copies did not reach the null kernel"
     finally:
         p.close()
         d.close()
@@ -235,8 +147,8 @@ def warm_vs_cold(n_iter: int = 400) -> dict:
     host cost above is this machine running the engine's code cold rather than the code's
     length. Medians in us."""
     spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
-    src_shm, src = _aliased_shm_caches(spec, 300)
-    dst_shm, dst = _aliased_shm_caches(spec, 300)
+    src_shm, src = aliased_shm_caches(spec, 300)
+    dst_shm, dst = aliased_shm_caches(spec, 300)
     saved = use_null_backend()
     try:
         sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
@@ -330,131 +242,6 @@ def bandwidth(transport: str, tokens: int, reqs: int, iters: int) -> dict:
         lbest = common.gloo_loopback_s(nbytes, iters)
         out["link_GBps"], out["fraction_of_link"] = nbytes / lbest / 1e9, lbest / best
     return out
-
-
-def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
-    """The least one request's control path can cost here: only the steps any design must take
-    for a 4K-token, 32-layer request, in straight-line code with kvxfer's own pieces where they
-    are the irreducible step, and no structure around them (no trackers, threads, plans,
-    metrics, tracing or failure handling):
-
-      export  check the 256 block ids, the request's HMAC token, hold the ids under a lease (a
-              dict, the blocks' refcounts), the params dict for the caller
-      load    validate the params (one ``msgspec.convert``) and the local ids; queue the load
-      grant   a lease request encoded, decoded by the exporter, the lease looked up and its
-              blocks' epochs snapshot, the reply encoded and decoded (the socket hop left out)
-      copy    one ``ops.copy_blocks`` with checked ids into the null kernel, then the epoch
-              re-check of the 256 blocks
-      notify  a notification encoded and decoded, the lease dropped (refcounts down, epochs of
-              blocks no longer held bumped), the acknowledgement encoded and decoded
-      poll    each side reports the request done
-
-    The id, refcount and epoch steps are :mod:`kvxfer.idops`'s, as in the engine (native when
-    it loads). ``batch`` requests per round: export and load each, then one grant message,
-    one ops call over all their ids (one epoch check) and one notification for all of them,
-    as a loader batches a poll's loads. ``cold``: each round first shuffles two id lists, as
-    :func:`host_cost` does. Medians (us) of each step and of the whole, per request."""
-    spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
-    per = spec.num_blocks_for(FLOOR_TOKENS)
-    nb = per * batch + 8
-    src_shm, src = _aliased_shm_caches(spec, nb)
-    dst_shm, dst = _aliased_shm_caches(spec, nb)
-    saved = use_null_backend()
-    try:
-        sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
-        key = HmacKey(os.urandom(32))
-        epochs = np.zeros(nb, dtype=np.int64)
-        refcount = np.zeros(nb, dtype=np.int32)
-        idops.ensure()
-        live: dict[str, tuple[np.ndarray, float, str]] = {}
-        rng = random.Random(0)
-        steps: dict[str, list[float]] = {k: [] for k in ("export", "load", "grant", "copy", "notify", "poll")}
-        copies0 = _NullKernel.copies
-        tokens = FLOOR_TOKENS * batch
-        for i in range(n_iter + 20):
-            src_ids, dst_ids = list(range(nb)), list(range(nb))
-            if cold or i == 0:
-                rng.shuffle(src_ids)
-                rng.shuffle(dst_ids)
-            rids = [f"r{i}-{k}" for k in range(batch)]
-            t0 = time.perf_counter()
-            # export
-            params = []
-            for k, rid in enumerate(rids):
-                ids = check_block_ids(src_ids[k * per : (k + 1) * per], per, nb, FLOOR_TOKENS)
-                token = key.token(rid)
-                idops.hold(refcount, ids)
-                live[rid] = (ids, time.monotonic() + 600, token)
-                params.append(params_dict(rid, "P", "127.0.0.1", 5555, 1, ids.tolist(), FLOOR_TOKENS, token))
-            t1 = time.perf_counter()
-            # load
-            queued = []
-            for k, (rid, prm) in enumerate(zip(rids, params)):
-                p = KVTransferParams.from_dict(prm)
-                local = check_block_ids(dst_ids[k * per : (k + 1) * per], per, nb, FLOOR_TOKENS)
-                queued.append((rid, p, local))
-            t2 = time.perf_counter()
-            # grant (the exporter's side in the middle)
-            req = C.decode(
-                C.encode(
-                    C.ReadReq(
-                        "D", 0, 1, [p.request_id for _, p, _ in queued], [p.token for _, p, _ in queued]
-                    )
-                )
-            )
-            leases = [live[r] for r in req.request_ids]
-            assert all(t == lease[2] for t, lease in zip(req.tokens, leases))
-            reply = C.decode(
-                C.encode(
-                    C.ReadReply(
-                        ok=req.request_ids,
-                        epochs=[idops.snapshot(epochs, lease[0]) for lease in leases],
-                        failed={},
-                    )
-                )
-            )
-            snapshots = [np.frombuffer(b, dtype=np.int64) for b in reply.epochs]
-            t3 = time.perf_counter()
-            # copy and epoch re-check
-            src_arrs = [p.block_id_array().view(np.int64) for _, p, _ in queued]
-            one = batch == 1
-            ops.copy_blocks(  # the engine's planner hands ops a new (writable) id array
-                sc,
-                spec,
-                ops.CheckedIds(src_arrs[0].copy() if one else np.concatenate(src_arrs), nb, False),
-                dc,
-                spec,
-                ops.CheckedIds(queued[0][2] if one else np.concatenate([q[2] for q in queued]), nb, True),
-                tokens,
-            )
-            assert not idops.moved(epochs, src_arrs, snapshots)
-            t4 = time.perf_counter()
-            # notify (the exporter's side in the middle)
-            note = C.decode(C.encode(C.Notify("D", 0, 1, rids, [], [p.token for _, p, _ in queued])))
-            for r in note.request_ids:
-                idops.release(refcount, epochs, live.pop(r)[0])
-            ack = C.decode(C.encode(C.Ack(failed={})))
-            assert not ack.failed
-            t5 = time.perf_counter()
-            # poll on both sides
-            done_d, done_p = set(rids), set(note.request_ids)
-            assert done_d == done_p
-            t6 = time.perf_counter()
-            if i >= 20:
-                for k, a, b in zip(steps, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
-                    steps[k].append((b - a) / batch)
-        # every copy reached the null kernel (the data movement is what is left out, nothing else)
-        assert _NullKernel.copies - copies0 == n_iter + 20, "copies did not reach the null kernel"
-        out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in steps.items()}
-        out["total_us"] = statistics.median([sum(x) for x in zip(*steps.values())]) * 1e6
-        return out
-    finally:
-        src_shm.close()
-        dst_shm.close()
-        restore_backends(saved)
-
-
-FLOOR_TOKENS = 4096
 
 
 def floor_vs_engine(n_iter: int, rounds: int = 6, batch: int = 1) -> dict:

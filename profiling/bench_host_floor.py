@@ -1,6 +1,6 @@
 """The least one request's control path can cost on this machine, step by step.
 
-``bench_engine.host_floor`` runs only the steps any design must take for a 4K-token, 32-layer
+:func:`host_floor` runs only the steps any design must take for a 4K-token, 32-layer
 request (export, load, grant, copy, notify, poll: its docstring lists what each holds), in
 straight-line code and as cold as ``bench_engine.host_cost`` runs the engine (each iteration
 first shuffles two id lists). ``bench_engine.py`` prints its total beside the engine's; this
@@ -18,24 +18,160 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import sys
+import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bench_engine
+from engine_harness import NullKernel, aliased_shm_caches, restore_backends, use_null_backend
+
+from kvxfer import KVCacheSpec, idops, ops
+from kvxfer import control as C
+from kvxfer.auth import _KeyedSha256 as HmacKey  # what EngineSecret.token runs
+from kvxfer.engine_types import check_block_ids
+from kvxfer.params import KVTransferParams, params_dict
+
+FLOOR_TOKENS = 4096
+
+
+def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
+    """The least one request's control path can cost here: only the steps any design must take
+    for a 4K-token, 32-layer request, in straight-line code with kvxfer's own pieces where they
+    are the irreducible step, and no structure around them (no trackers, threads, plans,
+    metrics, tracing or failure handling):
+
+      export  check the 256 block ids, the request's HMAC token, hold the ids under a lease (a
+              dict, the blocks' refcounts), the params dict for the caller
+      load    validate the params (one ``msgspec.convert``) and the local ids; queue the load
+      grant   a lease request encoded, decoded by the exporter, the lease looked up and its
+              blocks' epochs snapshot, the reply encoded and decoded (the socket hop left out)
+      copy    one ``ops.copy_blocks`` with checked ids into the null kernel, then the epoch
+              re-check of the 256 blocks
+      notify  a notification encoded and decoded, the lease dropped (refcounts down, epochs of
+              blocks no longer held bumped), the acknowledgement encoded and decoded
+      poll    each side reports the request done
+
+    The id, refcount and epoch steps are :mod:`kvxfer.idops`'s, as in the engine (native when
+    it loads). ``batch`` requests per round: export and load each, then one grant message,
+    one ops call over all their ids (one epoch check) and one notification for all of them,
+    as a loader batches a poll's loads. ``cold``: each round first shuffles two id lists, as
+    :func:`host_cost` does. Medians (us) of each step and of the whole, per request."""
+    spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
+    per = spec.num_blocks_for(FLOOR_TOKENS)
+    nb = per * batch + 8
+    src_shm, src = aliased_shm_caches(spec, nb)
+    dst_shm, dst = aliased_shm_caches(spec, nb)
+    saved = use_null_backend()
+    try:
+        sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
+        key = HmacKey(os.urandom(32))
+        epochs = np.zeros(nb, dtype=np.int64)
+        refcount = np.zeros(nb, dtype=np.int32)
+        idops.ensure()
+        live: dict[str, tuple[np.ndarray, float, str]] = {}
+        rng = random.Random(0)
+        steps: dict[str, list[float]] = {k: [] for k in ("export", "load", "grant", "copy", "notify", "poll")}
+        copies0 = NullKernel.copies
+        tokens = FLOOR_TOKENS * batch
+        for i in range(n_iter + 20):
+            src_ids, dst_ids = list(range(nb)), list(range(nb))
+            if cold or i == 0:
+                rng.shuffle(src_ids)
+                rng.shuffle(dst_ids)
+            rids = [f"r{i}-{k}" for k in range(batch)]
+            t0 = time.perf_counter()
+            # export
+            params = []
+            for k, rid in enumerate(rids):
+                ids = check_block_ids(src_ids[k * per : (k + 1) * per], per, nb, FLOOR_TOKENS)
+                token = key.token(rid)
+                idops.hold(refcount, ids)
+                live[rid] = (ids, time.monotonic() + 600, token)
+                params.append(params_dict(rid, "P", "127.0.0.1", 5555, 1, ids.tolist(), FLOOR_TOKENS, token))
+            t1 = time.perf_counter()
+            # load
+            queued = []
+            for k, (rid, prm) in enumerate(zip(rids, params)):
+                p = KVTransferParams.from_dict(prm)
+                local = check_block_ids(dst_ids[k * per : (k + 1) * per], per, nb, FLOOR_TOKENS)
+                queued.append((rid, p, local))
+            t2 = time.perf_counter()
+            # grant (the exporter's side in the middle)
+            req = C.decode(
+                C.encode(
+                    C.ReadReq(
+                        "D", 0, 1, [p.request_id for _, p, _ in queued], [p.token for _, p, _ in queued]
+                    )
+                )
+            )
+            leases = [live[r] for r in req.request_ids]
+            assert all(t == lease[2] for t, lease in zip(req.tokens, leases))
+            reply = C.decode(
+                C.encode(
+                    C.ReadReply(
+                        ok=req.request_ids,
+                        epochs=[idops.snapshot(epochs, lease[0]) for lease in leases],
+                        failed={},
+                    )
+                )
+            )
+            snapshots = [np.frombuffer(b, dtype=np.int64) for b in reply.epochs]
+            t3 = time.perf_counter()
+            # copy and epoch re-check
+            src_arrs = [p.block_id_array().view(np.int64) for _, p, _ in queued]
+            one = batch == 1
+            ops.copy_blocks(  # the engine's planner hands ops a new (writable) id array
+                sc,
+                spec,
+                ops.CheckedIds(src_arrs[0].copy() if one else np.concatenate(src_arrs), nb, False),
+                dc,
+                spec,
+                ops.CheckedIds(queued[0][2] if one else np.concatenate([q[2] for q in queued]), nb, True),
+                tokens,
+            )
+            assert not idops.moved(epochs, src_arrs, snapshots)
+            t4 = time.perf_counter()
+            # notify (the exporter's side in the middle)
+            note = C.decode(C.encode(C.Notify("D", 0, 1, rids, [], [p.token for _, p, _ in queued])))
+            for r in note.request_ids:
+                idops.release(refcount, epochs, live.pop(r)[0])
+            ack = C.decode(C.encode(C.Ack(failed={})))
+            assert not ack.failed
+            t5 = time.perf_counter()
+            # poll on both sides
+            done_d, done_p = set(rids), set(note.request_ids)
+            assert done_d == done_p
+            t6 = time.perf_counter()
+            if i >= 20:
+                for k, a, b in zip(steps, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
+                    steps[k].append((b - a) / batch)
+        # every copy reached the null kernel (the data movement is what is left out, nothing else)
+        assert NullKernel.copies - copies0 == n_iter + 20, "copies did not reach the null kernel"
+        out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in steps.items()}
+        out["total_us"] = statistics.median([sum(x) for x in zip(*steps.values())]) * 1e6
+        return out
+    finally:
+        src_shm.close()
+        dst_shm.close()
+        restore_backends(saved)
 
 
 def main(argv=None) -> int:
+    import bench_engine  # it imports this module: the engine's figure of the same run
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=400, help="timed iterations (default 400)")
     ap.add_argument("--batch", type=int, default=1, help="requests per round (default 1)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     ref = bench_engine.python_reference_us()
-    cold = bench_engine.host_floor(a.iters, True, a.batch)
-    warm = bench_engine.host_floor(a.iters, False, a.batch)
+    cold = host_floor(a.iters, True, a.batch)
+    warm = host_floor(a.iters, False, a.batch)
     engine = bench_engine.host_cost(n_iter=min(a.iters, 300), batch=a.batch)
     what = (
         "one 4K-token, 32-layer request"
