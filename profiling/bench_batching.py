@@ -125,7 +125,6 @@ def _runner(bp: BatchPlan, sviews: dict, dviews: dict, backend: str):
 def _wrong_bytes(items, src, src_spec, dst, dst_spec) -> int:
     """Bytes of the requests that differ from the source, plus bytes outside them that are no
     longer poison (re-poisons the requests' rows to count those)."""
-    dev = src[0].device
     heads = src_spec.num_kv_heads
     wrong = 0
     for it in items:
@@ -134,13 +133,8 @@ def _wrong_bytes(items, src, src_spec, dst, dst_spec) -> int:
             src, "NHD", ids_s, dst, "NHD", ids_d, src_spec.block_size, dst_spec.block_size,
             it.num_tokens, 0, 0, heads,
         )["wrong_bytes"]  # fmt: skip
-    for it in items:
-        blk, off = verify.token_index(torch.from_numpy(it.dst), dst_spec.block_size, it.num_tokens, dev)
-        for cache in dst:
-            rows = verify.rows_of(cache, "NHD", blk, off, 0, heads)
-            rows.view(torch.uint8).fill_(verify.POISON)
-            verify.write_rows(cache, "NHD", blk, off, 0, rows)
-    return wrong + int(sum(int((c.view(torch.uint8) != verify.POISON).sum()) for c in dst))
+    requests = [(torch.from_numpy(it.dst), it.num_tokens) for it in items]
+    return wrong + verify.clobbered_bytes_of(dst, "NHD", requests, dst_spec.block_size, 0, heads)
 
 
 def _plan_us(items, src_units, dst_units, src_bs, dst_bs, split: bool, iters: int) -> float:

@@ -107,13 +107,21 @@ def clobbered_bytes(caches, layout, block_ids, block_size, num_tokens, head_star
     Re-poisons the request's rows first, so ``caches`` are all poison afterwards if nothing
     else was written (this mutates ``caches``; run it after the rows were checked).
     """
+    return clobbered_bytes_of(caches, layout, [(block_ids, num_tokens)], block_size, head_start, num_heads)
+
+
+def clobbered_bytes_of(caches, layout, requests, block_size, head_start, num_heads) -> int:
+    """:func:`clobbered_bytes` for several requests (``(block_ids, num_tokens)`` each) that
+    share ``caches``: bytes outside all of their rows that are no longer :data:`POISON`."""
     dev = caches[0].device
-    blk, off = token_index(block_ids, block_size, num_tokens, dev)
+    for block_ids, num_tokens in requests:
+        blk, off = token_index(block_ids, block_size, num_tokens, dev)
+        for cache in caches:
+            rows = rows_of(cache, layout, blk, off, head_start, num_heads)
+            rows.view(torch.uint8).fill_(POISON)
+            write_rows(cache, layout, blk, off, head_start, rows)
     total = torch.zeros((), dtype=torch.int64, device=dev)
     for cache in caches:
-        rows = rows_of(cache, layout, blk, off, head_start, num_heads)
-        rows.view(torch.uint8).fill_(POISON)
-        write_rows(cache, layout, blk, off, head_start, rows)
         total += (cache.view(torch.uint8) != POISON).sum()
     return int(total)
 

@@ -310,7 +310,7 @@ def _split_plan(
     align = math.lcm(sbs, dbs)
     spans = []  # (item, first token moved, first token on a boundary of both sides' blocks)
     skipped = 0
-    last = None  # the last request ending inside a block with whole blocks to move
+    last = None  # the span of the last request ending inside a block with whole blocks to move
     for it, sh in zip(items, shared):
         n = it.num_tokens
         start = min(n, max(it.first, sh))
@@ -319,7 +319,7 @@ def _split_plan(
             a = min(n, -(-start // align) * align)
             spans.append((it, start, a))
             if n % align and a < n:
-                last = it
+                last = spans[-1]
     rids: list[str] = []
     srcs: list[np.ndarray] = []
     dsts: list[np.ndarray] = []
@@ -327,9 +327,10 @@ def _split_plan(
     slot_rids: list[str] = []
     slot_src: list[int] = []
     slot_dst: list[int] = []
-    for it, start, a in spans:  # one pass: whole blocks, heads and tails as slots
+    for span in spans:  # one pass: whole blocks, heads and tails as slots
+        it, start, a = span
         n = it.num_tokens
-        e = n if it is last else max(a, n - n % align)  # the blocks moved are tokens [a, e)
+        e = n if span is last else max(a, n - n % align)  # the blocks moved are tokens [a, e)
         src, dst = _np(it.src), _np(it.dst)
         if start < a or e < n:
             if not slots:
@@ -339,17 +340,17 @@ def _split_plan(
                 if lo < hi:
                     _extend_slots(slot_src, src, sbs, lo, hi)
                     _extend_slots(slot_dst, dst, dbs, lo, hi)
-        if a < e and it is not last:
+        if a < e and span is not last:
             rids.append(it.request_id)
             srcs.append(src[a // sbs : e // sbs])
             dsts.append(dst[a // dbs : e // dbs])
             total += e - a
     if last is not None:  # after the others: its last block is partial
-        _, start, a = next(sp for sp in spans if sp[0] is last)
-        n = last.num_tokens
-        rids.append(last.request_id)
-        srcs.append(_np(last.src)[a // sbs : -(-n // sbs)])
-        dsts.append(_np(last.dst)[a // dbs : -(-n // dbs)])
+        it, _, a = last
+        n = it.num_tokens
+        rids.append(it.request_id)
+        srcs.append(_np(it.src)[a // sbs : -(-n // sbs)])
+        dsts.append(_np(it.dst)[a // dbs : -(-n // dbs)])
         total += n - a
     calls = []
     if total:
