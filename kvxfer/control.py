@@ -226,12 +226,8 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 
 
-def encode(msg) -> bytes:
-    return _enc.encode(msg)
-
-
-def decode(buf: bytes):
-    return _dec.decode(buf)
+encode = _enc.encode  # msg -> bytes (the bound methods themselves: no Python frame per message)
+decode = _dec.decode  # bytes -> msg; msgspec.DecodeError / ValidationError for a bad frame
 
 
 class ControlTimeout(RuntimeError):

@@ -149,11 +149,13 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise ValueError("auth_key: must be a non-empty string or None")
         self._auth_key = auth_key
         self.num_blocks = side.num_blocks
+        self._block_size = spec.block_size
         self.device = side.device
         self._base_port = port
         # Registered once (ops skip per-layer checks); whole blocks, and token slots if possible.
         self._views: tuple[CacheView, ...] = cache_views(self.caches, spec)
         self._by_unit: dict[int, CacheView] = {v.unit: v for v in self._views}
+        self._units: list[int] = [v.unit for v in self._views]  # coarsest first
         self._offset_views: dict = {}  # (unit, offset) -> view: partial loads starting mid-block
         self._expected: dict[int, int] = {}  # loader tp size -> notifications per request
         self._bpt: dict[int, int] = {}  # heads -> wire bytes per token
@@ -170,6 +172,8 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._threads: list[threading.Thread] = []
         self._started = False
         self._closed = False
+        self._open = False  # started and not closed: what every API call checks first
+        self._releases: list[ReleaseItem] = []  # queued release() items, run as their own batch
         self._identity = host_id()
         self._order = StreamOrder(self.device)
         self._transport_reasons: dict[str, str] = {}  # remote engine -> why this transport
@@ -201,6 +205,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             self._release_parts()
             raise
         self._started = True
+        self._open = True
         return self
 
     def _start_parts(self) -> None:
@@ -210,6 +215,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._secret = EngineSecret(
             self.engine_id, self._base_port, self.tp_rank, self._auth_key, self.timeout_s
         )
+        self._token = self._secret.token
         self._incarnation = secrets.token_hex(8)
         self._offers: list[str] = []
         idops.ensure()  # the native bookkeeping helpers, built now if missing (not on a request)
@@ -262,6 +268,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         blocked in a transfer wakes up; notifications still unacknowledged get until then; a
         thread still stuck after the bound is left behind (a daemon) and logged.
         """
+        self._open = False
         if self._closed or not self._started:
             self._closed = True
             return
@@ -354,17 +361,25 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         (their grants are held, not spun, while none is), and a load finishes when its last
         layer landed. ``ready`` is then not used (each group brings its own).
         """
-        self._check_started()
+        if not self._open:
+            self._check_started()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        ids = check_block_ids(block_ids, self.spec.num_blocks_for(num_tokens), self.num_blocks, num_tokens)
-        if not streaming:
+        need = -(-num_tokens // self._block_size)
+        if type(block_ids) is list:  # a copy: the params carry exactly the ids checked and held
+            block_ids = block_ids[:need]
+        ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens)
+        if not streaming and (ready is not None or self._order.compute is not None):
             self._order.mark(request_id, ready)
-        token = self._secret.token(request_id)
+        token = self._token(request_id)
         self._exports.add(request_id, ids, num_tokens, self.spec.num_layers if streaming else 0, token)
-        return self._params(request_id, ids, num_tokens, token)
+        # plain ints: that list is the params' (JSON-safe); else the checked array's values
+        listed = block_ids if type(block_ids) is list and idops.exact_ints(block_ids) else ids.tolist()
+        return params_dict(
+            request_id, self.engine_id, self.host, self.port, self.tp_size, listed, num_tokens, token
+        )
 
     def mark_ready(self, request_id: str, layers, ready=None) -> None:
         """Layers ``layers`` (an int, a range or a sequence of layer indices) of the layer-wise
@@ -440,7 +455,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         p = KVTransferParams.from_dict(params)
         items = [ReleaseItem(x) for x in (p if isinstance(p, list) else [p])]
         with self._lock:
-            self._incoming.extend(items)
+            self._releases.extend(items)
 
     # ---------------------------------------------------------------------------- load
     def load(
@@ -456,24 +471,26 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         ``ValueError`` (naming the field) here; every later problem is reported by
         :meth:`poll` as a failed request.
         """
-        self._check_started()
+        if not self._open:
+            self._check_started()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         p = KVTransferParams.from_dict(params)
-        if isinstance(p, list):
+        if type(p) is list:
             raise ValueError("params: load takes one child's params; call load once per n>1 child")
-        need = self.spec.num_blocks_for(p.num_tokens)
-        ids = check_block_ids(block_ids, need, self.num_blocks, p.num_tokens, unique=True)
+        n = p.num_tokens
+        ids = check_block_ids(block_ids, -(-n // self._block_size), self.num_blocks, n, unique=True)
         k = num_computed_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < p.num_tokens:
-            raise ValueError(f"num_computed_tokens: must be an int in [0, {p.num_tokens}), got {k!r}")
-        if k % self.spec.block_size:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
+            raise ValueError(f"num_computed_tokens: must be an int in [0, {n}), got {k!r}")
+        if k % self._block_size:
             raise ValueError(
-                f"num_computed_tokens: {k} is not a multiple of the block size {self.spec.block_size}"
+                f"num_computed_tokens: {k} is not a multiple of the block size {self._block_size}"
             )
         self._loads.add(request_id, ids, now())
+        item = LoadItem(request_id, p, ids, 0.0, k)
         with self._lock:
-            self._incoming.append(LoadItem(request_id, p, ids, first=k))
+            self._incoming.append(item)
 
     def poll(self) -> PollResult:
         """Start the loads queued since the last poll (one batch) and report what completed.
@@ -482,14 +499,18 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         the engine's own threads of the GIL (measured on CPU: a 1 MiB load took 100-460 ms
         instead of 2.5 ms); pause between calls, e.g. ``time.sleep(0.0002)``, when waiting.
         """
-        self._check_started()
-        with self._lock:
-            batch, self._incoming = self._incoming, []
-        if batch:
+        if not self._open:
+            self._check_started()
+        if self._incoming or self._releases:
+            with self._lock:
+                batch, self._incoming = self._incoming, []
+                releases, self._releases = self._releases, []
             deadline = time.monotonic() + self.timeout_s  # the loads' one deadline
-            for it in batch:
-                it.deadline = deadline
-            self._work.put(batch)
+            for b in (releases, batch):  # releases as their own batch: they move nothing
+                if b:
+                    for it in b:
+                        it.deadline = deadline
+                    self._work.put(b)
         out = PollResult()
         self._exports.drain(out)
         self._loads.drain(out)

@@ -104,42 +104,43 @@ class Remote:
     plan: object = None  # TransferPlan of (remote -> this engine)
     reads: list = field(default_factory=list)  # plan.reads(this rank)
     notify_to: list = field(default_factory=list)  # plan.notify_targets(this rank)
+    src_ranks: list = field(default_factory=list)  # the source ranks of ``reads``, ascending
+    reads_by_rank: dict = field(default_factory=dict)  # source rank -> its reads
     ipc: dict = field(default_factory=dict)  # src rank -> IpcMap
     pairs: dict = field(default_factory=dict)  # src rank -> (pg, key)
     pg_backends: list = field(default_factory=list)  # src rank -> pair backend ("nccl"/"gloo")
     host: str = ""  # where the params said the remote listens (a change means a new remote)
     port: int = 0
     full_mask: int = 0  # every layer of the remote's spec as a layer mask (kvxfer.loader)
-    _reads_from: dict = field(default_factory=dict, repr=False)  # src rank -> its reads
-
-    def reads_from(self, src_rank: int) -> list:
-        """The plan's reads of this rank from source rank ``src_rank`` (kept once made)."""
-        got = self._reads_from.get(src_rank)
-        if got is None:
-            got = self._reads_from[src_rank] = [r for r in self.reads if r.src_rank == src_rank]
-        return got
 
 
-@dataclass
 class LoadItem:
-    request_id: str
-    params: KVTransferParams
-    block_ids: np.ndarray  # local int64, exactly ceil(T / block_size)
-    deadline: float = 0.0  # monotonic: every wait of this load ends by then (set at dispatch)
-    first: int = 0  # tokens already held here (a partial load): pull [first, num_tokens)
+    """One queued load (a plain slotted class: made per ``load()``)."""
+
+    __slots__ = ("block_ids", "deadline", "first", "params", "request_id", "src_ids")
+
+    def __init__(
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        block_ids: np.ndarray,
+        deadline: float = 0.0,
+        first: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.block_ids = block_ids  # local int64, exactly ceil(T / block_size)
+        self.deadline = deadline  # monotonic: every wait of this load ends by then (set at dispatch)
+        self.first = first  # tokens already held here (a partial load): pull [first, num_tokens)
+        # the params' read-only ids seen as int64, no copy: unsigned, they were bounded by one
+        # max() (the loader bounds them by the exporter's block count before it plans)
+        self.src_ids: np.ndarray = params.block_id_array().view(np.int64)
 
     def plan_item(self) -> Item:
-        """This load as :func:`kvxfer.transports.plan_batch` takes it: block ids of both sides.
-        The source ids are the params' read-only array seen as int64, no copy (the loader
-        bounds them by the exporter's block count before it plans); the backends that hand ids
-        to torch copy read-only ones themselves (:func:`kvxfer.backends.base.ids_tensor`)."""
-        return Item(
-            self.request_id,
-            self.params.block_id_array().view(np.int64),
-            self.block_ids,
-            self.params.num_tokens,
-            first=self.first,
-        )
+        """This load as :func:`kvxfer.transports.plan_batch` takes it: block ids of both sides
+        (the backends that hand ids to torch copy the read-only source ids themselves:
+        :func:`kvxfer.backends.base.ids_tensor`)."""
+        return Item(self.request_id, self.src_ids, self.block_ids, self.params.num_tokens, first=self.first)
 
 
 @dataclass

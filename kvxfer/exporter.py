@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from hmac import compare_digest
 
 import numpy as np
 import torch
 
 from . import control as C
 from . import ops
-from .auth import tokens_match
 from .engine_types import TICK_MS, describe_error
 from .ordering import NOT_READY
 from .plan import plan_reads
@@ -59,12 +59,12 @@ class ExporterRole:
             return {rid: "unauthorized: one token per request id is needed" for rid in request_ids} or {
                 "*": "unauthorized: one token per request id is needed"
             }
-        token, kept = self._secret.token, self._exports.token_of
-        return {
-            rid: UNAUTHORIZED
-            for rid, tok in zip(request_ids, tokens)
-            if not tokens_match(kept(rid) or token(rid), tok)
-        }
+        bad: dict[str, str] = {}
+        kept = self._exports.token_of
+        for rid, tok in zip(request_ids, tokens):  # tokens_match, inline: one frame less per id
+            if not (type(tok) is str and compare_digest(kept(rid) or self._secret.token(rid), tok)):
+                bad[rid] = UNAUTHORIZED
+        return bad
 
     def _hello_reply(self) -> C.HelloReply:
         pg = (
@@ -88,6 +88,10 @@ class ExporterRole:
         )
 
     def _handle(self, msg):
+        if type(msg) is C.ReadReq:  # the messages of every request first
+            return self._handle_read(msg)
+        if type(msg) is C.Notify:
+            return self._handle_notify(msg)
         if isinstance(msg, C.Hello):
             if msg.version != C.PROTOCOL_VERSION:
                 return C.ErrorReply(f"protocol version {msg.version} != {C.PROTOCOL_VERSION}")
@@ -97,20 +101,10 @@ class ExporterRole:
             reply = self._hello_reply()
             reply.nixl = self._nixl_entry(msg)  # kvxfer.nixl_role
             return reply
-        if isinstance(msg, C.ReadReq):
-            bad = self._authorized(msg.request_ids, msg.tokens)
-            self._loader_tp[msg.engine_id] = msg.tp_size
-            reply = self._grant_reply(msg, bad, final=msg.wait_s <= 0)
-            if reply is None:  # a long poll: answered when a wanted layer is ready, or at wait_s
-                wait = min(float(msg.wait_s), LONG_POLL_MAX_S)
-                return C.Deferred(lambda final: self._grant_reply(msg, bad, final), time.monotonic() + wait)
-            return reply
         if isinstance(msg, C.Heartbeat):
             bad = self._authorized(msg.request_ids, msg.tokens)
             self._exports.heartbeat([r for r in msg.request_ids if r not in bad])
             return C.Ack(failed=bad)
-        if isinstance(msg, C.Notify):
-            return self._handle_notify(msg)
         if isinstance(msg, C.PairReq):
             if self._authorized([msg.request_id], [msg.token]):
                 return C.SendReply(ok=False, failed={"*": UNAUTHORIZED})
@@ -131,33 +125,49 @@ class ExporterRole:
             return self._handle_nixl_pair(msg)  # kvxfer.nixl_role
         return C.ErrorReply(f"unexpected message {type(msg).__name__}")
 
+    def _handle_read(self, msg: C.ReadReq):
+        """A lease request: granted now, or (a long poll) when a wanted layer is ready or at
+        ``wait_s``."""
+        bad = self._authorized(msg.request_ids, msg.tokens)
+        self._loader_tp[msg.engine_id] = msg.tp_size
+        reply = self._grant_reply(msg, bad, final=msg.wait_s <= 0)
+        if reply is None:
+            wait = min(float(msg.wait_s), LONG_POLL_MAX_S)
+            return C.Deferred(lambda final: self._grant_reply(msg, bad, final), time.monotonic() + wait)
+        return reply
+
     def _grant_reply(self, msg: C.ReadReq, bad: dict[str, str], final: bool) -> C.ReadReply | None:
         """Grant (and renew) the leases of ``msg``'s verified requests, with the layers ready of
-        layer-wise exports. None (not ``final``) when nothing the loader wants is ready yet."""
-        ids = [r for r in msg.request_ids if r not in bad]
-        want = dict(zip(msg.request_ids, msg.want)) if msg.want else {}
+        layer-wise exports (``layers``: one entry per granted request, ``b""`` for a whole one;
+        empty when none is layer-wise). None (not ``final``) when nothing the loader wants is
+        ready yet."""
+        ids = [r for r in msg.request_ids if r not in bad] if bad else msg.request_ids
         with self._exports.lock:
-            ok, failed = self._exports.grant(ids)
-            masks = {rid: self._exports.layers_ready(rid) for rid in ok}
-        failed.update(bad)
-        for rid in self._order.not_ready(list(ok)):  # compute still writing: ask again
-            del ok[rid]
-            failed[rid] = NOT_READY
-        layers: list[bytes] = []
-        for rid in list(ok):
-            m = masks[rid]
-            if m is None:
-                layers.append(b"")
-                continue
-            w = want.get(rid)
-            wanted = m if not w else m & np.unpackbits(np.frombuffer(w, np.uint8), count=m.size).astype(bool)
-            if not wanted.any():
+            ok, failed, masks = self._exports.grant(ids)
+        if bad:
+            failed.update(bad)
+        if self._order.pending:  # some export waits for its compute
+            for rid in self._order.not_ready(list(ok)):  # compute still writing: ask again
                 del ok[rid]
                 failed[rid] = NOT_READY
-                continue
-            layers.append(np.packbits(m).tobytes())
-        hard = any(why not in (NOT_READY, UNKNOWN) for why in failed.values())
-        if not final and not ok and not hard:
+        layers: list[bytes] = []
+        if masks:
+            want = dict(zip(msg.request_ids, msg.want)) if msg.want else {}
+            for rid in list(ok):
+                m = masks.get(rid)
+                if m is None:
+                    layers.append(b"")
+                    continue
+                w = want.get(rid)
+                wanted = (
+                    m if not w else m & np.unpackbits(np.frombuffer(w, np.uint8), count=m.size).astype(bool)
+                )
+                if not wanted.any():
+                    del ok[rid]
+                    failed[rid] = NOT_READY
+                    continue
+                layers.append(np.packbits(m).tobytes())
+        if not final and not ok and not any(why not in (NOT_READY, UNKNOWN) for why in failed.values()):
             return None
         return C.ReadReply(
             ok=list(ok),
@@ -169,7 +179,7 @@ class ExporterRole:
 
     def _handle_notify(self, msg: C.Notify) -> C.Ack:
         """Count a loader rank's notifications (idempotent: a retried one counts once)."""
-        ids = [*msg.request_ids, *msg.failed]
+        ids = [*msg.request_ids, *msg.failed] if msg.failed else msg.request_ids
         bad = self._authorized(ids, msg.tokens)
         expected = self._expected.get(msg.tp_size)
         if expected is None:

@@ -42,6 +42,7 @@ __all__ = [
     "any_repeat",
     "as_uint64",
     "ensure",
+    "exact_ints",
     "hold",
     "ids_from_list",
     "max_id",
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
-ABI_VERSION = 2  # must equal kAbiVersion in csrc/ctl/kvx_ctl.cpp
+ABI_VERSION = 3  # must equal kAbiVersion in csrc/ctl/kvx_ctl.cpp
 _MAX_INT64 = 2**63 - 1
 ENV = "KVXFER_NATIVE_CTL"
 TARGET = cpu_build.CONTROL_MODULE
@@ -127,6 +128,12 @@ def _np_any_repeat(arrays: list | tuple) -> bool:
     return bool((srt[1:] == srt[:-1]).any())
 
 
+def _np_exact_ints(x: list | tuple) -> bool:
+    if type(x) is not list and type(x) is not tuple:
+        raise TypeError(f"exact_ints: must be a list or tuple, got {type(x).__name__}")
+    return all(type(v) is int for v in x)
+
+
 def _np_max_id(ids: np.ndarray) -> int:
     return int((ids if ids.dtype.kind == "u" else ids.view(np.uint64)).max()) if ids.size else 0
 
@@ -157,6 +164,7 @@ def _native_functions(mod: ModuleType) -> dict:
         "moved": mod.moved,
         "any_repeat": mod.any_repeat,
         "max_id": mod.max_id,
+        "exact_ints": mod.exact_ints,
     }
 
 
@@ -170,6 +178,7 @@ NUMPY = {
     "moved": _np_moved,
     "any_repeat": _np_any_repeat,
     "max_id": _np_max_id,
+    "exact_ints": _np_exact_ints,
 }
 
 # The functions in use (bound by _use): module attributes, so callers write idops.hold(...).
@@ -203,6 +212,11 @@ name some id twice; ids are ``>= 0`` (``ValueError`` otherwise). One pass over a
 numpy concatenates and sorts (~20 us for the 2K ids of eight 4K-token loads)."""
 max_id = _np_max_id
 """``max_id(ids) -> int``: the largest of 8-byte int ``ids`` read as unsigned (0 when empty)."""
+exact_ints = _np_exact_ints
+"""``exact_ints(x) -> bool``: whether every item of the list or tuple ``x`` is exactly an ``int``
+(no bool, numpy int or other subclass): then ``x`` is JSON-safe as the ids it holds, and
+``export()`` hands a copy of it out in the params instead of converting its checked array back
+(``tolist()`` of 256 ids: ~3 us; the check and a slice: ~0.7 us)."""
 
 _lock = threading.Lock()
 _state: dict = {"native": None, "why": "not looked for yet", "tried_build": False}

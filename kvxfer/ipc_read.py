@@ -23,6 +23,7 @@ class IpcMap(NamedTuple):
     """An exporter rank's caches and epoch array, mapped in this process."""
 
     views: dict  # unit -> cache view (kvxfer.transports.cache_views)
+    units: list[int]  # the units of ``views``, coarsest first
     epochs: torch.Tensor  # int64 [num_blocks], the exporter's, shared
     epochs_np: np.ndarray  # a numpy view of it (made once: ~10 us per read cold)
     handles: list  # for choice.detach
@@ -38,7 +39,7 @@ class IpcReads:
         if got is None:
             caches, ep, handles = choice.attach(rem.replies[s].ipc, self.device)
             views = {v.unit: v for v in cache_views(caches, rem.spec)}
-            got = rem.ipc[s] = IpcMap(views, ep, ep.numpy(), handles, {})
+            got = rem.ipc[s] = IpcMap(views, list(views), ep, ep.numpy(), handles, {})
         return got
 
     def _ipc_read(
@@ -47,46 +48,50 @@ class IpcReads:
         s,
         reads: list[Read],
         loads,
-        granted: dict[str, np.ndarray],
+        granted: dict[str, bytes],
         deadline: float,
         layers: list[int] | None = None,
     ) -> tuple[int, dict[str, str]]:
         """Copy the plan's ``reads`` of source rank ``s`` (``layers``, default all) for ``loads``
         straight from its mapped caches, one ops call per batch call, then check the block
-        epochs against the grant's (``granted``: local id -> int64 epochs). Returns (wire bytes
+        epochs against the grant's (``granted``: local id -> int64 epochs, native bytes). Returns (wire bytes
         moved, local id -> why for the loads whose blocks were released meanwhile)."""
-        mapped = self._ipc_map(rem, s)
+        mapped = rem.ipc.get(s) or self._ipc_map(rem, s)
         src_by_unit, memo = mapped.views, mapped.memo
-        bp = self._plan(loads, rem.spec.block_size, list(src_by_unit))
-        moved = saved = calls = 0
+        src_bs, dst_bs = rem.spec.block_size, self.spec.block_size
+        bp = self._plan(loads, src_bs, mapped.units)
+        moved = saved = 0
         # The ids were checked already (source: against the exporter's block count, on the
         # grant; destination: range and repeats, at load()): ops skips its own checks, and
         # still checks a call that carries several loads for repeats among them unless their
         # blocks are disjoint.
-        disjoint = disjoint_blocks(loads, self.spec.block_size)
-        for r in reads:
-            for c in bp.calls:
-                su, du = bp.units(c)
-                src_bound = rem.num_blocks * (rem.spec.block_size // su)
-                dst_bound = self.num_blocks * (self.spec.block_size // du)
-                sv = view_at(src_by_unit, su, c.src_offset, memo)
-                dv = view_at(self._by_unit, du, c.dst_offset, self._offset_views)
+        disjoint = len(loads) == 1 or disjoint_blocks(loads, dst_bs)
+        for c in bp.calls:
+            su, du = c.src_unit or bp.src_unit, c.dst_unit or bp.dst_unit  # bp.units(c)
+            sv = view_at(src_by_unit, su, c.src_offset, memo)
+            dv = view_at(self._by_unit, du, c.dst_offset, self._offset_views)
+            src_ids = ops.CheckedIds(c.src, rem.num_blocks * (src_bs // su), False)
+            dst_ids = ops.CheckedIds(
+                c.dst, self.num_blocks * (dst_bs // du), disjoint or len(c.request_ids) == 1
+            )
+            for r in reads:
                 ops.copy_blocks(
                     sv.caches,
                     sv.spec,
-                    ops.CheckedIds(c.src, src_bound, False),
+                    src_ids,
                     dv.caches,
                     dv.spec,
-                    ops.CheckedIds(c.dst, dst_bound, disjoint or len(c.request_ids) == 1),
+                    dst_ids,
                     c.num_tokens,
                     r.src_head_start,
                     r.dst_head_start,
                     r.num_heads,
                     layers=layers,
                 )
-                calls += 1
+        for r in reads:
             m, sk = self._count(bp, r.num_heads, layers)
             moved, saved = moved + m, saved + sk
+        calls = len(bp.calls) * len(reads)
         self._order.wait_done(time_left(deadline))  # CUDA: the copy ran before the epochs are re-read
         hook = self._hooks.get("after_ipc_copy")
         if hook:
@@ -99,22 +104,24 @@ class IpcReads:
         return moved, bad
 
     @staticmethod
-    def _stale(ep: np.ndarray, loads, granted: dict[str, np.ndarray], s: int) -> dict[str, str]:
-        """Loads whose source blocks' epochs moved since the grant snapshot -> why."""
+    def _stale(ep: np.ndarray, loads, granted: dict[str, bytes], s: int) -> dict[str, str]:
+        """Loads whose source blocks' epochs moved since the grant snapshot (``granted``: local
+        id -> the grant's epochs, native int64 bytes) -> why."""
         why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
         out: dict[str, str] = {}
         ids_list, snaps, checked = [], [], []
         for it in loads:
-            ids = it.params.block_id_array().view(np.int64)
+            ids = it.src_ids
             g = granted[it.request_id]
-            if g.size != ids.size:
+            nbytes = 8 * ids.size
+            if len(g) != nbytes:
                 # Params sliced to a suffix of the export (a load of only the tokens after a
                 # prefix the loader already holds): the grant snapshot covers the whole export;
                 # its tail belongs to the blocks read. More ids than exported is never valid.
-                if ids.size > g.size:
+                if nbytes > len(g):
                     out[it.request_id] = why
                     continue
-                g = g[g.size - ids.size :]
+                g = g[len(g) - nbytes :]
             ids_list.append(ids)
             snaps.append(g)
             checked.append(it.request_id)

@@ -27,8 +27,6 @@ import logging
 import queue
 import time
 
-import numpy as np
-
 from . import control as C
 from . import idops
 from .engine_types import (
@@ -110,7 +108,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         with self._lock:
             waiting = list(self._incoming)
         try:
-            queued = [it for b in list(self._work.queue) if b for it in b]
+            queued = [it for b in list(self._work.queue) if b and type(b[0]) is LoadItem for it in b]
         except Exception:  # pragma: no cover - a racing get(): the next beat catches up
             queued = []
         by_addr: dict[str, tuple[list[str], list[str]]] = {}
@@ -129,25 +127,26 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             if self._loads.fail(it.request_id, reason):
                 self._metrics.add("failures")
 
-    def _run_batch(self, batch: list[LoadItem | ReleaseItem]) -> None:
-        releases = [it for it in batch if isinstance(it, ReleaseItem)]
-        if releases:  # TransferEngine.release: notify, move nothing
-            batch = [it for it in batch if not isinstance(it, ReleaseItem)]
-            self._run_releases(releases)
+    def _run_batch(self, batch: list[LoadItem] | list[ReleaseItem]) -> None:
+        """Run one batch that ``poll()`` handed over: loads, or releases (TransferEngine.release:
+        notify, move nothing), never both."""
+        if type(batch[0]) is ReleaseItem:
+            self._run_releases(batch)
+            return
         groups: dict[str, list[LoadItem]] = {}
         for it in batch:
             groups.setdefault(it.params.engine_id, []).append(it)
         for engine_id, items in groups.items():
             with trace("load", items_tag, items):
-                try:
-                    if engine_id in self._remotes:
-                        rem = self._remote(items[0], items[0].deadline)
-                    else:
+                p = items[0].params
+                rem = self._remotes.get(engine_id)
+                if rem is None or (rem.host, rem.port, rem.tp_size) != (p.host, p.port, p.tp_size):
+                    try:  # new, or moved to another address (restarted?): handshake
                         with trace("handshake", engine_id):
                             rem = self._remote(items[0], items[0].deadline)
-                except (HandshakeError, Expired) as e:
-                    self._fail(items, f"handshake with {engine_id}: {e}")
-                    continue
+                    except (HandshakeError, Expired) as e:
+                        self._fail(items, f"handshake with {engine_id}: {e}")
+                        continue
                 self._run_remote(rem, items)
 
     # ------------------------------------------------------------------------ handshake
@@ -204,6 +203,8 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         rem.pg_backends, rem.host, rem.port = pg_backends, p.host, p.port
         rem.full_mask = _full_mask(spec.num_layers)
         rem.reads, rem.notify_to = plan.reads(self.tp_rank), plan.notify_targets(self.tp_rank)
+        rem.src_ranks = sorted({r.src_rank for r in rem.reads})
+        rem.reads_by_rank = {s: [r for r in rem.reads if r.src_rank == s] for s in rem.src_ranks}
         if transport == "nixl":
             self._nixl_setup(rem)  # kvxfer.nixl_role: metadata, direct/staged per read
         self._remotes[p.engine_id] = rem
@@ -246,45 +247,112 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         return self._topo
 
     # ------------------------------------------------------------------------ transfers
-    def _checked(self, rem: Remote, items: list[LoadItem]) -> list[LoadItem]:
-        """The loads whose params fit the remote (the others fail, named)."""
+    def _checked(self, rem: Remote, items: list[LoadItem]) -> tuple[list[LoadItem], list[str], list[str]]:
+        """The loads whose params fit the remote (the others fail, named), with their remote
+        request ids and tokens (what a lease request carries)."""
         good: list[LoadItem] = []
+        rids: list[str] = []
+        toks: list[str] = []
         seen: set[str] = set()
+        bs, num_blocks = rem.spec.block_size, rem.num_blocks
         for it in items:
-            need = rem.spec.num_blocks_for(it.params.num_tokens)
-            src_ids = it.params.block_id_array()  # uint64: max() bounds both ends
-            if src_ids.size != need:
-                self._fail([it], f"params.block_ids: has {src_ids.size} ids, num_tokens needs {need}")
-            elif idops.max_id(src_ids) >= rem.num_blocks:
-                self._fail([it], f"params.block_ids: out of the exporter's range [0, {rem.num_blocks})")
-            elif it.params.request_id in seen:
-                self._fail([it], f"params.request_id: {it.params.request_id!r} is loaded twice in one batch")
+            p = it.params
+            need = -(-p.num_tokens // bs)
+            if it.src_ids.size != need:
+                self._fail([it], f"params.block_ids: has {it.src_ids.size} ids, num_tokens needs {need}")
+            elif idops.max_id(it.src_ids) >= num_blocks:  # read as unsigned: bounds both ends
+                self._fail([it], f"params.block_ids: out of the exporter's range [0, {num_blocks})")
+            elif p.request_id in seen:
+                self._fail([it], f"params.request_id: {p.request_id!r} is loaded twice in one batch")
             else:
-                seen.add(it.params.request_id)
+                seen.add(p.request_id)
                 good.append(it)
-        return good
+                rids.append(p.request_id)
+                toks.append(p.token)
+        return good, rids, toks
 
     def _run_remote(self, rem: Remote, items: list[LoadItem], retried: bool = False) -> None:
-        """Rounds of grants and reads until every layer of every load landed (a whole export
-        takes one round; a layer-wise one a round per group that becomes ready), or the
-        deadline. Each load is reported as soon as it finished, or failed with its reason."""
-        good = self._checked(rem, items)
+        """Move ``items`` (loads of one remote) and report each once, finished or failed.
+
+        The first round asks every source rank the plan reads for the leases of all of them. When
+        every rank grants every load whole (a whole export, nothing refused: the common case) they
+        are read rank by rank and reported (:meth:`_read_whole`); anything else, a layer-wise
+        export, a load not known or not ready yet, a refusal or a restarted remote, continues in
+        :meth:`_run_rounds` from the replies of that round."""
+        good, rids, toks = self._checked(rem, items)
         if not good:
             return
-        deadline = min(it.deadline for it in good)
+        deadline = good[0].deadline if len(good) == 1 else min(it.deadline for it in good)
+        src_ranks = rem.src_ranks
+        # every layer of every load, from every source rank: one message
+        msg = C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, rids, toks)
+        try:
+            replies = self._ask_grants(rem, [(rem.addrs[s], msg) for s in src_ranks], good, deadline)
+        except (C.ControlTimeout, Expired) as e:
+            self._forget(rem, f"lease grant: {e}")
+            self._fail_all(rem, good, f"lease grant: {e}")
+            return
+        for s, g in zip(src_ranks, replies):
+            if (
+                type(g) is not C.ReadReply
+                or g.ok != rids
+                or g.incarnation != rem.replies[s].incarnation
+                or any(g.layers)
+            ):
+                self._run_rounds(rem, good, src_ranks, replies, deadline, retried)
+                return
+        self._read_whole(rem, good, src_ranks, replies, deadline)
+
+    def _read_whole(
+        self, rem: Remote, good: list[LoadItem], src_ranks: list[int], replies: list, deadline: float
+    ) -> None:
+        """Read every layer of ``good`` from each source rank, whose grant (``replies``, in rank
+        order) holds all of them in request order; report each load once."""
+        alive = {it.request_id: it for it in good}
+        local_ids = list(alive)
+        reasons: dict[str, str] = {}
+        for s, g in zip(src_ranks, replies):
+            if not alive:
+                break
+            granted = dict(zip(local_ids, g.epochs))  # local id -> its blocks' epochs (int64 bytes)
+            for rid, why in self._read_rank(rem, s, alive, granted, deadline).items():
+                del alive[rid]
+                reasons[rid] = why
+        self._complete(rem, list(alive.values()), [it for it in good if it.request_id in reasons], reasons)
+
+    def _run_rounds(
+        self,
+        rem: Remote,
+        good: list[LoadItem],
+        src_ranks: list[int],
+        replies: list,
+        deadline: float,
+        retried: bool,
+    ) -> None:
+        """Rounds of grants and reads until every layer of every load landed (a layer-wise export
+        takes a round per group of layers that becomes ready), or the deadline; the first round's
+        grants are ``replies``. Each load is reported as soon as it finished, or failed with
+        its reason."""
         alive = {it.request_id: it for it in good}
         reasons: dict[str, str] = {}
-        src_ranks = sorted({r.src_rank for r in rem.reads})
         full = rem.full_mask
         need = {s: dict.fromkeys(alive, full) for s in src_ranks}  # layers still wanted, as ints
         while alive:
-            try:
-                granted = self._grant_round(rem, src_ranks, alive, reasons, need, deadline)
-            except (C.ControlTimeout, Expired) as e:
-                self._forget(rem, f"lease grant: {e}")
-                reasons.update(dict.fromkeys(alive, f"lease grant: {e}"))
-                alive.clear()
-                break
+            if replies is None:
+                ranks = [s for s in src_ranks if any(need[s][rid] for rid in alive)]
+                try:
+                    replies = self._ask_grants(
+                        rem, self._wanted(rem, ranks, alive, need), alive.values(), deadline
+                    )
+                except (C.ControlTimeout, Expired) as e:
+                    self._forget(rem, f"lease grant: {e}")
+                    reasons.update(dict.fromkeys(alive, f"lease grant: {e}"))
+                    alive.clear()
+                    break
+            else:
+                ranks = src_ranks
+            granted = self._take_grants(rem, ranks, replies, alive, reasons, deadline)
+            replies = None
             if not retried and reasons and not alive and all(RESTARTED in why for why in reasons.values()):
                 # The remote restarted at its address: handshake with the new incarnation at once
                 # (new mappings, new pair groups) and run the batch again; params of the previous
@@ -292,56 +360,63 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 try:
                     fresh = self._remote(good[0], deadline)
                 except (HandshakeError, Expired) as e:
-                    self._complete(
-                        rem, good, [], {it.request_id: f"handshake after a restart: {e}" for it in good}
-                    )
+                    self._fail_all(rem, good, f"handshake after a restart: {e}")
                     return
                 self._run_remote(fresh, good, retried=True)
                 return
-            for s in src_ranks:
-                self._read_granted(rem, s, alive, reasons, need, granted[s], deadline)
+            for s in ranks:
+                self._read_granted(rem, s, alive, reasons, need, granted.get(s, {}), deadline)
             done = [rid for rid in alive if not any(need[s][rid] for s in src_ranks)]
             if done:
-                self._complete(rem, [alive.pop(rid) for rid in done], done, {})
+                self._complete(rem, [alive.pop(rid) for rid in done], [], {})
         if reasons:
-            self._complete(rem, [it for it in good if it.request_id in reasons], [], reasons)
+            self._complete(rem, [], [it for it in good if it.request_id in reasons], reasons)
 
-    def _grant_round(
-        self, rem: Remote, src_ranks: list[int], alive: dict, reasons: dict, need: dict, deadline: float
-    ) -> dict:
-        """One round of lease grants (renewing the leases) from every source rank that still
-        has layers to send: ``{rank: {local id: (epochs, layers ready mask)}}``. A grant is held
-        by the exporter (long poll) until some wanted layer is ready; a rank that does not know
-        a request yet (its export may trail the params) or whose compute is still writing it is
-        asked again next round, until the deadline. Drops from ``alive`` (into ``reasons``)
-        what cannot be read."""
-        remote_of = {rid: it.params.request_id for rid, it in alive.items()}
-        local_of = {v: k for k, v in remote_of.items()}
-        out: dict[int, dict] = {s: {} for s in src_ranks}
-        ranks, calls = [], []
+    def _ask_grants(self, rem: Remote, calls: list, loads, deadline: float) -> list:
+        """Send lease requests (``calls``: (address, ReadReq) pairs, each renewing the leases it
+        names) and return the replies in order. A grant is held by the exporter (long poll)
+        until some wanted layer is ready, at most ``wait_s`` (set here from the deadline)."""
         left = time_left(deadline)
         wait = max(0.0, min(0.5, left - 0.05))
-        L = rem.spec.num_layers
+        for _, msg in calls:
+            msg.wait_s = wait
+        with trace("grant", items_tag, loads):
+            return self._client.call_many(calls, left)
+
+    def _wanted(self, rem: Remote, ranks: list[int], alive: dict, need: dict) -> list:
+        """The lease requests of a later round: to each of ``ranks``, the loads that still want
+        layers from it, with those layers (``b""``: all)."""
         full = rem.full_mask
-        nbytes = (L + 7) // 8
-        for s in src_ranks:
-            rids = [rid for rid in alive if need[s][rid]]
-            if not rids:
-                continue
-            ranks.append(s)
+        nbytes = (rem.spec.num_layers + 7) // 8
+        calls = []
+        for s in ranks:
+            its = [it for rid, it in alive.items() if need[s][rid]]
             msg = C.ReadReq(
                 self.engine_id,
                 self.tp_rank,
                 self.tp_size,
-                [remote_of[r] for r in rids],
-                [alive[r].params.token for r in rids],
-                [b"" if need[s][r] == full else need[s][r].to_bytes(nbytes, "big") for r in rids],
-                wait,
+                [it.params.request_id for it in its],
+                [it.params.token for it in its],
+                [
+                    b"" if need[s][it.request_id] == full else need[s][it.request_id].to_bytes(nbytes, "big")
+                    for it in its
+                ],
             )
             calls.append((rem.addrs[s], msg))
-        with trace("grant", batch_tag, alive):
-            grants = self._client.call_many(calls, left)
-        for s, g in zip(ranks, grants):
+        return calls
+
+    def _take_grants(
+        self, rem: Remote, ranks: list[int], replies: list, alive: dict, reasons: dict, deadline: float
+    ) -> dict:
+        """What one round of grants (``replies`` of ``ranks``) allows to read:
+        ``{rank: {local id: (epochs as native int64 bytes, layers ready mask)}}``. A rank that does not know a request
+        yet (its export may trail the params) or whose compute is still writing it is asked
+        again next round, until the deadline. Drops from ``alive`` (into ``reasons``) what
+        cannot be read."""
+        local_of = {it.params.request_id: rid for rid, it in alive.items()}
+        out: dict[int, dict] = {s: {} for s in ranks}
+        full = rem.full_mask
+        for s, g in zip(ranks, replies):
             if not isinstance(g, C.ReadReply):
                 why = f"rank {s}: {getattr(g, 'error', g)}"
             elif g.incarnation != rem.replies[s].incarnation:
@@ -355,7 +430,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 return out
             for r, b, m in zip(g.ok, g.epochs, g.layers or [b""] * len(g.ok)):
                 mask = full if not m else int.from_bytes(m, "big") & full
-                out[s][local_of[r]] = (np.frombuffer(b, dtype=np.int64), mask)
+                out[s][local_of[r]] = (b, mask)
             for rrid, why in g.failed.items():
                 rid = local_of.get(rrid)
                 if rid not in alive:
@@ -406,7 +481,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         """Read the plan's heads (and ``layers``, default all) of source rank ``s`` for the
         ``alive`` loads; local id -> why, for those that failed (timed-out GPU work is fenced:
         its loads leave ``alive`` and are reported once it completed)."""
-        reads = rem.reads_from(s)
+        reads = rem.reads_by_rank[s]
         loads = list(alive.values())
         t0 = now()
         moved, bad = 0, {}
@@ -432,16 +507,21 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         self._metrics.record_batch(t0, now(), moved, 0)
         return bad
 
-    def _complete(self, rem: Remote, loads: list[LoadItem], done: list[str], reasons: dict[str, str]) -> None:
-        """Report every load once (finished, or failed with its reason) and notify the exporter."""
-        t_end = now()
-        self._metrics.record_done([t_end - start for start in self._loads.finish_many(done)])
-        failed = [it for it in loads if it.request_id in reasons]
+    def _complete(
+        self, rem: Remote, done: list[LoadItem], failed: list[LoadItem], reasons: dict[str, str]
+    ) -> None:
+        """Report each load once, ``done`` finished and ``failed`` failed with its reason in
+        ``reasons``, and notify the exporter of both (one message)."""
+        if done:
+            self._metrics.record_done(self._loads.finish_many([it.request_id for it in done], now()))
         for it in failed:
             if self._loads.fail(it.request_id, reasons[it.request_id]):
                 self._metrics.add("failures")
-        by_id = {it.request_id: it for it in loads}
-        self._notify(rem, [by_id[r] for r in done], failed)
+        self._notify(rem, done, failed)
+
+    def _fail_all(self, rem: Remote, items: list[LoadItem], why: str) -> None:
+        """:meth:`_complete` with every one of ``items`` failed for ``why``."""
+        self._complete(rem, [], items, dict.fromkeys([it.request_id for it in items], why))
 
     def _defer(self, fence: FenceTimeout, rem: Remote, items: list[LoadItem], why: str) -> None:
         """Hold ``items`` until ``fence.event`` completed (polled by the worker), then fail them
@@ -458,7 +538,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             if not event_done(fence.event):
                 still.append((fence, rem, items, why))
                 continue
-            self._complete(rem, items, [], dict.fromkeys((it.request_id for it in items), why))
+            self._fail_all(rem, items, why)
         self._fenced = still
 
     # -------------------------------------------------------------------- notifications
@@ -467,15 +547,18 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         retried by the notifier thread until the exporter's lease would end anyway)."""
         if not done and not failed:
             return
-        toks = [it.params.token for it in done] + [it.params.token for it in failed]
-        msg = C.Notify(
-            self.engine_id,
-            self.tp_rank,
-            self.tp_size,
-            [it.params.request_id for it in done],
-            [it.params.request_id for it in failed],
-            toks,
-        )
+        rids: list[str] = []
+        toks: list[str] = []
+        for it in done:
+            p = it.params
+            rids.append(p.request_id)
+            toks.append(p.token)
+        bad: list[str] = []
+        for it in failed:
+            p = it.params
+            bad.append(p.request_id)
+            toks.append(p.token)
+        msg = C.Notify(self.engine_id, self.tp_rank, self.tp_size, rids, bad, toks)
         deadline = time.monotonic() + self.lease_s
         direct = self._hooks.get("notify")  # benchmarks: deliver in this thread
         for s in rem.notify_to:
@@ -510,7 +593,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         """Units and ops calls for ``loads`` from one source rank (block lists in; token slots
         only for the tails of requests that end inside a block; each call names its units)."""
         items = [it.plan_item() for it in loads]
-        return plan_batch(items, src_bs, src_units, self.spec.block_size, [v.unit for v in self._views])
+        return plan_batch(items, src_bs, src_units, self.spec.block_size, self._units)
 
     def _count(self, bp: BatchPlan, num_heads: int, layers: list[int] | None = None) -> tuple[int, int]:
         bpt = self._bpt.get(num_heads)
@@ -518,7 +601,9 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             bpt = self._bpt[num_heads] = self.spec.bytes_per_token(num_heads=num_heads)
         if layers is not None:
             bpt = bpt * len(layers) // self.spec.num_layers
-        return sum(c.num_tokens for c in bp.calls) * bpt, bp.skipped_tokens * bpt
+        calls = bp.calls
+        tokens = calls[0].num_tokens if len(calls) == 1 else sum(c.num_tokens for c in calls)
+        return tokens * bpt, bp.skipped_tokens * bpt
 
     # ------------------------------------------------------------------------ releases
     def _run_releases(self, items: list[ReleaseItem]) -> None:

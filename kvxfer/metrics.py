@@ -111,5 +111,4 @@ class Metrics:
         return out
 
 
-def now() -> float:
-    return time.perf_counter()
+now = time.perf_counter  # the clock of every recorded time (an alias: no wrapper frame)

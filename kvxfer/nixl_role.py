@@ -422,7 +422,7 @@ class NixlRole:
             hook()
         # The epoch check, after the READ (as ipc does): epochs only grow, so a block released
         # before or during the READ shows a moved epoch; its load is failed, never delivered.
-        ids = np.concatenate([it.params.block_id_array().view(np.int64) for it in loads])
+        ids = np.concatenate([it.src_ids for it in loads])
         es, ed, el = epoch_runs(st.epochs_addr, int(st.mirror.data_ptr()), ids)
         agent.read(
             descs(ed, el, 0),

@@ -495,7 +495,27 @@ def _with_ids(t: PagedSide, ids: torch.Tensor, num_tokens: int) -> PagedSide:
     )
 
 
-_compatible: dict[tuple[int, int], tuple[KVCacheSpec, KVCacheSpec, str | None]] = {}
+def _pair(
+    src_caches: PagedCache,
+    dst_caches: PagedCache,
+    src_head_start: int,
+    dst_head_start: int,
+    num_heads,
+    layers,
+) -> tuple[PagedCache, PagedSide, PagedSide, torch.device]:
+    """What :func:`_checked_sides` keeps per (destination, heads, layers) of a registered source:
+    the destination, both validated templates (:func:`_template`) and the device, once the specs
+    are found compatible and both sides on one device."""
+    ss, ds = src_caches.spec, dst_caches.spec
+    mismatch = None if ss is ds else ss.model_mismatch(ds)
+    if mismatch:
+        raise ValueError(f"incompatible caches: {mismatch}")
+    st = _template(src_caches, src_head_start, num_heads, layers, "src_caches")
+    dt = _template(dst_caches, dst_head_start, st.num_heads, layers, "dst_caches")
+    device, dst_device = st.device, dt.device  # a tensor's .device is a torch call: made once here
+    if dst_device != device:
+        raise ValueError(f"dst_caches: on {dst_device}, src_caches on {device}; copy needs one device")
+    return dst_caches, st, dt, device
 
 
 def _checked_sides(
@@ -510,37 +530,38 @@ def _checked_sides(
     layers,
 ) -> tuple[PagedSide, PagedSide, torch.device]:
     """:func:`copy_blocks`'s two sides (and their device) from memoised templates: the same checks as
-    :func:`make_side`, each made once per (caches, heads, layers), except the ids' (see
-    :class:`CheckedIds`, still checked when their promise does not cover the op). No torch
-    call: the ids stay numpy and the device is kept (``profiling/bench_engine.py``: the ops
-    call of a 4K-token request ~18 us with a cold cache, ~50-65 us with those torch calls)."""
-    ss, ds = src_caches.spec, dst_caches.spec
-    got = _compatible.get((id(ss), id(ds)))
-    if got is None or got[0] is not ss or got[1] is not ds:
-        got = _compatible[(id(ss), id(ds))] = (ss, ds, None if ss is ds else ss.model_mismatch(ds))
-    if got[2]:
-        raise ValueError(f"incompatible caches: {got[2]}")
-    st = _template(src_caches, src_head_start, num_heads, layers, "src_caches")
-    dt = _template(dst_caches, dst_head_start, st.num_heads, layers, "dst_caches")
-    # the device kept in the template's memo: a tensor's .device is a torch call (a few us cold)
-    device, dst_device = st.kept("device", _side_device), dt.kept("device", _side_device)
-    if dst_device is not device and dst_device != device:
-        raise ValueError(f"dst_caches: on {dst_device}, src_caches on {device}; copy needs one device")
+    :func:`make_side`, each made once per (destination, heads, layers) of a source (kept on the
+    source's ``PagedCache``), except the ids' (see :class:`CheckedIds`, still checked when their
+    promise does not cover the op). No torch call: the ids stay numpy and the device is kept
+    (``profiling/bench_engine.py``: the ops call of a 4K-token request ~18 us with a cold
+    cache, ~50-65 us with those torch calls)."""
+    pairs = src_caches.__dict__.get("_pairs")
+    if pairs is None:
+        pairs = src_caches.__dict__["_pairs"] = {}
+    key = (
+        id(dst_caches),
+        src_head_start,
+        dst_head_start,
+        num_heads,
+        None if layers is None else tuple(layers),
+    )
+    got = pairs.get(key)
+    if got is None or got[0] is not dst_caches:
+        if len(pairs) >= 256:  # destinations come and go (offset views of partial loads): bounded
+            pairs.clear()
+        got = pairs[key] = _pair(src_caches, dst_caches, src_head_start, dst_head_start, num_heads, layers)
+    _, st, dt, device = got
     src = _with_ids(
         st,
-        _as_block_ids(src_ids, st.num_blocks, ss.num_blocks_for(num_tokens), "src_block_ids", False),
+        _as_block_ids(src_ids, st.num_blocks, -(-num_tokens // st.block_size), "src_block_ids", False),
         num_tokens,
     )
     dst = _with_ids(
         dt,
-        _as_block_ids(dst_ids, dt.num_blocks, ds.num_blocks_for(num_tokens), "dst_block_ids", True),
+        _as_block_ids(dst_ids, dt.num_blocks, -(-num_tokens // dt.block_size), "dst_block_ids", True),
         num_tokens,
     )
     return src, dst, device
-
-
-def _side_device(side: PagedSide) -> torch.device:
-    return side.device
 
 
 def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | None = None) -> str:

@@ -273,6 +273,15 @@ def test_block_ids_of_any_int_kind_and_bad_ones_named():
         assert p.export("b", torch.tensor([7, 8], dtype=torch.int32), 12)["block_ids"] == [7, 8]
         prm_c = p.export("c", (9, 10, 11), 12)
         assert prm_c["block_ids"] == [9, 10]
+        # a list of plain ints is handed out as a copy of the ids checked and held; a list with
+        # numpy ints or bools becomes plain ints (JSON-safe), never the caller's objects
+        mine = [12, 13, 14]
+        prm_d = p.export("d", mine, 12)
+        mine[0] = 99
+        assert prm_d["block_ids"] == [12, 13] and prm_d["block_ids"] is not mine
+        for odd in ([np.int64(15), 16], [17, True]):
+            got = p.export(f"e{odd[0]}", odd, 12)["block_ids"]
+            assert got == [int(x) for x in odd] and all(type(x) is int for x in got), got
         for bad in ([1.5, 2.0], [1, -2], [1, 64], np.array([1.0, 2.0]), [3], [1, "2"], [2**70, 1]):
             with pytest.raises(ValueError, match="block_ids"):
                 p.export("z", bad, 12)

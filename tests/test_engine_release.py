@@ -76,6 +76,32 @@ def test_load_before_export_waits_then_delivers(pair):
     assert _wait(p, {"r"}, "send") == {"r": "done"}
 
 
+def test_a_batch_lands_what_is_exported_at_once_and_the_rest_when_it_is(pair):
+    """One poll's batch of two loads, one exported, one not yet: the first round grants one, so
+    the batch goes on in rounds; the exported one lands in the first round, without waiting for
+    the other, which lands once exported. Both byte for byte, nothing else written."""
+    p, d, shm, dshm = pair
+    fill(shm.caches, SPEC, 0, 1, [3, 4], 12, seed=8)
+    fill(shm.caches, SPEC, 0, 1, [6, 7], 12, seed=9)
+    d.load("now", p.export("now", [3, 4], 12), [10, 11])
+    d.load("later", _early_params(p, "later", [6, 7], 12), [20, 21])
+    timer = threading.Timer(0.6, lambda: p.export("later", [6, 7], 12))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        first = _wait(d, {"now"}, "recv")
+        t_first = time.monotonic() - t0
+        second = _wait(d, {"later"}, "recv")
+    finally:
+        timer.join(5)
+    assert first == {"now": "done"} and second == {"later": "done"}, (first, second)
+    assert t_first < 0.6, t_first  # not held back by the load still waiting for its export
+    assert check(dshm.caches, SPEC, 0, 1, [10, 11], 12, seed=8)
+    assert check(dshm.caches, SPEC, 0, 1, [20, 21], 12, seed=9)
+    untouched = [b for b in range(32) if b not in (10, 11, 20, 21)]
+    assert bool((dshm.caches[0].view(torch.uint8)[:, untouched] == 0x5A).all())
+
+
 def test_load_of_never_exported_request_fails_after_timeout(pair):
     p, d, _, dshm = pair
     d.load("ghost", _early_params(p, "ghost", [1], 4), [5])

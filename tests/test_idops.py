@@ -327,3 +327,21 @@ def test_a_list_changed_by_an_items_index_is_read_safely():
 
     ids2: list = [0, Grows(), 2, 3]
     assert f["ids_from_list"](ids2, 4, 10).tolist() == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------- exact_ints
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_exact_ints_accepts_plain_ints_only(impl, kind):
+    assert impl["exact_ints"](kind([0, 5, 2**40])) and impl["exact_ints"](kind([]))
+    for odd in (True, np.int64(3), 3.0, "3", None):  # a bool, a numpy int, anything else
+        assert not impl["exact_ints"](kind([1, odd, 2])), odd
+
+    class Sub(int):
+        pass
+
+    assert not impl["exact_ints"](kind([Sub(1)]))
+
+
+def test_exact_ints_refuses_what_is_not_a_list(impl):
+    with pytest.raises(TypeError, match="list or tuple"):
+        impl["exact_ints"](np.arange(3))

@@ -75,6 +75,36 @@ def test_checked_ids_layer_subset_uses_its_own_template():
         assert_bytes_equal(as_bytes(dst), as_bytes(want))
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_checked_ids_into_alternating_destinations_each_land_exactly(backend):
+    """A source keeps what it checked per destination (and head slice, layers): copies that
+    alternate between destinations of other layouts and block sizes, and a destination made
+    anew each time, each land byte for byte and leave the rest poisoned."""
+    s_spec = make_spec(Layout.NHD, torch.bfloat16, 4, head_dim=8)
+    num_tokens = 10
+    truth = truth_bytes(s_spec, num_tokens, seed=21)
+    s_ids = [5, 1, 3]
+    src = register_caches(empty_cache(s_spec, 6, 4), s_spec)
+    place(src, s_spec, truth, range(4), s_ids)
+    specs = {
+        "hnd8": make_spec(Layout.HND, torch.bfloat16, 8, head_dim=8),
+        "nhd2": make_spec(Layout.NHD, torch.bfloat16, 2, head_dim=8),
+    }
+    dsts = {k: register_caches(empty_cache(sp, 8, 4), sp) for k, sp in specs.items()}
+    for k in ("hnd8", "nhd2", "hnd8", "fresh", "fresh"):
+        sp = specs.get(k, specs["nhd2"])
+        dst = dsts[k] if k in dsts else register_caches(empty_cache(sp, 8, 4), sp)
+        for t in dst:
+            t.copy_(empty_cache(sp, 8, 4)[0])  # poison again
+        d_ids = list(range(8))[-sp.num_blocks_for(num_tokens) :]
+        copy_blocks(
+            src, s_spec, _ids(s_ids, 6, False), dst, sp, _ids(d_ids, 8, True), num_tokens, backend=backend
+        )
+        want = register_caches(empty_cache(sp, 8, 4), sp)
+        place(want, sp, truth, range(4), d_ids)
+        assert_bytes_equal(as_bytes(dst), as_bytes(want))
+
+
 def test_checked_ids_whose_promise_does_not_cover_the_op_are_checked():
     spec = make_spec(Layout.NHD, torch.bfloat16, 4, head_dim=8, heads=2, layers=2)
     src = register_caches(empty_cache(spec, 3, 2), spec)

@@ -59,12 +59,12 @@ def test_notify_many_counts_each_request_once_and_frees_shared_blocks_last():
     assert out.finished_sending == {"a", "b", "c"}
 
 
-def test_load_tracker_finish_many_reports_each_once_with_its_start():
+def test_load_tracker_finish_many_reports_each_once_with_its_latency():
     lt = LoadTracker()
     lt.add("x", [1], 1.5)
     lt.add("y", [2], 2.5)
-    assert lt.finish_many(["y", "zzz", "x", "y"]) == [2.5, 1.5]
-    assert lt.finish_many(["x"]) == [] and not lt.fail("y", "late")
+    assert lt.finish_many(["y", "zzz", "x", "y"], 10.0) == [7.5, 8.5]  # end - start, each once
+    assert lt.finish_many(["x"], 11.0) == [] and not lt.fail("y", "late")
     out = PollResult()
     lt.drain(out)
     assert out.finished_recving == {"x", "y"} and not out.failed
@@ -75,8 +75,8 @@ def test_lease_expiry_bumps_epochs_of_unshared_blocks_only():
     t.add("a", torch.tensor([1, 2, 3]), 40)
     t.add("b", torch.tensor([1, 2, 4]), 40)  # n>1 sibling shares blocks 1, 2
     t.heartbeat(["b"])
-    ok, bad = t.grant(["a", "b", "zzz"])
-    assert set(ok) == {"a", "b"} and bad == {"zzz": UNKNOWN}
+    ok, bad, masks = t.grant(["a", "b", "zzz"])
+    assert set(ok) == {"a", "b"} and bad == {"zzz": UNKNOWN} and masks == {}  # whole exports
     time.sleep(0.01)
     t.lease_s = 10.0
     t.heartbeat(["b"])
@@ -177,3 +177,26 @@ def test_completed_gathers_do_not_delay_release():
     out = PollResult()
     tr.drain(out)
     assert out.finished_sending == {"r"}
+
+
+def test_grant_gives_the_ready_layers_of_layer_wise_exports_only():
+    """A grant returns, besides the epochs, the layers a loader may read now: for layer-wise
+    exports only (whole ones need no mask), what mark_layers marked and whose events completed."""
+    t = ExportTracker(8, 10.0)
+    t.add("whole", np.array([1, 2]), 32)
+    t.add("lw", np.array([3, 4]), 32, num_layers=4)
+
+    class Ev:
+        done = False
+
+        def query(self):
+            return self.done
+
+    ev = Ev()
+    t.mark_layers("lw", np.array([True, False, False, False]), [])
+    t.mark_layers("lw", np.array([False, True, False, False]), [ev])
+    ok, bad, masks = t.grant(["whole", "lw", "gone"])
+    assert set(ok) == {"whole", "lw"} and bad == {"gone": UNKNOWN} and set(masks) == {"lw"}
+    assert masks["lw"].tolist() == [True, False, False, False]  # layer 1's compute still running
+    ev.done = True
+    assert t.grant(["lw"])[2]["lw"].tolist() == [True, True, False, False]

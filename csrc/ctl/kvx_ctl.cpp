@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 2;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 3;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A contiguous buffer of `itemsize`-byte integers ("" item: any bytes-like, itemsize 1).
 struct Buf {
@@ -357,6 +357,21 @@ PyObject *max_id(PyObject *, PyObject *const *args, Py_ssize_t n) {
   return PyLong_FromUnsignedLongLong(m);
 }
 
+// exact_ints(seq) -> bool: whether every item of the list or tuple `seq` is exactly an int (not a
+// bool, a numpy int or another subclass): then the list itself is JSON-safe as the ids it holds.
+PyObject *exact_ints(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 1, "exact_ints")) return nullptr;
+  PyObject *seq = args[0];
+  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+    return PyErr_Format(PyExc_TypeError, "exact_ints: must be a list or tuple, got %s", Py_TYPE(seq)->tp_name);
+  }
+  PyObject **items = PySequence_Fast_ITEMS(seq);
+  for (Py_ssize_t i = 0, k = PySequence_Fast_GET_SIZE(seq); i < k; ++i) {
+    if (!PyLong_CheckExact(items[i])) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
 PyObject *abi_version(PyObject *, PyObject *) { return PyLong_FromLong(kAbiVersion); }
 
 // METH_FASTCALL functions have another signature than PyCFunction: cast through void (*)().
@@ -382,6 +397,8 @@ PyMethodDef kMethods[] = {
      "arrays -> whether the int64 arrays, read as one list, name some id twice"},
     {"max_id", as_method(max_id),
      METH_FASTCALL, "ids -> the largest id as unsigned"},
+    {"exact_ints", as_method(exact_ints),
+     METH_FASTCALL, "seq -> whether every item is exactly an int (no bool, no subclass)"},
     {"abi_version", abi_version, METH_NOARGS, "the source's ABI version"},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -130,6 +130,8 @@ def _extend_slots(out: list[int], blocks: np.ndarray, block_size: int, start: in
 
 
 def _np(ids) -> np.ndarray:
+    if type(ids) is np.ndarray:  # what the engine passes (an isinstance on torch.Tensor costs more)
+        return ids
     return ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
 
 
@@ -392,8 +394,7 @@ def plan_batch(
     moves such a batch as slots in one call, the plan before protocol 3
     (``profiling/bench_batching.py`` compares the two).
     """
-    partial = any(it.first for it in items)
-    if len(items) == 1 and not partial:  # one call whatever the units: the coarsest
+    if len(items) == 1 and not items[0].first:  # one call whatever the units: the coarsest
         it = items[0]
         su, du = src_units[0], dst_units[0]
         src = (
