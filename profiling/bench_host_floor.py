@@ -46,7 +46,8 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
     metrics, tracing or failure handling):
 
       export  check the 256 block ids, the request's HMAC token, hold the ids under a lease (a
-              dict, the blocks' refcounts), the params dict for the caller
+              dict, the blocks' refcounts), the params dict for the caller (its ids: the
+              caller's list, when it holds plain ints, as ``export()`` hands it out)
       load    validate the params (one ``msgspec.convert``) and the local ids; queue the load
       grant   a lease request encoded, decoded by the exporter, the lease looked up and its
               blocks' epochs snapshot, the reply encoded and decoded (the socket hop left out)
@@ -88,11 +89,13 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
             # export
             params = []
             for k, rid in enumerate(rids):
-                ids = check_block_ids(src_ids[k * per : (k + 1) * per], per, nb, FLOOR_TOKENS)
+                listed = src_ids[k * per : (k + 1) * per]
+                ids = check_block_ids(listed, per, nb, FLOOR_TOKENS)
                 token = key.token(rid)
                 idops.hold(refcount, ids)
                 live[rid] = (ids, time.monotonic() + 600, token)
-                params.append(params_dict(rid, "P", "127.0.0.1", 5555, 1, ids.tolist(), FLOOR_TOKENS, token))
+                listed = listed if idops.exact_ints(listed) else ids.tolist()  # plain ints: the list itself
+                params.append(params_dict(rid, "P", "127.0.0.1", 5555, 1, listed, FLOOR_TOKENS, token))
             t1 = time.perf_counter()
             # load
             queued = []
@@ -120,7 +123,7 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
                     )
                 )
             )
-            snapshots = [np.frombuffer(b, dtype=np.int64) for b in reply.epochs]
+            snapshots = reply.epochs  # int64 bytes, as idops.moved takes them
             t3 = time.perf_counter()
             # copy and epoch re-check
             src_arrs = [p.block_id_array().view(np.int64) for _, p, _ in queued]
