@@ -149,7 +149,6 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise ValueError("auth_key: must be a non-empty string or None")
         self._auth_key = auth_key
         self.num_blocks = side.num_blocks
-        self._block_size = spec.block_size
         self.device = side.device
         self._base_port = port
         # Registered once (ops skip per-layer checks); whole blocks, and token slots if possible.
@@ -367,11 +366,11 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        need = -(-num_tokens // self._block_size)
+        need = self.spec.num_blocks_for(num_tokens)
         if type(block_ids) is list:  # a copy: the params carry exactly the ids checked and held
             block_ids = block_ids[:need]
         ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens)
-        if not streaming and (ready is not None or self._order.compute is not None):
+        if not streaming:
             self._order.mark(request_id, ready)
         token = self._token(request_id)
         self._exports.add(request_id, ids, num_tokens, self.spec.num_layers if streaming else 0, token)
@@ -479,13 +478,13 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         if type(p) is list:
             raise ValueError("params: load takes one child's params; call load once per n>1 child")
         n = p.num_tokens
-        ids = check_block_ids(block_ids, -(-n // self._block_size), self.num_blocks, n, unique=True)
+        ids = check_block_ids(block_ids, self.spec.num_blocks_for(n), self.num_blocks, n, unique=True)
         k = num_computed_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
             raise ValueError(f"num_computed_tokens: must be an int in [0, {n}), got {k!r}")
-        if k % self._block_size:
+        if k % self.spec.block_size:
             raise ValueError(
-                f"num_computed_tokens: {k} is not a multiple of the block size {self._block_size}"
+                f"num_computed_tokens: {k} is not a multiple of the block size {self.spec.block_size}"
             )
         self._loads.add(request_id, ids, now())
         item = LoadItem(request_id, p, ids, 0.0, k)

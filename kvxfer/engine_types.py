@@ -113,6 +113,11 @@ class Remote:
     port: int = 0
     full_mask: int = 0  # every layer of the remote's spec as a layer mask (kvxfer.loader)
 
+    def serves(self, p: KVTransferParams) -> bool:
+        """Whether params ``p`` name this remote where it was handshaken (a change of address or
+        TP size means a new remote: restarted, or another engine under the same id)."""
+        return (self.host, self.port, self.tp_size) == (p.host, p.port, p.tp_size)
+
 
 class LoadItem:
     """One queued load (a plain slotted class: made per ``load()``)."""

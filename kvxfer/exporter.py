@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from hmac import compare_digest
 
 import numpy as np
 import torch
 
 from . import control as C
 from . import ops
+from .auth import tokens_match
 from .engine_types import TICK_MS, describe_error
 from .ordering import NOT_READY
 from .plan import plan_reads
@@ -61,8 +61,8 @@ class ExporterRole:
             }
         bad: dict[str, str] = {}
         kept = self._exports.token_of
-        for rid, tok in zip(request_ids, tokens):  # tokens_match, inline: one frame less per id
-            if not (type(tok) is str and compare_digest(kept(rid) or self._secret.token(rid), tok)):
+        for rid, tok in zip(request_ids, tokens):
+            if not tokens_match(kept(rid) or self._secret.token(rid), tok):
                 bad[rid] = UNAUTHORIZED
         return bad
 
@@ -146,10 +146,9 @@ class ExporterRole:
             ok, failed, masks = self._exports.grant(ids)
         if bad:
             failed.update(bad)
-        if self._order.pending:  # some export waits for its compute
-            for rid in self._order.not_ready(list(ok)):  # compute still writing: ask again
-                del ok[rid]
-                failed[rid] = NOT_READY
+        for rid in self._order.not_ready(list(ok)):  # compute still writing: ask again
+            del ok[rid]
+            failed[rid] = NOT_READY
         layers: list[bytes] = []
         if masks:
             want = dict(zip(msg.request_ids, msg.want)) if msg.want else {}

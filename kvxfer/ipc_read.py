@@ -56,7 +56,7 @@ class IpcReads:
         straight from its mapped caches, one ops call per batch call, then check the block
         epochs against the grant's (``granted``: local id -> int64 epochs, native bytes). Returns (wire bytes
         moved, local id -> why for the loads whose blocks were released meanwhile)."""
-        mapped = rem.ipc.get(s) or self._ipc_map(rem, s)
+        mapped = self._ipc_map(rem, s)
         src_by_unit, memo = mapped.views, mapped.memo
         src_bs, dst_bs = rem.spec.block_size, self.spec.block_size
         bp = self._plan(loads, src_bs, mapped.units)
@@ -67,7 +67,7 @@ class IpcReads:
         # blocks are disjoint.
         disjoint = len(loads) == 1 or disjoint_blocks(loads, dst_bs)
         for c in bp.calls:
-            su, du = c.src_unit or bp.src_unit, c.dst_unit or bp.dst_unit  # bp.units(c)
+            su, du = bp.units(c)
             sv = view_at(src_by_unit, su, c.src_offset, memo)
             dv = view_at(self._by_unit, du, c.dst_offset, self._offset_views)
             src_ids = ops.CheckedIds(c.src, rem.num_blocks * (src_bs // su), False)

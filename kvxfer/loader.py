@@ -138,9 +138,8 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             groups.setdefault(it.params.engine_id, []).append(it)
         for engine_id, items in groups.items():
             with trace("load", items_tag, items):
-                p = items[0].params
                 rem = self._remotes.get(engine_id)
-                if rem is None or (rem.host, rem.port, rem.tp_size) != (p.host, p.port, p.tp_size):
+                if rem is None or not rem.serves(items[0].params):
                     try:  # new, or moved to another address (restarted?): handshake
                         with trace("handshake", engine_id):
                             rem = self._remote(items[0], items[0].deadline)
@@ -155,7 +154,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         p = it.params
         rem = self._remotes.get(p.engine_id)
         if rem is not None:
-            if (rem.host, rem.port, rem.tp_size) == (p.host, p.port, p.tp_size):
+            if rem.serves(p):
                 return rem
             _LOG.info(
                 "kvxfer loader %s: engine %s moved from %s:%d to %s:%d (restarted?): handshaking anew",
@@ -254,10 +253,10 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         rids: list[str] = []
         toks: list[str] = []
         seen: set[str] = set()
-        bs, num_blocks = rem.spec.block_size, rem.num_blocks
+        num_blocks = rem.num_blocks
         for it in items:
             p = it.params
-            need = -(-p.num_tokens // bs)
+            need = rem.spec.num_blocks_for(p.num_tokens)
             if it.src_ids.size != need:
                 self._fail([it], f"params.block_ids: has {it.src_ids.size} ids, num_tokens needs {need}")
             elif idops.max_id(it.src_ids) >= num_blocks:  # read as unsigned: bounds both ends
@@ -601,9 +600,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             bpt = self._bpt[num_heads] = self.spec.bytes_per_token(num_heads=num_heads)
         if layers is not None:
             bpt = bpt * len(layers) // self.spec.num_layers
-        calls = bp.calls
-        tokens = calls[0].num_tokens if len(calls) == 1 else sum(c.num_tokens for c in calls)
-        return tokens * bpt, bp.skipped_tokens * bpt
+        return sum(c.num_tokens for c in bp.calls) * bpt, bp.skipped_tokens * bpt
 
     # ------------------------------------------------------------------------ releases
     def _run_releases(self, items: list[ReleaseItem]) -> None:

@@ -67,10 +67,8 @@ class StreamOrder:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._streams: dict[str, Any] = {}  # role ("load", "send") -> transfer stream
-        # Read by the engine to skip calls with nothing to do: the stream every export waits
-        # for (set_compute_stream), and the ready events of exports not yet seen complete.
-        self.compute = None
-        self.pending: dict[str, list] = {}  # request id -> events not yet seen complete
+        self._compute = None
+        self._pending: dict[str, list] = {}  # request id -> events not yet seen complete
         self._lock = threading.Lock()
         self.num_not_ready = 0  # grant answers NOT_READY (stats)
         self.num_waits = 0  # completion events waited for
@@ -80,7 +78,7 @@ class StreamOrder:
         """Every later export waits for the work issued on ``stream`` before it (None: stop)."""
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise ValueError(f"stream: expected a torch.cuda.Stream or None, got {type(stream).__name__}")
-        self.compute = stream
+        self._compute = stream
 
     def events(self, ready: Any) -> list:
         """``ready`` (CUDA events and/or streams, or objects with ``query()``) as events."""
@@ -89,45 +87,45 @@ class StreamOrder:
     def mark(self, request_id: str, ready: Any = None) -> None:
         """Remember what ``request_id``'s export waits for (``ready``, else the compute stream)."""
         if ready is None:
-            ready = self.compute
+            ready = self._compute
             if ready is None:
                 return
         events = _events(ready)
         if not events:
             return
         with self._lock:
-            if len(self.pending) >= 4096:  # gates of requests never granted (expired, aborted)
-                for rid in [r for r, evs in self.pending.items() if all(e.query() for e in evs)]:
-                    del self.pending[rid]
-            self.pending[request_id] = events
+            if len(self._pending) >= 4096:  # gates of requests never granted (expired, aborted)
+                for rid in [r for r, evs in self._pending.items() if all(e.query() for e in evs)]:
+                    del self._pending[rid]
+            self._pending[request_id] = events
 
     def not_ready(self, request_ids: list[str]) -> list[str]:
         """The ids whose ready events have not all completed (``query()`` only; never blocks).
         Completed ones are forgotten."""
-        if not self.pending:
+        if not self._pending:
             return []
         out = []
         with self._lock:
             for rid in request_ids:
-                evs = self.pending.get(rid)
+                evs = self._pending.get(rid)
                 if evs is None:
                     continue
                 evs[:] = [e for e in evs if not e.query()]
                 if evs:
                     out.append(rid)
                 else:
-                    del self.pending[rid]
+                    del self._pending[rid]
         self.num_not_ready += len(out)
         return out
 
     def forget(self, live: Any) -> None:
         """Drop gates of requests no longer exported (``live(rid) -> bool``)."""
         with self._lock:
-            for rid in [r for r in self.pending if not live(r)]:
-                del self.pending[rid]
+            for rid in [r for r in self._pending if not live(r)]:
+                del self._pending[rid]
 
     def num_pending(self) -> int:
-        return len(self.pending)
+        return len(self._pending)
 
     # ------------------------------------------------------------------ transfer side
     def stream(self, role: str = "load"):

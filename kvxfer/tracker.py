@@ -226,7 +226,8 @@ class ExportTracker:
 
     def _report(self, request_id: str, kind: str) -> None:
         """Report a released request now, or once the gathers reading its blocks completed."""
-        pending = [e for e in self._inflight.pop(request_id, ()) if not event_done(e)]
+        inflight = self._inflight.pop(request_id, ()) if self._inflight else ()  # CUDA pg exports only
+        pending = [e for e in inflight if not event_done(e)]
         if pending:
             self._deferred.append((request_id, kind, pending))
         elif kind == "finished":
@@ -254,10 +255,7 @@ class ExportTracker:
                 by.add(sender)
                 if len(by) >= e.expected:
                     self._release(rid)
-                    if self._inflight:
-                        self._report(rid, "finished")
-                    else:  # no gather in flight (_report's common case)
-                        self._finished.add(rid)
+                    self._report(rid, "finished")
                     released += 1
         return released
 
