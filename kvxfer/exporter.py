@@ -17,7 +17,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .auth import tokens_match
+from .auth import mismatched
 from .engine_types import TICK_MS, describe_error
 from .ordering import NOT_READY
 from .plan import plan_reads
@@ -59,12 +59,11 @@ class ExporterRole:
             return {rid: "unauthorized: one token per request id is needed" for rid in request_ids} or {
                 "*": "unauthorized: one token per request id is needed"
             }
-        bad: dict[str, str] = {}
-        kept = self._exports.token_of
-        for rid, tok in zip(request_ids, tokens):
-            if not tokens_match(kept(rid) or self._secret.token(rid), tok):
-                bad[rid] = UNAUTHORIZED
-        return bad
+        kept = self._exports.tokens_of(request_ids)
+        if "" in kept:  # not live (not exported yet, or released): the token its secret makes
+            kept = [k or self._secret.token(rid) for k, rid in zip(kept, request_ids)]
+        wrong = mismatched(kept, tokens)
+        return {request_ids[i]: UNAUTHORIZED for i in wrong} if wrong else {}
 
     def _hello_reply(self) -> C.HelloReply:
         pg = (

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import idops, ops
-from .engine_types import Remote, disjoint_blocks, time_left
+from .engine_types import Remote, time_left
 from .plan import Read
 from .transports import cache_views, choice
 from .transports.batching import view_at
@@ -64,15 +64,15 @@ class IpcReads:
         # The ids were checked already (source: against the exporter's block count, on the
         # grant; destination: range and repeats, at load()): ops skips its own checks, and
         # still checks a call that carries several loads for repeats among them unless their
-        # blocks are disjoint.
-        disjoint = len(loads) == 1 or disjoint_blocks(loads, dst_bs)
+        # blocks are disjoint (the plan's ``distinct``).
+        distinct = bp.distinct
         for c in bp.calls:
             su, du = bp.units(c)
             sv = view_at(src_by_unit, su, c.src_offset, memo)
             dv = view_at(self._by_unit, du, c.dst_offset, self._offset_views)
             src_ids = ops.CheckedIds(c.src, rem.num_blocks * (src_bs // su), False)
             dst_ids = ops.CheckedIds(
-                c.dst, self.num_blocks * (dst_bs // du), disjoint or len(c.request_ids) == 1
+                c.dst, self.num_blocks * (dst_bs // du), distinct or len(c.request_ids) == 1
             )
             for r in reads:
                 ops.copy_blocks(

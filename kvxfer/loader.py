@@ -36,6 +36,7 @@ from .engine_types import (
     ReleaseItem,
     Remote,
     describe_error,
+    disjoint_blocks,
     time_left,
 )
 from .ipc_read import IpcReads
@@ -590,9 +591,11 @@ class LoaderRole(IpcReads, PgReads, Notifier):
 
     def _plan(self, loads: list[LoadItem], src_bs: int, src_units: list[int]) -> BatchPlan:
         """Units and ops calls for ``loads`` from one source rank (block lists in; token slots
-        only for the tails of requests that end inside a block; each call names its units)."""
+        only for the tails of requests that end inside a block; each call names its units).
+        ``distinct`` when no local block is written by two of them (:func:`disjoint_blocks`)."""
         items = [it.plan_item() for it in loads]
-        return plan_batch(items, src_bs, src_units, self.spec.block_size, self._units)
+        distinct = len(loads) == 1 or disjoint_blocks(loads, self.spec.block_size)
+        return plan_batch(items, src_bs, src_units, self.spec.block_size, self._units, distinct=distinct)
 
     def _count(self, bp: BatchPlan, num_heads: int, layers: list[int] | None = None) -> tuple[int, int]:
         bpt = self._bpt.get(num_heads)
@@ -600,7 +603,10 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             bpt = self._bpt[num_heads] = self.spec.bytes_per_token(num_heads=num_heads)
         if layers is not None:
             bpt = bpt * len(layers) // self.spec.num_layers
-        return sum(c.num_tokens for c in bp.calls) * bpt, bp.skipped_tokens * bpt
+        tokens = 0
+        for c in bp.calls:  # a loop: a generator is a frame more, per read
+            tokens += c.num_tokens
+        return tokens * bpt, bp.skipped_tokens * bpt
 
     # ------------------------------------------------------------------------ releases
     def _run_releases(self, items: list[ReleaseItem]) -> None:

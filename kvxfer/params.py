@@ -70,7 +70,7 @@ class _Shape(msgspec.Struct):
     host: _NonEmpty
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     tp_size: Annotated[int, msgspec.Meta(ge=1)]
-    block_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
+    block_ids: Annotated[tuple[int, ...], msgspec.Meta(min_length=1)]  # the params' tuple, made once
     num_tokens: Annotated[int, msgspec.Meta(ge=1)]
     token: Annotated[str, msgspec.Meta(min_length=32, max_length=32)]
     version: int = PARAMS_VERSION
@@ -225,7 +225,7 @@ class KVTransferParams:
             host=f.host,
             port=f.port,
             tp_size=f.tp_size,
-            block_ids=tuple(f.block_ids),
+            block_ids=f.block_ids,
             num_tokens=f.num_tokens,
             token=f.token,
             version=f.version,

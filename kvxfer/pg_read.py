@@ -14,7 +14,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .engine_types import LoadItem, Remote, describe_error, disjoint_blocks, time_left
+from .engine_types import LoadItem, Remote, describe_error, time_left
 from .plan import Read
 from .tracing import batch_tag
 from .transports import BatchPlan
@@ -118,7 +118,7 @@ class PgReads:
             hook()
 
         # ids checked at load() (range, repeats); disjoint loads: no repeats across them either
-        disjoint = disjoint_blocks(loads, self.spec.block_size)
+        disjoint = bp.distinct
 
         def scatter(c, wire: torch.Tensor) -> None:
             dv = view_at(self._by_unit, c.unit, c.offset, self._offset_views)

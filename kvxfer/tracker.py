@@ -113,7 +113,7 @@ class ExportTracker:
     ) -> None:
         """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``.
         ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`.
-        ``token``: the request's auth token, returned by :meth:`token_of` while it is live."""
+        ``token``: the request's auth token, returned by :meth:`tokens_of` while it is live."""
         ids = block_ids
         if type(ids) is not np.ndarray or ids.dtype is not _INT64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(block_ids, dtype=np.int64)
@@ -167,11 +167,17 @@ class ExportTracker:
         return ready
 
     def _release(self, request_id: str) -> None:
-        e = self._live.pop(request_id)
-        self._gone[request_id] = None
-        if len(self._gone) > 100_000:
-            del self._gone[next(iter(self._gone))]
-        idops.release(self._rc, self._ep, e.block_ids)  # bumps the epochs of blocks no export holds now
+        self._release_many((request_id,))
+
+    def _release_many(self, request_ids) -> None:
+        """Drop live exports (under :attr:`lock`): their blocks one holder less each, the
+        epochs of blocks no export holds now bumped; remembered as gone (bounded)."""
+        live, gone, rc, ep, release = self._live, self._gone, self._rc, self._ep, idops.release
+        for rid in request_ids:
+            release(rc, ep, live.pop(rid).block_ids)
+            gone[rid] = None
+        while len(gone) > 100_000:
+            del gone[next(iter(gone))]
 
     def grant(self, request_ids: list[str]) -> tuple[dict[str, bytes], dict[str, str], dict[str, np.ndarray]]:
         """Check leases and renew them: (request id -> its blocks' epochs, native int64 bytes; id
@@ -195,11 +201,15 @@ class ExportTracker:
                     masks[rid] = self.layers_ready(rid)
         return ok, bad, masks
 
-    def token_of(self, request_id: str) -> str:
-        """The token kept with a live export ("" when it is not live or none was kept). No lock:
-        one dict read, and a token never changes while its export lives."""
-        e = self._live.get(request_id)
-        return e.token if e is not None else ""
+    def tokens_of(self, request_ids: list[str]) -> list[str]:
+        """The token kept with each live export of ``request_ids`` ("" for one not live, or
+        kept without a token). No lock: one dict read each, and a token never changes while
+        its export lives."""
+        live, out = self._live, []
+        for rid in request_ids:
+            e = live.get(rid)
+            out.append(e.token if e is not None else "")
+        return out
 
     def lookup(self, request_id: str) -> _Export | None:
         with self.lock:
@@ -227,7 +237,7 @@ class ExportTracker:
     def _report(self, request_id: str, kind: str) -> None:
         """Report a released request now, or once the gathers reading its blocks completed."""
         inflight = self._inflight.pop(request_id, ()) if self._inflight else ()  # CUDA pg exports only
-        pending = [e for e in inflight if not event_done(e)]
+        pending = [e for e in inflight if not event_done(e)] if inflight else ()
         if pending:
             self._deferred.append((request_id, kind, pending))
         elif kind == "finished":
@@ -242,7 +252,7 @@ class ExportTracker:
     def notify_many(self, request_ids: list[str], sender: tuple, expected: int) -> int:
         """:meth:`notify` for each of ``request_ids`` (one notification message), under one
         lock; returns how many were released."""
-        released = 0
+        done = []
         with self.lock:
             live = self._live
             for rid in request_ids:
@@ -254,10 +264,15 @@ class ExportTracker:
                 by = e.notified_by
                 by.add(sender)
                 if len(by) >= e.expected:
-                    self._release(rid)
-                    self._report(rid, "finished")
-                    released += 1
-        return released
+                    done.append(rid)
+            if done:
+                self._release_many(done)
+                if self._inflight:  # CUDA gathers of pg exports may still read some
+                    for rid in done:
+                        self._report(rid, "finished")
+                else:
+                    self._finished.update(done)
+        return len(done)
 
     def abort(self, request_id: str) -> bool:
         """Release an export now (the caller aborted it); reported as finished_sending."""
@@ -369,10 +384,15 @@ class LoadTracker:
         if not (self._done or self._failed):
             return  # nothing to report (read without the lock: a racing report shows next poll)
         with self.lock:
-            out.finished_recving |= self._done
-            out.failed.update(self._failed)
-            out.errors.update(self._errors)
+            done, failed, errors = self._done, self._failed, self._errors
             self._done, self._failed, self._errors = set(), {}, {}
+        # ``out`` is the poll's own: its containers are taken over when empty, else merged
+        if out.finished_recving:
+            out.finished_recving |= done
+        else:
+            out.finished_recving = done
+        out.failed.update(failed)
+        out.errors.update(errors)
 
 
 class CompletionAggregator:

@@ -246,3 +246,35 @@ def test_plan_batch_whole_block_requests_go_as_block_lists(src, dst):
     assert (bp.src_unit, bp.dst_unit) == (src.block_size, dst.block_size)
     assert len(bp.calls) == 1 and bp.calls[0].src.tolist() == list(range(s0))
     assert bp.calls[0].dst.tolist() == list(range(d0))
+
+
+@pytest.mark.parametrize(("src", "dst"), _cases())
+@pytest.mark.parametrize("lens", [[48], [37], [48, 96, 240], [16, 48, 7, 33, 24, 1, 12], [96, 48, 37]])
+@pytest.mark.parametrize("first", [0, 16], ids=["whole", "partial-load"])
+def test_plan_batch_distinct_is_the_same_plan(src, dst, lens, first):
+    """``distinct`` (the loader's promise that no two loads write one block) skips the
+    shared-prefix search and takes a one-pass plan for whole-block batches: the calls are
+    exactly those of the general plan, which the test above checks byte for byte."""
+    rng = random.Random(7 * len(lens) + first)
+    sfree, dfree = list(range(200)), list(range(300))
+    rng.shuffle(sfree)
+    rng.shuffle(dfree)
+    items = []
+    for i, n in enumerate(lens):
+        s_ids = np.array([sfree.pop() for _ in range(src.num_blocks_for(n))], dtype=np.int64)
+        d_ids = np.array([dfree.pop() for _ in range(dst.num_blocks_for(n))], dtype=np.int64)
+        k = first if first < n and first % dst.block_size == 0 else 0
+        items.append(Item(f"r{i}", s_ids, d_ids, n, first=k))
+    sv, dv = [src.block_size, 1], [dst.block_size, 1]
+    if src.layout == "HND" or dst.layout == "HND":
+        sv, dv = [src.block_size], [dst.block_size]
+    general = plan_batch(items, src.block_size, sv, dst.block_size, dv)
+    fast = plan_batch(items, src.block_size, sv, dst.block_size, dv, distinct=True)
+    assert fast.distinct and (fast.src_unit, fast.dst_unit) == (general.src_unit, general.dst_unit)
+    assert fast.skipped_tokens == general.skipped_tokens
+    assert len(fast.calls) == len(general.calls)
+    for a, b in zip(fast.calls, general.calls):
+        assert a.request_ids == b.request_ids and a.num_tokens == b.num_tokens
+        assert (a.src_offset, a.dst_offset, fast.units(a)) == (b.src_offset, b.dst_offset, general.units(b))
+        assert np.array_equal(a.src, b.src) and np.array_equal(a.dst, b.dst)
+    assert general.distinct == (len(items) == 1)  # without the promise: only a lone request

@@ -345,3 +345,46 @@ def test_exact_ints_accepts_plain_ints_only(impl, kind):
 def test_exact_ints_refuses_what_is_not_a_list(impl):
     with pytest.raises(TypeError, match="list or tuple"):
         impl["exact_ints"](np.arange(3))
+
+
+# ------------------------------------------------------------- id sets: bitmap and hash
+@pytest.mark.parametrize(
+    "bound",
+    [
+        300,  # a bitmap cleared whole (a few words)
+        900_000,  # a bitmap cleared word by word (far more words than ids)
+        3 << 40,  # a hash set (beyond any bitmap)
+    ],
+)
+def test_repeat_checks_are_exact_and_forget_between_calls(impl, bound):
+    """The native sets (a kept bitmap, or a hash set when ids are far apart): a repeat anywhere
+    is found, none is invented, and nothing is remembered from one call to the next (the same
+    ids again, or in another call, are not repeats)."""
+    rng = np.random.default_rng(bound)
+    ids = rng.choice(min(bound - 1, 1 << 40), size=200, replace=False).astype(np.int64)
+    ids[-1] = bound - 1  # the top of the range (not drawn above: no repeat)
+    for _ in range(2):  # a second time: the first call's bits are gone
+        assert not impl["any_repeat"]([ids[:100], ids[100:]])
+    rep = ids.copy()
+    rep[150] = rep[3]
+    assert impl["any_repeat"]([rep[:100], rep[100:]])
+    assert not impl["any_repeat"]([ids[100:]])  # after a call that found a repeat midway
+    if bound <= 1 << 40:
+        as_list = ids.tolist()
+        assert impl["ids_from_list"](as_list, 200, bound, True).tolist() == as_list
+        with pytest.raises(ValueError, match="repeated block id"):
+            impl["ids_from_list"](rep.tolist(), 200, bound, True)
+        assert impl["ids_from_list"](as_list, 200, bound, True).tolist() == as_list
+
+
+def test_hold_release_count_a_block_once_with_a_hash_set(impl):
+    """A refcount array past the bitmap's size (the native hash set): a block listed twice
+    still counts once, and releasing bumps the epoch of blocks no export holds."""
+    n = (1 << 21) + 5
+    rc, ep = np.zeros(n, np.int32), np.zeros(n, np.int64)
+    a = np.array([n - 1, 7, n - 1, 123_456], np.int64)
+    impl["hold"](rc, a)
+    impl["hold"](rc, a[:2])
+    assert rc[[n - 1, 7, 123_456]].tolist() == [2, 2, 1]
+    impl["release"](rc, ep, a)
+    assert rc[[n - 1, 7, 123_456]].tolist() == [1, 1, 0] and ep[[n - 1, 7, 123_456]].tolist() == [0, 0, 1]

@@ -101,10 +101,71 @@ class IdSet {
   size_t mask_ = 0;
 };
 
-// Whether `x[0..n)` (ids >= 0) names some value twice.
-bool has_repeat(const int64_t *x, Py_ssize_t n) {
+// The bitmap Seen keeps between calls: every bit is 0 between calls (each Seen clears what it
+// set). The GIL, held by every function here, serialises its users.
+std::vector<uint64_t> &shared_bits() {
+  static std::vector<uint64_t> bits;
+  return bits;
+}
+
+// Bitmaps up to this many bits (128 KiB, kept) are used for any count of ids; above it, only
+// while the bound stays within 64 bits per id, and never above kBitmapMaxBits (16 MiB).
+constexpr uint64_t kBitmapBits = uint64_t{1} << 20;
+constexpr uint64_t kBitmapMaxBits = uint64_t{1} << 27;
+
+// A set of up to `n` ids in [0, bound): a bit per possible id in the shared bitmap (a test and a
+// set per id, nothing to allocate), or an IdSet when the bound is far above the count. The
+// bitmap is cleared at the end: the whole range when it is small next to the count, else the
+// words of the ids inserted (kept in a list).
+class Seen {
+ public:
+  Seen(Py_ssize_t n, uint64_t bound) {
+    const uint64_t count = n > 0 ? static_cast<uint64_t>(n) : 0;
+    if (bound <= kBitmapBits || (bound / 64 <= count && bound <= kBitmapMaxBits)) {
+      std::vector<uint64_t> &bits = shared_bits();
+      words_ = static_cast<size_t>((bound + 63) / 64);
+      if (bits.size() < words_) bits.resize(words_, 0);
+      bits_ = bits.data();
+      track_ = words_ > 4 * count;  // clearing the whole range would cost more than tracking
+      if (track_) set_.reserve(static_cast<size_t>(count));
+    } else {
+      hash_ = new IdSet(n);
+    }
+  }
+  ~Seen() {
+    if (hash_ != nullptr) {
+      delete hash_;
+    } else if (!track_) {
+      std::memset(bits_, 0, words_ * sizeof(uint64_t));
+    } else {
+      for (int64_t id : set_) bits_[id >> 6] = 0;  // whole words: only bits this Seen set were 1
+    }
+  }
+  Seen(const Seen &) = delete;
+  Seen &operator=(const Seen &) = delete;
+  // True when `id` (in [0, bound)) was not in the set (it is now).
+  bool insert(int64_t id) {
+    if (hash_ != nullptr) return hash_->insert(id);
+    uint64_t &w = bits_[id >> 6];
+    const uint64_t bit = uint64_t{1} << (id & 63);
+    if (w & bit) return false;
+    w |= bit;
+    if (track_) set_.push_back(id);
+    return true;
+  }
+
+ private:
+  uint64_t *bits_ = nullptr;
+  size_t words_ = 0;
+  bool track_ = false;
+  IdSet *hash_ = nullptr;
+  std::vector<int64_t> set_;
+};
+
+// Whether `x[0..n)` (ids in [0, bound)) names some value twice.
+bool has_repeat(const int64_t *x, Py_ssize_t n, uint64_t bound) {
   if (n < 2) return false;
-  IdSet seen(n);
+  Seen seen(n, bound);
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!seen.insert(x[i])) return true;
   }
@@ -176,7 +237,7 @@ PyObject *ids_from_seq(PyObject *, PyObject *const *args, Py_ssize_t n) {
     }
     dst[i] = v;
   }
-  if (unique && has_repeat(dst, need)) {
+  if (unique && has_repeat(dst, need, static_cast<uint64_t>(num_blocks))) {
     Py_DECREF(out);
     return PyErr_Format(PyExc_ValueError, "block_ids: repeated block id");
   }
@@ -193,7 +254,7 @@ PyObject *hold(PyObject *, PyObject *const *args, Py_ssize_t n) {
   int32_t *r = static_cast<int32_t *>(rc.view.buf);
   const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
   const Py_ssize_t k = ids.count();
-  IdSet seen(k);
+  Seen seen(k, static_cast<uint64_t>(rc.count()));
   for (Py_ssize_t i = 0; i < k; ++i) {
     if (seen.insert(x[i])) ++r[x[i]];
   }
@@ -218,7 +279,7 @@ PyObject *release(PyObject *, PyObject *const *args, Py_ssize_t n) {
   int64_t *e = static_cast<int64_t *>(ep.view.buf);
   const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
   const Py_ssize_t k = ids.count();
-  IdSet seen(k);
+  Seen seen(k, static_cast<uint64_t>(rc.count()));
   for (Py_ssize_t i = 0; i < k; ++i) {
     if (seen.insert(x[i]) && --r[x[i]] == 0) ++e[x[i]];
   }
@@ -323,6 +384,7 @@ PyObject *any_repeat(PyObject *, PyObject *const *args, Py_ssize_t n) {
   PyObject **items = PySequence_Fast_ITEMS(seq);
   std::vector<Buf> bufs(m);
   Py_ssize_t total = 0;
+  int64_t top = 0;
   for (Py_ssize_t i = 0; i < m; ++i) {
     if (!get(items[i], bufs[i], 8, false, "ids")) return nullptr;
     const int64_t *x = static_cast<const int64_t *>(bufs[i].view.buf);
@@ -331,11 +393,12 @@ PyObject *any_repeat(PyObject *, PyObject *const *args, Py_ssize_t n) {
         return PyErr_Format(PyExc_ValueError, "any_repeat: negative block id %lld (array %zd, item %zd)",
                             static_cast<long long>(x[j]), i, j);
       }
+      top = x[j] > top ? x[j] : top;
     }
     total += bufs[i].count();
   }
   if (total < 2) Py_RETURN_FALSE;
-  IdSet seen(total);
+  Seen seen(total, static_cast<uint64_t>(top) + 1);
   for (Py_ssize_t i = 0; i < m; ++i) {
     const int64_t *x = static_cast<const int64_t *>(bufs[i].view.buf);
     for (Py_ssize_t j = 0, k = bufs[i].count(); j < k; ++j) {
