@@ -12,7 +12,6 @@ from . import control as C
 from . import idops
 from .params import KVTransferParams
 from .spec import KVCacheSpec
-from .transports.batching import Item
 
 TICK_MS = 20
 
@@ -120,9 +119,22 @@ class Remote:
 
 
 class LoadItem:
-    """One queued load (a plain slotted class: made per ``load()``)."""
+    """One queued load (a plain slotted class: made per ``load()``). It is also the
+    :class:`~kvxfer.transports.batching.Item` the batch planner reads (``src``, ``dst``,
+    ``num_tokens``, ``skip``, ``first``; read only): no per-load copy to plan a batch."""
 
-    __slots__ = ("block_ids", "deadline", "first", "params", "request_id", "src_ids")
+    __slots__ = (
+        "block_ids",
+        "deadline",
+        "dst",
+        "first",
+        "num_tokens",
+        "params",
+        "request_id",
+        "skip",
+        "src",
+        "src_ids",
+    )
 
     def __init__(
         self,
@@ -140,12 +152,9 @@ class LoadItem:
         # the params' read-only ids seen as int64, no copy: unsigned, they were bounded by one
         # max() (the loader bounds them by the exporter's block count before it plans)
         self.src_ids: np.ndarray = params.block_id_array().view(np.int64)
-
-    def plan_item(self) -> Item:
-        """This load as :func:`kvxfer.transports.plan_batch` takes it: block ids of both sides
-        (the backends that hand ids to torch copy the read-only source ids themselves:
-        :func:`kvxfer.backends.base.ids_tensor`)."""
-        return Item(self.request_id, self.src_ids, self.block_ids, self.params.num_tokens, first=self.first)
+        # as the planner's Item: block ids of both sides (the backends that hand ids to torch
+        # copy the read-only source ids themselves: kvxfer.backends.base.ids_tensor)
+        self.src, self.dst, self.num_tokens, self.skip = self.src_ids, block_ids, params.num_tokens, 0
 
 
 @dataclass

@@ -593,9 +593,8 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         """Units and ops calls for ``loads`` from one source rank (block lists in; token slots
         only for the tails of requests that end inside a block; each call names its units).
         ``distinct`` when no local block is written by two of them (:func:`disjoint_blocks`)."""
-        items = [it.plan_item() for it in loads]
         distinct = len(loads) == 1 or disjoint_blocks(loads, self.spec.block_size)
-        return plan_batch(items, src_bs, src_units, self.spec.block_size, self._units, distinct=distinct)
+        return plan_batch(loads, src_bs, src_units, self.spec.block_size, self._units, distinct=distinct)
 
     def _count(self, bp: BatchPlan, num_heads: int, layers: list[int] | None = None) -> tuple[int, int]:
         bpt = self._bpt.get(num_heads)

@@ -391,11 +391,10 @@ class NixlRole:
         layers: list[int] | None = None,
     ) -> tuple[int, dict[str, str]]:
         agent = self._nixl
-        items = [it.plan_item() for it in loads]
         sbs, dbs = rem.spec.block_size, self.spec.block_size
         # block units on both sides (n>1 prefixes once; a partial load starting inside a block
         # gets a short head call at the same offset on both sides: equal block sizes)
-        bp = plan_batch(items, sbs, [sbs], dbs, [dbs])
+        bp = plan_batch(loads, sbs, [sbs], dbs, [dbs])
         sa, da, ln = direct_runs(st.geometry, self._nixl_geo, bp.calls, [_read_key(r) for r in reads], layers)
         moved = saved = 0
         for r in reads:
