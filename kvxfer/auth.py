@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["AUTH_KEY_ENV", "EngineSecret", "mismatched", "request_token", "tokens_match"]
+__all__ = ["AUTH_KEY_ENV", "UNAUTHORIZED", "EngineSecret", "request_token", "tokens_match"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -69,20 +69,14 @@ class _KeyedSha256:
         return outer.digest()[:_TOKEN_BYTES].hex()
 
 
+UNAUTHORIZED = "unauthorized: the token does not match the request (params of another engine or forged)"
+
+
 def tokens_match(expected: str, presented: object) -> bool:
-    """Constant-time comparison of a presented token with the expected one."""
+    """Constant-time comparison of a presented token with the expected one. (The exporter's
+    tracker runs this same test inline in its grant and notification loops, one request after
+    another, without a call per request: ``kvxfer.tracker.ExportTracker.grant``.)"""
     return isinstance(presented, str) and hmac.compare_digest(expected, presented)
-
-
-def mismatched(expected: list[str], presented: list) -> list[int]:
-    """The indices ``i`` where ``presented[i]`` is not the token ``expected[i]``
-    (:func:`tokens_match` of each pair, in one loop: a message's requests, without a call per
-    request)."""
-    eq, out = hmac.compare_digest, []
-    for i, (e, p) in enumerate(zip(expected, presented)):  # a loop: a comprehension is one frame more
-        if not (isinstance(p, str) and eq(e, p)):
-            out.append(i)
-    return out
 
 
 def _key_dir() -> Path:

@@ -17,7 +17,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .auth import mismatched
+from .auth import UNAUTHORIZED, tokens_match
 from .engine_types import TICK_MS, describe_error
 from .ordering import NOT_READY
 from .plan import plan_reads
@@ -28,7 +28,6 @@ from .transports.batching import view_at
 _LOG = logging.getLogger(__name__)
 
 LONG_POLL_MAX_S = 1.0  # a grant held for new layers is answered within this, whatever the loader asked
-UNAUTHORIZED = "unauthorized: the token does not match the request (params of another engine or forged)"
 
 
 class ExporterRole:
@@ -55,15 +54,25 @@ class ExporterRole:
 
     def _authorized(self, request_ids: list[str], tokens: list[str]) -> dict[str, str]:
         """Request ids whose token does not verify -> why (empty when all do)."""
-        if not isinstance(tokens, list) or len(tokens) != len(request_ids):
-            return {rid: "unauthorized: one token per request id is needed" for rid in request_ids} or {
-                "*": "unauthorized: one token per request id is needed"
-            }
-        kept = self._exports.tokens_of(request_ids)
-        if "" in kept:  # not live (not exported yet, or released): the token its secret makes
-            kept = [k or self._secret.token(rid) for k, rid in zip(kept, request_ids)]
-        wrong = mismatched(kept, tokens)
-        return {request_ids[i]: UNAUTHORIZED for i in wrong} if wrong else {}
+        miscounted = self._miscounted(request_ids, tokens)
+        if miscounted is not None:
+            return miscounted
+        bad: dict[str, str] = {}
+        kept = self._exports.token_of
+        for rid, tok in zip(request_ids, tokens):
+            if not tokens_match(kept(rid) or self._secret.token(rid), tok):
+                bad[rid] = UNAUTHORIZED
+        return bad
+
+    @staticmethod
+    def _miscounted(request_ids: list[str], tokens) -> dict[str, str] | None:
+        """Every id refused (why) when ``tokens`` is not one token per request id; else None
+        (the tracker verifies each token: ExportTracker.grant / notify_many)."""
+        if type(tokens) is list and len(tokens) == len(request_ids):
+            return None
+        return {rid: "unauthorized: one token per request id is needed" for rid in request_ids} or {
+            "*": "unauthorized: one token per request id is needed"
+        }
 
     def _hello_reply(self) -> C.HelloReply:
         pg = (
@@ -127,24 +136,24 @@ class ExporterRole:
     def _handle_read(self, msg: C.ReadReq):
         """A lease request: granted now, or (a long poll) when a wanted layer is ready or at
         ``wait_s``."""
-        bad = self._authorized(msg.request_ids, msg.tokens)
         self._loader_tp[msg.engine_id] = msg.tp_size
-        reply = self._grant_reply(msg, bad, final=msg.wait_s <= 0)
+        reply = self._grant_reply(msg, final=msg.wait_s <= 0)
         if reply is None:
             wait = min(float(msg.wait_s), LONG_POLL_MAX_S)
-            return C.Deferred(lambda final: self._grant_reply(msg, bad, final), time.monotonic() + wait)
+            return C.Deferred(lambda final: self._grant_reply(msg, final), time.monotonic() + wait)
         return reply
 
-    def _grant_reply(self, msg: C.ReadReq, bad: dict[str, str], final: bool) -> C.ReadReply | None:
-        """Grant (and renew) the leases of ``msg``'s verified requests, with the layers ready of
-        layer-wise exports (``layers``: one entry per granted request, ``b""`` for a whole one;
-        empty when none is layer-wise). None (not ``final``) when nothing the loader wants is
-        ready yet."""
-        ids = [r for r in msg.request_ids if r not in bad] if bad else msg.request_ids
-        with self._exports.lock:
-            ok, failed, masks = self._exports.grant(ids)
-        if bad:
-            failed.update(bad)
+    def _grant_reply(self, msg: C.ReadReq, final: bool) -> C.ReadReply | None:
+        """Grant (and renew) the leases of ``msg``'s requests whose tokens verify, with the
+        layers ready of layer-wise exports (``layers``: one entry per granted request, ``b""``
+        for a whole one; empty when none is layer-wise). None (not ``final``) when nothing the
+        loader wants is ready yet."""
+        miscounted = self._miscounted(msg.request_ids, msg.tokens)
+        if miscounted is not None:
+            ok, failed, masks = {}, miscounted, {}
+        else:
+            with self._exports.lock:
+                ok, failed, masks = self._exports.grant(msg.request_ids, msg.tokens, self._secret.token)
         for rid in self._order.not_ready(list(ok)):  # compute still writing: ask again
             del ok[rid]
             failed[rid] = NOT_READY
@@ -178,13 +187,17 @@ class ExporterRole:
     def _handle_notify(self, msg: C.Notify) -> C.Ack:
         """Count a loader rank's notifications (idempotent: a retried one counts once)."""
         ids = [*msg.request_ids, *msg.failed] if msg.failed else msg.request_ids
-        bad = self._authorized(ids, msg.tokens)
+        bad = self._miscounted(ids, msg.tokens)
+        if bad is not None:
+            return C.Ack(failed=bad)
+        bad = {}
         expected = self._expected.get(msg.tp_size)
         if expected is None:
             plan = plan_reads(self.spec, self.tp_size, self.spec, msg.tp_size)
             expected = self._expected[msg.tp_size] = plan.expected_notifications(self.tp_rank)
-        good = [rid for rid in ids if rid not in bad] if bad else ids
-        released = self._exports.notify_many(good, (msg.engine_id, msg.tp_rank), expected)
+        released = self._exports.notify_many(
+            ids, (msg.engine_id, msg.tp_rank), expected, msg.tokens, self._secret.token, bad
+        )
         if released:
             self._metrics.add("finished_exports", released)
         return C.Ack(failed=bad)

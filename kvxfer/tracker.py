@@ -16,14 +16,17 @@ counts as done only when every rank has reported it.
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from . import idops
+from .auth import UNAUTHORIZED
 from .ordering import event_done
 
 UNKNOWN = "unknown: not exported here (yet)"
@@ -113,7 +116,7 @@ class ExportTracker:
     ) -> None:
         """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``.
         ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`.
-        ``token``: the request's auth token, returned by :meth:`tokens_of` while it is live."""
+        ``token``: the request's auth token, returned by :meth:`token_of` while it is live."""
         ids = block_ids
         if type(ids) is not np.ndarray or ids.dtype is not _INT64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(block_ids, dtype=np.int64)
@@ -179,18 +182,36 @@ class ExportTracker:
         while len(gone) > 100_000:
             del gone[next(iter(gone))]
 
-    def grant(self, request_ids: list[str]) -> tuple[dict[str, bytes], dict[str, str], dict[str, np.ndarray]]:
+    def grant(
+        self,
+        request_ids: list[str],
+        tokens: list | None = None,
+        token_for: Callable[[str], str] | None = None,
+    ) -> tuple[dict[str, bytes], dict[str, str], dict[str, np.ndarray]]:
         """Check leases and renew them: (request id -> its blocks' epochs, native int64 bytes; id
         -> reason; id -> layers a loader may read now, for the granted layer-wise exports only:
-        :meth:`layers_ready`)."""
+        :meth:`layers_ready`).
+
+        ``tokens`` (one per request id, as a loader presents them): a request whose token does
+        not verify is refused :data:`~kvxfer.auth.UNAUTHORIZED`, neither granted nor renewed
+        (:func:`~kvxfer.auth.tokens_match` against the token kept with its export, or
+        ``token_for(request_id)`` for one not live: then a request unknown here is told apart
+        from a forged one only with its own token)."""
         ok: dict[str, bytes] = {}
         bad: dict[str, str] = {}
         masks: dict[str, np.ndarray] = {}
         with self.lock:
             deadline = time.monotonic() + self.lease_s
             live, ep, snapshot = self._live, self._ep, idops.snapshot
-            for rid in request_ids:
+            eq = hmac.compare_digest
+            for i, rid in enumerate(request_ids):
                 e = live.get(rid)
+                if tokens is not None:  # tokens_match, inline
+                    tok = tokens[i]
+                    want = e.token if e is not None and e.token else token_for(rid)
+                    if not (isinstance(tok, str) and eq(want, tok)):
+                        bad[rid] = UNAUTHORIZED
+                        continue
                 if e is None:
                     bad[rid] = UNKNOWN if rid not in self._gone else RELEASED
                     continue
@@ -201,15 +222,11 @@ class ExportTracker:
                     masks[rid] = self.layers_ready(rid)
         return ok, bad, masks
 
-    def tokens_of(self, request_ids: list[str]) -> list[str]:
-        """The token kept with each live export of ``request_ids`` ("" for one not live, or
-        kept without a token). No lock: one dict read each, and a token never changes while
-        its export lives."""
-        live, out = self._live, []
-        for rid in request_ids:
-            e = live.get(rid)
-            out.append(e.token if e is not None else "")
-        return out
+    def token_of(self, request_id: str) -> str:
+        """The token kept with a live export ("" when it is not live or none was kept). No lock:
+        one dict read, and a token never changes while its export lives."""
+        e = self._live.get(request_id)
+        return e.token if e is not None else ""
 
     def lookup(self, request_id: str) -> _Export | None:
         with self.lock:
@@ -249,14 +266,31 @@ class ExportTracker:
         """Count a notification from ``sender``; release when ``expected`` arrived. True if released."""
         return self.notify_many([request_id], sender, expected) == 1
 
-    def notify_many(self, request_ids: list[str], sender: tuple, expected: int) -> int:
+    def notify_many(
+        self,
+        request_ids: list[str],
+        sender: tuple,
+        expected: int,
+        tokens: list | None = None,
+        token_for: Callable[[str], str] | None = None,
+        bad: dict[str, str] | None = None,
+    ) -> int:
         """:meth:`notify` for each of ``request_ids`` (one notification message), under one
-        lock; returns how many were released."""
+        lock; returns how many were released. ``tokens``, ``token_for``: as :meth:`grant`; a
+        request whose token does not verify counts nothing and goes into ``bad`` (id ->
+        :data:`~kvxfer.auth.UNAUTHORIZED`)."""
         done = []
         with self.lock:
             live = self._live
-            for rid in request_ids:
+            eq = hmac.compare_digest
+            for i, rid in enumerate(request_ids):
                 e = live.get(rid)
+                if tokens is not None:  # tokens_match, inline
+                    tok = tokens[i]
+                    want = e.token if e is not None and e.token else token_for(rid)
+                    if not (isinstance(tok, str) and eq(want, tok)):
+                        bad[rid] = UNAUTHORIZED
+                        continue
                 if e is None:
                     continue
                 if e.expected is None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvxfer import CompletionAggregator, KVCacheSpec, plan_reads
+from kvxfer.auth import UNAUTHORIZED
 from kvxfer.tracker import RELEASED, UNKNOWN, ExportTracker, LoadTracker, PollResult
 
 GQA = KVCacheSpec(2, 2, 8, 16, torch.float16)
@@ -200,3 +201,30 @@ def test_grant_gives_the_ready_layers_of_layer_wise_exports_only():
     assert masks["lw"].tolist() == [True, False, False, False]  # layer 1's compute still running
     ev.done = True
     assert t.grant(["lw"])[2]["lw"].tolist() == [True, True, False, False]
+
+
+def test_grant_and_notify_verify_each_token_before_touching_the_request():
+    """With tokens, a request whose token does not verify is refused UNAUTHORIZED and left
+    alone (no renewal, no count); one not live is told UNKNOWN only with its own token (the
+    secret's ``token_for``), and one released with it RELEASED."""
+    secret = {"a": "A" * 32, "b": "B" * 32, "new": "N" * 32, "gone": "G" * 32}
+    t = ExportTracker(8, 30.0)
+    t.add("a", np.array([1, 2]), 20, token=secret["a"])
+    t.add("b", np.array([3]), 10, token=secret["b"])
+    t.add("gone", np.array([4]), 10, token=secret["gone"])
+    assert t.abort("gone")
+    t._live["a"].deadline = t._live["b"].deadline = 0.0
+    ask = ["a", "b", "new", "gone"]
+    forged = [secret["a"], "X" * 32, secret["new"], secret["gone"]]
+    ok, bad, _ = t.grant(ask, forged, secret.__getitem__)
+    assert list(ok) == ["a"] and t._live["a"].deadline > 0  # granted and renewed
+    assert bad == {"b": UNAUTHORIZED, "new": UNKNOWN, "gone": RELEASED}
+    assert t._live["b"].deadline == 0.0  # a forged token renews nothing
+    ok, bad, _ = t.grant(["new", "a"], ["Z" * 32, 7], secret.__getitem__)
+    assert not ok and bad == {"new": UNAUTHORIZED, "a": UNAUTHORIZED}  # a non-str token too
+    refused: dict = {}
+    n = t.notify_many(
+        ["a", "b", "new"], ("D", 0), 1, [secret["a"], "X" * 32, "Y" * 32], secret.__getitem__, refused
+    )
+    assert n == 1 and refused == {"b": UNAUTHORIZED, "new": UNAUTHORIZED}
+    assert "b" in t._live and "a" not in t._live  # b was not counted, a was released
