@@ -318,7 +318,8 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             for rid, why in self._read_rank(rem, s, alive, granted, deadline).items():
                 del alive[rid]
                 reasons[rid] = why
-        self._complete(rem, list(alive.values()), [it for it in good if it.request_id in reasons], reasons)
+        failed = [it for it in good if it.request_id in reasons] if reasons else []
+        self._complete(rem, list(alive.values()), failed, reasons)
 
     def _run_rounds(
         self,

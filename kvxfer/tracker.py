@@ -349,12 +349,19 @@ class ExportTracker:
                     else:
                         self._expired.add(rid)
                 self._deferred = still
-            out.finished_sending |= self._finished
-            out.expired |= self._expired
-            for rid in self._expired:
+            finished, expired = self._finished, self._expired
+            self._finished, self._expired = set(), set()
+            for rid in expired:
                 out.errors[rid] = self._errors.pop(rid, "lease expired")
-            self._finished = set()
-            self._expired = set()
+        # ``out`` is the poll's own: its sets are taken over when empty, else merged
+        if out.finished_sending:
+            out.finished_sending |= finished
+        else:
+            out.finished_sending = finished
+        if out.expired:
+            out.expired |= expired
+        else:
+            out.expired = expired
 
     def num_live(self) -> int:
         with self.lock:
