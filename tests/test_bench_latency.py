@@ -27,9 +27,12 @@ def test_bench_latency_prints_each_stage_of_the_path(tmp_path, transport):
     assert want <= set(got), res.stdout
     assert all(row[-1] == "3" for row in got.values()), res.stdout  # every warm request has them
     ms = {k: (float(v[-6]), float(v[-5])) for k, v in got.items()}  # (first start, last end)
-    # the path's order: grant before the data moves, data before done, the release after done
+    # the path's order: grant before the data moves, the data before D's caller sees the load
+    # done and before P's caller sees the blocks freed. Those two are not ordered: D's worker
+    # notifies P as soon as the data landed, and P's poll may see it before D's next poll does
     data = "copy" if transport == "ipc" else "scatter"
-    assert ms["grant"][1] <= ms[data][0] <= ms[data][1] <= ms["done"][0] <= ms["freed"][0], ms
+    assert ms["grant"][1] <= ms[data][0] <= ms[data][1] <= ms["done"][0], ms
+    assert ms[data][1] <= ms["freed"][0], ms
     assert ms["grant"][0] <= ms["serve ReadReq"][0] <= ms["grant"][1], ms
     data = json.loads((tmp_path / "bench_latency.json").read_text())
     assert data["meta"]["device"] and len(data["requests"]) == 3
