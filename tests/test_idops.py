@@ -388,3 +388,57 @@ def test_hold_release_count_a_block_once_with_a_hash_set(impl):
     assert rc[[n - 1, 7, 123_456]].tolist() == [2, 2, 1]
     impl["release"](rc, ep, a)
     assert rc[[n - 1, 7, 123_456]].tolist() == [1, 1, 0] and ep[[n - 1, 7, 123_456]].tolist() == [0, 0, 1]
+
+
+def test_ids_from_list_reads_every_int_size_and_sign_alike(impl):
+    """The native fast path for plain ints of one internal digit (|v| < 2**30) and the general
+    conversion agree at the digit boundaries, for both signs, and with bools and numpy ints
+    mixed in."""
+    vals = [0, 1, 2**30 - 1, 2**30, 2**30 + 1, 2**31, 2**40 + 3, True, np.int64(5)]
+    out = impl["ids_from_list"](vals, len(vals), 2**62)
+    assert out.tolist() == [0, 1, 2**30 - 1, 2**30, 2**30 + 1, 2**31, 2**40 + 3, 1, 5]
+    for neg in (-1, -(2**30) + 1, -(2**30), -(2**31)):
+        with pytest.raises(ValueError, match="out of range"):
+            impl["ids_from_list"]([3, neg], 2, 10)
+    assert impl["as_uint64"]([7, 2**30 - 1, 2**30]).tolist() == [7, 2**30 - 1, 2**30]
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.12", "3.13"])
+def test_native_helpers_build_and_agree_on_other_pythons(tmp_path, version):
+    """The fast int read differs by CPython version (3.12 moved the int layout: the unstable
+    API reads it there; 3.10 takes the general path): the module compiles against each version
+    installed here and converts ids alike (the GPU host runs 3.12)."""
+    import glob
+    import shutil
+
+    found = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}*/bin/python{version}")))
+    exe = found[-1] if found else shutil.which(f"python{version}")  # (pyenv's shims need a selection)
+    if exe is None or not HAS_CXX:
+        pytest.skip(f"no python{version} (or no C++ compiler) on this machine")
+    inc = subprocess.run(
+        [exe, "-c", "import sysconfig; print(sysconfig.get_paths()['include'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    if not os.path.exists(os.path.join(inc, "Python.h")):
+        pytest.skip(f"python{version} has no headers here")
+    so = tmp_path / "_kvx_ctl.so"
+    target = cpu_build.CONTROL_MODULE
+    flags = [f for f in target.flags if not f.startswith("-I")]
+    src = os.path.join(cpu_build.source_dir(target), target.source)
+    subprocess.run(["g++", *flags, f"-I{inc}", "-o", str(so), src], check=True, capture_output=True)
+    check = (
+        "import importlib.util, array, sys\n"
+        f"s = importlib.util.spec_from_file_location('_kvx_ctl', {str(so)!r})\n"
+        "m = importlib.util.module_from_spec(s); s.loader.exec_module(m)\n"
+        "ids = [0, 1, 7, 2**30 - 1, 2**30, 2**31 + 5, True, 2**40]\n"
+        "got = list(array.array('q', bytes(m.ids_from_seq(ids, len(ids), 2**62, False))))\n"
+        "assert got == [0, 1, 7, 2**30 - 1, 2**30, 2**31 + 5, 1, 2**40], got\n"
+        "for bad in ([-1], [-(2**31)]):\n"
+        "    try:\n"
+        "        m.ids_from_seq(bad, 1, 10, False)\n"
+        "    except ValueError:\n"
+        "        continue\n"
+        "    sys.exit(f'accepted {bad}')\n"
+    )
+    res = subprocess.run([exe, "-c", check], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr

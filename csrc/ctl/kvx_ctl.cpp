@@ -60,7 +60,13 @@ bool get(PyObject *obj, Buf &b, Py_ssize_t itemsize, bool writable, const char *
 // Every id of `ids` (int64) in [0, n); IndexError naming the first that is not.
 bool ids_in_range(const Buf &ids, Py_ssize_t n, const char *what) {
   const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
-  for (Py_ssize_t i = 0, k = ids.count(); i < k; ++i) {
+  const Py_ssize_t k = ids.count();
+  // One pass for the largest id read as unsigned (a negative one is huge), which the compiler
+  // vectorises; the error path finds the first offender only when there is one.
+  uint64_t top = 0;
+  for (Py_ssize_t i = 0; i < k; ++i) top |= static_cast<uint64_t>(x[i]) >= static_cast<uint64_t>(n);
+  if (!top) return true;
+  for (Py_ssize_t i = 0; i < k; ++i) {
     if (x[i] < 0 || x[i] >= n) {
       PyErr_Format(PyExc_IndexError, "%s: block id %lld (item %zd) out of range [0, %zd)", what,
                    static_cast<long long>(x[i]), i, n);
@@ -68,6 +74,27 @@ bool ids_in_range(const Buf &ids, Py_ssize_t n, const char *what) {
     }
   }
   return true;
+}
+
+// The value of `o` when it is exactly an int of at most one internal digit (|v| < 2**30: every
+// block id of a real cache), read without a call (PyLong_AsLongLongAndOverflow cost ~20
+// instructions an id, callgrind); false for anything else, which the caller converts the slow way.
+inline bool small_int(PyObject *o, long long &v) {
+#if PY_VERSION_HEX >= 0x030C0000
+  if (!PyLong_CheckExact(o) || !PyUnstable_Long_IsCompact(reinterpret_cast<PyLongObject *>(o))) return false;
+  v = PyUnstable_Long_CompactValue(reinterpret_cast<PyLongObject *>(o));
+  return true;
+#elif PY_VERSION_HEX >= 0x030B0000
+  if (!PyLong_CheckExact(o)) return false;
+  const Py_ssize_t size = Py_SIZE(o);  // digits, with the sign; 0 for zero
+  if (size < -1 || size > 1) return false;
+  v = static_cast<long long>(size) * static_cast<long long>(reinterpret_cast<PyLongObject *>(o)->ob_digit[0]);
+  return true;
+#else
+  (void)o;
+  (void)v;
+  return false;
+#endif
 }
 
 bool nargs(Py_ssize_t got, Py_ssize_t want, const char *name) {
@@ -196,7 +223,9 @@ PyObject *ids_from_seq(PyObject *, PyObject *const *args, Py_ssize_t n) {
   for (Py_ssize_t i = 0; i < need; ++i) {
     PyObject *o = items[i];
     long long v;
-    if (PyLong_Check(o)) {
+    if (small_int(o, v)) {
+      // the common case: a plain int
+    } else if (PyLong_Check(o)) {
       int overflow = 0;
       v = PyLong_AsLongLongAndOverflow(o, &overflow);
       if (overflow) v = -1;  // out of range below
