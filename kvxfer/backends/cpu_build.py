@@ -58,7 +58,7 @@ CPU_LIBRARY = Target(SOURCE, CXX_FLAGS, "libkvx_cpu-", ".so")
 # An extension module of this interpreter: its headers, its ABI's file suffix (both in the hash).
 CONTROL_MODULE = Target(
     Path("ctl") / "kvx_ctl.cpp",
-    ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
+    ("-std=c++17", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
      "-Wno-missing-field-initializers", f"-I{sysconfig.get_paths()['include']}"),
     "_kvx_ctl-",
     sysconfig.get_config_var("EXT_SUFFIX") or ".so",
