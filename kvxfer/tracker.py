@@ -253,14 +253,22 @@ class ExportTracker:
 
     def _report(self, request_id: str, kind: str) -> None:
         """Report a released request now, or once the gathers reading its blocks completed."""
-        inflight = self._inflight.pop(request_id, ()) if self._inflight else ()  # CUDA pg exports only
-        pending = [e for e in inflight if not event_done(e)] if inflight else ()
-        if pending:
-            self._deferred.append((request_id, kind, pending))
-        elif kind == "finished":
-            self._finished.add(request_id)
-        else:
-            self._expired.add(request_id)
+        self._report_many((request_id,), kind)
+
+    def _report_many(self, request_ids, kind: str) -> None:
+        """:meth:`_report` of each of ``request_ids`` (one set update when no CUDA gather of a
+        pg export is in flight: the common case)."""
+        now = self._finished if kind == "finished" else self._expired
+        if not self._inflight:
+            now.update(request_ids)
+            return
+        for rid in request_ids:
+            inflight = self._inflight.pop(rid, ())
+            pending = [e for e in inflight if not event_done(e)] if inflight else ()
+            if pending:
+                self._deferred.append((rid, kind, pending))
+            else:
+                now.add(rid)
 
     def notify(self, request_id: str, sender: tuple, expected: int) -> bool:
         """Count a notification from ``sender``; release when ``expected`` arrived. True if released."""
@@ -301,11 +309,7 @@ class ExportTracker:
                     done.append(rid)
             if done:
                 self._release_many(done)
-                if self._inflight:  # CUDA gathers of pg exports may still read some
-                    for rid in done:
-                        self._report(rid, "finished")
-                else:
-                    self._finished.update(done)
+                self._report_many(done, "finished")
         return len(done)
 
     def abort(self, request_id: str) -> bool:
