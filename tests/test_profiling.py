@@ -396,3 +396,18 @@ def test_bench_batching_counts_a_misplaced_tail(tmp_path, monkeypatch, capsys):
         rows = {r["plan"]: r for r in json.load(f)["rows"]}
     assert rows["slots"]["wrong"] == 0 and rows["split"]["wrong"] > 0
     assert "1 rows WRONG" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_count_host_instructions_counts_the_request_path():
+    """callgrind's per-iteration count of bench_engine.host_cost: positive, with the engine's
+    native id conversion among the functions (a few iterations: the figure, not its size)."""
+    import shutil
+
+    if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
+        pytest.skip("valgrind is not installed here")
+    from profiling import count_host_instructions as chi
+
+    r = chi.count(ROOT, batch=1, short=3, long=8)
+    assert 50_000 < r["per_iteration"] < 5_000_000, r["per_iteration"]
+    assert any("ids_from_seq" in k or "idops" in k or "_PyEval" in k for k in r["functions"])
