@@ -194,24 +194,15 @@ class ExportTracker:
 
         ``tokens`` (one per request id, as a loader presents them): a request whose token does
         not verify is refused :data:`~kvxfer.auth.UNAUTHORIZED`, neither granted nor renewed
-        (:func:`~kvxfer.auth.tokens_match` against the token kept with its export, or
-        ``token_for(request_id)`` for one not live: then a request unknown here is told apart
-        from a forged one only with its own token)."""
+        (:meth:`_verified`: a request unknown here is told apart from a forged one only with
+        its own token)."""
         ok: dict[str, bytes] = {}
         bad: dict[str, str] = {}
         masks: dict[str, np.ndarray] = {}
         with self.lock:
             deadline = time.monotonic() + self.lease_s
-            live, ep, snapshot = self._live, self._ep, idops.snapshot
-            eq = hmac.compare_digest
-            for i, rid in enumerate(request_ids):
-                e = live.get(rid)
-                if tokens is not None:  # tokens_match, inline
-                    tok = tokens[i]
-                    want = e.token if e is not None and e.token else token_for(rid)
-                    if not (isinstance(tok, str) and eq(want, tok)):
-                        bad[rid] = UNAUTHORIZED
-                        continue
+            ep, snapshot = self._ep, idops.snapshot
+            for rid, e in self._verified(request_ids, tokens, token_for, bad):
                 if e is None:
                     bad[rid] = UNKNOWN if rid not in self._gone else RELEASED
                     continue
@@ -221,6 +212,28 @@ class ExportTracker:
                 if e.marked is not None:
                     masks[rid] = self.layers_ready(rid)
         return ok, bad, masks
+
+    def _verified(
+        self, request_ids: list[str], tokens: list | None, token_for: Callable[[str], str] | None, bad: dict
+    ) -> list[tuple[str, _Export | None]]:
+        """``(request id, its live export or None)`` for each of ``request_ids`` whose token
+        verifies (all of them when ``tokens`` is None); the others go into ``bad`` as
+        :data:`~kvxfer.auth.UNAUTHORIZED`. The test is :func:`~kvxfer.auth.tokens_match`'s,
+        inline (one loop per message, no call per request), against the token kept with the
+        export, or ``token_for(request_id)`` for one not live. Call under :attr:`lock`."""
+        live = self._live
+        if tokens is None:
+            return [(rid, live.get(rid)) for rid in request_ids]
+        out = []
+        eq = hmac.compare_digest
+        for rid, tok in zip(request_ids, tokens):
+            e = live.get(rid)
+            want = e.token if e is not None and e.token else token_for(rid)
+            if isinstance(tok, str) and eq(want, tok):
+                out.append((rid, e))
+            else:
+                bad[rid] = UNAUTHORIZED
+        return out
 
     def token_of(self, request_id: str) -> str:
         """The token kept with a live export ("" when it is not live or none was kept). No lock:
@@ -285,20 +298,11 @@ class ExportTracker:
     ) -> int:
         """:meth:`notify` for each of ``request_ids`` (one notification message), under one
         lock; returns how many were released. ``tokens``, ``token_for``: as :meth:`grant`; a
-        request whose token does not verify counts nothing and goes into ``bad`` (id ->
-        :data:`~kvxfer.auth.UNAUTHORIZED`)."""
+        request whose token does not verify counts nothing and goes into ``bad``
+        (:meth:`_verified`)."""
         done = []
         with self.lock:
-            live = self._live
-            eq = hmac.compare_digest
-            for i, rid in enumerate(request_ids):
-                e = live.get(rid)
-                if tokens is not None:  # tokens_match, inline
-                    tok = tokens[i]
-                    want = e.token if e is not None and e.token else token_for(rid)
-                    if not (isinstance(tok, str) and eq(want, tok)):
-                        bad[rid] = UNAUTHORIZED
-                        continue
+            for rid, e in self._verified(request_ids, tokens, token_for, bad):
                 if e is None:
                     continue
                 if e.expected is None:

@@ -61,11 +61,11 @@ bool get(PyObject *obj, Buf &b, Py_ssize_t itemsize, bool writable, const char *
 bool ids_in_range(const Buf &ids, Py_ssize_t n, const char *what) {
   const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
   const Py_ssize_t k = ids.count();
-  // One pass for the largest id read as unsigned (a negative one is huge), which the compiler
-  // vectorises; the error path finds the first offender only when there is one.
-  uint64_t top = 0;
-  for (Py_ssize_t i = 0; i < k; ++i) top |= static_cast<uint64_t>(x[i]) >= static_cast<uint64_t>(n);
-  if (!top) return true;
+  // One branch-free pass (each id read as unsigned: a negative one is huge), which the compiler
+  // vectorises; the second loop finds the first offender only when there is one.
+  uint64_t any_out = 0;
+  for (Py_ssize_t i = 0; i < k; ++i) any_out |= static_cast<uint64_t>(x[i]) >= static_cast<uint64_t>(n);
+  if (!any_out) return true;
   for (Py_ssize_t i = 0; i < k; ++i) {
     if (x[i] < 0 || x[i] >= n) {
       PyErr_Format(PyExc_IndexError, "%s: block id %lld (item %zd) out of range [0, %zd)", what,
