@@ -47,7 +47,8 @@ case "$step" in
     python3 -m pytest -q -rfEs --timeout 120 --durations=15 ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest-all.log" | tail -40
     ;;
   gputests)
-    python3 -m pytest -q -rs -m "gpu or multigpu" --timeout 300 2>&1 | tee "$out/pytest-gpu.log" | tail -40
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -rfEs -m "gpu or multigpu" --timeout 120 --durations=15 ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest-gpu.log" | tail -40
     ;;
   ops)
     # extra args narrow the sweep to fit 10 minutes, e.g.: ops --models llama3-8b --dest device

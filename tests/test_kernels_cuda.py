@@ -377,27 +377,84 @@ def test_plan_copy_takes_narrowest_width_of_both_sides():
     assert cuda.plan_copy(a, b, 4).name == "kvx_copy_w2"
 
 
+def _fake_cupy_runtime(attrs: dict):
+    """A fake CUDA runtime whose pointer attributes are per thread, as the real runtime's are per
+    context: a thread that has not called ``setDevice`` gets no device pointer (the H200 failure
+    of 2026-11-26)."""
+    import threading
+    import types
+
+    bound = threading.local()
+
+    def pointer_attributes(p):
+        mapped = getattr(bound, "device", None) is not None
+        return types.SimpleNamespace(
+            type=attrs["type"], devicePointer=attrs["devicePointer"] if mapped else 0
+        )
+
+    def set_device(i):
+        bound.device = i
+
+    rt = types.SimpleNamespace(
+        memoryTypeHost=1,
+        pointerGetAttributes=pointer_attributes,
+        getDevice=lambda: getattr(bound, "device", None) or 0,
+        setDevice=set_device,
+    )
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt)), bound
+
+
 def test_device_address_of_host_memory_must_be_pinned_and_mapped(monkeypatch):
     """The pinned wire's address comes from the driver's pointer attributes; memory that is not
     pinned host memory, or has no device mapping, is refused naming the address, never handed
     to a kernel (an illegal address on the GPU)."""
     import sys
-    import types
 
     from kvxfer.backends import cuda as kc
 
     attrs = {"type": 1, "devicePointer": 0x7000}
-    rt = types.SimpleNamespace(
-        memoryTypeHost=1, pointerGetAttributes=lambda p: types.SimpleNamespace(**attrs)
-    )
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
+    fake, _ = _fake_cupy_runtime(attrs)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     t = torch.empty(64, dtype=torch.uint8)
-    assert kc._device_address(t) == 0x7000
+    dev = torch.device("cuda", 0)
+    assert kc._device_address(t, dev) == 0x7000
     for bad in ({"type": 0, "devicePointer": 0x7000}, {"type": 1, "devicePointer": 0}):
         attrs.update(bad)
-        with pytest.raises(ValueError, match=f"wire: host memory at {t.data_ptr():#x} is not pinned"):
-            kc._device_address(t)
+        with pytest.raises(ValueError, match=f"wire: host memory at {t.data_ptr():#x} is not pinned.*cuda:0"):
+            kc._device_address(t, dev)
+
+
+def test_device_address_binds_the_device_context_on_a_fresh_thread(monkeypatch):
+    """A thread whose first CUDA call is the pinned wire's address lookup (the staged exporter's
+    side-channel thread) binds the cache device's context before asking: before this, the
+    lookup answered device pointer 0 there and the gather was refused. The thread's previous
+    device is restored when it differs."""
+    import sys
+    import threading
+
+    from kvxfer.backends import cuda as kc
+
+    fake, bound = _fake_cupy_runtime({"type": 1, "devicePointer": 0x7000})
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    t = torch.empty(64, dtype=torch.uint8)
+    got: dict = {}
+
+    def fresh_thread():
+        try:
+            got["addr"] = kc._device_address(t, torch.device("cuda", 0))
+            got["device_after"] = getattr(bound, "device", None)
+            bound.device = 1  # a thread working on another device keeps it
+            kc._device_address(t, torch.device("cuda", 0))
+            got["restored"] = bound.device
+        except Exception as exc:  # surfaced by the asserts below
+            got["error"] = exc
+
+    th = threading.Thread(target=fresh_thread)
+    th.start()
+    th.join(10)
+    assert not th.is_alive()
+    assert "error" not in got, got.get("error")
+    assert got == {"addr": 0x7000, "device_after": 0, "restored": 1}
 
 
 def test_launch_logs_kernel_stream_and_addresses_at_debug(monkeypatch, caplog):

@@ -57,6 +57,50 @@ def test_ops_dispatch_picks_cuda(dev):
     assert torch.equal(wire.view(torch.uint8), want.view(torch.uint8))
 
 
+def test_gpu_pinned_wire_gather_and_scatter_on_a_fresh_thread(dev):
+    """The staged exporter gathers into pinned host memory on a thread whose first CUDA call
+    that is, after the kernels were loaded on another thread. On an H200 (2026-11-26) that
+    lookup answered device pointer 0 and the gather was refused; the address lookup now binds
+    the device's context first. Element value: its flat index mod 251 + 256 x layer."""
+    import threading
+
+    spec = KVCacheSpec(2, 4, 64, 16, torch.bfloat16, Layout.NHD)
+    shape = spec.local_cache_shape(8, 4)  # [KV, block, token, head, dim]
+    n = 1
+    for d in shape:
+        n *= d
+    caches = [  # element value: its flat index (mod 251) + 256 * layer, exact in bf16
+        (torch.arange(n).remainder(251) + 256 * i).to(torch.bfloat16).view(shape).to(dev) for i in range(2)
+    ]
+    blocks, num_tokens = [5, 2, 7], 40
+    want = ops.gather_blocks(caches, spec, blocks, num_tokens, backend="torch").cpu()
+    wire = torch.full(want.shape, -7.0, dtype=want.dtype).pin_memory()
+    back = [torch.full_like(c, -7.0) for c in caches]
+    errors: list[BaseException] = []
+
+    def fresh_thread():
+        try:
+            ops.gather_blocks(caches, spec, blocks, num_tokens, out=wire, backend="cuda")
+            ops.scatter_blocks(wire, back, spec, blocks, num_tokens, backend="cuda")
+            torch.cuda.current_stream(dev).synchronize()
+        except BaseException as exc:  # re-raised on the test's thread below
+            errors.append(exc)
+
+    th = threading.Thread(target=fresh_thread, name="fresh-cuda-thread")
+    th.start()
+    th.join(60)
+    assert not th.is_alive(), "the fresh thread's gather/scatter did not finish in 60 s"
+    if errors:
+        raise errors[0]
+    assert torch.equal(wire.view(torch.uint8), want.view(torch.uint8))
+    got = ops.gather_blocks(back, spec, blocks, num_tokens, backend="torch").cpu()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    poison = torch.tensor(-7.0, dtype=torch.bfloat16, device=dev)
+    for b in back:  # blocks not listed, and block 7's tokens past the 40th, stay untouched
+        assert bool((b[:, [0, 1, 3, 4, 6]] == poison).all())
+        assert bool((b[:, 7, num_tokens - 32 :] == poison).all())
+
+
 def test_gpu_runs_on_torch_current_stream(dev):
     """Work queued on a side stream before the gather is seen by it without any host sync."""
     case = Case(op="gather", num_tokens=300, head_dim=128, src_heads=8, num_heads=8)

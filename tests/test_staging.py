@@ -494,11 +494,30 @@ def _scatterer(dst, spec, read=None):
 
 
 class QueueWork:
+    """The receive side of an in-process "transport": the next chunk the sender queued, or the
+    sender's exception (so a failed sender fails the receiver at once, not after 30 s)."""
+
     def __init__(self, q, buf):
         self.q, self.buf = q, buf
 
     def wait(self):
-        self.buf.copy_(self.q.get(timeout=30))
+        item = self.q.get(timeout=30)
+        if isinstance(item, BaseException):
+            raise RuntimeError("the sender thread failed") from item
+        self.buf.copy_(item)
+
+
+def _sending_thread(q: queue.Queue, send) -> threading.Thread:
+    """A thread running ``send()``; an exception it raises is queued for the receiver."""
+
+    def run():
+        try:
+            send()
+        except BaseException as exc:
+            q.put(exc)
+            raise
+
+    return threading.Thread(target=run, name="test-sender")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
@@ -508,14 +527,15 @@ def test_pipeline_threads_byte_exact(case, dtype):
     assert len(schunks) >= 2 or CASES[case][6] <= CASES[case][7]
     q: queue.Queue = queue.Queue()
     pool_s, pool_d = StagingPool(2, max_bytes), StagingPool(3, max_bytes)
-    sender = threading.Thread(
-        target=lambda: pipelined_send(
+    sender = _sending_thread(
+        q,
+        lambda: pipelined_send(
             schunks,
             pool_s.buffers,
             wire_viewer(sspec, read.num_heads),
             _gatherer(src, sspec, read),
             lambda c, b: q.put(b.clone()),
-        )
+        ),
     )
     sender.start()
     n = pipelined_recv(
@@ -656,15 +676,16 @@ def test_gpu_staging_byte_exact(pinned):
     def scatter(c, buf):
         ops.scatter_blocks(buf, dst, dspec, c.units, c.num_tokens, read.dst_head_start)
 
-    sender = threading.Thread(
-        target=lambda: pipelined_send(
+    sender = _sending_thread(
+        q,
+        lambda: pipelined_send(
             schunks,
             pool_s.buffers,
             wire_viewer(sspec, read.num_heads),
             gather,
             lambda c, b: q.put(b.clone()),
             fences(),
-        )
+        ),
     )
     sender.start()
     pipelined_recv(
@@ -676,6 +697,7 @@ def test_gpu_staging_byte_exact(pinned):
         fences(),
     )
     sender.join(30)
+    assert not sender.is_alive()
     torch.cuda.synchronize()
     assert bytes_equal(dst, want)
 

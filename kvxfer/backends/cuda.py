@@ -305,18 +305,34 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _device_address(t: torch.Tensor) -> int:
-    """Address of ``t`` that kernels can use: its own for CUDA memory, the mapped one for pinned host."""
+def _device_address(t: torch.Tensor, device: torch.device) -> int:
+    """Address of ``t`` that kernels on ``device`` can use: its own for CUDA memory, the mapped one
+    for pinned host memory.
+
+    The mapping is asked for with ``device``'s primary context current on the calling thread: a
+    thread whose first CUDA call this is (the staged exporter's side-channel thread once the
+    kernels were loaded elsewhere) may have no context bound. On an H200 (2026-11-26) the
+    pinned-staging test's sender thread got "host memory, device pointer 0" in the GPU suite,
+    where the kernels were already loaded, and passed alone, where loading them in that thread
+    came first; an unbound context is the cause we infer. ``cudaSetDevice`` binds the primary
+    context (CUDA >= 12); the thread's previous device is restored afterwards."""
     if t.device.type == "cuda":
         return t.data_ptr()
     import cupy
 
     rt = cupy.cuda.runtime
-    attrs = rt.pointerGetAttributes(t.data_ptr())
+    index = _index(device)
+    previous = rt.getDevice()
+    rt.setDevice(index)
+    try:
+        attrs = rt.pointerGetAttributes(t.data_ptr())
+    finally:
+        if previous != index:
+            rt.setDevice(previous)
     host = getattr(rt, "memoryTypeHost", 1)
     if attrs.type != host or not attrs.devicePointer:
         raise ValueError(
-            f"wire: host memory at {t.data_ptr():#x} is not pinned and mapped for the GPU "
+            f"wire: host memory at {t.data_ptr():#x} is not pinned and mapped for cuda:{index} "
             f"(memory type {attrs.type}, device pointer {attrs.devicePointer:#x}); a kernel "
             "cannot write it"
         )
@@ -369,13 +385,13 @@ def _max_blocks(device: torch.device) -> int:
 def gather(src: PagedSide, wire: torch.Tensor) -> None:
     """``wire`` [H, L, KV, T, D] (CUDA, or pinned host) <- the rows of ``src``."""
     dev = src.device
-    _launch(plan_gather(src, _device_address(wire), _max_blocks(dev), dev), dev)
+    _launch(plan_gather(src, _device_address(wire, dev), _max_blocks(dev), dev), dev)
 
 
 def scatter(wire: torch.Tensor, dst: PagedSide) -> None:
     """The rows of ``dst`` <- ``wire`` [H, L, KV, T, D] (CUDA, or pinned host)."""
     dev = dst.device
-    _launch(plan_scatter(_device_address(wire), dst, _max_blocks(dev), dev), dev)
+    _launch(plan_scatter(_device_address(wire, dev), dst, _max_blocks(dev), dev), dev)
 
 
 def copy(src: PagedSide, dst: PagedSide) -> None:
