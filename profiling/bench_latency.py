@@ -20,7 +20,13 @@ several), the p90 of its end and how many ranges it had. Ranges without a reques
     python profiling/bench_latency.py [--transport ipc|pg] [--tokens 16,4096] [--reqs 20]
         [--layers 32] [--device cpu|cuda] [--out DIR] [--corrupt]
 
-Outputs: the table on stdout and ``bench_latency.json`` (every request's ranges) under --out.
+Under each table, a reference measured in the same run between the same two processes, their
+engines running: a bare ZeroMQ round trip (a DEALER in D, an echoing ROUTER thread in P, a
+256-byte message, as the side channel's sockets are) — the least a lease grant or a
+notification round trip can cost on this machine — and the grant round trip as a multiple of it.
+
+Outputs: the table on stdout and ``bench_latency.json`` (every request's ranges, the bare
+round trips) under --out.
 """
 
 from __future__ import annotations
@@ -49,6 +55,54 @@ from kvxfer.ports import free_port_base
 
 POLL_S = 0.0002  # D's pause between poll() calls (a model runner's step is longer)
 DEADLINE_S = 60.0  # per request and per reply from P
+NUM_ECHOES = 200  # bare round trips measured per size
+ECHO_BYTES = 256  # about a one-request ReadReq's size on the wire
+
+
+# ----------------------------------------------------------------------------- bare round trip
+def _echo_server(port: int, ready: threading.Event, stop: threading.Event) -> None:
+    """P's echoing ROUTER thread: sends back every message until ``stop``."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    ready.set()
+    try:
+        while not stop.is_set():
+            if poller.poll(10):
+                sock.send_multipart(sock.recv_multipart())
+    finally:
+        sock.close()
+
+
+def bare_round_trips(port: int, n: int = NUM_ECHOES, nbytes: int = ECHO_BYTES) -> list[float]:
+    """``n`` round trips (seconds) of an ``nbytes`` message from a DEALER here to the echo
+    server on ``port``, each waited for through a poller as the engine's client waits."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    payload, out = b"x" * nbytes, []
+    try:
+        for i in range(n + 5):  # the first 5 connect and warm up
+            t = time.perf_counter()
+            sock.send(payload)
+            if not poller.poll(int(DEADLINE_S * 1000)):
+                raise TimeoutError(f"bare round trip {i}: no echo from P within {DEADLINE_S}s")
+            sock.recv()
+            if i >= 5:
+                out.append(time.perf_counter() - t)
+    finally:
+        sock.close()
+    return out
 
 
 class Recorder:
@@ -109,6 +163,7 @@ def _exporter(args: dict, conn) -> None:
     )
     eng.start()
     freed: dict[str, float] = {}
+    echo_stop = threading.Event()
     ids = list(range(nb))
     conn.send(("ready", None))
     try:
@@ -136,7 +191,12 @@ def _exporter(args: dict, conn) -> None:
                 conn.send(("freed", freed.get(cmd[1])))
             elif cmd[0] == "ranges":
                 conn.send(("ranges", rec.ranges("P")))
+            elif cmd[0] == "echo":  # a bare round trip's server, beside the engine's threads
+                ready = threading.Event()
+                threading.Thread(target=_echo_server, args=(cmd[1], ready, echo_stop), daemon=True).start()
+                conn.send(("echo", ready.wait(DEADLINE_S)))
     finally:
+        echo_stop.set()
         eng.close()
         if shm is not None:
             shm.close()
@@ -211,6 +271,7 @@ def run(a: argparse.Namespace) -> int:
     meta = common.run_metadata(device)
     write = common.table_writer()
     rows, raw, failures = [], [], 0
+    bare_runs: list[dict] = []
     for tokens in [int(x) for x in a.tokens.split(",")]:
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
@@ -227,6 +288,7 @@ def run(a: argparse.Namespace) -> int:
         shm, caches = mappable_caches(d_spec, len(d_ids), device, fill=False)
         eng = TransferEngine(d_spec, caches, 0, 1, f"D-{tokens}", transport=a.transport, lease_s=60.0).start()
         per: list[dict] = []
+        bare: list[float] = []
         wrong = 0
         try:
             _get(here, "ready", proc)
@@ -257,6 +319,11 @@ def run(a: argparse.Namespace) -> int:
                             "ranges": ranges,
                         }
                     )
+            echo_port = free_port_base(1)
+            here.send(("echo", echo_port))
+            if not _get(here, "echo", proc)[1]:
+                raise TimeoutError("the exporter's echo server did not start")
+            bare = bare_round_trips(echo_port)
         finally:
             eng.close()
             if shm is not None:
@@ -267,6 +334,8 @@ def run(a: argparse.Namespace) -> int:
             if proc.is_alive():
                 proc.kill()
         failures += wrong
+        bare_ms = [x * 1e3 for x in bare]
+        bare_runs.append({"tokens": tokens, "round_trips_ms": bare_ms})
         nbytes = tokens * p_spec.bytes_per_token()
         write(
             f"# kvxfer bench_latency on {meta['device']} ({device.type}), {meta['date']}, commit {meta['git_commit']}"
@@ -293,9 +362,19 @@ def run(a: argparse.Namespace) -> int:
                  "start_ms": med[0], "end_ms": med[1], "busy_ms": med[2], "p90_end_ms": p90,
                  "ranges": med[3], "n": len(got), "wrong": wrong}
             )  # fmt: skip
+        grants = [p["stages"][("D", "grant")][2] for p in per if ("D", "grant") in p["stages"]]
+        b50 = statistics.median(bare_ms)
+        ratio = f"; the grant round trip is {statistics.median(grants) / b50:.1f}x it" if grants else ""
+        write(
+            f"# reference, the same processes with their engines running: a bare zmq round trip "
+            f"({ECHO_BYTES} B, D -> a ROUTER thread in P) p50 {b50:.3f} ms, p90 {_pct(bare_ms, 0.9):.3f} ms "
+            f"over {len(bare_ms)}{ratio}"
+        )
         write("")
         raw += [{"request": p["request"], "ranges": p["ranges"]} for p in per]
-    common.write_json(os.path.join(a.out, "bench_latency.json"), meta, rows, requests=raw)
+    common.write_json(
+        os.path.join(a.out, "bench_latency.json"), meta, rows, requests=raw, bare_round_trips=bare_runs
+    )
     write(f"# wrong requests: {failures}  {'OK' if not failures else 'WRONG'}")
     return 1 if failures else 0
 

@@ -37,6 +37,12 @@ def test_bench_latency_prints_each_stage_of_the_path(tmp_path, transport):
     data = json.loads((tmp_path / "bench_latency.json").read_text())
     assert data["meta"]["device"] and len(data["requests"]) == 3
     assert {r["stage"] for r in data["rows"]} >= {"grant", "notify"}
+    # the reference: bare zmq round trips between the same processes, and the grant against it
+    ref = [line for line in res.stdout.splitlines() if line.startswith("# reference")]
+    assert len(ref) == 1 and "bare zmq round trip" in ref[0] and "the grant round trip is" in ref[0], ref
+    (bare,) = data["bare_round_trips"]
+    assert bare["tokens"] == 16 and len(bare["round_trips_ms"]) == 200
+    assert all(0 < x < 1000 for x in bare["round_trips_ms"]), bare
 
 
 def test_bench_latency_detects_a_wrong_byte(tmp_path):
