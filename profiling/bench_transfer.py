@@ -15,6 +15,13 @@ READ of staging buffers, scatter). UCX runs as the environment says (``UCX_TLS``
 ``UCX_NET_DEVICES`` defaults to ``lo`` (P and D share this host); ``--ucx-tls tcp`` forces the
 path a cross-node link without RDMA takes.
 
+With ``--inflight K`` (K > 1) each (transport, prompt length) also gets a row ``xK``: K
+requests on disjoint blocks exported together and loaded together (K ``load()`` calls, then
+``poll()`` until the last finished), timed from the first ``load()`` to the last finish, GB/s over
+all K requests' bytes, p50 over ``--batches`` such rounds: what the path reaches with requests in
+flight together (the engine gives a batch one lease grant per source rank and one kernel)
+rather than one request at a time.
+
 Limits, measured between the same two processes in the same run:
   ipc   a plain ``copy_`` of the same bytes on the cache device (the copy ipc performs);
   pg    a raw send of the same bytes over a fresh pair group of the backend the engine's pg
@@ -24,7 +31,7 @@ Limits, measured between the same two processes in the same run:
         between two engines on one host could at best reach.
 
     python profiling/bench_transfer.py [--quick] [--transports ipc,pg,nixl-direct,nixl-staged]
-        [--sizes 128,...,32768] [--ucx-tls tcp]
+        [--sizes 128,...,32768] [--ucx-tls tcp] [--inflight 8 [--batches 3]]
 
 Outputs: the table on stdout, ``bench_transfer.json`` and ``bench_transfer.png`` under --out.
 """
@@ -107,8 +114,9 @@ def _exporter(args: dict, cmd_q, reply_q) -> None:
 
     p_spec, _ = specs(args["layers"])
     nb = p_spec.num_blocks_for(max(args["sizes"]))
+    nb_all = nb * max(1, args["inflight"])  # room for K requests on disjoint blocks
     device = torch.device(args["device"])
-    shm, caches = mappable_caches(p_spec, nb, device, fill=True)
+    shm, caches = mappable_caches(p_spec, nb_all, device, fill=True)
     eng = TransferEngine(p_spec, caches, 0, 1, "P", transport="auto", port=args["port"], lease_s=60.0).start()
     store = pg.serve_store("127.0.0.1", 60.0)
     reply_q.put(("ready", store.port))
@@ -135,6 +143,21 @@ def _exporter(args: dict, cmd_q, reply_q) -> None:
             live.add(rid)
             want = digest(gather_blocks(caches, p_spec, ids, n)) if args["verify"] else None
             reply_q.put(("params", params, want))
+        elif cmd[0] == "export_many":  # K requests on disjoint blocks, exported together
+            _, rids, n = cmd
+            while live and time.monotonic() < deadline:
+                r = eng.poll()
+                live -= r.finished_sending | r.expired
+                time.sleep(0.0005)
+            per = p_spec.num_blocks_for(n)
+            out = []
+            for k, rid in enumerate(rids):
+                ids_k = list(range(k * per, (k + 1) * per))
+                params = eng.export(rid, ids_k, n)
+                live.add(rid)
+                want = digest(gather_blocks(caches, p_spec, ids_k, n)) if args["verify"] else None
+                out.append((params, want))
+            reply_q.put(("params_many", out))
         elif cmd[0] == "link":  # raw send/recv of nbytes, iters + warmup times, acknowledged
             _, key, nbytes, rounds = cmd
             backend, where, pinned = _link_kind(device)
@@ -187,6 +210,57 @@ def load_one(eng: TransferEngine, rid: str, params: dict, ids: list[int]) -> tup
         time.sleep(POLL_S)
         r = eng.poll()
     return t0, t_call, time.perf_counter()
+
+
+def load_many(eng: TransferEngine, loads: list[tuple[str, dict, list[int]]]) -> tuple[float, float, float]:
+    """Load every ``(request id, params, local ids)`` of ``loads`` at once and poll until all
+    finished: ``perf_counter`` at the first ``load()``, after the ``poll()`` that dispatched
+    them, and when a poll reported the last one finished."""
+    t0 = time.perf_counter()
+    for rid, params, ids in loads:
+        eng.load(rid, params, ids)
+    r = eng.poll()
+    t_call = time.perf_counter()
+    left = {rid for rid, _, _ in loads}
+    end = time.monotonic() + DEADLINE_S
+    while True:
+        left -= r.finished_recving
+        failed = left & set(r.failed)
+        if failed:
+            rid = sorted(failed)[0]
+            raise RuntimeError(f"{rid} failed: {r.errors.get(rid)}")
+        if not left:
+            return t0, t_call, time.perf_counter()
+        if time.monotonic() > end:
+            raise TimeoutError(f"{sorted(left)} did not finish within {DEADLINE_S}s")
+        time.sleep(POLL_S)
+        r = eng.poll()
+
+
+def _inflight_rounds(
+    a: argparse.Namespace, eng: TransferEngine, transport: str, n: int, d_spec, caches, cmd_q, reply_q, proc
+) -> tuple[list[float], list[float], list[int]]:
+    """``a.batches`` rounds of ``a.inflight`` requests loaded together: per round its wall
+    time, D's host time per request and its number of wrong requests."""
+    per = d_spec.num_blocks_for(n)
+    walls, hosts, wrong = [], [], []
+    for b in range(a.batches):
+        rids = [f"{transport}-{n}-x{a.inflight}-{b}-{k}" for k in range(a.inflight)]
+        cmd_q.put(("export_many", rids, n))
+        got = _get(reply_q, "params_many", proc)[1]
+        d_ids = [list(range((k + 1) * per - 1, k * per - 1, -1)) for k in range(a.inflight)]
+        t0, t_call, t_done = load_many(eng, [(rid, g[0], ids) for rid, g, ids in zip(rids, got, d_ids)])
+        if a.corrupt:  # prove the verification can fail: flip one landed byte
+            caches[0].view(torch.uint8).view(-1)[0].bitwise_not_()  # block 0 is request 0's
+        wrong.append(
+            sum(
+                int(want is not None and digest(gather_blocks(caches, d_spec, ids, n)) != want)
+                for (_, want), ids in zip(got, d_ids)
+            )
+        )
+        walls.append(t_done - t0)
+        hosts.append((t_call - t0) / a.inflight)
+    return walls, hosts, wrong
 
 
 def _link_kind(device: torch.device) -> tuple[str, str, bool]:
@@ -252,6 +326,7 @@ def run(a: argparse.Namespace) -> int:
         "sizes": sizes,
         "port": port,
         "verify": True,
+        "inflight": a.inflight,
         "deadline_s": DEADLINE_S * (len(sizes) * len(transports) + 2),
     }
     proc = ctx.Process(target=exporter, args=(args, cmd_q, reply_q), daemon=True)
@@ -294,8 +369,9 @@ def run(a: argparse.Namespace) -> int:
             d_spec = p_spec if transport == "nixl-direct" else d_spec_staged
             nbytes = n * p_spec.bytes_per_token()
             d_ids = list(range(d_spec.num_blocks_for(n)))[::-1]
+            d_blocks = len(d_ids) * max(1, a.inflight)  # room for the in-flight rounds
             caches = [
-                torch.zeros(d_spec.cache_shape(len(d_ids), 1), dtype=d_spec.dtype, device=device)
+                torch.zeros(d_spec.cache_shape(d_blocks, 1), dtype=d_spec.dtype, device=device)
                 for _ in range(d_spec.num_layers)
             ]
             eng = TransferEngine(
@@ -322,38 +398,49 @@ def run(a: argparse.Namespace) -> int:
                     )
                     walls.append(wall)
                     hosts.append(host)
+                many = (
+                    _inflight_rounds(a, eng, transport, n, d_spec, caches, cmd_q, reply_q, proc)
+                    if a.inflight > 1
+                    else ([], [], [])
+                )
                 limit_s, limit_kind = _link_limit(transport, nbytes, device, store_port, cmd_q, a.iters)
                 used = eng.stats().get("transports", {})
                 reasons = eng.stats().get("transport_reasons", {})
             finally:
                 eng.close()
             limit_gbps = nbytes / limit_s / 1e9
-            for phase, sel in (("cold", walls[:1]), ("warm", walls[1:])):
+            phases = [
+                ("cold", walls[:1], hosts[:1], wrong[:1], 1),
+                ("warm", walls[1:], hosts[1:], wrong[1:], 1),
+                (f"x{a.inflight}", *many, a.inflight),
+            ]
+            for phase, sel, sel_hosts, sel_wrong, k in phases:
                 if not sel:
                     continue
                 p50 = statistics.median(sel)
                 p99 = sorted(sel)[min(len(sel) - 1, round(0.99 * (len(sel) - 1)))]
-                gbps = nbytes / p50 / 1e9
+                gbps = k * nbytes / p50 / 1e9
                 row = {
                     "transport": transport,
                     "used": used,
                     "reasons": reasons,
                     "phase": phase,
                     "tokens": n,
-                    "bytes": nbytes,
+                    "bytes": k * nbytes,  # moved in the time measured (K requests' in an xK row)
                     "p50_ms": p50 * 1e3,
                     "p99_ms": p99 * 1e3,
                     "gbps": gbps,
                     "limit_kind": limit_kind,
                     "limit_gbps": limit_gbps,
                     "pct_limit": 100 * gbps / limit_gbps,
-                    "host_us": statistics.median(hosts[:1] if phase == "cold" else hosts[1:]) * 1e6,
-                    "wrong": sum(wrong[:1] if phase == "cold" else wrong[1:]),
-                    "requests": len(sel),
+                    "host_us": statistics.median(sel_hosts) * 1e6,
+                    "wrong": sum(sel_wrong),
+                    "requests": k * len(sel),
+                    "inflight": k,
                 }
                 rows.append(row)
                 table.row(row)
-            failures += sum(wrong)
+            failures += sum(wrong) + sum(many[2])
     finally:
         cmd_q.put(("stop",))
         proc.join(timeout=30)
@@ -384,7 +471,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     p.add_argument("--out", default=common.DEFAULT_OUT)
     p.add_argument("--corrupt", action="store_true", help="flip a landed byte (tests the #wrong check)")
+    p.add_argument("--inflight", type=int, default=0, help="K > 1: also a row of K requests loaded together")
+    p.add_argument("--batches", type=int, default=3, help="rounds of the --inflight row (default 3)")
     a = p.parse_args(argv)
+    if a.inflight < 0 or a.batches < 1:
+        p.error("--inflight must be >= 0 and --batches >= 1")
     a.layers = a.layers or (2 if a.quick else 32)
     a.reqs = a.reqs if a.reqs is not None else (3 if a.quick else 10)
     a.iters = a.iters or (3 if a.quick else 10)

@@ -38,7 +38,7 @@ done; done
 step gputests 200 90 bash $v gputests  # the one-GPU cases again, after whole ones in one process
 step ops 90 50 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-1head,deepseek-v3-mla \
   --sizes 4096,32768
-step transfer 100 45 bash $v transfer --sizes 4096 --reqs 5 --iters 3
+step transfer 100 45 bash $v transfer --sizes 4096 --reqs 5 --iters 3 --inflight 8
 step latency 70 30 bash $v latency --tokens 16,4096 --reqs 10
 step batching 25 15 bash $v batching --backends cuda,triton
 step hostcost 20 10 bash $v hostcost 200

@@ -19,23 +19,29 @@ def test_bench_transfer_quick(tmp_path):
         "64,200",
         "--reqs",
         "2",
+        "--inflight",
+        "2",
+        "--batches",
+        "1",
         "--out",
         str(tmp_path),
         timeout=180,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     rows = _table_rows(res.stdout)
-    assert {(r[0], r[1]) for r in rows} == {(t, p) for t in TRANSPORTS for p in ("cold", "warm")}
+    assert {(r[0], r[1]) for r in rows} == {(t, p) for t in TRANSPORTS for p in ("cold", "warm", "x2")}
     assert all(r[-1] == "0" for r in rows), res.stdout
     assert "wrong requests: 0  OK" in res.stdout
     data = json.loads((tmp_path / "bench_transfer.json").read_text())
-    assert len(data["rows"]) == 4 * len(TRANSPORTS) and data["meta"]["device"]
+    assert len(data["rows"]) == 6 * len(TRANSPORTS) and data["meta"]["device"]
     paths = {r["transport"]: r["reasons"].get("P", "") for r in data["rows"]}
     if "nixl-direct" in paths:  # each nixl row took the path it is named after
         assert paths["nixl-direct"].endswith("paths: rank 0 direct"), paths
         assert "paths: rank 0 staged" in paths["nixl-staged"], paths
-    for r in data["rows"]:
-        assert r["bytes"] == r["tokens"] * 2 * 8 * 2 * 128 * 2  # 2 layers, 8 heads, K+V, 128, bf16
+    for r in data["rows"]:  # 2 layers, 8 heads, K+V, 128, bf16; an x2 row moved two requests
+        assert r["inflight"] == (2 if r["phase"] == "x2" else 1)
+        assert r["bytes"] == r["inflight"] * r["tokens"] * 2 * 8 * 2 * 128 * 2
+        assert r["requests"] == (2 if r["phase"] == "x2" else 1 if r["phase"] == "cold" else 2)
         assert r["p50_ms"] > 0 and r["limit_gbps"] > 0 and r["used"]
     assert (tmp_path / "bench_transfer.png").stat().st_size > 1000
 
@@ -51,6 +57,10 @@ def test_bench_transfer_detects_a_wrong_byte(tmp_path, transport):
         "1",
         "--transports",
         transport,
+        "--inflight",
+        "2",
+        "--batches",
+        "1",
         "--corrupt",
         "--out",
         str(tmp_path),
@@ -60,7 +70,9 @@ def test_bench_transfer_detects_a_wrong_byte(tmp_path, transport):
     assert "WRONG" in res.stdout
     warm = [r for r in _table_rows(res.stdout) if r[1] == "warm"]
     cold = [r for r in _table_rows(res.stdout) if r[1] == "cold"]
+    many = [r for r in _table_rows(res.stdout) if r[1] == "x2"]
     assert warm and warm[0][-1] == "1" and cold[0][-1] == "1", res.stdout
+    assert many and many[0][-1] == "1", res.stdout  # the flipped byte is request 0's
 
 
 def test_bench_overlap_quick():
