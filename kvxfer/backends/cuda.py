@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .base import PagedSide
+from .device_context import bound_device
 
 __all__ = [
     "Launch",
@@ -307,28 +308,17 @@ def _index(device: torch.device) -> int:
 
 def _device_address(t: torch.Tensor, device: torch.device) -> int:
     """Address of ``t`` that kernels on ``device`` can use: its own for CUDA memory, the mapped one
-    for pinned host memory.
-
-    The mapping is asked for with ``device``'s primary context current on the calling thread: a
-    thread whose first CUDA call this is (the staged exporter's side-channel thread once the
-    kernels were loaded elsewhere) may have no context bound. On an H200 (2026-11-26) the
-    pinned-staging test's sender thread got "host memory, device pointer 0" in the GPU suite,
-    where the kernels were already loaded, and passed alone, where loading them in that thread
-    came first; an unbound context is the cause we infer. ``cudaSetDevice`` binds the primary
-    context (CUDA >= 12); the thread's previous device is restored afterwards."""
+    for pinned host memory, asked for with ``device``'s context bound on this thread
+    (:mod:`kvxfer.backends.device_context`: the staged exporter's side-channel thread may have
+    made no CUDA call yet, and then got device pointer 0)."""
     if t.device.type == "cuda":
         return t.data_ptr()
     import cupy
 
     rt = cupy.cuda.runtime
     index = _index(device)
-    previous = rt.getDevice()
-    rt.setDevice(index)
-    try:
+    with bound_device(index, rt):
         attrs = rt.pointerGetAttributes(t.data_ptr())
-    finally:
-        if previous != index:
-            rt.setDevice(previous)
     host = getattr(rt, "memoryTypeHost", 1)
     if attrs.type != host or not attrs.devicePointer:
         raise ValueError(

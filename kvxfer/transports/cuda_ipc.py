@@ -51,6 +51,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..backends.device_context import bound_device
 from ..spec import dtype_from_name, dtype_name
 
 __all__ = [
@@ -300,17 +301,18 @@ class CudaIpcDriver:
         return bytes(self._rt.ipcGetMemHandle(base))
 
     def context(self, device: torch.device):
-        """Make ``device``'s primary context current for driver calls (cudaSetDevice creates
-        it if needed): cuMemGetAddressRange and cuPointerGetAttribute act on the current one."""
+        """Make ``device``'s primary context current on this thread for driver calls
+        (cuMemGetAddressRange and cuPointerGetAttribute act on the current one), on a thread
+        that has made no CUDA call yet too (:mod:`kvxfer.backends.device_context`)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return self._cupy.cuda.Device(index)
+        return bound_device(index, self._rt)
 
     def open_handle(self, handle: bytes, size: int, device: torch.device) -> torch.Tensor:
         """Map a peer's allocation into ``device``'s context (peer access enabled on demand when
         it lives on another GPU) and view it, without a copy, as a tensor *of that device*:
         kernels launched there read the peer's memory in place."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        with self._cupy.cuda.Device(index):
+        with bound_device(index, self._rt):
             ptr = self._rt.ipcOpenMemHandle(handle, self._rt.cudaIpcMemLazyEnablePeerAccess)
             mem = self._cupy.cuda.UnownedMemory(ptr, size, None, index)
             arr = self._cupy.ndarray(
@@ -328,7 +330,7 @@ class CudaIpcDriver:
         return t
 
     def close_handle(self, mapped: torch.Tensor) -> None:
-        with self._cupy.cuda.Device(mapped.device.index):
+        with bound_device(mapped.device.index, self._rt):
             self._rt.ipcCloseMemHandle(mapped.data_ptr())
 
 
