@@ -60,16 +60,23 @@ ECHO_BYTES = 256  # about a one-request ReadReq's size on the wire
 
 
 # ----------------------------------------------------------------------------- bare round trip
-def _echo_server(port: int, ready: threading.Event, stop: threading.Event) -> None:
-    """P's echoing ROUTER thread: sends back every message until ``stop``."""
+def _polled_socket(kind: str, port: int):
+    """A zmq ``kind`` socket on ``tcp://127.0.0.1:port`` (a ROUTER binds, a DEALER connects),
+    no linger, and a poller watching it for input."""
     import zmq
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
+    sock = zmq.Context.instance().socket(getattr(zmq, kind))
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://127.0.0.1:{port}")
+    addr = f"tcp://127.0.0.1:{port}"
+    sock.bind(addr) if kind == "ROUTER" else sock.connect(addr)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    return sock, poller
+
+
+def _echo_server(port: int, ready: threading.Event, stop: threading.Event) -> None:
+    """P's echoing ROUTER thread: sends back every message until ``stop``."""
+    sock, poller = _polled_socket("ROUTER", port)
     ready.set()
     try:
         while not stop.is_set():
@@ -82,14 +89,7 @@ def _echo_server(port: int, ready: threading.Event, stop: threading.Event) -> No
 def bare_round_trips(port: int, n: int = NUM_ECHOES, nbytes: int = ECHO_BYTES) -> list[float]:
     """``n`` round trips (seconds) of an ``nbytes`` message from a DEALER here to the echo
     server on ``port``, each waited for through a poller as the engine's client waits."""
-    import zmq
-
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
+    sock, poller = _polled_socket("DEALER", port)
     payload, out = b"x" * nbytes, []
     try:
         for i in range(n + 5):  # the first 5 connect and warm up

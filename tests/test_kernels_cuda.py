@@ -378,30 +378,24 @@ def test_plan_copy_takes_narrowest_width_of_both_sides():
 
 
 def _fake_cupy_runtime(attrs: dict):
-    """A fake CUDA runtime whose pointer attributes are per thread, as the real runtime's are per
-    context: a thread that has not called ``setDevice`` gets no device pointer (the H200 failure
-    of 2026-11-26)."""
-    import threading
+    """A fake CuPy whose runtime binds devices per thread (``tests.test_device_context``) and
+    answers pointer attributes from ``attrs`` only on a thread that bound one, as the real
+    runtime answers per context (the H200 failure of 2026-11-26: device pointer 0)."""
     import types
 
-    bound = threading.local()
+    from tests.test_device_context import FakeRuntime
 
-    def pointer_attributes(p):
-        mapped = getattr(bound, "device", None) is not None
-        return types.SimpleNamespace(
-            type=attrs["type"], devicePointer=attrs["devicePointer"] if mapped else 0
-        )
+    class Runtime(FakeRuntime):
+        memoryTypeHost = 1
 
-    def set_device(i):
-        bound.device = i
+        def pointerGetAttributes(self, p):  # CuPy's name
+            mapped = self.bound() is not None
+            return types.SimpleNamespace(
+                type=attrs["type"], devicePointer=attrs["devicePointer"] if mapped else 0
+            )
 
-    rt = types.SimpleNamespace(
-        memoryTypeHost=1,
-        pointerGetAttributes=pointer_attributes,
-        getDevice=lambda: getattr(bound, "device", None) or 0,
-        setDevice=set_device,
-    )
-    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt)), bound
+    rt = Runtime()
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt)), rt
 
 
 def test_device_address_of_host_memory_must_be_pinned_and_mapped(monkeypatch):
@@ -434,7 +428,7 @@ def test_device_address_binds_the_device_context_on_a_fresh_thread(monkeypatch):
 
     from kvxfer.backends import cuda as kc
 
-    fake, bound = _fake_cupy_runtime({"type": 1, "devicePointer": 0x7000})
+    fake, rt = _fake_cupy_runtime({"type": 1, "devicePointer": 0x7000})
     monkeypatch.setitem(sys.modules, "cupy", fake)
     t = torch.empty(64, dtype=torch.uint8)
     got: dict = {}
@@ -442,10 +436,10 @@ def test_device_address_binds_the_device_context_on_a_fresh_thread(monkeypatch):
     def fresh_thread():
         try:
             got["addr"] = kc._device_address(t, torch.device("cuda", 0))
-            got["device_after"] = getattr(bound, "device", None)
-            bound.device = 1  # a thread working on another device keeps it
+            got["device_after"] = rt.bound()
+            rt.setDevice(1)  # a thread working on another device keeps it
             kc._device_address(t, torch.device("cuda", 0))
-            got["restored"] = bound.device
+            got["restored"] = rt.bound()
         except Exception as exc:  # surfaced by the asserts below
             got["error"] = exc
 
