@@ -566,7 +566,7 @@ def _checked_sides(
 
 def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | None = None) -> str:
     """Prepare the kernels the ops will launch on ``caches`` (load the CUDA C++ module, or
-    compile the Triton variants of this cache shape family for small and large requests)
+    compile the Triton variants of this cache shape family for every request size)
     without running them or touching the caches. Returns the backend prepared; an engine's
     ``start()`` calls it so the first request does not pay for compilation."""
     info = caches.info if isinstance(caches, PagedCache) else _check_caches(caches, spec, "caches")
@@ -574,8 +574,11 @@ def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | Non
     fn = getattr(_module(name), "warmup", None)
     if fn is None:
         return name
-    # one block (small-request tile) and, if the cache holds them, 4096 tokens (full tiles)
-    for tokens in (1, min(4096, info.num_blocks * spec.block_size)):
+    # Every power of two of tokens up to 4096 (or what the cache holds): the Triton tiles come in
+    # power-of-two token buckets between 16 and a full tile, and a bucket left cold would compile
+    # on the request path (~1 s); sizes that share a bucket cost a cache lookup.
+    most = min(4096, info.num_blocks * spec.block_size)
+    for tokens in sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most}):
         n = spec.num_blocks_for(tokens)
         side = make_side(caches, spec, list(range(n)), tokens)
         wire = torch.empty(side.wire_view_shape(), dtype=side.dtype, device=info.device)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call that does a whole GPU validation pass within the 10-minute command limit:
 # fatbin build, the one-GPU pg cases in their own processes (a CUDA fault there must not poison
-# the suite's context), the GPU-marked tests (the whole suite no longer fits one call; CI runs
-# the CPU tests), kernel sweep, transfer bench + demo, one request's timeline (bench_latency), a
-# ragged batch's two plans (bench_batching), the engine's host cost on this host's CPU
-# (bench_engine). Steps run in that order of priority.
+# the suite's context), the GPU-marked tests with the built-in backend order and then with
+# Triton first (the whole suite no longer fits one call; CI runs the CPU tests), kernel sweep,
+# transfer bench + demo, one request's timeline (bench_latency), a ragged batch's two plans
+# (bench_batching), the engine's host cost on this host's CPU (bench_engine), one ncu look at
+# the worst ops row. Steps run in that order of priority.
 # Each step gets at most what is left of a 540 s budget (a step that no longer fits is skipped
 # and says so), so the results are always packed: everything lands in $OUT/results.tgz (the
 # device tool returns at most 8 files), plus onegpu.log.
@@ -36,12 +37,18 @@ for m in staged-pinned staged whole; do for d in bf16 e4m3; do
     "python3 -m pytest -v -rs -p no:cacheprovider --log-level=DEBUG '$one[$m-$d]' >>'$out/onegpu.log' 2>&1"
 done; done
 step gputests 200 90 bash $v gputests  # the one-GPU cases again, after whole ones in one process
+# the same tests with Triton first in the CUDA order (the engine's threads on Triton kernels), so
+# the default order can be decided
+step gputests-triton 120 60 env KVXFER_CUDA_BACKENDS=triton,cuda,torch sh -c \
+  "python3 -m pytest -q -rfEs -m 'gpu or multigpu' --timeout 120 -p no:cacheprovider >'$out/pytest-gpu-triton.log' 2>&1"
 step ops 90 50 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-1head,deepseek-v3-mla \
   --sizes 4096,32768
-step transfer 100 45 bash $v transfer --sizes 4096 --reqs 5 --iters 3 --inflight 8
+step transfer 100 45 bash $v transfer --sizes 4096 --reqs 5 --iters 3 --inflight 8 --batches 2
 step latency 70 30 bash $v latency --tokens 16,4096 --reqs 10
 step batching 25 15 bash $v batching --backends cuda,triton
 step hostcost 20 10 bash $v hostcost 200
+step ncu 90 40 bash $v ncu  # the worst row of the ops sweep, while bench_ops.json is still in $OUT
 (cd "$out" && tar czf results.tgz --exclude results.tgz --exclude onegpu.log ./* && find . -maxdepth 1 -type f ! -name results.tgz ! -name onegpu.log -delete)
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/onegpu.log" | tail -12
 tar xzf "$out/results.tgz" -O ./pytest-gpu.log 2>/dev/null | tail -25
+tar xzf "$out/results.tgz" -O ./pytest-gpu-triton.log 2>/dev/null | tail -8

@@ -2,8 +2,11 @@
 table + JSON + PNG, and a #wrong that can fail."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from kvxfer.transports.nixl import nixl_status
 from tests.test_profiling import _run, _table_rows
@@ -85,3 +88,29 @@ def test_bench_overlap_quick():
     assert modes == {(t, m) for t in (256, 1024) for m in ("whole", "layer-wise")}
     assert all(r["wrong"] == 0 and r["tail_ms"] >= 0 and r["prefill_ms"] > 0 for r in data["rows"])
     assert "wrong requests: 0  OK" in res.stdout
+
+
+def test_device_digest_names_every_changed_byte_and_swapped_block():
+    """The benchmark's on-device checksum (run here on CPU tensors) tells equal bytes apart from
+    one flipped byte in the body or the tail, two swapped 16 KiB blocks, and a shorter wire."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "profiling"))
+    from bench_transfer import device_digest  # the script's own import style (import common)
+
+    g = torch.Generator().manual_seed(7)
+    nbytes = 3 * 4 * 32768 + 4096 + 3  # three rows and a tail that is not a whole word
+    x = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    want = device_digest(x)
+    assert device_digest(x.clone()) == want
+    assert device_digest(x.view(torch.uint8)[: nbytes - 1]) != want
+    for pos in (0, 77_777, 3 * 4 * 32768 - 1, nbytes - 2):
+        y = x.clone()
+        y[pos] ^= 0x10
+        assert device_digest(y) != want, pos
+    y = x.clone()
+    a, b = slice(0, 16384), slice(3 * 16384, 4 * 16384)  # blocks in one row
+    y[a], y[b] = x[b].clone(), x[a].clone()
+    assert device_digest(y) != want
+    y = x.clone()
+    a, b = slice(16384, 2 * 16384), slice(5 * 16384, 6 * 16384)  # blocks in two rows
+    y[a], y[b] = x[b].clone(), x[a].clone()
+    assert device_digest(y) != want

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -459,8 +460,10 @@ def test_launch_logs_kernel_stream_and_addresses_at_debug(monkeypatch, caplog):
     import types
 
     from kvxfer.backends import cuda as kc
+    from tests.test_device_context import FakeRuntime
 
     launched = []
+    rt = FakeRuntime()
 
     class _Ctx:
         def __enter__(self):
@@ -469,10 +472,10 @@ def test_launch_logs_kernel_stream_and_addresses_at_debug(monkeypatch, caplog):
         def __exit__(self, *a):
             return False
 
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda i: _Ctx()))
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(
-        kc, "_kernels", lambda i: {"kvx_gather_w16": lambda g, b, a: launched.append((g, b, a))}
+        kc, "_kernels", lambda i: {"kvx_gather_w16": lambda g, b, a: launched.append((g, b, a, rt.bound()))}
     )
     monkeypatch.setattr(kc, "_cupy_stream", lambda ptr, i: _Ctx())
     monkeypatch.setattr(kc.torch.cuda, "current_stream", lambda d: types.SimpleNamespace(cuda_stream=0xABC))
@@ -480,6 +483,7 @@ def test_launch_logs_kernel_stream_and_addresses_at_debug(monkeypatch, caplog):
     with caplog.at_level("DEBUG", logger="kvxfer.backends.cuda"):
         kc._launch(plan, torch.device("cuda", 0))
     assert launched and launched[0][0] == (7,)
+    assert launched[0][3] == 0, "launched without the device's context bound on this thread"
     msg = next(r.getMessage() for r in caplog.records if r.name == "kvxfer.backends.cuda")
     assert (
         "kvx_gather_w16" in msg
@@ -487,6 +491,60 @@ def test_launch_logs_kernel_stream_and_addresses_at_debug(monkeypatch, caplog):
         and "0x7f0000001000" in msg
         and "grid 7 x 256" in msg
     )
+
+
+def _fake_occupancy(monkeypatch, fits: dict[str, int] | Exception):
+    """The CUDA backend with fake kernels (``ptr`` = their name) and a fake driver whose
+    occupancy query answers ``fits[name]`` (or raises ``fits``), on a device with 132 SMs."""
+    import sys
+    import types
+
+    from kvxfer.backends import cuda as kc
+    from tests.test_device_context import FakeRuntime
+
+    asked = []
+
+    def occupancy(ptr, threads, smem):
+        asked.append((ptr, threads, smem))
+        if isinstance(fits, Exception):
+            raise fits
+        return fits[ptr]
+
+    driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=occupancy)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=FakeRuntime(), driver=driver))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    names = kc._entry_names()
+    monkeypatch.setattr(kc, "_kernels", lambda i: {n: types.SimpleNamespace(ptr=n) for n in names})
+    monkeypatch.setattr(kc, "_num_sms", lambda i: 132)
+    kc._blocks_per_sm.cache_clear()
+    monkeypatch.setattr(kc, "_blocks_per_sm", functools.cache(kc._blocks_per_sm.__wrapped__))
+    return kc, asked
+
+
+def test_grid_is_one_full_wave_of_the_widest_entries(monkeypatch):
+    """The persistent grid holds as many blocks per SM as the driver says fit for the widest
+    entry points (the most registers), the fewest of the three ops: on an H200 a fixed 4 per
+    SM gave 0.8 waves where 5 fit (ncu, 2026-11-26)."""
+    fits = {n: 8 for n in cuda._entry_names()}
+    fits.update({"kvx_gather_w16": 5, "kvx_scatter_w16": 6, "kvx_copy_w16": 5})
+    kc, asked = _fake_occupancy(monkeypatch, fits)
+    assert kc._max_blocks(torch.device("cuda", 0)) == 132 * 5
+    assert sorted(a[0] for a in asked) == ["kvx_copy_w16", "kvx_gather_w16", "kvx_scatter_w16"]
+    assert {a[1:] for a in asked} == {(kc.THREADS, 0)}
+    kc._max_blocks(torch.device("cuda", 0))
+    assert len(asked) == 3, "asked once per device"
+
+
+@pytest.mark.parametrize("answer", [RuntimeError("cuOccupancy failed"), 0])
+def test_grid_falls_back_to_the_fixed_blocks_per_sm_and_says_why(monkeypatch, caplog, answer):
+    fits = answer if isinstance(answer, Exception) else {n: answer for n in cuda._entry_names()}
+    kc, _ = _fake_occupancy(monkeypatch, fits)
+    with caplog.at_level("WARNING", logger="kvxfer.backends.cuda"):
+        assert kc._max_blocks(torch.device("cuda", 0)) == 132 * kc.BLOCKS_PER_SM
+    msg = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "occupancy" in msg and f"{kc.BLOCKS_PER_SM} " in msg
+    if isinstance(answer, Exception):
+        assert "cuOccupancy failed" in msg
 
 
 def test_plans_of_a_registered_cache_keep_its_layer_table_per_head_slice():

@@ -5,6 +5,7 @@ Skipped without a CUDA device or without CuPy (the backend's launcher).
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -48,11 +49,19 @@ def test_gpu_pinned_host_wire(dev, case):
     run_case(case, dev, cuda, pinned_wire=True)
 
 
-def test_ops_dispatch_picks_cuda(dev):
+def test_ops_dispatch_picks_the_first_of_the_cuda_order(dev):
+    """backend=None runs CUDA C++ (the built-in order), or the first available backend of
+    ``$KVXFER_CUDA_BACKENDS`` when it is set."""
+    from kvxfer.backends import registry
+
     spec = KVCacheSpec(2, 4, 64, 16, torch.bfloat16, Layout.NHD)
     caches = [torch.randn(spec.local_cache_shape(8, 4), device=dev).to(torch.bfloat16) for _ in range(2)]
     wire = ops.gather_blocks(caches, spec, [5, 2, 7], 40)
-    assert ops.last_backend() == "cuda"
+    status = registry.backend_status(dev)
+    want_backend = next(n for n in registry.cuda_order() if status[n]["available"])
+    if registry.CUDA_ORDER_ENV not in os.environ:
+        assert want_backend == "cuda"
+    assert ops.last_backend() == want_backend
     want = ops.gather_blocks(caches, spec, [5, 2, 7], 40, backend="torch")
     assert torch.equal(wire.view(torch.uint8), want.view(torch.uint8))
 

@@ -230,3 +230,33 @@ def test_no_host_sync_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def _num_compiled() -> int:
+    """Compiled variants of the Triton kernel in this process (Triton 3.x keeps them per
+    device in ``device_caches``: (kernel cache, ...))."""
+    from kvxfer.kernels.rows import move_rows_kernel
+
+    caches = getattr(move_rows_kernel, "device_caches", None)
+    assert caches is not None, "this Triton keeps no device_caches: update the test's probe"
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@gpu
+def test_warmup_leaves_no_request_size_to_compile_gpu():
+    """After ``ops.warmup`` no request size compiles a Triton variant on the request path: the
+    token tiles come in power-of-two buckets and warm-up covers every one of them."""
+    spec = KVCacheSpec(2, 8, 128, 16, torch.bfloat16, "NHD")
+    caches = [torch.zeros(spec.local_cache_shape(600, 8), dtype=spec.dtype, device="cuda") for _ in range(2)]
+    assert ops.warmup(caches, spec, backend="triton") == "triton"
+    torch.cuda.synchronize()
+    before = _num_compiled()
+    for n in (1, 7, 17, 24, 33, 63, 100, 1000, 4096):
+        nb = spec.num_blocks_for(n)
+        wire = ops.gather_blocks(caches, spec, list(range(nb)), n, backend="triton")
+        ops.scatter_blocks(wire, caches, spec, list(range(300, 300 + nb)), n, backend="triton")
+        ops.copy_blocks(
+            caches, spec, list(range(nb)), caches, spec, list(range(300, 300 + nb)), n, backend="triton"
+        )
+    torch.cuda.synchronize()
+    assert _num_compiled() == before

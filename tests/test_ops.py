@@ -326,6 +326,40 @@ def test_forced_backend_env(fresh_backends, monkeypatch):
     assert ops.last_backend() == "torch"
 
 
+def test_cuda_order_env_reorders_cuda_tensors_only(fresh_backends, monkeypatch, caplog):
+    """$KVXFER_CUDA_BACKENDS sets the order backend=None tries on CUDA tensors (an unusable
+    entry is passed over with its reason); CPU tensors keep theirs; an unknown name raises
+    naming the variable. Availability is seeded: no GPU is needed."""
+    from kvxfer.backends import registry
+
+    ops = fresh_backends
+    cpu_default = ops.resolve_backend("cpu")
+
+    def seed(**ok):
+        ops.reset_backends()
+        for name, avail in ok.items():
+            registry._available[(name, "cuda")] = avail
+            registry._why[(name, "cuda")] = "" if avail else f"{name} seeded unavailable"
+
+    seed(cuda=True, triton=True, torch=True)
+    assert ops.resolve_backend("cuda") == "cuda"  # the built-in order: CUDA C++ first
+    monkeypatch.setenv(registry.CUDA_ORDER_ENV, "triton, cuda,torch")
+    assert registry.cuda_order() == ("triton", "cuda", "torch")
+    assert ops.resolve_backend("cuda") == "triton"
+    assert ops.resolve_backend("cpu") == cpu_default
+    seed(cuda=True, triton=False, torch=True)
+    with caplog.at_level("WARNING", logger="kvxfer.backends.registry"):
+        assert ops.resolve_backend("cuda") == "cuda"
+    assert any(
+        "'triton' unavailable" in r.getMessage() and "seeded unavailable" in r.getMessage()
+        for r in caplog.records
+    )
+    monkeypatch.setenv(registry.CUDA_ORDER_ENV, "triton,cudnn")
+    with pytest.raises(ValueError, match=r"\$KVXFER_CUDA_BACKENDS='triton,cudnn'.*\['cudnn'\]"):
+        ops.resolve_backend("cuda")
+    assert ops.resolve_backend("cpu") == cpu_default
+
+
 def test_warmup_prepares_without_touching_the_caches(fresh_backends):
     """ops.warmup resolves the backend and prepares its kernels; it never writes a cache."""
     ops = fresh_backends

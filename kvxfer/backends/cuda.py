@@ -48,7 +48,12 @@ __all__ = [
 
 WIDTHS = (16, 8, 4, 2, 1)  # copy units in bytes, widest first; each has its own entry point
 THREADS = 256  # threads per block (8 warps); each warp moves one item at a time
-BLOCKS_PER_SM = 4  # ~56-60 registers per thread (ptxas -v, sm_80) leave room for 4 blocks of 256
+# Fallback blocks of THREADS per SM when the occupancy query fails: ptxas -v gives the widest
+# entries 52-60 registers per thread on sm_80 (4 blocks of 256 fit) and 44-48 on sm_90a (5 fit).
+# Normally the grid is sized by the driver's occupancy query (_blocks_per_sm): on an H200
+# (2026-11-26, ncu) a fixed 4 per SM gave 528 blocks, 0.8 waves and 44 % achieved occupancy
+# where 5 per SM were resident-capable.
+BLOCKS_PER_SM = 4
 ITEM_BYTES = 8192  # bytes per item (head, layer, K/V, chunk of tokens) when items are plentiful
 _U32 = 1 << 32
 _FATBIN = "kvxfer_kernels.fatbin"
@@ -346,7 +351,6 @@ def _cupy_stream(ptr: int, device_index: int):
 
 
 def _launch(plan: Launch, device: torch.device) -> None:
-    import cupy
     import numpy as np
 
     index = _index(device)
@@ -364,12 +368,53 @@ def _launch(plan: Launch, device: torch.device) -> None:
             [hex(a) if a > 0xFFFFFFFF else a for a in plan.args],
             threading.current_thread().name,
         )
-    with cupy.cuda.Device(index), stream:
+    with bound_device(index), stream:  # a fresh thread may have no context bound (device_context)
         kernel((plan.grid,), (plan.block,), tuple(np.int64(a) for a in plan.args))
 
 
+@functools.cache
+def _blocks_per_sm(device_index: int) -> int:
+    """Blocks of ``THREADS`` each SM keeps resident for the widest entry points (the most
+    registers: the narrower widths fit as many or more), asked of the driver's occupancy
+    calculator; ``BLOCKS_PER_SM`` with a warning when the query fails."""
+    import cupy
+
+    try:
+        kernels = _kernels(device_index)
+        with bound_device(device_index):
+            fit = min(
+                cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    kernels[f"kvx_{op}_w{WIDTHS[0]}"].ptr, THREADS, 0
+                )
+                for op in ("gather", "scatter", "copy")
+            )
+    except Exception as exc:
+        _LOG.warning(
+            "kvxfer CUDA kernels: occupancy query on device %d failed (%s: %s); sizing the grid "
+            "for %d blocks per SM",
+            device_index,
+            type(exc).__name__,
+            exc,
+            BLOCKS_PER_SM,
+        )
+        return BLOCKS_PER_SM
+    if fit < 1:
+        _LOG.warning(
+            "kvxfer CUDA kernels: the occupancy query on device %d says no block of %d threads "
+            "fits an SM; sizing the grid for %d per SM",
+            device_index,
+            THREADS,
+            BLOCKS_PER_SM,
+        )
+        return BLOCKS_PER_SM
+    _LOG.debug("kvxfer CUDA kernels: %d blocks of %d threads per SM on device %d", fit, THREADS, device_index)
+    return fit
+
+
 def _max_blocks(device: torch.device) -> int:
-    return _num_sms(_index(device)) * BLOCKS_PER_SM
+    """A persistent grid of one full wave: every SM holds as many blocks as fit at once."""
+    index = _index(device)
+    return _num_sms(index) * _blocks_per_sm(index)
 
 
 def gather(src: PagedSide, wire: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """Which backend runs an op: the registry of backend modules, their availability (and why
-not), the default order per device, ``$KVXFER_BACKEND``, and the dispatch :mod:`kvxfer.ops`
-calls once its arguments are validated.
+not), the default order per device (``$KVXFER_CUDA_BACKENDS`` reorders it for CUDA tensors),
+``$KVXFER_BACKEND``, and the dispatch :mod:`kvxfer.ops` calls once its arguments are validated.
 
 A backend is loaded on first use; availability is probed once per (backend, device type) and
 never changes within a process (:func:`reset_backends` forgets it, for tests that swap a
@@ -21,6 +21,7 @@ _LOG = logging.getLogger(__name__)
 
 __all__ = [
     "BACKENDS",
+    "CUDA_ORDER_ENV",
     "FORCE_ENV",
     "backend_status",
     "last_backend",
@@ -56,6 +57,8 @@ def module(name: str) -> ModuleType:
 _why: dict[tuple[str, str], str] = {}  # (backend, device type) -> why it is unavailable
 _warned: set[tuple[str, str]] = set()
 FORCE_ENV = "KVXFER_BACKEND"  # forces the backend of calls made with backend=None
+CUDA_ORDER_ENV = "KVXFER_CUDA_BACKENDS"  # the order backend=None tries on CUDA tensors
+CUDA_ORDER = ("cuda", "triton", "torch")
 
 
 def _is_available(name: str, device: torch.device) -> bool:
@@ -77,15 +80,33 @@ def _is_available(name: str, device: torch.device) -> bool:
 
 
 def _default_order(device: torch.device) -> tuple[str, ...]:
-    return ("cpu", "torch") if device.type == "cpu" else ("cuda", "triton", "torch")
+    if device.type == "cpu":
+        return ("cpu", "torch")
+    return cuda_order()
+
+
+def cuda_order() -> tuple[str, ...]:
+    """The backends ``backend=None`` tries, in order, on CUDA tensors: ``$KVXFER_CUDA_BACKENDS``
+    (a comma list, e.g. ``triton,cuda,torch``) when set, else CUDA C++, Triton, torch. Unlike
+    ``$KVXFER_BACKEND`` it leaves CPU tensors alone, and a backend it names that is unusable is
+    passed over with a warning, not an error. Names outside :data:`BACKENDS` raise."""
+    raw = os.environ.get(CUDA_ORDER_ENV, "").strip()
+    if not raw:
+        return CUDA_ORDER
+    order = tuple(n.strip() for n in raw.split(",") if n.strip())
+    bad = [n for n in order if n not in BACKENDS]
+    if bad or not order:
+        raise ValueError(f"${CUDA_ORDER_ENV}={raw!r}: names must be among {BACKENDS}, got {bad or order}")
+    return order
 
 
 def resolve_backend(device: torch.device | str, backend: str | None = None) -> str:
     """The backend a call on ``device`` with ``backend`` would use (raises if unusable).
 
     ``backend=None`` takes ``$KVXFER_BACKEND`` when set (an unusable forced backend raises,
-    naming why), else the first available of CUDA C++, Triton, torch on CUDA tensors (torch
-    on CPU). A backend passed over is logged once as a warning with the reason.
+    naming why), else the first available of :func:`cuda_order` on CUDA tensors (CUDA C++,
+    Triton, torch unless ``$KVXFER_CUDA_BACKENDS`` says otherwise), of the native CPU backend
+    and torch on CPU tensors. A backend passed over is logged once as a warning with the reason.
     """
     device = torch.device(device)
     if backend is None:
