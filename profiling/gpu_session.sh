@@ -4,8 +4,8 @@
 # the suite's context), the GPU-marked tests with the built-in backend order and then with
 # Triton first (the whole suite no longer fits one call; CI runs the CPU tests), kernel sweep,
 # transfer bench + demo, one request's timeline (bench_latency), a ragged batch's two plans
-# (bench_batching), the engine's host cost on this host's CPU (bench_engine), one ncu look at
-# the worst ops row. Steps run in that order of priority.
+# (bench_batching), the Triton tile/warp sweep, one ncu look at the worst ops row, the engine's
+# host cost on this host's CPU (bench_engine). Steps run in that order of priority.
 # Each step gets at most what is left of a 540 s budget (a step that no longer fits is skipped
 # and says so), so the results are always packed: everything lands in $OUT/results.tgz (the
 # device tool returns at most 8 files), plus onegpu.log.
@@ -46,9 +46,13 @@ step ops 90 50 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-1
 step transfer 100 45 bash $v transfer --sizes 4096 --reqs 5 --iters 3 --inflight 8 --batches 2
 step latency 70 30 bash $v latency --tokens 16,4096 --reqs 10
 step batching 25 15 bash $v batching --backends cuda,triton
-step hostcost 20 10 bash $v hostcost 200
+# the Triton tile/warp sweep the defaults in kernels/launch.py still wait for (6 configurations)
+step sweep 115 50 sh -c "python3 profiling/sweep_triton_tiles.py --tiles 8192,16384,32768 --warps 4,8 --timeout 18 \
+  --ops gather,copy --out '$out/sweep' >'$out/sweep_triton_tiles.txt' 2>&1"
 step ncu 90 40 bash $v ncu  # the worst row of the ops sweep, while bench_ops.json is still in $OUT
+step hostcost 20 10 bash $v hostcost 200
 (cd "$out" && tar czf results.tgz --exclude results.tgz --exclude onegpu.log ./* && find . -maxdepth 1 -type f ! -name results.tgz ! -name onegpu.log -delete)
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/onegpu.log" | tail -12
 tar xzf "$out/results.tgz" -O ./pytest-gpu.log 2>/dev/null | tail -25
 tar xzf "$out/results.tgz" -O ./pytest-gpu-triton.log 2>/dev/null | tail -8
+tar xzf "$out/results.tgz" -O ./sweep_triton_tiles.txt 2>/dev/null | tail -8

@@ -166,6 +166,25 @@ def test_plan_tiles():
     assert p.block_t * p.block_w * p.word_bytes == launch._GPU_TILE_BYTES
 
 
+def test_tile_and_warp_overrides_for_the_sweep(monkeypatch):
+    """$KVXFER_TRITON_TILE_BYTES / $KVXFER_TRITON_NUM_WARPS (read at import, for
+    profiling/sweep_triton_tiles.py) take powers of two in range; anything else raises naming
+    the variable. A plan's GPU tile follows the tile bytes and its warps the warp count."""
+    env = "KVXFER_TRITON_TILE_BYTES"
+    monkeypatch.delenv(env, raising=False)
+    assert launch._env_pow2(env, 16384, 1024, 1 << 18) == 16384
+    monkeypatch.setenv(env, "65536")
+    assert launch._env_pow2(env, 16384, 1024, 1 << 18) == 65536
+    for bad, why in (("3000", "power of two"), ("512", "power of two"), ("big", "not an integer")):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=rf"\$KVXFER_TRITON_TILE_BYTES=.*{why}"):
+            launch._env_pow2(env, 16384, 1024, 1 << 18)
+    monkeypatch.setattr(launch, "_GPU_TILE_BYTES", 4096)
+    monkeypatch.setattr(launch, "_GPU_NUM_WARPS", 8)
+    p = launch.Plan(256, [256], num_tokens=5000, interpreted=False)
+    assert p.block_t * p.block_w * p.word_bytes == 4096 and p.num_warps == 8
+
+
 def test_is_available_matches_mode():
     assert tk.is_available(torch.device("cpu")) == launch.INTERPRETED
     assert tk.is_available(torch.device("meta")) is False

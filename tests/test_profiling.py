@@ -411,3 +411,25 @@ def test_count_host_instructions_counts_the_request_path():
     r = chi.count(ROOT, batch=1, short=3, long=8)
     assert 50_000 < r["per_iteration"] < 5_000_000, r["per_iteration"]
     assert any("ids_from_seq" in k or "idops" in k or "_PyEval" in k for k in r["functions"])
+
+
+def test_sweep_triton_tiles_plumbing(tmp_path):
+    """sweep_triton_tiles runs bench_ops once per configuration with the knobs in its
+    environment and tabulates each row's fraction per configuration (here through the torch
+    backend on CPU: the plumbing only, the knobs act on Triton's GPU tiles)."""
+    script = os.path.join(ROOT, "profiling", "sweep_triton_tiles.py")
+    res = subprocess.run(
+        [sys.executable, script, "--backend", "torch", "--device", "cpu", "--models", "llama3-8b",
+         "--ops", "gather,copy", "--sizes", "32", "--tiles", "8192,16384", "--warps", "4",
+         "--iters", "1", "--warmup", "0", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    table = [ln for ln in res.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert len(table) == 2 and all(ln.split()[1] in ("gather", "copy") for ln in table), res.stdout
+    got = json.loads((tmp_path / "sweep_triton_tiles.json").read_text())
+    assert got["configs"] == ["8192/4", "16384/4*"]
+    assert {r["op"] for r in got["rows"]} == {"gather", "copy"}
+    assert all(set(r["pct_limit"]) == {"8192/4", "16384/4"} and r["wrong"] == 0 for r in got["rows"])
+    for cfg in ("tile8192_warps4", "tile16384_warps4"):
+        assert (tmp_path / cfg / "bench_ops.json").is_file()
