@@ -43,6 +43,10 @@ def test_bench_latency_prints_each_stage_of_the_path(tmp_path, transport):
     (bare,) = data["bare_round_trips"]
     assert bare["tokens"] == 16 and len(bare["round_trips_ms"]) == 200
     assert all(0 < x < 1000 for x in bare["round_trips_ms"]), bare
+    # and the same spaced by the idleness requests see between them
+    assert len(bare["spaced_round_trips_ms"]) == 200 and bare["idle_gap_s"] > 0
+    assert all(0 < x < 1000 for x in bare["spaced_round_trips_ms"]), bare
+    assert "back to back" in ref[0] and "ms idle" in ref[0], ref
 
 
 def test_bench_latency_detects_a_wrong_byte(tmp_path):
