@@ -75,7 +75,8 @@ def copy(src: PagedSide, dst: PagedSide) -> None:
 
 def warmup(side: PagedSide, wire: torch.Tensor) -> None:
     """Compile (without launching) the gather, scatter and copy kernels for ``side``'s cache
-    shape family and a wire like ``wire``; a no-op under the CPU interpreter."""
+    shape family and a wire like ``wire`` (its dtype, device and alignment: its size does not
+    matter, nothing runs); a no-op under the CPU interpreter."""
     from .launch import INTERPRETED, move
 
     if INTERPRETED or side.device.type != "cuda":

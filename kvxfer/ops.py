@@ -567,8 +567,9 @@ def _checked_sides(
 def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | None = None) -> str:
     """Prepare the kernels the ops will launch on ``caches`` (load the CUDA C++ module, or
     compile the Triton variants of this cache shape family for every request size)
-    without running them or touching the caches. Returns the backend prepared; an engine's
-    ``start()`` calls it so the first request does not pay for compilation."""
+    without running them or touching the caches, and without holding request-sized memory.
+    Returns the backend prepared; an engine's ``start()`` calls it so the first request does
+    not pay for compilation."""
     info = caches.info if isinstance(caches, PagedCache) else _check_caches(caches, spec, "caches")
     name = resolve_backend(info.device, backend)
     fn = getattr(_module(name), "warmup", None)
@@ -577,10 +578,14 @@ def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | Non
     # Every power of two of tokens up to 4096 (or what the cache holds): the Triton tiles come in
     # power-of-two token buckets between 16 and a full tile, and a bucket left cold would compile
     # on the request path (~1 s); sizes that share a bucket cost a cache lookup.
+    # A warm-up launches nothing, so one wire of a single token stands in for every size (a
+    # 4K-token wire is 537 MB for Llama-3-8B: torch's allocator would keep it after start()).
     most = min(4096, info.num_blocks * spec.block_size)
+    wire = None
     for tokens in sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most}):
-        n = spec.num_blocks_for(tokens)
-        side = make_side(caches, spec, list(range(n)), tokens)
-        wire = torch.empty(side.wire_view_shape(), dtype=side.dtype, device=info.device)
+        side = make_side(caches, spec, list(range(spec.num_blocks_for(tokens))), tokens)
+        if wire is None:
+            one = make_side(caches, spec, [0], 1)
+            wire = torch.empty(one.wire_view_shape(), dtype=one.dtype, device=info.device)
         fn(side, wire)
     return name

@@ -360,6 +360,28 @@ def test_cuda_order_env_reorders_cuda_tensors_only(fresh_backends, monkeypatch, 
     assert ops.resolve_backend("cpu") == cpu_default
 
 
+def test_warmup_covers_every_tile_bucket_with_one_small_wire(fresh_backends, monkeypatch):
+    """ops.warmup hands the backend every power of two of tokens up to 4096 (the Triton token
+    tiles come in power-of-two buckets) and one single-token wire for all of them: nothing is
+    launched, and a 4K-token wire would stay in torch's allocator after an engine's start()."""
+    import types
+
+    ops = fresh_backends
+    spec = make_spec(Layout.NHD, torch.float16, 16, head_dim=8, heads=2, layers=2)
+    caches = [torch.zeros(spec.local_cache_shape(300, 2), dtype=spec.dtype) for _ in range(2)]
+    seen = []
+    fake = types.SimpleNamespace(warmup=lambda side, wire: seen.append((side.num_tokens, wire)))
+    monkeypatch.setattr(ops, "_module", lambda name: fake)
+    ops.warmup(caches, spec, backend="torch")
+    assert [t for t, _ in seen] == [1 << k for k in range(13)]
+    wires = {id(w) for _, w in seen}
+    assert len(wires) == 1 and seen[0][1].shape[3] == 1, "one single-token wire for every size"
+    seen.clear()
+    small = [c[:, :10] for c in caches]  # 160 tokens fit: up to 128, then 160
+    ops.warmup(small, spec, backend="torch")
+    assert [t for t, _ in seen] == [1, 2, 4, 8, 16, 32, 64, 128, 160]
+
+
 def test_warmup_prepares_without_touching_the_caches(fresh_backends):
     """ops.warmup resolves the backend and prepares its kernels; it never writes a cache."""
     ops = fresh_backends

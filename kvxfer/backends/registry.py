@@ -24,6 +24,7 @@ __all__ = [
     "CUDA_ORDER_ENV",
     "FORCE_ENV",
     "backend_status",
+    "cuda_order",
     "last_backend",
     "module",
     "reset_backends",
