@@ -17,7 +17,7 @@ import torch
 
 from . import control as C
 from . import ops
-from .auth import UNAUTHORIZED, tokens_match
+from .auth import UNAUTHORIZED
 from .engine_types import TICK_MS, describe_error
 from .ordering import NOT_READY
 from .plan import plan_reads
@@ -57,12 +57,7 @@ class ExporterRole:
         miscounted = self._miscounted(request_ids, tokens)
         if miscounted is not None:
             return miscounted
-        bad: dict[str, str] = {}
-        kept = self._exports.token_of
-        for rid, tok in zip(request_ids, tokens):
-            if not tokens_match(kept(rid) or self._secret.token(rid), tok):
-                bad[rid] = UNAUTHORIZED
-        return bad
+        return self._exports.unauthorized(request_ids, tokens, self._secret.token)
 
     @staticmethod
     def _miscounted(request_ids: list[str], tokens) -> dict[str, str] | None:

@@ -116,7 +116,7 @@ class ExportTracker:
     ) -> None:
         """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``.
         ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`.
-        ``token``: the request's auth token, returned by :meth:`token_of` while it is live."""
+        ``token``: the request's auth token, checked by :meth:`grant` and the like while it is live."""
         ids = block_ids
         if type(ids) is not np.ndarray or ids.dtype is not _INT64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(block_ids, dtype=np.int64)
@@ -235,11 +235,15 @@ class ExportTracker:
                 bad[rid] = UNAUTHORIZED
         return out
 
-    def token_of(self, request_id: str) -> str:
-        """The token kept with a live export ("" when it is not live or none was kept). No lock:
-        one dict read, and a token never changes while its export lives."""
-        e = self._live.get(request_id)
-        return e.token if e is not None else ""
+    def unauthorized(
+        self, request_ids: list[str], tokens: list, token_for: Callable[[str], str]
+    ) -> dict[str, str]:
+        """Request id -> :data:`~kvxfer.auth.UNAUTHORIZED` for each of ``request_ids`` whose token
+        (one per id) does not verify (:meth:`_verified`); empty when all do."""
+        bad: dict[str, str] = {}
+        with self.lock:
+            self._verified(request_ids, tokens, token_for, bad)
+        return bad
 
     def lookup(self, request_id: str) -> _Export | None:
         with self.lock:
