@@ -63,8 +63,10 @@ def _env_pow2(name: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
-_GPU_TILE_BYTES = _env_pow2("KVXFER_TRITON_TILE_BYTES", 16384, 1024, 1 << 18)
-_GPU_NUM_WARPS = _env_pow2("KVXFER_TRITON_NUM_WARPS", 4, 1, 32)
+DEFAULT_TILE_BYTES = 16384
+DEFAULT_NUM_WARPS = 4
+_GPU_TILE_BYTES = _env_pow2("KVXFER_TRITON_TILE_BYTES", DEFAULT_TILE_BYTES, 1024, 1 << 18)
+_GPU_NUM_WARPS = _env_pow2("KVXFER_TRITON_NUM_WARPS", DEFAULT_NUM_WARPS, 1, 32)
 
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _MAX_TABLES = 256

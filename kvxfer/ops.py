@@ -580,12 +580,9 @@ def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | Non
     # on the request path (~1 s); sizes that share a bucket cost a cache lookup.
     # A warm-up launches nothing, so one wire of a single token stands in for every size (a
     # 4K-token wire is 537 MB for Llama-3-8B: torch's allocator would keep it after start()).
+    one = make_side(caches, spec, [0], 1)
+    wire = torch.empty(one.wire_view_shape(), dtype=one.dtype, device=info.device)
     most = min(4096, info.num_blocks * spec.block_size)
-    wire = None
     for tokens in sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most}):
-        side = make_side(caches, spec, list(range(spec.num_blocks_for(tokens))), tokens)
-        if wire is None:
-            one = make_side(caches, spec, [0], 1)
-            wire = torch.empty(one.wire_view_shape(), dtype=one.dtype, device=info.device)
-        fn(side, wire)
+        fn(make_side(caches, spec, list(range(spec.num_blocks_for(tokens))), tokens), wire)
     return name

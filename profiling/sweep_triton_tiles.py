@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from profiling import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_TILE, DEFAULT_WARPS = 16384, 4  # kernels/launch.py's defaults, marked in the table
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,7 +89,10 @@ def main(argv=None) -> int:
         for r in rows:
             key = (r["model"], r["layout"], r["op"], r["tokens"])
             results.setdefault(key, {})[(tile, warps)] = r
-    names = [f"{t}/{w}" + ("*" if (t, w) == (DEFAULT_TILE, DEFAULT_WARPS) else "") for t, w in configs]
+    from kvxfer.kernels.launch import DEFAULT_NUM_WARPS, DEFAULT_TILE_BYTES  # marked * in the table
+
+    default = (DEFAULT_TILE_BYTES, DEFAULT_NUM_WARPS)
+    names = [f"{t}/{w}" + ("*" if (t, w) == default else "") for t, w in configs]
     write(f"#{'model':>15} {'op':>7} {'layout':>6} {'tokens':>6} " + " ".join(f"{n:>10}" for n in names)
           + f" {'best':>10} {'#wrong':>6}")  # fmt: skip
     summary, wrong_total = [], 0

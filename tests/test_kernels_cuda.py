@@ -516,8 +516,7 @@ def _fake_occupancy(monkeypatch, fits: dict[str, int] | Exception):
     names = kc._entry_names()
     monkeypatch.setattr(kc, "_kernels", lambda i: {n: types.SimpleNamespace(ptr=n) for n in names})
     monkeypatch.setattr(kc, "_num_sms", lambda i: 132)
-    kc._blocks_per_sm.cache_clear()
-    monkeypatch.setattr(kc, "_blocks_per_sm", functools.cache(kc._blocks_per_sm.__wrapped__))
+    monkeypatch.setattr(kc, "_blocks_per_sm", functools.cache(kc._blocks_per_sm.__wrapped__))  # a fresh cache
     return kc, asked
 
 

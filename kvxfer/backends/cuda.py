@@ -388,6 +388,8 @@ def _blocks_per_sm(device_index: int) -> int:
                 )
                 for op in ("gather", "scatter", "copy")
             )
+        if fit < 1:
+            raise RuntimeError(f"it says no block of {THREADS} threads fits an SM")
     except Exception as exc:
         _LOG.warning(
             "kvxfer CUDA kernels: occupancy query on device %d failed (%s: %s); sizing the grid "
@@ -395,15 +397,6 @@ def _blocks_per_sm(device_index: int) -> int:
             device_index,
             type(exc).__name__,
             exc,
-            BLOCKS_PER_SM,
-        )
-        return BLOCKS_PER_SM
-    if fit < 1:
-        _LOG.warning(
-            "kvxfer CUDA kernels: the occupancy query on device %d says no block of %d threads "
-            "fits an SM; sizing the grid for %d per SM",
-            device_index,
-            THREADS,
             BLOCKS_PER_SM,
         )
         return BLOCKS_PER_SM
