@@ -583,6 +583,6 @@ def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | Non
     one = make_side(caches, spec, [0], 1)
     wire = torch.empty(one.wire_view_shape(), dtype=one.dtype, device=info.device)
     most = min(4096, info.num_blocks * spec.block_size)
-    for tokens in sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most}):
+    for tokens in sorted({1 << k for k in range(most.bit_length())} | {most}):
         fn(make_side(caches, spec, list(range(spec.num_blocks_for(tokens))), tokens), wire)
     return name
