@@ -38,11 +38,12 @@ _WORDS = {
 # Tile shape. Interpreter: a program's cost is per Triton op, not per element (measured on the
 # shared 2-core dev machine: ~4-6 ms per program for 16- and for 512-token tiles alike, 8 layers
 # x 8 heads x 64 bf16), so one tile spans up to 1024 tokens of a row group.
-# GPU: BLOCK_T*BLOCK_W words per program, 4 warps.
-# TODO(gpu-sweep): the tile and warp defaults are not chosen by a sweep yet (they gave 95 %
-# gather, 91 % scatter, 90 % copy of a device copy on an H200 at 4K tokens, 76 % for the one-head
-# copy); $KVXFER_TRITON_TILE_BYTES and $KVXFER_TRITON_NUM_WARPS override them for
-# profiling/sweep_triton_tiles.py, whose result should replace this note.
+# GPU: BLOCK_T*BLOCK_W words per program (8 KiB), 8 warps. Chosen by profiling/sweep_triton_tiles.py
+# on an H200 (2026-11-26, three runs of tiles 8/16/32 KiB x 4/8 warps, Llama-3-8B 4K tokens):
+# 8 KiB/8 warps gave gather 96.6-97.0 % of a device copy (16 KiB/4 warps, the old default:
+# 95.4-96.0), copy 91.8-91.9 (91.1-91.6), one-head copy 78.3-79.9 (77.4-78.5), one-head gather
+# 87.5-88.0 (86.8-88.5): about a point, never worse beyond run-to-run noise. 32 KiB was no better.
+# $KVXFER_TRITON_TILE_BYTES and $KVXFER_TRITON_NUM_WARPS override them for the sweep.
 _INTERP_MAX_BLOCK_T = 1024
 _GPU_MIN_BLOCK_T = 16
 
@@ -63,8 +64,8 @@ def _env_pow2(name: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
-DEFAULT_TILE_BYTES = 16384
-DEFAULT_NUM_WARPS = 4
+DEFAULT_TILE_BYTES = 8192
+DEFAULT_NUM_WARPS = 8
 _GPU_TILE_BYTES = _env_pow2("KVXFER_TRITON_TILE_BYTES", DEFAULT_TILE_BYTES, 1024, 1 << 18)
 _GPU_NUM_WARPS = _env_pow2("KVXFER_TRITON_NUM_WARPS", DEFAULT_NUM_WARPS, 1, 32)
 

@@ -2,7 +2,7 @@
 # One device call that does a whole GPU validation pass within the 10-minute command limit:
 # fatbin build, the one-GPU pg cases in their own processes (a CUDA fault there must not poison
 # the suite's context), the GPU-marked tests with the built-in backend order and then with
-# Triton first (the whole suite no longer fits one call; CI runs the CPU tests), kernel sweep,
+# CUDA C++ first (the whole suite no longer fits one call; CI runs the CPU tests), kernel sweep,
 # transfer bench + demo, one request's timeline (bench_latency), a ragged batch's two plans
 # (bench_batching), the Triton tile/warp sweep, one ncu look at the worst ops row, the engine's
 # host cost on this host's CPU (bench_engine). Steps run in that order of priority.
@@ -37,17 +37,19 @@ for m in staged-pinned staged whole; do for d in bf16 e4m3; do
     "python3 -m pytest -v -rs -p no:cacheprovider --log-level=DEBUG '$one[$m-$d]' >>'$out/onegpu.log' 2>&1"
 done; done
 step gputests 200 90 bash $v gputests  # the one-GPU cases again, after whole ones in one process
-# the same tests with Triton first in the CUDA order (the engine's threads on Triton kernels), so
-# the default order can be decided
-step gputests-triton 120 60 env KVXFER_CUDA_BACKENDS=triton,cuda,torch sh -c \
-  "python3 -m pytest -q -rfEs -m 'gpu or multigpu' --timeout 120 -p no:cacheprovider >'$out/pytest-gpu-triton.log' 2>&1"
-step ops 90 50 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-1head,deepseek-v3-mla \
+# the same tests with CUDA C++ first in the CUDA order (the default is Triton first since
+# 2026-11-26), so the engine's threads run on both backends' kernels
+step gputests-cuda 120 60 env KVXFER_CUDA_BACKENDS=cuda,triton,torch sh -c \
+  "python3 -m pytest -q -rfEs -m 'gpu or multigpu' --timeout 120 -p no:cacheprovider >'$out/pytest-gpu-cuda.log' 2>&1"
+# 120 s: 90 cut the 136-row sweep while it drew its plot (2026-11-26)
+step ops 120 50 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-1head,deepseek-v3-mla \
   --sizes 4096,32768
 step transfer 100 45 bash $v transfer --sizes 4096 --reqs 5 --iters 3 --inflight 8 --batches 2
 step latency 70 30 bash $v latency --tokens 16,4096 --reqs 10
 step batching 25 15 bash $v batching --backends cuda,triton
-# the Triton tile/warp sweep the defaults in kernels/launch.py still wait for (6 configurations)
-step sweep 115 50 sh -c "python3 profiling/sweep_triton_tiles.py --tiles 8192,16384,32768 --warps 4,8 --timeout 18 \
+# the Triton tile/warp sweep: 8 KiB x 8 warps, the smallest tile of the first sweep, won it
+# (kernels/launch.py); this one looks below and above it (6 configurations)
+step sweep 115 50 sh -c "python3 profiling/sweep_triton_tiles.py --tiles 4096,8192,16384 --warps 8,16 --timeout 18 \
   --ops gather,copy --out '$out/sweep' >'$out/sweep_triton_tiles.txt' 2>&1"
 step ncu 90 40 bash $v ncu  # the worst row of the ops sweep, while bench_ops.json is still in $OUT
 step hostcost 20 10 bash $v hostcost 200

@@ -89,6 +89,11 @@ def test_stream_ordering_export_ready_and_load_completion():
     # The payload reaches the GPU first: a pageable host->device copy inside the compute stream
     # would block the host until the spin ended, and the gate would never be exercised.
     wire = payload(spec, 9, 90, spec.heads_of_rank(0, 1)).to(dev)
+    # One scatter before the spin: a first launch compiles (Triton JIT takes host time), and a
+    # compile inside the spin outlasts it, so the gate would find the event already done (seen on
+    # H200 2026-11-26 with Triton first: not_ready_grants == 0).
+    ops.scatter_blocks(wire, sc, spec, [3, 4, 5, 6, 7, 8], 90)
+    poison(sc)
     torch.cuda.synchronize()
     # in one process CUDA IPC is impossible; pinned-host staging over Gloo carries it
     pipe = {"buffer_bytes": 32 * spec.bytes_per_token(), "pin_memory": True}

@@ -493,8 +493,31 @@ def test_launch_logs_kernel_stream_and_addresses_at_debug(monkeypatch, caplog):
     )
 
 
+class _FakeRawKernel:
+    """What the backend reads of a ``cupy.RawKernel``: ``.kernel`` (a ``cupy.cuda.function.Function``)
+    and its ``.ptr``, the CUfunction handle; a RawKernel itself has no ``ptr`` (on the H200 of
+    2026-11-26 the occupancy query failed with that AttributeError and fell back to 4 per SM)."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, name: str) -> None:
+        import types
+
+        self.kernel = types.SimpleNamespace(ptr=name)
+
+
+def test_fake_raw_kernel_mirrors_cupy():
+    """The fake above has the attributes cupy's classes have (checked where cupy is installed)."""
+    cupy = pytest.importorskip(
+        "cupy", reason="cupy is not installed: the fake's shape is checked where it is"
+    )
+    assert hasattr(cupy.RawKernel, "kernel")
+    assert not hasattr(cupy.RawKernel, "ptr")
+    assert hasattr(cupy.cuda.function.Function, "ptr")
+
+
 def _fake_occupancy(monkeypatch, fits: dict[str, int] | Exception):
-    """The CUDA backend with fake kernels (``ptr`` = their name) and a fake driver whose
+    """The CUDA backend with fake kernels (their function's ``ptr`` = their name) and a fake driver whose
     occupancy query answers ``fits[name]`` (or raises ``fits``), on a device with 132 SMs."""
     import sys
     import types
@@ -514,7 +537,7 @@ def _fake_occupancy(monkeypatch, fits: dict[str, int] | Exception):
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=FakeRuntime(), driver=driver))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     names = kc._entry_names()
-    monkeypatch.setattr(kc, "_kernels", lambda i: {n: types.SimpleNamespace(ptr=n) for n in names})
+    monkeypatch.setattr(kc, "_kernels", lambda i: {n: _FakeRawKernel(n) for n in names})
     monkeypatch.setattr(kc, "_num_sms", lambda i: 132)
     monkeypatch.setattr(kc, "_blocks_per_sm", functools.cache(kc._blocks_per_sm.__wrapped__))  # a fresh cache
     return kc, asked

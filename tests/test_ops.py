@@ -342,11 +342,13 @@ def test_cuda_order_env_reorders_cuda_tensors_only(fresh_backends, monkeypatch, 
             registry._why[(name, "cuda")] = "" if avail else f"{name} seeded unavailable"
 
     seed(cuda=True, triton=True, torch=True)
-    assert ops.resolve_backend("cuda") == "cuda"  # the built-in order: CUDA C++ first
-    monkeypatch.setenv(registry.CUDA_ORDER_ENV, "triton, cuda,torch")
-    assert registry.cuda_order() == ("triton", "cuda", "torch")
-    assert ops.resolve_backend("cuda") == "triton"
+    assert registry.cuda_order() == registry.CUDA_ORDER == ("triton", "cuda", "torch")
+    assert ops.resolve_backend("cuda") == "triton"  # the built-in order: Triton first
+    monkeypatch.setenv(registry.CUDA_ORDER_ENV, "cuda, triton,torch")
+    assert registry.cuda_order() == ("cuda", "triton", "torch")
+    assert ops.resolve_backend("cuda") == "cuda"
     assert ops.resolve_backend("cpu") == cpu_default
+    monkeypatch.delenv(registry.CUDA_ORDER_ENV)
     seed(cuda=True, triton=False, torch=True)
     with caplog.at_level("WARNING", logger="kvxfer.backends.registry"):
         assert ops.resolve_backend("cuda") == "cuda"

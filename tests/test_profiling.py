@@ -420,7 +420,7 @@ def test_sweep_triton_tiles_plumbing(tmp_path):
     script = os.path.join(ROOT, "profiling", "sweep_triton_tiles.py")
     res = subprocess.run(
         [sys.executable, script, "--backend", "torch", "--device", "cpu", "--models", "llama3-8b",
-         "--ops", "gather,copy", "--sizes", "32", "--tiles", "8192,16384", "--warps", "4",
+         "--ops", "gather,copy", "--sizes", "32", "--tiles", "8192,16384", "--warps", "8",
          "--iters", "1", "--warmup", "0", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -428,8 +428,8 @@ def test_sweep_triton_tiles_plumbing(tmp_path):
     table = [ln for ln in res.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
     assert len(table) == 2 and all(ln.split()[1] in ("gather", "copy") for ln in table), res.stdout
     got = json.loads((tmp_path / "sweep_triton_tiles.json").read_text())
-    assert got["configs"] == ["8192/4", "16384/4*"]
+    assert got["configs"] == ["8192/8*", "16384/8"]  # * the default (kernels/launch.py)
     assert {r["op"] for r in got["rows"]} == {"gather", "copy"}
-    assert all(set(r["pct_limit"]) == {"8192/4", "16384/4"} and r["wrong"] == 0 for r in got["rows"])
-    for cfg in ("tile8192_warps4", "tile16384_warps4"):
+    assert all(set(r["pct_limit"]) == {"8192/8", "16384/8"} and r["wrong"] == 0 for r in got["rows"])
+    for cfg in ("tile8192_warps8", "tile16384_warps8"):
         assert (tmp_path / cfg / "bench_ops.json").is_file()

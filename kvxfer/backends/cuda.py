@@ -384,7 +384,7 @@ def _blocks_per_sm(device_index: int) -> int:
         with bound_device(device_index):
             fit = min(
                 cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                    kernels[f"kvx_{op}_w{WIDTHS[0]}"].ptr, THREADS, 0
+                    kernels[f"kvx_{op}_w{WIDTHS[0]}"].kernel.ptr, THREADS, 0
                 )
                 for op in ("gather", "scatter", "copy")
             )

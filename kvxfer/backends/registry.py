@@ -59,7 +59,11 @@ _why: dict[tuple[str, str], str] = {}  # (backend, device type) -> why it is una
 _warned: set[tuple[str, str]] = set()
 FORCE_ENV = "KVXFER_BACKEND"  # forces the backend of calls made with backend=None
 CUDA_ORDER_ENV = "KVXFER_CUDA_BACKENDS"  # the order backend=None tries on CUDA tensors
-CUDA_ORDER = ("cuda", "triton", "torch")
+# Triton first: faster than the CUDA C++ kernels on every device row of an H100 and two H200s
+# (e.g. Llama-3-8B gather at 4K tokens 95-97 % of a device copy vs 86 %, its one-head slice 89 %
+# vs 65-72 %; equal into pinned memory), and the GPU tests pass with it first (2026-11-26).
+# It costs ~30 us more host time per call (median 150 vs 117 us, bench_ops on the H200).
+CUDA_ORDER = ("triton", "cuda", "torch")
 
 
 def _is_available(name: str, device: torch.device) -> bool:
@@ -88,7 +92,7 @@ def _default_order(device: torch.device) -> tuple[str, ...]:
 
 def cuda_order() -> tuple[str, ...]:
     """The backends ``backend=None`` tries, in order, on CUDA tensors: ``$KVXFER_CUDA_BACKENDS``
-    (a comma list, e.g. ``triton,cuda,torch``) when set, else CUDA C++, Triton, torch. Unlike
+    (a comma list, e.g. ``cuda,triton,torch``) when set, else Triton, CUDA C++, torch. Unlike
     ``$KVXFER_BACKEND`` it leaves CPU tensors alone, and a backend it names that is unusable is
     passed over with a warning, not an error. Names outside :data:`BACKENDS` raise."""
     raw = os.environ.get(CUDA_ORDER_ENV, "").strip()
@@ -105,8 +109,8 @@ def resolve_backend(device: torch.device | str, backend: str | None = None) -> s
     """The backend a call on ``device`` with ``backend`` would use (raises if unusable).
 
     ``backend=None`` takes ``$KVXFER_BACKEND`` when set (an unusable forced backend raises,
-    naming why), else the first available of :func:`cuda_order` on CUDA tensors (CUDA C++,
-    Triton, torch unless ``$KVXFER_CUDA_BACKENDS`` says otherwise), of the native CPU backend
+    naming why), else the first available of :func:`cuda_order` on CUDA tensors (Triton,
+    CUDA C++, torch unless ``$KVXFER_CUDA_BACKENDS`` says otherwise), of the native CPU backend
     and torch on CPU tensors. A backend passed over is logged once as a warning with the reason.
     """
     device = torch.device(device)
