@@ -180,9 +180,9 @@ def test_tile_and_warp_overrides_for_the_sweep(monkeypatch):
         with pytest.raises(ValueError, match=rf"\$KVXFER_TRITON_TILE_BYTES=.*{why}"):
             launch._env_pow2(env, 16384, 1024, 1 << 18)
     monkeypatch.setattr(launch, "_GPU_TILE_BYTES", 4096)
-    monkeypatch.setattr(launch, "_GPU_NUM_WARPS", 8)
+    monkeypatch.setattr(launch, "_GPU_NUM_WARPS", 16)  # not the default (8)
     p = launch.Plan(256, [256], num_tokens=5000, interpreted=False)
-    assert p.block_t * p.block_w * p.word_bytes == 4096 and p.num_warps == 8
+    assert p.block_t * p.block_w * p.word_bytes == 4096 and p.num_warps == 16
 
 
 def test_is_available_matches_mode():

@@ -104,10 +104,10 @@ def test_per_request_integers_are_not_specialised_and_tiles_are_bucketed():
     code = (
         "import json\n"
         "from kvxfer.kernels.rows import move_rows_kernel as k\n"
-        "from kvxfer.kernels.launch import Plan\n"
+        "from kvxfer.kernels.launch import DEFAULT_TILE_BYTES, Plan\n"
         "names = [k.arg_names[i] if isinstance(i, int) else i for i in k.do_not_specialize]\n"
         "tiles = sorted({Plan(256, [256], n, interpreted=False).block_t for n in range(1, 70000, 7)})\n"
-        "print(json.dumps({'names': names, 'tiles': tiles}))\n"
+        "print(json.dumps({'names': names, 'tiles': tiles, 'tile_bytes': DEFAULT_TILE_BYTES}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -117,4 +117,8 @@ def test_per_request_integers_are_not_specialised_and_tiles_are_bucketed():
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout)
     assert sorted(got["names"]) == sorted(["T", "num_t_tiles", "src_head_start", "dst_head_start"])
-    assert got["tiles"] == [16, 32, 64], got["tiles"]  # 256-byte rows: 16 KiB tiles of 64 tokens
+    # 256-byte rows: the smallest tile is 16 tokens, the largest the default tile's bytes / 256
+    # (8 KiB: 32 tokens), every power of two between
+    assert got["tile_bytes"] // 256 >= 32, got["tile_bytes"]
+    want = [16 << k for k in range((got["tile_bytes"] // 256 // 16).bit_length())]
+    assert got["tiles"] == want, (got["tiles"], want)
