@@ -39,7 +39,8 @@ _WORDS = {
 # shared 2-core dev machine: ~4-6 ms per program for 16- and for 512-token tiles alike, 8 layers
 # x 8 heads x 64 bf16), so one tile spans up to 1024 tokens of a row group.
 # GPU: BLOCK_T*BLOCK_W words per program (8 KiB), 8 warps. Chosen by profiling/sweep_triton_tiles.py
-# on an H200 (2026-11-26, three runs of tiles 8/16/32 KiB x 4/8 warps, Llama-3-8B 4K tokens):
+# on an H200 (2026-11-26: tiles 8/16/32 KiB x 4/8 warps, then 8/16 KiB x 4/8 twice more;
+# Llama-3-8B, 4K tokens):
 # 8 KiB/8 warps gave gather 96.6-97.0 % of a device copy (16 KiB/4 warps, the old default:
 # 95.4-96.0), copy 91.8-91.9 (91.1-91.6), one-head copy 78.3-79.9 (77.4-78.5), one-head gather
 # 87.5-88.0 (86.8-88.5): about a point, never worse beyond run-to-run noise. 32 KiB was no better.

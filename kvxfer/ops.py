@@ -7,8 +7,8 @@ valid; each problem raises ``ValueError`` naming it.
 Backends: ``"torch"`` (reference; CPU and GPU), ``"triton"`` (:mod:`kvxfer.kernels`),
 ``"cuda"`` (:mod:`kvxfer.backends.cuda`) and ``"cpu"`` (:mod:`kvxfer.backends.cpu`, native and
 threaded; CPU tensors). ``backend=None`` picks ``"triton"`` on CUDA tensors when it loads, else
-``"cuda"``, else ``"torch"`` (``$KVXFER_CUDA_BACKENDS`` reorders them); on CPU tensors ``"cpu"`` when its library loads (else a warning,
-once, and ``"torch"``).
+``"cuda"``, else ``"torch"`` (``$KVXFER_CUDA_BACKENDS`` reorders them); on CPU tensors ``"cpu"``
+when its library loads (else a warning, once, and ``"torch"``).
 :func:`last_backend` says which one ran the latest call on this thread; the choice, its
 reasons and ``$KVXFER_BACKEND`` live in :mod:`kvxfer.backends.registry`.
 """

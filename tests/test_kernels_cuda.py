@@ -517,8 +517,8 @@ def test_fake_raw_kernel_mirrors_cupy():
 
 
 def _fake_occupancy(monkeypatch, fits: dict[str, int] | Exception):
-    """The CUDA backend with fake kernels (their function's ``ptr`` = their name) and a fake driver whose
-    occupancy query answers ``fits[name]`` (or raises ``fits``), on a device with 132 SMs."""
+    """The CUDA backend with fake kernels (their function's ``ptr`` = their name) and a fake
+    driver whose occupancy query answers ``fits[name]`` (or raises ``fits``), on a device with 132 SMs."""
     import sys
     import types
 
