@@ -72,7 +72,7 @@ def test_gpu_grid_comes_from_the_occupancy_query(dev, caplog):
     ran 4 blocks per SM where 5 fit."""
     import functools
 
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    index = cuda._index(dev)
     fresh = functools.cache(cuda._blocks_per_sm.__wrapped__)
     with caplog.at_level("WARNING", logger="kvxfer.backends.cuda"):
         fit = fresh(index)
