@@ -17,10 +17,22 @@ import logging
 import struct
 import time
 from collections.abc import Callable
+from typing import Annotated
 
 import msgspec
 import zmq
 
+from .limits import (
+    MAX_CALLS,
+    MAX_HEADS,
+    MAX_ID_CHARS,
+    MAX_LAYERS,
+    MAX_MESSAGE_BYTES,
+    MAX_REQUESTS,
+    MAX_TOKENS,
+    MAX_TP_SIZE,
+    MAX_WAIT_S,
+)
 from .tracing import batch_tag, trace
 
 _LOG = logging.getLogger(__name__)
@@ -33,6 +45,7 @@ def _msg_tag(msg) -> str:
 
 
 __all__ = [
+    "HELLO_REFUSED",
     "PROTOCOL_VERSION",
     "Ack",
     "ControlClient",
@@ -53,24 +66,49 @@ __all__ = [
     "SendReq",
 ]
 
-PROTOCOL_VERSION = 3  # 2: auth tokens, incarnations, acknowledged notifications; 3: SendReq call units
+# 2: auth tokens, incarnations, acknowledged notifications; 3: SendReq call units; 4: tokens bound
+# to one export (nonce, content digest), digests on grants and handshakes, bounded fields
+PROTOCOL_VERSION = 4
+
+# Field types with their bounds (kvxfer.limits), checked by msgspec as a frame is decoded: a
+# message out of bounds is refused whole (ErrorReply) before any handler sees it.
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+Ids = Annotated[list[Id], msgspec.Meta(max_length=MAX_REQUESTS)]
+Token = Annotated[str, msgspec.Meta(max_length=64)]
+Tokens = Annotated[list[Token], msgspec.Meta(max_length=MAX_REQUESTS)]
+Digest = Annotated[bytes, msgspec.Meta(max_length=64)]
+Digests = Annotated[list[Digest], msgspec.Meta(max_length=MAX_REQUESTS)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
+TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+Name = Annotated[str, msgspec.Meta(max_length=64)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
+# a cache spec as KVCacheSpec.to_dict writes it: flat, a few scalar fields
+SpecDict = Annotated[
+    dict[Name, Annotated[str, msgspec.Meta(max_length=64)] | int | bool], msgspec.Meta(max_length=32)
+]
+
+
+HELLO_REFUSED = "a handshake must present the token and digest of a request's params"
 
 
 class Hello(msgspec.Struct, tag=True):
     """Handshake from a loader rank: who it is, what it speaks, and the capability of one
-    request it holds params for (:mod:`kvxfer.auth`): no proof, no cache description."""
+    request it holds params for (:mod:`kvxfer.auth`: its token and content digest): no
+    proof, no cache description."""
 
-    engine_id: str
-    tp_rank: int
-    tp_size: int
-    spec: dict
-    compat: str
-    transports: list[str]
-    hostname: str
-    request_id: str = ""
-    token: str = ""
+    engine_id: Id
+    tp_rank: Rank
+    tp_size: TpSize
+    spec: SpecDict
+    compat: Annotated[str, msgspec.Meta(max_length=256)]
+    transports: Annotated[list[Name], msgspec.Meta(max_length=8)]
+    hostname: Id
+    request_id: Id = ""
+    token: Token = ""
     version: int = PROTOCOL_VERSION
-    transport: str = ""  # the loader's configured transport ("auto", "ipc", "pg", "nixl")
+    transport: Name = ""  # the loader's configured transport ("auto", "ipc", "pg", "nixl")
+    digest: Digest = b""  # kvxfer.auth.content_digest of the request's params
 
 
 class HelloReply(msgspec.Struct, tag=True):
@@ -95,18 +133,23 @@ class HelloReply(msgspec.Struct, tag=True):
 
 
 class ReadReq(msgspec.Struct, tag=True):
-    """Check and renew the leases of ``request_ids`` (each with its token); reply with block
-    epochs and, for layer-wise exports, the layers ready. ``want``: per request, the packed
-    layer mask the loader still needs (empty: all layers). ``wait_s`` > 0: hold the reply
-    (long poll, at most that long) until some wanted layer of some request is ready."""
+    """Check and renew the leases of ``request_ids`` (each with its token and the content
+    digest of its params: block ids and tokens exactly the export's); reply with block epochs
+    and, for layer-wise exports, the layers ready. ``want``: per request, the packed layer mask
+    the loader still needs (empty: all layers). ``wait_s`` > 0: hold the reply (long poll, at
+    most that long) until some wanted layer of some request is ready."""
 
-    engine_id: str
-    tp_rank: int
-    tp_size: int
-    request_ids: list[str]
-    tokens: list[str]
-    want: list[bytes] = []
-    wait_s: float = 0.0
+    engine_id: Id
+    tp_rank: Rank
+    tp_size: TpSize
+    request_ids: Ids
+    tokens: Tokens
+    want: Annotated[
+        list[Annotated[bytes, msgspec.Meta(max_length=MAX_LAYERS // 8)]],
+        msgspec.Meta(max_length=MAX_REQUESTS),
+    ] = []
+    wait_s: Seconds = 0.0
+    digests: Digests = []
 
 
 class ReadReply(msgspec.Struct, tag=True):
@@ -119,14 +162,15 @@ class ReadReply(msgspec.Struct, tag=True):
 
 class PairReq(msgspec.Struct, tag=True):
     """Ask the exporter rank to join pair group ``key`` (rank 0) for ``pg`` transfers, on
-    behalf of ``request_id`` (whose token proves the loader holds its params)."""
+    behalf of ``request_id`` (whose token and digest prove the loader holds its params)."""
 
-    engine_id: str
-    tp_rank: int
-    key: str
-    backend: str
-    request_id: str
-    token: str
+    engine_id: Id
+    tp_rank: Rank
+    key: Id
+    backend: Name
+    request_id: Id
+    token: Token
+    digest: Digest = b""
 
 
 class NixlPairReq(msgspec.Struct, tag=True):
@@ -134,31 +178,38 @@ class NixlPairReq(msgspec.Struct, tag=True):
     notify the loader), on behalf of ``request_id``; ``timeout_s`` is the loader's bound (how
     long it may still read a staging buffer it was told about)."""
 
-    engine_id: str
-    tp_rank: int
-    agent: str
-    md: bytes
-    timeout_s: float
-    request_id: str
-    token: str
+    engine_id: Id
+    tp_rank: Rank
+    agent: Id
+    md: Annotated[bytes, msgspec.Meta(max_length=16 << 20)]
+    timeout_s: Seconds
+    request_id: Id
+    token: Token
+    digest: Digest = b""
 
 
 class SendReq(msgspec.Struct, tag=True):
     """Gather ``calls`` (each one ops call) and stream them over pair group ``key`` in chunks
     of ``chunk_tokens`` tokens (the staged pipeline, :mod:`kvxfer.transports.staged`)."""
 
-    engine_id: str
-    tp_rank: int
-    key: str
-    request_ids: list[str]
-    tokens: list[str]
-    head_start: int
-    num_heads: int
-    unit: int  # source unit size in tokens (1: token slots, else blocks) of calls naming none
+    engine_id: Id
+    tp_rank: Rank
+    key: Id
+    request_ids: Ids
+    tokens: Tokens
+    head_start: Annotated[int, msgspec.Meta(ge=0, lt=MAX_HEADS)]
+    num_heads: Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
+    unit: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]  # source unit size in tokens (1: token
+    # slots, else blocks) of calls naming none
     # (int64 source unit ids, num_tokens, token offset, the call's source unit or 0 for ``unit``)
-    calls: list[tuple[bytes, int, int, int]]
-    chunk_tokens: int
-    layers: list[int] = []  # the layer group to send (empty: all layers)
+    calls: Annotated[
+        list[tuple[Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE_BYTES)], Count, Count, Count]],
+        msgspec.Meta(max_length=MAX_CALLS),
+    ]
+    chunk_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+    layers: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_LAYERS)]], msgspec.Meta(max_length=MAX_LAYERS)
+    ] = []  # the layer group to send (empty: all)
 
 
 class SendReply(msgspec.Struct, tag=True):
@@ -170,21 +221,21 @@ class Notify(msgspec.Struct, tag=True):
     """``request_ids`` are done on the loader rank (landed, or given up in ``failed``); each
     id with its token. Acknowledged (:class:`Ack`); the loader retries until it is."""
 
-    engine_id: str
-    tp_rank: int
-    tp_size: int
-    request_ids: list[str]
-    failed: list[str]
-    tokens: list[str]  # for request_ids + failed, in that order
+    engine_id: Id
+    tp_rank: Rank
+    tp_size: TpSize
+    request_ids: Ids
+    failed: Ids
+    tokens: Annotated[list[Token], msgspec.Meta(max_length=2 * MAX_REQUESTS)]  # for request_ids + failed
 
 
 class Heartbeat(msgspec.Struct, tag=True):
     """Renew the leases of loads queued but not started; acknowledged."""
 
-    engine_id: str
-    tp_rank: int
-    request_ids: list[str]
-    tokens: list[str]
+    engine_id: Id
+    tp_rank: Rank
+    request_ids: Ids
+    tokens: Tokens
 
 
 class Ack(msgspec.Struct, tag=True):
@@ -288,15 +339,24 @@ def _dropped(msg) -> bool:
     return f is not None and f.should_drop(msg)
 
 
+MAX_HELD = 1024  # long polls held at once; more are answered at once, as they stand
+SERVER_RCVHWM = 64
+
+
 class ControlServer:
     """ROUTER socket bound to ``tcp://host:port``; :meth:`serve_once` handles what arrived.
 
-    ``handler(msg) -> reply | None`` runs on the serving thread; a None reply sends nothing.
+    ``handler(msg) -> reply | None`` runs on the serving thread; a None reply sends nothing; a
+    :class:`Deferred` is held (at most ``MAX_HELD`` at once) and answered when ready.
     """
 
     def __init__(self, ctx: zmq.Context, host: str, port: int) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger frame drops its peer
+        # frames queued per peer connection before zmq stops reading from it (default 1000): a
+        # peer flooding faster than the handler decodes holds at most this many in memory
+        self.sock.setsockopt(zmq.RCVHWM, SERVER_RCVHWM)
         try:
             if port:
                 self.sock.bind(f"tcp://{host}:{port}")
@@ -333,8 +393,8 @@ class ControlServer:
             ident, mid, payload = frames
             try:
                 msg = decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                reply = ErrorReply(f"malformed message: {e}")
+            except Exception as e:  # DecodeError, ValidationError, RecursionError (nested too deep)
+                reply = ErrorReply(f"malformed message: {type(e).__name__}: {str(e)[:200]}")
             else:
                 try:
                     with trace("serve", _msg_tag, msg):
@@ -348,8 +408,10 @@ class ControlServer:
                     )
                     reply = ErrorReply(f"{type(e).__name__}: {e}")
             if isinstance(reply, Deferred):
-                self._held.append((ident, mid, reply))
-                continue
+                if len(self._held) < MAX_HELD:
+                    self._held.append((ident, mid, reply))
+                    continue
+                reply = self._final(reply)  # too many held already: answered now, as it stands
             self._send(ident, mid, reply)
 
     def _send(self, ident: bytes, mid: bytes, reply) -> None:
@@ -362,16 +424,23 @@ class ControlServer:
         still = []
         for ident, mid, d in self._held:
             final = now >= d.deadline
-            try:
-                reply = d.reply(final)
-            except Exception as e:  # a handler bug must not kill the side channel
-                _LOG.warning("kvxfer side channel: held reply failed (%s: %s)", type(e).__name__, e)
-                reply = ErrorReply(f"{type(e).__name__}: {e}")
-            if reply is None and not final:
+            reply = self._final(d) if final else self._reply_of(d, False)
+            if reply is None:
                 still.append((ident, mid, d))
             else:
                 self._send(ident, mid, reply)
         self._held = still
+
+    @staticmethod
+    def _reply_of(d: Deferred, final: bool):
+        try:
+            return d.reply(final)
+        except Exception as e:  # a handler bug must not kill the side channel
+            _LOG.warning("kvxfer side channel: held reply failed (%s: %s)", type(e).__name__, e)
+            return ErrorReply(f"{type(e).__name__}: {e}")
+
+    def _final(self, d: Deferred):
+        return self._reply_of(d, True)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -442,8 +511,10 @@ class ControlClient:
                         continue  # a stale reply to a request that timed out
                     try:
                         out[pending.pop(key)] = decode(frames[1])
-                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                        raise ControlTimeout(f"side channel to {addr}: undecodable reply ({e})") from None
+                    except Exception as e:  # DecodeError, ValidationError, RecursionError
+                        raise ControlTimeout(
+                            f"side channel to {addr}: undecodable reply ({type(e).__name__}: {str(e)[:200]})"
+                        ) from None
         return out
 
     def drop(self, addr: str) -> None:

@@ -7,7 +7,10 @@ by :meth:`close`):
 * server: the rank's ROUTER side channel — handshakes, lease grants, pg send requests,
   notifications, heartbeats — and lease expiry;
 * worker: runs the loads queued by :meth:`load`, one batch per :meth:`poll`, and heartbeats;
-* sender: joins pair groups and sends gathered wires for ``pg`` exports.
+* sender: the staged ``nixl`` streams of exports;
+* notifier: sends the loader's notifications and heartbeats until acknowledged;
+* one per ``pg`` pair group this rank exports over: joins it and sends its streams
+  (:mod:`kvxfer.transports.pg_senders`).
 
 Completion: the loader notifies the exporter ranks the plan names (``notify_targets``); an
 exporter rank frees a request when it has the ``expected_notifications`` of the plan of the
@@ -33,7 +36,7 @@ import torch
 
 from . import control as C
 from . import idops, ops, tracing
-from .auth import EngineSecret
+from .auth import EngineSecret, content_digest
 from .engine_types import (
     HandshakeError,
     LoadItem,
@@ -53,6 +56,7 @@ from .tracker import ExportTracker, LoadTracker, PollResult
 from .transports import TRANSPORTS, CacheView, cache_views, choice, mapper
 from .transports.cuda_ipc import host_id
 from .transports.nixl import require_nixl
+from .transports.pg_senders import PairSenders
 from .transports.staged import StagedPipeline
 
 _LOG = logging.getLogger(__name__)
@@ -60,6 +64,12 @@ _LOG = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0  # close() returns within this, even with a thread stuck in a transfer
 
 __all__ = ["HandshakeError", "TransferEngine"]
+
+
+def _discard_pair(group, why: str) -> None:
+    from .transports import pg
+
+    pg.discard_pair(group, why)
 
 
 class TransferEngine(ExporterRole, LoaderRole, NixlRole):
@@ -156,15 +166,16 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._by_unit: dict[int, CacheView] = {v.unit: v for v in self._views}
         self._units: list[int] = [v.unit for v in self._views]  # coarsest first
         self._offset_views: dict = {}  # (unit, offset) -> view: partial loads starting mid-block
-        self._expected: dict[int, int] = {}  # loader tp size -> notifications per request
+        # loader tp size -> (notifications per request, loader ranks that notify this rank), or
+        # why a loader of that size cannot notify here (kvxfer.exporter: at most MAX_TP_SIZE keys)
+        self._expected: dict[int, tuple[int, frozenset[int]] | str] = {}
         self._bpt: dict[int, int] = {}  # heads -> wire bytes per token
-        self._hooks: dict[str, object] = {}  # test hooks: "after_ipc_copy", "before_send"
+        self._hooks: dict[str, object] = {}  # test hooks, by name (each read where it is called)
         self._metrics = Metrics()
         self._loads = LoadTracker()
         self._incoming: list[LoadItem] = []
         self._lock = threading.Lock()
         self._remotes: dict[str, Remote] = {}
-        self._loader_tp: dict[str, int] = {}
         self._work: queue.Queue = queue.Queue()
         self._send_q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -178,8 +189,9 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._transport_reasons: dict[str, str] = {}  # remote engine -> why this transport
         self._fenced: list = []  # loads held until their timed-out GPU work completed (loader)
         self._notify_q: queue.Queue = queue.Queue()  # (addr, Notify | Heartbeat, deadline)
-        self._sender_pairs: dict[str, object] = {}
-        self._pair_backend: dict[str, str] = {}  # pair key -> backend the loader chose
+        self._sender_pairs = PairSenders(
+            f"kvxfer-{engine_id}-{tp_rank}", self._join_pair, self._stream_send, _discard_pair, self._stop
+        )
         self._server = self._client = self._store = self._secret = None
         self._epoch_shm = None
         self._topo = None  # kvxfer.topology.probe(), only when two different GPUs handshake
@@ -214,7 +226,6 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._secret = EngineSecret(
             self.engine_id, self._base_port, self.tp_rank, self._auth_key, self.timeout_s
         )
-        self._token = self._secret.token
         self._incarnation = secrets.token_hex(8)
         self._offers: list[str] = []
         idops.ensure()  # the native bookkeeping helpers, built now if missing (not on a request)
@@ -272,14 +283,19 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             self._closed = True
             return
         self._closed = True
+        # End every live export first: its blocks' epochs move, so a loader that granted one
+        # and copies it after this (ipc, nixl direct) fails the load instead of delivering
+        # bytes the runner may already be reusing; a stream stops sending it.
+        self._exports.release_all("the exporting engine closed")
         self._stop.set()
         self._work.put(None)
         self._send_q.put(None)
+        threads = self._threads + self._sender_pairs.threads()
         self._discard_pairs("engine closed")
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
-        for t in self._threads:
+        for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in self._threads if t.is_alive()]
+        stuck = [t.name for t in threads if t.is_alive()]
         if stuck:
             _LOG.warning(
                 "kvxfer engine %s rank %d: close() left threads still in a transport call: %s",
@@ -290,12 +306,11 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._release_parts()
 
     def _discard_pairs(self, why: str) -> None:
-        if not self._sender_pairs and not any(r.pairs for r in self._remotes.values()):
+        self._sender_pairs.discard_all(why)
+        if not any(r.pairs for r in self._remotes.values()):
             return
         from .transports import pg
 
-        for group in list(self._sender_pairs.values()):
-            pg.discard_pair(group, why)
         for rem in list(self._remotes.values()):
             for group, _ in list(rem.pairs.values()):
                 pg.discard_pair(group, why)
@@ -303,7 +318,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
     def _release_parts(self) -> None:
         """Free what :meth:`start` made (whatever part of it was made)."""
         self._nixl_close()
-        self._sender_pairs.clear()
+        self._sender_pairs.discard_all("engine closed")
         for rem in list(self._remotes.values()):
             for m in rem.ipc.values():
                 choice.detach(m.handles)
@@ -345,11 +360,24 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
 
     # -------------------------------------------------------------------------- export
     def export(
-        self, request_id: str, block_ids, num_tokens: int, ready=None, *, streaming: bool = False
+        self,
+        request_id: str,
+        block_ids,
+        num_tokens: int,
+        ready=None,
+        *,
+        streaming: bool = False,
+        token: str | None = None,
     ) -> dict:
-        """Hold ``block_ids`` (token order, ``ceil(num_tokens / block_size)`` of them) under a lease.
+        """Hold ``block_ids`` (token order, ``ceil(num_tokens / block_size)`` of them, none
+        repeated) under a lease.
 
         Returns the params dict (identical on every rank) that a loader passes to :meth:`load`.
+        Its token opens this export only (:mod:`kvxfer.auth`): params of an earlier export of
+        the same request id, or params whose block ids or token count were changed, are refused
+        by name. ``token``: the token of params handed out before this export, made by a
+        process without an engine (:meth:`kvxfer.auth.EngineSecret.new_token`, e.g. vLLM's
+        scheduler) for these block ids and ``num_tokens``; ``ValueError`` when it is not.
         The caller frees the blocks once ``poll()`` reports the request in ``finished_sending``
         or ``expired``. ``ready``: CUDA event(s) recorded after the compute that wrote the
         blocks, or a CUDA stream (an event is recorded on it now); no loader reads the blocks
@@ -369,11 +397,12 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         need = self.spec.num_blocks_for(num_tokens)
         if type(block_ids) is list:  # a copy: the params carry exactly the ids checked and held
             block_ids = block_ids[:need]
-        ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens)
+        ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
+        token, digest, gen = self._export_token(request_id, ids, num_tokens, token)
         if not streaming:
             self._order.mark(request_id, ready)
-        token = self._token(request_id)
-        self._exports.add(request_id, ids, num_tokens, self.spec.num_layers if streaming else 0, token)
+        layers = self.spec.num_layers if streaming else 0
+        self._exports.add(request_id, ids, num_tokens, layers, token, digest, gen)
         # plain ints: that list is the params' (JSON-safe); else the checked array's values
         listed = block_ids if type(block_ids) is list and idops.exact_ints(block_ids) else ids.tolist()
         return params_dict(
@@ -406,25 +435,39 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
     def params_for(self, request_id: str, block_ids, num_tokens: int) -> dict:
         """The params :meth:`export` will return for these arguments, without exporting: for a
         caller that hands params out before the blocks are written (a loader's grant then waits,
-        bounded, until the export appears). A process without an engine (a scheduler) makes the
-        same token with :class:`kvxfer.auth.EngineSecret`."""
+        bounded, until the export appears). The token is that of the request id's next
+        generation on this rank (:mod:`kvxfer.auth`), so ``export()`` gives the same params as
+        long as no export of the id is released in between. A process without an engine (a
+        scheduler) makes a token with :meth:`kvxfer.auth.EngineSecret.new_token` and hands it
+        to every rank's ``export(..., token=)``."""
         self._check_started()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        ids = check_block_ids(block_ids, self.spec.num_blocks_for(num_tokens), self.num_blocks, num_tokens)
-        return self._params(request_id, ids, num_tokens, self._secret.token(request_id))
-
-    def _params(self, request_id: str, ids: np.ndarray, num_tokens: int, token: str) -> dict:
+        need = self.spec.num_blocks_for(num_tokens)
+        ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
+        token = self._export_token(request_id, ids, num_tokens, None)[0]
         return params_dict(
-            request_id,
-            self.engine_id,
-            self.host,
-            self.port,
-            self.tp_size,
-            ids.tolist(),
-            num_tokens,
-            token,
+            request_id, self.engine_id, self.host, self.port, self.tp_size, ids.tolist(), num_tokens, token
         )
+
+    def _export_token(
+        self, request_id: str, ids: np.ndarray, num_tokens: int, token: str | None
+    ) -> tuple[str, bytes, int]:
+        """(token, content digest, generation) of an export of ``request_id`` (:mod:`kvxfer.auth`):
+        the generation's token, the same on every rank; or ``token`` checked to be one this
+        engine's secret made for these ids and ``num_tokens``."""
+        digest = content_digest(num_tokens, ids)
+        gen = self._exports.generation(request_id)
+        if token is None:
+            return self._secret.token(request_id, gen.to_bytes(8, "big"), digest), digest, gen
+        if not self._secret.verify(request_id, token, digest):
+            raise ValueError(
+                f"token: not a token of engine {self.engine_id!r} for request {request_id!r} with these "
+                "block ids and num_tokens"
+            )
+        return token, digest, gen
 
     def set_compute_stream(self, stream) -> None:
         """Exports made after this wait for the work issued on ``stream`` before each export

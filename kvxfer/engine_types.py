@@ -17,7 +17,12 @@ TICK_MS = 20
 
 
 class HandshakeError(RuntimeError):
-    """The remote engine cannot be reached or is incompatible (the message names why)."""
+    """The remote engine cannot be reached or is incompatible (the message names why).
+    ``answered``: addresses of the exporter ranks that accepted the request's token;
+    ``refused``: an exporter rank refused the request's params (not the engine as a whole)."""
+
+    answered: tuple[str, ...] = ()
+    refused: bool = False
 
 
 class Expired(TimeoutError):

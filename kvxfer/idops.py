@@ -77,6 +77,8 @@ def _np_ids_from_list(x: list | tuple, need: int, num_blocks: int, unique: bool 
         raise ValueError(f"block_ids: must hold ints ({e})") from None
     if need and int(a.max()) >= num_blocks:
         raise ValueError(f"block_ids: out of range [0, {num_blocks})")
+    if need and int(a.min()) <= 1 and any(type(v) is bool for v in part):  # bools hide among 0 and 1
+        raise ValueError("block_ids: must hold ints, got a bool")
     if unique and need > 1 and len(set(part)) != need:
         raise ValueError("block_ids: repeated block id")
     return a.view(np.int64)

@@ -51,11 +51,13 @@ class IpcReads:
         granted: dict[str, bytes],
         deadline: float,
         layers: list[int] | None = None,
-    ) -> tuple[int, dict[str, str]]:
+    ) -> tuple[int, set[str], dict[str, str]]:
         """Copy the plan's ``reads`` of source rank ``s`` (``layers``, default all) for ``loads``
         straight from its mapped caches, one ops call per batch call, then check the block
-        epochs against the grant's (``granted``: local id -> int64 epochs, native bytes). Returns (wire bytes
-        moved, local id -> why for the loads whose blocks were released meanwhile)."""
+        epochs against the grant's (``granted``: local id -> int64 epochs, native bytes).
+        Returns (wire bytes moved, the local ids that landed: copied, the copy completed and
+        their epochs unchanged; local id -> why for the loads whose blocks were released
+        meanwhile)."""
         mapped = self._ipc_map(rem, s)
         src_by_unit, memo = mapped.views, mapped.memo
         src_bs, dst_bs = rem.spec.block_size, self.spec.block_size
@@ -66,6 +68,9 @@ class IpcReads:
         # still checks a call that carries several loads for repeats among them unless their
         # blocks are disjoint (the plan's ``distinct``).
         distinct = bp.distinct
+        hook = self._hooks.get("before_ipc_copy")
+        if hook:
+            hook()
         for c in bp.calls:
             su, du = bp.units(c)
             sv = view_at(src_by_unit, su, c.src_offset, memo)
@@ -101,7 +106,8 @@ class IpcReads:
         # batch and only spared copying data that is then never delivered).
         bad = self._stale(mapped.epochs_np, loads, granted, s)
         self._metrics.record_ops(calls, saved)
-        return moved, bad
+        landed = {it.request_id for it in loads if it.request_id not in bad}
+        return moved, landed, bad
 
     @staticmethod
     def _stale(ep: np.ndarray, loads, granted: dict[str, bytes], s: int) -> dict[str, str]:
@@ -118,15 +124,9 @@ class IpcReads:
         for it in loads:
             ids = it.src_ids
             g = granted[it.request_id]
-            nbytes = 8 * ids.size
-            if len(g) != nbytes:
-                # Params sliced to a suffix of the export (a load of only the tokens after a
-                # prefix the loader already holds): the grant snapshot covers the whole export;
-                # its tail belongs to the blocks read. More ids than exported is never valid.
-                if nbytes > len(g):
-                    out[it.request_id] = why
-                    continue
-                g = g[len(g) - nbytes :]
+            if len(g) != 8 * ids.size:  # the exporter grants only params naming its export's ids
+                out[it.request_id] = f"exporter rank {s}: the grant covers other blocks than the params'"
+                continue
             ids_list.append(ids)
             snaps.append(g)
             checked.append(it.request_id)

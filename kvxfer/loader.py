@@ -140,14 +140,41 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         for engine_id, items in groups.items():
             with trace("load", items_tag, items):
                 rem = self._remotes.get(engine_id)
-                if rem is None or not rem.serves(items[0].params):
+                while items and (rem is None or not rem.serves(items[0].params)):
                     try:  # new, or moved to another address (restarted?): handshake
                         with trace("handshake", engine_id):
                             rem = self._remote(items[0], items[0].deadline)
                     except (HandshakeError, Expired) as e:
+                        if getattr(e, "refused", False) and len(items) > 1:
+                            # the exporter refused this load's params (another export's token,
+                            # altered ids): it alone fails; the next load handshakes
+                            self._fail(items[:1], f"handshake with {engine_id}: {e}")
+                            items = items[1:]
+                            continue
                         self._fail(items, f"handshake with {engine_id}: {e}")
-                        continue
-                self._run_remote(rem, items)
+                        self._notify_answered(getattr(e, "answered", ()), items)
+                        items = []
+                if items:
+                    self._run_remote(rem, items)
+
+    def _notify_answered(self, addrs, items: list[LoadItem]) -> None:
+        """Tell exporter ranks that accepted a handshake that then failed (an incompatible
+        peer, params naming another TP size) that ``items`` failed here, so they do not hold
+        the blocks until the lease ends. A rank the plan does not have this rank notify counts
+        nothing (kvxfer.exporter)."""
+        if not addrs:
+            return
+        msg = C.Notify(
+            self.engine_id,
+            self.tp_rank,
+            self.tp_size,
+            [],
+            [it.params.request_id for it in items],
+            [it.params.token for it in items],
+        )
+        deadline = time.monotonic() + self.lease_s
+        for a in addrs:
+            self._notify_q.put((a, msg, deadline))
 
     # ------------------------------------------------------------------------ handshake
     def _remote(self, it: LoadItem, deadline: float) -> Remote:
@@ -170,17 +197,52 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         t0 = now()
         addrs = [f"tcp://{p.host}:{p.port + r}" for r in range(p.tp_size)]
         hello = C.Hello(
-            **self._identity_fields(), request_id=p.request_id, token=p.token, transport=self.transport
+            **self._identity_fields(),
+            request_id=p.request_id,
+            token=p.token,
+            transport=self.transport,
+            digest=p.digest(),
         )
         try:
-            replies = self._client.call_many([(a, hello) for a in addrs], time_left(deadline))
-        except C.ControlTimeout as e:
-            for a in addrs:
+            return self._handshake(p, addrs, hello, deadline, t0)
+        except Exception as e:
+            for a in addrs:  # a failed handshake keeps no socket open (params may name 256 ranks)
                 self._client.drop(a)
-            raise HandshakeError(str(e)) from None
+            if isinstance(e, (HandshakeError, Expired)):
+                raise
+            raise HandshakeError(describe_error(e)) from None
+
+    def _handshake(self, p, addrs: list[str], hello: C.Hello, deadline: float, t0: float) -> Remote:
+        """Send ``hello`` to every exporter rank of ``p`` and make the :class:`Remote` of their
+        replies. A :class:`HandshakeError` names why not, with ``answered``: the ranks that
+        accepted the request's token (they are told of the failed loads: :meth:`_run_batch`)."""
+        replies = self._client.call_many([(a, hello) for a in addrs], time_left(deadline), partial=True)
+        answered = [
+            addrs[r]
+            for r, rep in enumerate(replies)
+            if isinstance(rep, C.HelloReply)
+            and not rep.error
+            and rep.engine_id == p.engine_id
+            and rep.tp_rank == r
+        ]
+        try:
+            silent = [a for a, rep in zip(addrs, replies) if rep is None]
+            if silent:
+                raise HandshakeError(
+                    f"no reply from {', '.join(silent[:4])}{' ...' if len(silent) > 4 else ''}"
+                )
+            return self._remote_of(p, addrs, replies, t0)
+        except HandshakeError as e:
+            e.answered = tuple(answered)
+            raise
+
+    def _remote_of(self, p, addrs: list[str], replies: list, t0: float) -> Remote:
+        """The :class:`Remote` of the exporter ranks' handshake ``replies`` (cached here)."""
         for r, rep in enumerate(replies):
             if not isinstance(rep, C.HelloReply):
-                raise HandshakeError(f"rank {r} answered {type(rep).__name__}: {getattr(rep, 'error', '')}")
+                e = HandshakeError(f"rank {r} answered {type(rep).__name__}: {getattr(rep, 'error', '')}")
+                e.refused = getattr(rep, "error", "").startswith(C.HELLO_REFUSED)
+                raise e
             if rep.error:
                 raise HandshakeError(f"rank {r}: {rep.error}")
             if rep.engine_id != p.engine_id or rep.tp_rank != r or rep.tp_size != p.tp_size:
@@ -247,12 +309,15 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         return self._topo
 
     # ------------------------------------------------------------------------ transfers
-    def _checked(self, rem: Remote, items: list[LoadItem]) -> tuple[list[LoadItem], list[str], list[str]]:
+    def _checked(
+        self, rem: Remote, items: list[LoadItem]
+    ) -> tuple[list[LoadItem], list[str], list[str], list[bytes]]:
         """The loads whose params fit the remote (the others fail, named), with their remote
-        request ids and tokens (what a lease request carries)."""
+        request ids, tokens and content digests (what a lease request carries)."""
         good: list[LoadItem] = []
         rids: list[str] = []
         toks: list[str] = []
+        digests: list[bytes] = []
         seen: set[str] = set()
         num_blocks = rem.num_blocks
         for it in items:
@@ -269,7 +334,8 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 good.append(it)
                 rids.append(p.request_id)
                 toks.append(p.token)
-        return good, rids, toks
+                digests.append(p.digest())
+        return good, rids, toks, digests
 
     def _run_remote(self, rem: Remote, items: list[LoadItem], retried: bool = False) -> None:
         """Move ``items`` (loads of one remote) and report each once, finished or failed.
@@ -279,13 +345,13 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         are read rank by rank and reported (:meth:`_read_whole`); anything else, a layer-wise
         export, a load not known or not ready yet, a refusal or a restarted remote, continues in
         :meth:`_run_rounds` from the replies of that round."""
-        good, rids, toks = self._checked(rem, items)
+        good, rids, toks, digests = self._checked(rem, items)
         if not good:
             return
         deadline = good[0].deadline if len(good) == 1 else min(it.deadline for it in good)
         src_ranks = rem.src_ranks
         # every layer of every load, from every source rank: one message
-        msg = C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, rids, toks)
+        msg = C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, rids, toks, digests=digests)
         try:
             replies = self._ask_grants(rem, [(rem.addrs[s], msg) for s in src_ranks], good, deadline)
         except (C.ControlTimeout, Expired) as e:
@@ -315,9 +381,11 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             if not alive:
                 break
             granted = dict(zip(local_ids, g.epochs))  # local id -> its blocks' epochs (int64 bytes)
-            for rid, why in self._read_rank(rem, s, alive, granted, deadline).items():
-                del alive[rid]
-                reasons[rid] = why
+            landed, bad = self._read_rank(rem, s, alive, granted, deadline)
+            if len(landed) != len(alive):
+                for rid in [rid for rid in alive if rid not in landed]:
+                    del alive[rid]
+                    reasons[rid] = bad[rid]
         failed = [it for it in good if it.request_id in reasons] if reasons else []
         self._complete(rem, list(alive.values()), failed, reasons)
 
@@ -402,6 +470,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                     b"" if need[s][it.request_id] == full else need[s][it.request_id].to_bytes(nbytes, "big")
                     for it in its
                 ],
+                digests=[it.params.digest() for it in its],
             )
             calls.append((rem.addrs[s], msg))
         return calls
@@ -460,15 +529,17 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             sub = {rid: alive[rid] for rid in rids if rid in alive}
             if not sub:
                 continue
-            bad = self._read_rank(rem, s, sub, {rid: granted[rid][0] for rid in sub}, deadline, layers)
+            landed, bad = self._read_rank(
+                rem, s, sub, {rid: granted[rid][0] for rid in sub}, deadline, layers
+            )
             for rid in rids:
-                if rid in bad:
-                    alive.pop(rid, None)
-                    reasons[rid] = bad[rid]
+                if rid in landed:
+                    need[s][rid] &= ~layers_mask
                 elif rid not in sub:  # fenced: reported once its GPU work completed
                     alive.pop(rid, None)
                 else:
-                    need[s][rid] &= ~layers_mask
+                    alive.pop(rid, None)
+                    reasons[rid] = bad[rid]
 
     def _read_rank(
         self,
@@ -478,35 +549,45 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         granted: dict,
         deadline: float,
         layers: list[int] | None = None,
-    ) -> dict[str, str]:
+    ) -> tuple[set[str], dict[str, str]]:
         """Read the plan's heads (and ``layers``, default all) of source rank ``s`` for the
-        ``alive`` loads; local id -> why, for those that failed (timed-out GPU work is fenced:
-        its loads leave ``alive`` and are reported once it completed)."""
+        ``alive`` loads. Returns (the local ids that landed, local id -> why for every other
+        load still in ``alive``). A load lands only by the transport's own record that its
+        bytes arrived (``ipc`` and ``nixl`` direct: the copy completed and the epochs did not
+        move; ``pg`` and ``nixl`` staged: the exporter's status of every stream); one with no
+        such record fails, whatever else happened. Timed-out GPU work is fenced: its loads
+        leave ``alive`` and are reported once it completed."""
         reads = rem.reads_by_rank[s]
         loads = list(alive.values())
         t0 = now()
-        moved, bad = 0, {}
+        moved, landed, bad = 0, set(), {}
         try:
             with self._order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
                 if rem.transport == "ipc":
                     with trace("copy", batch_tag, alive):
-                        moved, bad = self._ipc_read(rem, s, reads, loads, granted, deadline, layers)
+                        moved, landed, bad = self._ipc_read(rem, s, reads, loads, granted, deadline, layers)
                 elif rem.transport == "nixl":  # kvxfer.nixl_role
-                    moved, bad = self._nixl_read(rem, s, reads, loads, granted, deadline, layers)
+                    moved, landed, bad = self._nixl_read(rem, s, reads, loads, granted, deadline, layers)
                 else:
-                    moved, bad = self._pg_read(rem, s, reads, loads, deadline, layers)
-                    if len(bad) < len(loads):  # finished only once the scatters ran
+                    moved, landed, bad = self._pg_read(rem, s, reads, loads, deadline, layers)
+                    if landed:  # finished only once the scatters ran
                         self._order.wait_done(time_left(deadline))
         except FenceTimeout as e:
             why = f"{rem.transport} read from rank {s}: {e}; reported once the GPU work completed"
             self._defer(e, rem, [it for it in loads if it.request_id not in bad], why)
             for it in loads:
                 alive.pop(it.request_id, None)
-            moved = 0
+            moved, landed = 0, set()
         except Exception as e:
+            landed = set()
             bad = {it.request_id: f"{rem.transport} read from rank {s}: {describe_error(e)}" for it in loads}
         self._metrics.record_batch(t0, now(), moved, 0)
-        return bad
+        if len(landed) != len(alive) or bad:
+            landed = {rid for rid in landed if rid in alive and rid not in bad}
+            for rid in alive:
+                if rid not in landed and rid not in bad:
+                    bad[rid] = f"{rem.transport} read from rank {s}: no record that its bytes arrived"
+        return landed, bad
 
     def _complete(
         self, rem: Remote, done: list[LoadItem], failed: list[LoadItem], reasons: dict[str, str]
@@ -634,6 +715,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 )  # fmt: skip
                 continue
             tok = {it.params.request_id: it.params.token for it in its}
+            dig = {it.params.request_id: it.params.digest() for it in its}
             todo = {s: list(rids) for s in rem.notify_to}
             while any(todo.values()) and time.monotonic() < deadline:
                 ranks = [s for s in rem.notify_to if todo[s]]
@@ -641,7 +723,12 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                     (
                         rem.addrs[s],
                         C.ReadReq(
-                            self.engine_id, self.tp_rank, self.tp_size, todo[s], [tok[r] for r in todo[s]]
+                            self.engine_id,
+                            self.tp_rank,
+                            self.tp_size,
+                            todo[s],
+                            [tok[r] for r in todo[s]],
+                            digests=[dig[r] for r in todo[s]],
                         ),
                     )
                     for s in ranks

@@ -208,7 +208,7 @@ class NixlRole:
 
     def _handle_nixl_pair(self, msg: C.NixlPairReq) -> C.SendReply:
         """Load a loader's connection info (staged reads notify it), once per loader agent."""
-        if self._authorized([msg.request_id], [msg.token]):
+        if self._authorized([msg.request_id], [msg.token], [msg.digest]):
             return C.SendReply(ok=False, failed={"*": "unauthorized: the token does not match the request"})
         agent = self._nixl_side()
         if agent is None:
@@ -226,18 +226,19 @@ class NixlRole:
 
     def _handle_nixl_send(self, msg: C.SendReq):
         """Check a staged nixl send request (its tokens were verified) and queue its stream."""
-        refused = self._send_refusal(msg)  # kvxfer.exporter: the checks of a pg stream
-        if refused is not None:
-            return refused
-        self._send_q.put(("nixl", msg.key, msg))
+        job = self._stream_job(msg)  # kvxfer.exporter: the checks of a pg stream
+        if isinstance(job, C.SendReply):
+            return job
+        self._send_q.put(("nixl", msg.key, job))
         return C.SendReply(ok=True, failed={})
 
-    def _nixl_stream_send(self, msg: C.SendReq) -> None:
+    def _nixl_stream_send(self, job) -> None:
         """Sender thread: gather the stream's chunks (under the tracker lock: a request released
-        mid-stream stops it, the loader is told at once) and let the loader READ them."""
+        mid-stream is marked not landed in the stream's status) and let the loader READ them."""
         agent = self._nixl
+        msg = job.msg
         peer = msg.key.rpartition("#")[0]
-        calls, gather = self._stream_gathers(msg)  # kvxfer.exporter: as for a pg stream
+        calls, gather, status = self._stream_gathers(job)  # kvxfer.exporter: as for a pg stream
         try:
             hook = self._hooks.get("before_send")
             if hook:
@@ -258,6 +259,7 @@ class NixlRole:
                     self._nixl_peers.get(peer, self.timeout_s),
                     batch_tag(msg.request_ids),
                     len(msg.layers) or None,
+                    status,
                 )
         except Exception as e:
             _LOG.warning(
@@ -350,10 +352,10 @@ class NixlRole:
         granted: dict,
         deadline: float,
         layers: list[int] | None = None,
-    ) -> tuple[int, dict[str, str]]:
+    ) -> tuple[int, set[str], dict[str, str]]:
         """Read the plan's heads (and ``layers``, default all) of source rank ``s`` over NIXL:
         direct reads first (one READ, then the epoch check), then staged ones; (bytes moved,
-        local id -> why for failures)."""
+        the local ids that landed in every read, local id -> why for failures)."""
         got = self._nixl_remotes.get(rem.engine_id)
         if got is None or got[0] is not rem or s not in got[1]:
             raise RuntimeError(f"nixl: no state for exporter rank {s} (handshake not done)")
@@ -361,23 +363,26 @@ class NixlRole:
         direct = [r for r in reads if not st.paths.get(_read_key(r), "?")]
         staged = [r for r in reads if st.paths.get(_read_key(r), "?")]
         moved, bad = 0, {}
+        landed = {it.request_id for it in loads}
         try:
             if direct:
-                moved, bad = self._nixl_direct(rem, s, st, direct, loads, granted, deadline, layers)
+                moved, got, bad = self._nixl_direct(rem, s, st, direct, loads, granted, deadline, layers)
+                landed &= got
             for r in staged:
                 todo = [it for it in loads if it.request_id not in bad]
                 if not todo:
                     break
-                m, b = self._nixl_staged(rem, s, st, r, todo, deadline, layers)
+                m, got, b = self._nixl_staged(rem, s, st, r, todo, deadline, layers)
                 moved += m
                 bad.update(b)
+                landed &= got
         except XferTimeout as e:  # the READ may still write our blocks: fenced until it ended
             raise FenceTimeout(str(e), e.fence) from None
         except NixlError as e:
             if not self._nixl.stopping():
                 self._forget(rem, f"nixl: {e}")  # the next load handshakes (and connects) anew
             raise
-        return moved, bad
+        return moved, landed - bad.keys(), bad
 
     def _nixl_direct(
         self,
@@ -389,7 +394,9 @@ class NixlRole:
         granted: dict,
         deadline: float,
         layers: list[int] | None = None,
-    ) -> tuple[int, dict[str, str]]:
+    ) -> tuple[int, set[str], dict[str, str]]:
+        """One direct READ of ``reads`` for ``loads``, then the epoch READ and check; (bytes,
+        the local ids that landed: READ completed, epochs unchanged; local id -> why)."""
         agent = self._nixl
         sbs, dbs = rem.spec.block_size, self.spec.block_size
         # block units on both sides (n>1 prefixes once; a partial load starting inside a block
@@ -434,7 +441,7 @@ class NixlRole:
         )
         bad = self._stale(st.mirror.numpy(), loads, granted, s)
         self._metrics.add("dedup_bytes", saved)
-        return moved, bad
+        return moved, {it.request_id for it in loads if it.request_id not in bad}, bad
 
     def _nixl_scatterer(self, head_start: int, layers: list[int] | None):
         def scatter(c, wire: torch.Tensor) -> None:
@@ -456,6 +463,7 @@ class NixlRole:
             float(self.timeout_s),
             token_of.params.request_id,
             token_of.params.token,
+            token_of.params.digest(),
         )
         try:
             rep = self._client.call(rem.addrs[s], req, time_left(deadline))
@@ -477,13 +485,15 @@ class NixlRole:
         loads: list[LoadItem],
         deadline: float,
         layers: list[int] | None = None,
-    ) -> tuple[int, dict[str, str]]:
-        """One staged read (head slice ``r``, ``layers``) from source rank ``s``; (bytes, id -> why)."""
+    ) -> tuple[int, set[str], dict[str, str]]:
+        """One staged read (head slice ``r``, ``layers``) from source rank ``s``; (bytes, the
+        local ids the exporter's status says landed, id -> why). A refused load leaves the
+        batch and the rest is asked again."""
         agent = self._nixl
         try:
             self._nixl_pair(rem, s, st, loads[0], deadline)
         except Exception as e:
-            return 0, {it.request_id: f"nixl pair with rank {s}: {describe_error(e)}" for it in loads}
+            return 0, set(), {it.request_id: f"nixl pair with rank {s}: {describe_error(e)}" for it in loads}
         if self._nixl_recv is None:
             self._nixl_recv = NixlStaging(
                 agent,
@@ -494,8 +504,9 @@ class NixlRole:
                 "receive staging",
             )
         bad: dict[str, str] = {}
+        landed: set[str] = set()
         moved = saved = 0
-        for _attempt in range(3):
+        while True:
             loads = [it for it in loads if it.request_id not in bad]
             if not loads:
                 break
@@ -513,8 +524,12 @@ class NixlRole:
                 raise
             if refused:
                 agent.close_box(key)
+                before = len(bad)
                 bad.update(refused)
-                continue
+                if len(bad) == before:  # a refusal that names none of them: no progress
+                    why = f"exporter rank {s} refused the send request: {refused}"
+                    bad.update({it.request_id: why for it in loads})
+                continue  # each refusal drops at least one load: bounded
             tag = batch_tag([it.request_id for it in loads])
             hook = self._hooks.get("before_recv")
             if hook:
@@ -523,7 +538,7 @@ class NixlRole:
                 except BaseException:
                     agent.close_box(key)
                     raise
-            n = recv_stream(
+            n, flags = recv_stream(
                 agent,
                 st.agent,
                 key,
@@ -538,11 +553,19 @@ class NixlRole:
                 deadline,
                 tag,
                 len(layers) if layers else None,
+                len(loads),
             )
             self._order.wait_done(time_left(deadline))  # CUDA: the scatters ran
             self._metrics.add("ops_calls", n)
+            for it, flag in zip(loads, flags):
+                if flag == 1:
+                    landed.add(it.request_id)
+                else:
+                    bad[it.request_id] = (
+                        f"exporter rank {s}: released during the stream (lease ended or aborted); not delivered"
+                    )
             m, sk = self._count(bp, r.num_heads, layers)
             moved, saved = moved + m, saved + sk
             break
         self._metrics.add("dedup_bytes", saved)
-        return moved, bad
+        return moved, landed, bad

@@ -17,10 +17,12 @@ import msgspec
 import numpy as np
 
 from . import idops
+from .auth import TOKEN_CHARS, content_digest
+from .limits import MAX_ID_CHARS, MAX_TOKENS, MAX_TP_SIZE
 
 __all__ = ["PARAMS_VERSION", "KVTransferParams", "block_id_array", "params_dict"]
 
-PARAMS_VERSION = 2  # 2: the request's auth token
+PARAMS_VERSION = 3  # 2: the request's auth token; 3: tokens bound to one export (kvxfer.auth)
 
 
 def _int(d: dict, field: str, minimum: int) -> int:
@@ -55,7 +57,7 @@ def block_id_array(ids: object, field: str = "block_ids") -> np.ndarray:
     return out
 
 
-_NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 
 
 class _Shape(msgspec.Struct):
@@ -71,10 +73,10 @@ class _Shape(msgspec.Struct):
     engine_id: _NonEmpty
     host: _NonEmpty
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
-    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
     block_ids: Any  # checked after the convert (see above)
-    num_tokens: Annotated[int, msgspec.Meta(ge=1)]
-    token: Annotated[str, msgspec.Meta(min_length=32, max_length=32)]
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+    token: Annotated[str, msgspec.Meta(min_length=TOKEN_CHARS, max_length=TOKEN_CHARS)]
     version: int = PARAMS_VERSION
 
 
@@ -82,6 +84,8 @@ def _str(d: dict, field: str) -> str:
     v = d.get(field)
     if not isinstance(v, str) or not v:
         raise ValueError(f"{field}: must be a non-empty string, got {v!r}")
+    if len(v) > MAX_ID_CHARS:
+        raise ValueError(f"{field}: must be at most {MAX_ID_CHARS} characters, got {len(v)}")
     return v
 
 
@@ -124,8 +128,8 @@ class KVTransferParams:
         block_ids: the request's block ids on the exporter, in token order (same on every rank);
             exactly ``ceil(num_tokens / block_size)`` of them.
         num_tokens: tokens to move (the last block may be partial).
-        token: the request's capability (:func:`kvxfer.auth.request_token` of the exporting
-            engine's secret): presented with every message about the request.
+        token: the capability of this one export (:mod:`kvxfer.auth`: bound to the request
+            id, ``block_ids`` and ``num_tokens``): presented with every message about it.
         version: params format version.
     """
 
@@ -188,12 +192,18 @@ class KVTransferParams:
             if port > 65535:
                 raise ValueError(f"port: must be <= 65535, got {port}")
             tp_size = _int(d, "tp_size", 1)
+            if tp_size > MAX_TP_SIZE:
+                raise ValueError(f"tp_size: must be <= {MAX_TP_SIZE}, got {tp_size}")
             if tp_size > 1 and port + tp_size - 1 > 65535:
                 raise ValueError(f"port: port + tp_size - 1 exceeds 65535 ({port} + {tp_size - 1})")
             num_tokens = _int(d, "num_tokens", 1)
+            if num_tokens > MAX_TOKENS:
+                raise ValueError(f"num_tokens: must be <= {MAX_TOKENS}, got {num_tokens}")
             token = d.get("token")
-            if not isinstance(token, str) or len(token) != 32:
-                raise ValueError(f"token: must be the 32-character hex token export() made, got {token!r}")
+            if not isinstance(token, str) or len(token) != TOKEN_CHARS:
+                raise ValueError(
+                    f"token: must be the {TOKEN_CHARS}-character hex token export() made, got {token!r:.80}"
+                )
             ids = d.get("block_ids")
             arr = block_id_array(ids)
         except ValueError as e:
@@ -249,3 +259,13 @@ class KVTransferParams:
             arr = block_id_array(list(self.block_ids))
             object.__setattr__(self, "_ids", arr)
         return arr
+
+    def digest(self) -> bytes:
+        """:func:`kvxfer.auth.content_digest` of ``num_tokens`` and ``block_ids`` (computed once):
+        what grants and handshakes carry, so the exporter refuses params whose ids or token
+        count differ from its export's."""
+        dg = self.__dict__.get("_digest")
+        if dg is None:
+            dg = content_digest(self.num_tokens, self.block_id_array())
+            object.__setattr__(self, "_digest", dg)
+        return dg

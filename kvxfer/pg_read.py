@@ -33,9 +33,8 @@ class PgReads:
             return got
         key = f"{self.engine_id}/{self.tp_rank}/{secrets.token_hex(8)}"
         backend = rem.pg_backends[s]
-        req = C.PairReq(
-            self.engine_id, self.tp_rank, key, backend, token_of.params.request_id, token_of.params.token
-        )
+        p = token_of.params
+        req = C.PairReq(self.engine_id, self.tp_rank, key, backend, p.request_id, p.token, p.digest())
         rep = self._client.call(rem.addrs[s], req, time_left(deadline))
         if not isinstance(rep, C.SendReply) or not rep.ok:
             raise RuntimeError(f"pair group refused: {getattr(rep, 'failed', rep)}")
@@ -48,16 +47,19 @@ class PgReads:
 
     def _pg_read(self, rem: Remote, s: int, reads: list[Read], loads, deadline: float, layers=None):
         """Stream each read's ops calls (of ``layers``, default all) from source rank ``s``
-        through the staged pipeline; (bytes moved, local id -> why for the loads refused)."""
+        through the staged pipeline. Returns (bytes moved, the local ids that landed: every
+        read's stream carried them and the exporter's status says so, local id -> why for the
+        others). A refused load leaves the batch, and the rest is asked again."""
         bad: dict[str, str] = {}
         try:
             group, key = self._pair(rem, s, loads[0], deadline)
         except Exception as e:
-            return 0, {it.request_id: f"pg pair with rank {s}: {describe_error(e)}" for it in loads}
+            return 0, set(), {it.request_id: f"pg pair with rank {s}: {describe_error(e)}" for it in loads}
         moved = saved = 0
         pg_info = rem.replies[s].pg
+        streams: dict[str, int] = {}  # local id -> reads whose stream says it landed
         for r in reads:
-            for _attempt in range(3):
+            while True:
                 loads = [it for it in loads if it.request_id not in bad]
                 if not loads:
                     break
@@ -68,14 +70,26 @@ class PgReads:
                 chunk_tokens = self.pipeline.chunk_tokens_for(pg_info, bpt, bp.src_unit, bp.dst_unit)
                 refused = self._send_req(rem, s, key, r, loads, bp, chunk_tokens, deadline, layers)
                 if refused:
+                    before = len(bad)
                     bad.update(refused)
-                    continue
-                self._recv(rem, s, group, r, loads, bp, chunk_tokens, deadline, layers)
+                    if len(bad) == before:  # a refusal that names none of them: no progress
+                        why = f"exporter rank {s} refused the send request: {refused}"
+                        bad.update({it.request_id: why for it in loads})
+                    continue  # each refusal drops at least one load: bounded
+                flags = self._recv(rem, s, group, r, loads, bp, chunk_tokens, deadline, layers)
+                for it, flag in zip(loads, flags):
+                    if flag == 1:
+                        streams[it.request_id] = streams.get(it.request_id, 0) + 1
+                    else:
+                        bad[it.request_id] = (
+                            f"exporter rank {s}: released during the stream (lease ended or aborted); not delivered"
+                        )
                 m, sk = self._count(bp, r.num_heads, layers)
                 moved, saved = moved + m, saved + sk
                 break
         self._metrics.add("dedup_bytes", saved)
-        return moved, bad
+        landed = {rid for rid, n in streams.items() if n == len(reads) and rid not in bad}
+        return moved, landed, bad
 
     def _send_req(
         self, rem, s, key, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float, layers=None
@@ -111,7 +125,9 @@ class PgReads:
 
     def _recv(
         self, rem, s, group, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float, layers=None
-    ) -> None:
+    ) -> bytes:
+        """Receive and scatter one stream; the exporter's status of it (one byte per load of
+        ``loads``, 1: landed)."""
         tag = batch_tag([it.request_id for it in loads])
         hook = self._hooks.get("before_recv")
         if hook:
@@ -127,12 +143,13 @@ class PgReads:
             ops.scatter_blocks(wire, dv.caches, dv.spec, ids, c.num_tokens, r.dst_head_start, layers)
 
         try:
-            n = self.pipeline.recv_stream(
+            n, flags = self.pipeline.recv_stream(
                 group, 0, time_left(deadline), rem.pg_backends[s], self.spec, self.device,
                 r.num_heads, bp.dst_unit, chunk_tokens, [(c.dst, c.num_tokens, c.dst_offset, c.dst_unit) for c in bp.calls],
-                scatter, tag, len(layers) if layers else None,
+                scatter, tag, len(layers) if layers else None, len(loads),
             )  # fmt: skip
         except Exception:
             self._drop_pair(rem, s)  # a failed stream may leave a receive posted
             raise
         self._metrics.record_ops(n, 0)
+        return flags

@@ -6,8 +6,25 @@ import random
 import socket
 
 
+def _ephemeral() -> tuple[int, int]:
+    """The range the kernel hands out to outgoing connections (Linux), else IANA's."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port_base(n: int, lo: int = 20000, hi: int = 60000, host: str = "127.0.0.1") -> int:
-    """A base port such that ``base .. base+n-1`` are free right now (racy, like any such probe)."""
+    """A base port such that ``base .. base+n-1`` are free right now (racy, like any such probe).
+
+    Ports the kernel may give an outgoing connection (zmq, Gloo and TCPStore clients open many)
+    are avoided when ``[lo, hi)`` leaves room below that range: such a port, free when probed,
+    can be taken by a connection before the engine binds it."""
+    eph_lo, _ = _ephemeral()
+    if eph_lo - lo > 4 * n:
+        hi = min(hi, eph_lo)
     for _ in range(200):
         base = random.randrange(lo, hi - n)
         socks = []

@@ -17,6 +17,7 @@ counts as done only when every rank has reported it.
 from __future__ import annotations
 
 import hmac
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,18 @@ from .ordering import event_done
 UNKNOWN = "unknown: not exported here (yet)"
 _INT64 = np.dtype(np.int64)
 RELEASED = "released: lease expired, aborted or already freed"
+ALTERED = (
+    "refused: the block ids or num_tokens of the params differ from the export's (altered or sliced params)"
+)
+OTHER_EXPORT = "refused: the params are of another export of this request id (an earlier, released one)"
+GONE_KEPT = 100_000  # released request ids remembered (generation, token), oldest forgotten first
+
+Verify = Callable[[str, object, object], bool]  # kvxfer.auth.EngineSecret.verify
+
+
+def _NONES(request_ids: list) -> itertools.repeat:
+    return itertools.repeat(None, len(request_ids))
+
 
 __all__ = ["CompletionAggregator", "ExportTracker", "LoadTracker", "PollResult"]
 
@@ -62,9 +75,28 @@ class _Export:
     """One live export (a plain slotted class: a dataclass with default factories cost ~1.5 us
     per ``export()`` with a cold cache)."""
 
-    __slots__ = ("block_ids", "deadline", "expected", "gates", "marked", "notified_by", "num_tokens", "token")
+    __slots__ = (
+        "block_ids",
+        "deadline",
+        "digest",
+        "expected",
+        "gates",
+        "gen",
+        "marked",
+        "notified_by",
+        "num_tokens",
+        "token",
+    )
 
-    def __init__(self, block_ids: np.ndarray, num_tokens: int, deadline: float, token: str = "") -> None:
+    def __init__(
+        self,
+        block_ids: np.ndarray,
+        num_tokens: int,
+        deadline: float,
+        token: str = "",
+        digest: bytes = b"",
+        gen: int = 0,
+    ) -> None:
         self.block_ids = block_ids  # int64 [n]
         self.num_tokens = num_tokens
         self.deadline = deadline
@@ -72,7 +104,9 @@ class _Export:
         self.expected: int | None = None
         self.marked: np.ndarray | None = None  # layer-wise export: layers marked ready (None: all)
         self.gates: list = []  # (layers bool mask, events) of marked groups
-        self.token = token  # the request's auth token (kvxfer.auth), kept to verify messages cheaply
+        self.token = token  # the export's auth token (kvxfer.auth), kept to verify messages cheaply
+        self.digest = digest  # kvxfer.auth.content_digest of (num_tokens, block_ids)
+        self.gen = gen  # the export's generation of its request id (kvxfer.auth: the token's nonce)
 
 
 class ExportTracker:
@@ -98,7 +132,9 @@ class ExportTracker:
         self._finished: set[str] = set()
         self._expired: set[str] = set()
         self._errors: dict[str, str] = {}
-        self._gone: dict[str, None] = {}  # recently released ids (bounded), to tell from unknown
+        # recently released ids -> (generation, token) (bounded): told apart from unknown ones,
+        # and the next export of the id gets the next generation (a token of its own)
+        self._gone: dict[str, tuple[int, str]] = {}
         # CUDA gathers reading a request's blocks that may not have run yet (pg exports): the
         # request's release is reported (finished_sending / expired) only once they completed,
         # so the caller cannot reuse the blocks before the gather read them.
@@ -113,23 +149,38 @@ class ExportTracker:
         num_tokens: int,
         num_layers: int = 0,
         token: str = "",
+        digest: bytes = b"",
+        gen: int = 0,
     ) -> None:
         """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``.
         ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`.
-        ``token``: the request's auth token, checked by :meth:`grant` and the like while it is live."""
+        ``token``, ``digest``, ``gen``: the export's auth token, content digest and generation
+        (:mod:`kvxfer.auth`), checked by :meth:`grant` and the like while it is live."""
         ids = block_ids
         if type(ids) is not np.ndarray or ids.dtype is not _INT64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(block_ids, dtype=np.int64)
         with self.lock:
             if request_id in self._live:
                 raise ValueError(f"request_id: {request_id!r} is already exported and not yet released")
+            gone = self._gone.get(request_id)
+            if token and gone is not None and gone[1] == token:
+                raise ValueError(
+                    f"token: already used by an earlier export of {request_id!r} (released); "
+                    "each export needs a token of its own"
+                )
             # One count per live export holding a block (a block listed twice counts once,
             # and is released once).
             idops.hold(self._rc, ids)
-            e = _Export(ids, num_tokens, time.monotonic() + self.lease_s, token=token)
+            e = _Export(ids, num_tokens, time.monotonic() + self.lease_s, token, digest, gen)
             if num_layers:
                 e.marked = np.zeros(num_layers, dtype=bool)
             self._live[request_id] = e
+
+    def generation(self, request_id: str) -> int:
+        """The generation the next export of ``request_id`` gets: 0, or one more than the last
+        export of it that is remembered released (:mod:`kvxfer.auth`: the token's nonce)."""
+        gone = self._gone.get(request_id)
+        return 0 if gone is None else gone[0] + 1
 
     def mark_layers(self, request_id: str, layers: np.ndarray, events: list) -> None:
         """Layers ``layers`` (bool mask) of a layer-wise export are written once ``events``
@@ -177,32 +228,34 @@ class ExportTracker:
         epochs of blocks no export holds now bumped; remembered as gone (bounded)."""
         live, gone, rc, ep, release = self._live, self._gone, self._rc, self._ep, idops.release
         for rid in request_ids:
-            release(rc, ep, live.pop(rid).block_ids)
-            gone[rid] = None
-        while len(gone) > 100_000:
+            e = live.pop(rid)
+            release(rc, ep, e.block_ids)
+            gone.pop(rid, None)  # re-inserted last: the newest release is forgotten last
+            gone[rid] = (e.gen, e.token)
+        while len(gone) > GONE_KEPT:
             del gone[next(iter(gone))]
 
     def grant(
         self,
         request_ids: list[str],
         tokens: list | None = None,
-        token_for: Callable[[str], str] | None = None,
+        verify: Verify | None = None,
+        digests: list | None = None,
     ) -> tuple[dict[str, bytes], dict[str, str], dict[str, np.ndarray]]:
         """Check leases and renew them: (request id -> its blocks' epochs, native int64 bytes; id
         -> reason; id -> layers a loader may read now, for the granted layer-wise exports only:
         :meth:`layers_ready`).
 
-        ``tokens`` (one per request id, as a loader presents them): a request whose token does
-        not verify is refused :data:`~kvxfer.auth.UNAUTHORIZED`, neither granted nor renewed
-        (:meth:`_verified`: a request unknown here is told apart from a forged one only with
-        its own token)."""
+        ``tokens`` and ``digests`` (one each per request id, as a loader presents them): a
+        request whose token or content digest does not match its export is refused, neither
+        granted nor renewed (:meth:`_verified`)."""
         ok: dict[str, bytes] = {}
         bad: dict[str, str] = {}
         masks: dict[str, np.ndarray] = {}
         with self.lock:
             deadline = time.monotonic() + self.lease_s
             ep, snapshot = self._ep, idops.snapshot
-            for rid, e in self._verified(request_ids, tokens, token_for, bad):
+            for rid, e in self._verified(request_ids, tokens, verify, bad, digests):
                 if e is None:
                     bad[rid] = UNKNOWN if rid not in self._gone else RELEASED
                     continue
@@ -214,35 +267,58 @@ class ExportTracker:
         return ok, bad, masks
 
     def _verified(
-        self, request_ids: list[str], tokens: list | None, token_for: Callable[[str], str] | None, bad: dict
+        self,
+        request_ids: list[str],
+        tokens: list | None,
+        verify: Verify | None,
+        bad: dict,
+        digests: list | None = None,
     ) -> list[tuple[str, _Export | None]]:
         """``(request id, its live export or None)`` for each of ``request_ids`` whose token
-        verifies (all of them when ``tokens`` is None); the others go into ``bad`` as
-        :data:`~kvxfer.auth.UNAUTHORIZED`. The test is :func:`~kvxfer.auth.tokens_match`'s,
-        inline (one loop per message, no call per request), against the token kept with the
-        export, or ``token_for(request_id)`` for one not live. Call under :attr:`lock`."""
+        verifies (all of them when ``tokens`` is None); the others go into ``bad`` with why.
+
+        A live export verifies with exactly its own token (:func:`~kvxfer.auth.tokens_match`'s
+        test, inline: one loop per message, no call per request) and, where ``digests`` are
+        given, its own content digest (else :data:`ALTERED`). A request not live here is
+        checked with ``verify(request_id, token, digest)`` (:meth:`kvxfer.auth.EngineSecret.verify`)
+        when a digest came with it, so an unknown request is told apart from a forged one; with
+        no digest (notifications, heartbeats: they act on live exports only) it passes as not
+        live. An authentic token of another export of a live request id is
+        :data:`OTHER_EXPORT`. Call under :attr:`lock`."""
         live = self._live
         if tokens is None:
             return [(rid, live.get(rid)) for rid in request_ids]
         out = []
         eq = hmac.compare_digest
-        for rid, tok in zip(request_ids, tokens):
+        for rid, tok, dg in zip(request_ids, tokens, digests if digests is not None else _NONES(request_ids)):
             e = live.get(rid)
-            want = e.token if e is not None and e.token else token_for(rid)
-            if isinstance(tok, str) and eq(want, tok):
-                out.append((rid, e))
+            if e is not None and type(tok) is str and eq(e.token, tok):
+                if dg is None or dg == e.digest:
+                    out.append((rid, e))
+                else:
+                    bad[rid] = ALTERED
+            elif dg is None:
+                if e is None:
+                    out.append((rid, None))
+                else:
+                    bad[rid] = UNAUTHORIZED
+            elif verify is not None and verify(rid, tok, dg):
+                if e is None:
+                    out.append((rid, None))
+                else:
+                    bad[rid] = OTHER_EXPORT
             else:
                 bad[rid] = UNAUTHORIZED
         return out
 
     def unauthorized(
-        self, request_ids: list[str], tokens: list, token_for: Callable[[str], str]
+        self, request_ids: list[str], tokens: list, verify: Verify, digests: list | None = None
     ) -> dict[str, str]:
-        """Request id -> :data:`~kvxfer.auth.UNAUTHORIZED` for each of ``request_ids`` whose token
-        (one per id) does not verify (:meth:`_verified`); empty when all do."""
+        """Request id -> why, for each of ``request_ids`` whose token (and digest, when given;
+        one each per id) does not verify (:meth:`_verified`); empty when all do."""
         bad: dict[str, str] = {}
         with self.lock:
-            self._verified(request_ids, tokens, token_for, bad)
+            self._verified(request_ids, tokens, verify, bad, digests)
         return bad
 
     def lookup(self, request_id: str) -> _Export | None:
@@ -295,22 +371,32 @@ class ExportTracker:
         self,
         request_ids: list[str],
         sender: tuple,
-        expected: int,
+        expected: int | Callable[[], int | str],
         tokens: list | None = None,
-        token_for: Callable[[str], str] | None = None,
+        verify: Verify | None = None,
         bad: dict[str, str] | None = None,
     ) -> int:
         """:meth:`notify` for each of ``request_ids`` (one notification message), under one
-        lock; returns how many were released. ``tokens``, ``token_for``: as :meth:`grant`; a
+        lock; returns how many were released. ``tokens``, ``verify``: as :meth:`grant`; a
         request whose token does not verify counts nothing and goes into ``bad``
-        (:meth:`_verified`)."""
+        (:meth:`_verified`). ``expected`` may be a function, called once and only when a
+        verified request is live (no work for an unverified message): the count, or a string
+        saying why ``sender`` may not notify here (then nothing counts; each id goes into
+        ``bad`` with it)."""
         done = []
+        want: int | str | None = None
         with self.lock:
-            for rid, e in self._verified(request_ids, tokens, token_for, bad):
+            for rid, e in self._verified(request_ids, tokens, verify, bad):
                 if e is None:
                     continue
+                if want is None:
+                    want = expected() if callable(expected) else expected
+                if type(want) is str:
+                    if bad is not None:
+                        bad[rid] = want
+                    continue
                 if e.expected is None:
-                    e.expected = expected
+                    e.expected = want
                 by = e.notified_by
                 by.add(sender)
                 if len(by) >= e.expected:
@@ -339,6 +425,19 @@ class ExportTracker:
                 self._errors[rid] = "lease expired before every loader notified"
                 self._report(rid, "expired")
             return len(dead)
+
+    def release_all(self, why: str) -> int:
+        """Release every live export now (the engine is closing), reported expired with ``why``:
+        their blocks' epochs move, so a loader that copies them after this (``ipc``, ``nixl``
+        direct) sees it and fails the load, and a stream stops. Returns how many."""
+        with self.lock:
+            rids = list(self._live)
+            if rids:
+                self._release_many(rids)
+                for rid in rids:
+                    self._errors[rid] = why
+                self._report_many(rids, "expired")
+            return len(rids)
 
     def num_deferred(self) -> int:
         """Released requests whose report waits for a CUDA gather still reading their blocks."""

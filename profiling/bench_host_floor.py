@@ -32,7 +32,7 @@ from engine_harness import NullKernel, aliased_shm_caches, restore_backends, use
 
 from kvxfer import KVCacheSpec, idops, ops
 from kvxfer import control as C
-from kvxfer.auth import _KeyedSha256 as HmacKey  # what EngineSecret.token runs
+from kvxfer.auth import EngineSecret, content_digest
 from kvxfer.engine_types import check_block_ids
 from kvxfer.params import KVTransferParams, params_dict
 
@@ -45,12 +45,14 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
     are the irreducible step, and no structure around them (no trackers, threads, plans,
     metrics, tracing or failure handling):
 
-      export  check the 256 block ids, the request's HMAC token, hold the ids under a lease (a
-              dict, the blocks' refcounts), the params dict for the caller (its ids: the
-              caller's list, when it holds plain ints, as ``export()`` hands it out)
-      load    validate the params (one ``msgspec.convert``) and the local ids; queue the load
-      grant   a lease request encoded, decoded by the exporter, the lease looked up and its
-              blocks' epochs snapshot, the reply encoded and decoded (the socket hop left out)
+      export  check the 256 block ids, the export's content digest and HMAC token, hold the ids
+              under a lease (a dict, the blocks' refcounts), the params dict for the caller (its
+              ids: the caller's list, when it holds plain ints, as ``export()`` hands it out)
+      load    validate the params (one ``msgspec.convert``) and the local ids, the params'
+              content digest; queue the load
+      grant   a lease request encoded, decoded by the exporter, the lease looked up, its token
+              and digest compared and its blocks' epochs snapshot, the reply encoded and
+              decoded (the socket hop left out)
       copy    one ``ops.copy_blocks`` with checked ids into the null kernel, then the epoch
               re-check of the 256 blocks
       notify  a notification encoded and decoded, the lease dropped (refcounts down, epochs of
@@ -70,7 +72,7 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
     saved = use_null_backend()
     try:
         sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
-        key = HmacKey(os.urandom(32))
+        key = EngineSecret("floor", 0, 0)  # a random secret, no key file
         epochs = np.zeros(nb, dtype=np.int64)
         refcount = np.zeros(nb, dtype=np.int32)
         idops.ensure()
@@ -90,10 +92,11 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
             params = []
             for k, rid in enumerate(rids):
                 listed = src_ids[k * per : (k + 1) * per]
-                ids = check_block_ids(listed, per, nb, FLOOR_TOKENS)
-                token = key.token(rid)
+                ids = check_block_ids(listed, per, nb, FLOOR_TOKENS, unique=True)
+                digest = content_digest(FLOOR_TOKENS, ids)
+                token = key.token(rid, bytes(8), digest)
                 idops.hold(refcount, ids)
-                live[rid] = (ids, time.monotonic() + 600, token)
+                live[rid] = (ids, time.monotonic() + 600, token, digest)
                 listed = listed if idops.exact_ints(listed) else ids.tolist()  # plain ints: the list itself
                 params.append(params_dict(rid, "P", "127.0.0.1", 5555, 1, listed, FLOOR_TOKENS, token))
             t1 = time.perf_counter()
@@ -101,19 +104,27 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
             queued = []
             for k, (rid, prm) in enumerate(zip(rids, params)):
                 p = KVTransferParams.from_dict(prm)
-                local = check_block_ids(dst_ids[k * per : (k + 1) * per], per, nb, FLOOR_TOKENS)
+                local = check_block_ids(dst_ids[k * per : (k + 1) * per], per, nb, FLOOR_TOKENS, unique=True)
+                p.digest()
                 queued.append((rid, p, local))
             t2 = time.perf_counter()
             # grant (the exporter's side in the middle)
             req = C.decode(
                 C.encode(
                     C.ReadReq(
-                        "D", 0, 1, [p.request_id for _, p, _ in queued], [p.token for _, p, _ in queued]
+                        "D",
+                        0,
+                        1,
+                        [p.request_id for _, p, _ in queued],
+                        [p.token for _, p, _ in queued],
+                        digests=[p.digest() for _, p, _ in queued],
                     )
                 )
             )
             leases = [live[r] for r in req.request_ids]
-            assert all(t == lease[2] for t, lease in zip(req.tokens, leases))
+            assert all(
+                t == lease[2] and d == lease[3] for t, d, lease in zip(req.tokens, req.digests, leases)
+            )
             reply = C.decode(
                 C.encode(
                     C.ReadReply(

@@ -75,7 +75,7 @@ class Loopback:
         self.exporter_s += time.perf_counter() - t0
         return None if out is None else C.decode(out)
 
-    def call_many(self, calls, timeout_s):
+    def call_many(self, calls, timeout_s, partial=False):
         return [self._deliver(msg) for _, msg in calls]
 
     def call(self, addr, msg, timeout_s):

@@ -1,27 +1,57 @@
-"""Tokens: the precomputed-state HMAC of EngineSecret.token gives the bytes of request_token."""
+"""Tokens: one export's capability. The precomputed-state HMAC gives hmac's bytes; a token binds
+the request id, the export's nonce and its content digest, and nothing else verifies."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 
+import numpy as np
 import pytest
 
-from kvxfer.auth import EngineSecret, _KeyedSha256, request_token
+from kvxfer.auth import TOKEN_CHARS, EngineSecret, _KeyedSha256, content_digest, request_token
 
 
 @pytest.mark.parametrize("key_len", [0, 1, 31, 32, 63, 64, 65, 200])
-@pytest.mark.parametrize("rid", ["r", "req-0001/child-3", "ünïcødé-ид", "x" * 500])
-def test_keyed_state_token_is_hmac_sha256(key_len, rid):
+@pytest.mark.parametrize("data", [b"r", b"req-0001/child-3\0" + bytes(24), "ünïcødé-ид".encode(), b"x" * 500])
+def test_keyed_state_mac_is_hmac_sha256(key_len, data):
     key = bytes((7 * i + key_len) % 256 for i in range(key_len))
-    want = hmac.new(key, rid.encode(), hashlib.sha256).digest()[:16].hex()
-    assert request_token(key, rid) == want
+    want = hmac.new(key, data, hashlib.sha256).digest()
     k = _KeyedSha256(key)
-    assert k.token(rid) == want
-    assert k.token(rid) == want  # the kept states are copied, never consumed
+    assert k.mac(data) == want
+    assert k.mac(data) == want  # the kept states are copied, never consumed
 
 
 def test_engine_secret_token_is_request_token_of_its_secret():
+    dg = content_digest(12, np.array([3, 4], dtype=np.int64))
     for s in (EngineSecret("E", 0, 0), EngineSecret("E", 0, 0, auth_key="cluster")):
-        assert s.token("q") == request_token(s.secret, "q")
-        assert s.token("q") != s.token("q2") and len(s.token("q")) == 32
+        nonce = (5).to_bytes(8, "big")
+        tok = s.token("q", nonce, dg)
+        assert tok == request_token(s.secret, "q", nonce, dg) and len(tok) == TOKEN_CHARS
+        assert tok[:16] == nonce.hex()
+        assert s.verify("q", tok, dg)
+
+
+def test_a_token_opens_its_request_nonce_and_content_only():
+    s = EngineSecret("E", 0, 0)
+    ids = np.array([3, 4, 9], dtype=np.int64)
+    dg = content_digest(40, ids)
+    tok = s.token("q", bytes(8), dg)
+    assert s.token("q", (1).to_bytes(8, "big"), dg) != tok  # another export of the same id
+    assert not s.verify("q2", tok, dg)  # another request id
+    assert not s.verify("q", tok, content_digest(40, np.array([3, 4, 10])))  # other blocks
+    assert not s.verify("q", tok, content_digest(39, ids))  # other token count
+    assert not s.verify("q", tok[:-1] + ("0" if tok[-1] != "0" else "1"), dg)  # one character off
+    assert not s.verify("q", "zz" + tok[2:], dg)  # not hex
+    assert not s.verify("q", tok, None) and not s.verify("q", 7, dg) and not s.verify("q", tok[:32], dg)
+    assert not EngineSecret("E", 0, 0).verify("q", tok, dg)  # another engine start (secret)
+    made = s.new_token("q", 40, [3, 4, 9])
+    assert s.verify("q", made, dg) and made != s.new_token("q", 40, [3, 4, 9])  # random nonces
+
+
+def test_content_digest_reads_uint64_and_int64_alike_and_every_id():
+    a = np.array([0, 7, 2**40], dtype=np.int64)
+    assert content_digest(5, a) == content_digest(5, a.view(np.uint64))
+    assert content_digest(5, a) != content_digest(5, a[::-1].copy())
+    assert content_digest(5, a) != content_digest(6, a)
+    assert len(content_digest(5, a)) == 16

@@ -160,7 +160,7 @@ def test_release_unreachable_exporter_is_bounded_and_logged(caplog):
     d = TransferEngine(SPEC, dc, 0, 1, "D", timeout_s=0.5).start()
     try:
         port = free_port_base(1)  # nobody listens there
-        d.release(params_dict("r", "P", "127.0.0.1", port, 1, [1], 4, "0" * 32))
+        d.release(params_dict("r", "P", "127.0.0.1", port, 1, [1], 4, "0" * 48))
         t0 = time.monotonic()
         with caplog.at_level("WARNING", logger="kvxfer.loader"):
             d.poll()
@@ -205,10 +205,12 @@ def test_release_heterogeneous_tp_frees_every_exporter_rank_after_every_loader_r
 
 
 @pytest.mark.parametrize("transport", ["ipc", "pg"])
-def test_partial_load_by_slicing_params_at_a_common_block_boundary(transport):
-    """Loading only the tokens after a prefix the loader already holds: params sliced at a block
-    boundary (what the vLLM connector does for a prefix-cache hit on D). Exact bytes; the
-    exporter still frees the request on the notification."""
+def test_partial_load_of_the_tokens_after_a_held_prefix_and_sliced_params_refused(transport):
+    """Loading only the tokens after a prefix the loader already holds (a prefix-cache hit on
+    D): the whole params with ``num_computed_tokens``. Exact bytes, the prefix blocks untouched;
+    the exporter still frees the request on the notification. Params *sliced* at a block
+    boundary (what the vLLM connector once sent) name other ids than the export's: refused by
+    name, nothing written."""
     from kvxfer import ops
 
     from .engine_procs import payload
@@ -221,13 +223,17 @@ def test_partial_load_by_slicing_params_at_a_common_block_boundary(transport):
         fill(shm.caches, SPEC, 0, 1, [3, 4, 5], 20, seed=3)
         prm = p.export("r", [3, 4, 5], 20)
         sliced = {**prm, "block_ids": prm["block_ids"][1:], "num_tokens": 12}  # tokens 8..19
-        d.load("r", sliced, [21, 22])
+        d.load("s", sliced, [24, 25])
+        got = _wait(d, {"s"}, "recv")
+        assert "differ from the export" in got["s"], got
+        assert bool((dshm.caches[0].view(torch.uint8)[:, 24:26] == 0x5A).all())  # nothing written
+        d.load("r", prm, [20, 21, 22], num_computed_tokens=8)
         assert _wait(d, {"r"}, "recv") == {"r": "done"}
         got = ops.gather_blocks(dshm.caches, SPEC, [21, 22], 12)
         want = payload(SPEC, 3, 20, range(2))[:, :, :, 8:]
         assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
         assert _wait(p, {"r"}, "send") == {"r": "done"}
-        assert bool((dshm.caches[0].view(torch.uint8)[:, 20] == 0x5A).all())  # block 20 untouched
+        assert bool((dshm.caches[0].view(torch.uint8)[:, 20] == 0x5A).all())  # the held prefix untouched
     finally:
         for o in (p, d, shm, dshm):
             o.close()
@@ -238,4 +244,4 @@ def test_ipc_load_naming_more_blocks_than_exported_fails(pair):
     prm = p.export("r", [3, 4], 12)
     d.load("r", {**prm, "block_ids": [3, 4, 5], "num_tokens": 20}, [1, 2, 6])
     got = _wait(d, {"r"}, "recv")
-    assert got["r"].startswith("failed:") and "not delivered" in got["r"], got
+    assert got["r"].startswith("failed:") and "differ from the export" in got["r"], got

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from kvxfer import KVCacheSpec, TransferEngine
+from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine
 from kvxfer import control as C
 from kvxfer.ports import free_port_base
 from kvxfer.transports.shm import alloc_shm_caches
@@ -256,12 +256,20 @@ def test_a_failing_handler_is_logged_and_the_channel_keeps_serving(caplog):
     addr = f"tcp://127.0.0.1:{p.port}"
     try:
         prm = p.export("r", [1], 4)
-        bad = C.Notify("D", 0, 0, ["r"], [], [prm["token"]])  # tp_size 0: the plan raises
+        real = p._exports.notify_many
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug in the notification path")
+
+        p._exports.notify_many = broken
+        bad = C.Notify("D", 0, 1, ["r"], [], [prm["token"]])
         with caplog.at_level(logging.WARNING, logger="kvxfer.control"):
             rep = client.call(addr, bad, 5.0)
-        assert isinstance(rep, C.ErrorReply) and "tp_size" in rep.error
+        assert isinstance(rep, C.ErrorReply) and "a bug in the notification path" in rep.error
         assert any("handler failed on Notify" in r.getMessage() for r in caplog.records)
-        ok = client.call(addr, C.ReadReq("D", 0, 1, ["r"], [prm["token"]]), 5.0)
+        p._exports.notify_many = real
+        dg = KVTransferParams.from_dict(prm).digest()
+        ok = client.call(addr, C.ReadReq("D", 0, 1, ["r"], [prm["token"]], digests=[dg]), 5.0)
         assert isinstance(ok, C.ReadReply) and ok.ok == ["r"]
     finally:
         client.close()
@@ -291,7 +299,7 @@ def test_side_channel_answers_only_holders_of_the_params(shm_pair):
             transports=["ipc", "pg"],
             hostname="h",
         )
-        forged = "f" * 32
+        forged = "f" * 48
         for hello in (C.Hello(**ident), C.Hello(**ident, request_id="victim", token=forged)):
             rep = client.call(addr, hello, 5.0)
             assert isinstance(rep, C.ErrorReply) and "unauthorized" in rep.error
@@ -354,7 +362,8 @@ def test_engines_of_one_host_share_the_secret_and_a_cluster_key_replaces_it(tmp_
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv("KVXFER_AUTH_KEY", raising=False)
     r0, r1 = EngineSecret("E", 7000, 0), EngineSecret("E", 7000, 1)
-    assert r0.secret == r1.secret and r0.token("q") == r1.token("q")
+    dg = bytes(16)
+    assert r0.secret == r1.secret and r0.token("q", bytes(8), dg) == r1.token("q", bytes(8), dg)
     assert oct(r0.path.stat().st_mode & 0o777) == "0o600"
     assert EngineSecret("E", 7002, 0).secret != r0.secret  # another engine (port)
     r1.close()

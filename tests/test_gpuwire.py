@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kvxfer import KVCacheSpec, TransferEngine, ops, tracing
+from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, ops, tracing
 from kvxfer import control as C
 from kvxfer.ordering import NOT_READY, StreamOrder
 from kvxfer.transports import choice, cuda_mapper
@@ -173,10 +173,11 @@ def test_pair_request_for_a_backend_not_served_is_refused():
     caches = [torch.zeros(SPEC.cache_shape(8, 1), dtype=SPEC.dtype) for _ in range(2)]
     p = TransferEngine(SPEC, caches, 0, 1, "P", transport="pg").start()
     try:
-        tok = p.export("r", [1], 4)["token"]
-        rep = p._handle(C.PairReq("D", 0, "k", "nccl", "r", tok))
+        prm = p.export("r", [1], 4)
+        tok, dg = prm["token"], KVTransferParams.from_dict(prm).digest()
+        rep = p._handle(C.PairReq("D", 0, "k", "nccl", "r", tok, dg))
         assert not rep.ok and "pg backend 'nccl' not served here (offers ['gloo'])" in rep.failed["*"]
-        hello = p._handle(C.Hello(**p._identity_fields(), request_id="r", token=tok))
+        hello = p._handle(C.Hello(**p._identity_fields(), request_id="r", token=tok, digest=dg))
         assert hello.pg["backends"] == ["gloo"]
     finally:
         p.close()

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kvxfer import KVCacheSpec, TransferEngine, ops
+from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, ops
 from kvxfer import control as C
 from kvxfer.transports.nixl import nixl_status
 from kvxfer.transports.shm import alloc_shm_caches
@@ -217,18 +217,21 @@ def test_nixl_metadata_only_for_token_holders(ucx):
         fill(pc, NHD16, 0, 1, [2], 6, seed=3)
         prm = p.export("victim", [2], 6)
         ident = dict(p._identity_fields(), engine_id="E", transports=["nixl"])
-        forged = "f" * 32
+        forged = "f" * 48
         for hello in (
             C.Hello(**ident, transport="nixl"),
             C.Hello(**ident, request_id="victim", token=forged, transport="nixl"),
         ):
             rep = p._handle(hello)
             assert isinstance(rep, C.ErrorReply) and "unauthorized" in rep.error
-        rep = p._handle(C.Hello(**ident, request_id="victim", token=prm["token"], transport="nixl"))
+        dg = KVTransferParams.from_dict(prm).digest()
+        rep = p._handle(
+            C.Hello(**ident, request_id="victim", token=prm["token"], transport="nixl", digest=dg)
+        )
         assert rep.nixl["agent"] == p._nixl.name and rep.nixl["md"]
         rep = p._handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", forged))
         assert not rep.ok and "unauthorized" in rep.failed["*"]
-        rep = p._handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", prm["token"]))
+        rep = p._handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", prm["token"], dg))
         assert not rep.ok and "NIXL" in rep.failed["*"]  # authorized, but not metadata
         rep = p._handle(C.SendReq("E", 0, "x#k", ["victim"], [forged], 0, 4, 16, [(b"", 6, 0, 0)], 16))
         assert not rep.ok and "unauthorized" in rep.failed["*"]
@@ -411,3 +414,53 @@ def test_partial_load_over_nixl(ucx, src, dst, which):
     from . import test_streaming
 
     test_streaming.test_partial_load_pulls_only_the_missing_tokens("nixl", src, dst, which)
+
+
+# --------------------------------------------------------------------------- entitlement
+@pytest.mark.parametrize("dst_spec", [NHD16, HND32], ids=["direct", "staged"])
+def test_nixl_serves_only_the_export_the_params_open(ucx, dst_spec):
+    """Over nixl (direct READs and the staged stream alike) params with another request's block
+    ids, blocks nobody exported or more tokens are refused by name and write nothing; an
+    earlier export's params do not open a later export of the id; a staged send request that
+    names blocks its tokens do not open is refused before anything is gathered. The true
+    params land."""
+    pc, dc = _caches(NHD16), _caches(dst_spec)
+    pipe = StagedPipeline(buffer_bytes=16 << 10)
+    p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl", pipeline=pipe).start()
+    d = TransferEngine(dst_spec, dc, 0, 1, "D", transport="nixl", pipeline=pipe, timeout_s=3.0).start()
+    try:
+        fill(pc, NHD16, 0, 1, [2, 3], 20, seed=1)
+        fill(pc, NHD16, 0, 1, [20, 21], 32, seed=2)
+        a = p.export("A", [2, 3], 20)
+        p.export("B", [20, 21], 32)
+        old = p.export("R", [6], 8)
+        p.abort_export("R")
+        p.export("R", [6], 8)
+        bad = {
+            "b-blocks": (dict(a, block_ids=[20, 21]), [5, 6]),
+            "never": (dict(a, block_ids=[25, 26]), [7, 8]),
+            "longer": (dict(a, num_tokens=32), [9, 10]),
+            "earlier": (old, [11]),
+        }
+        per = dst_spec.block_size
+        for name, (prm, ids) in bad.items():
+            d.load(name, prm, ids[: -(-prm["num_tokens"] // per)])
+        d.load("A", a, [12, 13][: -(-20 // per)])
+        got = _wait(d, [*bad, "A"])
+        for name in bad:
+            assert got[name].startswith("failed:") and "export" in got[name], got
+        assert got["A"] == "done", got
+        a_ids = [12, 13][: -(-20 // per)]
+        assert check(dc, dst_spec, 0, 1, a_ids, 20, seed=1)
+        assert untouched(dc, dst_spec, set(a_ids), _tail(dst_spec, a_ids, 20))
+        if dst_spec is HND32:  # the staged path: P checks what a stream would read
+            ident = d._nixl.name
+            key = f"{ident}#feed"
+            assert key.rpartition("#")[0] in p._nixl_peers  # D paired for its staged reads
+            c = p.export("C", [2, 3], 20)  # A was loaded and released; C holds its blocks
+            raw = torch.tensor([20, 21], dtype=torch.int64).numpy().tobytes()
+            rep = p._handle(C.SendReq("D", 0, key, ["C"], [c["token"]], 0, 4, 16, [(raw, 32, 0, 0)], 32))
+            assert not rep.ok and "refused" in rep.failed["*"] and "block 20" in rep.failed["*"], rep
+    finally:
+        d.close()
+        p.close()

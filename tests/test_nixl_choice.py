@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvxfer import KVCacheSpec, TransferEngine
+from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine
 from kvxfer import control as C
 from kvxfer.transports import choice
 from kvxfer.transports import nixl as nixl_mod
@@ -102,8 +102,9 @@ def test_auto_engine_without_nixl_does_not_offer_it(no_nixl):
     try:
         assert "nixl" not in eng._offers and eng._nixl is None
         assert "not installed" in eng._nixl_local_why()
-        tok = eng.export("r", [1], 4)["token"]
-        hello = C.Hello(**eng._identity_fields(), request_id="r", token=tok, transport="nixl")
+        prm = eng.export("r", [1], 4)
+        tok, dg = prm["token"], KVTransferParams.from_dict(prm).digest()
+        hello = C.Hello(**eng._identity_fields(), request_id="r", token=tok, transport="nixl", digest=dg)
         rep = eng._handle(hello)
         assert "not installed" in rep.nixl["why"]  # the loader's choice names why
         with pytest.raises(ValueError, match="exporter rank 0: NIXL is not installed"):

@@ -74,7 +74,7 @@ class _FakeClient:
 
 
 def _notify(rid: str) -> C.Notify:
-    return C.Notify("D", 0, 1, [rid], [], ["0" * 32])
+    return C.Notify("D", 0, 1, [rid], [], ["0" * 48])
 
 
 def _run_loop(monkeypatch, log: list, client: _FakeClient, feed) -> None:

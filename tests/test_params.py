@@ -14,8 +14,8 @@ GOOD = {
     "tp_size": 2,
     "block_ids": [3, 1, 4],
     "num_tokens": 40,
-    "token": "0123456789abcdef0123456789abcdef",
-    "version": 2,
+    "token": "0123456789abcdef" * 3,
+    "version": 3,
 }
 
 
@@ -129,9 +129,9 @@ def test_one_call_check_failures_are_named_by_the_field_checks(ids, match):
 def test_params_from_a_dict_equal_those_made_by_the_constructor():
     """from_dict builds the frozen dataclass without its __init__ (a hot path): the result must
     be the same object in every way a caller sees."""
-    d = params_dict("req-1", "eng", "10.0.0.2", 5600, 2, [7, 3, 9], 40, "f" * 32)
+    d = params_dict("req-1", "eng", "10.0.0.2", 5600, 2, [7, 3, 9], 40, "f" * 48)
     got = KVTransferParams.from_dict(d)
-    made = KVTransferParams("req-1", "eng", "10.0.0.2", 5600, 2, (7, 3, 9), 40, "f" * 32)
+    made = KVTransferParams("req-1", "eng", "10.0.0.2", 5600, 2, (7, 3, 9), 40, "f" * 48)
     assert got == made and hash(got) == hash(made) and repr(got) == repr(made)
     assert dataclasses.asdict(got) == dataclasses.asdict(made)
     assert got.to_dict() == d

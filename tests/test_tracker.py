@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvxfer import CompletionAggregator, KVCacheSpec, plan_reads
-from kvxfer.auth import UNAUTHORIZED
-from kvxfer.tracker import RELEASED, UNKNOWN, ExportTracker, LoadTracker, PollResult
+from kvxfer.auth import UNAUTHORIZED, EngineSecret, content_digest
+from kvxfer.tracker import ALTERED, OTHER_EXPORT, RELEASED, UNKNOWN, ExportTracker, LoadTracker, PollResult
 
 GQA = KVCacheSpec(2, 2, 8, 16, torch.float16)
 MLA = KVCacheSpec(2, 1, 8, 16, torch.float16, use_mla=True)
@@ -204,27 +204,49 @@ def test_grant_gives_the_ready_layers_of_layer_wise_exports_only():
 
 
 def test_grant_and_notify_verify_each_token_before_touching_the_request():
-    """With tokens, a request whose token does not verify is refused UNAUTHORIZED and left
-    alone (no renewal, no count); one not live is told UNKNOWN only with its own token (the
-    secret's ``token_for``), and one released with it RELEASED."""
-    secret = {"a": "A" * 32, "b": "B" * 32, "new": "N" * 32, "gone": "G" * 32}
+    """With tokens, a request whose token does not verify is refused and left alone (no
+    renewal, no count): a live export opens with exactly its own token and, on a grant, its
+    own content digest (else ALTERED); one not live is told UNKNOWN (or RELEASED) only with a
+    token the secret made for it and the digest presented (``verify``); an authentic token of
+    another export of a live id is OTHER_EXPORT."""
+    secret = EngineSecret("P", 0, 0)
+    ids = {"a": [1, 2], "b": [3], "gone": [4], "new": [5]}
+    dg = {r: content_digest(10, np.array(v, dtype=np.int64)) for r, v in ids.items()}
+    tok = {r: secret.token(r, bytes(8), dg[r]) for r in ids}
     t = ExportTracker(8, 30.0)
-    t.add("a", np.array([1, 2]), 20, token=secret["a"])
-    t.add("b", np.array([3]), 10, token=secret["b"])
-    t.add("gone", np.array([4]), 10, token=secret["gone"])
+    for r in ("a", "b", "gone"):
+        t.add(r, np.array(ids[r]), 10, token=tok[r], digest=dg[r])
     assert t.abort("gone")
     t._live["a"].deadline = t._live["b"].deadline = 0.0
     ask = ["a", "b", "new", "gone"]
-    forged = [secret["a"], "X" * 32, secret["new"], secret["gone"]]
-    ok, bad, _ = t.grant(ask, forged, secret.__getitem__)
+    forged = [tok["a"], "X" * 48, tok["new"], tok["gone"]]
+    digests = [dg["a"], dg["b"], dg["new"], dg["gone"]]
+    ok, bad, _ = t.grant(ask, forged, secret.verify, digests)
     assert list(ok) == ["a"] and t._live["a"].deadline > 0  # granted and renewed
     assert bad == {"b": UNAUTHORIZED, "new": UNKNOWN, "gone": RELEASED}
     assert t._live["b"].deadline == 0.0  # a forged token renews nothing
-    ok, bad, _ = t.grant(["new", "a"], ["Z" * 32, 7], secret.__getitem__)
+    ok, bad, _ = t.grant(["new", "a"], ["Z" * 48, 7], secret.verify, [dg["new"], dg["a"]])
     assert not ok and bad == {"new": UNAUTHORIZED, "a": UNAUTHORIZED}  # a non-str token too
+    ok, bad, _ = t.grant(["a"], [tok["a"]], secret.verify, [dg["b"]])  # a's token, b's blocks
+    assert not ok and bad == {"a": ALTERED}
+    later = secret.token("a", (1).to_bytes(8, "big"), dg["a"])  # authentic, another export of "a"
+    ok, bad, _ = t.grant(["a"], [later], secret.verify, [dg["a"]])
+    assert not ok and bad == {"a": OTHER_EXPORT}
     refused: dict = {}
-    n = t.notify_many(
-        ["a", "b", "new"], ("D", 0), 1, [secret["a"], "X" * 32, "Y" * 32], secret.__getitem__, refused
-    )
-    assert n == 1 and refused == {"b": UNAUTHORIZED, "new": UNAUTHORIZED}
+    n = t.notify_many(["a", "b", "new"], ("D", 0), 1, [tok["a"], "X" * 48, "Y" * 48], secret.verify, refused)
+    assert n == 1 and refused == {"b": UNAUTHORIZED}  # "new" is not live: nothing to count
     assert "b" in t._live and "a" not in t._live  # b was not counted, a was released
+
+
+def test_a_released_request_id_exported_again_gets_the_next_generation():
+    t = ExportTracker(8, 30.0)
+    assert t.generation("r") == 0
+    t.add("r", np.array([1]), 4, token="t0", gen=0)
+    assert t.generation("r") == 0  # live: its generation is taken only once it is released
+    t.abort("r")
+    assert t.generation("r") == 1
+    with pytest.raises(ValueError, match="already used"):
+        t.add("r", np.array([1]), 4, token="t0", gen=1)  # the released export's own token
+    t.add("r", np.array([1]), 4, token="t1", gen=1)
+    t.abort("r")
+    assert t.generation("r") == 2

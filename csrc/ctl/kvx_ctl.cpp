@@ -200,7 +200,7 @@ bool has_repeat(const int64_t *x, Py_ssize_t n, uint64_t bound) {
 }
 
 // ids_from_seq(seq, need, num_blocks, unique) -> bytearray of `need` int64 ids.
-// `seq`: a list or tuple of ints (anything with __index__: numpy ints, and bools as Python's 0/1),
+// `seq`: a list or tuple of ints (anything with __index__: numpy ints; not bools),
 // at least `need` long; each in [0, num_blocks); with `unique`, none repeated.
 PyObject *ids_from_seq(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 4, "ids_from_seq")) return nullptr;
@@ -225,6 +225,9 @@ PyObject *ids_from_seq(PyObject *, PyObject *const *args, Py_ssize_t n) {
     long long v;
     if (small_int(o, v)) {
       // the common case: a plain int
+    } else if (PyBool_Check(o)) {
+      Py_DECREF(out);
+      return PyErr_Format(PyExc_TypeError, "block_ids: must hold ints, item %zd is a bool", i);
     } else if (PyLong_Check(o)) {
       int overflow = 0;
       v = PyLong_AsLongLongAndOverflow(o, &overflow);

@@ -41,12 +41,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 import torch
 
+from ..limits import MAX_ID_CHARS, MAX_REQUESTS
 from ..ordering import poll_pause
 from .nixl_descs import storages
 
@@ -148,22 +149,23 @@ def mem_of(t: torch.Tensor) -> tuple[str, int]:
 
 
 class _Notif(msgspec.Struct, array_like=True):
-    """One notification kvxfer sends over NIXL: ``kind`` (one letter), the mailbox ``key``, and
-    up to three ints (chunk index, slot, bytes)."""
+    """One notification kvxfer sends over NIXL: ``kind`` (one letter), the mailbox ``key``, up
+    to three ints (chunk index, slot, bytes) and bytes (a stream's status)."""
 
-    kind: str
-    key: str
+    kind: Annotated[str, msgspec.Meta(max_length=4)]
+    key: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
     a: int = 0
     b: int = 0
     c: int = 0
+    data: Annotated[bytes, msgspec.Meta(max_length=MAX_REQUESTS)] = b""
 
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(_Notif)
 
 
-def encode_notif(kind: str, key: str, a: int = 0, b: int = 0, c: int = 0) -> bytes:
-    return _enc.encode(_Notif(kind, key, a, b, c))
+def encode_notif(kind: str, key: str, a: int = 0, b: int = 0, c: int = 0, data: bytes = b"") -> bytes:
+    return _enc.encode(_Notif(kind, key, a, b, c, data))
 
 
 class XferFence:
@@ -467,7 +469,7 @@ class NixlAgent:
                     n += 1
                     try:
                         m = _dec.decode(raw)
-                    except (msgspec.DecodeError, msgspec.ValidationError):
+                    except Exception:  # DecodeError, ValidationError, RecursionError
                         _LOG.debug(
                             "kvxfer nixl %s: dropped an undecodable notification from %s", self.name, peer
                         )

@@ -12,7 +12,11 @@ into the same chunks of ``chunk_tokens`` tokens) with NIXL in place of send/recv
 3. the loader READs ``nbytes`` of the exporter's slot ``s`` into one of its own registered
    staging buffers, with the notification ``D(key, i)`` that NIXL delivers to the exporter
    once the READ completed — so the exporter refills slot ``s`` only after it was read;
-4. the loader scatters the chunk while the next one is gathered and read.
+4. the loader scatters the chunk while the next one is gathered and read;
+5. once the loader READ every chunk, the exporter notifies ``E(key, status)``: one byte per
+   request of the send request, 1 when it was live at every chunk's gather, 0 when it was
+   released meanwhile. The loader reports a request landed only from a 1 there (and the
+   others failed, while the rest of the stream lands).
 
 Either side that fails sends ``A(key)`` (abort), so the other stops at once instead of waiting
 out its bound; the loader's abort (sent also in answer to the exporter's) says whether any of
@@ -122,13 +126,16 @@ def send_stream(
     peer_timeout_s: float,
     tag: str = "",
     num_layers: int | None = None,
+    status: Callable[[], bytes] | None = None,
 ) -> int:
     """Exporter: gather every chunk of ``calls`` into the registered staging buffers and let
     ``peer`` READ it (module doc); returns the bytes read. Every wait ends ``timeout_s`` after
     the last progress (the stream's start, or the loader's last completed READ).
     ``calls``: (source unit ids, tokens[, offset]); ``gather(chunk, out)`` fills the wire view
-    ``out`` (``num_layers`` layers: a layer group, default all) and raises to stop. An
-    exception raised here carries ``peer_gone = True`` when NIXL reported the loader gone."""
+    ``out`` (``num_layers`` layers: a layer group, default all) and raises to stop;
+    ``status()`` gives the stream's status bytes once every chunk was read (module doc, step
+    5). An exception raised here carries ``peer_gone = True`` when NIXL reported the loader
+    gone."""
     chunks = cut(calls, chunk_tokens, unit)
     view = wire_viewer(spec, num_heads, num_layers)
     bound = [time.monotonic() + timeout_s]  # moves on with every READ completed (as pg's per-op bound)
@@ -195,6 +202,8 @@ def send_stream(
         with staging.pool.lease(staging.pool.num_buffers, timeout_s) as slots:
             try:
                 pipelined_send(chunks, slots, view, do_gather, do_send, staging.fences(timeout_s))
+                if status is not None:
+                    agent.send_notif(peer, encode_notif("E", key, data=status()))
             except BaseException as e:
                 gone = _abort(agent, peer, key)
                 if gone:
@@ -238,6 +247,7 @@ class _Reads:
         self.active: dict[int, tuple] = {}  # chunk -> (handle, dlists, buffer)
         self.done: set[int] = set()
         self.failed: BaseException | None = None  # the first failure: later waits raise it at once
+        self.status: bytes | None = None  # the exporter's E notification (module doc, step 5)
 
     def _absorb(self) -> None:
         for frm, m in self.agent.take(self.key):
@@ -245,6 +255,8 @@ class _Reads:
                 continue
             if m.kind == "R":
                 self.ready[m.a] = (m.b, m.c)
+            elif m.kind == "E":
+                self.status = m.data
             elif m.kind == "A":
                 raise RuntimeError(
                     f"the exporter {self.peer} aborted the stream (a request was released, or its gather failed)"
@@ -325,6 +337,25 @@ class _Reads:
                 time.sleep(pause)
             pause = min(5e-4, pause * 2 + 2e-5)
 
+    def wait_status(self, num_requests: int) -> bytes:
+        """The exporter's status of the stream (one byte per request), waited for by the
+        deadline; ``RuntimeError`` when it names another number of requests."""
+        while self.status is None:
+            self._absorb()
+            if self.status is not None:
+                break
+            if self.agent.stopping():
+                raise NixlError("the engine is closing")
+            if time.monotonic() >= self.deadline:
+                raise TimeoutError("the exporter's status of the stream did not come by the load's deadline")
+            self.agent.poll()
+            time.sleep(2e-4)
+        if len(self.status) != num_requests:
+            raise RuntimeError(
+                f"the exporter's status names {len(self.status)} requests, the stream carries {num_requests}"
+            )
+        return self.status
+
     def cancel(self) -> list[tuple[torch.Tensor, XferFence]]:
         """Cancel every READ still running; those NIXL cannot cancel come back as (buffer,
         fence)."""
@@ -367,10 +398,12 @@ def recv_stream(
     deadline: float,
     tag: str = "",
     num_layers: int | None = None,
-) -> int:
+    num_requests: int = 0,
+) -> tuple[int, bytes]:
     """Loader: READ every chunk of ``calls`` (destination unit ids, tokens[, offset]) from
     ``peer``'s staging buffers (``remote``: its :meth:`NixlStaging.describe`) into this
-    side's, and ``scatter(chunk, wire)`` it; returns the number of chunks. The mailbox ``key``
+    side's, and ``scatter(chunk, wire)`` it; returns (the number of chunks, the stream's
+    status: ``num_requests`` bytes, module doc step 5; empty when 0). The mailbox ``key``
     must have been opened before the exporter was asked to stream (it is closed here). Every
     wait ends by ``deadline``."""
     chunks = cut(calls, chunk_tokens, unit)
@@ -385,7 +418,8 @@ def recv_stream(
         left = max(0.0, deadline - time.monotonic())
         with staging.pool.lease(staging.pool.num_buffers, left) as slots:
             try:
-                return pipelined_recv(chunks, slots, view, reads.post, do_scatter, staging.fences(left))
+                n = pipelined_recv(chunks, slots, view, reads.post, do_scatter, staging.fences(left))
+                return n, reads.wait_status(num_requests) if num_requests else b""
             except BaseException:
                 held = reads.cancel()
                 for buf, fence in held:

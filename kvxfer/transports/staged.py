@@ -17,7 +17,13 @@ Agreement between the two ends (both must cut identical chunks):
 2. the loader picks ``chunk_tokens`` (:meth:`StagedPipeline.chunk_tokens_for`, from
    :func:`kvxfer.staging.chunk_tokens_for` on ``min(own, exporter's)`` buffer) and sends it in
    the ``SendReq``; the exporter checks it fits its buffers;
-3. both cut each ops call with :func:`kvxfer.staging.cut` and send chunk ``i`` with tag ``i``.
+3. both cut each ops call with :func:`kvxfer.staging.cut` and send chunk ``i`` with tag ``i``;
+4. after the last chunk the exporter sends the stream's *status* (tag ``n``, the number of
+   chunks): one byte per request of the send request, 1 when the request was live at every
+   chunk's gather (its bytes are its export's), 0 when it was released meanwhile (aborted,
+   lease ended): the loader reports a request landed only from a 1 there, and the others
+   failed, while the rest of the stream still lands. So one abort fails one request, and "done"
+   always comes from the exporter's record, never from the absence of an error.
 
 Buffer kinds: NCCL pairs use device buffers on the cache device; Gloo pairs use host buffers,
 page-locked when the caches are CUDA: there the host hands a buffer to Gloo only after the
@@ -194,11 +200,13 @@ class StagedPipeline:
         gather: Callable[[Chunk, torch.Tensor], None],
         tag: str = "",
         num_layers: int | None = None,
+        status: Callable[[], bytes] | None = None,
     ) -> int:
         """Exporter: gather every chunk of ``calls`` (source unit ids, tokens[, offset]) into
         staging buffers and send it; the gather of chunk ``i+1`` overlaps the send of chunk
         ``i``. Returns the bytes sent. ``gather(chunk, out)`` fills the wire view ``out``
-        (``num_layers`` of them: a layer group, default all)."""
+        (``num_layers`` of them: a layer group, default all). ``status()``, called once every
+        chunk was gathered, gives the stream's status bytes (module doc, step 4), sent last."""
         chunks = cut(calls, chunk_tokens, unit)
         view = wire_viewer(spec, num_heads, num_layers)
         pool = self._pool("send", backend, cache_device)
@@ -217,6 +225,9 @@ class StagedPipeline:
 
         with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
             n = pipelined_send(chunks, slots, view, do_gather, do_send, fences)
+        if status is not None:
+            flags = torch.frombuffer(bytearray(status()), dtype=torch.uint8).to(pool.device)
+            _Timed(pg.send([flags], peer, n), timeout_s).wait()
         self.num_streams += 1
         self.num_chunks_sent += n
         return sent
@@ -236,10 +247,12 @@ class StagedPipeline:
         scatter: Callable[[Chunk, torch.Tensor], None],
         tag: str = "",
         num_layers: int | None = None,
-    ) -> int:
+        num_requests: int = 0,
+    ) -> tuple[int, bytes]:
         """Loader: receive every chunk of ``calls`` (destination unit ids, tokens[, offset])
         into staging buffers and scatter it; receiving chunk ``i+1`` overlaps scattering chunk
-        ``i``. Returns the number of chunks. ``scatter(chunk, wire)``."""
+        ``i``. ``scatter(chunk, wire)``. Returns (the number of chunks, the stream's status: one
+        byte per request, ``num_requests`` of them, module doc step 4; empty when 0)."""
         chunks = cut(calls, chunk_tokens, unit)
         view = wire_viewer(spec, num_heads, num_layers)
         pool = self._pool("recv", backend, cache_device)
@@ -255,6 +268,11 @@ class StagedPipeline:
 
         with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
             n = pipelined_recv(chunks, slots, view, do_recv, do_scatter, fences)
+        flags = b""
+        if num_requests:
+            got = torch.empty(num_requests, dtype=torch.uint8, device=pool.device)
+            _Timed(pg.recv([got], peer, n), timeout_s).wait()
+            flags = got.cpu().numpy().tobytes()
         self.num_streams += 1
         self.num_chunks_recv += n
-        return n
+        return n, flags

@@ -84,6 +84,7 @@ class ExportSpec:
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    token: str = ""  # the params' token (kvxfer.auth): every worker's export is bound to it
 
 
 @dataclass
@@ -345,20 +346,14 @@ class SchedulerSide:
         tokens = getattr(request, "all_token_ids", None) or getattr(request, "prompt_token_ids", None) or []
         if self._secret is None:  # the workers' engines share it (kvxfer.auth): same host
             self._secret = EngineSecret(self.cfg.engine_id, self.cfg.base_port, tp_rank=-1)
+        token = self._secret.new_token(rid, n, kids)
         out = params_dict(
-            rid,
-            self.cfg.engine_id,
-            self.cfg.host,
-            self.cfg.base_port,
-            self.cfg.tp_size,
-            kids,
-            n,
-            self._secret.token(rid),
+            rid, self.cfg.engine_id, self.cfg.host, self.cfg.base_port, self.cfg.tp_size, kids, n, token
         )
         out["block_size"] = kbs
         if len(tokens) >= n:
             out["prompt_hash"] = prompt_hash(tokens, n)
-        self._meta.exports.append(ExportSpec(rid, mgr, n))
+        self._meta.exports.append(ExportSpec(rid, mgr, n, token))
         if want_decode:
             return True, {**out, "do_remote_prefill": True, "do_remote_decode": False}
         return True, {"reuse": out}

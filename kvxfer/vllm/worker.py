@@ -128,7 +128,7 @@ class WorkerSide:
         for ex in meta.exports:
             ids = expand_block_ids(ex.block_ids, self.ratio)
             try:
-                eng.export(ex.request_id, ids, ex.num_tokens)
+                eng.export(ex.request_id, ids, ex.num_tokens, token=ex.token or None)
                 self._exported.add(ex.request_id)
             except ValueError as e:
                 _LOG.warning("kvxfer: export of %s refused (%s); its blocks are freed", ex.request_id, e)

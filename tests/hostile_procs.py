@@ -1,0 +1,347 @@
+"""Process bodies of the hostile-client soak (tests/test_hostile_soak.py).
+
+* :func:`hostile_exporter` — P: exports requests of random lengths from a small, reused block
+  pool; a block freed (finished, expired, aborted, or P closed) is overwritten at once with
+  other bytes, so a read after its release shows as wrong bytes; aborts a fifth of the requests
+  at a random moment after handing out their params; closes and restarts once (same engine id
+  and port). Measures its RSS and its tracker at the end.
+* :func:`hostile_loader` — D: loads each request into fresh blocks (or releases it unloaded),
+  checks the bytes of each load reported finished the moment it is reported, and times each
+  report against its deadline.
+* :func:`hostile_client` — a stranger on P's side channel: random, truncated, oversized and
+  deeply nested frames, forged tokens, replayed grants and heartbeats of real params, and
+  loads of tampered params through an engine of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import msgspec
+import torch
+
+from .engine_procs import POISON, _spec, check, fill, poison
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0  # pragma: no cover - not Linux
+
+
+def hostile_exporter(sc: dict, q_d, q_h) -> dict:
+    from kvxfer import TransferEngine
+    from kvxfer.transports.shm import alloc_shm_caches
+
+    rng = random.Random(sc["seed"])
+    spec = _spec(sc["spec"])
+    nb = sc["src_blocks"]
+    shm = alloc_shm_caches(spec, nb, 1)
+
+    def start():
+        return TransferEngine(
+            spec, shm.caches, 0, 1, "P", transport=sc["transport"], lease_s=sc["lease_s"],
+            port=sc["port"], timeout_s=sc["timeout_s"],
+        ).start()  # fmt: skip
+
+    eng = start()
+    free = list(range(nb))
+    held: dict[str, list[int]] = {}
+    released: dict[str, float] = {}  # request -> when P released it (monotonic)
+    reports: dict[str, int] = {}
+    aborts: list[tuple[float, str]] = []  # (when, request)
+    aborted: set[str] = set()
+    exported_at: dict[str, float] = {}
+    restart_t = float("inf")
+    rss0 = None
+    i = 0
+    restarted = False
+    end = time.monotonic() + sc["deadline_s"]
+
+    def free_now(rid: str) -> None:
+        ids = held.pop(rid)
+        fill(shm.caches, spec, 0, 1, ids, len(ids) * spec.block_size, seed=7)  # the runner reuses them
+        free.extend(ids)
+        released.setdefault(rid, time.monotonic())
+
+    def drain() -> None:
+        r = eng.poll()
+        for rid in r.finished_sending | r.expired:
+            reports[rid] = reports.get(rid, 0) + 1
+            if rid in held:
+                free_now(rid)
+
+    while (i < sc["num"] or held) and time.monotonic() < end:
+        drain()
+        now = time.monotonic()
+        for t, rid in [a for a in aborts if a[0] <= now]:
+            aborts.remove((t, rid))
+            if rid in held and eng.abort_export(rid):
+                aborted.add(rid)
+        if not restarted and i >= sc["restart_at"]:
+            eng.close()  # every live export ends: released now, blocks reused
+            for rid in list(held):
+                free_now(rid)
+            restart_t = time.monotonic()
+            eng = start()
+            restarted = True
+        while i < sc["num"] and len(held) < sc["in_flight"]:
+            n = rng.randint(1, sc["max_tokens"])
+            need = spec.num_blocks_for(n)
+            if len(free) < need:
+                break
+            rng.shuffle(free)
+            ids = [free.pop() for _ in range(need)]
+            rid, seed = f"q{i}", 100 + i
+            fill(shm.caches, spec, 0, 1, ids, n, seed)
+            params = eng.export(rid, ids, n)
+            held[rid] = ids
+            exported_at[rid] = time.monotonic()
+            roll = rng.random()
+            action = "release" if roll < sc["p_release"] else "load"
+            q_d.put((rid, params, n, seed, action))
+            q_h.put(params)
+            if sc["p_release"] <= roll < sc["p_release"] + sc["p_abort"]:
+                aborts.append((time.monotonic() + rng.uniform(0.0, 0.004), rid))
+            i += 1
+            if i == 20:
+                rss0 = _rss_mb()  # warm: pools, plans and kernels made
+        time.sleep(0.001)
+    q_d.put(None)
+    q_h.put(None)
+    rss1 = _rss_mb()
+    stats = eng.stats()
+    eng.close()
+    shm.close()
+    return {
+        "exported": i,
+        "held": sorted(held),
+        "reports": reports,
+        "released": released,
+        "aborted": sorted(aborted),
+        "exported_at": exported_at,
+        "restart_t": restart_t,
+        "exports_live": stats["exports_live"],
+        "blocks_held": stats["blocks_held"],
+        "rss_growth_mb": rss1 - (rss0 or rss1),
+    }
+
+
+def hostile_loader(sc: dict, q_in) -> dict:
+    from kvxfer import TransferEngine
+
+    spec = _spec(sc["spec"])
+    caches = [
+        torch.empty(spec.cache_shape(sc["dst_blocks"], 1), dtype=spec.dtype) for _ in range(spec.num_layers)
+    ]
+    poison(caches)
+    eng = TransferEngine(
+        spec, caches, 0, 1, "D", transport=sc["transport"], lease_s=sc["lease_s"], timeout_s=sc["timeout_s"]
+    ).start()
+    loads: dict[str, tuple] = {}  # rid -> (dst ids, n, seed, load time)
+    reports: dict[str, list] = {}  # rid -> [("done" | reason, when), ...]
+    wrong: list[str] = []
+    next_dst = 0
+    ended = False
+    end = time.monotonic() + sc["deadline_s"]
+    while (not ended or len(reports) < len(loads)) and time.monotonic() < end:
+        while True:
+            try:
+                msg = q_in.get_nowait()
+            except Exception:
+                break
+            if msg is None:
+                ended = True
+                break
+            rid, params, n, seed, action = msg
+            if action == "release":
+                eng.release(params)
+                continue
+            need = spec.num_blocks_for(n)
+            dst = list(range(next_dst, next_dst + need))
+            next_dst += need
+            eng.load(rid, params, dst)
+            loads[rid] = (dst, n, seed, time.monotonic())
+        r = eng.poll()
+        t = time.monotonic()
+        for rid in r.finished_recving:
+            dst, n, seed, _ = loads[rid]
+            if not check(caches, spec, 0, 1, dst, n, seed):  # at once: nothing may change it later
+                wrong.append(rid)
+            reports.setdefault(rid, []).append(("done", t))
+        for rid in r.failed:
+            reports.setdefault(rid, []).append((r.errors.get(rid, "?"), t))
+        time.sleep(0.001)
+    stats = eng.stats()
+    eng.close()
+    return {
+        "loads": {rid: v[3] for rid, v in loads.items()},
+        "reports": reports,
+        "wrong": wrong,
+        "notify_failures": stats.get("notify_failures", 0),
+    }
+
+
+def _frames(rng: random.Random, params: list[dict], spec_dict: dict):
+    """One hostile frame: (kind, payload bytes)."""
+    from kvxfer import KVTransferParams
+    from kvxfer import control as C
+
+    kind = rng.choice(["random", "truncated", "nested", "forged", "replayed", "bounds"])
+    tok = lambda: os.urandom(24).hex()  # noqa: E731
+    ident = dict(
+        engine_id="H", tp_rank=0, tp_size=1, spec=spec_dict, compat="", transports=["ipc", "pg"], hostname="h"
+    )
+    if kind == "random":
+        return kind, os.urandom(rng.randint(0, 2048))
+    if kind == "truncated":
+        whole = C.encode(C.Hello(**ident, request_id="q1", token=tok(), digest=os.urandom(16)))
+        return kind, whole[: rng.randint(0, len(whole) - 1)]
+    if kind == "nested":
+        head = C.encode(C.Heartbeat("H", 0, [], []))  # a map of 5 fields: make it 6
+        return kind, bytes([head[0] + 1]) + head[1:] + b"\xa4junk" + b"\x81\xa1a" * rng.randint(
+            500, 5000
+        ) + b"\x80"
+    if kind == "bounds":  # fields past their bounds: a 2M-rank loader, a 64 KB engine id
+        field = rng.choice([("tp_size", 2_000_000), ("engine_id", "e" * (64 << 10))])
+        msg = {
+            "type": "Notify",
+            "engine_id": "H",
+            "tp_rank": 0,
+            "tp_size": 1,
+            "request_ids": ["q1"],
+            "failed": [],
+        }
+        return kind, msgspec.msgpack.encode({**msg, "tokens": [tok()], field[0]: field[1]})
+    if kind == "forged" or not params:
+        rids = [f"q{rng.randint(0, 400)}" for _ in range(rng.randint(0, 8))]
+        toks = [tok() for _ in rids]
+        msg = rng.choice(
+            [
+                C.ReadReq(
+                    "H",
+                    0,
+                    rng.randint(1, 256),
+                    rids,
+                    toks,
+                    wait_s=rng.uniform(0, 5),
+                    digests=[os.urandom(16)] * len(rids),
+                ),
+                C.Notify("H", 0, rng.randint(1, 256), rids, [], toks),
+                C.Heartbeat("H", 0, rids, toks),
+                C.PairReq("H", 0, "h/0/x", "gloo", rids[0] if rids else "", tok()),
+                C.SendReq("H", 0, "h/0/x", rids, toks, 0, 1, 16, [(b"\0" * 8, 16, 0, 0)], 16),
+                C.Hello(**ident, request_id=rids[0] if rids else "", token=tok()),
+            ]
+        )
+        return "forged", C.encode(msg)
+    p = KVTransferParams.from_dict(rng.choice(params))  # replayed: what a legit loader sends
+    msg = rng.choice(
+        [
+            C.ReadReq("H", 0, 1, [p.request_id], [p.token], digests=[p.digest()]),
+            C.Heartbeat("H", 0, [p.request_id], [p.token]),
+            C.ReadReq("H", 0, 1, [p.request_id], [p.token], digests=[os.urandom(16)]),  # tampered
+        ]
+    )
+    return "replayed", C.encode(msg)
+
+
+def hostile_client(sc: dict, q_params, q_stop) -> dict:
+    """Send hostile frames to P's side channel until told to stop; load tampered params through
+    an engine of its own. Counts what was sent and how the tampered loads ended."""
+    import zmq
+
+    from kvxfer import TransferEngine
+
+    rng = random.Random(sc["seed"] + 1)
+    spec = _spec(sc["spec"])
+    params: list[dict] = []
+    ctx = zmq.Context()
+    addr = f"tcp://127.0.0.1:{sc['port']}"
+
+    def sock():
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 1000)
+        s.connect(addr)
+        return s
+
+    s = sock()
+    caches = [torch.empty(spec.cache_shape(64, 1), dtype=spec.dtype) for _ in range(spec.num_layers)]
+    poison(caches)
+    h = TransferEngine(spec, caches, 0, 1, "H", transport=sc["transport"], timeout_s=1.0).start()
+    sent: dict[str, int] = {}
+    tampered: dict[str, str] = {}
+    mid = 0
+    oversized = 0
+    end = time.monotonic() + sc["deadline_s"]
+    t_start = time.monotonic()
+    stopped = False
+    while not stopped and time.monotonic() < end:
+        while True:
+            try:
+                got = q_params.get_nowait()
+            except Exception:
+                break
+            if got is None:
+                stopped = True
+                break
+            params.append(got)
+        if not q_stop.empty():
+            break
+        due = int((time.monotonic() - t_start) * sc["hostile_rate"]) - sum(sent.values())
+        for _ in range(max(0, min(due, 256))):  # paced: hostile_rate frames per second
+            kind, raw = _frames(rng, params[-50:], spec.to_dict())
+            mid += 1
+            try:
+                s.send_multipart([mid.to_bytes(8, "little"), raw], zmq.NOBLOCK)
+            except zmq.Again:
+                s.close(0)
+                s = sock()
+            sent[kind] = sent.get(kind, 0) + 1
+            while s.poll(0):
+                s.recv_multipart()  # replies: drained, ignored
+        if oversized < 2 and rng.random() < 0.01:  # a frame over the bound: P drops the peer
+            big = sock()
+            big.send_multipart([b"\0" * 8, b"\0" * (65 << 20)])
+            big.close(0)
+            oversized += 1
+            sent["oversized"] = sent.get("oversized", 0) + 1
+        if params and rng.random() < 0.3 and len(tampered) < 40:
+            p = dict(rng.choice(params[-20:]))
+            how = rng.choice(["block_ids", "num_tokens", "token"])
+            if how == "block_ids":
+                p["block_ids"] = [(b + 1) % sc["src_blocks"] for b in p["block_ids"]]
+            elif how == "num_tokens":
+                p["num_tokens"] = (
+                    p["num_tokens"] + 1 if p["num_tokens"] % spec.block_size else p["num_tokens"] - 1
+                )
+            else:
+                p["token"] = p["token"][:-4] + "beef"
+            rid = f"t{len(tampered)}-{how}"
+            if p["num_tokens"] >= 1:
+                h.load(rid, p, list(range(spec.num_blocks_for(p["num_tokens"]))))
+                tampered[rid] = "pending"
+        r = h.poll()
+        for rid in r.finished_recving:
+            tampered[rid] = "DONE"
+        for rid in r.failed:
+            tampered[rid] = "failed"
+        time.sleep(0.001)
+    end = time.monotonic() + 3.0
+    while "pending" in tampered.values() and time.monotonic() < end:
+        r = h.poll()
+        for rid in r.finished_recving:
+            tampered[rid] = "DONE"
+        for rid in r.failed:
+            tampered[rid] = "failed"
+        time.sleep(0.01)
+    written = not all(bool((c.view(torch.uint8) == POISON).all()) for c in caches)
+    h.close()
+    s.close(0)
+    ctx.term()
+    return {"sent": sent, "tampered": tampered, "written": written}
