@@ -129,30 +129,40 @@ def test_a_load_without_a_record_fails_whatever_else_happened(engines):
 # ------------------------------------------------------------------ 2: only what was exported
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_params_open_only_their_own_export(engines, transport):
-    """One request's params with another request's block ids (or blocks nobody exported, or
-    more tokens than exported) are refused by name; nothing is written on D; the true params
-    still load."""
-    p, d, ps, ds = engines(transport, d_kw={"timeout_s": 3.0})
-    fill(ps.caches, SPEC, 0, 1, [2, 3], 12, seed=1)
-    fill(ps.caches, SPEC, 0, 1, [20, 21], 12, seed=2)
+    """One request's params with another request's block ids (or blocks nobody exported, more
+    tokens than exported, or sliced) are refused by name, at the handshake and at the lease
+    grant alike; nothing is written on D; a refused params fails only its own load of a batch;
+    the true params still load."""
+    p, d, _ps, ds = engines(transport, d_kw={"timeout_s": 3.0})
+    fill(_ps.caches, SPEC, 0, 1, [2, 3], 12, seed=1)
+    fill(_ps.caches, SPEC, 0, 1, [20, 21], 12, seed=2)
+    fill(_ps.caches, SPEC, 0, 1, [28], 4, seed=3)
     a = p.export("A", [2, 3], 12)
     p.export("B", [20, 21], 12)
+    k = p.export("K", [28], 4)
     tampered = {
-        "b-blocks": dict(a, block_ids=[20, 21]),
-        "never": dict(a, block_ids=[25, 26]),
-        "longer": dict(a, num_tokens=16),
-        "sliced": dict(a, block_ids=[3], num_tokens=4),
+        "b-blocks": (dict(a, block_ids=[20, 21]), [5, 6]),
+        "never": (dict(a, block_ids=[25, 26]), [7, 8]),
+        "longer": (dict(a, num_tokens=16), [9, 10]),
+        "sliced": (dict(a, block_ids=[3], num_tokens=4), [11]),
     }
-    dst = {"b-blocks": [5, 6], "never": [7, 8], "longer": [9, 10], "sliced": [11]}
-    for name, prm in tampered.items():  # one batch, the tampered params first (they handshake)
-        d.load(name, prm, dst[name])
+    # at the handshake: the first load of a batch handshakes; refused, it alone fails
+    d.load("b-blocks", *tampered["b-blocks"])
+    d.load("K", k, [14])
+    got = _recv(d, {"b-blocks", "K"})
+    assert got["K"] == "done" and "differ from the export" in got["b-blocks"], got
+    # at the lease grant (the remote is handshaken now); each from an export of its own, as
+    # the failed load's notification frees the export it names
+    for name, (prm, ids) in tampered.items():
+        mine = p.export(f"A-{name}", [2, 3], 12)
+        d.load(name + "-g", {**prm, "request_id": mine["request_id"], "token": mine["token"]}, ids)
+        got = _recv(d, {name + "-g"})
+        assert "differ from the export" in got[name + "-g"], got
     d.load("A", a, [12, 13])
-    got = _recv(d, [*tampered, "A"])
-    for name in tampered:
-        assert got[name].startswith("failed:") and "differ from the export" in got[name], got
-    assert got["A"] == "done", got
+    assert _recv(d, {"A"}) == {"A": "done"}
     assert check(ds.caches, SPEC, 0, 1, [12, 13], 12, seed=1)
-    assert untouched(ds.caches, SPEC, {12, 13}, {12: 8, 13: 4})  # every other block still poisoned
+    assert check(ds.caches, SPEC, 0, 1, [14], 4, seed=3)
+    assert untouched(ds.caches, SPEC, {12, 13, 14}, {12: 8, 13: 4, 14: 4})  # all else poisoned
 
 
 def test_a_send_request_reads_only_the_tokens_its_tokens_open(engines):
