@@ -531,9 +531,10 @@ _installed: BatchCopier | None = None
 def install_copier(c: BatchCopier | None) -> None:
     """Use ``c`` for the device types it serves (tests: a fake driver); None: back to the real
     driver, looked up again on next use."""
-    global _installed
+    global _installed, _serves_cpu
     with _lock:
         _installed = c
+        _serves_cpu = c is not None and "cpu" in c.serves
         _copiers.clear()
         _why.clear()
 
@@ -541,8 +542,10 @@ def install_copier(c: BatchCopier | None) -> None:
 def serves_cpu() -> bool:
     """Whether an installed copier moves CPU tensors (a test's fake): ops then consider the DMA
     path on CPU tensors too; never in production."""
-    c = _installed
-    return c is not None and "cpu" in c.serves
+    return _serves_cpu
+
+
+_serves_cpu = False
 
 
 def copier(device: torch.device) -> tuple[BatchCopier | None, str]:
