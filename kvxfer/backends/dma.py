@@ -48,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import addrspace
 from .base import PagedSide
 
 __all__ = [
@@ -143,10 +144,10 @@ def _layout(side: PagedSide) -> _Layout:
         order = None
     ptrs = np.array(side.layer_ptrs(), dtype=np.int64)
     bases = ptrs + side.head_start * s_head
-    span = [c.untyped_storage() for c in side.caches]
-    lo = min(s.data_ptr() for s in span)
-    hi = max(s.data_ptr() + s.nbytes() for s in span)
-    return _Layout(bases, s_kv, s_blk, s_head, one_head, order, (lo, hi))
+    span = [addrspace.tensor_extent(c) for c in side.caches]
+    return _Layout(
+        bases, s_kv, s_blk, s_head, one_head, order, (min(e[0] for e in span), max(e[1] for e in span))
+    )
 
 
 def _paged_layout(side: PagedSide) -> _Layout:
