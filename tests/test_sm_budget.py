@@ -122,6 +122,34 @@ def test_cuda_backend_sizes_its_grid_from_the_sides_budget(monkeypatch):
     assert [(p.grid, p.block) for p in launched] == [(660, 256), (16, 1024), (16, 1024), (16, 1024)]
 
 
+def test_budget_block_width_comes_from_the_kernels_register_limit(monkeypatch, caplog):
+    """The widest entries' max threads per block (CuPy's RawKernel attribute, the driver's
+    answer for their registers) bound a budgeted block; a failed query falls back to 256-thread
+    blocks with a warning naming why."""
+    import functools
+
+    from tests.test_device_context import FakeRuntime
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=FakeRuntime()))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    limits = {f"kvx_{op}_w{w}": 1024 for op in ("gather", "scatter", "copy") for w in cuda.WIDTHS}
+    limits["kvx_copy_w16"] = 768
+    monkeypatch.setattr(
+        cuda,
+        "_kernels",
+        lambda i: {n: types.SimpleNamespace(max_threads_per_block=v) for n, v in limits.items()},
+    )
+    monkeypatch.setattr(cuda, "_max_threads", functools.cache(cuda._max_threads.__wrapped__))
+    assert cuda._max_threads(0) == 768
+    monkeypatch.setattr(cuda, "_max_threads", functools.cache(cuda._max_threads.__wrapped__))
+    monkeypatch.setattr(cuda, "_kernels", lambda i: {})
+    with caplog.at_level("WARNING", logger="kvxfer.backends.cuda"):
+        assert cuda._max_threads(0) == cuda.THREADS
+    assert any(
+        "max threads per block" in r.getMessage() and "KeyError" in r.getMessage() for r in caplog.records
+    )
+
+
 # --------------------------------------------------------------------------- where a budget comes from
 class _Recorder(types.ModuleType):
     """A backend module that records the budget on the sides it is handed (moves nothing)."""
@@ -453,6 +481,32 @@ def test_capped_triton_kernel_on_the_gpu(op, budget, monkeypatch):
         Case(layout="MLA", dtype=torch.float32),
     ):
         RUNNERS[op](case, "cuda")
+
+
+@gpu
+def test_warmup_with_a_budget_leaves_nothing_to_compile_gpu():
+    """Registered caches with a budget: ``ops.warmup`` compiles the capped (persistent) variants
+    too, so no request size compiles on the request path."""
+    from tests.test_kernels_triton import _num_compiled
+
+    spec = KVCacheSpec(2, 8, 128, 16, torch.bfloat16, "NHD")
+    caches = ops.register_caches(
+        [torch.zeros(spec.local_cache_shape(600, 8), dtype=spec.dtype, device="cuda") for _ in range(2)],
+        spec,
+        max_sms=8,
+    )
+    assert ops.warmup(caches, spec, backend="triton") == "triton"
+    torch.cuda.synchronize()
+    before = _num_compiled()
+    for n in (1, 7, 17, 33, 100, 1000, 4096):
+        nb = spec.num_blocks_for(n)
+        wire = ops.gather_blocks(caches, spec, list(range(nb)), n, backend="triton")
+        ops.scatter_blocks(wire, caches, spec, list(range(300, 300 + nb)), n, backend="triton")
+        ops.copy_blocks(
+            caches, spec, list(range(nb)), caches, spec, list(range(300, 300 + nb)), n, backend="triton"
+        )
+    torch.cuda.synchronize()
+    assert _num_compiled() == before
 
 
 @gpu
