@@ -298,7 +298,7 @@ TRITON_MATRIX = _triton_matrix()
     TRITON_MATRIX,
     ids=[f"{op}-{c.layout}-{str(c.dtype)[6:]}-d{c.head_dim}" for op, c in TRITON_MATRIX],
 )
-def test_capped_triton_kernel_is_byte_exact(item, budget, monkeypatch):
+def test_capped_triton_kernel_is_byte_exact(item, budget, monkeypatch, request):
     """The persistent variant (grid capped at ``budget`` programs striding over the tiles)
     against the plain expectation and the torch reference, destinations poisoned: every dtype,
     NHD/HND/MLA, head slices, partial last blocks, layer subsets in wire order."""
@@ -308,6 +308,8 @@ def test_capped_triton_kernel_is_byte_exact(item, budget, monkeypatch):
     spy = _GridSpy(launch.move_rows_kernel)
     monkeypatch.setattr(launch, "move_rows_kernel", spy)
     monkeypatch.setattr(launch, "_INTERP_MAX_BLOCK_T", 8)  # several tiles per row group
+    launch._cached_plan.cache_clear()  # plans made with the default tile are cached
+    request.addfinalizer(launch._cached_plan.cache_clear)
     # the runners pass plain caches: every call gets the budget registered caches would carry
     monkeypatch.setattr(ops, "_registered_budget", lambda a, b=None: budget)
     op, case = item
