@@ -5,7 +5,9 @@ blocks, is a list of plain memory copies: the GPU's copy engines can move it wit
 SM, so the model's kernels beside it keep every SM. This module
 
 * builds those runs (:func:`plan_runs`, vectorised with numpy: one address per block and head
-  group, adjacent blocks coalesced into one run) or says why a transfer is not such a list;
+  group, adjacent blocks coalesced into one run) or says why a transfer is not such a list
+  (host time on the 2-core dev VM, 4K tokens of Llama-3-8B: 40-95 us for an ipc copy's 16384
+  block runs, 1.7 ms for an HND gather's 131072 one-head runs);
 * chooses per call between them and a kernel (:func:`choose`, the rule below);
 * issues the runs through the CUDA driver's batched copy (:class:`BatchCopier`, ctypes; no
   CuPy needed), and keeps per registered cache what was chosen and why (:class:`PathStats`).
@@ -267,22 +269,21 @@ def _runs(
     if n == 0:
         return "nothing to move"
     # a run continues where both sides continue: the next unit starts where this one ends
-    cont = (a[1:] == a[:-1] + u) & (b[1:] == b[:-1] + u)
-    starts = np.flatnonzero(~cont) + 1
-    starts = np.concatenate((np.zeros(1, dtype=np.int64), starts))
-    sizes = np.diff(np.append(starts, n)).astype(np.uint64) * np.uint64(u)
-    srcs, dsts = a[starts], b[starts]
+    cont = np.diff(a) == u
+    cont &= np.diff(b) == u
+    if cont.any():
+        starts = np.flatnonzero(~cont) + 1
+        starts = np.concatenate((np.zeros(1, dtype=np.int64), starts))
+        sizes = np.diff(np.append(starts, n)).astype(np.uint64) * np.uint64(u)
+        srcs, dsts = a[starts], b[starts]
+    else:  # nothing to coalesce (HND blocks of several heads, say): the units are the runs
+        srcs, dsts, sizes = a, b, np.full(n, u, dtype=np.uint64)
     if op == "copy":
         la, lb = plan.layouts[0].extent, plan.layouts[1].extent
         if la[0] < lb[1] and lb[0] < la[1] and _overlap(srcs, dsts, sizes.astype(np.int64)):
             return "source and destination runs overlap (a batch's copies run in no set order)"
-    return Runs(
-        np.ascontiguousarray(dsts, dtype=np.uint64),
-        np.ascontiguousarray(srcs, dtype=np.uint64),
-        np.ascontiguousarray(sizes),
-        n * u,
-        u,
-    )
+    # int64 -> uint64 of the same (non-negative) addresses: views, no copy
+    return Runs(dsts.view(np.uint64), srcs.view(np.uint64), sizes, n * u, u)
 
 
 # --------------------------------------------------------------------------- the rule
