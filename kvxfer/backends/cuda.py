@@ -133,6 +133,8 @@ def _plan(
     meta_device: torch.device | str | None,
     threads: int = THREADS,
 ) -> Launch:
+    if threads < 32 or threads % 32 or threads > MAX_BUDGET_THREADS or max_blocks < 1:
+        raise ValueError(f"launch of {max_blocks} blocks x {threads} threads: not a valid grid")
     side = src if src is not None else dst
     assert side is not None
     num_heads, num_layers, num_kv, num_tokens, _ = side.wire_view_shape()
@@ -161,8 +163,6 @@ def _plan(
         meta = meta.pin_memory().to(meta_device, non_blocking=True)
     base = meta.data_ptr()
 
-    if threads < 32 or threads % 32 or threads > MAX_BUDGET_THREADS or max_blocks < 1:
-        raise ValueError(f"launch of {max_blocks} blocks x {threads} threads: not a valid grid")
     max_warps = max_blocks * threads // 32
     num_rows = num_heads * num_layers * num_kv
     chunk = _chunk(num_rows, num_tokens, row_bytes, max_warps)
