@@ -459,8 +459,11 @@ def test_bench_interference_quick_cpu(tmp_path):
     for r in timed:
         assert r["wrong"] == 0 and r["bytes"] == 32 * 32 * 2 * 8 * 128 * 2, r
         assert r["gbps"] > 0 and r["pct_limit"] > 0 and r["limit_kind"] == "cpu"
-        assert r["counted"][0] > 0 and r["counted"][1] > 0, r  # some iterations ran beside the other loop
-        assert r["busy_time_us"] > 0 and r["gemm_slowdown_pct"] is not None
+        # how many iterations ran entirely beside the other loop depends on the OS scheduling the
+        # two threads of a shared VM: only the consistency of what is reported is checked here
+        nc, ng = r["counted"]
+        assert nc >= 0 and ng >= 0 and (r["busy_time_us"] is None) == (nc == 0), r
+        assert (r["gemm_slowdown_pct"] is None) == (ng == 0), r
         if r["kind"] != "copy_":
             assert (r["ran"] == "dma") == (r["kind"] == "dma"), r
     assert data["gemm"]["n"] == 256 and data["dma_rule"]["small_budget_sms"] > 0
@@ -477,3 +480,14 @@ def test_bench_interference_counts_wrong_bytes(tmp_path):
     rows = json.loads((tmp_path / "bench_interference.json").read_text())["rows"]
     moved = [r for r in rows if r["kind"] != "copy_"]
     assert len(moved) == 2 * 3 and all(r["wrong"] > 0 for r in moved), moved
+
+
+def test_bench_interference_counts_only_iterations_beside_the_other_loop():
+    """The contended times take the iterations that ran entirely while the other loop ran."""
+    from profiling import bench_interference as bi
+
+    gemms = [(1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 5.0)]
+    copies = [(0.5, 1.5), (1.5, 2.0), (2.0, 3.5), (3.5, 5.5)]
+    assert bi.inside(copies, gemms) == [0.5, 1.5]  # the first starts before, the last ends after
+    assert bi.inside(gemms, copies) == [1.0, 1.0, 1.0, 1.0]
+    assert bi.inside(copies, []) == [] and bi.inside([], gemms) == []
