@@ -20,7 +20,7 @@ import triton.language as tl
 from ..backends.base import PagedSide, ids_tensor
 from .rows import move_rows_kernel
 
-__all__ = ["INTERPRETED", "Plan", "move", "plan_move"]
+__all__ = ["INTERPRETED", "Plan", "budget_grid", "move", "plan_move"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -69,6 +69,12 @@ DEFAULT_TILE_BYTES = 8192
 DEFAULT_NUM_WARPS = 8
 _GPU_TILE_BYTES = _env_pow2("KVXFER_TRITON_TILE_BYTES", DEFAULT_TILE_BYTES, 1024, 1 << 18)
 _GPU_NUM_WARPS = _env_pow2("KVXFER_TRITON_NUM_WARPS", DEFAULT_NUM_WARPS, 1, 32)
+# Warps of a program under an SM budget (a grid capped at max_sms persistent programs): one
+# program per SM then, so it gets more warps than the uncapped one to keep as many loads in
+# flight per SM. Not measured yet: profiling/bench_interference.py sweeps the budgets on the next
+# GPU session, and $KVXFER_TRITON_BUDGET_WARPS overrides this for that sweep.
+DEFAULT_BUDGET_NUM_WARPS = 16
+_GPU_BUDGET_NUM_WARPS = _env_pow2("KVXFER_TRITON_BUDGET_WARPS", DEFAULT_BUDGET_NUM_WARPS, 1, 32)
 
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _MAX_TABLES = 256
@@ -207,14 +213,25 @@ def _plan(src: _Side, dst: _Side, shape: PagedSide) -> Plan:
     return _cached_plan(shape.row_bytes, g, _next_pow2(shape.num_tokens), INTERPRETED)
 
 
+def budget_grid(num_tiles: int, max_sms: int | None) -> tuple[int, bool]:
+    """(programs, persistent) of a launch over ``num_tiles`` tiles under an SM budget of
+    ``max_sms`` (None: no budget). One program per tile while that fits the budget; otherwise
+    ``max_sms`` persistent programs striding over the tiles: each program is one CTA, so at most
+    ``max_sms`` SMs hold transfer work at any time."""
+    if max_sms is None or num_tiles <= max_sms:
+        return num_tiles, False
+    return max_sms, True
+
+
 def move(
     src: PagedSide | torch.Tensor, dst: PagedSide | torch.Tensor, shape: PagedSide, warmup: bool = False
 ) -> None:
     """One launch moving every row of ``shape`` (heads, layers, kv, tokens) from ``src`` to ``dst``.
 
     ``src``/``dst`` are each a :class:`PagedSide` or a contiguous wire tensor ``[H, L, KV, T, D]``;
-    ``shape`` is the paged side that gives H, L, KV, T and D. ``warmup=True`` compiles the
-    kernel this call would launch and launches nothing (GPU only).
+    ``shape`` is the paged side that gives H, L, KV, T and D, and the SM budget
+    (``shape.max_sms``: at most that many programs, see :func:`budget_grid`). ``warmup=True``
+    compiles the kernel this call would launch and launches nothing (GPU only).
     """
     dev = shape.device
     if dev.type == "cpu" and not INTERPRETED:
@@ -226,19 +243,23 @@ def move(
     s_ptrs, s_args = s.args(plan.word_bytes)
     d_ptrs, d_args = d.args(plan.word_bytes)
     num_t_tiles = -(-shape.num_tokens // plan.block_t)
-    grid = (shape.num_heads * shape.num_layers * shape.num_kv * num_t_tiles,)
-    assert grid[0] < 2**31, "grid too large for one launch"
+    num_tiles = shape.num_heads * shape.num_layers * shape.num_kv * num_t_tiles
+    assert num_tiles < 2**31, "grid too large for one launch"
+    programs, persistent = budget_grid(num_tiles, shape.max_sms)
+    grid = (programs,)
     args = (
         s_ptrs[0], s_ptrs[1], d_ptrs[0], d_ptrs[1],
-        shape.num_tokens, shape.num_layers, shape.num_kv, num_t_tiles,
+        shape.num_tokens, shape.num_layers, shape.num_kv, num_t_tiles, num_tiles,
         *s_args, *d_args,
     )  # fmt: skip
     kwargs = plan.constexprs(s.paged, d.paged)
+    kwargs["PERSISTENT"] = persistent
+    num_warps = _GPU_BUDGET_NUM_WARPS if persistent else plan.num_warps
     if dev.type == "cuda":
         with torch.cuda.device(dev):
             if warmup:
-                move_rows_kernel.warmup(*args, grid=grid, **kwargs, num_warps=plan.num_warps)
+                move_rows_kernel.warmup(*args, grid=grid, **kwargs, num_warps=num_warps)
             else:
-                move_rows_kernel[grid](*args, **kwargs, num_warps=plan.num_warps)
+                move_rows_kernel[grid](*args, **kwargs, num_warps=num_warps)
     elif not warmup:
         move_rows_kernel[grid](*args, **kwargs)

@@ -14,6 +14,9 @@ memory, read/written through its device address), row ``((h*L + l)*KV + kv)*T + 
 
 Grid (1-D): one program per (h, l, kv, tile of ``BLOCK_T`` tokens), tokens fastest, so one
 launch covers every layer and block of a call. A program moves a ``[BLOCK_T, BLOCK_W]`` tile.
+Under an SM budget (``PERSISTENT``) the grid is capped at the budget and each program strides
+over the tiles ``pid, pid + grid, ...``; the uncapped variant keeps one tile per program (the
+code measured for the tile and warp defaults, ``kernels/launch.py``).
 """
 
 from __future__ import annotations
@@ -57,11 +60,12 @@ def _row_starts(
 
 # Per-request integers are not specialised (Triton would compile a variant for each value that
 # is 1 or a multiple of 16): a server compiles once per cache shape family, not per request.
-DO_NOT_SPECIALIZE = ("T", "num_t_tiles", "src_head_start", "dst_head_start")
+DO_NOT_SPECIALIZE = ("T", "num_t_tiles", "num_tiles", "src_head_start", "dst_head_start")
 
 
-@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
-def move_rows_kernel(
+@triton.jit
+def _move_tile(
+    pid,
     src,
     src_ids,
     dst,
@@ -91,13 +95,7 @@ def move_rows_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    """Copy the rows of one (head, layer, kv, token tile) from ``src`` to ``dst``.
-
-    ``R`` words per row, moved as ``WORD`` integers; every row start is a multiple of ``VEC``
-    words and of ``ALIGN`` bytes (checked on the host), which lets the compiler emit
-    ``ALIGN``-byte vector loads and stores.
-    """
-    pid = tl.program_id(0).to(tl.int64)
+    """Copy the rows of tile ``pid`` (int64): one (head, layer, kv, token tile)."""
     tile = pid % num_t_tiles
     g = pid // num_t_tiles  # (h*L + layer)*KV + kv: the wire's row group
     kv = g % KV
@@ -120,3 +118,64 @@ def move_rows_kernel(
     s_ptr = tl.multiple_of(s_base + s_off[:, None] + col[None, :], [1, ALIGN])
     d_ptr = tl.multiple_of(d_base + d_off[:, None] + col[None, :], [1, ALIGN])
     tl.store(d_ptr, tl.load(s_ptr, mask=mask), mask=mask)
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
+def move_rows_kernel(
+    src,
+    src_ids,
+    dst,
+    dst_ids,
+    T,
+    L,
+    KV,
+    num_t_tiles,
+    num_tiles,
+    src_head_start,
+    src_bs,
+    src_s_kv,
+    src_s_blk,
+    src_s_tok,
+    src_s_head,
+    dst_head_start,
+    dst_bs,
+    dst_s_kv,
+    dst_s_blk,
+    dst_s_tok,
+    dst_s_head,
+    SRC_PAGED: tl.constexpr,
+    DST_PAGED: tl.constexpr,
+    WORD: tl.constexpr,
+    R: tl.constexpr,
+    VEC: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """Copy the rows of one (head, layer, kv, token tile) from ``src`` to ``dst``; with
+    ``PERSISTENT``, of tiles ``pid, pid + grid, ...`` below ``num_tiles`` (= H*L*KV*num_t_tiles).
+
+    ``R`` words per row, moved as ``WORD`` integers; every row start is a multiple of ``VEC``
+    words and of ``ALIGN`` bytes (checked on the host), which lets the compiler emit
+    ``ALIGN``-byte vector loads and stores.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    if PERSISTENT:
+        step = tl.num_programs(0)
+        # a trip count, not range(pid, num_tiles, step): the interpreter's loop variable is a
+        # Python int, and tile ids must stay int64
+        for it in tl.range(0, tl.cdiv(num_tiles - pid, step)):
+            _move_tile(
+                pid + it * step, src, src_ids, dst, dst_ids, T, L, KV, num_t_tiles,
+                src_head_start, src_bs, src_s_kv, src_s_blk, src_s_tok, src_s_head,
+                dst_head_start, dst_bs, dst_s_kv, dst_s_blk, dst_s_tok, dst_s_head,
+                SRC_PAGED, DST_PAGED, WORD, R, VEC, ALIGN, BLOCK_T, BLOCK_W,
+            )  # fmt: skip
+    else:
+        _move_tile(
+            pid, src, src_ids, dst, dst_ids, T, L, KV, num_t_tiles,
+            src_head_start, src_bs, src_s_kv, src_s_blk, src_s_tok, src_s_head,
+            dst_head_start, dst_bs, dst_s_kv, dst_s_blk, dst_s_tok, dst_s_head,
+            SRC_PAGED, DST_PAGED, WORD, R, VEC, ALIGN, BLOCK_T, BLOCK_W,
+        )  # fmt: skip

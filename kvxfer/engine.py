@@ -100,6 +100,9 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         auth_key: a cluster-wide key the engines' secrets derive from (default
             ``$KVXFER_AUTH_KEY``, else a random secret shared by the ranks on this host:
             :mod:`kvxfer.auth`). Params carry per-request tokens of it; nothing else needs it.
+        max_sms: SM budget of this engine's transfers (a positive int, or None for none): the
+            kernels launch at most that many CTAs, and whole-block copies may go to the copy
+            engines (:mod:`kvxfer.backends.dma`); ``stats()["copy_path"]`` says what ran and why.
 
     Stream ordering on CUDA caches (:mod:`kvxfer.ordering`): ``export(..., ready=event)`` or
     :meth:`set_compute_stream` make the transfer wait for the compute that wrote the blocks;
@@ -121,6 +124,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         timeout_s: float | None = None,
         pipeline: StagedPipeline | None = None,
         auth_key: str | None = None,
+        max_sms: int | None = None,
     ) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise ValueError(f"spec: expected a KVCacheSpec, got {type(spec).__name__}")
@@ -162,7 +166,8 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self.device = side.device
         self._base_port = port
         # Registered once (ops skip per-layer checks); whole blocks, and token slots if possible.
-        self._views: tuple[CacheView, ...] = cache_views(self.caches, spec)
+        # max_sms: the SM budget of every op on these caches (kvxfer.ops.register_caches)
+        self._views: tuple[CacheView, ...] = cache_views(self.caches, spec, max_sms)
         self._by_unit: dict[int, CacheView] = {v.unit: v for v in self._views}
         self._units: list[int] = [v.unit for v in self._views]  # coarsest first
         self._offset_views: dict = {}  # (unit, offset) -> view: partial loads starting mid-block
@@ -572,6 +577,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         s["not_ready_grants"] = self._order.num_not_ready
         s["bookkeeping"] = idops.status()  # "native: <path>" or "numpy (<why>)"
         s["nvtx"] = tracing.status()  # "on: ..." or "off: <why>" (no tool attached, KVXFER_NVTX=0, ...)
+        s["copy_path"] = ops.path_stats(self._views[0].caches)  # SM budget, kernel/DMA calls and why
         s["engine_id"] = self.engine_id
         s["tp_rank"] = self.tp_rank
         return s

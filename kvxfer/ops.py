@@ -9,8 +9,16 @@ Backends: ``"torch"`` (reference; CPU and GPU), ``"triton"`` (:mod:`kvxfer.kerne
 threaded; CPU tensors). ``backend=None`` picks ``"triton"`` on CUDA tensors when it loads, else
 ``"cuda"``, else ``"torch"`` (``$KVXFER_CUDA_BACKENDS`` reorders them); on CPU tensors ``"cpu"``
 when its library loads (else a warning, once, and ``"torch"``).
-:func:`last_backend` says which one ran the latest call on this thread; the choice, its
-reasons and ``$KVXFER_BACKEND`` live in :mod:`kvxfer.backends.registry`.
+:func:`last_backend` says which one ran the latest call on this thread (``"dma"`` when the copy
+engines did); the choice, its reasons and ``$KVXFER_BACKEND`` live in
+:mod:`kvxfer.backends.registry`.
+
+SM budget and copy engines: ``max_sms=`` (per call, or carried by caches registered with
+:func:`register_caches`) caps the Triton and CUDA C++ kernels at that many CTAs; on CUDA tensors
+a call whose bytes are whole-block runs may go to the copy engines instead, as one
+``cuMemcpyBatchAsync`` (no SM at all), by the rule of :mod:`kvxfer.backends.dma` (``dma=``
+overrides it). What was chosen and why is counted per registered cache (:func:`path_stats`) and
+names the call's NVTX range while a tool listens.
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import tracing
+from .backends import dma as _dma
+from .backends import registry as _registry
 from .backends.base import PagedSide
 from .backends.registry import (  # noqa: F401  (_MODULES: tests swap a backend module in)
     _MODULES,
@@ -43,6 +54,7 @@ __all__ = [
     "gather_blocks",
     "last_backend",
     "make_side",
+    "path_stats",
     "register_caches",
     "reset_backends",
     "resolve_backend",
@@ -148,28 +160,66 @@ class _CacheInfo:
     strides: tuple[int, int, int, int]  # kv, block, token, head (elements)
     device: torch.device
     dtype: torch.dtype
+    cuda: bool  # device.type == "cuda", kept: a device's .type is a torch call per op otherwise
 
 
 class PagedCache(tuple):
     """One rank's per-layer caches, validated once against a spec (see :func:`register_caches`).
 
     A tuple of the layer tensors: pass it wherever the ops take ``caches`` and the per-layer
-    checks are skipped (they cost ~1 us per layer per call otherwise).
+    checks are skipped (they cost ~1 us per layer per call otherwise). ``max_sms``: the SM
+    budget of every op on them (None: none); ``path_stats``: what those ops chose
+    (:func:`path_stats`).
     """
 
     spec: KVCacheSpec
     info: _CacheInfo
+    max_sms: int | None
+    path_stats: _dma.PathStats
 
-    def __new__(cls, caches: Sequence[torch.Tensor], spec: KVCacheSpec, name: str = "caches") -> PagedCache:
+    def __new__(
+        cls,
+        caches: Sequence[torch.Tensor],
+        spec: KVCacheSpec,
+        name: str = "caches",
+        max_sms: int | None = None,
+        path_stats: _dma.PathStats | None = None,
+    ) -> PagedCache:
+        max_sms = _dma.check_max_sms(max_sms)
+        if path_stats is not None and not isinstance(path_stats, _dma.PathStats):
+            raise ValueError(f"path_stats: expected a PathStats or None, got {type(path_stats).__name__}")
         info = _check_caches(caches, spec, name)
         self = super().__new__(cls, caches)
-        self.spec, self.info = spec, info
+        self.spec, self.info, self.max_sms = spec, info, max_sms
+        self.path_stats = path_stats if path_stats is not None else _dma.PathStats(max_sms)
         return self
 
 
-def register_caches(caches: Sequence[torch.Tensor], spec: KVCacheSpec) -> PagedCache:
-    """Validate a rank's per-layer caches once; the result is accepted by every op."""
-    return PagedCache(caches, spec)
+def register_caches(
+    caches: Sequence[torch.Tensor],
+    spec: KVCacheSpec,
+    max_sms: int | None = None,
+    *,
+    path_stats: _dma.PathStats | None = None,
+) -> PagedCache:
+    """Validate a rank's per-layer caches once; the result is accepted by every op.
+
+    ``max_sms``: the SM budget every op on these caches runs under unless the call names its
+    own (a positive int, or None for none; a copy between two registered caches takes the
+    smaller). ``path_stats``: share one record of the chosen paths between several
+    registrations of one engine's caches (its views); a fresh one by default.
+    """
+    return PagedCache(caches, spec, max_sms=max_sms, path_stats=path_stats)
+
+
+def path_stats(caches: PagedCache) -> dict:
+    """What the ops on registered ``caches`` (and the registrations sharing their record) chose:
+    ``{"max_sms", "dma", "kernel" (calls per path), "reasons" ("<op> <path>: <why>" -> calls),
+    "last" (the latest choice with its details), "dma_path" (the driver's batched copy: on, or
+    off and why)}``."""
+    if not isinstance(caches, PagedCache):
+        raise ValueError(f"caches: expected caches from register_caches, got {type(caches).__name__}")
+    return caches.path_stats.snapshot()
 
 
 def _check_caches(caches: Sequence[torch.Tensor], spec: KVCacheSpec, name: str) -> _CacheInfo:
@@ -224,7 +274,8 @@ def _check_caches(caches: Sequence[torch.Tensor], spec: KVCacheSpec, name: str) 
         strides = (stride[0], stride[1], stride[2], stride[3])
     else:
         strides = (stride[0], stride[1], stride[3], stride[2])
-    return _CacheInfo(num_blocks, heads_local, layout, strides, first.device, first.dtype)
+    device = first.device
+    return _CacheInfo(num_blocks, heads_local, layout, strides, device, first.dtype, device.type == "cuda")
 
 
 def make_side(
@@ -316,6 +367,95 @@ def _check_wire(wire: torch.Tensor, side: PagedSide, spec: KVCacheSpec, name: st
             )
 
 
+# --------------------------------------------------------------------------- dispatch
+
+
+def _budget(max_sms, a, b=None) -> int | None:
+    """The call's SM budget: ``max_sms`` when given (validated), else the smaller of the budgets
+    registered caches ``a`` and ``b`` carry (None: no budget)."""
+    if max_sms is not None:
+        return _dma.check_max_sms(max_sms)
+    return _registered_budget(a, b)
+
+
+def _cap(max_sms, src: PagedSide | None, dst: PagedSide | None, a, b=None) -> int | None:
+    """Put the call's budget (:func:`_budget`, ``max_sms`` already checked) on its paged sides,
+    where the kernels read it (:class:`kvxfer.backends.base.PagedSide`); returns it."""
+    budget = max_sms if max_sms is not None else _registered_budget(a, b)
+    if budget is not None:
+        if src is not None:
+            src.max_sms = budget
+        if dst is not None:
+            dst.max_sms = budget
+    return budget
+
+
+def _registered_budget(a, b=None) -> int | None:
+    x = a.max_sms if type(a) is PagedCache else None
+    y = b.max_sms if type(b) is PagedCache else None
+    if x is None:
+        return y
+    return x if y is None else min(x, y)
+
+
+def _check_args(max_sms, dma) -> None:
+    """``max_sms`` and ``dma`` of an op call, checked before anything is written."""
+    if max_sms is not None:
+        _dma.check_max_sms(max_sms)
+    if dma is not None and type(dma) is not bool:
+        raise ValueError(f"dma: must be None (the rule), True or False, got {dma!r}")
+
+
+def _record(op: str, choice: _dma.Choice, a, b=None) -> None:
+    sa = a.path_stats if type(a) is PagedCache else None
+    sb = b.path_stats if type(b) is PagedCache else None
+    if sa is not None:
+        sa.record(op, choice)
+    if sb is not None and sb is not sa:
+        sb.record(op, choice)
+
+
+def _move(
+    op: str,
+    backend: str | None,
+    device: torch.device,
+    args: tuple,
+    src: PagedSide | None,
+    dst: PagedSide | None,
+    wire: torch.Tensor | None,
+    budget: int | None,
+    dma: bool | None,
+    caches_a,
+    caches_b=None,
+) -> None:
+    """Run a validated op on CUDA tensors (or on CPU ones for a test's fake driver): on the copy
+    engines when :func:`kvxfer.backends.dma.choose` says so (``backend=None`` or ``dma=True``),
+    else on the backend's kernel under the budget; record the choice on the registered caches
+    involved (``budget``: the call's, already on the sides). CPU tensors skip this (no SM to
+    spare, no copy engine, nothing to choose) and record nothing: choosing and recording there
+    cost an engine-path copy call 1.2 us in a warm loop on the 2-core dev VM (9.0 -> 10.2 us,
+    ``ops.copy_blocks`` of one token with checked ids), ~13 %."""
+    if backend is not None and dma is None:
+        choice = _dma.Choice("kernel", "backend named", backend)
+    else:
+        wire_ptr = wire.data_ptr() if wire is not None else None
+        choice = _dma.choose(op, src, dst, wire_ptr, budget, dma, device)
+    if choice.path == "dma":
+        host = wire is not None and wire.device.type != device.type  # a pinned host wire
+        with tracing.trace(op, str, choice):
+            done = _dma.run(
+                choice.runs, device, src_host=host and op == "scatter", dst_host=host and op == "gather"
+            )
+        if done:
+            _registry._local.backend = "dma"
+            _record(op, choice, caches_a, caches_b)
+            return
+        choice = _dma.Choice("kernel", "dma call failed", _dma.known_status())
+    with tracing.trace(op, str, choice):
+        _run(backend, device, op, *args)
+    _record(op, choice, caches_a, caches_b)
+
+
 # --------------------------------------------------------------------------- public ops
 def gather_blocks(
     caches: Sequence[torch.Tensor],
@@ -327,6 +467,8 @@ def gather_blocks(
     layers=None,
     out: torch.Tensor | None = None,
     backend: str | None = None,
+    max_sms: int | None = None,
+    dma: bool | None = None,
 ) -> torch.Tensor:
     """Gather a request's KV out of a paged cache into a wire tensor.
 
@@ -344,20 +486,32 @@ def gather_blocks(
         out: optional contiguous destination of the wire shape; on the caches' device or, for
             CUDA caches, in pinned host memory.
         backend: ``None`` (auto), ``"torch"``, ``"triton"``, ``"cuda"`` or ``"cpu"``.
+        max_sms: SM budget of the call: the Triton and CUDA C++ kernels launch at most this
+            many CTAs (a positive int; default: the registered caches' budget, else none).
+        dma: ``None``: copy engines or kernel by :func:`kvxfer.backends.dma.choose`'s rule
+            (CUDA tensors, ``backend=None``); ``True``: the copy engines (``ValueError`` naming
+            why not when the gather is not whole-block runs); ``False``: a kernel.
 
     Returns:
         The wire tensor ``[num_heads, L, 2, num_tokens, head_dim]`` (MLA: ``[L, num_tokens,
         latent_dim]``), ``out`` when given.
     """
+    _check_args(max_sms, dma)
     side = make_side(caches, spec, block_ids, num_tokens, head_start, num_heads, layers)
+    device = side.device
     if out is None:
         out = torch.empty(
-            spec.wire_shape(num_tokens, side.num_heads, side.num_layers), dtype=side.dtype, device=side.device
+            spec.wire_shape(num_tokens, side.num_heads, side.num_layers), dtype=side.dtype, device=device
         )
     else:
         _check_wire(out, side, spec, "out")
     if num_tokens:
-        _run(backend, side.device, "gather", side, out.view(side.wire_view_shape()))
+        wire = out.view(side.wire_view_shape())
+        budget = _cap(max_sms, side, None, caches)
+        if device.type == "cuda" or _dma.serves_cpu():
+            _move("gather", backend, device, (side, wire), side, None, wire, budget, dma, caches)
+        else:
+            _run(backend, device, "gather", side, wire)
     return out
 
 
@@ -370,6 +524,8 @@ def scatter_blocks(
     head_start: int = 0,
     layers=None,
     backend: str | None = None,
+    max_sms: int | None = None,
+    dma: bool | None = None,
 ) -> None:
     """Scatter a wire tensor into a paged cache (the inverse of :func:`gather_blocks`).
 
@@ -377,8 +533,10 @@ def scatter_blocks(
     latent_dim]``); its heads land at rank-local heads ``[head_start, head_start +
     num_heads)`` of the layers ``layers`` (default all, in wire order) of the blocks
     ``block_ids`` (token order; repeated ids are rejected). Only the addressed rows are written:
-    the rest of a partial last block and every other block stay untouched.
+    the rest of a partial last block and every other block stay untouched. ``max_sms`` and
+    ``dma`` as for :func:`gather_blocks`.
     """
+    _check_args(max_sms, dma)
     if not isinstance(wire, torch.Tensor):
         raise ValueError(f"wire: must be a tensor, got {type(wire).__name__}")
     if spec.use_mla:
@@ -390,7 +548,13 @@ def scatter_blocks(
     side = make_side(caches, spec, block_ids, num_tokens, head_start, num_heads, layers, unique_blocks=True)
     _check_wire(wire, side, spec, "wire")
     if num_tokens:
-        _run(backend, side.device, "scatter", wire.view(side.wire_view_shape()), side)
+        device = side.device
+        w = wire.view(side.wire_view_shape())
+        budget = _cap(max_sms, None, side, caches)
+        if device.type == "cuda" or _dma.serves_cpu():
+            _move("scatter", backend, device, (w, side), None, side, w, budget, dma, caches)
+        else:
+            _run(backend, device, "scatter", w, side)
 
 
 def copy_blocks(
@@ -406,6 +570,8 @@ def copy_blocks(
     num_heads: int | None = None,
     backend: str | None = None,
     layers=None,
+    max_sms: int | None = None,
+    dma: bool | None = None,
 ) -> None:
     """Copy a request's KV from one paged cache straight into another (no wire tensor).
 
@@ -413,8 +579,10 @@ def copy_blocks(
     ``num_heads`` heads (default: all from ``src_head_start`` on the source rank) move from
     source-local ``src_head_start`` to destination-local ``dst_head_start``. ``layers``
     selects the same layers on both sides (default all). Both caches live on one device (the
-    source may be another process's memory mapped into this one).
+    source may be another process's memory mapped into this one). ``max_sms`` and ``dma`` as
+    for :func:`gather_blocks` (the budget of two registered caches: the smaller).
     """
+    _check_args(max_sms, dma)
     if (
         type(src_block_ids) is CheckedIds
         and type(dst_block_ids) is CheckedIds
@@ -436,7 +604,11 @@ def copy_blocks(
             num_heads,
             layers,
         )
-        _run(backend, device, "copy", src, dst)
+        budget = _cap(max_sms, src, dst, src_caches, dst_caches)
+        if src_caches.info.cuda or _dma.serves_cpu():
+            _move("copy", backend, device, (src, dst), src, dst, None, budget, dma, src_caches, dst_caches)
+        else:
+            _run(backend, device, "copy", src, dst)
         return
     same = src_spec is dst_spec
     mismatch = src_spec.model_mismatch(dst_spec) if not same and isinstance(dst_spec, KVCacheSpec) else None
@@ -456,10 +628,15 @@ def copy_blocks(
         unique_blocks=True,
         name="dst_caches",
     )
-    if src.device != dst.device:
-        raise ValueError(f"dst_caches: on {dst.device}, src_caches on {src.device}; copy needs one device")
+    device = src.device
+    if device != dst.device:
+        raise ValueError(f"dst_caches: on {dst.device}, src_caches on {device}; copy needs one device")
     if num_tokens:
-        _run(backend, src.device, "copy", src, dst)
+        budget = _cap(max_sms, src, dst, src_caches, dst_caches)
+        if device.type == "cuda" or _dma.serves_cpu():
+            _move("copy", backend, device, (src, dst), src, dst, None, budget, dma, src_caches, dst_caches)
+        else:
+            _run(backend, device, "copy", src, dst)
 
 
 def _template(caches: PagedCache, head_start: int, num_heads: int | None, layers, name: str) -> PagedSide:
@@ -492,6 +669,7 @@ def _with_ids(t: PagedSide, ids: torch.Tensor, num_tokens: int) -> PagedSide:
         t.stride_head,
         t.layout,
         t.memo,
+        t.max_sms,
     )
 
 
@@ -564,12 +742,16 @@ def _checked_sides(
     return src, dst, device
 
 
-def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | None = None) -> str:
+def warmup(
+    caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | None = None, max_sms: int | None = None
+) -> str:
     """Prepare the kernels the ops will launch on ``caches`` (load the CUDA C++ module, or
-    compile the Triton variants of this cache shape family for every request size)
+    compile the Triton variants of this cache shape family for every request size, under the
+    SM budget ``max_sms`` or the registered caches' own: a capped grid is its own variant)
     without running them or touching the caches, and without holding request-sized memory.
     Returns the backend prepared; an engine's ``start()`` calls it so the first request does
     not pay for compilation."""
+    budget = _budget(max_sms, caches)
     info = caches.info if isinstance(caches, PagedCache) else _check_caches(caches, spec, "caches")
     name = resolve_backend(info.device, backend)
     fn = getattr(_module(name), "warmup", None)
@@ -584,5 +766,7 @@ def warmup(caches: Sequence[torch.Tensor], spec: KVCacheSpec, backend: str | Non
     wire = torch.empty(one.wire_view_shape(), dtype=one.dtype, device=info.device)
     most = min(4096, info.num_blocks * spec.block_size)
     for tokens in sorted({1 << k for k in range(most.bit_length())} | {most}):
-        fn(make_side(caches, spec, list(range(spec.num_blocks_for(tokens))), tokens), wire)
+        side = make_side(caches, spec, list(range(spec.num_blocks_for(tokens))), tokens)
+        side.max_sms = budget
+        fn(side, wire)
     return name

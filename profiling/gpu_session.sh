@@ -2,7 +2,8 @@
 # One device call that does a whole GPU validation pass within the 10-minute command limit:
 # fatbin build, the one-GPU pg cases in their own processes (a CUDA fault there must not poison
 # the suite's context), the GPU-marked tests with the built-in backend order and then with
-# CUDA C++ first (the whole suite no longer fits one call; CI runs the CPU tests), kernel sweep,
+# CUDA C++ first (the whole suite no longer fits one call; CI runs the CPU tests), what a transfer
+# costs a GEMM beside it (bench_interference: kernels under SM budgets vs the copy engines), kernel sweep,
 # transfer bench + demo, one request's timeline (bench_latency), a ragged batch's two plans
 # (bench_batching), the Triton tile/warp sweep, one ncu look at the worst ops row, the engine's
 # host cost on this host's CPU (bench_engine). Steps run in that order of priority.
@@ -37,6 +38,11 @@ for m in staged-pinned staged whole; do for d in bf16 e4m3; do
     "python3 -m pytest -v -rs -p no:cacheprovider --log-level=DEBUG '$one[$m-$d]' >>'$out/onegpu.log' 2>&1"
 done; done
 step gputests 200 90 bash $v gputests  # the one-GPU cases again, after whole ones in one process
+# issue 41: a bf16 8192^3 GEMM loop beside 4K-token Llama-3-8B copies and pinned gathers, kernels of
+# both backends at budgets all/32/16/8 SMs and DMA (cuMemcpyBatchAsync): 40 rows, ~2 s each (estimated:
+# not run on a GPU yet); before gputests-cuda, so the later, older steps are the ones cut short
+step interference 130 50 sh -c "python3 profiling/bench_interference.py --backends triton,cuda --out '$out' \
+  >'$out/bench_interference.txt' 2>&1"
 # the same tests with CUDA C++ first in the CUDA order (the default is Triton first since
 # 2026-11-26), so the engine's threads run on both backends' kernels
 step gputests-cuda 120 60 env KVXFER_CUDA_BACKENDS=cuda,triton,torch sh -c \
@@ -57,4 +63,5 @@ step hostcost 20 10 bash $v hostcost 200
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/onegpu.log" | tail -12
 tar xzf "$out/results.tgz" -O ./pytest-gpu.log 2>/dev/null | tail -25
 tar xzf "$out/results.tgz" -O ./pytest-gpu-triton.log 2>/dev/null | tail -8
+tar xzf "$out/results.tgz" -O ./bench_interference.txt 2>/dev/null | tail -60
 tar xzf "$out/results.tgz" -O ./sweep_triton_tiles.txt 2>/dev/null | tail -8

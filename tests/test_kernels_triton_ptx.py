@@ -116,7 +116,9 @@ def test_per_request_integers_are_not_specialised_and_tiles_are_bucketed():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout)
-    assert sorted(got["names"]) == sorted(["T", "num_t_tiles", "src_head_start", "dst_head_start"])
+    assert sorted(got["names"]) == sorted(
+        ["T", "num_t_tiles", "num_tiles", "src_head_start", "dst_head_start"]
+    )
     # 256-byte rows: the smallest tile is 16 tokens, the largest the default tile's bytes / 256
     # (8 KiB: 32 tokens), every power of two between
     assert got["tile_bytes"] // 256 >= 32, got["tile_bytes"]

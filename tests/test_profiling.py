@@ -433,3 +433,61 @@ def test_sweep_triton_tiles_plumbing(tmp_path):
     assert all(set(r["pct_limit"]) == {"8192/8", "16384/8"} and r["wrong"] == 0 for r in got["rows"])
     for cfg in ("tile8192_warps8", "tile16384_warps8"):
         assert (tmp_path / cfg / "bench_ops.json").is_file()
+
+
+def test_bench_interference_quick_cpu(tmp_path):
+    """bench_interference's plumbing on CPU: the GEMM loop beside each transfer path (kernel at
+    every budget, DMA through the memmove stand-in, copy_), verification, table and JSON. The
+    numbers are not judged here (nor on CPU at all: no SMs, no copy engines)."""
+    res = _run("bench_interference.py", "--quick", "--device", "cpu", "--out", str(tmp_path), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    header = [ln for ln in res.stdout.splitlines() if "GEMM+%" in ln and "time(us)" in ln]
+    assert len(header) == 1 and all(c in header[0] for c in ("bytes", "time(us)", "GB/s", "%copy_", "#wrong"))
+    assert "memmove stand-in" in res.stdout and "targets: judged on a GPU run only" in res.stdout
+    # NHD gathers of 8 heads are no runs: the DMA row says why instead of a time
+    assert "NHD gather dma: n/a (dma=True: this gather is not whole-block copies" in res.stdout
+    data = json.loads((tmp_path / "bench_interference.json").read_text())
+    rows = data["rows"]
+    timed = [r for r in rows if "time_us" in r]
+    assert len(timed) == len(_table_rows(res.stdout)) == 2 * 2 * 6 - 1  # layouts x ops x paths, less the n/a
+    paths = {(r["layout"], r["op"], r["path"]) for r in timed}
+    for layout in ("NHD", "HND"):
+        for b in ("all", "32", "16", "8"):
+            assert (layout, "copy", f"kernel@{b}") in paths and (layout, "gather", f"kernel@{b}") in paths
+        assert (layout, "copy", "dma") in paths and (layout, "gather", "copy_") in paths
+    assert ("HND", "gather", "dma") in paths and ("NHD", "gather", "dma") not in paths
+    for r in timed:
+        assert r["wrong"] == 0 and r["bytes"] == 32 * 32 * 2 * 8 * 128 * 2, r
+        assert r["gbps"] > 0 and r["pct_limit"] > 0 and r["limit_kind"] == "cpu"
+        # how many iterations ran entirely beside the other loop depends on the OS scheduling the
+        # two threads of a shared VM: only the consistency of what is reported is checked here
+        nc, ng = r["counted"]
+        assert nc >= 0 and ng >= 0 and (r["busy_time_us"] is None) == (nc == 0), r
+        assert (r["gemm_slowdown_pct"] is None) == (ng == 0), r
+        if r["kind"] != "copy_":
+            assert (r["ran"] == "dma") == (r["kind"] == "dma"), r
+    assert data["gemm"]["n"] == 256 and data["dma_rule"]["small_budget_sms"] > 0
+
+
+def test_bench_interference_counts_wrong_bytes(tmp_path):
+    """The verification pass can fail: each transfer's result broken on purpose makes every
+    transfer row wrong and the run exit 1."""
+    res = _run(
+        "bench_interference.py", "--quick", "--device", "cpu", "--layouts", "HND", "--budgets", "all,8",
+        "--corrupt", "result", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout + res.stderr
+    rows = json.loads((tmp_path / "bench_interference.json").read_text())["rows"]
+    moved = [r for r in rows if r["kind"] != "copy_"]
+    assert len(moved) == 2 * 3 and all(r["wrong"] > 0 for r in moved), moved
+
+
+def test_bench_interference_counts_only_iterations_beside_the_other_loop():
+    """The contended times take the iterations that ran entirely while the other loop ran."""
+    from profiling import bench_interference as bi
+
+    gemms = [(1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 5.0)]
+    copies = [(0.5, 1.5), (1.5, 2.0), (2.0, 3.5), (3.5, 5.5)]
+    assert bi.inside(copies, gemms) == [0.5, 1.5]  # the first starts before, the last ends after
+    assert bi.inside(gemms, copies) == [1.0, 1.0, 1.0, 1.0]
+    assert bi.inside(copies, []) == [] and bi.inside([], gemms) == []

@@ -53,6 +53,11 @@ class PagedSide:
     # calls: the sides ops makes from one registered cache's template share the template's
     # dict (None for a side made once). A backend keys its entry by its name.
     memo: dict | None = None
+    # The SM budget of the call (:func:`kvxfer.ops.gather_blocks` ``max_sms=``, or the registered
+    # caches'): the Triton and CUDA C++ backends launch at most this many CTAs (persistent
+    # programs striding over the work); None: one full wave (Triton: one program per tile).
+    # Set by ops per call, never part of a template's memo.
+    max_sms: int | None = None
 
     def kept(self, name: str, make):
         """``make(self)``, kept in :attr:`memo` under ``name`` when this side has a memo (made

@@ -32,6 +32,7 @@ from .device_context import bound_device
 
 __all__ = [
     "Launch",
+    "budget_launch",
     "copy",
     "copy_width",
     "gather",
@@ -55,6 +56,11 @@ THREADS = 256  # threads per block (8 warps); each warp moves one item at a time
 # where 5 per SM were resident-capable.
 BLOCKS_PER_SM = 4
 ITEM_BYTES = 8192  # bytes per item (head, layer, K/V, chunk of tokens) when items are plentiful
+# Threads per block under an SM budget (a grid of max_sms blocks, one per SM): as many as the
+# blocks a full wave keeps on one SM would have (blocks_per_sm x THREADS), up to the hardware's
+# 1024 and what the kernel's registers allow (the driver's max threads per block). Not measured
+# yet against 256-thread blocks: profiling/bench_interference.py sweeps the budgets.
+MAX_BUDGET_THREADS = 1024
 _U32 = 1 << 32
 _FATBIN = "kvxfer_kernels.fatbin"
 _LOG = logging.getLogger(__name__)
@@ -125,7 +131,10 @@ def _plan(
     wire_ptr: int | None,
     max_blocks: int,
     meta_device: torch.device | str | None,
+    threads: int = THREADS,
 ) -> Launch:
+    if threads < 32 or threads % 32 or threads > MAX_BUDGET_THREADS or max_blocks < 1:
+        raise ValueError(f"launch of {max_blocks} blocks x {threads} threads: not a valid grid")
     side = src if src is not None else dst
     assert side is not None
     num_heads, num_layers, num_kv, num_tokens, _ = side.wire_view_shape()
@@ -154,12 +163,12 @@ def _plan(
         meta = meta.pin_memory().to(meta_device, non_blocking=True)
     base = meta.data_ptr()
 
-    max_warps = max_blocks * THREADS // 32
+    max_warps = max_blocks * threads // 32
     num_rows = num_heads * num_layers * num_kv
     chunk = _chunk(num_rows, num_tokens, row_bytes, max_warps)
     num_items = num_rows * -(-num_tokens // chunk)
-    grid = max(1, min(max_blocks, -(-num_items * 32 // THREADS)))
-    if num_items + grid * THREADS >= _U32 or chunk * (row_bytes // width) + 32 * 4 >= _U32:
+    grid = max(1, min(max_blocks, -(-num_items * 32 // threads)))
+    if num_items + grid * threads >= _U32 or chunk * (row_bytes // width) + 32 * 4 >= _U32:
         raise ValueError(f"transfer of {num_items} items: too large for one launch; split it")
 
     args: list[int] = [num_heads, num_layers, num_kv, num_tokens, row_bytes, chunk]
@@ -170,22 +179,45 @@ def _plan(
         args += [wire_ptr, *paged_args[0]]
     else:
         args += [*paged_args[0], *paged_args[1]]
-    return Launch(f"kvx_{op}_w{width}", grid, THREADS, tuple(args), meta)
+    return Launch(f"kvx_{op}_w{width}", grid, threads, tuple(args), meta)
 
 
-def plan_gather(src: PagedSide, wire_ptr: int, max_blocks: int, meta_device=None) -> Launch:
-    """Launch that gathers ``src`` into the dense wire at address ``wire_ptr``."""
-    return _plan("gather", src, None, wire_ptr, max_blocks, meta_device)
+def plan_gather(
+    src: PagedSide, wire_ptr: int, max_blocks: int, meta_device=None, threads: int = THREADS
+) -> Launch:
+    """Launch that gathers ``src`` into the dense wire at address ``wire_ptr``: at most
+    ``max_blocks`` blocks of ``threads`` threads (:func:`budget_launch`)."""
+    return _plan("gather", src, None, wire_ptr, max_blocks, meta_device, threads)
 
 
-def plan_scatter(wire_ptr: int, dst: PagedSide, max_blocks: int, meta_device=None) -> Launch:
+def plan_scatter(
+    wire_ptr: int, dst: PagedSide, max_blocks: int, meta_device=None, threads: int = THREADS
+) -> Launch:
     """Launch that scatters the dense wire at address ``wire_ptr`` into ``dst``."""
-    return _plan("scatter", None, dst, wire_ptr, max_blocks, meta_device)
+    return _plan("scatter", None, dst, wire_ptr, max_blocks, meta_device, threads)
 
 
-def plan_copy(src: PagedSide, dst: PagedSide, max_blocks: int, meta_device=None) -> Launch:
+def plan_copy(
+    src: PagedSide, dst: PagedSide, max_blocks: int, meta_device=None, threads: int = THREADS
+) -> Launch:
     """Launch that copies ``src`` rows straight into ``dst`` rows (same H, L, KV, T, row size)."""
-    return _plan("copy", src, dst, None, max_blocks, meta_device)
+    return _plan("copy", src, dst, None, max_blocks, meta_device, threads)
+
+
+def budget_launch(num_sms: int, blocks_per_sm: int, max_threads: int, max_sms: int | None) -> tuple[int, int]:
+    """(max blocks, threads per block) of a launch on a device of ``num_sms`` SMs that keeps
+    ``blocks_per_sm`` blocks of :data:`THREADS` per SM, whose kernels allow ``max_threads``
+    threads per block, under an SM budget of ``max_sms`` (None: no budget).
+
+    Without a budget (or one of every SM): one full wave of ``THREADS``-thread blocks. With one:
+    ``max_sms`` blocks, each as wide as what a full wave keeps on one SM (at most 1024 threads,
+    and what the registers allow): the block scheduler puts a block on one SM, so at most
+    ``max_sms`` SMs hold transfer work at any time.
+    """
+    if max_sms is None or max_sms >= num_sms:
+        return num_sms * blocks_per_sm, THREADS
+    threads = min(MAX_BUDGET_THREADS, max_threads, THREADS * blocks_per_sm) // 32 * 32
+    return max_sms, max(threads, 32)
 
 
 # --------------------------------------------------------------------------- sources and loading
@@ -404,25 +436,64 @@ def _blocks_per_sm(device_index: int) -> int:
     return fit
 
 
+@functools.cache
+def _max_threads(device_index: int) -> int:
+    """Threads per block the widest entry points allow (registers), asked of the driver through
+    CuPy; :data:`THREADS` with a warning when the query fails (a budgeted grid then runs
+    256-thread blocks)."""
+    try:
+        kernels = _kernels(device_index)
+        with bound_device(device_index):
+            most = min(
+                int(kernels[f"kvx_{op}_w{WIDTHS[0]}"].max_threads_per_block)
+                for op in ("gather", "scatter", "copy")
+            )
+        if most < THREADS:
+            raise RuntimeError(f"it allows {most} threads per block, fewer than {THREADS}")
+        return most
+    except Exception as exc:
+        _LOG.warning(
+            "kvxfer CUDA kernels: max threads per block on device %d unknown (%s: %s); blocks under "
+            "an SM budget get %d threads",
+            device_index,
+            type(exc).__name__,
+            exc,
+            THREADS,
+        )
+        return THREADS
+
+
 def _max_blocks(device: torch.device) -> int:
     """A persistent grid of one full wave: every SM holds as many blocks as fit at once."""
     index = _index(device)
     return _num_sms(index) * _blocks_per_sm(index)
 
 
+def _grid(device: torch.device, max_sms: int | None) -> tuple[int, int]:
+    """(max blocks, threads) for a launch on ``device`` under ``max_sms`` (:func:`budget_launch`)."""
+    index = _index(device)
+    if max_sms is None:
+        return _num_sms(index) * _blocks_per_sm(index), THREADS
+    return budget_launch(_num_sms(index), _blocks_per_sm(index), _max_threads(index), max_sms)
+
+
 def gather(src: PagedSide, wire: torch.Tensor) -> None:
-    """``wire`` [H, L, KV, T, D] (CUDA, or pinned host) <- the rows of ``src``."""
+    """``wire`` [H, L, KV, T, D] (CUDA, or pinned host) <- the rows of ``src`` (at most
+    ``src.max_sms`` blocks when set)."""
     dev = src.device
-    _launch(plan_gather(src, _device_address(wire, dev), _max_blocks(dev), dev), dev)
+    blocks, threads = _grid(dev, src.max_sms)
+    _launch(plan_gather(src, _device_address(wire, dev), blocks, dev, threads), dev)
 
 
 def scatter(wire: torch.Tensor, dst: PagedSide) -> None:
     """The rows of ``dst`` <- ``wire`` [H, L, KV, T, D] (CUDA, or pinned host)."""
     dev = dst.device
-    _launch(plan_scatter(_device_address(wire, dev), dst, _max_blocks(dev), dev), dev)
+    blocks, threads = _grid(dev, dst.max_sms)
+    _launch(plan_scatter(_device_address(wire, dev), dst, blocks, dev, threads), dev)
 
 
 def copy(src: PagedSide, dst: PagedSide) -> None:
     """The rows of ``dst`` <- the rows of ``src`` (one device)."""
     dev = dst.device
-    _launch(plan_copy(src, dst, _max_blocks(dev), dev), dev)
+    blocks, threads = _grid(dev, dst.max_sms)
+    _launch(plan_copy(src, dst, blocks, dev, threads), dev)

@@ -44,20 +44,26 @@ class CacheView:
     unit: int
 
 
-def cache_views(caches: Sequence[torch.Tensor], spec: KVCacheSpec) -> tuple[CacheView, ...]:
+def cache_views(
+    caches: Sequence[torch.Tensor], spec: KVCacheSpec, max_sms: int | None = None
+) -> tuple[CacheView, ...]:
     """The views an ops call may address ``caches`` through, coarsest first.
 
     Always the caches themselves (unit = ``block_size``: ids are block ids); for NHD and MLA
     caches whose blocks are not padded apart also the block-size-1 view of
     :func:`unit_view` (unit = 1: ids are token slots), which lets requests with a partial last
-    block share one ops call.
+    block share one ops call. Every view carries the SM budget ``max_sms`` (the engine's) and
+    one shared record of the paths its ops chose (:func:`kvxfer.ops.path_stats`).
     """
     from .. import ops
+    from ..backends.dma import PathStats, check_max_sms
 
-    out = [CacheView(ops.register_caches(caches, spec), spec, spec.block_size)]
+    stats = PathStats(check_max_sms(max_sms))
+    reg = ops.register_caches(caches, spec, max_sms, path_stats=stats)
+    out = [CacheView(reg, spec, spec.block_size)]
     views, vspec, unit = unit_view(caches, spec)
     if unit == 1 and spec.block_size != 1:
-        out.append(CacheView(ops.register_caches(views, vspec), vspec, 1))
+        out.append(CacheView(ops.register_caches(views, vspec, max_sms, path_stats=stats), vspec, 1))
     return tuple(out)
 
 
@@ -72,7 +78,10 @@ def view_at(by_unit: dict[int, CacheView], unit: int, offset: int, memo: dict) -
 
         base = by_unit[unit]
         views, vspec = offset_view(base.caches, base.spec, offset)
-        got = memo[(unit, offset)] = CacheView(ops.register_caches(views, vspec), vspec, unit)
+        # the base's budget and path record (an offset view is the same engine's caches)
+        budget, stats = getattr(base.caches, "max_sms", None), getattr(base.caches, "path_stats", None)
+        reg = ops.register_caches(views, vspec, budget, path_stats=stats)
+        got = memo[(unit, offset)] = CacheView(reg, vspec, unit)
     return got
 
 

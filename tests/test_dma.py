@@ -1,0 +1,672 @@
+"""The copy-engine path (kvxfer/backends/dma.py): the runs built for ``cuMemcpyBatchAsync``, the
+rule that chooses between it and a kernel, the driver call's shape, the fallback, the stats.
+
+On CPU a fake driver, built from the very ctypes prototype the real symbol gets, records each
+batch and performs it with ``memmove`` on CPU memory, so the runs are checked byte for byte
+(poisoned destinations, every dtype, NHD/HND/MLA, head slices) against the torch reference; the
+prototype and the attribute structs are checked against the toolkit's ``cuda.h``. GPU
+(``gpu``): the real driver call, byte-exact with poison, device and pinned host memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer import KVCacheSpec, Layout, ops, tracing
+from kvxfer.backends import dma
+
+POISON = 0xA5
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+
+
+class FakeDriver:
+    """``cuMemcpyBatchAsync`` on CPU memory: a ctypes callback of ``dma.PROTOTYPES[abi]`` that
+    records each batch (runs, attributes, stream) and moves the bytes with ``memmove``; ``rc``
+    makes it fail (and, in the 12.8 form, report run ``fail_at``)."""
+
+    def __init__(self, abi: int = 2, rc: int = 0, fail_at: int = 0) -> None:
+        self.abi, self.rc, self.fail_at = abi, rc, fail_at
+        self.calls: list[dict] = []
+        self.fn = dma.PROTOTYPES[abi](self._call)
+        self.copier = dma.BatchCopier(self.fn, abi, f"fake v{abi}", ("cpu",))
+
+    def _call(self, dsts, srcs, sizes, count, attrs, idxs, num_attrs, *rest):
+        stream = rest[-1]
+        a = attrs[0]
+        self.calls.append(
+            {
+                "runs": [(dsts[i], srcs[i], sizes[i]) for i in range(count)],
+                "attrs": [
+                    (
+                        attrs[k].srcAccessOrder,
+                        (attrs[k].srcLocHint.type, attrs[k].srcLocHint.id),
+                        (attrs[k].dstLocHint.type, attrs[k].dstLocHint.id),
+                        attrs[k].flags,
+                    )
+                    for k in range(num_attrs)
+                ],
+                "idxs": [idxs[k] for k in range(num_attrs)],
+                "stream": stream,
+                "flags": a.flags,
+            }
+        )
+        if self.rc:
+            if self.abi == 1:
+                rest[0][0] = self.fail_at
+            return self.rc
+        for i in range(count):
+            ctypes.memmove(dsts[i], srcs[i], sizes[i])
+        return 0
+
+
+@pytest.fixture
+def fake():
+    drv = FakeDriver()
+    dma.install_copier(drv.copier)
+    ops.reset_backends()
+    yield drv
+    dma.install_copier(None)
+    ops.reset_backends()
+
+
+def _spec(layout="NHD", heads=4, dim=16, bs=4, layers=3, dtype=torch.bfloat16) -> KVCacheSpec:
+    mla = layout == "MLA"
+    return KVCacheSpec(
+        layers, 1 if mla else heads, dim, bs, dtype, Layout.NHD if mla else Layout(layout), use_mla=mla
+    )
+
+
+def _caches(spec: KVCacheSpec, nb: int, fill: str, seed: int = 0, heads: int | None = None):
+    heads = spec.num_kv_heads if heads is None else heads
+    shape = spec.local_cache_shape(nb, heads)
+    out = []
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(spec.num_layers):
+        c = torch.empty(shape, dtype=spec.dtype)
+        b = c.view(torch.uint8)
+        if fill == "poison":
+            b.fill_(POISON)
+        else:
+            b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
+        out.append(c)
+    return out
+
+
+def _bytes(ts) -> torch.Tensor:
+    return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in ts])
+
+
+# --------------------------------------------------------------------------- runs
+def test_adjacent_blocks_coalesce_into_one_run():
+    """A whole-head NHD copy: one run per (layer, K/V) stretch of blocks adjacent on both sides;
+    addresses computed here from the tensors themselves."""
+    spec = _spec("NHD", heads=4, dim=16, bs=4, layers=2)
+    src, dst = _caches(spec, 12, "random"), _caches(spec, 8, "poison")
+    s_ids, d_ids = [4, 5, 6, 9], [0, 1, 2, 3]
+    s = ops.make_side(src, spec, s_ids, 16)
+    d = ops.make_side(dst, spec, d_ids, 16, unique_blocks=True)
+    runs = dma.plan_runs("copy", s, d)
+    block = 4 * 4 * 16 * 2
+    want = []
+    for layer in range(2):
+        for kv in range(2):
+            want.append((dst[layer][kv, 0].data_ptr(), src[layer][kv, 4].data_ptr(), 3 * block))
+            want.append((dst[layer][kv, 3].data_ptr(), src[layer][kv, 9].data_ptr(), block))
+    got = list(zip(runs.dsts.tolist(), runs.srcs.tolist(), runs.sizes.tolist()))
+    assert got == want
+    assert runs.nbytes == 2 * 2 * 4 * block and runs.unit == block and runs.count == 8
+    assert runs.dsts.dtype == np.uint64 and runs.sizes.dtype == np.uint64
+
+
+def test_runs_continue_across_layers_where_memory_does():
+    """MLA layers cut from one allocation, every block in order, into a wire: one run in all."""
+    spec = _spec("MLA", dim=16, bs=4, layers=3)
+    nb = 5
+    flat = torch.randint(0, 100, (3 * nb * 4 * 16,), dtype=torch.int16).view(torch.bfloat16)
+    caches = list(flat.view(3, nb, 4, 16).unbind(0))
+    side = ops.make_side(caches, spec, list(range(nb)), nb * 4)
+    wire = torch.empty(spec.wire_shape(nb * 4, 1, 3), dtype=spec.dtype)
+    runs = dma.plan_runs("gather", side, None, wire.data_ptr())
+    assert runs.count == 1 and runs.sizes.tolist() == [flat.numel() * 2]
+    assert runs.srcs.tolist() == [flat.data_ptr()] and runs.dsts.tolist() == [wire.data_ptr()]
+
+
+def test_hnd_head_slice_is_one_run_per_block_and_nhd_slice_is_refused():
+    hnd = _spec("HND", heads=4, dim=16, bs=4, layers=2)
+    src, dst = _caches(hnd, 6, "random"), _caches(hnd, 6, "poison")
+    s = ops.make_side(src, hnd, [0, 1], 8, head_start=1, num_heads=2)
+    d = ops.make_side(dst, hnd, [3, 5], 8, head_start=2, num_heads=2, unique_blocks=True)
+    runs = dma.plan_runs("copy", s, d)
+    head = 4 * 16 * 2
+    assert runs.unit == 2 * head and runs.count == 2 * 2 * 2  # heads 1-2 of a block: one run
+    assert runs.srcs.tolist()[0] == src[0][0, 0, 1].data_ptr()
+    assert runs.dsts.tolist()[0] == dst[0][0, 3, 2].data_ptr()
+    # a gather of the slice: one head's tokens per run (the wire is head-major)
+    wire = torch.empty(hnd.wire_shape(8, 2, 2), dtype=hnd.dtype)
+    g = dma.plan_runs("gather", s, None, wire.data_ptr())
+    assert g.unit == head and g.count == 2 * 2 * 2 * 2
+    nhd = _spec("NHD", heads=4, dim=16, bs=4, layers=2)
+    a, b = _caches(nhd, 6, "random"), _caches(nhd, 6, "poison")
+    s = ops.make_side(a, nhd, [0, 1], 8, head_start=1, num_heads=2)
+    d = ops.make_side(b, nhd, [3, 5], 8, head_start=1, num_heads=2, unique_blocks=True)
+    why = dma.plan_runs("copy", s, d)
+    assert isinstance(why, str) and "not contiguous" in why
+    whole = ops.make_side(a, nhd, [0, 1], 8)
+    why = dma.plan_runs("gather", whole, None, 1 << 20)
+    assert isinstance(why, str) and "not one run" in why  # NHD rows of several heads interleave
+    one = _spec("NHD", heads=1, dim=16, bs=4, layers=2)  # one head per rank: a head's tokens
+    s1 = ops.make_side(_caches(one, 4, "random"), one, [2, 3], 8)
+    assert dma.plan_runs("gather", s1, None, 1 << 20).unit == 4 * 16 * 2
+
+
+@pytest.mark.parametrize(
+    ("what", "src_spec", "dst_spec", "tokens", "why"),
+    [
+        ("partial", _spec("HND"), _spec("HND"), 10, "partial last block (2 of 4 tokens)"),
+        ("block sizes", _spec("HND", bs=4), _spec("HND", bs=8), 8, "block sizes differ"),
+        ("layouts", _spec("NHD"), _spec("HND"), 8, "orders differ"),
+    ],
+)
+def test_transfers_that_are_not_whole_block_runs_are_refused(what, src_spec, dst_spec, tokens, why):
+    s = ops.make_side(_caches(src_spec, 6, "random"), src_spec, [0, 1, 2], tokens)
+    d = ops.make_side(_caches(dst_spec, 6, "poison"), dst_spec, [3, 4, 5], tokens, unique_blocks=True)
+    got = dma.plan_runs("copy", s, d)
+    assert isinstance(got, str) and why in got, got
+
+
+def test_overlapping_source_and_destination_are_refused():
+    """A batch runs its copies in no set order: a copy inside one cache whose source blocks are
+    written by it is left to a kernel; disjoint blocks of one cache are fine."""
+    spec = _spec("NHD", heads=4, bs=4, layers=2)
+    caches = _caches(spec, 8, "random")
+    s = ops.make_side(caches, spec, [0, 1], 8)
+    d = ops.make_side(caches, spec, [1, 2], 8, unique_blocks=True)
+    got = dma.plan_runs("copy", s, d)
+    assert isinstance(got, str) and "overlap" in got
+    d = ops.make_side(caches, spec, [4, 6], 8, unique_blocks=True)
+    assert isinstance(dma.plan_runs("copy", s, d), dma.Runs)
+
+
+def test_runs_are_built_without_a_python_loop_over_blocks(monkeypatch):
+    """4K tokens of Llama-3-8B (HND, one head per run): 131072 units built by numpy; no per-block
+    Python call (the side's layout is asked once)."""
+    spec = KVCacheSpec(32, 8, 8, 16, torch.float16, Layout.HND)
+    caches = [torch.empty(spec.local_cache_shape(257, 8), dtype=spec.dtype) for _ in range(32)]
+    calls = []
+    real = dma._layout
+    monkeypatch.setattr(dma, "_layout", lambda side: calls.append(1) or real(side))
+    side = ops.make_side(caches, spec, list(range(256))[::-1], 4096)
+    runs = dma.plan_runs("gather", side, None, 1 << 40)
+    assert runs.count == 8 * 32 * 2 * 256 and runs.unit == 16 * 8 * 2 and len(calls) == 1
+
+
+# --------------------------------------------------------------------------- exact bytes (fake driver)
+def _copy_case(layout, dtype, dst_heads):
+    spec = _spec(layout, heads=4, dim=8, bs=4, layers=3, dtype=dtype)
+    src = _caches(spec, 9, "random", seed=1)
+    dst = _caches(spec, 9, "poison", heads=1 if layout == "MLA" else dst_heads)
+    return spec, src, dst
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+@pytest.mark.parametrize(
+    ("layout", "src_hs", "dst_hs", "n", "dst_heads"),
+    [("NHD", 0, 0, None, 4), ("HND", 1, 0, 2, 3), ("HND", 0, 0, None, 4), ("MLA", 0, 0, None, 1)],
+)
+def test_copy_through_the_copy_engines_is_byte_exact(fake, dtype, layout, src_hs, dst_hs, n, dst_heads):
+    spec, src, dst = _copy_case(layout, dtype, dst_heads=dst_heads)
+    ref = [c.clone() for c in dst]
+    s_ids, d_ids = [7, 2, 3, 0], [1, 2, 3, 8]  # two adjacent on both sides, spare blocks poisoned
+    layers = [2, 0]
+    kw = dict(src_head_start=src_hs, dst_head_start=dst_hs, num_heads=n, layers=layers)
+    ops.copy_blocks(src, spec, s_ids, dst, spec, d_ids, 16, dma=True, **kw)
+    assert ops.last_backend() == "dma" and len(fake.calls) == 1
+    ops.copy_blocks(src, spec, s_ids, ref, spec, d_ids, 16, backend="torch", **kw)
+    assert torch.equal(_bytes(dst), _bytes(ref))
+    assert (dst[1].view(torch.uint8) == POISON).all()  # a layer not moved
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+@pytest.mark.parametrize(("layout", "hs", "n"), [("HND", 1, 2), ("HND", 0, None), ("MLA", 0, None)])
+def test_gather_and_scatter_through_the_copy_engines_are_byte_exact(fake, dtype, layout, hs, n):
+    spec = _spec(layout, heads=4, dim=8, bs=4, layers=3, dtype=dtype)
+    src = _caches(spec, 9, "random", seed=2)
+    ids = [5, 6, 1, 8]
+    kw = dict(head_start=hs, num_heads=n, layers=[1, 2])
+    shape = spec.wire_shape(16, 1 if layout == "MLA" else (n or 4), 2)
+    wire = torch.full(shape, 0, dtype=dtype)
+    wire.view(torch.uint8).fill_(POISON)
+    ops.gather_blocks(src, spec, ids, 16, out=wire, dma=True, **kw)
+    assert ops.last_backend() == "dma"
+    want = ops.gather_blocks(src, spec, ids, 16, backend="torch", **kw)
+    assert torch.equal(_bytes([wire]), _bytes([want]))
+    dst = _caches(spec, 9, "poison")
+    ref = [c.clone() for c in dst]
+    skw = dict(head_start=hs, layers=[1, 2])
+    ops.scatter_blocks(wire, dst, spec, [0, 1, 2, 7], 16, dma=True, **skw)
+    assert ops.last_backend() == "dma" and len(fake.calls) == 2
+    ops.scatter_blocks(wire, ref, spec, [0, 1, 2, 7], 16, backend="torch", **skw)
+    assert torch.equal(_bytes(dst), _bytes(ref))
+
+
+def test_the_batch_the_driver_gets(fake):
+    """One call per op: every run, one attribute for all of them (source in stream order,
+    overlap with compute preferred), attribute index 0; on CPU memory, host hints."""
+    spec = _spec("NHD", heads=4, bs=4, layers=2)
+    src, dst = _caches(spec, 8, "random"), _caches(spec, 8, "poison")
+    ops.copy_blocks(src, spec, [0, 1, 5], dst, spec, [2, 3, 4], 12, dma=True)
+    (call,) = fake.calls
+    assert len(call["runs"]) == 2 * 2 * 2  # [0,1]->[2,3] one run, [5]->[4] another, per (layer, kv)
+    assert call["attrs"] == [
+        (
+            dma.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            (2, 0),
+            (2, 0),
+            dma.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+        )
+    ]
+    assert call["idxs"] == [0] and call["stream"] is None
+    assert sum(r[2] for r in call["runs"]) == 2 * 2 * 3 * 4 * 4 * 16 * 2
+
+
+# --------------------------------------------------------------------------- the rule
+def _sides(tokens=16, layout="HND", bs=4):
+    spec = _spec(layout, heads=4, dim=16, bs=bs, layers=2)
+    s = ops.make_side(_caches(spec, 8, "random"), spec, list(range(spec.num_blocks_for(tokens))), tokens)
+    d = ops.make_side(
+        _caches(spec, 8, "poison"),
+        spec,
+        [7, 6, 5, 4][: spec.num_blocks_for(tokens)],
+        tokens,
+        unique_blocks=True,
+    )
+    return s, d
+
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("budget", "large", "tokens", "min_run", "want"),
+    [
+        (None, False, 16, 0, ("kernel", "budget not small, copy not large")),
+        (32, False, 16, 0, ("kernel", "budget not small, copy not large")),
+        (16, False, 16, 0, ("dma", "budget small")),
+        (8, False, 16, 0, ("dma", "budget small")),
+        (None, True, 16, 0, ("dma", "copy large")),
+        (132, True, 16, 0, ("dma", "copy large")),
+        (8, False, 14, 0, ("kernel", "dma does not apply")),  # partial last block
+        (None, True, 14, 0, ("kernel", "dma does not apply")),
+        (8, False, 16, 1 << 20, ("kernel", "runs too small")),
+    ],
+)
+def test_choice_rule(fake, monkeypatch, budget, large, tokens, min_run, want):
+    s, d = _sides(tokens)
+    monkeypatch.setattr(dma, "LARGE_COPY_BYTES", 1 if large else 1 << 40)
+    monkeypatch.setattr(dma, "MIN_RUN_BYTES", min_run)
+    c = dma.choose("copy", s, d, None, budget, None, CPU)
+    assert (c.path, c.key) == want, c
+    assert (c.runs is not None) == (c.path == "dma")
+
+
+def test_choice_overrides_and_switches(fake, monkeypatch):
+    s, d = _sides(16)
+    assert dma.choose("copy", s, d, None, 8, False, CPU).key == "dma=False"
+    assert dma.choose("copy", s, d, None, None, True, CPU).path == "dma"
+    monkeypatch.setenv(dma.DMA_ENV, "0")
+    assert dma.choose("copy", s, d, None, 8, None, CPU).key == "$KVXFER_DMA off"
+    assert dma.choose("copy", s, d, None, 8, True, CPU).path == "dma"  # asked for by the call
+    s, d = _sides(14)
+    with pytest.raises(
+        ValueError, match=r"dma=True: this copy is not whole-block copies: partial last block"
+    ):
+        dma.choose("copy", s, d, None, None, True, CPU)
+
+
+def test_without_a_batched_copy_the_rule_falls_back(monkeypatch):
+    """No copier for these tensors (CPU memory, no fake): the kernel, naming why; and
+    ``dma=True`` names the same reason."""
+    dma.install_copier(None)
+    s, d = _sides(16)
+    c = dma.choose("copy", s, d, None, 4, None, CPU)
+    assert (c.path, c.key) == ("kernel", "no cuMemcpyBatchAsync") and "CUDA memory" in c.detail
+    with pytest.raises(ValueError, match="dma=True: no batched copy here"):
+        dma.choose("copy", s, d, None, None, True, CPU)
+
+
+def test_a_driver_without_the_call_falls_back_with_a_logged_reason(monkeypatch, caplog):
+    def no_call():
+        raise OSError("the driver exports no cuMemcpyBatchAsync")
+
+    monkeypatch.setattr(dma, "_Driver", no_call)
+    dma.install_copier(None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvxfer.backends.dma"):
+            c, why = dma.copier(torch.device("cuda", 0))
+            again = dma.copier(torch.device("cuda", 1))
+        assert c is None and again[0] is None and "exports no cuMemcpyBatchAsync" in why
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "transfers use the kernels" in warnings[0] and why in warnings[0]
+        s, d = _sides(16)
+        choice = dma.choose("copy", s, d, None, 8, None, torch.device("cuda", 0))
+        assert (choice.path, choice.key) == ("kernel", "no cuMemcpyBatchAsync")
+        assert dma.status("cuda").startswith("off: OSError: the driver exports no")
+    finally:
+        dma.install_copier(None)
+
+
+def test_dma_true_on_a_transfer_that_is_not_runs_writes_nothing(fake):
+    spec = _spec("NHD", heads=4, bs=4, layers=2)
+    src, dst = _caches(spec, 8, "random"), _caches(spec, 8, "poison")
+    with pytest.raises(ValueError, match="partial last block"):
+        ops.copy_blocks(src, spec, [0, 1, 2], dst, spec, [3, 4, 5], 10, dma=True)
+    with pytest.raises(ValueError, match="dma: must be None"):
+        ops.gather_blocks(src, spec, [0, 1], 8, dma="yes")
+    with pytest.raises(ValueError, match="dma: must be None"):
+        ops.scatter_blocks(torch.zeros(spec.wire_shape(8), dtype=spec.dtype), dst, spec, [0, 1], 8, dma=1)
+    assert fake.calls == [] and all((c.view(torch.uint8) == POISON).all() for c in dst)
+
+
+# --------------------------------------------------------------------------- ops: stats, NVTX, failure
+class _Ranges:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def push_range(self, message=None, color=None, domain=None):
+        self.names.append(message)
+
+    def pop_range(self, domain=None):
+        pass
+
+
+def test_registered_budget_chooses_per_call_and_stats_and_nvtx_say_why(fake, monkeypatch):
+    monkeypatch.delenv("KVXFER_NVTX", raising=False)
+    monkeypatch.setattr(dma, "MIN_RUN_BYTES", 0)  # the tiny runs of this test count as big
+    saved = dict(tracing._state)
+    rec = _Ranges()
+    tracing.set_enabled(True, nvtx_module=rec)
+    try:
+        spec = _spec("HND", heads=4, bs=4, layers=2)
+        src = ops.register_caches(_caches(spec, 8, "random"), spec, max_sms=8)
+        dst = ops.register_caches(_caches(spec, 8, "poison"), spec, max_sms=8)
+        ops.copy_blocks(src, spec, [0, 1], dst, spec, [2, 3], 8)  # whole blocks, small budget: DMA
+        ops.copy_blocks(src, spec, [0, 1], dst, spec, [4, 5], 7)  # partial last block: the kernel
+        ops.gather_blocks(src, spec, [0, 1], 8, max_sms=64)  # budget not small, copy small
+        st = ops.path_stats(dst)
+    finally:
+        tracing._state.update(saved)
+    assert st["max_sms"] == 8 and st["dma"] == 1 and st["kernel"] == 1
+    assert st["reasons"] == {"copy dma: budget small": 1, "copy kernel: dma does not apply": 1}
+    assert st["last"].startswith("copy kernel: dma does not apply (partial last block")
+    assert ops.path_stats(src)["reasons"]["gather kernel: budget not small, copy not large"] == 1
+    assert rec.names[0].startswith("kvxfer.copy dma: budget small (8 SMs <= 16;")
+    assert rec.names[1].startswith("kvxfer.copy kernel: dma does not apply (partial last block")
+    assert rec.names[2].startswith("kvxfer.gather kernel: budget not small, copy not large (budget 64 SMs")
+    with pytest.raises(ValueError, match="register_caches"):
+        ops.path_stats([torch.zeros(1)])
+
+
+def test_engine_views_share_one_record_and_carry_the_budget():
+    from kvxfer.transports.batching import cache_views, view_at
+
+    spec = _spec("NHD", heads=2, bs=4, layers=2)
+    views = cache_views(_caches(spec, 8, "poison"), spec, 12)
+    assert len(views) == 2 and all(v.caches.max_sms == 12 for v in views)
+    assert views[0].caches.path_stats is views[1].caches.path_stats
+    off = view_at({v.unit: v for v in views}, 4, 1, {})
+    assert off.caches.max_sms == 12 and off.caches.path_stats is views[0].caches.path_stats
+
+
+def test_a_failing_driver_call_falls_back_to_the_kernel(monkeypatch, caplog):
+    """The driver refuses the batch: one warning, the kernel moves the same bytes (exact), and
+    the path stays off for the device type (later calls say why)."""
+    drv = FakeDriver(abi=1, rc=1, fail_at=3)
+    dma.install_copier(drv.copier)
+    monkeypatch.setattr(dma, "MIN_RUN_BYTES", 0)
+    try:
+        spec = _spec("HND", heads=4, bs=4, layers=2)
+        src = ops.register_caches(_caches(spec, 8, "random"), spec)
+        dst = ops.register_caches(_caches(spec, 8, "poison"), spec, max_sms=4)
+        ref = [c.clone() for c in dst]
+        with caplog.at_level(logging.WARNING, logger="kvxfer.backends.dma"):
+            ops.copy_blocks(src, spec, [0, 1], dst, spec, [2, 3], 8)
+            ops.copy_blocks(src, spec, [0, 1], dst, spec, [2, 3], 8)
+        ops.copy_blocks(src, spec, [0, 1], ref, spec, [2, 3], 8, backend="torch")
+        assert torch.equal(_bytes(dst), _bytes(ref))
+        assert len(drv.calls) == 1 and ops.last_backend() != "dma"
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(msgs) == 1 and "fake v1 returned 1 at run 3" in msgs[0]
+        st = ops.path_stats(dst)
+        assert st["reasons"] == {"copy kernel: dma call failed": 1, "copy kernel: no cuMemcpyBatchAsync": 1}
+        assert "off" in st["dma_path"] and "fake v1 returned 1" in st["dma_path"]
+    finally:
+        dma.install_copier(None)
+
+
+# --------------------------------------------------------------------------- the call's shape vs cuda.h
+def _cuda_include() -> Path | None:
+    cands = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(nvcc).resolve()
+        cands.append(str(real.parent.parent))
+        try:  # a wrapper script (exec /usr/local/cuda-X/bin/nvcc)
+            m = re.search(r"(/\S+)/bin/nvcc", real.read_text(errors="ignore"))
+            if m:
+                cands.append(m.group(1))
+        except OSError:
+            pass
+    for c in cands:
+        if c and (Path(c) / "include" / "cuda.h").is_file():
+            return Path(c) / "include"
+    return None
+
+
+_CTYPES_OF = {
+    "CUdeviceptr *": ctypes.POINTER(ctypes.c_uint64),
+    "size_t *": ctypes.POINTER(ctypes.c_size_t),
+    "size_t": ctypes.c_size_t,
+    "CUmemcpyAttributes *": ctypes.POINTER(dma.CUmemcpyAttributes),
+    "CUstream": ctypes.c_void_p,
+}
+
+
+def _declarations(header: str, name: str) -> list[list[str]]:
+    """Parameter types of every declaration of ``name`` in ``header``."""
+    out = []
+    for m in re.finditer(rf"CUresult\s+CUDAAPI\s+{name}\s*\(([^)]*)\)\s*;", header):
+        params = [" ".join(p.split()) for p in m.group(1).split(",")]
+        types_ = [re.sub(r"\s*\w+$", "", p) for p in params]  # drop the parameter names
+        out.append([re.sub(r"\s*\*\s*", " *", t).strip() for t in types_])
+    return out
+
+
+def test_the_prototypes_match_cuda_h():
+    """Both forms of the call as declared by the toolkit's cuda.h: ``cuMemcpyBatchAsync_v2``
+    (what cuda.h 13 calls ``cuMemcpyBatchAsync``) and the 12.8 form exported under the plain
+    name (``failIdx`` before the stream); the fake above is an instance of the same prototype."""
+    inc = _cuda_include()
+    if inc is None:
+        pytest.skip("no CUDA toolkit cuda.h here (CUDA_HOME, /usr/local/cuda, nvcc): cannot compare")
+    header = (inc / "cuda.h").read_text(errors="ignore")
+    v2 = _declarations(header, "cuMemcpyBatchAsync_v2")
+    plain = _declarations(header, "cuMemcpyBatchAsync")
+    assert v2, "cuda.h declares no cuMemcpyBatchAsync_v2"
+    assert re.search(r"#define\s+cuMemcpyBatchAsync\s+__CUDA_API_PTSZ\(cuMemcpyBatchAsync_v2\)", header)
+    for t in v2:
+        assert [_CTYPES_OF[x] for x in t] == list(dma.ARGTYPES[2]), t
+    legacy = [t for t in plain if len(t) == 9]
+    assert legacy, plain
+    for t in legacy:
+        assert [_CTYPES_OF[x] for x in t] == list(dma.ARGTYPES[1]), t
+    assert dma.PROTOTYPES[2]._argtypes_ == dma.ARGTYPES[2] and dma.PROTOTYPES[2]._restype_ is ctypes.c_int
+    assert isinstance(FakeDriver(2).fn, dma.PROTOTYPES[2]) and isinstance(FakeDriver(1).fn, dma.PROTOTYPES[1])
+    with pytest.raises(TypeError, match="PROTOTYPES"):
+        dma.BatchCopier(lambda *a: 0, 2, "not a prototype")
+
+
+_LAYOUT_C = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include <cuda.h>
+int main(void) {
+  printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu\n", sizeof(CUmemcpyAttributes), sizeof(CUmemLocation),
+         offsetof(CUmemcpyAttributes, srcAccessOrder), offsetof(CUmemcpyAttributes, srcLocHint),
+         offsetof(CUmemcpyAttributes, dstLocHint), offsetof(CUmemcpyAttributes, flags),
+         offsetof(CUmemLocation, id), sizeof(CUdeviceptr), sizeof(CUresult));
+  printf("%d %d %d %d\n", (int)CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, (int)CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+         (int)CU_MEM_LOCATION_TYPE_DEVICE, (int)CU_MEM_LOCATION_TYPE_HOST);
+  return 0;
+}
+"""
+
+
+def test_the_attribute_structs_match_cuda_h(tmp_path):
+    """Sizes, field offsets and constants of the ctypes structs against a C compile of cuda.h."""
+    inc = _cuda_include()
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if inc is None or cc is None:
+        pytest.skip("needs cuda.h and a C compiler to compare the struct layout")
+    (tmp_path / "l.c").write_text(_LAYOUT_C)
+    subprocess.run(
+        [cc, "-I", str(inc), "-o", str(tmp_path / "l"), str(tmp_path / "l.c")], check=True, timeout=60
+    )
+    sizes, consts = subprocess.run(
+        [str(tmp_path / "l")], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    A, L = dma.CUmemcpyAttributes, dma.CUmemLocation
+    assert [int(x) for x in sizes.split()] == [
+        ctypes.sizeof(A),
+        ctypes.sizeof(L),
+        A.srcAccessOrder.offset,
+        A.srcLocHint.offset,
+        A.dstLocHint.offset,
+        A.flags.offset,
+        L.id.offset,
+        ctypes.sizeof(ctypes.c_uint64),
+        ctypes.sizeof(ctypes.c_int),
+    ]
+    assert [int(x) for x in consts.split()] == [
+        dma.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        dma.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+        dma.CU_MEM_LOCATION_TYPE_DEVICE,
+        dma.CU_MEM_LOCATION_TYPE_HOST,
+    ]
+
+
+def test_importing_kvxfer_does_no_cuda_work():
+    """The DMA module loads the driver only when a call wants it."""
+    code = (
+        "import sys, kvxfer, kvxfer.ops, kvxfer.backends.dma as d\n"
+        "assert d._copiers == {} and 'cupy' not in sys.modules\n"
+        "import ctypes\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "ok", res.stderr
+
+
+# --------------------------------------------------------------------------- GPU
+def gpu(fn):
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")(fn)
+    return pytest.mark.gpu(fn)
+
+
+def _real_copier():
+    dma.install_copier(None)
+    c, why = dma.copier(torch.device("cuda"))
+    if c is None:
+        v = ctypes.c_int(0)
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
+        if v.value < dma.MIN_DRIVER:
+            pytest.skip(f"driver CUDA {v.value}: cuMemcpyBatchAsync needs 12.8 ({why})")
+        pytest.fail(f"a 12.8+ driver ({v.value}) but no batched copy: {why}")
+    return c
+
+
+@gpu
+@pytest.mark.parametrize("stream", ["default", "side"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+@pytest.mark.parametrize(("layout", "hs", "n"), [("NHD", 0, None), ("HND", 1, 2), ("MLA", 0, None)])
+def test_copy_through_the_copy_engines_gpu(layout, hs, n, dtype, stream):
+    _real_copier()
+    spec = _spec(layout, heads=4, dim=64, bs=16, layers=3, dtype=dtype)
+    src = [c.cuda() for c in _caches(spec, 40, "random", seed=3)]
+    dst = [c.cuda() for c in _caches(spec, 40, "poison")]
+    ref = [c.cpu() for c in dst]
+    s_ids = [*range(4, 20), 33, 2, 35]  # a long adjacent stretch, then scattered
+    d_ids = [*range(10, 26), 0, 39, 30]
+    kw = dict(src_head_start=hs, dst_head_start=hs, num_heads=n, layers=[2, 0])
+    s = torch.cuda.Stream() if stream == "side" else torch.cuda.current_stream()
+    with torch.cuda.stream(s):
+        ops.copy_blocks(src, spec, s_ids, dst, spec, d_ids, 19 * 16, dma=True, **kw)
+        assert ops.last_backend() == "dma"
+    torch.cuda.synchronize()
+    ops.copy_blocks([c.cpu() for c in src], spec, s_ids, ref, spec, d_ids, 19 * 16, backend="torch", **kw)
+    assert torch.equal(_bytes([c.cpu() for c in dst]), _bytes(ref))
+
+
+@gpu
+@pytest.mark.parametrize("where", ["device", "pinned"])
+@pytest.mark.parametrize(("layout", "hs", "n"), [("HND", 0, None), ("HND", 3, 1), ("MLA", 0, None)])
+def test_gather_and_scatter_through_the_copy_engines_gpu(layout, hs, n, where):
+    _real_copier()
+    spec = _spec(layout, heads=4, dim=128, bs=16, layers=4, dtype=torch.bfloat16)
+    src = [c.cuda() for c in _caches(spec, 64, "random", seed=4)]
+    ids = [*range(8, 40), 60, 1]
+    T = len(ids) * 16
+    shape = spec.wire_shape(T, 1 if layout == "MLA" else (n or 4), 3)
+    wire = (
+        torch.empty(shape, dtype=spec.dtype, pin_memory=True)
+        if where == "pinned"
+        else torch.empty(shape, dtype=spec.dtype, device="cuda")
+    )
+    wire.view(torch.uint8).fill_(POISON)
+    kw = dict(head_start=hs, num_heads=n, layers=[3, 0, 1])
+    ops.gather_blocks(src, spec, ids, T, out=wire, dma=True, **kw)
+    assert ops.last_backend() == "dma"
+    torch.cuda.synchronize()
+    want = ops.gather_blocks([c.cpu() for c in src], spec, ids, T, backend="torch", **kw)
+    assert torch.equal(_bytes([wire.cpu()]), _bytes([want]))
+    dst = [c.cuda() for c in _caches(spec, 64, "poison")]
+    ops.scatter_blocks(wire, dst, spec, list(range(63, 29, -1)), T, head_start=hs, layers=[3, 0, 1], dma=True)
+    torch.cuda.synchronize()
+    ref = _caches(spec, 64, "poison")
+    ops.scatter_blocks(
+        want, ref, spec, list(range(63, 29, -1)), T, head_start=hs, layers=[3, 0, 1], backend="torch"
+    )
+    assert torch.equal(_bytes([c.cpu() for c in dst]), _bytes(ref))
+
+
+@gpu
+def test_a_small_budget_sends_whole_blocks_to_the_copy_engines_gpu():
+    """Through the rule: registered caches with an 8-SM budget, a whole-block ipc-like copy goes
+    to DMA, a partial one to a capped kernel; both exact; stats and last backend say so."""
+    _real_copier()
+    spec = _spec("NHD", heads=8, dim=128, bs=16, layers=4, dtype=torch.bfloat16)
+    src = ops.register_caches([c.cuda() for c in _caches(spec, 80, "random", seed=5)], spec, max_sms=8)
+    dst = ops.register_caches([c.cuda() for c in _caches(spec, 80, "poison")], spec, max_sms=8)
+    ref = [c.cpu() for c in dst]
+    ops.copy_blocks(src, spec, list(range(32)), dst, spec, list(range(40, 72)), 512)
+    assert ops.last_backend() == "dma"
+    ops.copy_blocks(src, spec, [32, 33], dst, spec, [72, 73], 20)
+    assert ops.last_backend() != "dma"
+    torch.cuda.synchronize()
+    srcc = [c.cpu() for c in src]
+    ops.copy_blocks(srcc, spec, list(range(32)), ref, spec, list(range(40, 72)), 512, backend="torch")
+    ops.copy_blocks(srcc, spec, [32, 33], ref, spec, [72, 73], 20, backend="torch")
+    assert torch.equal(_bytes([c.cpu() for c in dst]), _bytes(ref))
+    st = ops.path_stats(dst)
+    assert st["reasons"] == {"copy dma: budget small": 1, "copy kernel: dma does not apply": 1}
+    assert st["dma_path"].startswith("cuda on: cuMemcpyBatchAsync")
