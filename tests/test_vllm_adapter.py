@@ -397,7 +397,7 @@ def test_d_side_full_local_hit_releases():
     assert [r["request_id"] for r in s.build_connector_meta().releases] == ["r"]
 
 
-def test_d_side_abort_before_allocation_releases_once():
+def test_d_side_abort_before_allocation_releases_once(caplog):
     s = _sched(role="kv_consumer")
     params, toks = _p_params()
     req = Request("d", toks, params, Status.FINISHED_ABORTED)
@@ -406,9 +406,12 @@ def test_d_side_abort_before_allocation_releases_once():
     meta = s.build_connector_meta()
     assert [r["request_id"] for r in meta.releases] == ["r"] and not meta.loads
     assert s.num_tracked() == 0
-    rej = Request("d2", [0], _p_params(rid="r2")[0], Status.FINISHED_ABORTED)  # rejected: never asked
-    s.request_finished(rej, [])
+    # rejected before admission: vLLM passes a pre-aborted request whose prompt is a placeholder
+    rej = Request("d2", [0], _p_params(rid="r2")[0], Status.FINISHED_ABORTED)
+    with caplog.at_level("WARNING"):
+        s.request_finished(rej, [])
     assert [r["request_id"] for r in s.build_connector_meta().releases] == ["r2"]
+    assert not caplog.records  # released, with no (false) warning about its prompt
 
 
 def test_d_side_abort_during_load_waits_for_the_workers():
@@ -451,6 +454,26 @@ def test_d_side_finished_load_is_not_parsed_again(caplog):
     req.status = Status.FINISHED_ABORTED
     with caplog.at_level("WARNING"):
         assert s.request_finished(req, [5, 6, 7]) == (False, None)
+    assert not caplog.records and not s.build_connector_meta().releases
+    assert s.num_tracked() == 0
+
+
+def test_d_side_rejection_notice_after_a_failed_load_is_silent(caplog):
+    """vLLM's API server answers a failed load with an error and then sends the request's params
+    again as a pre-aborted request with prompt [0] (notify_kv_transfer_request_rejected): the
+    failed load already notified P, so nothing is released and nothing is warned."""
+    s = _sched(role="kv_consumer")
+    params, toks = _p_params()
+    req = Request("cmpl-1-0-abc", toks, params)
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([5, 6, 7]), 40)
+    s.build_connector_meta()
+    s.update_connector_output({"cmpl-1-0-abc"})  # reported (failed)
+    req.status = Status.FINISHED_ABORTED
+    s.request_finished(req, [5, 6, 7])
+    notice = Request("1", [0], params, Status.FINISHED_ABORTED)
+    with caplog.at_level("WARNING"):
+        assert s.request_finished(notice, []) == (False, None)
     assert not caplog.records and not s.build_connector_meta().releases
     assert s.num_tracked() == 0
 

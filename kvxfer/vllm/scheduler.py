@@ -164,7 +164,10 @@ class SchedulerSide:
             self._warned.add(key)
             _LOG.warning(msg, *args)
 
-    def _source(self, request) -> _Source | None:
+    def _source(self, request, verify: bool = True) -> _Source | None:
+        """The request's remote KV, parsed once (None: none). ``verify=False``: only what a
+        release needs (a request that ends before it was ever scheduled, whose prompt may be
+        vLLM's placeholder)."""
         rid = request.request_id
         if rid in self._src:
             return self._src[rid]
@@ -181,7 +184,7 @@ class SchedulerSide:
             elif isinstance(params.get("reuse"), dict):
                 kind, raw = "reuse", params["reuse"]
             if raw is not None:
-                src = self._parse(request, kind, raw)
+                src = self._parse(request, kind, raw, verify)
         self._src[rid] = src
         return src
 
@@ -196,7 +199,7 @@ class SchedulerSide:
             return None
         return children[int(head)]
 
-    def _parse(self, request, kind: str, raw: dict) -> _Source | None:
+    def _parse(self, request, kind: str, raw: dict, verify: bool = True) -> _Source | None:
         rid = request.request_id
         try:
             if not isinstance(raw, dict):
@@ -229,6 +232,8 @@ class SchedulerSide:
         prompt = getattr(request, "prompt_token_ids", None) or []
         src = _Source(kind, p, raw, bs, valid, (p.engine_id, p.request_id))
         want = raw.get("prompt_hash")
+        if not verify:
+            return src
         if self.layout is None:
             self._warn_once(
                 "nolayout",
@@ -367,7 +372,12 @@ class SchedulerSide:
         params the other server loads them with; release remote KV this request never loaded."""
         rid = request.request_id
         if rid not in self._done and rid not in self._loading:  # never allocated: aborted or rejected
-            src = self._source(request)  # parsed here at the latest (a rejected request never was)
+            # Parsed here at the latest, only for the release: a request vLLM rejected before
+            # admission reaches the connector as a pre-aborted request whose prompt is a
+            # placeholder ([0], vLLM's notify_kv_transfer_request_rejected), so its prompt is
+            # not checked (no false "prompt hash differs"); the release is skipped when the KV
+            # was loaded or its load failed already (P knows).
+            src = self._source(request, verify=False)
             if src is not None:
                 self._done.add(rid)
                 self._release(rid, src)
