@@ -182,7 +182,7 @@ def _prefill(p, rid, prompt, max_steps=20):
     raise AssertionError("prefill did not finish")
 
 
-def _until(server, pred, timeout=15.0):
+def _until(server, pred, timeout=30.0):  # generous: 2 shared cores, 6+ engines in one process
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         so, eco = server.step()
