@@ -349,3 +349,38 @@ def test_get_finished_count_is_world_size(model_dir):
     from kvxfer.vllm.connector import KvxferConnector
 
     assert KvxferConnector.get_finished_count(object.__new__(KvxferConnector)) is None
+
+
+def test_connector_api_points_and_hybrid_models_refused(model_dir):
+    """requires_kv_delivery where the server exports; handle_preemptions is a no-op; a model
+    with several KV cache groups is refused with HybridModelUnsupported, naming the model."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvxfer.vllm.connector import HybridModelUnsupported, KvxferConnector, KvxferConnectorMetadata
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32)
+    one = KVCacheConfig(
+        num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], full)]
+    )
+    for role, delivers in (("kv_producer", True), ("kv_both", True), ("kv_consumer", False)):
+        c = KvxferConnector(_vllm_config(model_dir, role, "E", 15000), KVConnectorRole.SCHEDULER, one)
+        assert c.requires_kv_delivery is delivers
+        assert c.handle_preemptions(KvxferConnectorMetadata()) is None
+    swa = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32, sliding_window=64
+    )
+    two = KVCacheConfig(
+        num_blocks=NB,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)],
+    )
+    with pytest.raises(
+        HybridModelUnsupported, match=r"model .*: 2 KV cache groups \(FullAttentionSpec, SlidingWindowSpec\)"
+    ):
+        KvxferConnector(_vllm_config(model_dir, "kv_consumer", "E", 15000), KVConnectorRole.SCHEDULER, two)
