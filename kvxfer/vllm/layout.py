@@ -48,8 +48,9 @@ vLLM's main branch)
 ``cpu_attn.py`` (``_get_attn_isa``, the same in 0.32 and 0.33) picks the ISA per process:
 ``vec16`` when ``head_size % 32 != 0``; ``amx`` on an AMX machine for bf16 and
 ``block_size % 32 == 0``; ``neon`` on Arm; ``vec`` for ``block_size % 32 == 0`` on x86 (``rvv``,
-``vxe``, ``vsx`` on those architectures); else ``vec16``. Only ``vec`` and ``vec16`` keep one
-part (V) as token rows, and no ISA keeps K so: **a CPU_ATTN page is not made of token rows**.
+``vxe``, ``vsx`` on those architectures); else ``vec16``. ``vec``, ``vec16`` and ``neon``
+fp32/fp16 keep V as token rows, and no ISA keeps K so: **a CPU_ATTN page is not made of token
+rows**.
 kvxfer therefore moves CPU_ATTN caches as whole pages: the view
 ``t.view(B, H, 2, N, d).permute(2, 0, 1, 3, 4)`` -> ``[2, B, H, N, d]`` treats each half as
 ``N`` rows of ``d`` elements, which is the page's bytes in order but *not* token ``n``'s K in
