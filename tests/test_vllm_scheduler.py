@@ -10,27 +10,11 @@ made by ``bash scripts/vllm_env.sh 0.32`` (or ``0.33``)::
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import sys
 import tempfile
 import time
 
 import pytest
 import torch
-
-# The repository's top-level kernels/ (installed as kvxfer.kernels) would shadow Hugging Face's
-# ``kernels`` package, which transformers probes when vLLM imports it: keep the root off sys.path.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(autouse=True)
-def _root_off_sys_path():
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
-    yield
-    sys.path[:] = saved
-
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -66,7 +50,7 @@ def _vllm_config(model_dir: str, role: str, engine_id: str, port: int, tp: int =
             kv_role=role,
             engine_id=engine_id,
             kv_port=port,
-            kv_connector_extra_config=dict(extra or {}),
+            kv_connector_extra_config={"host": "127.0.0.1", **(extra or {})},
         ),
     )
 
@@ -107,7 +91,9 @@ class _Server:
         for r in range(tp):
             caches = {f"l{i}": torch.zeros(NB, HEADS // tp, BS, 2 * HD) for i in range(LAYERS)}
             w = WorkerSide(cc, r)
-            w.register(caches, backend="CPU_ATTN", head_size=HD, total_kv_heads=HEADS, use_mla=False)
+            w.register(
+                caches, backend="CPU_ATTN", head_size=HD, total_kv_heads=HEADS, use_mla=False, isa="vec16"
+            )
             self.workers.append(w)
             self.caches.append(caches)
         from kvxfer.vllm.connector import KvxferHandshakeMetadata
@@ -175,13 +161,10 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    with tempfile.TemporaryDirectory() as d:
-        from kvxfer.vllm.e2e import _CONFIG
+    from .vllm_e2e import write_model
 
-        cfg = dict(_CONFIG, num_key_value_heads=HEADS, head_dim=HD, num_attention_heads=4, hidden_size=64)
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        yield d
+    with tempfile.TemporaryDirectory() as d:
+        yield write_model(d, num_key_value_heads=HEADS, head_dim=HD, num_attention_heads=4, hidden_size=64)
 
 
 def _outputs(eco) -> dict:
@@ -199,7 +182,7 @@ def _prefill(p, rid, prompt, max_steps=20):
     raise AssertionError("prefill did not finish")
 
 
-def _until(server, pred, timeout=15.0):
+def _until(server, pred, timeout=30.0):  # generous: 2 shared cores, 6+ engines in one process
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         so, eco = server.step()
@@ -218,7 +201,8 @@ def test_remote_prefill_then_decode_lifecycle(model_dir, tp_p, tp_d, prompt_len)
         free_p = p.free_blocks()
         prompt = list(range(3, 3 + prompt_len))
         params = _prefill(p, "p1", prompt)
-        assert params["do_remote_prefill"] and params["num_tokens"] == prompt_len
+        assert params["do_remote_prefill"] and params["num_valid_tokens"] == prompt_len
+        assert params["num_tokens"] == -(-prompt_len // BS) * BS  # CPU_ATTN pages: whole blocks
         assert p.free_blocks() == free_p - -(-prompt_len // BS)  # held until finished_sending
         d.add("d1", prompt, 3, params)
         so, _ = d.step()  # allocates, queues the load; P's workers export on P's next step
@@ -274,18 +258,80 @@ def test_abort_during_transfer_frees_both_sides(model_dir):
         d.close()
 
 
-def test_transfer_failure_reported_as_failed_blocks(model_dir):
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_transfer_failure_reported_as_failed_blocks(model_dir, policy, caplog):
     p = _Server(model_dir, "kv_producer", "P", 1)
     d = _Server(model_dir, "kv_consumer", "D", 1, extra={"timeout_s": 0.5})
-    d.sched.recompute_kv_load_failures = True  # kv_load_failure_policy="recompute"
+    d.sched.recompute_kv_load_failures = policy == "recompute"  # vLLM's kv_load_failure_policy
     try:
         params = _prefill(p, "p1", list(range(40)))
         p.close()  # P goes away before it exported: handshake/transfer fails
         d.add("d1", list(range(40)), 2, params)
-        d.step()
-        so, _ = _until(d, lambda so, eco: so.num_scheduled_tokens.get("d1", 0) > 1, timeout=15)
-        assert so.num_scheduled_tokens["d1"] == 40  # recomputed from scratch after the failed load
+        with caplog.at_level("WARNING", logger="kvxfer"):
+            d.step()
+            if policy == "recompute":
+                so, _ = _until(d, lambda so, eco: so.num_scheduled_tokens.get("d1", 0) > 1, timeout=15)
+                assert so.num_scheduled_tokens["d1"] == 40  # recomputed from scratch after the failed load
+            _until(d, lambda so, eco: not d.sched.requests, timeout=20)  # finished (or failed)
+            # what vLLM's API server sends after the error: the params again, as a pre-aborted
+            # request with a placeholder prompt (notify_kv_transfer_request_rejected)
+            from vllm.v1.request import RequestStatus
+
+            d.add("notice", [0], 1, params)
+            d.sched.finish_requests("notice", RequestStatus.FINISHED_ABORTED)
+            d.step()
+        warned = [r.getMessage() for r in caplog.records if r.name.startswith("kvxfer")]
+        assert any("load of d1 failed" in m for m in warned), warned
+        assert len(warned) == 1, warned  # the load's failure, and no second, false warning
+        assert d.sched.connector.scheduler_side.num_tracked() == 0
     finally:
+        d.close()
+
+
+def test_prefix_hit_on_d_loads_the_rest_with_full_params(model_dir):
+    """D already holds the first two blocks (an earlier request's): the second request's load
+    carries P's params unmodified, D's block ids for the whole request and the hit as
+    num_computed_tokens; the rest arrives exactly (CPU_ATTN pages, whole blocks) and the hit's
+    blocks are not written."""
+    p = _Server(model_dir, "kv_producer", "P", 1)
+    d = _Server(model_dir, "kv_consumer", "D", 1)
+    try:
+        g = torch.Generator().manual_seed(3)
+        for t in p.caches[0].values():
+            t.copy_(torch.randn(t.shape, generator=g))
+        a = list(range(3, 43))  # 40 tokens: blocks of 16, 16, 8
+        b = a[:32] + list(range(100, 120))  # shares two blocks with a
+        pa = _prefill(p, "pa", a)
+        pb = _prefill(p, "pb", b)
+        d.add("da", a, 2, pa)
+        _until(d, lambda so, eco: not d.sched.requests)
+        for t in d.caches[0].values():
+            t.fill_(-7.0)  # poison: the blocks of D's hit must stay so
+        d.add("db", b, 2, pb)
+        loads = []
+        orig = d.workers[0].start
+
+        def spy(meta):
+            loads.extend(meta.loads)
+            return orig(meta)
+
+        d.workers[0].start = spy
+        p.step()
+        _until(d, lambda so, eco: "db" in so.num_scheduled_tokens)
+        (ld,) = [x for x in loads if x.request_id == "db"]
+        assert ld.params == pb and ld.num_computed_tokens == 32 and len(ld.block_ids) == 4
+        mgr = d.sched.kv_cache_manager
+        d_ids = mgr.get_block_ids("db")[0]
+        p_ids = pb["block_ids"]
+        for name, pt in p.caches[0].items():
+            dt = d.caches[0][name]
+            assert bool((dt[d_ids[:2]] == -7.0).all()), name  # the hit: not written
+            for pi, di in zip(p_ids[2:], d_ids[2:4]):
+                assert torch.equal(dt[di], pt[pi]), (name, pi, di)  # the rest: whole pages
+        _until(d, lambda so, eco: not d.sched.requests)
+        _until(p, lambda so, eco: not p.sched.requests)
+    finally:
+        p.close()
         d.close()
 
 
@@ -303,3 +349,38 @@ def test_get_finished_count_is_world_size(model_dir):
     from kvxfer.vllm.connector import KvxferConnector
 
     assert KvxferConnector.get_finished_count(object.__new__(KvxferConnector)) is None
+
+
+def test_connector_api_points_and_hybrid_models_refused(model_dir):
+    """requires_kv_delivery where the server exports; handle_preemptions is a no-op; a model
+    with several KV cache groups is refused with HybridModelUnsupported, naming the model."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvxfer.vllm.connector import HybridModelUnsupported, KvxferConnector, KvxferConnectorMetadata
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32)
+    one = KVCacheConfig(
+        num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], full)]
+    )
+    for role, delivers in (("kv_producer", True), ("kv_both", True), ("kv_consumer", False)):
+        c = KvxferConnector(_vllm_config(model_dir, role, "E", 15000), KVConnectorRole.SCHEDULER, one)
+        assert c.requires_kv_delivery is delivers
+        assert c.handle_preemptions(KvxferConnectorMetadata()) is None
+    swa = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32, sliding_window=64
+    )
+    two = KVCacheConfig(
+        num_blocks=NB,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)],
+    )
+    with pytest.raises(
+        HybridModelUnsupported, match=r"model .*: 2 KV cache groups \(FullAttentionSpec, SlidingWindowSpec\)"
+    ):
+        KvxferConnector(_vllm_config(model_dir, "kv_consumer", "E", 15000), KVConnectorRole.SCHEDULER, two)

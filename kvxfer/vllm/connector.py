@@ -5,6 +5,19 @@ the worker role to :class:`~kvxfer.vllm.worker.WorkerSide`; both are vLLM-free a
 against fakes without vLLM installed. Loads are asynchronous (between scheduler steps):
 ``wait_for_layer_load`` and ``save_kv_layer`` do nothing, exports are of whole finished
 requests.
+
+vLLM 0.32/0.33 connector API points this connector answers explicitly:
+
+* ``requires_kv_delivery``: True on a server that exports (``kv_producer``, ``kv_both``): a
+  request preempted while its hand-off is pending is recomputed, never handed off from blocks
+  the preemption freed.
+* ``handle_preemptions``: nothing to do. Loads write blocks of requests waiting for their KV
+  (never running, so never preempted) and exports read blocks of finished requests that vLLM
+  keeps until ``get_finished`` reports them.
+* ``request_finished``'s block ids: the scheduler clips them to the computed tokens, partial
+  tail block included; the export covers exactly those (whole, for CPU_ATTN pages).
+* Hybrid models (several KV cache groups) are refused at construction with
+  :class:`HybridModelUnsupported`, naming the model and its groups.
 """
 
 from __future__ import annotations
@@ -37,7 +50,18 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["KvxferConnector", "KvxferConnectorMetadata", "KvxferHandshakeMetadata", "KvxferStats"]
+__all__ = [
+    "HybridModelUnsupported",
+    "KvxferConnector",
+    "KvxferConnectorMetadata",
+    "KvxferHandshakeMetadata",
+    "KvxferStats",
+]
+
+
+class HybridModelUnsupported(ValueError):
+    """The model has several KV cache groups (hybrid attention, e.g. Mamba or sliding-window
+    layers with vLLM's hybrid KV cache manager): not supported by ``KvxferConnector`` yet."""
 
 
 @dataclass
@@ -59,6 +83,7 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
     block_size: int
     bytes_per_token: int
     tp_rank: int
+    kv_layout: dict = field(default_factory=dict)
 
 
 _SUMMED = (
@@ -118,6 +143,28 @@ def _tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+def _cpu_isa(vllm_config, layer_names, block_size: int) -> str | None:
+    """The CPU attention ISA the layers use: set on each attention layer by vLLM's CPU
+    metadata builder (``cpu_attn.py``) before the caches are registered; else vLLM's own
+    selection for these settings; None (a warning) when neither answers."""
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    isas = {getattr(ctx.get(n), "isa", None) for n in layer_names} - {None}
+    if len(isas) > 1:
+        raise ValueError(f"CPU attention: layers use different ISAs {sorted(isas)}; kvxfer needs one")
+    if isas:
+        return str(isas.pop())
+    mc = vllm_config.model_config
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(
+            _get_attn_isa(mc.dtype, block_size, mc.get_head_size(), vllm_config.cache_config.cache_dtype)
+        )
+    except Exception as e:  # a vLLM without it: the layout cannot be paired (KVLayoutMismatch)
+        _LOG.warning("kvxfer connector: could not find the CPU attention ISA (%s: %s)", type(e).__name__, e)
+        return None
+
+
 def _backend_name(vllm_config) -> str:
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
@@ -137,9 +184,11 @@ class KvxferConnector(KVConnectorBase_V1):
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:
-            raise ValueError(
-                f"kv_cache_config: {len(groups)} KV cache groups; KvxferConnector supports models "
-                "with one (full attention or MLA)"
+            model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
+            kinds = [type(getattr(g, "kv_cache_spec", g)).__name__ for g in groups]
+            raise HybridModelUnsupported(
+                f"model {model}: {len(groups)} KV cache groups ({', '.join(kinds)}): hybrid models are not "
+                "supported by KvxferConnector yet (it moves one group: full attention or MLA)"
             )
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
@@ -180,6 +229,12 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_finished_count(self) -> int | None:
         return None  # every worker reports every request it moved
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """True where this server exports: a request preempted with its hand-off pending is
+        recomputed rather than handed off from freed blocks."""
+        return self.cfg.exports
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # any layout: kvxfer reads strides
@@ -190,14 +245,26 @@ class KvxferConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        mc = self._vllm_config.model_config
+        vc = self._vllm_config
+        mc = vc.model_config
+        backend = _backend_name(vc)
+        isa = None
+        if backend == "CPU_ATTN" and kv_caches:
+            isa = _cpu_isa(vc, list(kv_caches), next(iter(kv_caches.values())).shape[2])
         self.worker_side.register(
             kv_caches,
-            backend=_backend_name(self._vllm_config),
+            backend=backend,
             head_size=mc.get_head_size(),
             total_kv_heads=mc.get_total_num_kv_heads(),
             use_mla=bool(getattr(mc, "use_mla", False)),
+            isa=isa,
+            cache_dtype=str(getattr(vc.cache_config, "cache_dtype", "auto")),
         )
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Nothing to do: loads target waiting requests and exports finished ones, neither of
+        which a preemption frees (see the module doc)."""
+        return None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.worker_side is None or self.worker_side.engine is None:

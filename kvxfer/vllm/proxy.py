@@ -82,26 +82,43 @@ def make_server(
         def _relay(self, u, method: str, path: str, body: bytes | None) -> None:
             c = _conn(u, timeout_s)
             try:
-                headers = {"Content-Type": "application/json"} if body is not None else {}
-                auth = self.headers.get("Authorization")
-                if auth:
-                    headers["Authorization"] = auth
-                c.request(method, path, body=body, headers=headers)
-                r = c.getresponse()
-                self.send_response(r.status)
-                ctype = r.getheader("Content-Type", "application/json")
-                self.send_header("Content-Type", ctype)
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                while True:
-                    chunk = r.read1(65536)
-                    if not chunk:
-                        break
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
+                self._relay_on(c, method, path, body)
+            except (BrokenPipeError, ConnectionResetError) as e:  # the client went away mid-answer
+                _LOG.info(
+                    "proxy: connection closed while relaying %s %s to client %s (%s)",
+                    method,
+                    path,
+                    self.client_address[0],
+                    e,
+                )
+                self.close_connection = True
             finally:
                 c.close()
+
+        def _relay_on(self, c, method: str, path: str, body: bytes | None) -> None:
+            """Send one upstream request on ``c`` and stream its answer to the client (chunked)."""
+            headers = {"Content-Type": "application/json"} if body is not None else {}
+            auth = self.headers.get("Authorization")
+            if auth:
+                headers["Authorization"] = auth
+            try:
+                c.request(method, path, body=body, headers=headers)
+                r = c.getresponse()
+            except OSError as e:
+                self._reply(502, {"error": f"proxy: upstream {c.host}:{c.port}: {e}"})
+                return
+            self.send_response(r.status)
+            ctype = r.getheader("Content-Type", "application/json")
+            self.send_header("Content-Type", ctype)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            while True:
+                chunk = r.read1(65536)
+                if not chunk:
+                    break
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def do_GET(self) -> None:
             self._relay(ups.next()[1], "GET", self.path, None)

@@ -9,10 +9,12 @@ Lifecycle of a disaggregated request (P: prefill server, D: decode server):
    ``kv_transfer_params``, and the next :meth:`build_connector_meta` tells P's workers to
    ``export``. The params exist one step before the export: D's load waits for it (bounded).
 2. The proxy sends the same prompt to D with those params. :meth:`get_num_new_matched_tokens`
-   offers the tokens D does not hold (all of them, or those after D's own prefix-cache hit when
-   that hit ends on a block boundary of P), D allocates, :meth:`update_state_after_alloc`
-   queues the load, and D's workers ``load``. A failed load is reported as the request's block
-   ids, so vLLM's ``kv_load_failure_policy`` applies.
+   offers the tokens D does not hold (all of them, or those after D's own prefix-cache hit),
+   D allocates, :meth:`update_state_after_alloc` queues the load of P's params as they are
+   (never sliced: the exporter accepts only the exact params it made) with D's block ids for
+   the whole request and the local hit as ``num_computed_tokens``, and D's workers ``load``.
+   A failed load is reported as the request's block ids, so vLLM's ``kv_load_failure_policy``
+   applies.
 3. P's workers report the request in ``finished_sending`` once every D rank notified (or the
    lease ended): vLLM frees P's blocks then. A D request that will not load (aborted before
    its blocks were allocated, rejected, a full local hit, a prompt mismatch) sends a release,
@@ -43,6 +45,7 @@ from ..auth import EngineSecret
 from ..params import KVTransferParams, params_dict
 from ..reuse import decide_reuse
 from .config import ConnectorConfig
+from .layout import KVLayout, KVLayoutMismatch, check_pair
 
 _LOG = logging.getLogger(__name__)
 
@@ -70,16 +73,21 @@ def expand_block_ids(block_ids, ratio: int) -> list[int]:
 
 @dataclass
 class LoadSpec:
-    """Load ``params`` (kvxfer, possibly sliced) into manager blocks ``block_ids`` of request ``request_id``."""
+    """Load ``params`` (the exporter's, unmodified) into manager blocks ``block_ids`` of request
+    ``request_id``; ``block_ids`` cover the whole request, and the first
+    ``num_computed_tokens`` tokens (a local prefix-cache hit, a multiple of the block size) are
+    neither pulled nor written."""
 
     request_id: str
     params: dict
     block_ids: list[int]
+    num_computed_tokens: int = 0
 
 
 @dataclass
 class ExportSpec:
-    """Export the first ``num_tokens`` tokens of manager blocks ``block_ids`` as ``request_id``."""
+    """Export the first ``num_tokens`` tokens of manager blocks ``block_ids`` as ``request_id``
+    (for a whole-block layout, ``num_tokens`` is rounded up to whole kernel blocks)."""
 
     request_id: str
     block_ids: list[int]
@@ -102,8 +110,9 @@ class _Source:
 
     kind: str  # "prefill" (P -> D) or "reuse" (D -> P)
     params: KVTransferParams
+    raw: dict  # the params as the request carried them: loaded and released unmodified
     block_size: int  # exporter's block size (kvxfer / kernel blocks)
-    num_tokens: int  # tokens to take (min of exported and this prompt's)
+    num_tokens: int  # valid tokens of the export (its num_tokens may be rounded to whole blocks)
     key: tuple[str, str]  # (exporter engine id, exported request id)
     ok: bool = True  # False: never load it (release it)
 
@@ -116,6 +125,7 @@ class SchedulerSide:
         self._secret: EngineSecret | None = None  # made on the first export
         self.kernel_block_size = cfg.block_size  # updated by set_handshake (worker's registered caches)
         self.bytes_per_token = 0  # whole model, from the workers' handshake metadata
+        self.layout: KVLayout | None = None  # the registered caches' layout (set_handshake)
         self.link_Bps = cfg.reuse_link_Bps  # updated from measured worker stats
         self._meta = TransferMeta()
         self._src: dict[str, _Source | None] = {}  # request id -> parsed remote source (None: none)
@@ -136,8 +146,14 @@ class SchedulerSide:
             raise ValueError(
                 f"handshake: kernel block size {kbs} does not divide block_size {self.cfg.block_size}"
             )
+        layouts = {KVLayout.from_dict(m["kv_layout"]) for m in per_rank.values() if "kv_layout" in m}
+        if len(layouts) > 1:
+            raise ValueError(
+                f"handshake: TP ranks registered different KV layouts {sorted(map(str, layouts))}"
+            )
         self.kernel_block_size = kbs
         self.bytes_per_token = max(int(m.get("bytes_per_token", 0)) for m in per_rank.values())
+        self.layout = layouts.pop() if layouts else None
 
     @property
     def ratio(self) -> int:
@@ -149,7 +165,10 @@ class SchedulerSide:
             self._warned.add(key)
             _LOG.warning(msg, *args)
 
-    def _source(self, request) -> _Source | None:
+    def _source(self, request, verify: bool = True) -> _Source | None:
+        """The request's remote KV, parsed once (None: none). ``verify=False``: only what a
+        release needs (a request that ends before it was ever scheduled, whose prompt may be
+        vLLM's placeholder)."""
         rid = request.request_id
         if rid in self._src:
             return self._src[rid]
@@ -166,7 +185,7 @@ class SchedulerSide:
             elif isinstance(params.get("reuse"), dict):
                 kind, raw = "reuse", params["reuse"]
             if raw is not None:
-                src = self._parse(request, kind, raw)
+                src = self._parse(request, kind, raw, verify)
         self._src[rid] = src
         return src
 
@@ -181,9 +200,11 @@ class SchedulerSide:
             return None
         return children[int(head)]
 
-    def _parse(self, request, kind: str, raw: dict) -> _Source | None:
+    def _parse(self, request, kind: str, raw: dict, verify: bool = True) -> _Source | None:
         rid = request.request_id
         try:
+            if not isinstance(raw, dict):
+                raise ValueError(f"expected a dict, got {type(raw).__name__}")
             p = KVTransferParams.from_dict(raw)
             if isinstance(p, list):
                 raise ValueError("expected one request's params, got a list")
@@ -192,16 +213,58 @@ class SchedulerSide:
                 raise ValueError(f"block_size: must be a positive int, got {bs!r}")
             if len(p.block_ids) != -(-p.num_tokens // bs):
                 raise ValueError(f"block_ids: {len(p.block_ids)} ids do not hold num_tokens={p.num_tokens}")
+            if "kv_layout" not in raw:
+                raise ValueError(
+                    "kv_layout: missing (the exporter's KV layout; kvxfer connector params carry it)"
+                )
+            layout = KVLayout.from_dict(raw["kv_layout"])
+            valid = raw.get("num_valid_tokens", p.num_tokens)
+            if isinstance(valid, bool) or not isinstance(valid, int) or not 1 <= valid <= p.num_tokens:
+                raise ValueError(f"num_valid_tokens: must be an int in [1, {p.num_tokens}], got {valid!r}")
+            whole = -(-valid // bs) * bs
+            if valid != p.num_tokens and not (layout.whole_blocks and p.num_tokens == whole):
+                raise ValueError(
+                    f"num_tokens={p.num_tokens} with num_valid_tokens={valid}: only a whole-block layout "
+                    f"rounds, to {whole}"
+                )
         except ValueError as e:
             _LOG.warning("kvxfer: request %s: unusable kv_transfer_params (%s); recomputing it", rid, e)
             return None
         prompt = getattr(request, "prompt_token_ids", None) or []
-        n = min(p.num_tokens, len(prompt))
-        src = _Source(kind, p, bs, n, (p.engine_id, p.request_id))
+        src = _Source(kind, p, raw, bs, valid, (p.engine_id, p.request_id))
         want = raw.get("prompt_hash")
-        if n < 1:
+        if not verify:
+            return src
+        if self.layout is None:
+            self._warn_once(
+                "nolayout",
+                "kvxfer: request %s: this server's KV layout is unknown (no handshake metadata from the "
+                "workers); recomputing it and releasing the remote blocks",
+                rid,
+            )
             src.ok = False
-        elif self.cfg.verify_prompt and want is not None and prompt_hash(prompt, p.num_tokens) != want:
+            return src
+        try:
+            check_pair(layout, self.layout)
+        except KVLayoutMismatch as e:
+            _LOG.warning(
+                "kvxfer: request %s: KVLayoutMismatch: %s; recomputing it and releasing the remote blocks",
+                rid,
+                e,
+            )
+            src.ok = False
+            return src
+        if len(prompt) < valid:
+            _LOG.warning(
+                "kvxfer: request %s: its prompt has %d tokens, %s exported %d; recomputing it and "
+                "releasing the remote blocks",
+                rid,
+                len(prompt),
+                p.engine_id,
+                valid,
+            )
+            src.ok = False
+        elif self.cfg.verify_prompt and want is not None and prompt_hash(prompt, valid) != want:
             _LOG.warning(
                 "kvxfer: request %s: its prompt is not the one %s computed (prompt hash differs); "
                 "recomputing it and releasing the remote blocks",
@@ -228,13 +291,13 @@ class SchedulerSide:
         k = num_computed_tokens
         if k >= src.num_tokens:
             return 0, False  # everything is here already: released in update_state_after_alloc
-        if k % src.block_size or k % self.cfg.block_size:
+        if k % self.cfg.block_size or k % self.kernel_block_size:
             self._warn_once(
-                f"align{src.block_size}",
-                "kvxfer: a local prefix hit of %d tokens does not end on a block of the exporter "
-                "(block_size %d); such requests recompute their remaining tokens locally",
+                "align",
+                "kvxfer: a local prefix hit of %d tokens does not end on a block (block_size %d); such "
+                "requests recompute their remaining tokens locally",
                 k,
-                src.block_size,
+                self.cfg.block_size,
             )
             return 0, False
         if src.kind == "reuse" and not self._pull_pays(src.num_tokens - k):
@@ -275,7 +338,7 @@ class SchedulerSide:
         bs = self.cfg.block_size
         ids = list(blocks.get_block_ids()[0])
         need = -(-src.num_tokens // bs)
-        if k < 0 or k % bs or k % src.block_size or len(ids) < need:
+        if k < 0 or k % bs or len(ids) < need:
             _LOG.warning(
                 "kvxfer: request %s: cannot place %d external tokens after %d local ones in %d blocks; "
                 "not loading",
@@ -286,19 +349,8 @@ class SchedulerSide:
             )
             self._release(rid, src)
             return
-        p = src.params
-        first = k // src.block_size
-        sliced = params_dict(
-            p.request_id,
-            p.engine_id,
-            p.host,
-            p.port,
-            p.tp_size,
-            list(p.block_ids[first : -(-src.num_tokens // src.block_size)]),
-            src.num_tokens - k,
-            p.token,
-        )
-        self._meta.loads.append(LoadSpec(rid, sliced, ids[k // bs : need]))
+        # P's params go as they are; the local hit is skipped by the engine (num_computed_tokens)
+        self._meta.loads.append(LoadSpec(rid, dict(src.raw), ids[:need], k))
         self._inflight[src.key] = rid
         self._loading[rid] = src.key
 
@@ -307,7 +359,7 @@ class SchedulerSide:
             del self._inflight[src.key]
         if src.key in self._consumed or src.key in self._inflight:
             return  # a sibling loaded it (P already freed it) or is loading it
-        self._meta.releases.append(src.params.to_dict())
+        self._meta.releases.append(dict(src.raw))
         self._consume(src.key)
 
     def _consume(self, key: tuple[str, str]) -> None:
@@ -320,12 +372,20 @@ class SchedulerSide:
         """Hold the blocks of a finished prefill (or of a decode kept for reuse) and return the
         params the other server loads them with; release remote KV this request never loaded."""
         rid = request.request_id
-        src = self._src.get(rid) if rid in self._loading else self._source(request)
+        if rid not in self._done and rid not in self._loading:  # never allocated: aborted or rejected
+            # Parsed here at the latest, only for the release: a request vLLM rejected before
+            # admission reaches the connector as a pre-aborted request whose prompt is a
+            # placeholder ([0], vLLM's notify_kv_transfer_request_rejected), so its prompt is
+            # not checked (no false "prompt hash differs"); the release is skipped when the KV
+            # was loaded or its load failed already (P knows).
+            src = self._source(request, verify=False)
+            if src is not None:
+                self._done.add(rid)
+                self._release(rid, src)
+        # else its load or release was queued already (a load still running reports itself):
+        # nothing is parsed again, so nothing is warned twice
         if rid not in self._loading:
             self._src.pop(rid, None)
-        if src is not None and rid not in self._done:  # never allocated: aborted or rejected
-            self._done.add(rid)
-            self._release(rid, src)
         self._done.discard(rid)
         params = getattr(request, "kv_transfer_params", None) or {}
         want_decode = bool(params.get("do_remote_decode"))
@@ -341,19 +401,31 @@ class SchedulerSide:
             n = min(n, int(getattr(request, "num_prompt_tokens", n)))
         if n < 1:
             return False, None
+        if self.layout is None:
+            self._warn_once(
+                "nolayout-export",
+                "kvxfer: request %s: this server's KV layout is unknown (no handshake metadata from the "
+                "workers); not exporting",
+                rid,
+            )
+            return False, None
+        nkb = -(-n // kbs)  # kernel blocks holding the n valid tokens (the last may be partial)
+        moved = nkb * kbs if self.layout.whole_blocks else n  # whole pages: the partial block whole
         mgr = list(block_ids[: -(-n // bs)])
-        kids = expand_block_ids(mgr, self.ratio)[: -(-n // kbs)]
+        kids = expand_block_ids(mgr, self.ratio)[:nkb]
         tokens = getattr(request, "all_token_ids", None) or getattr(request, "prompt_token_ids", None) or []
         if self._secret is None:  # the workers' engines share it (kvxfer.auth): same host
             self._secret = EngineSecret(self.cfg.engine_id, self.cfg.base_port, tp_rank=-1)
-        token = self._secret.new_token(rid, n, kids)
+        token = self._secret.new_token(rid, moved, kids)  # every worker's export is bound to it
         out = params_dict(
-            rid, self.cfg.engine_id, self.cfg.host, self.cfg.base_port, self.cfg.tp_size, kids, n, token
+            rid, self.cfg.engine_id, self.cfg.host, self.cfg.base_port, self.cfg.tp_size, kids, moved, token
         )
         out["block_size"] = kbs
+        out["num_valid_tokens"] = n
+        out["kv_layout"] = self.layout.to_dict()
         if len(tokens) >= n:
             out["prompt_hash"] = prompt_hash(tokens, n)
-        self._meta.exports.append(ExportSpec(rid, mgr, n, token))
+        self._meta.exports.append(ExportSpec(rid, mgr, moved, token))
         if want_decode:
             return True, {**out, "do_remote_prefill": True, "do_remote_decode": False}
         return True, {"reuse": out}

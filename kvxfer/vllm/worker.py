@@ -11,19 +11,26 @@ it), an export whose lease ended as finished sending (its blocks may be freed).
 
 from __future__ import annotations
 
+import errno
 import logging
+import secrets
 from collections.abc import Callable, Mapping
 
 import torch
+import zmq
 
 from ..engine import TransferEngine
+from ..params import KVTransferParams
+from ..ports import free_port_base
 from .config import ConnectorConfig
-from .layout import caches_from_vllm
+from .layout import KVLayout, caches_from_vllm, check_pair
 from .scheduler import TransferMeta, expand_block_ids
 
 _LOG = logging.getLogger(__name__)
 
 __all__ = ["WorkerSide"]
+
+_BIND_ERRORS = (OSError, zmq.ZMQError)  # a side-channel port in use (errno EADDRINUSE)
 
 _COUNTERS = ("transfers", "bytes", "failures", "expirations", "finished_exports", "handshakes", "ops_calls")
 
@@ -47,6 +54,7 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self._factory = engine_factory
         self.engine: TransferEngine | None = None
+        self.layout: KVLayout | None = None
         self.ratio = 1  # manager block -> kernel blocks
         self._loads: dict[str, list[int]] = {}  # loading request -> its manager block ids
         self._exported: set[str] = set()
@@ -64,48 +72,94 @@ class WorkerSide:
         head_size: int,
         total_kv_heads: int,
         use_mla: bool,
+        isa: str | None = None,
+        cache_dtype: str = "auto",
     ) -> None:
-        """Map vLLM's per-layer caches to kvxfer views and start this rank's engine."""
+        """Map vLLM's per-layer caches to kvxfer views and start this rank's engine.
+
+        ``isa``: the CPU attention ISA of ``CPU_ATTN`` caches (their pages move only between
+        identical layouts, see :mod:`kvxfer.vllm.layout`); ``cache_dtype``: vLLM's.
+        """
         if self.engine is not None:
             raise RuntimeError("register: caches are already registered")
-        spec, views, names = caches_from_vllm(
+        spec, views, names, layout = caches_from_vllm(
             kv_caches,
             backend=backend,
             head_size=head_size,
             total_kv_heads=total_kv_heads,
             tp_size=self.cfg.tp_size,
             use_mla=use_mla,
+            isa=isa,
+            cache_dtype=cache_dtype,
         )
+        if layout.whole_blocks and layout.isa is None:
+            _LOG.warning(
+                "kvxfer connector: the CPU attention ISA of backend %s is unknown: this server's KV "
+                "can be neither exported to nor loaded from another server (KVLayoutMismatch)",
+                backend,
+            )
         if self.cfg.block_size % spec.block_size:
             raise ValueError(
                 f"kv_caches: block dim {spec.block_size} does not divide vLLM's block_size {self.cfg.block_size}"
             )
         self.ratio = self.cfg.block_size // spec.block_size
-        self.engine = self._factory(
-            spec,
-            views,
-            self.tp_rank,
-            self.cfg.tp_size,
-            self.cfg.engine_id,
-            host=self.cfg.host,
-            transport=self.cfg.transport,
-            lease_s=self.cfg.lease_s,
-            port=self.cfg.base_port,
-            timeout_s=self.cfg.timeout_s,
-        ).start()
+        self.layout = layout
+        self.engine = self._start_engine(spec, views)
         _LOG.info(
-            "kvxfer connector: engine %s rank %d/%d on %s:%d, %d layers (%s, %s), block %d, backend %s",
+            "kvxfer connector: engine %s rank %d/%d on %s:%d, %d layers (%s, %s), %s",
             self.cfg.engine_id,
             self.tp_rank,
             self.cfg.tp_size,
             self.cfg.host,
-            self.cfg.base_port + self.tp_rank,
+            self.engine.port + self.tp_rank,
             len(names),
             "MLA" if use_mla else f"{spec.num_kv_heads} kv heads",
             spec.dtype,
-            spec.block_size,
-            backend,
+            layout.describe(),
         )
+
+    def _start_engine(self, spec, views) -> TransferEngine:
+        """Start this rank's engine on its side-channel port: ``kv_port + rank`` (exporting
+        servers; a port in use is an error naming it and the fix), or a free port (a
+        ``kv_consumer``: nobody dials it)."""
+        cfg, r = self.cfg, self.tp_rank
+        kw = {
+            "host": cfg.host,
+            "transport": cfg.transport,
+            "lease_s": cfg.lease_s,
+            "timeout_s": cfg.timeout_s,
+        }
+        if cfg.base_port == 0:  # kv_consumer
+            if cfg.tp_size == 1:
+                return self._factory(spec, views, r, 1, cfg.engine_id, port=0, **kw).start()
+            # ranks bind free ports of their own (the engine wants a base: rank r binds base + r);
+            # a consumer never exports, so its secret is this process's own (no shared key file)
+            last: Exception | None = None
+            for _ in range(3):  # a probed port can be taken before it is bound: probe again
+                p = free_port_base(1, host=cfg.host)
+                try:
+                    return self._factory(
+                        spec, views, r, cfg.tp_size, cfg.engine_id, port=p - r,
+                        auth_key=secrets.token_hex(16), **kw,
+                    ).start()  # fmt: skip
+                except _BIND_ERRORS as e:
+                    if getattr(e, "errno", None) != errno.EADDRINUSE:
+                        raise
+                    last = e
+            raise RuntimeError(f"kvxfer connector: no free side-channel port on {cfg.host} ({last})")
+        port = cfg.base_port + r
+        try:
+            return self._factory(spec, views, r, cfg.tp_size, cfg.engine_id, port=cfg.base_port, **kw).start()
+        except _BIND_ERRORS as e:
+            if getattr(e, "errno", None) != errno.EADDRINUSE:
+                raise
+            raise RuntimeError(
+                f"kvxfer connector: side-channel port {port} on {cfg.host} is in use ({e}): engine "
+                f"{cfg.engine_id} TP rank {r} binds kv_port + data_parallel_rank * tp_size + tp_rank = "
+                f"{port}. Give this server another kv_port in --kv-transfer-config (servers on one host "
+                f"need ranges of tp_size ports that do not overlap), or stop the process holding it "
+                f"(ss -ltnp 'sport = :{port}')"
+            ) from e
 
     def handshake_info(self) -> dict:
         """What the scheduler side needs to know about the registered caches."""
@@ -114,6 +168,7 @@ class WorkerSide:
             "block_size": eng.spec.block_size,
             "bytes_per_token": eng.spec.bytes_per_token(),
             "tp_rank": self.tp_rank,
+            "kv_layout": self.layout.to_dict(),
         }
 
     def _engine(self) -> TransferEngine:
@@ -126,7 +181,7 @@ class WorkerSide:
         """Queue this step's exports, loads and releases (they run at the next poll)."""
         eng = self._engine()
         for ex in meta.exports:
-            ids = expand_block_ids(ex.block_ids, self.ratio)
+            ids = expand_block_ids(ex.block_ids, self.ratio)[: eng.spec.num_blocks_for(ex.num_tokens)]
             try:
                 eng.export(ex.request_id, ids, ex.num_tokens, token=ex.token or None)
                 self._exported.add(ex.request_id)
@@ -135,10 +190,15 @@ class WorkerSide:
                 self._sending_done.add(ex.request_id)
         for ld in meta.loads:
             try:
-                eng.load(ld.request_id, ld.params, expand_block_ids(ld.block_ids, self.ratio))
+                check_pair(KVLayout.from_dict(ld.params.get("kv_layout")), self.layout)
+                n = KVTransferParams.from_dict(ld.params).num_tokens
+                ids = expand_block_ids(ld.block_ids, self.ratio)[: eng.spec.num_blocks_for(n)]
+                eng.load(ld.request_id, ld.params, ids, num_computed_tokens=ld.num_computed_tokens)
                 self._loads[ld.request_id] = list(ld.block_ids)
-            except ValueError as e:
-                _LOG.warning("kvxfer: load of %s refused (%s); reported failed", ld.request_id, e)
+            except ValueError as e:  # KVLayoutMismatch included: nothing was written
+                _LOG.warning(
+                    "kvxfer: load of %s refused (%s: %s); reported failed", ld.request_id, type(e).__name__, e
+                )
                 self._recving_done.add(ld.request_id)
                 self._bad_blocks.update(ld.block_ids)
                 self._release_quietly(ld.params)

@@ -1,0 +1,385 @@
+"""Tier-3 harness: two vLLM engines in separate processes hand requests over through kvxfer.
+
+Run from the repository root, in an environment with a vLLM that runs on this machine (e.g.
+``bash scripts/vllm_env.sh 0.32`` on a CPU box)::
+
+    .venv-vllm0.32/bin/python -m tests.vllm_e2e [--lengths 1,31,33,70,97,160] [--tokens 8]
+        [--mutate-k] [--deadline 900]
+    .venv-vllm0.32/bin/python -m tests.vllm_e2e --write-model DIR   # the tiny model, for trying servers
+
+A tiny Llama is initialised by transformers (its own random init, seeded) and saved with a
+byte-level tokenizer to a temporary directory; no download. Three processes: a plain engine (the
+reference), P (``kv_producer``: prefill, ``max_tokens=1``) and D (``kv_consumer``: decode from
+P's KV). Random prompts of each length, one after another, then a prompt that shares the first
+two blocks of the 70-token one (a prefix hit on D: only the rest is loaded). Checked per
+prompt: D's greedy tokens equal the reference's, the log-probability of every generated token
+is within ``--atol`` (1e-5, fp32) of the reference's, D loaded the prompt (one transfer, the
+exact bytes of the blocks it lacked), and at the end P holds no blocks.
+
+``--mutate-k`` multiplies the K of one loaded block (the last, partial block of the 70-token
+prompt, every layer and head) by 1.01 on D right after its load is reported: the run must then
+fail (``ok`` false, the mismatch listed). Every process is joined against one deadline and
+leftovers are killed. Prints one JSON line; exits 0 when every check held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import sys
+import tempfile
+import time
+import traceback
+
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+HOST = "127.0.0.1"
+MODEL = {  # a tiny Llama: 2 layers, 2 kv heads of 32, fp32
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.2,  # transformers' normal init, wider than its 0.02 default: peaked logits
+}
+DEFAULT_LENGTHS = (1, 31, 33, 70, 97, 160)
+MUTATE_LEN = 70  # the prompt whose last loaded block is perturbed by --mutate-k
+
+
+def write_model(model_dir: str, seed: int = 0, **overrides) -> str:
+    """Save the tiny Llama (transformers' random init under ``seed``) and a byte-level tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    cfg = LlamaConfig(**{**MODEL, **overrides})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    byte_symbols = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for sym in sorted(byte_symbols):
+        vocab[sym] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(model_dir)
+    return model_dir
+
+
+def prompts(lengths, seed: int = 1) -> list[list[int]]:
+    """Random prompts of ``lengths``, then the prefix-hit prompt: the first two blocks of the
+    ``MUTATE_LEN``-token prompt (or of the longest) and 33 new tokens."""
+    rng = random.Random(seed)
+    out = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+    base = next((p for p in out if len(p) == MUTATE_LEN), max(out, key=len))
+    if len(base) >= 2 * BLOCK:
+        out.append(base[: 2 * BLOCK] + [rng.randrange(3, 500) for _ in range(33)])
+    return out
+
+
+def _env() -> None:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _llm(model_dir: str, kv: dict | None):
+    from vllm import LLM
+
+    kw = {}
+    if kv is not None:
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**kv)
+    return LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=256,
+        max_num_seqs=4,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+        **kw,
+    )
+
+
+def _gen(llm, prompt: list[int], max_tokens: int, params: dict | None):
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0, extra_args=extra)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    return out
+
+
+def _sampled(out) -> tuple[list[int], list[float]]:
+    c = out.outputs[0]
+    toks = list(c.token_ids)
+    return toks, [float(lp[t].logprob) for t, lp in zip(toks, c.logprobs)]
+
+
+def _reference(model_dir, ps, n, q):
+    _env()
+    llm = _llm(model_dir, None)
+    q.put(("ref", [_sampled(_gen(llm, p, n, None)) for p in ps]))
+
+
+def _connector(role: str, engine_id: str, port: int) -> dict:
+    return {
+        "kv_connector": "KvxferConnector",
+        "kv_connector_module_path": "kvxfer.vllm",
+        "kv_role": role,
+        "kv_port": port,
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"host": HOST},
+    }
+
+
+def _prefill(model_dir, ps, port, q_params, q_done, q, deadline_s):
+    _env()
+    llm = _llm(model_dir, _connector("kv_producer", "P", port))
+    q_params.put([_gen(llm, p, 1, {"do_remote_decode": True}).kv_transfer_params for p in ps])
+    sched = llm.llm_engine.engine_core.engine_core.scheduler  # in-process EngineCore
+    held_after_prefill = len(sched.requests)
+    end = time.monotonic() + deadline_s
+    while sched.requests and time.monotonic() < end:  # step until D's notifications freed them
+        llm.llm_engine.step()
+        time.sleep(0.01)
+    with contextlib.suppress(queue.Empty):  # D done (it may still notify while we wait)
+        q_done.get(timeout=max(1.0, end - time.monotonic()))
+    pool = sched.kv_cache_manager.block_pool
+    q.put(
+        (
+            "p",
+            {
+                "held_after_prefill": held_after_prefill,
+                "requests_left": len(sched.requests),
+                "free_blocks": pool.get_num_free_blocks(),
+                "num_blocks": pool.num_gpu_blocks,
+            },
+        )
+    )
+
+
+def _mutate_k_of_last_loaded_block(worker, target_rid: str) -> None:
+    """Test hook (D process): when ``target_rid``'s load is reported, multiply the K half of its
+    last block by 1.01 in every layer and head (kvxfer views: [2, B, H, N, d])."""
+    blocks: dict[str, list[int]] = {}
+    start, finished = worker.start, worker.finished
+
+    def start_hook(meta):
+        for ld in meta.loads:
+            blocks[ld.request_id] = list(ld.block_ids)
+        return start(meta)
+
+    def finished_hook():
+        sending, recving = finished()
+        if target_rid in recving:
+            last = blocks[target_rid][-1]
+            for view in worker.engine.caches:
+                view[0, last].mul_(1.01)
+        return sending, recving
+
+    worker.start, worker.finished = start_hook, finished_hook
+
+
+def _decode(model_dir, ps, n, q_params, q_done, q, mutate):
+    _env()
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    llm = _llm(model_dir, _connector("kv_consumer", "D", 0))
+    params = q_params.get(timeout=600)
+    worker = get_kv_transfer_group().worker_side
+    results = []
+    last = {"transfers": 0, "bytes": 0, "failures": 0}
+    for i, (p, prm) in enumerate(zip(ps, params)):
+        if mutate and len(p) == MUTATE_LEN:
+            out = _gen_mutated(llm, worker, p, n, prm, f"mutate-{i}")
+        else:
+            out = _gen(llm, p, n, prm)
+        s = worker.engine.stats()
+        toks, lps = _sampled(out)
+        results.append(
+            {
+                "tokens": toks,
+                "logprobs": lps,
+                "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+                **{k: s[k] - last[k] for k in last},
+            }
+        )
+        last = {k: s[k] for k in last}
+    q_done.put(True)
+    q.put(("d", {"results": results, "bytes_per_token": worker.engine.spec.bytes_per_token()}))
+
+
+def _sp(n, prm):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0, extra_args={"kv_transfer_params": prm}
+    )
+
+
+def _gen_mutated(llm, worker, prompt, n, prm, rid):
+    """One request through the engine's own API (add, then step until done), its last loaded
+    block's K perturbed on arrival (the hook needs the engine's id of the request)."""
+    eng = llm.llm_engine
+    internal = eng.add_request(rid, {"prompt_token_ids": prompt}, _sp(n, prm))
+    _mutate_k_of_last_loaded_block(worker, internal if isinstance(internal, str) else rid)
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        for out in eng.step():
+            if out.request_id in (rid, internal) and out.finished:
+                return out
+    raise TimeoutError(f"request {rid} did not finish in 300 s")
+
+
+def _entry(fn, args, q):
+    try:
+        fn(*args)
+    except BaseException as e:
+        q.put(("error", f"{fn.__name__}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def check(ps, ref, d, pinfo, tokens_moved, atol: float) -> list[str]:
+    """What differs (empty when every check held)."""
+    bad = []
+    for i, (p, (rt, rl), got) in enumerate(zip(ps, ref, d["results"])):
+        tag = f"prompt {i} ({len(p)} tokens)"
+        if got["tokens"] != rt:
+            bad.append(f"{tag}: tokens {got['tokens']} != reference {rt}")
+        diffs = [abs(a - b) for a, b in zip(got["logprobs"], rl)]
+        if len(got["logprobs"]) != len(rl) or max(diffs, default=0.0) > atol:
+            bad.append(f"{tag}: logprob differs by {max(diffs, default=float('nan')):.3g} > {atol}")
+        if got["transfers"] != 1 or got["failures"] != 0:
+            bad.append(f"{tag}: {got['transfers']} transfers, {got['failures']} failures (want 1, 0)")
+        want_bytes = tokens_moved[i] * d["bytes_per_token"]
+        if got["bytes"] != want_bytes:
+            bad.append(f"{tag}: moved {got['bytes']} bytes, want {want_bytes}")
+    if (
+        pinfo["requests_left"] or pinfo["free_blocks"] != pinfo["num_blocks"] - 1
+    ):  # block 0: vLLM's null block
+        bad.append(f"P still holds blocks: {pinfo}")
+    return bad
+
+
+def run(
+    lengths=DEFAULT_LENGTHS,
+    tokens: int = 8,
+    deadline_s: float = 900.0,
+    mutate: bool = False,
+    atol: float = 1e-5,
+) -> dict:
+    """Run the three engines; returns the result dict (``ok``: every check held)."""
+    from kvxfer.ports import free_port_base
+
+    ps = prompts(lengths)
+    ctx = mp.get_context("spawn")
+    q, q_params, q_done = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    end = time.monotonic() + deadline_s
+    got: dict = {}
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_model(model_dir)
+        procs = [ctx.Process(target=_entry, args=(_reference, (model_dir, ps, tokens, q), q), name="ref")]
+        procs[0].start()
+        procs[0].join(deadline_s / 2)  # one engine at a time on a small machine, then P and D
+        port = free_port_base(1)
+        procs += [
+            ctx.Process(
+                target=_entry,
+                args=(_prefill, (model_dir, ps, port, q_params, q_done, q, deadline_s / 3), q),
+                name="P",
+            ),
+            ctx.Process(
+                target=_entry,
+                args=(_decode, (model_dir, ps, tokens, q_params, q_done, q, mutate), q),
+                name="D",
+            ),
+        ]
+        for p in procs[1:]:
+            p.start()
+        while len(got) < 3 and time.monotonic() < end and "error" not in got:
+            try:
+                k, v = q.get(timeout=1.0)
+                got[k] = v
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and q.empty():
+                    break
+        for p in procs:
+            p.join(max(0.1, min(30.0, end - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+                got.setdefault("killed", []).append(p.name)
+    ref, d, pinfo = got.get("ref"), got.get("d"), got.get("p")
+    problems = ["missing results"] if not (ref and d and pinfo) else []
+    if not problems:
+        hit = [2 * BLOCK if i == len(lengths) else 0 for i in range(len(ps))]  # the prefix-hit prompt
+        moved = [-(-len(p) // BLOCK) * BLOCK - h for p, h in zip(ps, hit)]  # whole blocks (CPU_ATTN pages)
+        problems = check(ps, ref, d, pinfo, moved, atol)
+        if len(ps) > len(lengths) and (d["results"][-1]["num_cached_tokens"] or 0) < 2 * BLOCK:
+            problems.append(
+                f"prefix-hit prompt: D cached {d['results'][-1]['num_cached_tokens']} tokens, want 64"
+            )
+    ok = not problems and "error" not in got and "killed" not in got
+    return {"ok": ok, "mutate_k": mutate, "lengths": [len(p) for p in ps], "problems": problems, **got}
+
+
+def summary(res: dict) -> str:
+    """Per prompt: length, tokens equal, largest logprob difference, bytes moved."""
+    lines = []
+    if res.get("ref") and res.get("d"):
+        for n, (rt, rl), got in zip(res["lengths"], res["ref"], res["d"]["results"]):
+            diff = max((abs(a - b) for a, b in zip(got["logprobs"], rl)), default=float("nan"))
+            lines.append(
+                f"prompt {n:4d} tokens: tokens equal {got['tokens'] == rt}, max |logprob diff| {diff:.2e}, "
+                f"first logprob D {got['logprobs'][0]:.6f} ref {rl[0]:.6f}, cached {got['num_cached_tokens']}, "
+                f"loaded {got['bytes']} bytes in {got['transfers']} transfer(s)"
+            )
+    lines += [f"PROBLEM: {p}" for p in res.get("problems", [])]
+    if "error" in res:
+        lines.append(f"ERROR: {res['error']}")
+    lines.append(f"ok: {res['ok']} (mutate_k={res['mutate_k']}, P: {res.get('p')})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--deadline", type=float, default=900.0)
+    ap.add_argument("--atol", type=float, default=1e-5)
+    ap.add_argument("--mutate-k", action="store_true", help="perturb one loaded block's K by 1%% on D")
+    ap.add_argument("--write-model", metavar="DIR", help="only write the tiny model and tokenizer to DIR")
+    a = ap.parse_args(argv)
+    if a.write_model:
+        os.makedirs(a.write_model, exist_ok=True)
+        print(write_model(a.write_model))
+        return 0
+    t0 = time.monotonic()
+    res = run(tuple(int(x) for x in a.lengths.split(",")), a.tokens, a.deadline, a.mutate_k, a.atol)
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    print(summary(res), file=sys.stderr)
+    print(json.dumps(res, default=str))
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
