@@ -7,21 +7,12 @@ on first use.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING
 
 from .plan import Read, TransferPlan, plan_reads
 from .spec import KVCacheSpec, Layout
 
 __version__ = "0.1.0"
-
-# Run from a source checkout (tests, benchmarks), the top-level kernels/ directory is
-# kvxfer.kernels, as it is once installed (pyproject.toml maps it).
-_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_root, "kernels", "__init__.py")) and os.path.isdir(
-    os.path.join(_root, "csrc")
-):
-    __path__.append(_root)  # type: ignore[name-defined]
 
 __all__ = [
     "CompletionAggregator",
@@ -39,13 +30,13 @@ __all__ = [
 _LAZY = {
     "TransferEngine": "kvxfer.engine",
     "KVTransferParams": "kvxfer.params",
-    "CompletionAggregator": "kvxfer.tracker",
+    "CompletionAggregator": "kvxfer.completion",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .completion import CompletionAggregator
     from .engine import TransferEngine
     from .params import KVTransferParams
-    from .tracker import CompletionAggregator
 
 
 def __getattr__(name: str):

@@ -127,7 +127,7 @@ class HelloReply(msgspec.Struct, tag=True):
     incarnation: str = ""  # random per start of the rank: a changed one means it restarted
     error: str | None = None
     version: int = PROTOCOL_VERSION
-    # NIXL entry (kvxfer.nixl_role): {"agent", "md", "geometry", "epochs", "staging", "units", ...},
+    # NIXL entry (kvxfer.transports.nixl.role): {"agent", "md", "geometry", "epochs", "staging", "units", ...},
     # or {"why": <reason>}; None when the loader cannot use NIXL or did not ask for it
     nixl: dict | None = None
 
@@ -190,7 +190,7 @@ class NixlPairReq(msgspec.Struct, tag=True):
 
 class SendReq(msgspec.Struct, tag=True):
     """Gather ``calls`` (each one ops call) and stream them over pair group ``key`` in chunks
-    of ``chunk_tokens`` tokens (the staged pipeline, :mod:`kvxfer.transports.staged`)."""
+    of ``chunk_tokens`` tokens (the staged pipeline, :mod:`kvxfer.transports.pg.pipeline`)."""
 
     engine_id: Id
     tp_rank: Rank

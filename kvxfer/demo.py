@@ -52,7 +52,7 @@ def _block_lists(lengths: list[int], block_size: int, seed: int) -> list[list[in
 def _prefill_rank(rank: int, args: dict, q_params, q_result) -> None:
     from . import TransferEngine
     from .ops import scatter_blocks
-    from .transports.shm import alloc_shm_caches
+    from .transports.ipc.shm import alloc_shm_caches
 
     p_spec, _ = _specs(args["layers"])
     lengths, device = args["tokens"], args["device"]

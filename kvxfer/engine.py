@@ -10,7 +10,7 @@ by :meth:`close`):
 * sender: the staged ``nixl`` streams of exports;
 * notifier: sends the loader's notifications and heartbeats until acknowledged;
 * one per ``pg`` pair group this rank exports over: joins it and sends its streams
-  (:mod:`kvxfer.transports.pg_senders`).
+  (:mod:`kvxfer.transports.pg.send`).
 
 Completion: the loader notifies the exporter ranks the plan names (``notify_targets``); an
 exporter rank frees a request when it has the ``expected_notifications`` of the plan of the
@@ -37,6 +37,7 @@ import torch
 from . import control as C
 from . import idops, ops, tracing
 from .auth import EngineSecret, content_digest
+from .completion import ExportTracker, LoadTracker, PollResult
 from .engine_types import (
     HandshakeError,
     LoadItem,
@@ -48,16 +49,18 @@ from .engine_types import (
 from .exporter import ExporterRole
 from .loader import LoaderRole
 from .metrics import Metrics, now
-from .nixl_role import NixlRole
 from .ordering import StreamOrder
 from .params import KVTransferParams, params_dict
 from .spec import KVCacheSpec
-from .tracker import ExportTracker, LoadTracker, PollResult
-from .transports import TRANSPORTS, CacheView, cache_views, choice, mapper
-from .transports.cuda_ipc import host_id
-from .transports.nixl import require_nixl
-from .transports.pg_senders import PairSenders
-from .transports.staged import StagedPipeline
+from .transports import TRANSPORTS, CacheView, cache_views
+from .transports.ipc import offer as ipc_offer
+from .transports.ipc.cuda_ipc import host_id
+from .transports.ipc.mappers import mapper
+from .transports.nixl.agent import require_nixl
+from .transports.nixl.role import NixlRole
+from .transports.pg import groups as pg_groups
+from .transports.pg.pipeline import StagedPipeline
+from .transports.pg.send import PairSenders
 
 _LOG = logging.getLogger(__name__)
 
@@ -67,9 +70,7 @@ __all__ = ["HandshakeError", "TransferEngine"]
 
 
 def _discard_pair(group, why: str) -> None:
-    from .transports import pg
-
-    pg.discard_pair(group, why)
+    pg_groups.discard_pair(group, why)
 
 
 class TransferEngine(ExporterRole, LoaderRole, NixlRole):
@@ -79,13 +80,13 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         spec: this engine's cache spec (all ranks alike).
         caches: this rank's per-layer caches (``spec.cache_shape(num_blocks, tp_size)`` each).
             For the ``ipc`` transport on CPU, allocate them with
-            :func:`kvxfer.transports.shm.alloc_shm_caches` so loaders can map them.
+            :func:`kvxfer.transports.ipc.shm.alloc_shm_caches` so loaders can map them.
         tp_rank, tp_size: this rank and the engine's TP size.
         engine_id: unique id of the engine (all ranks alike).
         host: address the side channel (and pg store) bind to and that params advertise.
         transport: ``"auto"`` (ipc when both sides are on one host and the exporter's caches
             can be mapped; else nixl across hosts when both sides offer it; else pg), ``"ipc"``,
-            ``"pg"`` or ``"nixl"`` (NIXL one-sided READs over UCX, :mod:`kvxfer.nixl_role`;
+            ``"pg"`` or ``"nixl"`` (NIXL one-sided READs over UCX, :mod:`kvxfer.transports.nixl.role`;
             needs ``kvxfer[nixl]``, checked here); an explicit transport that cannot be used
             fails the request naming why.
         lease_s: how long exported blocks are held without a heartbeat.
@@ -94,7 +95,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         timeout_s: a load's deadline, from the ``poll()`` that starts it: its handshake,
             lease grants, copy or stream, and GPU completion all end by then (default
             ``min(lease_s, 10)``); also the bound of the exporter's side of a transfer.
-        pipeline: the :class:`~kvxfer.transports.staged.StagedPipeline` of the ``pg``
+        pipeline: the :class:`~kvxfer.transports.pg.pipeline.StagedPipeline` of the ``pg``
             transport (staging buffer size and depth, pinned-host staging on GPU, chunk cap);
             default ``StagedPipeline()``: 2 x 32 MiB buffers per role.
         auth_key: a cluster-wide key the engines' secrets derive from (default
@@ -248,7 +249,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
                         e,
                     )
         # ipc entry of the handshake (shm mapper for CPU caches, CUDA IPC for CUDA caches)
-        offer = choice.offer_ipc(
+        offer = ipc_offer.offer_ipc(
             self.caches, self.device, self.num_blocks, self.engine_id, self.transport in ("auto", "ipc")
         )
         self._ipc_desc, self._epoch_shm = offer.desc, offer.epoch_shm
@@ -256,11 +257,9 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             self._offers.append("ipc")
         self._exports = ExportTracker(self.num_blocks, self.lease_s, offer.epochs)
         if self.transport in ("auto", "pg"):
-            from .transports import pg
-
-            self._store = pg.serve_store(self.host, self.timeout_s)
+            self._store = pg_groups.serve_store(self.host, self.timeout_s)
             self._pg_backend = self.pipeline.pg_backend(self.device)
-            self._pg_backends = choice.offered_pg_backends(self._pg_backend, self.device)
+            self._pg_backends = pg_groups.offered_pg_backends(self._pg_backend, self.device)
             self._offers.append("pg")
         self._nixl_init()  # offers nixl when NIXL imports; the agent now only for transport="nixl"
         self._client = C.ControlClient(self._ctx)
@@ -314,11 +313,9 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._sender_pairs.discard_all(why)
         if not any(r.pairs for r in self._remotes.values()):
             return
-        from .transports import pg
-
         for rem in list(self._remotes.values()):
             for group, _ in list(rem.pairs.values()):
-                pg.discard_pair(group, why)
+                pg_groups.discard_pair(group, why)
 
     def _release_parts(self) -> None:
         """Free what :meth:`start` made (whatever part of it was made)."""
@@ -326,7 +323,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self._sender_pairs.discard_all("engine closed")
         for rem in list(self._remotes.values()):
             for m in rem.ipc.values():
-                choice.detach(m.handles)
+                ipc_offer.detach(m.handles)
         self._remotes.clear()
         for name in ("_server", "_client"):
             part = getattr(self, name, None)

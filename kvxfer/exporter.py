@@ -19,12 +19,12 @@ import torch
 from . import control as C
 from . import ops
 from .auth import UNAUTHORIZED
+from .completion import UNKNOWN
 from .engine_types import TICK_MS
 from .entitlement import allowed_prefixes, call_refusal
 from .ordering import NOT_READY
 from .plan import plan_reads
 from .tracing import batch_tag
-from .tracker import UNKNOWN
 from .transports.batching import view_at
 
 _LOG = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class ExporterRole:
                 why = next(iter(bad.values()))
                 return C.ErrorReply(f"{C.HELLO_REFUSED}: {why}")
             reply = self._hello_reply()
-            reply.nixl = self._nixl_entry(msg)  # kvxfer.nixl_role
+            reply.nixl = self._nixl_entry(msg)  # kvxfer.transports.nixl.role
             return reply
         if isinstance(msg, C.Heartbeat):
             bad = self._authorized(msg.request_ids, msg.tokens)
@@ -138,7 +138,7 @@ class ExporterRole:
         if isinstance(msg, C.SendReq):
             return self._handle_send(msg)
         if isinstance(msg, C.NixlPairReq):
-            return self._handle_nixl_pair(msg)  # kvxfer.nixl_role
+            return self._handle_nixl_pair(msg)  # kvxfer.transports.nixl.role
         return C.ErrorReply(f"unexpected message {type(msg).__name__}")
 
     def _handle_read(self, msg: C.ReadReq):
@@ -248,7 +248,7 @@ class ExporterRole:
         if bad:
             return C.SendReply(ok=False, failed={"*": UNAUTHORIZED})
         if self._nixl_owns(msg.key):
-            return self._handle_nixl_send(msg)  # a staged nixl stream (kvxfer.nixl_role)
+            return self._handle_nixl_send(msg)  # a staged nixl stream (kvxfer.transports.nixl.role)
         if self._sender_pairs.backend(msg.key) is None:
             why = f"unknown pair group {msg.key} (never paired here, evicted, or this rank restarted)"
             return C.SendReply(ok=False, failed={"*": why})
@@ -317,7 +317,7 @@ class ExporterRole:
     def _stream_send(self, pair, job: StreamJob) -> None:
         """Gather (:meth:`_stream_gathers`) and send a pg stream's chunks on the engine's send
         stream, then its status (one byte per request: landed or released meanwhile). Runs on
-        the pair's own thread (:class:`~kvxfer.transports.pg_senders.PairSenders`); a failure
+        the pair's own thread (:class:`~kvxfer.transports.pg.send.PairSenders`); a failure
         discards the pair."""
         hook = self._hooks.get("before_send")
         if hook:
@@ -387,7 +387,7 @@ class ExporterRole:
 
     def _send_loop(self) -> None:
         """The sender thread: staged ``nixl`` streams, one after another (``pg`` pairs run
-        their streams on threads of their own: :mod:`kvxfer.transports.pg_senders`)."""
+        their streams on threads of their own: :mod:`kvxfer.transports.pg.send`)."""
         while not self._stop.is_set():
             try:
                 job = self._send_q.get(timeout=0.1)
@@ -395,12 +395,12 @@ class ExporterRole:
                 continue
             if job is None:
                 return
-            self._nixl_stream_send(job[2])  # kvxfer.nixl_role; logs its own failures
+            self._nixl_stream_send(job[2])  # kvxfer.transports.nixl.role; logs its own failures
 
     def _join_pair(self, key: str, backend: str):
         """Join pair group ``key`` as its rank 0 (a pair's own thread: blocks until the loader
         joins, at most ``timeout_s``)."""
-        from .transports import pg
+        from .transports.pg import groups as pg
 
         store = pg.connect_store(self.host, self._store.port, self.timeout_s)
         return pg.new_pair(store, key, 0, self.host, self.timeout_s, backend)

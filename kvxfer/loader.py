@@ -11,8 +11,8 @@ One load, from ``poll()`` to the notification:
    reads for a lease grant (:meth:`_grant`: renews the leases, returns block epochs; retried
    while a rank does not know a request yet or its compute is not done), then reads from each
    source rank (:meth:`_read_rank`: one fused copy from the mapped exporter cache over ``ipc``,
-   :meth:`_ipc_read` in :mod:`kvxfer.ipc_read`; a staged stream over ``pg``, :meth:`_pg_read` in
-   :mod:`kvxfer.pg_read`; or ``nixl``, :mod:`kvxfer.nixl_role`), and reports every load once
+   :meth:`_ipc_read` in :mod:`kvxfer.transports.ipc.read`; a staged stream over ``pg``, :meth:`_pg_read` in
+   :mod:`kvxfer.transports.pg.read`; or ``nixl``, :mod:`kvxfer.transports.nixl.role`), and reports every load once
    (:meth:`_complete`).
 4. The exporter ranks the plan names are notified (landed, or failed) through the notifier
    thread (:mod:`kvxfer.notifier`), which retries until acknowledged or the lease is over.
@@ -29,6 +29,7 @@ import time
 
 from . import control as C
 from . import idops
+from .completion import UNKNOWN
 from .engine_types import (
     Expired,
     HandshakeError,
@@ -39,16 +40,17 @@ from .engine_types import (
     disjoint_blocks,
     time_left,
 )
-from .ipc_read import IpcReads
 from .metrics import now
 from .notifier import Notifier
 from .ordering import NOT_READY, FenceTimeout, event_done
-from .pg_read import PgReads
 from .plan import plan_reads
 from .spec import KVCacheSpec
 from .tracing import batch_tag, items_tag, trace
-from .tracker import UNKNOWN
 from .transports import BatchPlan, choice, plan_batch
+from .transports.ipc import offer as ipc_offer
+from .transports.ipc.read import IpcReads
+from .transports.pg import groups as pg_groups
+from .transports.pg.read import PgReads
 
 _LOG = logging.getLogger(__name__)
 
@@ -268,7 +270,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         rem.src_ranks = sorted({r.src_rank for r in rem.reads})
         rem.reads_by_rank = {s: [r for r in rem.reads if r.src_rank == s] for s in rem.src_ranks}
         if transport == "nixl":
-            self._nixl_setup(rem)  # kvxfer.nixl_role: metadata, direct/staged per read
+            self._nixl_setup(rem)  # kvxfer.transports.nixl.role: metadata, direct/staged per read
         self._remotes[p.engine_id] = rem
         self._metrics.record_handshake(p.engine_id, now() - t0, transport)
         return rem
@@ -294,7 +296,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                         raise ValueError(
                             f"pg: exporter rank {r.tp_rank} advertises no staging buffers (an incompatible kvxfer)"
                         )
-                backends, bwhy = choice.pair_backends(self.device, info, replies)
+                backends, bwhy = pg_groups.pair_backends(self.device, info, replies)
                 why = f"{why}; {bwhy}" if bwhy else why
         except ValueError as e:
             raise HandshakeError(str(e)) from None
@@ -566,7 +568,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 if rem.transport == "ipc":
                     with trace("copy", batch_tag, alive):
                         moved, landed, bad = self._ipc_read(rem, s, reads, loads, granted, deadline, layers)
-                elif rem.transport == "nixl":  # kvxfer.nixl_role
+                elif rem.transport == "nixl":  # kvxfer.transports.nixl.role
                     moved, landed, bad = self._nixl_read(rem, s, reads, loads, granted, deadline, layers)
                 else:
                     moved, landed, bad = self._pg_read(rem, s, reads, loads, deadline, layers)
@@ -652,11 +654,9 @@ class LoaderRole(IpcReads, PgReads, Notifier):
     # ----------------------------------------------------------------------- remotes
     def _drop_pair(self, rem: Remote, s: int, why: str = "an op failed or timed out") -> None:
         """Abort and forget the pair group with source rank ``s`` (the next read re-pairs)."""
-        from .transports import pg
-
         got = rem.pairs.pop(s, None)
         if got is not None:
-            pg.discard_pair(got[0], why)
+            pg_groups.discard_pair(got[0], why)
 
     def _forget(self, rem: Remote, why: str = "the remote stopped answering") -> None:
         """Drop a remote with its pair groups and mappings; the next load handshakes again."""
@@ -665,9 +665,9 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         if self._remotes.get(rem.engine_id) is rem:
             del self._remotes[rem.engine_id]
         for m in rem.ipc.values():
-            choice.detach(m.handles)
+            ipc_offer.detach(m.handles)
         rem.ipc.clear()
-        self._nixl_forget(rem)  # kvxfer.nixl_role
+        self._nixl_forget(rem)  # kvxfer.transports.nixl.role
         for a in rem.addrs:
             self._client.drop(a)
 

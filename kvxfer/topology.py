@@ -5,7 +5,7 @@
 
 How the engine plugs it in: probe once at start-up (``topo = probe()``), put
 ``topo.to_dict()`` in stats, and at handshake pass it to
-:func:`kvxfer.transports.cuda_ipc.choose_transport`, which calls :func:`recommend_transport`
+:func:`kvxfer.transports.ipc.cuda_ipc.choose_transport`, which calls :func:`recommend_transport`
 for the two GPUs (identified by UUID, since ``CUDA_VISIBLE_DEVICES`` renumbers devices per
 process) once CUDA IPC itself can work.
 """

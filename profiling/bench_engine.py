@@ -40,7 +40,7 @@ from bench_host_floor import FLOOR_TOKENS, host_floor
 from engine_harness import Loopback, NullKernel, aliased_shm_caches, restore_backends, use_null_backend
 
 from kvxfer import KVCacheSpec, TransferEngine, ops
-from kvxfer.transports.shm import alloc_shm_caches
+from kvxfer.transports.ipc.shm import alloc_shm_caches
 
 
 def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: bool = False) -> dict:

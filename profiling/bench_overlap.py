@@ -55,7 +55,7 @@ def prefill(args: dict, q_out, q_in) -> None:
 
 
 def _prefill(args: dict, q_out, q_in) -> None:
-    from kvxfer.transports.shm import alloc_shm_caches
+    from kvxfer.transports.ipc.shm import alloc_shm_caches
 
     spec = _spec(args["layers"])
     dev = torch.device(args["device"])
@@ -148,7 +148,7 @@ def run(a: argparse.Namespace) -> int:
     rows = []
     nb = dspec.num_blocks_for(max(sizes)) + 1
     if device.type == "cpu":
-        from kvxfer.transports.shm import alloc_shm_caches
+        from kvxfer.transports.ipc.shm import alloc_shm_caches
 
         dshm = alloc_shm_caches(dspec, nb, 1)
         dcaches = dshm.caches

@@ -122,7 +122,7 @@ def device_digest(wire: torch.Tensor) -> str:
 def mappable_caches(spec, num_blocks: int, device: torch.device, fill: bool):
     """Caches the ``ipc`` transport can map (shared memory on a CPU, device memory on a GPU),
     filled with seeded noise or zeros; returns (the shared memory to close or None, caches)."""
-    from kvxfer.transports.shm import alloc_shm_caches
+    from kvxfer.transports.ipc.shm import alloc_shm_caches
 
     if device.type == "cpu":
         shm = alloc_shm_caches(spec, num_blocks, 1, fill=0)
@@ -151,7 +151,7 @@ def exporter(args: dict, cmd_q, reply_q) -> None:
 
 
 def _exporter(args: dict, cmd_q, reply_q) -> None:
-    from kvxfer.transports import pg
+    from kvxfer.transports.pg import groups as pg
 
     p_spec, _ = specs(args["layers"])
     nb = p_spec.num_blocks_for(max(args["sizes"]))
@@ -320,7 +320,7 @@ def _link_limit(
     if transport == "ipc" or transport.startswith("nixl"):
         kind = "d2d" if device.type == "cuda" else "cpu"
         return common.CopyLimit(device).measure(nbytes, kind, iters, 1), f"copy_{kind}"
-    from kvxfer.transports import pg
+    from kvxfer.transports.pg import groups as pg
 
     key = f"link-{nbytes}-{time.monotonic_ns()}"
     rounds = iters + 1
@@ -342,7 +342,7 @@ def _link_limit(
 
 def default_transports() -> str:
     """``ipc,pg``, and both nixl paths when NIXL can be imported."""
-    from kvxfer.transports.nixl import nixl_status
+    from kvxfer.transports.nixl.agent import nixl_status
 
     return "ipc,pg" + ("" if nixl_status() else ",nixl-direct,nixl-staged")
 

@@ -222,7 +222,7 @@ def gloo_loopback_s(nbytes: int, iters: int) -> float:
     (``bench_engine.py``; ``bench_transfer.py`` measures it between its two processes)."""
     import threading
 
-    from kvxfer.transports import pg
+    from kvxfer.transports.pg import groups as pg
 
     store = pg.serve_store("127.0.0.1", 60.0)
     key = f"bench-link-{time.monotonic_ns()}"

@@ -11,7 +11,7 @@ import time
 
 from kvxfer import KVCacheSpec, TransferEngine, ops
 from kvxfer import control as C
-from kvxfer.transports.shm import alloc_shm_caches
+from kvxfer.transports.ipc.shm import alloc_shm_caches
 
 
 class NullKernel:

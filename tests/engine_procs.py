@@ -105,7 +105,9 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "kvxfer.engine", "kvxfer.transports.pg", "tests.engine_procs"])
+        _CTX.set_forkserver_preload(
+            ["torch", "kvxfer.engine", "kvxfer.transports.pg.groups", "tests.engine_procs"]
+        )
     return _CTX
 
 
@@ -168,7 +170,7 @@ def _pipeline(sc: dict):
     """``sc["staged"]``: kwargs of a StagedPipeline (chunked, double-buffered pg); else None."""
     if sc.get("staged") is None:
         return None
-    from kvxfer.transports.staged import StagedPipeline
+    from kvxfer.transports.pg.pipeline import StagedPipeline
 
     return StagedPipeline(**sc["staged"])
 
@@ -177,7 +179,7 @@ def _caches(spec: KVCacheSpec, num_blocks: int, tp: int, device: str, shared: bo
     """(caches, owner to close): shm caches on CPU when ``shared``, else plain tensors (CUDA
     ones from torch's allocator, exportable over CUDA IPC)."""
     if device == "cpu" and shared:
-        from kvxfer.transports.shm import alloc_shm_caches
+        from kvxfer.transports.ipc.shm import alloc_shm_caches
 
         shm = alloc_shm_caches(spec, num_blocks, tp)
         return shm.caches, shm
@@ -322,7 +324,7 @@ def soak_exporter(sc: dict, q_d0, q_d1) -> dict:
     import random
 
     from kvxfer import TransferEngine
-    from kvxfer.transports.shm import alloc_shm_caches
+    from kvxfer.transports.ipc.shm import alloc_shm_caches
 
     rng = random.Random(sc["seed"])
     spec = _spec(sc["src_spec"])
@@ -452,7 +454,7 @@ def fault_exporter(sc: dict, part: str, q_d0, q_d1, q_ctl) -> dict:
     import random
 
     from kvxfer import TransferEngine
-    from kvxfer.transports.shm import alloc_shm_caches
+    from kvxfer.transports.ipc.shm import alloc_shm_caches
 
     _install_faults(sc, 100 if part == "first" else 200)
     rng = random.Random(sc["seed"] + (0 if part == "first" else 1))

@@ -35,7 +35,7 @@ def _rss_mb() -> float:
 
 def hostile_exporter(sc: dict, q_d, q_h) -> dict:
     from kvxfer import TransferEngine
-    from kvxfer.transports.shm import alloc_shm_caches
+    from kvxfer.transports.ipc.shm import alloc_shm_caches
 
     rng = random.Random(sc["seed"])
     spec = _spec(sc["spec"])

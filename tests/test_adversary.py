@@ -21,7 +21,7 @@ import zmq
 from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine
 from kvxfer import control as C
 from kvxfer.limits import MAX_TP_SIZE
-from kvxfer.transports.shm import alloc_shm_caches
+from kvxfer.transports.ipc.shm import alloc_shm_caches
 
 from .engine_procs import check, fill, poison, untouched
 
@@ -356,7 +356,7 @@ def test_an_abandoned_pairing_does_not_stop_other_pg_readers(engines):
 
 
 def test_pairings_are_bounded_and_idle_ones_evicted():
-    from kvxfer.transports.pg_senders import PairSenders
+    from kvxfer.transports.pg.send import PairSenders
 
     stop = threading.Event()
     gate = threading.Event()

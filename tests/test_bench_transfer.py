@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvxfer.transports.nixl import nixl_status
+from kvxfer.transports.nixl.agent import nixl_status
 from tests.test_profiling import _run, _table_rows
 
 TRANSPORTS = ("ipc", "pg") + (() if nixl_status() else ("nixl-direct", "nixl-staged"))

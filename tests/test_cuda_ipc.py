@@ -22,8 +22,8 @@ from kvxfer import ops
 from kvxfer.plan import plan_reads
 from kvxfer.spec import KVCacheSpec, Layout
 from kvxfer.topology import probe
-from kvxfer.transports import cuda_ipc
-from kvxfer.transports.cuda_ipc import (
+from kvxfer.transports.ipc import cuda_ipc
+from kvxfer.transports.ipc.cuda_ipc import (
     IpcHandleCache,
     choose_transport,
     expandable_segments_enabled,
@@ -448,7 +448,7 @@ def test_gpu_ipc_two_processes_one_gpu():
 def test_gpu_stream_ordering_transfer_sees_kernel_result():
     """A gather issued on a transfer stream right after a (slow) kernel on the compute stream
     that rewrites the cache sees the new bytes, ordered by an event, not by synchronize()."""
-    from kvxfer.staging import record_done
+    from kvxfer.transports.staging import record_done
 
     spec = KVCacheSpec(2, 4, 128, 16, torch.bfloat16)
     caches = [c.cuda() for c in make_cache(spec, 64, 4, 0)]
@@ -520,7 +520,7 @@ def test_offer_failure_is_logged_with_the_reason(caplog, monkeypatch):
     puts in its handshake), not silently turned into a pg fallback."""
     import types
 
-    from kvxfer.transports import cuda_mapper
+    from kvxfer.transports.ipc import cuda_mapper
 
     def refuse(caches, engine_id, driver=None):
         raise RuntimeError("caches[0]: cannot export a CUDA IPC handle: CUresult 201")
@@ -528,7 +528,7 @@ def test_offer_failure_is_logged_with_the_reason(caplog, monkeypatch):
     monkeypatch.setattr(cuda_ipc, "publish_caches", refuse)
     monkeypatch.setattr(cuda_mapper, "handle_cache", lambda driver=None: types.SimpleNamespace(driver=None))
     fake_cuda_layer = types.SimpleNamespace(device=torch.device("cuda", 0))
-    with caplog.at_level("WARNING", logger="kvxfer.transports.cuda_mapper"):
+    with caplog.at_level("WARNING", logger="kvxfer.transports.ipc.cuda_mapper"):
         desc, why = cuda_mapper.offer([fake_cuda_layer], "P")
     assert desc is None and "CUresult 201" in why
     assert any(

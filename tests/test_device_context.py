@@ -91,7 +91,7 @@ def test_ipc_driver_context_binds_the_cache_device_on_a_fresh_thread():
     """The IPC driver's context() (around cuMemGetAddressRange / cuPointerGetAttribute) binds the
     cache device's context; before, it entered ``cupy.cuda.Device``, which binds nothing on a
     thread whose current device is already that index."""
-    from kvxfer.transports.cuda_ipc import CudaIpcDriver
+    from kvxfer.transports.ipc.cuda_ipc import CudaIpcDriver
 
     rt = FakeRuntime()
     drv = object.__new__(CudaIpcDriver)  # no libcuda here: only the context is exercised

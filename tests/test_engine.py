@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvxfer import KVCacheSpec, TransferEngine, ops
-from kvxfer.transports.shm import alloc_shm_caches
+from kvxfer.transports.ipc.shm import alloc_shm_caches
 
 from .engine_procs import POISON, check, fill, payload, poison, untouched
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvxfer import CompletionAggregator, KVCacheSpec
-from kvxfer.tracker import PollResult
+from kvxfer.completion import PollResult
 
 from .engine_procs import exporter_rank, free_port_base, loader_rank, run_procs
 
@@ -150,7 +150,7 @@ def exporter_rank_then_die(sc, tp_rank, q_out, q_ctl):
     import os
 
     from kvxfer import TransferEngine
-    from kvxfer.transports.shm import alloc_shm_caches
+    from kvxfer.transports.ipc.shm import alloc_shm_caches
 
     from .engine_procs import _spec, fill
 

@@ -17,7 +17,7 @@ import torch
 from kvxfer import KVCacheSpec, TransferEngine
 from kvxfer.params import params_dict
 from kvxfer.ports import free_port_base
-from kvxfer.transports.shm import alloc_shm_caches
+from kvxfer.transports.ipc.shm import alloc_shm_caches
 
 from .engine_procs import check, fill, poison
 

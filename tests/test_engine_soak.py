@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvxfer import CompletionAggregator, KVCacheSpec
-from kvxfer.tracker import PollResult
+from kvxfer.completion import PollResult
 
 from .engine_procs import free_port_base, run_procs, soak_exporter, soak_loader
 

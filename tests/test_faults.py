@@ -18,7 +18,7 @@ import zmq
 from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine
 from kvxfer import control as C
 from kvxfer.ports import free_port_base
-from kvxfer.transports.shm import alloc_shm_caches
+from kvxfer.transports.ipc.shm import alloc_shm_caches
 
 from .engine_procs import check, fill, poison, untouched
 
@@ -129,7 +129,7 @@ def test_failed_start_leaks_nothing(monkeypatch):
     memory segment and the key file, and raises the cause."""
     import os
 
-    from kvxfer.transports import pg
+    from kvxfer.transports.pg import groups as pg
 
     shm = alloc_shm_caches(SPEC, 8, 1)
     threads_before = threading.active_count()

@@ -13,10 +13,13 @@ import torch
 from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, ops, tracing
 from kvxfer import control as C
 from kvxfer.ordering import NOT_READY, StreamOrder
-from kvxfer.transports import choice, cuda_mapper
-from kvxfer.transports.cuda_ipc import publish_caches
-from kvxfer.transports.shm import alloc_shm_caches
-from kvxfer.transports.staged import StagedPipeline
+from kvxfer.transports import choice
+from kvxfer.transports.ipc import cuda_mapper
+from kvxfer.transports.ipc import offer as ipc_offer
+from kvxfer.transports.ipc.cuda_ipc import publish_caches
+from kvxfer.transports.ipc.shm import alloc_shm_caches
+from kvxfer.transports.pg import groups as pg_groups
+from kvxfer.transports.pg.pipeline import StagedPipeline
 
 from .engine_procs import check, fill, poison, untouched
 from .test_cuda_ipc import FakeDriver, carve, info
@@ -128,44 +131,44 @@ def test_pair_backend_same_gpu_takes_gloo_and_says_why():
     read over Gloo (pinned host staging); ranks on other GPUs keep NCCL."""
     local = info(gpu_uuid="GPU-a")
     same, other = _entry(gpu_uuid="GPU-a"), _entry(gpu_uuid="GPU-b")
-    got, why = choice.pair_backends(
+    got, why = pg_groups.pair_backends(
         CUDA, local, [_reply(0, ipc=same, pg=_pg()), _reply(1, ipc=other, pg=_pg())]
     )
     assert got == ["gloo", "nccl"]
     assert why.startswith("Gloo through pinned host staging for exporter rank(s) [0]: they share")
-    assert choice.pair_backends(CUDA, local, [_reply(0, ipc=other, pg=_pg())]) == (["nccl"], "")
+    assert pg_groups.pair_backends(CUDA, local, [_reply(0, ipc=other, pg=_pg())]) == (["nccl"], "")
     # another host with a GPU of the same UUID string is not the same GPU
     elsewhere = _entry(gpu_uuid="GPU-a", host_id="another-host")
-    assert choice.pair_backends(CUDA, local, [_reply(0, ipc=elsewhere, pg=_pg())])[0] == ["nccl"]
+    assert pg_groups.pair_backends(CUDA, local, [_reply(0, ipc=elsewhere, pg=_pg())])[0] == ["nccl"]
     # a not-offered ipc entry still carries the info the choice needs
     no_ipc = {"mapper": None, "info": info(gpu_uuid="GPU-a"), "why": "pg only"}
-    assert choice.pair_backends(CUDA, local, [_reply(0, ipc=no_ipc, pg=_pg())])[0] == ["gloo"]
+    assert pg_groups.pair_backends(CUDA, local, [_reply(0, ipc=no_ipc, pg=_pg())])[0] == ["gloo"]
 
 
 def test_pair_backend_same_gpu_nccl_only_is_a_clear_error():
     local = info(gpu_uuid="GPU-a")
     with pytest.raises(ValueError, match="shares GPU GPU-a with this loader and offers only NCCL"):
-        choice.pair_backends(
+        pg_groups.pair_backends(
             CUDA, local, [_reply(0, ipc=_entry(gpu_uuid="GPU-a"), pg=_pg(backends=["nccl"]))]
         )
 
 
 def test_pair_backend_cpu_and_gloo_exporters_unchanged():
     cpu = info(gpu_uuid=None)
-    assert choice.pair_backends(
+    assert pg_groups.pair_backends(
         torch.device("cpu"), cpu, [_reply(ipc=_entry("shm"), pg=_pg("gloo", ["gloo"]))]
     )[0] == ["gloo"]
     # a pinned-staging exporter offers Gloo only, whatever the GPUs
     local = info(gpu_uuid="GPU-a")
-    assert choice.pair_backends(
+    assert pg_groups.pair_backends(
         CUDA, local, [_reply(ipc=_entry(gpu_uuid="GPU-b"), pg=_pg("gloo", ["gloo"]))]
     )[0] == ["gloo"]
 
 
 def test_offered_pg_backends():
-    assert choice.offered_pg_backends("nccl", CUDA) == ["nccl", "gloo"]
-    assert choice.offered_pg_backends("gloo", CUDA) == ["gloo"]
-    assert choice.offered_pg_backends("gloo", torch.device("cpu")) == ["gloo"]
+    assert pg_groups.offered_pg_backends("nccl", CUDA) == ["nccl", "gloo"]
+    assert pg_groups.offered_pg_backends("gloo", CUDA) == ["gloo"]
+    assert pg_groups.offered_pg_backends("gloo", torch.device("cpu")) == ["gloo"]
 
 
 def test_pair_request_for_a_backend_not_served_is_refused():
@@ -186,7 +189,7 @@ def test_pair_request_for_a_backend_not_served_is_refused():
 def test_offer_ipc_cpu():
     shm = alloc_shm_caches(SPEC, 8, 1)
     try:
-        o = choice.offer_ipc(shm.caches, torch.device("cpu"), 8, "P")
+        o = ipc_offer.offer_ipc(shm.caches, torch.device("cpu"), 8, "P")
         assert o.offered and o.desc["mapper"] == "shm" and o.epochs.shape == (8,)
         assert o.desc["info"]["gpu_uuid"] is None and o.desc["epochs"] == o.epoch_shm.name
         o.epoch_shm.close()
@@ -194,9 +197,9 @@ def test_offer_ipc_cpu():
     finally:
         shm.close()
     plain = [torch.zeros(SPEC.cache_shape(8, 1), dtype=SPEC.dtype) for _ in range(2)]
-    o = choice.offer_ipc(plain, torch.device("cpu"), 8, "P")
+    o = ipc_offer.offer_ipc(plain, torch.device("cpu"), 8, "P")
     assert not o.offered and "not mappable" in o.desc["why"] and o.epochs is None
-    o = choice.offer_ipc(plain, torch.device("cpu"), 8, "P", enabled=False)
+    o = ipc_offer.offer_ipc(plain, torch.device("cpu"), 8, "P", enabled=False)
     assert not o.offered and "pg only" in o.desc["why"]
     desc, why = cuda_mapper.offer(plain, "P")
     assert desc is None and "not CUDA" in why
@@ -216,8 +219,8 @@ def test_cuda_mapper_attach_copy_detach_with_fake_driver():
         ep, seg = cuda_mapper.shm.alloc_shm_array(6)
         ep[:] = torch.arange(6)
         entry = {"mapper": "cuda", "caches": desc, "epochs": seg.name, "num_blocks": 6, "info": info()}
-        a, ep_a, ha = choice.attach(entry, torch.device("cpu"))
-        b, _, hb = choice.attach(entry, torch.device("cpu"))
+        a, ep_a, ha = ipc_offer.attach(entry, torch.device("cpu"))
+        b, _, hb = ipc_offer.attach(entry, torch.device("cpu"))
         assert len(drv.opened) == 1 and cache.num_hits == 1  # opened once, shared
         assert [t.data_ptr() for t in b] == [t.data_ptr() for t in a] == [t.data_ptr() for t in src]
         assert torch.equal(ep_a, torch.arange(6))
@@ -227,9 +230,9 @@ def test_cuda_mapper_attach_copy_detach_with_fake_driver():
         want = ops.gather_blocks(src, spec, [4, 1], 27)
         got = ops.gather_blocks(dst, dst_spec, [9, 2, 5, 0], 27)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-        choice.detach(ha)
+        ipc_offer.detach(ha)
         assert drv.closed == []  # b still uses it
-        choice.detach(hb)
+        ipc_offer.detach(hb)
         assert len(drv.closed) == 1 and len(cache) == 0
         cuda_mapper.shm.release_segment(seg)
     finally:

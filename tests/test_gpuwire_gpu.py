@@ -78,7 +78,7 @@ def test_stream_ordering_export_ready_and_load_completion():
     """The compute writing P's blocks runs on its own stream behind a long spin kernel; the
     export hands its event as ``ready``. D's load must see the written bytes (not the poison)
     and, once poll() reports it, a kernel on D's default stream reads the landed bytes."""
-    from kvxfer.transports.staged import StagedPipeline
+    from kvxfer.transports.pg.pipeline import StagedPipeline
 
     spec = KVCacheSpec(2, 4, 64, 16, torch.bfloat16)
     dev = torch.device("cuda", 0)
@@ -128,7 +128,7 @@ def test_pg_on_one_gpu_takes_gloo_through_pinned_host(mode, dtype):
     """P and D on one GPU over ``pg`` with the default (NCCL-preferring) set-up: NCCL cannot put
     both ranks of a pair on one GPU, so the loader picks Gloo through pinned host staging and
     says why in stats()["transport_reasons"]; the bytes land exactly, the rest stays poisoned."""
-    from kvxfer.transports.staged import StagedPipeline
+    from kvxfer.transports.pg.pipeline import StagedPipeline
 
     spec = KVCacheSpec(2, 4, 64, 16, dtype)
     dev = torch.device("cuda", 0)

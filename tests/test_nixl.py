@@ -13,9 +13,9 @@ import torch
 
 from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, ops
 from kvxfer import control as C
-from kvxfer.transports.nixl import nixl_status
-from kvxfer.transports.shm import alloc_shm_caches
-from kvxfer.transports.staged import StagedPipeline
+from kvxfer.transports.ipc.shm import alloc_shm_caches
+from kvxfer.transports.nixl.agent import nixl_status
+from kvxfer.transports.pg.pipeline import StagedPipeline
 
 from .engine_procs import check, fill, payload, poison, untouched
 

@@ -13,7 +13,7 @@ import torch
 
 from kvxfer import KVCacheSpec, Layout
 from kvxfer.ops import copy_blocks
-from kvxfer.transports.nixl_descs import (
+from kvxfer.transports.nixl.descs import (
     CacheGeometry,
     block_runs,
     coalesce,

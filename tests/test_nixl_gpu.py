@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvxfer import KVCacheSpec, TransferEngine
-from kvxfer.transports.nixl import nixl_status
-from kvxfer.transports.staged import StagedPipeline
+from kvxfer.transports.nixl.agent import nixl_status
+from kvxfer.transports.pg.pipeline import StagedPipeline
 
 from .engine_procs import check, fill, poison, untouched
 

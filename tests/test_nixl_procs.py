@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvxfer import KVCacheSpec
-from kvxfer.transports.nixl import nixl_status
+from kvxfer.transports.nixl.agent import nixl_status
 
 from .engine_procs import _context, check, exporter_rank, fill, loader_rank, run_procs
 from .test_engine_procs import _aggregate, _scenario
@@ -201,7 +201,7 @@ def dying_exporter(sc, q_out, q_ctl):
 
 
 def _pipe(sc):
-    from kvxfer.transports.staged import StagedPipeline
+    from kvxfer.transports.pg.pipeline import StagedPipeline
 
     return StagedPipeline(**sc["staged"])
 
@@ -298,7 +298,7 @@ def test_loader_killed_mid_stream_exporter_keeps_serving(mode, monkeypatch):
     stream ends within its bound, P's lease frees the blocks, and P serves another loader's
     new request byte for byte."""
     from kvxfer import TransferEngine
-    from kvxfer.transports.staged import StagedPipeline
+    from kvxfer.transports.pg.pipeline import StagedPipeline
 
     for k in ("UCX_TLS", "UCX_NET_DEVICES"):
         monkeypatch.delenv(k, raising=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvxfer.transports import pg
+from kvxfer.transports.pg import groups as pg
 
 
 class _Group:
@@ -32,7 +32,7 @@ def test_discard_pair_aborts():
 
 def test_discard_pair_falls_back_to_shutdown_and_logs_refusals(caplog):
     g = _Group(fail=["abort", "shutdown"])
-    with caplog.at_level(logging.WARNING, logger="kvxfer.transports.pg"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.transports.pg.groups"):
         pg.discard_pair(g, "send timed out")  # never raises
     assert g.calls == ["abort", "shutdown"]
     msgs = [r.getMessage() for r in caplog.records]

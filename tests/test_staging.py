@@ -18,7 +18,8 @@ import torch
 from kvxfer import ops
 from kvxfer.engine_types import describe_error
 from kvxfer.spec import KVCacheSpec, Layout
-from kvxfer.staging import (
+from kvxfer.transports.pg.pipeline import StagedPipeline
+from kvxfer.transports.staging import (
     Chunk,
     StagingPool,
     chunk_tokens_for,
@@ -27,7 +28,6 @@ from kvxfer.staging import (
     pipelined_send,
     wire_viewer,
 )
-from kvxfer.transports.staged import StagedPipeline
 
 POISON = 0xA5
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

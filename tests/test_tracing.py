@@ -272,7 +272,7 @@ def test_one_load_shows_its_whole_path_as_ranges(monkeypatch, transport):
     import torch
 
     from kvxfer import KVCacheSpec, TransferEngine
-    from kvxfer.transports.shm import alloc_shm_caches
+    from kvxfer.transports.ipc.shm import alloc_shm_caches
 
     monkeypatch.delenv("KVXFER_NVTX", raising=False)
     saved = dict(tracing._state)

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from host_kernels import HostKernels  # noqa: E402
 
 from kvxfer import KVCacheSpec, Layout, TransferEngine, ops  # noqa: E402
-from kvxfer.transports.staged import StagedPipeline  # noqa: E402
+from kvxfer.transports.pg.pipeline import StagedPipeline  # noqa: E402
 from tests.engine_procs import POISON, payload  # noqa: E402
 
 DEADLINE_S = 60.0
@@ -79,7 +79,7 @@ def _scenario(kernels: HostKernels, transport: str, src: KVCacheSpec, dst: KVCac
 
     kw = {} if transport == "ipc" else {"pipeline": pipe()}
     if transport == "ipc":  # ipc maps the exporter's cache: shared memory
-        from kvxfer.transports.shm import alloc_shm_caches
+        from kvxfer.transports.ipc.shm import alloc_shm_caches
 
         shm = alloc_shm_caches(src, sb + 8, 1)
         for a, b in zip(shm.caches, sc):

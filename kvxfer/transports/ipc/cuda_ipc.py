@@ -32,7 +32,7 @@ How the engine plugs it in:
    topology.probe())``; log ``reason`` and put it in stats;
 3. loader: ``src = handle_cache.open_caches(peer_engine_id, peer_desc, device)`` once per peer
    (cached), then per read ``ops.copy_blocks(src, peer_spec, ...)`` on the transfer stream
-   (see :mod:`kvxfer.staging` for ordering), checking the lease epoch before and after;
+   (see :mod:`kvxfer.transports.staging` for ordering), checking the lease epoch before and after;
 4. peer gone / re-handshake: ``handle_cache.invalidate_peer(peer)`` / ``retain(peer, desc)``.
 """
 
@@ -51,8 +51,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..backends.device_context import bound_device
-from ..spec import dtype_from_name, dtype_name
+from ...backends.device_context import bound_device
+from ...spec import dtype_from_name, dtype_name
 
 __all__ = [
     "DESCRIPTION_VERSION",
@@ -228,7 +228,7 @@ def choose_transport(
             raise ValueError(f"transport: 'ipc' requested but CUDA IPC cannot work: {why}")
         return "pg", f"pg: CUDA IPC cannot work: {why}"
     if topology is not None:
-        from ..topology import recommend_transport
+        from ...topology import recommend_transport
 
         rec = recommend_transport(topology, local["gpu_uuid"], peer["gpu_uuid"])
         if rec.transport != "ipc":

@@ -4,14 +4,14 @@
 between registered memory of two processes — on one host or across hosts (InfiniBand, RoCE,
 EFA, TCP through UCX) — and delivers short notifications. kvxfer uses it as its third
 transport: the loader READs the exporter's memory, either the cache blocks themselves (*direct*)
-or staging buffers the exporter gathered into (*staged*, :mod:`kvxfer.transports.nixl_staged`).
+or staging buffers the exporter gathered into (*staged*, :mod:`kvxfer.transports.nixl.staged`).
 
 This module wraps one ``nixl_agent`` per engine rank (:class:`NixlAgent`):
 
 * memory is registered once per allocation (caches, lease epochs, staging pools), never per
   request;
 * ``read()`` prepares both descriptor lists (``N x 3`` numpy arrays from
-  :mod:`kvxfer.transports.nixl_descs`), posts one READ and polls it, every wait bounded by
+  :mod:`kvxfer.transports.nixl.descs`), posts one READ and polls it, every wait bounded by
   the caller's deadline (and by the engine's stop event); a READ that outlives its deadline
   is cancelled, or, when NIXL cannot cancel it, handed back as a :class:`XferFence` whose
   ``query()`` turns true once it ended — the caller must not reuse its memory before;
@@ -47,9 +47,9 @@ import msgspec
 import numpy as np
 import torch
 
-from ..limits import MAX_ID_CHARS, MAX_REQUESTS
-from ..ordering import poll_pause
-from .nixl_descs import storages
+from ...limits import MAX_ID_CHARS, MAX_REQUESTS
+from ...ordering import poll_pause
+from .descs import storages
 
 _LOG = logging.getLogger(__name__)
 

@@ -9,15 +9,15 @@ for CUDA caches, pinned host memory with ``pipeline.pin_memory``, host memory on
 
 Handshake: the exporter's ``HelloReply.nixl`` entry (given only to a loader that presented a
 request's token, like every cache description) carries its agent metadata, cache geometry
-(:class:`~kvxfer.transports.nixl_descs.CacheGeometry`), epoch array and staging buffers.
+(:class:`~kvxfer.transports.nixl.descs.CacheGeometry`), epoch array and staging buffers.
 The loader loads the metadata and decides per read (source rank, head slice):
 
 * **direct** — layouts, block sizes and head slices line up
-  (:func:`~kvxfer.transports.nixl_descs.direct_why`): one READ per (batch, source rank) of
+  (:func:`~kvxfer.transports.nixl.descs.direct_why`): one READ per (batch, source rank) of
   the exporter's blocks straight into the loader's, one descriptor per contiguous run; then a
   READ of the exporter's epochs of those blocks, compared with the lease grant's snapshot as
   ``ipc`` does (a block released before or during the READ is never delivered);
-* **staged** — otherwise: the chunked pipeline of :mod:`kvxfer.transports.nixl_staged`
+* **staged** — otherwise: the chunked pipeline of :mod:`kvxfer.transports.nixl.staged`
   (``SendReq`` on the side channel with the tokens; the exporter gathers under its lease lock,
   so released blocks are never read). The first staged read of a pair sends the exporter a
   ``NixlPairReq`` with the loader's connection-only metadata (for the notifications).
@@ -37,17 +37,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import control as C
-from . import ops
-from .engine_types import HandshakeError, LoadItem, Remote, describe_error, time_left
-from .ordering import FenceTimeout
-from .plan import Read
-from .tracing import batch_tag, trace
-from .transports import plan_batch
-from .transports.batching import view_at
-from .transports.nixl import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status
-from .transports.nixl_descs import CacheGeometry, descs, direct_runs, direct_why, epoch_runs
-from .transports.nixl_staged import NixlStaging, recv_stream, send_stream, stream_error
+from ... import control as C
+from ... import ops
+from ...engine_types import HandshakeError, LoadItem, Remote, describe_error, time_left
+from ...ordering import FenceTimeout
+from ...plan import Read
+from ...tracing import batch_tag, trace
+from ..batching import plan_batch, view_at
+from .agent import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status
+from .descs import CacheGeometry, descs, direct_runs, direct_why, epoch_runs
+from .staged import NixlStaging, recv_stream, send_stream, stream_error
 
 _LOG = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""``ipc`` cache mapper for CUDA caches: :mod:`kvxfer.transports.cuda_ipc` behind the mapper
+"""``ipc`` cache mapper for CUDA caches: :mod:`kvxfer.transports.ipc.cuda_ipc` behind the mapper
 interface the engine uses (registered as ``"cuda"``; the CPU one is ``"shm"``).
 
-* :func:`describe` (exporter, at start-up): :func:`~kvxfer.transports.cuda_ipc.publish_caches`
+* :func:`describe` (exporter, at start-up): :func:`~kvxfer.transports.ipc.cuda_ipc.publish_caches`
   of the rank's caches (IPC handles of the allocation bases) — or None when they cannot be
   exported; :func:`offer` says why.
 * :func:`attach` (loader, once per exporter rank): opens the allocations through one
-  process-wide :class:`~kvxfer.transports.cuda_ipc.IpcHandleCache` on the loader's device and
+  process-wide :class:`~kvxfer.transports.ipc.cuda_ipc.IpcHandleCache` on the loader's device and
   returns per-layer tensors over the exporter's memory; ``ops.copy_blocks`` then reads them
   straight into the loader's cache. Each attach is one *owner* of the mappings it uses, so
   two engines (or two exporter ranks in one process) sharing an allocation never close it
@@ -13,7 +13,7 @@ interface the engine uses (registered as ``"cuda"``; the CPU one is ``"shm"``).
 * :func:`attach_array`: the exporter's per-block lease epochs. They are host bookkeeping
   (written by the exporter's tracker, compared on the loader's host before and after a copy),
   so they stay in POSIX shared memory for GPU caches too: this is
-  :func:`kvxfer.transports.shm.attach_array`.
+  :func:`kvxfer.transports.ipc.shm.attach_array`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def offer(caches: list[torch.Tensor], engine_id: str = "") -> tuple[dict | None,
 
 
 def describe(caches: list[torch.Tensor], engine_id: str = "") -> dict | None:
-    """:func:`kvxfer.transports.cuda_ipc.publish_caches` of ``caches``, or None if impossible."""
+    """:func:`kvxfer.transports.ipc.cuda_ipc.publish_caches` of ``caches``, or None if impossible."""
     return offer(caches, engine_id)[0]
 
 

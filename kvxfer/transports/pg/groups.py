@@ -20,6 +20,8 @@ __all__ = [
     "connect_store",
     "discard_pair",
     "new_pair",
+    "offered_pg_backends",
+    "pair_backends",
     "pg_backend_for",
     "recv_tensor",
     "send_tensor",
@@ -105,3 +107,53 @@ def discard_pair(group, why: str = "") -> None:
                 e,
                 f"; discarded because {why}" if why else "",
             )
+
+
+def offered_pg_backends(default: str, device: torch.device) -> list[str]:
+    """Pair-group backends an exporter rank serves, preferred first: its pipeline's ``default``
+    and, for CUDA caches offered over NCCL, Gloo through pinned host staging as well (for a
+    loader on the same GPU, where NCCL cannot form the pair)."""
+    if device.type == "cuda" and default == "nccl":
+        return ["nccl", "gloo"]
+    return [default]
+
+
+def pair_backends(device: torch.device, local_info: dict, replies: list) -> tuple[list[str], str]:
+    """The pair-group backend for each exporter rank in ``replies``, and why when it is not
+    the one the exporter prefers ("" otherwise).
+
+    NCCL cannot put the two ranks of one communicator on one GPU ("duplicate GPU"): an
+    exporter rank whose caches live on this loader's GPU (same host, same GPU UUID) is read
+    over Gloo through pinned host staging when it offers Gloo; otherwise ``ValueError``
+    names the problem. Every other rank uses the backend it prefers.
+    """
+    out: list[str] = []
+    shared: list[int] = []
+    for r in replies:
+        entry = r.pg or {}
+        default = entry.get("backend", "gloo")
+        offered = entry.get("backends") or [default]
+        backend = default
+        peer = (r.ipc or {}).get("info") or {}
+        same_gpu = (
+            device.type == "cuda"
+            and local_info.get("gpu_uuid") is not None
+            and peer.get("gpu_uuid") == local_info.get("gpu_uuid")
+            and peer.get("host_id") == local_info.get("host_id")
+        )
+        if default == "nccl" and same_gpu:
+            if "gloo" not in offered:
+                raise ValueError(
+                    f"pg: exporter rank {r.tp_rank} shares GPU {peer['gpu_uuid']} with this loader and "
+                    "offers only NCCL, which cannot put both ranks of a pair on one GPU"
+                )
+            backend = "gloo"
+            shared.append(r.tp_rank)
+        out.append(backend)
+    why = ""
+    if shared:
+        why = (
+            f"Gloo through pinned host staging for exporter rank(s) {shared}: they share this "
+            "loader's GPU and NCCL cannot put both ranks of a pair on one GPU"
+        )
+    return out, why

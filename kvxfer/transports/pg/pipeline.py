@@ -3,9 +3,9 @@
 Every ``pg`` transfer streams: the exporter gathers ``chunk_tokens`` tokens at a time into one
 of its staging buffers while the previous chunk is on the wire, and the loader receives into
 its own buffers, scattering chunk ``i`` while chunk ``i+1`` arrives
-(:func:`kvxfer.staging.pipelined_send` / :func:`~kvxfer.staging.pipelined_recv` over the raw,
+(:func:`kvxfer.transports.staging.pipelined_send` / :func:`~kvxfer.transports.staging.pipelined_recv` over the raw,
 non-blocking ``ProcessGroup.send/recv`` work objects). Nothing is allocated per request: each
-role (sending, receiving) of an engine has one :class:`~kvxfer.staging.StagingPool` per
+role (sending, receiving) of an engine has one :class:`~kvxfer.transports.staging.StagingPool` per
 buffer kind, made on first use and reused, so the memory a transfer uses is bounded by the
 configuration (``2 x buffer_bytes`` per role by default), whatever the request's size.
 
@@ -15,9 +15,9 @@ Agreement between the two ends (both must cut identical chunks):
    (:meth:`StagedPipeline.handshake_info`: ``{"staging_bytes": n}``); a peer that does not
    is refused by name;
 2. the loader picks ``chunk_tokens`` (:meth:`StagedPipeline.chunk_tokens_for`, from
-   :func:`kvxfer.staging.chunk_tokens_for` on ``min(own, exporter's)`` buffer) and sends it in
+   :func:`kvxfer.transports.staging.chunk_tokens_for` on ``min(own, exporter's)`` buffer) and sends it in
    the ``SendReq``; the exporter checks it fits its buffers;
-3. both cut each ops call with :func:`kvxfer.staging.cut` and send chunk ``i`` with tag ``i``;
+3. both cut each ops call with :func:`kvxfer.transports.staging.cut` and send chunk ``i`` with tag ``i``;
 4. after the last chunk the exporter sends the stream's *status* (tag ``n``, the number of
    chunks): one byte per request of the send request, 1 when the request was live at every
    chunk's gather (its bytes are its export's), 0 when it was released meanwhile (aborted,
@@ -28,7 +28,7 @@ Agreement between the two ends (both must cut identical chunks):
 Buffer kinds: NCCL pairs use device buffers on the cache device; Gloo pairs use host buffers,
 page-locked when the caches are CUDA: there the host hands a buffer to Gloo only after the
 CUDA gather into it completed, and refills a receive buffer only after the CUDA scatter that
-read it completed (:class:`~kvxfer.staging.HostFence`). ``pin_memory=True`` makes the
+read it completed (:class:`~kvxfer.transports.staging.HostFence`). ``pin_memory=True`` makes the
 exporter offer only Gloo for CUDA caches (staging through pinned host memory instead of NCCL).
 """
 
@@ -41,7 +41,8 @@ from datetime import timedelta
 
 import torch
 
-from ..spec import KVCacheSpec
+from ...spec import KVCacheSpec
+from ...tracing import trace
 from ..staging import (
     Chunk,
     HostFence,
@@ -52,7 +53,6 @@ from ..staging import (
     pipelined_send,
     wire_viewer,
 )
-from ..tracing import trace
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "StagedPipeline"]
 

@@ -12,11 +12,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import idops, ops
-from .engine_types import Remote, time_left
-from .plan import Read
-from .transports import cache_views, choice
-from .transports.batching import view_at
+from ... import idops, ops
+from ...engine_types import Remote, time_left
+from ...plan import Read
+from ..batching import cache_views, view_at
+from . import offer as choice
 
 
 class IpcMap(NamedTuple):

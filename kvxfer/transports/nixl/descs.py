@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..spec import KVCacheSpec, Layout
+from ...spec import KVCacheSpec, Layout
 
 __all__ = [
     "CacheGeometry",

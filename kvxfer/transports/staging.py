@@ -21,7 +21,7 @@ each fit one staging buffer:
   only after the CUDA gather that filled it completed, and refill it only after the CUDA
   scatter that drained it completed (``event.query()`` polled, bounded).
 
-:class:`kvxfer.transports.staged.StagedPipeline` wires these into the engine.
+:class:`kvxfer.transports.pg.pipeline.StagedPipeline` wires these into the engine.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .ordering import event_done, record_done, wait_event
-from .spec import KVCacheSpec
+from ..ordering import event_done, record_done, wait_event
+from ..spec import KVCacheSpec
 
 __all__ = [
     "Chunk",

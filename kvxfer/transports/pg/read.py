@@ -12,13 +12,12 @@ import secrets
 
 import torch
 
-from . import control as C
-from . import ops
-from .engine_types import LoadItem, Remote, describe_error, time_left
-from .plan import Read
-from .tracing import batch_tag
-from .transports import BatchPlan
-from .transports.batching import view_at
+from ... import control as C
+from ... import ops
+from ...engine_types import LoadItem, Remote, describe_error, time_left
+from ...plan import Read
+from ...tracing import batch_tag
+from ..batching import BatchPlan, view_at
 
 
 class PgReads:
@@ -26,7 +25,7 @@ class PgReads:
 
     def _pair(self, rem: Remote, s: int, token_of: LoadItem, deadline: float):
         """The pair group with source rank ``s`` (joined on first use; keys never repeat)."""
-        from .transports import pg
+        from . import groups as pg
 
         got = rem.pairs.get(s)
         if got is not None:

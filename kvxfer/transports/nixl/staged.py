@@ -2,7 +2,7 @@
 
 Used for every read the direct path cannot serve (layouts, block sizes or head slices that do
 not line up, MLA with padded rows...). It is the chunked, double-buffered pipeline of the
-``pg`` transport (:mod:`kvxfer.staging`: both ends :func:`~kvxfer.staging.cut` the ops calls
+``pg`` transport (:mod:`kvxfer.transports.staging`: both ends :func:`~kvxfer.transports.staging.cut` the ops calls
 into the same chunks of ``chunk_tokens`` tokens) with NIXL in place of send/recv:
 
 1. the loader opens a mailbox for a fresh stream key and asks the exporter (``SendReq`` on the
@@ -29,7 +29,7 @@ request). A side waiting ``PING_S`` without news pings its peer: NIXL reports a 
 the ping at once.
 CUDA caches: the host hands a buffer to NIXL only after the gather into it completed, and
 refills a receive buffer only after the scatter that read it completed
-(:class:`~kvxfer.staging.HostFence`), since the NIC reads and writes outside any CUDA stream.
+(:class:`~kvxfer.transports.staging.HostFence`), since the NIC reads and writes outside any CUDA stream.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..spec import KVCacheSpec
+from ...spec import KVCacheSpec
+from ...tracing import trace
 from ..staging import Chunk, HostFence, StagingPool, cut, pipelined_recv, pipelined_send, wire_viewer
-from ..tracing import trace
-from .nixl import NixlAgent, NixlError, XferFence, XferTimeout, encode_notif, mem_of
+from .agent import NixlAgent, NixlError, XferFence, XferTimeout, encode_notif, mem_of
 
 __all__ = ["PING_S", "NixlStaging", "recv_stream", "send_stream"]
 
@@ -51,7 +51,7 @@ ECHO_S = 1.0  # how long an exporter whose stream failed waits for the loader's 
 
 
 class NixlStaging:
-    """A :class:`~kvxfer.staging.StagingPool` registered with a NIXL agent, and what a peer
+    """A :class:`~kvxfer.transports.staging.StagingPool` registered with a NIXL agent, and what a peer
     needs to address its buffers (:meth:`describe`)."""
 
     def __init__(

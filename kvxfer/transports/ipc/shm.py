@@ -18,7 +18,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from ..spec import KVCacheSpec, dtype_from_name, dtype_name
+from ...spec import KVCacheSpec, dtype_from_name, dtype_name
 
 __all__ = [
     "ShmCaches",
