@@ -38,12 +38,9 @@ _WORDS = {
 # Tile shape. Interpreter: a program's cost is per Triton op, not per element (measured on the
 # shared 2-core dev machine: ~4-6 ms per program for 16- and for 512-token tiles alike, 8 layers
 # x 8 heads x 64 bf16), so one tile spans up to 1024 tokens of a row group.
-# GPU: BLOCK_T*BLOCK_W words per program (8 KiB), 8 warps. Chosen by profiling/sweep_triton_tiles.py
-# on an H200 (2026-11-26: tiles 8/16/32 KiB x 4/8 warps, then 8/16 KiB x 4/8 twice more;
-# Llama-3-8B, 4K tokens):
-# 8 KiB/8 warps gave gather 96.6-97.0 % of a device copy (16 KiB/4 warps, the old default:
-# 95.4-96.0), copy 91.8-91.9 (91.1-91.6), one-head copy 78.3-79.9 (77.4-78.5), one-head gather
-# 87.5-88.0 (86.8-88.5): about a point, never worse beyond run-to-run noise. 32 KiB was no better.
+# GPU: BLOCK_T*BLOCK_W words per program (8 KiB), 8 warps: the best of the tiles and warps
+# profiling/sweep_triton_tiles.py tried, by about a point over 16 KiB / 4 warps
+# (profiling/results/2026-11-26-H200/README.md, "Triton tile sweep": run6, run8).
 # $KVXFER_TRITON_TILE_BYTES and $KVXFER_TRITON_NUM_WARPS override them for the sweep.
 _INTERP_MAX_BLOCK_T = 1024
 _GPU_MIN_BLOCK_T = 16
@@ -170,8 +167,7 @@ class _Side:
         if side.device.type == "cuda":
             # Through pinned memory (torch's caching host allocator keeps the block until the
             # copy is done): from pageable memory the driver may wait for the stream before the
-            # copy. Measured on an H200 (bench_batching, 2026-11-26): 27750 ids took 20.6 ms of
-            # host time per call, the length of the work queued ahead; 3552 ids did not wait.
+            # copy, the host waiting out the work queued ahead (profiling/results/2026-11-26-H200/).
             ids = ids.pin_memory()
         ids = ids.to(side.device, non_blocking=True)
         w = side.element_size

@@ -127,7 +127,7 @@ class HelloReply(msgspec.Struct, tag=True):
     incarnation: str = ""  # random per start of the rank: a changed one means it restarted
     error: str | None = None
     version: int = PROTOCOL_VERSION
-    # NIXL entry (kvxfer.transports.nixl.role): {"agent", "md", "geometry", "epochs", "staging", "units", ...},
+    # NIXL entry (kvxfer.transports.nixl.transport): {"agent", "md", "geometry", "epochs", "staging", "units", ...},
     # or {"why": <reason>}; None when the loader cannot use NIXL or did not ask for it
     nixl: dict | None = None
 
@@ -189,8 +189,9 @@ class NixlPairReq(msgspec.Struct, tag=True):
 
 
 class SendReq(msgspec.Struct, tag=True):
-    """Gather ``calls`` (each one ops call) and stream them over pair group ``key`` in chunks
-    of ``chunk_tokens`` tokens (the staged pipeline, :mod:`kvxfer.transports.pg.pipeline`)."""
+    """Gather ``calls`` (each one ops call) and stream them over ``transport``'s pair group
+    (``pg``) or mailbox (staged ``nixl``) ``key`` in chunks of ``chunk_tokens`` tokens
+    (:mod:`kvxfer.transports.streams`)."""
 
     engine_id: Id
     tp_rank: Rank
@@ -210,6 +211,7 @@ class SendReq(msgspec.Struct, tag=True):
     layers: Annotated[
         list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_LAYERS)]], msgspec.Meta(max_length=MAX_LAYERS)
     ] = []  # the layer group to send (empty: all)
+    transport: Name = "pg"  # the transport that streams it: "pg", or "nixl" (its staged path)
 
 
 class SendReply(msgspec.Struct, tag=True):

@@ -1,66 +1,53 @@
 """TransferEngine: the object a model runner holds, one per TP rank.
 
 It plays both roles: it *exports* requests whose KV it holds (prefill, or decode for
-multi-turn reuse) and *loads* requests from remote engines. Threads (all bounded, all stopped
-by :meth:`close`):
+multi-turn reuse) and *loads* requests from remote engines. The class is the public API and
+the lifecycle, a facade over objects that each do one job, all handed the rank's shared state
+(:class:`~kvxfer.rank.Rank`):
 
-* server: the rank's ROUTER side channel — handshakes, lease grants, pg send requests,
-  notifications, heartbeats — and lease expiry;
-* worker: runs the loads queued by :meth:`load`, one batch per :meth:`poll`, and heartbeats;
-* sender: the staged ``nixl`` streams of exports;
-* notifier: sends the loader's notifications and heartbeats until acknowledged;
-* one per ``pg`` pair group this rank exports over: joins it and sends its streams
-  (:mod:`kvxfer.transports.pg.send`).
+* :class:`~kvxfer.exporter.Exporter` — the side-channel server thread: handshakes, lease
+  grants, send requests, notifications, heartbeats, lease expiry;
+* :class:`~kvxfer.loader.Loader` — the worker thread: the loads queued by :meth:`load`, one
+  batch per :meth:`poll`, and heartbeats;
+* :class:`~kvxfer.notifier.Notifier` — the thread that sends the loader's notifications and
+  heartbeats until acknowledged;
+* one object per transport (``{"ipc", "pg", "nixl"}``, :mod:`kvxfer.transports`), with
+  threads of their own where they stream (a ``pg`` pair's, the staged ``nixl`` sender).
 
 Completion: the loader notifies the exporter ranks the plan names (``notify_targets``); an
 exporter rank frees a request when it has the ``expected_notifications`` of the plan of the
 pair of engines. A load is reported exactly once, finished or failed; an export once,
-finished or expired.
-
-The class is the public API and the lifecycle; the exporting role's methods live in
-:mod:`kvxfer.exporter`, the loading role's in :mod:`kvxfer.loader`, shared types in
-:mod:`kvxfer.engine_types`.
+finished or expired. Every thread is bounded and stopped by :meth:`close`.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
-import threading
 import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from . import control as C
 from . import idops, ops, tracing
 from .auth import EngineSecret, content_digest
-from .completion import ExportTracker, LoadTracker, PollResult
-from .engine_types import (
-    HandshakeError,
-    LoadItem,
-    ReleaseItem,
-    Remote,
-    check_block_ids,
-    compat_hash,
-)
-from .exporter import ExporterRole
-from .loader import LoaderRole
-from .metrics import Metrics, now
-from .ordering import StreamOrder
+from .completion import ExportTracker, PollResult
+from .engine_types import HandshakeError, LoadItem, ReleaseItem, check_block_ids
+from .exporter import Exporter
+from .loader import Loader
+from .metrics import now
+from .notifier import Notifier
 from .params import KVTransferParams, params_dict
+from .rank import Rank
 from .spec import KVCacheSpec
-from .transports import TRANSPORTS, CacheView, cache_views
-from .transports.ipc import offer as ipc_offer
+from .transports import TRANSPORTS, cache_views
 from .transports.ipc.cuda_ipc import host_id
-from .transports.ipc.mappers import mapper
+from .transports.ipc.transport import IpcTransport
 from .transports.nixl.agent import require_nixl
-from .transports.nixl.role import NixlRole
-from .transports.pg import groups as pg_groups
+from .transports.nixl.transport import NixlTransport
 from .transports.pg.pipeline import StagedPipeline
-from .transports.pg.send import PairSenders
+from .transports.pg.transport import PgTransport
 
 _LOG = logging.getLogger(__name__)
 
@@ -69,11 +56,7 @@ CLOSE_TIMEOUT_S = 5.0  # close() returns within this, even with a thread stuck i
 __all__ = ["HandshakeError", "TransferEngine"]
 
 
-def _discard_pair(group, why: str) -> None:
-    pg_groups.discard_pair(group, why)
-
-
-class TransferEngine(ExporterRole, LoaderRole, NixlRole):
+class TransferEngine:
     """Moves paged KV between engines; one instance per TP rank.
 
     Args:
@@ -86,7 +69,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         host: address the side channel (and pg store) bind to and that params advertise.
         transport: ``"auto"`` (ipc when both sides are on one host and the exporter's caches
             can be mapped; else nixl across hosts when both sides offer it; else pg), ``"ipc"``,
-            ``"pg"`` or ``"nixl"`` (NIXL one-sided READs over UCX, :mod:`kvxfer.transports.nixl.role`;
+            ``"pg"`` or ``"nixl"`` (NIXL one-sided READs over UCX, :mod:`kvxfer.transports.nixl`;
             needs ``kvxfer[nixl]``, checked here); an explicit transport that cannot be used
             fails the request naming why.
         lease_s: how long exported blocks are held without a heartbeat.
@@ -148,6 +131,10 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise ValueError(f"port: must be an int in [0, {65535 - tp_size}], got {port!r}")
         if port == 0 and tp_size > 1:
             raise ValueError("port: a tp_size > 1 engine needs an explicit base port (rank r binds port + r)")
+        if pipeline is not None and not isinstance(pipeline, StagedPipeline):
+            raise ValueError(f"pipeline: expected a StagedPipeline or None, got {type(pipeline).__name__}")
+        if auth_key is not None and (not isinstance(auth_key, str) or not auth_key):
+            raise ValueError("auth_key: must be a non-empty string or None")
         self.spec = spec
         self.caches = list(caches)
         self.tp_rank = tp_rank
@@ -157,50 +144,26 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         self.transport = transport
         self.lease_s = float(lease_s)
         self.timeout_s = float(timeout_s) if timeout_s is not None else min(self.lease_s, 10.0)
-        if pipeline is not None and not isinstance(pipeline, StagedPipeline):
-            raise ValueError(f"pipeline: expected a StagedPipeline or None, got {type(pipeline).__name__}")
         self.pipeline = pipeline if pipeline is not None else StagedPipeline()
-        if auth_key is not None and (not isinstance(auth_key, str) or not auth_key):
-            raise ValueError("auth_key: must be a non-empty string or None")
-        self._auth_key = auth_key
         self.num_blocks = side.num_blocks
         self.device = side.device
         self._base_port = port
+        self._auth_key = auth_key
         # Registered once (ops skip per-layer checks); whole blocks, and token slots if possible.
         # max_sms: the SM budget of every op on these caches (kvxfer.ops.register_caches)
-        self._views: tuple[CacheView, ...] = cache_views(self.caches, spec, max_sms)
-        self._by_unit: dict[int, CacheView] = {v.unit: v for v in self._views}
-        self._units: list[int] = [v.unit for v in self._views]  # coarsest first
-        self._offset_views: dict = {}  # (unit, offset) -> view: partial loads starting mid-block
-        # loader tp size -> (notifications per request, loader ranks that notify this rank), or
-        # why a loader of that size cannot notify here (kvxfer.exporter: at most MAX_TP_SIZE keys)
-        self._expected: dict[int, tuple[int, frozenset[int]] | str] = {}
-        self._bpt: dict[int, int] = {}  # heads -> wire bytes per token
-        self._hooks: dict[str, object] = {}  # test hooks, by name (each read where it is called)
-        self._metrics = Metrics()
-        self._loads = LoadTracker()
-        self._incoming: list[LoadItem] = []
-        self._lock = threading.Lock()
-        self._remotes: dict[str, Remote] = {}
-        self._work: queue.Queue = queue.Queue()
-        self._send_q: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        views = cache_views(self.caches, spec, max_sms)
+        rank = self._rank = Rank(
+            spec, self.caches, tp_rank, tp_size, engine_id, host, transport, self.lease_s, self.timeout_s,
+            self.pipeline, views, self.num_blocks, self.device, host_id(),
+        )  # fmt: skip
+        self._transports = {"ipc": IpcTransport(rank), "pg": PgTransport(rank), "nixl": NixlTransport(rank)}
+        self._notifier = Notifier(engine_id, rank.stop, rank.metrics)
+        self._loader = Loader(rank, self._transports, self._notifier)
+        self._exporter = Exporter(rank, self._transports)
+        self._hooks = rank.hooks  # test hooks, by name (each read where it is called)
         self._started = False
         self._closed = False
         self._open = False  # started and not closed: what every API call checks first
-        self._releases: list[ReleaseItem] = []  # queued release() items, run as their own batch
-        self._identity = host_id()
-        self._order = StreamOrder(self.device)
-        self._transport_reasons: dict[str, str] = {}  # remote engine -> why this transport
-        self._fenced: list = []  # loads held until their timed-out GPU work completed (loader)
-        self._notify_q: queue.Queue = queue.Queue()  # (addr, Notify | Heartbeat, deadline)
-        self._sender_pairs = PairSenders(
-            f"kvxfer-{engine_id}-{tp_rank}", self._join_pair, self._stream_send, _discard_pair, self._stop
-        )
-        self._server = self._client = self._store = self._secret = None
-        self._epoch_shm = None
-        self._topo = None  # kvxfer.topology.probe(), only when two different GPUs handshake
 
     # ----------------------------------------------------------------------- lifecycle
     def start(self) -> TransferEngine:
@@ -215,7 +178,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise RuntimeError("start: already started")
         if self._closed:
             raise RuntimeError("start: the engine was closed; make a new one")
-        self._ctx = zmq.Context()
+        self._rank.ctx = zmq.Context()
         try:
             self._start_parts()
         except BaseException:
@@ -226,17 +189,17 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         return self
 
     def _start_parts(self) -> None:
-        port = self._base_port + self.tp_rank if self._base_port else 0
-        self._server = C.ControlServer(self._ctx, self.host, port)
-        self.port = self._server.port - self.tp_rank
-        self._secret = EngineSecret(
+        rank = self._rank
+        rank.port = self._base_port
+        self._exporter.bind()
+        self.port = rank.port
+        rank.secret = EngineSecret(
             self.engine_id, self._base_port, self.tp_rank, self._auth_key, self.timeout_s
         )
-        self._incarnation = secrets.token_hex(8)
-        self._offers: list[str] = []
+        rank.incarnation = secrets.token_hex(8)
         idops.ensure()  # the native bookkeeping helpers, built now if missing (not on a request)
         if self.device.type == "cuda":  # compile/load the kernels now, not on the first request
-            for v in self._views:
+            for v in rank.views:
                 try:
                     ops.warmup(v.caches, v.spec)
                 except Exception as e:
@@ -248,32 +211,25 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
                         type(e).__name__,
                         e,
                     )
-        # ipc entry of the handshake (shm mapper for CPU caches, CUDA IPC for CUDA caches)
-        offer = ipc_offer.offer_ipc(
-            self.caches, self.device, self.num_blocks, self.engine_id, self.transport in ("auto", "ipc")
-        )
-        self._ipc_desc, self._epoch_shm = offer.desc, offer.epoch_shm
-        if offer.offered:
-            self._offers.append("ipc")
-        self._exports = ExportTracker(self.num_blocks, self.lease_s, offer.epochs)
-        if self.transport in ("auto", "pg"):
-            self._store = pg_groups.serve_store(self.host, self.timeout_s)
-            self._pg_backend = self.pipeline.pg_backend(self.device)
-            self._pg_backends = pg_groups.offered_pg_backends(self._pg_backend, self.device)
-            self._offers.append("pg")
-        self._nixl_init()  # offers nixl when NIXL imports; the agent now only for transport="nixl"
-        self._client = C.ControlClient(self._ctx)
-        for target, name in (
-            (self._serve, "server"),
-            (self._work_loop, "worker"),
-            (self._send_loop, "sender"),
-            (self._notify_loop, "notifier"),
-        ):
-            t = threading.Thread(
-                target=target, name=f"kvxfer-{name}-{self.engine_id}-{self.tp_rank}", daemon=True
-            )
+        ipc = self._transports["ipc"]
+        ipc.start()  # the epochs the export tracker keeps, in shared memory when ipc is offered
+        rank.exports = ExportTracker(self.num_blocks, self.lease_s, ipc.epochs)
+        rank.offers = ["ipc"] if not ipc.why else []
+        for name in ("pg", "nixl"):  # nixl registers the tracker's epochs with its agent
+            t = self._transports[name]
             t.start()
-            self._threads.append(t)
+            if not t.why:
+                rank.offers.append(name)
+        self._loader.start()
+        self._notifier.start(rank.ctx, f"kvxfer-notifier-{self.engine_id}-{self.tp_rank}")
+        self._exporter.start()
+
+    def _threads(self) -> list:
+        """Every thread the engine's parts run."""
+        out = [*self._exporter.threads(), *self._loader.threads(), *self._notifier.threads()]
+        for t in self._transports.values():
+            out += t.threads()
+        return out
 
     def close(self) -> None:
         """Stop the threads, close sockets and shared memory. Idempotent.
@@ -287,15 +243,16 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             self._closed = True
             return
         self._closed = True
+        rank = self._rank
         # End every live export first: its blocks' epochs move, so a loader that granted one
         # and copies it after this (ipc, nixl direct) fails the load instead of delivering
         # bytes the runner may already be reusing; a stream stops sending it.
-        self._exports.release_all("the exporting engine closed")
-        self._stop.set()
-        self._work.put(None)
-        self._send_q.put(None)
-        threads = self._threads + self._sender_pairs.threads()
-        self._discard_pairs("engine closed")
+        rank.exports.release_all("the exporting engine closed")
+        rank.stop.set()
+        self._loader.stop()
+        threads = self._threads()
+        for t in self._transports.values():
+            t.abort("engine closed")
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -307,54 +264,26 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
                 self.tp_rank,
                 stuck,
             )
-        self._release_parts()
+        self._release_parts(busy=bool(stuck))
 
-    def _discard_pairs(self, why: str) -> None:
-        self._sender_pairs.discard_all(why)
-        if not any(r.pairs for r in self._remotes.values()):
-            return
-        for rem in list(self._remotes.values()):
-            for group, _ in list(rem.pairs.values()):
-                pg_groups.discard_pair(group, why)
-
-    def _release_parts(self) -> None:
-        """Free what :meth:`start` made (whatever part of it was made)."""
-        self._nixl_close()
-        self._sender_pairs.discard_all("engine closed")
-        for rem in list(self._remotes.values()):
-            for m in rem.ipc.values():
-                ipc_offer.detach(m.handles)
-        self._remotes.clear()
-        for name in ("_server", "_client"):
-            part = getattr(self, name, None)
-            if part is not None:
-                part.close()
-        if self._epoch_shm is not None:
-            mapper("shm").release_segment(self._epoch_shm)
-            self._epoch_shm = None
-        if self._secret is not None:
-            self._secret.close()
-        self._store = None
-        self._ctx.destroy(linger=0)  # closes any socket still open: term() would wait on it
+    def _release_parts(self, busy: bool = False) -> None:
+        """Free what :meth:`start` made (whatever part of it was made); ``busy``: a thread is
+        still inside a transport call."""
+        rank = self._rank
+        self._loader.close()
+        for t in self._transports.values():
+            t.close(busy)
+        self._exporter.close()
+        if rank.secret is not None:
+            rank.secret.close()
+        if rank.ctx is not None:
+            rank.ctx.destroy(linger=0)  # closes any socket still open: term() would wait on it
 
     def __enter__(self) -> TransferEngine:
         return self.start() if not self._started else self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _identity_fields(self) -> dict:
-        """Who this rank is and what it speaks: the fields shared by ``Hello`` (as loader) and
-        ``HelloReply`` (as exporter)."""
-        return {
-            "engine_id": self.engine_id,
-            "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
-            "spec": self.spec.to_dict(),
-            "compat": compat_hash(self.spec),
-            "transports": list(self._offers),
-            "hostname": self._identity,
-        }
 
     def _check_started(self) -> None:
         if not self._started or self._closed:
@@ -402,9 +331,9 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
         token, digest, gen = self._export_token(request_id, ids, num_tokens, token)
         if not streaming:
-            self._order.mark(request_id, ready)
+            self._rank.order.mark(request_id, ready)
         layers = self.spec.num_layers if streaming else 0
-        self._exports.add(request_id, ids, num_tokens, layers, token, digest, gen)
+        self._rank.exports.add(request_id, ids, num_tokens, layers, token, digest, gen)
         # plain ints: that list is the params' (JSON-safe); else the checked array's values
         listed = block_ids if type(block_ids) is list and idops.exact_ints(block_ids) else ids.tolist()
         return params_dict(
@@ -431,8 +360,8 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise ValueError(f"layers: repeated layer index in {idx}")
         mask = np.zeros(L, dtype=bool)
         mask[idx] = True
-        events = [] if ready is None else self._order.events(ready)
-        self._exports.mark_layers(request_id, mask, events)
+        events = [] if ready is None else self._rank.order.events(ready)
+        self._rank.exports.mark_layers(request_id, mask, events)
 
     def params_for(self, request_id: str, block_ids, num_tokens: int) -> dict:
         """The params :meth:`export` will return for these arguments, without exporting: for a
@@ -460,11 +389,12 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         """(token, content digest, generation) of an export of ``request_id`` (:mod:`kvxfer.auth`):
         the generation's token, the same on every rank; or ``token`` checked to be one this
         engine's secret made for these ids and ``num_tokens``."""
+        secret = self._rank.secret
         digest = content_digest(num_tokens, ids)
-        gen = self._exports.generation(request_id)
+        gen = self._rank.exports.generation(request_id)
         if token is None:
-            return self._secret.token(request_id, gen.to_bytes(8, "big"), digest), digest, gen
-        if not self._secret.verify(request_id, token, digest):
+            return secret.token(request_id, gen.to_bytes(8, "big"), digest), digest, gen
+        if not secret.verify(request_id, token, digest):
             raise ValueError(
                 f"token: not a token of engine {self.engine_id!r} for request {request_id!r} with these "
                 "block ids and num_tokens"
@@ -474,7 +404,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
     def set_compute_stream(self, stream) -> None:
         """Exports made after this wait for the work issued on ``stream`` before each export
         (a CUDA event recorded at export; polled, never synchronised). ``None`` stops it."""
-        self._order.set_compute_stream(stream)
+        self._rank.order.set_compute_stream(stream)
 
     def abort_export(self, request_id: str) -> bool:
         """Release an exported request now (e.g. the client went away); reported as finished_sending.
@@ -482,7 +412,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         A loader still reading it gets it reported failed, never delivered.
         """
         self._check_started()
-        return self._exports.abort(request_id)
+        return self._rank.exports.abort(request_id)
 
     def release(self, params: dict | list | KVTransferParams) -> None:
         """Tell the exporter of ``params`` that this engine will never load them (the request was
@@ -497,9 +427,7 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         """
         self._check_started()
         p = KVTransferParams.from_dict(params)
-        items = [ReleaseItem(x) for x in (p if isinstance(p, list) else [p])]
-        with self._lock:
-            self._releases.extend(items)
+        self._loader.queue_releases([ReleaseItem(x) for x in (p if isinstance(p, list) else [p])])
 
     # ---------------------------------------------------------------------------- load
     def load(
@@ -531,10 +459,8 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
             raise ValueError(
                 f"num_computed_tokens: {k} is not a multiple of the block size {self.spec.block_size}"
             )
-        self._loads.add(request_id, ids, now())
-        item = LoadItem(request_id, p, ids, 0.0, k)
-        with self._lock:
-            self._incoming.append(item)
+        self._rank.loads.add(request_id, ids, now())
+        self._loader.queue_load(LoadItem(request_id, p, ids, 0.0, k))
 
     def poll(self) -> PollResult:
         """Start the loads queued since the last poll (one batch) and report what completed.
@@ -545,36 +471,30 @@ class TransferEngine(ExporterRole, LoaderRole, NixlRole):
         """
         if not self._open:
             self._check_started()
-        if self._incoming or self._releases:
-            with self._lock:
-                batch, self._incoming = self._incoming, []
-                releases, self._releases = self._releases, []
-            deadline = time.monotonic() + self.timeout_s  # the loads' one deadline
-            for b in (releases, batch):  # releases as their own batch: they move nothing
-                if b:
-                    for it in b:
-                        it.deadline = deadline
-                    self._work.put(b)
+        self._loader.dispatch(self.timeout_s)
         out = PollResult()
-        self._exports.drain(out)
-        self._loads.drain(out)
+        rank = self._rank
+        rank.exports.drain(out)
+        rank.loads.drain(out)
         return out
 
     def stats(self) -> dict:
         """Counters, bytes, p50/p90/p99 transfer time (of the last 100 000 loads), busy-time
         throughput, transports."""
-        s = self._metrics.snapshot()
+        rank = self._rank
+        s = rank.metrics.snapshot()
         if self._started:
-            s["exports_live"] = self._exports.num_live()
-            s["blocks_held"] = self._exports.held_blocks()
-        s["loads_pending"] = self._loads.pending()
-        s["transport_reasons"] = dict(self._transport_reasons)
-        s.update(getattr(self.pipeline, "stats", dict)())
-        s.update(self._nixl_stats())
-        s["not_ready_grants"] = self._order.num_not_ready
+            s["exports_live"] = rank.exports.num_live()
+            s["blocks_held"] = rank.exports.held_blocks()
+        s["loads_pending"] = rank.loads.pending()
+        s["transport_reasons"] = dict(self._loader.transport_reasons)
+        s.update(self.pipeline.stats())
+        for t in self._transports.values():
+            s.update(t.stats())
+        s["not_ready_grants"] = rank.order.num_not_ready
         s["bookkeeping"] = idops.status()  # "native: <path>" or "numpy (<why>)"
         s["nvtx"] = tracing.status()  # "on: ..." or "off: <why>" (no tool attached, KVXFER_NVTX=0, ...)
-        s["copy_path"] = ops.path_stats(self._views[0].caches)  # SM budget, kernel/DMA calls and why
+        s["copy_path"] = ops.path_stats(rank.views[0].caches)  # SM budget, kernel/DMA calls and why
         s["engine_id"] = self.engine_id
         s["tp_rank"] = self.tp_rank
         return s

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import control as C
-from . import idops
+from . import control, idops
 from .params import KVTransferParams
 from .spec import KVCacheSpec
 
@@ -103,15 +102,13 @@ class Remote:
     tp_size: int
     addrs: list[str]
     transport: str
-    replies: list[C.HelloReply]
+    replies: list[control.HelloReply]
     num_blocks: int
     plan: object = None  # TransferPlan of (remote -> this engine)
     reads: list = field(default_factory=list)  # plan.reads(this rank)
     notify_to: list = field(default_factory=list)  # plan.notify_targets(this rank)
     src_ranks: list = field(default_factory=list)  # the source ranks of ``reads``, ascending
     reads_by_rank: dict = field(default_factory=dict)  # source rank -> its reads
-    ipc: dict = field(default_factory=dict)  # src rank -> IpcMap
-    pairs: dict = field(default_factory=dict)  # src rank -> (pg, key)
     pg_backends: list = field(default_factory=list)  # src rank -> pair backend ("nccl"/"gloo")
     host: str = ""  # where the params said the remote listens (a change means a new remote)
     port: int = 0

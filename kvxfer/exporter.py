@@ -1,69 +1,119 @@
-"""The exporting role of :class:`~kvxfer.engine.TransferEngine`: the rank's side channel
-(handshakes, lease grants, pg send requests, notifications, heartbeats, lease expiry) and the
-sender thread that joins pair groups and streams gathered chunks for ``pg`` exports.
+"""The exporting role of an engine rank: its side channel (handshakes, lease grants, send
+requests, notifications, heartbeats), lease expiry, and the checks in front of every stream.
 
 Every message that touches a request carries the request's token (:mod:`kvxfer.auth`); one
-that does not verify is refused without telling anything about the cache or the request.
+that does not verify is refused without telling anything about the cache or the request. A
+message is handled by a lookup of its type (:meth:`Exporter.handle`); the messages a transport
+answers itself (pair requests) are that transport's (:meth:`~kvxfer.transports.Transport.serves`),
+and a send request goes to the transport it names once its tokens verified and its calls read
+only what they open (:mod:`kvxfer.entitlement`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import threading
 import time
-from typing import NamedTuple
 
 import numpy as np
-import torch
 
-from . import control as C
-from . import ops
+from . import control
 from .auth import UNAUTHORIZED
 from .completion import UNKNOWN
 from .engine_types import TICK_MS
 from .entitlement import allowed_prefixes, call_refusal
 from .ordering import NOT_READY
 from .plan import plan_reads
-from .tracing import batch_tag
-from .transports.batching import view_at
+from .rank import Rank
+from .transports import Transport
+from .transports.streams import StreamJob
 
 _LOG = logging.getLogger(__name__)
 
 LONG_POLL_MAX_S = 1.0  # a grant held for new layers is answered within this, whatever the loader asked
 
-
-class StreamJob(NamedTuple):
-    """A send request that passed its checks, with the exports its tokens opened (the ones its
-    calls were checked against: a stream sends a request's bytes only while that same export
-    is live, not a later export of its id)."""
-
-    msg: C.SendReq
-    exports: list
+__all__ = ["LONG_POLL_MAX_S", "Exporter"]
 
 
-class ExporterRole:
-    """Methods of :class:`~kvxfer.engine.TransferEngine` that serve remote loaders."""
+class Exporter:
+    """Serves remote loaders from one engine rank (see the module doc).
+
+    Args:
+        rank: the rank's shared state.
+        transports: the rank's transports by name.
+    """
+
+    def __init__(self, rank: Rank, transports: dict[str, Transport]) -> None:
+        self.rank = rank
+        self.transports = transports
+        self.server: control.ControlServer | None = None
+        # loader tp size -> (notifications per request, loader ranks that notify this rank), or
+        # why a loader of that size cannot notify here (at most MAX_TP_SIZE keys)
+        self.expected: dict[int, tuple[int, frozenset[int]] | str] = {}
+        self._thread: threading.Thread | None = None
+        self._handlers: dict[type, object] = {}
+
+    # -------------------------------------------------------------------------- lifecycle
+    def bind(self) -> None:
+        """Bind the side channel (rank 0's port + this rank, or a free port); sets ``rank.port``."""
+        rank = self.rank
+        port = rank.port + rank.tp_rank if rank.port else 0
+        self.server = control.ControlServer(rank.ctx, rank.host, port)
+        rank.port = self.server.port - rank.tp_rank
+
+    def start(self) -> None:
+        """Start serving (after the transports started: their handlers are looked up now)."""
+        self._handlers = {
+            control.ReadReq: self._handle_read,
+            control.Notify: self._handle_notify,
+            control.Hello: self._handle_hello,
+            control.Heartbeat: self._handle_heartbeat,
+            control.SendReq: self._handle_send,
+        }
+        for t in self.transports.values():
+            for kind, handler in t.serves().items():
+                self._handlers[kind] = self._paired(handler)
+        rank = self.rank
+        self._thread = threading.Thread(
+            target=self._serve, name=f"kvxfer-server-{rank.engine_id}-{rank.tp_rank}", daemon=True
+        )
+        self._thread.start()
+
+    def threads(self) -> list[threading.Thread]:
+        return [self._thread] if self._thread is not None else []
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
     # -------------------------------------------------------------------------- server
     def _serve(self) -> None:
-        while not self._stop.is_set():
+        rank = self.rank
+        while not rank.stop.is_set():
             try:
-                self._server.serve_once(self._handle, TICK_MS)
-                n = self._exports.expire()
+                self.server.serve_once(self.handle, TICK_MS)
+                n = rank.exports.expire()
                 if n:
-                    self._metrics.add("expirations", n)
+                    rank.metrics.add("expirations", n)
             except Exception as e:  # keep serving; the peer sees a timeout
-                if self._stop.is_set():
+                if rank.stop.is_set():
                     return
                 _LOG.warning(
                     "kvxfer exporter %s rank %d: side channel error (%s: %s); still serving",
-                    self.engine_id,
-                    self.tp_rank,
+                    rank.engine_id,
+                    rank.tp_rank,
                     type(e).__name__,
                     e,
                 )
 
-    def _authorized(
+    def handle(self, msg):
+        """The reply to one side-channel message (or a :class:`~kvxfer.control.Deferred`)."""
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            return control.ErrorReply(f"unexpected message {type(msg).__name__}")
+        return handler(msg)
+
+    def authorized(
         self, request_ids: list[str], tokens: list[str], digests: list[bytes] | None = None
     ) -> dict[str, str]:
         """Request ids whose token (and content digest, when given) does not verify -> why
@@ -71,7 +121,7 @@ class ExporterRole:
         miscounted = self._miscounted(request_ids, tokens, digests)
         if miscounted is not None:
             return miscounted
-        return self._exports.unauthorized(request_ids, tokens, self._secret.verify, digests)
+        return self.rank.exports.unauthorized(request_ids, tokens, self.rank.secret.verify, digests)
 
     @staticmethod
     def _miscounted(request_ids: list[str], tokens, digests=None) -> dict[str, str] | None:
@@ -82,88 +132,64 @@ class ExporterRole:
         why = "unauthorized: one token (and one content digest) per request id is needed"
         return dict.fromkeys(request_ids, why) or {"*": why}
 
-    def _hello_reply(self) -> C.HelloReply:
-        pg = (
-            {
-                "host": self.host,
-                "port": self._store.port,
-                "backend": self._pg_backend,
-                "backends": self._pg_backends,
-                "units": [v.unit for v in self._views],  # what a SendReq's unit may be
-                **self.pipeline.handshake_info(),
-            }
-            if self._store
-            else None
-        )
-        return C.HelloReply(
-            **self._identity_fields(),
-            num_blocks=self.num_blocks,
-            ipc=self._ipc_desc,
-            pg=pg,
-            incarnation=self._incarnation,
+    def _paired(self, handler):
+        """A transport's handler of a pair request, behind the check of the request's token and
+        digest the pair request carries."""
+
+        def handle(msg) -> control.SendReply:
+            if self.authorized([msg.request_id], [msg.token], [msg.digest]):
+                return control.SendReply(ok=False, failed={"*": UNAUTHORIZED})
+            return handler(msg)
+
+        return handle
+
+    def _handle_hello(self, msg: control.Hello):
+        if msg.version != control.PROTOCOL_VERSION:
+            return control.ErrorReply(f"protocol version {msg.version} != {control.PROTOCOL_VERSION}")
+        bad = self.authorized([msg.request_id], [msg.token], [msg.digest])
+        if bad:
+            return control.ErrorReply(f"{control.HELLO_REFUSED}: {next(iter(bad.values()))}")
+        rank = self.rank
+        entries = {name: t.hello_entry(msg) for name, t in self.transports.items()}
+        return control.HelloReply(
+            **rank.identity_fields(),
+            num_blocks=rank.num_blocks,
+            ipc=entries["ipc"],
+            pg=entries["pg"],
+            incarnation=rank.incarnation,
+            nixl=entries["nixl"],
         )
 
-    def _handle(self, msg):
-        if type(msg) is C.ReadReq:  # the messages of every request first
-            return self._handle_read(msg)
-        if type(msg) is C.Notify:
-            return self._handle_notify(msg)
-        if isinstance(msg, C.Hello):
-            if msg.version != C.PROTOCOL_VERSION:
-                return C.ErrorReply(f"protocol version {msg.version} != {C.PROTOCOL_VERSION}")
-            bad = self._authorized([msg.request_id], [msg.token], [msg.digest])
-            if bad:
-                why = next(iter(bad.values()))
-                return C.ErrorReply(f"{C.HELLO_REFUSED}: {why}")
-            reply = self._hello_reply()
-            reply.nixl = self._nixl_entry(msg)  # kvxfer.transports.nixl.role
-            return reply
-        if isinstance(msg, C.Heartbeat):
-            bad = self._authorized(msg.request_ids, msg.tokens)
-            self._exports.heartbeat([r for r in msg.request_ids if r not in bad])
-            return C.Ack(failed=bad)
-        if isinstance(msg, C.PairReq):
-            if self._authorized([msg.request_id], [msg.token], [msg.digest]):
-                return C.SendReply(ok=False, failed={"*": UNAUTHORIZED})
-            if self._store is None:
-                return C.SendReply(ok=False, failed={"*": "pg transport not offered by this engine"})
-            backend = msg.backend or self._pg_backend
-            if backend not in self._pg_backends:
-                return C.SendReply(
-                    ok=False,
-                    failed={"*": f"pg backend {backend!r} not served here (offers {self._pg_backends})"},
-                )
-            why = self._sender_pairs.open(msg.key, backend)  # joined on a thread of its own
-            return C.SendReply(ok=not why, failed={"*": why} if why else {})
-        if isinstance(msg, C.SendReq):
-            return self._handle_send(msg)
-        if isinstance(msg, C.NixlPairReq):
-            return self._handle_nixl_pair(msg)  # kvxfer.transports.nixl.role
-        return C.ErrorReply(f"unexpected message {type(msg).__name__}")
+    def _handle_heartbeat(self, msg: control.Heartbeat) -> control.Ack:
+        bad = self.authorized(msg.request_ids, msg.tokens)
+        self.rank.exports.heartbeat([r for r in msg.request_ids if r not in bad])
+        return control.Ack(failed=bad)
 
-    def _handle_read(self, msg: C.ReadReq):
+    # -------------------------------------------------------------------------- grants
+    def _handle_read(self, msg: control.ReadReq):
         """A lease request: granted now, or (a long poll) when a wanted layer is ready or at
         ``wait_s``."""
         reply = self._grant_reply(msg, final=msg.wait_s <= 0)
         if reply is None:
             wait = min(float(msg.wait_s), LONG_POLL_MAX_S)
-            return C.Deferred(lambda final: self._grant_reply(msg, final), time.monotonic() + wait)
+            return control.Deferred(lambda final: self._grant_reply(msg, final), time.monotonic() + wait)
         return reply
 
-    def _grant_reply(self, msg: C.ReadReq, final: bool) -> C.ReadReply | None:
+    def _grant_reply(self, msg: control.ReadReq, final: bool) -> control.ReadReply | None:
         """Grant (and renew) the leases of ``msg``'s requests whose tokens verify, with the
         layers ready of layer-wise exports (``layers``: one entry per granted request, ``b""``
         for a whole one; empty when none is layer-wise). None (not ``final``) when nothing the
         loader wants is ready yet."""
+        rank = self.rank
         miscounted = self._miscounted(msg.request_ids, msg.tokens, msg.digests)
         if miscounted is not None:
             ok, failed, masks = {}, miscounted, {}
         else:
-            with self._exports.lock:
-                ok, failed, masks = self._exports.grant(
-                    msg.request_ids, msg.tokens, self._secret.verify, msg.digests
+            with rank.exports.lock:
+                ok, failed, masks = rank.exports.grant(
+                    msg.request_ids, msg.tokens, rank.secret.verify, msg.digests
                 )
-        for rid in self._order.not_ready(list(ok)):  # compute still writing: ask again
+        for rid in rank.order.not_ready(list(ok)):  # compute still writing: ask again
             del ok[rid]
             failed[rid] = NOT_READY
         layers: list[bytes] = []
@@ -190,119 +216,114 @@ class ExporterRole:
             and all(why in (NOT_READY, UNKNOWN) for why in failed.values())
         ):
             return None
-        return C.ReadReply(
-            ok=list(ok),
-            epochs=list(ok.values()),
-            failed=failed,
-            incarnation=self._incarnation,
-            layers=layers,
+        return control.ReadReply(
+            ok=list(ok), epochs=list(ok.values()), failed=failed, incarnation=rank.incarnation, layers=layers
         )
 
-    def _handle_notify(self, msg: C.Notify) -> C.Ack:
+    # -------------------------------------------------------------------------- notifications
+    def _handle_notify(self, msg: control.Notify) -> control.Ack:
         """Count a loader rank's notifications (idempotent: a retried one counts once). The
         plan that says how many to expect is made only once a token verified, for a loader rank
         the plan has notify this rank (another one counts nothing)."""
+        rank = self.rank
         ids = [*msg.request_ids, *msg.failed] if msg.failed else msg.request_ids
         bad = self._miscounted(ids, msg.tokens)
         if bad is not None:
-            return C.Ack(failed=bad)
+            return control.Ack(failed=bad)
         bad = {}
-        released = self._exports.notify_many(
+        released = rank.exports.notify_many(
             ids,
             (msg.engine_id, msg.tp_rank),
-            lambda: self._expected_from(msg.tp_size, msg.tp_rank),
+            lambda: self.expected_from(msg.tp_size, msg.tp_rank),
             msg.tokens,
-            self._secret.verify,
+            rank.secret.verify,
             bad,
         )
         if released:
-            self._metrics.add("finished_exports", released)
-        return C.Ack(failed=bad)
+            rank.metrics.add("finished_exports", released)
+        return control.Ack(failed=bad)
 
-    def _expected_from(self, loader_tp: int, loader_rank: int) -> int | str:
+    def expected_from(self, loader_tp: int, loader_rank: int) -> int | str:
         """Notifications this rank expects per request from a ``loader_tp``-rank loader
         engine, or why ``loader_rank`` of it may not notify here (the plan of the pair has it
         notify other ranks, or no plan exists). Cached per TP size (at most MAX_TP_SIZE)."""
-        got = self._expected.get(loader_tp)
+        rank = self.rank
+        got = self.expected.get(loader_tp)
         if got is None:
             try:
-                plan = plan_reads(self.spec, self.tp_size, self.spec, loader_tp)
+                plan = plan_reads(rank.spec, rank.tp_size, rank.spec, loader_tp)
             except ValueError as e:
                 got = f"refused: no transfer plan to a {loader_tp}-rank loader ({e})"
             else:
-                notifiers = frozenset(d for d in range(loader_tp) if self.tp_rank in plan.notify_targets(d))
-                got = (plan.expected_notifications(self.tp_rank), notifiers)
-            self._expected[loader_tp] = got
+                notifiers = frozenset(d for d in range(loader_tp) if rank.tp_rank in plan.notify_targets(d))
+                got = (plan.expected_notifications(rank.tp_rank), notifiers)
+            self.expected[loader_tp] = got
         if type(got) is str:
             return got
         if loader_rank not in got[1]:
             return (
-                f"refused: loader rank {loader_rank}/{loader_tp} does not notify exporter rank {self.tp_rank}"
+                f"refused: loader rank {loader_rank}/{loader_tp} does not notify exporter rank {rank.tp_rank}"
             )
         return got[0]
 
-    def _handle_send(self, msg: C.SendReq):
-        """Check a pg send request (tokens, then that it reads only what they open) and queue
-        its stream for the sender thread."""
-        bad = self._authorized(msg.request_ids, msg.tokens)
-        if bad:
-            return C.SendReply(ok=False, failed={"*": UNAUTHORIZED})
-        if self._nixl_owns(msg.key):
-            return self._handle_nixl_send(msg)  # a staged nixl stream (kvxfer.transports.nixl.role)
-        if self._sender_pairs.backend(msg.key) is None:
-            why = f"unknown pair group {msg.key} (never paired here, evicted, or this rank restarted)"
-            return C.SendReply(ok=False, failed={"*": why})
-        job = self._stream_job(msg)
-        if isinstance(job, C.SendReply):
+    # -------------------------------------------------------------------------- streams
+    def _handle_send(self, msg: control.SendReq) -> control.SendReply:
+        """Check a send request (tokens, then that it reads only what they open) and hand its
+        stream to the transport it names."""
+        if self.authorized(msg.request_ids, msg.tokens):
+            return control.SendReply(ok=False, failed={"*": UNAUTHORIZED})
+        transport = self.transports.get(msg.transport)
+        if transport is None:
+            return control.SendReply(ok=False, failed={"*": f"unknown transport {msg.transport!r}"})
+        job = self.stream_job(msg)
+        if isinstance(job, control.SendReply):
             return job
-        why = self._sender_pairs.submit(msg.key, job)  # run by the pair's own thread
-        return C.SendReply(ok=not why, failed={"*": why} if why else {})
+        return transport.serve_stream(job)
 
-    def _stream_job(self, msg: C.SendReq) -> StreamJob | C.SendReply:
-        """The stream of a send request (pg or staged nixl; tokens verified), its requests'
-        leases renewed; or why it cannot be streamed, as the reply."""
+    def stream_job(self, msg: control.SendReq) -> StreamJob | control.SendReply:
+        """The stream of a send request (its tokens verified), its requests' leases renewed; or
+        why it cannot be streamed, as the reply."""
+        rank = self.rank
         units = sorted({msg.unit, *(c[3] for c in msg.calls if c[3])})  # the calls' own units, if any
         for u in units:
-            if u not in self._by_unit:
-                return C.SendReply(ok=False, failed={"*": f"unit {u}: not one of {sorted(self._by_unit)}"})
+            if u not in rank.by_unit:
+                return control.SendReply(
+                    ok=False, failed={"*": f"unit {u}: not one of {sorted(rank.by_unit)}"}
+                )
         if msg.layers and (
             len(set(msg.layers)) != len(msg.layers)
-            or not all(0 <= x < self.spec.num_layers for x in msg.layers)
+            or not all(0 <= x < rank.spec.num_layers for x in msg.layers)
         ):
-            return C.SendReply(
-                ok=False, failed={"*": f"layers: {msg.layers} is not a set of layers of this cache"}
-            )
-        heads = self.spec.heads_per_rank(self.tp_size)
+            why = f"layers: {msg.layers} is not a set of layers of this cache"
+            return control.SendReply(ok=False, failed={"*": why})
+        heads = rank.spec.heads_per_rank(rank.tp_size)
         if msg.head_start + msg.num_heads > heads:
-            return C.SendReply(
-                ok=False,
-                failed={
-                    "*": f"heads [{msg.head_start}, +{msg.num_heads}) are not within this rank's {heads}"
-                },
-            )
+            why = f"heads [{msg.head_start}, +{msg.num_heads}) are not within this rank's {heads}"
+            return control.SendReply(ok=False, failed={"*": why})
         nl = len(msg.layers) or None
         for u in units:
-            why = self.pipeline.check_chunk(self.spec, msg.num_heads, msg.chunk_tokens, u, nl)
+            why = rank.pipeline.check_chunk(rank.spec, msg.num_heads, msg.chunk_tokens, u, nl)
             if why:
-                return C.SendReply(ok=False, failed={"*": f"staging: {why}"})
-        with self._exports.lock:
-            live = [(rid, self._exports.lookup(rid)) for rid in msg.request_ids]
+                return control.SendReply(ok=False, failed={"*": f"staging: {why}"})
+        exports = rank.exports
+        with exports.lock:
+            live = [(rid, exports.lookup(rid)) for rid in msg.request_ids]
             gone = {
                 rid: "not exported here, already released or lease expired" for rid, e in live if e is None
             }
             if gone:
-                return C.SendReply(ok=False, failed=gone)
-            exports = [e for _, e in live]
-            why = self._entitlement_refusal(msg, exports)
+                return control.SendReply(ok=False, failed=gone)
+            checked = [e for _, e in live]
+            why = self._entitlement_refusal(msg, checked)
             if why:
-                return C.SendReply(ok=False, failed={"*": f"refused: {why}"})
-            self._exports.heartbeat(msg.request_ids)
-        return StreamJob(msg, exports)
+                return control.SendReply(ok=False, failed={"*": f"refused: {why}"})
+            exports.heartbeat(msg.request_ids)
+        return StreamJob(msg, checked)
 
-    def _entitlement_refusal(self, msg: C.SendReq, exports: list) -> str:
+    def _entitlement_refusal(self, msg: control.SendReq, exports: list) -> str:
         """Why ``msg``'s calls read a token no export of its requests holds ("" when they do
         not: :mod:`kvxfer.entitlement`)."""
-        bs = self.spec.block_size
+        bs = self.rank.spec.block_size
         blocks, lens = allowed_prefixes([(e.block_ids, e.num_tokens) for e in exports], bs)
         for k, (raw, num_tokens, offset, unit) in enumerate(msg.calls):
             if len(raw) % 8:
@@ -312,95 +333,3 @@ class ExporterRole:
             if why:
                 return f"call {k}: {why}"
         return ""
-
-    # -------------------------------------------------------------------------- sender
-    def _stream_send(self, pair, job: StreamJob) -> None:
-        """Gather (:meth:`_stream_gathers`) and send a pg stream's chunks on the engine's send
-        stream, then its status (one byte per request: landed or released meanwhile). Runs on
-        the pair's own thread (:class:`~kvxfer.transports.pg.send.PairSenders`); a failure
-        discards the pair."""
-        hook = self._hooks.get("before_send")
-        if hook:
-            hook()
-        msg = job.msg
-        calls, gather, status = self._stream_gathers(job)
-        with self._order.on_stream("send"):
-            sent = self.pipeline.send_stream(
-                pair,
-                1,
-                self.timeout_s,
-                self._sender_pairs.backend(msg.key),
-                self.spec,
-                self.device,
-                msg.num_heads,
-                msg.unit,
-                msg.chunk_tokens,
-                calls,
-                gather,
-                batch_tag(msg.request_ids),
-                len(msg.layers) or None,
-                status,
-            )
-        self._metrics.add("bytes_sent", sent)
-
-    def _stream_gathers(self, job: StreamJob):
-        """A send request's chunk calls (unit ids as tensors, tokens, offset), the gather the
-        staged pipeline runs per chunk, and the stream's status: ``status()`` gives one byte
-        per request, 1 when the export checked for it (``job.exports``) was still live at every
-        chunk's gather (so the bytes sent are its), 0 when it was released meanwhile (also when
-        its id was exported again since). The gather runs under
-        the tracker lock, so no request is released during one; a released request's blocks
-        are still gathered (the stream goes on for the others) but never reported landed. On
-        CUDA the requests are reported released only after the gathers ran."""
-        msg, checked = job
-        cuda = self.device.type == "cuda"
-        layers = list(msg.layers) or None
-        rids = msg.request_ids
-        live = bytearray(b"\x01" * len(rids))
-        exports = self._exports
-
-        def gather(c, out: torch.Tensor) -> None:
-            view = view_at(self._by_unit, c.unit, c.offset, self._offset_views)
-            with exports.lock:
-                for k, rid in enumerate(rids):
-                    if live[k] and exports.lookup(rid) is not checked[k]:
-                        live[k] = 0
-                ops.gather_blocks(
-                    view.caches,
-                    view.spec,
-                    c.units,
-                    c.num_tokens,
-                    msg.head_start,
-                    msg.num_heads,
-                    layers,
-                    out=out,
-                )
-                if cuda:
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    exports.track_gather(rids, ev)
-
-        calls = [
-            (torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t, o, u) for b, t, o, u in msg.calls
-        ]
-        return calls, gather, lambda: bytes(live)
-
-    def _send_loop(self) -> None:
-        """The sender thread: staged ``nixl`` streams, one after another (``pg`` pairs run
-        their streams on threads of their own: :mod:`kvxfer.transports.pg.send`)."""
-        while not self._stop.is_set():
-            try:
-                job = self._send_q.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if job is None:
-                return
-            self._nixl_stream_send(job[2])  # kvxfer.transports.nixl.role; logs its own failures
-
-    def _join_pair(self, key: str, backend: str):
-        """Join pair group ``key`` as its rank 0 (a pair's own thread: blocks until the loader
-        joins, at most ``timeout_s``)."""
-        from .transports.pg import groups as pg
-
-        store = pg.connect_store(self.host, self._store.port, self.timeout_s)
-        return pg.new_pair(store, key, 0, self.host, self.timeout_s, backend)

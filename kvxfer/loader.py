@@ -1,21 +1,24 @@
-"""The loading role of :class:`~kvxfer.engine.TransferEngine`.
+"""The loading role of an engine rank: one worker thread that runs the loads ``poll()`` hands
+it, batch by batch.
 
 One load, from ``poll()`` to the notification:
 
-1. ``poll()`` hands the loads queued since the last poll to the worker thread as one batch;
-   each load gets its deadline then (``timeout_s`` from now): every wait below ends by it.
-2. :meth:`LoaderRole._run_batch` groups the batch by remote engine and handshakes with each
-   new one (:meth:`_remote`, cached; a remote whose address changed, or whose rank restarted,
-   is dropped with its pair groups and mappings and handshaken anew).
-3. :meth:`_run_remote` checks the params against the remote, asks every source rank the plan
-   reads for a lease grant (:meth:`_grant`: renews the leases, returns block epochs; retried
-   while a rank does not know a request yet or its compute is not done), then reads from each
-   source rank (:meth:`_read_rank`: one fused copy from the mapped exporter cache over ``ipc``,
-   :meth:`_ipc_read` in :mod:`kvxfer.transports.ipc.read`; a staged stream over ``pg``, :meth:`_pg_read` in
-   :mod:`kvxfer.transports.pg.read`; or ``nixl``, :mod:`kvxfer.transports.nixl.role`), and reports every load once
-   (:meth:`_complete`).
+1. ``poll()`` hands the loads queued since the last poll to the worker thread as one batch
+   (:meth:`Loader.dispatch`); each load gets its deadline then (``timeout_s`` from now): every
+   wait below ends by it.
+2. :meth:`Loader._run_batch` groups the batch by remote engine and handshakes with each new one
+   (:meth:`Loader._remote`, cached; a remote whose address changed, or whose rank restarted, is
+   dropped with what its transport made for it and handshaken anew); the transport is chosen
+   there (:mod:`kvxfer.transports.choice`).
+3. :meth:`Loader._run_remote` checks the params against the remote, asks every source rank the
+   plan reads for a lease grant (renews the leases, returns block epochs; retried while a rank
+   does not know a request yet or its compute is not done), then has the remote's transport
+   read from each source rank (:meth:`Loader._read_rank` -> ``transports[name].read``:
+   :mod:`kvxfer.transports.ipc`, :mod:`~kvxfer.transports.pg` or
+   :mod:`~kvxfer.transports.nixl`), and reports every load once, finished only by the
+   transport's record that its bytes arrived.
 4. The exporter ranks the plan names are notified (landed, or failed) through the notifier
-   thread (:mod:`kvxfer.notifier`), which retries until acknowledged or the lease is over.
+   (:mod:`kvxfer.notifier`), which retries until acknowledged or the lease is over.
 
 Work on the GPU that outlives its wait is fenced (:class:`~kvxfer.ordering.FenceTimeout`):
 its loads are reported, and their exporters notified, only once it has completed.
@@ -25,10 +28,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 
-from . import control as C
-from . import idops
+from . import control, idops
 from .completion import UNKNOWN
 from .engine_types import (
     Expired,
@@ -37,20 +40,17 @@ from .engine_types import (
     ReleaseItem,
     Remote,
     describe_error,
-    disjoint_blocks,
     time_left,
 )
 from .metrics import now
 from .notifier import Notifier
 from .ordering import NOT_READY, FenceTimeout, event_done
 from .plan import plan_reads
+from .rank import Rank
 from .spec import KVCacheSpec
-from .tracing import batch_tag, items_tag, trace
-from .transports import BatchPlan, choice, plan_batch
-from .transports.ipc import offer as ipc_offer
-from .transports.ipc.read import IpcReads
+from .tracing import items_tag, trace
+from .transports import Transport, choice
 from .transports.pg import groups as pg_groups
-from .transports.pg.read import PgReads
 
 _LOG = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ def _full_mask(num_layers: int) -> int:
     """Every layer as an int bit mask in wire bit order: layer ``i`` is bit ``i`` counted from
     the most significant bit of ``ceil(L / 8)`` big-endian bytes, so ``mask.to_bytes(n, "big")``
     is ``numpy.packbits`` of the layer flags (the ``want``/``layers`` fields of the grant
-    messages). Ints, not numpy arrays: each small numpy op on a mask cost 5-15 us with a cold
-    cache in ``profiling/bench_engine.py``, and a load made about ten of them."""
+    messages). Ints, not numpy arrays: a small numpy op costs microseconds with a cold cache, and
+    a load made about ten of them (profiling/results/2026-11-24-cpu-hostcost/)."""
     pad = -num_layers % 8
     return ((1 << num_layers) - 1) << pad
 
@@ -74,21 +74,93 @@ def _mask_layers(mask: int, num_layers: int) -> list[int]:
     return [i for i in range(num_layers) if mask >> (top - i) & 1]
 
 
-class LoaderRole(IpcReads, PgReads, Notifier):
-    """Methods of :class:`~kvxfer.engine.TransferEngine` that load from remote exporters."""
+class Loader:
+    """Loads from remote exporters for one engine rank (see the module doc).
+
+    Args:
+        rank: the rank's shared state.
+        transports: the rank's transports by name (a remote's transport reads for it).
+        notifier: where notifications and heartbeats go.
+
+    ``remotes``: handshaken remote engines by id; ``client``: the worker thread's side-channel
+    client (transports send their requests through it); ``transport_reasons``: why each
+    remote's transport was chosen."""
+
+    def __init__(self, rank: Rank, transports: dict[str, Transport], notifier: Notifier) -> None:
+        self.rank = rank
+        self.transports = transports
+        self.notifier = notifier
+        self.remotes: dict[str, Remote] = {}
+        self.transport_reasons: dict[str, str] = {}  # remote engine -> why this transport
+        self.client: control.ControlClient | None = None
+        self.lock = threading.Lock()
+        self.incoming: list[LoadItem] = []  # load() since the last poll()
+        self.releases: list[ReleaseItem] = []  # release() since the last poll(), run as their own batch
+        self.fenced: list = []  # loads held until their timed-out GPU work completed
+        self._work: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._topo = None  # kvxfer.topology.probe(), only when two different GPUs handshake
+
+    # -------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        rank = self.rank
+        self.client = control.ControlClient(rank.ctx)
+        self._thread = threading.Thread(
+            target=self._work_loop, name=f"kvxfer-worker-{rank.engine_id}-{rank.tp_rank}", daemon=True
+        )
+        self._thread.start()
+
+    def queue_load(self, item: LoadItem) -> None:
+        """Queue a load; it starts at the next :meth:`dispatch`."""
+        with self.lock:
+            self.incoming.append(item)
+
+    def queue_releases(self, items: list[ReleaseItem]) -> None:
+        with self.lock:
+            self.releases.extend(items)
+
+    def dispatch(self, timeout_s: float) -> None:
+        """Hand the loads (and releases) queued since the last call to the worker thread, each
+        batch with one deadline ``timeout_s`` from now (what ``poll()`` does first)."""
+        if not (self.incoming or self.releases):
+            return
+        with self.lock:
+            batch, self.incoming = self.incoming, []
+            releases, self.releases = self.releases, []
+        deadline = time.monotonic() + timeout_s  # the loads' one deadline
+        for b in (releases, batch):  # releases as their own batch: they move nothing
+            if b:
+                for it in b:
+                    it.deadline = deadline
+                self._work.put(b)
+
+    def stop(self) -> None:
+        self._work.put(None)
+
+    def threads(self) -> list[threading.Thread]:
+        return [self._thread] if self._thread is not None else []
+
+    def close(self) -> None:
+        """Forget every remote (mappings, pair groups), close the client."""
+        for rem in list(self.remotes.values()):
+            for t in self.transports.values():
+                t.forget(rem)
+        self.remotes.clear()
+        if self.client is not None:
+            self.client.close()
 
     # -------------------------------------------------------------------------- worker
     def _work_loop(self) -> None:
         last_beat = time.monotonic()
-        beat_every = self.lease_s / 3
-        while not self._stop.is_set():
+        beat_every = self.rank.lease_s / 3
+        while not self.rank.stop.is_set():
             try:
                 batch = self._work.get(timeout=min(0.05, beat_every))
             except queue.Empty:
                 batch = None
-            if batch is None and self._stop.is_set():
+            if batch is None and self.rank.stop.is_set():
                 return
-            if self._fenced:
+            if self.fenced:
                 self._release_fenced()
             if batch:
                 try:
@@ -96,8 +168,8 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 except Exception as e:  # every request of the batch is still reported once
                     _LOG.warning(
                         "kvxfer loader %s rank %d: internal error in a batch (%s: %s)",
-                        self.engine_id,
-                        self.tp_rank,
+                        self.rank.engine_id,
+                        self.rank.tp_rank,
                         type(e).__name__,
                         e,
                     )
@@ -108,8 +180,8 @@ class LoaderRole(IpcReads, PgReads, Notifier):
 
     def _heartbeat(self) -> None:
         """Renew the leases of loads queued but not yet run (run ones were renewed by the grant)."""
-        with self._lock:
-            waiting = list(self._incoming)
+        with self.lock:
+            waiting = list(self.incoming)
         try:
             queued = [it for b in list(self._work.queue) if b and type(b[0]) is LoadItem for it in b]
         except Exception:  # pragma: no cover - a racing get(): the next beat catches up
@@ -121,14 +193,16 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 rids, toks = by_addr.setdefault(f"tcp://{p.host}:{p.port + r}", ([], []))
                 rids.append(p.request_id)
                 toks.append(p.token)
-        deadline = time.monotonic() + self.lease_s / 3
+        deadline = time.monotonic() + self.rank.lease_s / 3
         for addr, (rids, toks) in by_addr.items():
-            self._notify_q.put((addr, C.Heartbeat(self.engine_id, self.tp_rank, rids, toks), deadline))
+            self.notifier.put(
+                addr, control.Heartbeat(self.rank.engine_id, self.rank.tp_rank, rids, toks), deadline
+            )
 
     def _fail(self, items, reason: str) -> None:
         for it in items:
-            if self._loads.fail(it.request_id, reason):
-                self._metrics.add("failures")
+            if self.rank.loads.fail(it.request_id, reason):
+                self.rank.metrics.add("failures")
 
     def _run_batch(self, batch: list[LoadItem] | list[ReleaseItem]) -> None:
         """Run one batch that ``poll()`` handed over: loads, or releases (TransferEngine.release:
@@ -141,7 +215,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             groups.setdefault(it.params.engine_id, []).append(it)
         for engine_id, items in groups.items():
             with trace("load", items_tag, items):
-                rem = self._remotes.get(engine_id)
+                rem = self.remotes.get(engine_id)
                 while items and (rem is None or not rem.serves(items[0].params)):
                     try:  # new, or moved to another address (restarted?): handshake
                         with trace("handshake", engine_id):
@@ -166,63 +240,63 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         nothing (kvxfer.exporter)."""
         if not addrs:
             return
-        msg = C.Notify(
-            self.engine_id,
-            self.tp_rank,
-            self.tp_size,
+        msg = control.Notify(
+            self.rank.engine_id,
+            self.rank.tp_rank,
+            self.rank.tp_size,
             [],
             [it.params.request_id for it in items],
             [it.params.token for it in items],
         )
-        deadline = time.monotonic() + self.lease_s
+        deadline = time.monotonic() + self.rank.lease_s
         for a in addrs:
-            self._notify_q.put((a, msg, deadline))
+            self.notifier.put(a, msg, deadline)
 
     # ------------------------------------------------------------------------ handshake
     def _remote(self, it: LoadItem, deadline: float) -> Remote:
         """The handshaken remote of ``it``'s params (cached while its address is the same)."""
         p = it.params
-        rem = self._remotes.get(p.engine_id)
+        rem = self.remotes.get(p.engine_id)
         if rem is not None:
             if rem.serves(p):
                 return rem
             _LOG.info(
                 "kvxfer loader %s: engine %s moved from %s:%d to %s:%d (restarted?): handshaking anew",
-                self.engine_id,
+                self.rank.engine_id,
                 p.engine_id,
                 rem.host,
                 rem.port,
                 p.host,
                 p.port,
             )
-            self._forget(rem, "the remote moved to a new address")
+            self.forget(rem, "the remote moved to a new address")
         t0 = now()
         addrs = [f"tcp://{p.host}:{p.port + r}" for r in range(p.tp_size)]
-        hello = C.Hello(
-            **self._identity_fields(),
+        hello = control.Hello(
+            **self.rank.identity_fields(),
             request_id=p.request_id,
             token=p.token,
-            transport=self.transport,
+            transport=self.rank.transport,
             digest=p.digest(),
         )
         try:
             return self._handshake(p, addrs, hello, deadline, t0)
         except Exception as e:
             for a in addrs:  # a failed handshake keeps no socket open (params may name 256 ranks)
-                self._client.drop(a)
+                self.client.drop(a)
             if isinstance(e, (HandshakeError, Expired)):
                 raise
             raise HandshakeError(describe_error(e)) from None
 
-    def _handshake(self, p, addrs: list[str], hello: C.Hello, deadline: float, t0: float) -> Remote:
+    def _handshake(self, p, addrs: list[str], hello: control.Hello, deadline: float, t0: float) -> Remote:
         """Send ``hello`` to every exporter rank of ``p`` and make the :class:`Remote` of their
         replies. A :class:`HandshakeError` names why not, with ``answered``: the ranks that
         accepted the request's token (they are told of the failed loads: :meth:`_run_batch`)."""
-        replies = self._client.call_many([(a, hello) for a in addrs], time_left(deadline), partial=True)
+        replies = self.client.call_many([(a, hello) for a in addrs], time_left(deadline), partial=True)
         answered = [
             addrs[r]
             for r, rep in enumerate(replies)
-            if isinstance(rep, C.HelloReply)
+            if isinstance(rep, control.HelloReply)
             and not rep.error
             and rep.engine_id == p.engine_id
             and rep.tp_rank == r
@@ -241,9 +315,9 @@ class LoaderRole(IpcReads, PgReads, Notifier):
     def _remote_of(self, p, addrs: list[str], replies: list, t0: float) -> Remote:
         """The :class:`Remote` of the exporter ranks' handshake ``replies`` (cached here)."""
         for r, rep in enumerate(replies):
-            if not isinstance(rep, C.HelloReply):
+            if not isinstance(rep, control.HelloReply):
                 e = HandshakeError(f"rank {r} answered {type(rep).__name__}: {getattr(rep, 'error', '')}")
-                e.refused = getattr(rep, "error", "").startswith(C.HELLO_REFUSED)
+                e.refused = getattr(rep, "error", "").startswith(control.HELLO_REFUSED)
                 raise e
             if rep.error:
                 raise HandshakeError(f"rank {r}: {rep.error}")
@@ -253,42 +327,43 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                     f"params name {p.engine_id!r} with tp_size {p.tp_size}"
                 )
         spec = KVCacheSpec.from_dict(replies[0].spec)
-        mismatch = spec.model_mismatch(self.spec)
+        mismatch = spec.model_mismatch(self.rank.spec)
         if mismatch:
             raise HandshakeError(f"incompatible peer: {mismatch}")
         try:
-            plan = plan_reads(spec, p.tp_size, self.spec, self.tp_size)
+            plan = plan_reads(spec, p.tp_size, self.rank.spec, self.rank.tp_size)
         except ValueError as e:
-            raise HandshakeError(f"incompatible peer: TP {p.tp_size} -> {self.tp_size}: {e}") from None
+            raise HandshakeError(f"incompatible peer: TP {p.tp_size} -> {self.rank.tp_size}: {e}") from None
         transport, pg_backends = self._choose_transport(replies)
         rem = Remote(
             p.engine_id, spec, p.tp_size, addrs, transport, replies, min(r.num_blocks for r in replies), plan
         )
         rem.pg_backends, rem.host, rem.port = pg_backends, p.host, p.port
         rem.full_mask = _full_mask(spec.num_layers)
-        rem.reads, rem.notify_to = plan.reads(self.tp_rank), plan.notify_targets(self.tp_rank)
+        rem.reads, rem.notify_to = plan.reads(self.rank.tp_rank), plan.notify_targets(self.rank.tp_rank)
         rem.src_ranks = sorted({r.src_rank for r in rem.reads})
         rem.reads_by_rank = {s: [r for r in rem.reads if r.src_rank == s] for s in rem.src_ranks}
-        if transport == "nixl":
-            self._nixl_setup(rem)  # kvxfer.transports.nixl.role: metadata, direct/staged per read
-        self._remotes[p.engine_id] = rem
-        self._metrics.record_handshake(p.engine_id, now() - t0, transport)
+        note = self.transports[transport].setup(rem)  # nixl: metadata, direct/staged per read
+        if note:
+            self.transport_reasons[rem.engine_id] += f"; {note}"
+        self.remotes[p.engine_id] = rem
+        self.rank.metrics.record_handshake(p.engine_id, now() - t0, transport)
         return rem
 
-    def _choose_transport(self, replies: list[C.HelloReply]) -> tuple[str, list[str]]:
+    def _choose_transport(self, replies: list[control.HelloReply]) -> tuple[str, list[str]]:
         """Pick the transport and, for pg, each source rank's pair backend
         (kvxfer.transports.choice); the reasons go to stats()["transport_reasons"]."""
-        info = self._ipc_desc["info"]
+        info = self.transports["ipc"].entry["info"]
         backends: list[str] = []
         try:
             transport, why = choice.choose(
-                self.transport,
-                self.device,
+                self.rank.transport,
+                self.rank.device,
                 info,
-                self._identity,
+                self.rank.identity,
                 replies,
                 self._topology,
-                local_nixl=self._nixl_local_why(),
+                local_nixl=self.transports["nixl"].why,
             )
             if transport == "pg":
                 for r in replies:
@@ -296,11 +371,11 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                         raise ValueError(
                             f"pg: exporter rank {r.tp_rank} advertises no staging buffers (an incompatible kvxfer)"
                         )
-                backends, bwhy = pg_groups.pair_backends(self.device, info, replies)
+                backends, bwhy = pg_groups.pair_backends(self.rank.device, info, replies)
                 why = f"{why}; {bwhy}" if bwhy else why
         except ValueError as e:
             raise HandshakeError(str(e)) from None
-        self._transport_reasons[replies[0].engine_id] = why
+        self.transport_reasons[replies[0].engine_id] = why
         return transport, backends
 
     def _topology(self):
@@ -353,16 +428,18 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         deadline = good[0].deadline if len(good) == 1 else min(it.deadline for it in good)
         src_ranks = rem.src_ranks
         # every layer of every load, from every source rank: one message
-        msg = C.ReadReq(self.engine_id, self.tp_rank, self.tp_size, rids, toks, digests=digests)
+        msg = control.ReadReq(
+            self.rank.engine_id, self.rank.tp_rank, self.rank.tp_size, rids, toks, digests=digests
+        )
         try:
             replies = self._ask_grants(rem, [(rem.addrs[s], msg) for s in src_ranks], good, deadline)
-        except (C.ControlTimeout, Expired) as e:
-            self._forget(rem, f"lease grant: {e}")
+        except (control.ControlTimeout, Expired) as e:
+            self.forget(rem, f"lease grant: {e}")
             self._fail_all(rem, good, f"lease grant: {e}")
             return
         for s, g in zip(src_ranks, replies):
             if (
-                type(g) is not C.ReadReply
+                type(g) is not control.ReadReply
                 or g.ok != rids
                 or g.incarnation != rem.replies[s].incarnation
                 or any(g.layers)
@@ -415,8 +492,8 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                     replies = self._ask_grants(
                         rem, self._wanted(rem, ranks, alive, need), alive.values(), deadline
                     )
-                except (C.ControlTimeout, Expired) as e:
-                    self._forget(rem, f"lease grant: {e}")
+                except (control.ControlTimeout, Expired) as e:
+                    self.forget(rem, f"lease grant: {e}")
                     reasons.update(dict.fromkeys(alive, f"lease grant: {e}"))
                     alive.clear()
                     break
@@ -452,7 +529,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         for _, msg in calls:
             msg.wait_s = wait
         with trace("grant", items_tag, loads):
-            return self._client.call_many(calls, left)
+            return self.client.call_many(calls, left)
 
     def _wanted(self, rem: Remote, ranks: list[int], alive: dict, need: dict) -> list:
         """The lease requests of a later round: to each of ``ranks``, the loads that still want
@@ -462,10 +539,10 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         calls = []
         for s in ranks:
             its = [it for rid, it in alive.items() if need[s][rid]]
-            msg = C.ReadReq(
-                self.engine_id,
-                self.tp_rank,
-                self.tp_size,
+            msg = control.ReadReq(
+                self.rank.engine_id,
+                self.rank.tp_rank,
+                self.rank.tp_size,
                 [it.params.request_id for it in its],
                 [it.params.token for it in its],
                 [
@@ -489,11 +566,11 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         out: dict[int, dict] = {s: {} for s in ranks}
         full = rem.full_mask
         for s, g in zip(ranks, replies):
-            if not isinstance(g, C.ReadReply):
+            if not isinstance(g, control.ReadReply):
                 why = f"rank {s}: {getattr(g, 'error', g)}"
             elif g.incarnation != rem.replies[s].incarnation:
                 why = f"exporter rank {s} {RESTARTED}"
-                self._forget(rem, why)
+                self.forget(rem, why)
             else:
                 why = ""
             if why:
@@ -564,16 +641,10 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         t0 = now()
         moved, landed, bad = 0, set(), {}
         try:
-            with self._order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
-                if rem.transport == "ipc":
-                    with trace("copy", batch_tag, alive):
-                        moved, landed, bad = self._ipc_read(rem, s, reads, loads, granted, deadline, layers)
-                elif rem.transport == "nixl":  # kvxfer.transports.nixl.role
-                    moved, landed, bad = self._nixl_read(rem, s, reads, loads, granted, deadline, layers)
-                else:
-                    moved, landed, bad = self._pg_read(rem, s, reads, loads, deadline, layers)
-                    if landed:  # finished only once the scatters ran
-                        self._order.wait_done(time_left(deadline))
+            with self.rank.order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
+                moved, landed, bad = self.transports[rem.transport].read(
+                    self, rem, s, reads, loads, granted, deadline, layers
+                )
         except FenceTimeout as e:
             why = f"{rem.transport} read from rank {s}: {e}; reported once the GPU work completed"
             self._defer(e, rem, [it for it in loads if it.request_id not in bad], why)
@@ -583,7 +654,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         except Exception as e:
             landed = set()
             bad = {it.request_id: f"{rem.transport} read from rank {s}: {describe_error(e)}" for it in loads}
-        self._metrics.record_batch(t0, now(), moved, 0)
+        self.rank.metrics.record_batch(t0, now(), moved, 0)
         if len(landed) != len(alive) or bad:
             landed = {rid for rid in landed if rid in alive and rid not in bad}
             for rid in alive:
@@ -597,10 +668,10 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         """Report each load once, ``done`` finished and ``failed`` failed with its reason in
         ``reasons``, and notify the exporter of both (one message)."""
         if done:
-            self._metrics.record_done(self._loads.finish_many([it.request_id for it in done], now()))
+            self.rank.metrics.record_done(self.rank.loads.finish_many([it.request_id for it in done], now()))
         for it in failed:
-            if self._loads.fail(it.request_id, reasons[it.request_id]):
-                self._metrics.add("failures")
+            if self.rank.loads.fail(it.request_id, reasons[it.request_id]):
+                self.rank.metrics.add("failures")
         self._notify(rem, done, failed)
 
     def _fail_all(self, rem: Remote, items: list[LoadItem], why: str) -> None:
@@ -611,19 +682,23 @@ class LoaderRole(IpcReads, PgReads, Notifier):
         """Hold ``items`` until ``fence.event`` completed (polled by the worker), then fail them
         and notify the exporter: their blocks are never reported while GPU work touches them."""
         _LOG.warning(
-            "kvxfer loader %s rank %d: %s (%d loads held)", self.engine_id, self.tp_rank, why, len(items)
+            "kvxfer loader %s rank %d: %s (%d loads held)",
+            self.rank.engine_id,
+            self.rank.tp_rank,
+            why,
+            len(items),
         )
-        self._fenced.append((fence, rem, items, why))
+        self.fenced.append((fence, rem, items, why))
 
     def _release_fenced(self) -> None:
         """Fail (and notify) the held loads whose GPU work has completed."""
         still = []
-        for fence, rem, items, why in self._fenced:
+        for fence, rem, items, why in self.fenced:
             if not event_done(fence.event):
                 still.append((fence, rem, items, why))
                 continue
             self._fail_all(rem, items, why)
-        self._fenced = still
+        self.fenced = still
 
     # -------------------------------------------------------------------- notifications
     def _notify(self, rem: Remote, done: list[LoadItem], failed: list[LoadItem]) -> None:
@@ -642,52 +717,25 @@ class LoaderRole(IpcReads, PgReads, Notifier):
             p = it.params
             bad.append(p.request_id)
             toks.append(p.token)
-        msg = C.Notify(self.engine_id, self.tp_rank, self.tp_size, rids, bad, toks)
-        deadline = time.monotonic() + self.lease_s
-        direct = self._hooks.get("notify")  # benchmarks: deliver in this thread
+        msg = control.Notify(self.rank.engine_id, self.rank.tp_rank, self.rank.tp_size, rids, bad, toks)
+        deadline = time.monotonic() + self.rank.lease_s
+        direct = self.rank.hooks.get("notify")  # benchmarks: deliver in this thread
         for s in rem.notify_to:
             if direct is not None:
                 direct(rem.addrs[s], msg)
             else:
-                self._notify_q.put((rem.addrs[s], msg, deadline))
+                self.notifier.put(rem.addrs[s], msg, deadline)
 
     # ----------------------------------------------------------------------- remotes
-    def _drop_pair(self, rem: Remote, s: int, why: str = "an op failed or timed out") -> None:
-        """Abort and forget the pair group with source rank ``s`` (the next read re-pairs)."""
-        got = rem.pairs.pop(s, None)
-        if got is not None:
-            pg_groups.discard_pair(got[0], why)
-
-    def _forget(self, rem: Remote, why: str = "the remote stopped answering") -> None:
-        """Drop a remote with its pair groups and mappings; the next load handshakes again."""
-        for s in list(rem.pairs):
-            self._drop_pair(rem, s, why)
-        if self._remotes.get(rem.engine_id) is rem:
-            del self._remotes[rem.engine_id]
-        for m in rem.ipc.values():
-            ipc_offer.detach(m.handles)
-        rem.ipc.clear()
-        self._nixl_forget(rem)  # kvxfer.transports.nixl.role
+    def forget(self, rem: Remote, why: str = "the remote stopped answering") -> None:
+        """Drop a remote with what its transport made for it (pair groups, mappings, agents);
+        the next load handshakes again."""
+        if self.remotes.get(rem.engine_id) is rem:
+            del self.remotes[rem.engine_id]
+        for t in self.transports.values():
+            t.forget(rem)
         for a in rem.addrs:
-            self._client.drop(a)
-
-    def _plan(self, loads: list[LoadItem], src_bs: int, src_units: list[int]) -> BatchPlan:
-        """Units and ops calls for ``loads`` from one source rank (block lists in; token slots
-        only for the tails of requests that end inside a block; each call names its units).
-        ``distinct`` when no local block is written by two of them (:func:`disjoint_blocks`)."""
-        distinct = len(loads) == 1 or disjoint_blocks(loads, self.spec.block_size)
-        return plan_batch(loads, src_bs, src_units, self.spec.block_size, self._units, distinct=distinct)
-
-    def _count(self, bp: BatchPlan, num_heads: int, layers: list[int] | None = None) -> tuple[int, int]:
-        bpt = self._bpt.get(num_heads)
-        if bpt is None:
-            bpt = self._bpt[num_heads] = self.spec.bytes_per_token(num_heads=num_heads)
-        if layers is not None:
-            bpt = bpt * len(layers) // self.spec.num_layers
-        tokens = 0
-        for c in bp.calls:  # a loop: a generator is a frame more, per read
-            tokens += c.num_tokens
-        return tokens * bpt, bp.skipped_tokens * bpt
+            self.client.drop(a)
 
     # ------------------------------------------------------------------------ releases
     def _run_releases(self, items: list[ReleaseItem]) -> None:
@@ -711,7 +759,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 _LOG.warning(
                     "kvxfer %s rank %d: release of %s: handshake with %s failed (%s); the exporter "
                     "frees them when their lease ends",
-                    self.engine_id, self.tp_rank, rids, engine_id, e,
+                    self.rank.engine_id, self.rank.tp_rank, rids, engine_id, e,
                 )  # fmt: skip
                 continue
             tok = {it.params.request_id: it.params.token for it in its}
@@ -722,10 +770,10 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 calls = [
                     (
                         rem.addrs[s],
-                        C.ReadReq(
-                            self.engine_id,
-                            self.tp_rank,
-                            self.tp_size,
+                        control.ReadReq(
+                            self.rank.engine_id,
+                            self.rank.tp_rank,
+                            self.rank.tp_size,
                             todo[s],
                             [tok[r] for r in todo[s]],
                             digests=[dig[r] for r in todo[s]],
@@ -734,19 +782,19 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                     for s in ranks
                 ]
                 try:
-                    replies = self._client.call_many(calls, max(0.01, deadline - time.monotonic()))
-                except C.ControlTimeout as e:
-                    self._forget(rem, str(e))
+                    replies = self.client.call_many(calls, max(0.01, deadline - time.monotonic()))
+                except control.ControlTimeout as e:
+                    self.forget(rem, str(e))
                     _LOG.warning(
                         "kvxfer %s rank %d: release of %s: %s; the exporter frees them when their lease ends",
-                        self.engine_id, self.tp_rank, rids, e,
+                        self.rank.engine_id, self.rank.tp_rank, rids, e,
                     )  # fmt: skip
                     todo = {}
                     break
                 for s, g in zip(ranks, replies):
                     todo[s] = (
                         [r for r, why in g.failed.items() if why == UNKNOWN]
-                        if isinstance(g, C.ReadReply)
+                        if isinstance(g, control.ReadReply)
                         else []
                     )
                 if any(todo.values()):
@@ -755,7 +803,7 @@ class LoaderRole(IpcReads, PgReads, Notifier):
                 _LOG.warning(
                     "kvxfer %s rank %d: release of %s: not exported by %s by the deadline; the exporter "
                     "frees them when their lease ends",
-                    self.engine_id, self.tp_rank, sorted({r for v in todo.values() for r in v}), engine_id,
+                    self.rank.engine_id, self.rank.tp_rank, sorted({r for v in todo.values() for r in v}), engine_id,
                 )  # fmt: skip
-            if self._remotes.get(engine_id) is rem:
+            if self.remotes.get(engine_id) is rem:
                 self._notify(rem, [], its)

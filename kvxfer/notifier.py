@@ -1,24 +1,24 @@
-"""The loader's notifier thread: sends what :meth:`~kvxfer.loader.LoaderRole._notify` and the
-heartbeat queue (``_notify_q``: address, ``Notify`` or ``Heartbeat``, deadline) to the exporter
-ranks, each until acknowledged or its deadline. A notification is what frees the exporter's
-blocks, so it leaves as soon as it is queued, with whatever else is queued by then.
-
-A mixin of :class:`~kvxfer.loader.LoaderRole` (and so of the engine): it uses the engine's
-zmq context, stop event, metrics and notification queue.
-"""
+"""The loader's notifier: a thread that sends notifications and heartbeats to exporter ranks,
+each until acknowledged or its deadline. A notification is what frees the exporter's blocks,
+so it leaves as soon as it is queued, with whatever else is queued by then; the notifier has a
+socket of its own, so a dead exporter never stalls the loads."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import queue
+import threading
 import time
 
-from . import control as C
+from . import control
 from .engine_types import describe_error
+from .metrics import Metrics
 from .tracing import batch_tag, trace
 
 _LOG = logging.getLogger(__name__)
+
+__all__ = ["Notifier"]
 
 
 def _notify_tag(due: list[list]) -> str:
@@ -27,17 +27,41 @@ def _notify_tag(due: list[list]) -> str:
 
 
 class Notifier:
-    """The notifier thread's loop, a method of :class:`~kvxfer.engine.TransferEngine`."""
+    """Sends what :meth:`put` queues (see the module doc).
 
-    def _notify_loop(self) -> None:
+    Args:
+        engine_id: the loader engine's id (for the logs).
+        stop: set when the engine closes; what is queued by then still goes until its deadline.
+        metrics: where ``notify_failures`` is counted.
+
+    ``queue``: ``(address, Notify | Heartbeat, deadline)`` tuples."""
+
+    def __init__(self, engine_id: str, stop: threading.Event, metrics: Metrics) -> None:
+        self.engine_id = engine_id
+        self.stop = stop
+        self.metrics = metrics
+        self.queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, addr: str, msg, deadline: float) -> None:
+        """Send ``msg`` to ``addr`` until acknowledged or ``deadline`` (monotonic)."""
+        self.queue.put((addr, msg, deadline))
+
+    def start(self, ctx, name: str) -> None:
+        self._thread = threading.Thread(target=self.run, args=(ctx,), name=name, daemon=True)
+        self._thread.start()
+
+    def threads(self) -> list[threading.Thread]:
+        return [self._thread] if self._thread is not None else []
+
+    def run(self, ctx) -> None:
         """Send queued notifications and heartbeats, each until acknowledged or its deadline
-        (retries back off from 100 ms, doubling up to 1 s); the notifier has its own socket, so
-        a dead exporter never stalls the loads."""
-        client = C.ControlClient(self._ctx)
+        (retries back off from 100 ms, doubling up to 1 s)."""
+        client = control.ControlClient(ctx)
         pending: list[list] = []  # [addr, msg, deadline, next_try, attempts]
-        q = self._notify_q
+        q = self.queue
         try:
-            while not self._stop.is_set() or not q.empty():
+            while not self.stop.is_set() or not q.empty():
                 # Block only until the next retry is due; a notification that arrives is sent at
                 # once (it frees the exporter's blocks), with whatever else is queued by then.
                 t = time.monotonic()
@@ -50,7 +74,7 @@ class Notifier:
                         pending.append([*q.get_nowait(), 0.0, 0])
                     except queue.Empty:
                         break
-                if self._stop.is_set() and not pending:
+                if self.stop.is_set() and not pending:
                     return
                 t = time.monotonic()
                 due = [p for p in pending if p[3] <= t]
@@ -59,7 +83,7 @@ class Notifier:
                 try:
                     with trace("notify", _notify_tag, due):
                         replies = client.call_many([(p[0], p[1]) for p in due], 0.2, partial=True)
-                except C.ControlTimeout:  # a send queue full: every one of them is retried
+                except control.ControlTimeout:  # a send queue full: every one of them is retried
                     replies = [None] * len(due)
                 except Exception as e:  # the notifier must outlive it: retried, given up by the deadline
                     _LOG.warning(
@@ -71,7 +95,7 @@ class Notifier:
                     replies = [None] * len(due)
                 for k, p in enumerate(due):
                     rep = replies[k]
-                    if isinstance(rep, C.Ack):
+                    if isinstance(rep, control.Ack):
                         pending.remove(p)
                         if rep.failed:
                             _LOG.warning(
@@ -83,7 +107,7 @@ class Notifier:
                             )
                         continue
                     p[4] += 1
-                    if time.monotonic() >= p[2] or self._stop.is_set():
+                    if time.monotonic() >= p[2] or self.stop.is_set():
                         pending.remove(p)
                         _LOG.warning(
                             "kvxfer loader %s: %s to %s not acknowledged after %d tries (%s); given up",
@@ -93,7 +117,7 @@ class Notifier:
                             p[4],
                             "no reply" if rep is None else getattr(rep, "error", rep),
                         )
-                        self._metrics.add("notify_failures")
+                        self.metrics.add("notify_failures")
                         continue
                     p[3] = time.monotonic() + min(1.0, 0.05 * 2 ** p[4])
                     client.drop(p[0])  # a fresh socket: stale replies cannot confuse the retry

@@ -62,8 +62,8 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
     saved = use_null_backend()
     p = TransferEngine(spec, src, 0, 1, "P", transport="ipc", lease_s=600).start()
     d = TransferEngine(spec, dst_c, 0, 1, "D", transport="ipc", lease_s=600).start()
-    d._client.close()
-    loop = d._client = Loopback(p)
+    d._loader.client.close()
+    loop = d._loader.client = Loopback(p)
     d._hooks["notify"] = lambda addr, msg: loop.call(addr, msg, d.timeout_s)  # answered in this thread
     t: dict[str, list[float]] = {k: [] for k in ("export", "load", "loader", "exporter", "poll")}
     side: dict[str, list[float]] = {"P": [], "D": []}
@@ -97,11 +97,11 @@ def host_cost(n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: 
             for k, (rid, prm) in enumerate(zip(rids, params)):
                 d.load(rid, prm, dst_ids[k * per : (k + 1) * per])
             t2 = time.perf_counter()
-            with d._lock:  # what poll() hands the worker
-                work, d._incoming = d._incoming, []
+            with d._loader.lock:  # what poll() hands the worker
+                work, d._loader.incoming = d._loader.incoming, []
             for it in work:
                 it.deadline = time.monotonic() + d.timeout_s
-            d._run_batch(work)
+            d._loader._run_batch(work)
             t3 = time.perf_counter()
             rd = d.poll()
             t_dpoll = time.perf_counter()

@@ -70,7 +70,7 @@ class Loopback:
     def _deliver(self, msg):
         buf = C.encode(msg)
         t0 = time.perf_counter()
-        reply = self.exporter._handle(C.decode(buf))
+        reply = self.exporter._exporter.handle(C.decode(buf))
         out = None if reply is None else C.encode(reply)
         self.exporter_s += time.perf_counter() - t0
         return None if out is None else C.decode(out)

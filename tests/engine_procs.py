@@ -476,7 +476,17 @@ def fault_exporter(sc: dict, part: str, q_d0, q_d1, q_ctl) -> dict:
         port=sc["src_port"],
     ).start()
     if part == "first":
-        q_ctl.put(("segments", [shm.name, eng._epoch_shm.name if eng._epoch_shm is not None else None]))
+        q_ctl.put(
+            (
+                "segments",
+                [
+                    shm.name,
+                    eng._transports["ipc"].segment.name
+                    if eng._transports["ipc"].segment is not None
+                    else None,
+                ],
+            )
+        )
     free = list(range(nb))
     held: dict[str, list[int]] = {}
     reports: dict[str, int] = {}

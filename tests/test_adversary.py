@@ -87,14 +87,14 @@ def test_pg_load_is_reported_landed_only_from_the_exporters_record():
     p = TransferEngine(SPEC, ps.caches, 0, 1, "P", transport="pg", timeout_s=5.0).start()
     d = TransferEngine(SPEC, ds.caches, 0, 1, "D", transport="pg", timeout_s=5.0).start()
     victims = ["r0", "r1", "r2"]
-    real = p._handle
+    real = p._exporter.handle
 
     def abort_first(msg):
         if isinstance(msg, C.SendReq) and victims:
             p.abort_export(victims.pop(0))
         return real(msg)
 
-    p._handle = abort_first
+    p._exporter.handle = abort_first
     try:
         prms = {}
         for i in range(4):
@@ -119,8 +119,9 @@ def test_a_load_without_a_record_fails_whatever_else_happened(engines):
     p, d, ps, _ds = engines("ipc")
     fill(ps.caches, SPEC, 0, 1, [3, 4], 12, seed=1)
     prm = p.export("a", [3, 4], 12)
-    real = d._ipc_read
-    d._ipc_read = lambda *a, **k: (lambda m, landed, bad: (m, set(), bad))(*real(*a, **k))
+    ipc = d._transports["ipc"]
+    real = ipc.read
+    ipc.read = lambda *a, **k: (lambda m, landed, bad: (m, set(), bad))(*real(*a, **k))
     d.load("a", prm, [5, 6])
     got = _recv(d, {"a"})
     assert got["a"].startswith("failed:") and "no record that its bytes arrived" in got["a"], got
@@ -173,11 +174,11 @@ def test_a_send_request_reads_only_the_tokens_its_tokens_open(engines):
     a = p.export("A", [2, 3], 12)  # block 3 holds tokens 8..11: 4 of its 8 slots
     p.export("B", [20, 21], 16)
     key = "x/0/k"
-    assert p._handle(C.PairReq("X", 0, key, "gloo", "A", a["token"], _digest(a))).ok
+    assert p._exporter.handle(C.PairReq("X", 0, key, "gloo", "A", a["token"], _digest(a))).ok
     ids = lambda *b: torch.tensor(b, dtype=torch.int64).numpy().tobytes()  # noqa: E731
 
     def send(calls, unit=8):
-        return p._handle(C.SendReq("X", 0, key, ["A"], [a["token"]], 0, 2, unit, calls, 8))
+        return p._exporter.handle(C.SendReq("X", 0, key, ["A"], [a["token"]], 0, 2, unit, calls, 8))
 
     for calls, unit in (
         ([(ids(20, 21), 16, 0, 0)], 8),  # B's blocks
@@ -191,7 +192,7 @@ def test_a_send_request_reads_only_the_tokens_its_tokens_open(engines):
         assert not rep.ok and "refused" in rep.failed["*"] and "call 0" in rep.failed["*"], (calls, rep)
     rep = send([(ids(*range(16, 28)), 12, 0, 1)], 8)  # A's 12 tokens as slots: exactly A
     assert rep.ok, rep
-    p._sender_pairs.discard_all("test over")  # nobody joins this pair
+    p._transports["pg"].senders.discard_all("test over")  # nobody joins this pair
 
 
 def test_a_released_requests_params_do_not_open_a_later_export_of_its_id(engines):
@@ -220,7 +221,7 @@ def test_export_refuses_repeated_ids_and_a_token_not_made_for_it(engines):
         p.export("r", [3, 3], 12)
     with pytest.raises(ValueError, match="token"):
         p.export("r", [3, 4], 12, token="0" * 48)
-    made = p._secret.new_token("r", 12, [3, 4])
+    made = p._rank.secret.new_token("r", 12, [3, 4])
     with pytest.raises(ValueError, match="token"):
         p.export("r", [3, 5], 12, token=made)  # made for other blocks
     assert p.export("r", [3, 4], 12, token=made)["token"] == made
@@ -253,7 +254,7 @@ def test_unchecked_messages_are_refused_before_any_work(engines):
         for tp in (1, 7, MAX_TP_SIZE):  # forged tokens: the plan is never made
             rep = client.call(addr, C.Notify("E", 0, tp, ["x"], [], ["f" * 48]), 5.0)
             assert "unauthorized" in rep.failed["x"], rep
-        assert p._expected == {}
+        assert p._exporter.expected == {}
         assert time.monotonic() - t0 < 3.0
         d.load("x", prm, [5, 6])
         assert _recv(d, {"x"}) == {"x": "done"}
@@ -294,7 +295,7 @@ def test_empty_and_forged_long_polls_are_answered_at_once(engines):
             rep = client.call(addr, C.ReadReq("E", 0, 1, rids, toks, wait_s=30.0, digests=dgs), 5.0)
             assert isinstance(rep, C.ReadReply) and not rep.ok
             assert time.monotonic() - t0 < 0.5
-        assert not p._server._held
+        assert not p._exporter.server._held
     finally:
         client.close()
         ctx.term()
@@ -341,7 +342,7 @@ def test_an_abandoned_pairing_does_not_stop_other_pg_readers(engines):
     meanwhile eight pg loads from a real loader land promptly."""
     p, d, ps, ds = engines("pg", p_kw={"timeout_s": 6.0}, d_kw={"timeout_s": 6.0})
     bait = p.export("bait", [30], 4)
-    rep = p._handle(C.PairReq("Y", 0, "y/0/never", "gloo", "bait", bait["token"], _digest(bait)))
+    rep = p._exporter.handle(C.PairReq("Y", 0, "y/0/never", "gloo", "bait", bait["token"], _digest(bait)))
     assert rep.ok
     t0 = time.monotonic()
     prms = {}
@@ -403,7 +404,9 @@ def test_params_naming_absurd_tp_sizes_cost_nothing_lasting(engines):
     d.load("x", dict(prm, tp_size=200), [5, 6])
     got = _recv(d, {"x"})
     assert got["x"].startswith("failed:") and "handshake" in got["x"], got
-    assert not [a for a in d._client._socks if a.endswith(tuple(f":{p.port + r}" for r in range(1, 200)))]
+    assert not [
+        a for a in d._loader.client._socks if a.endswith(tuple(f":{p.port + r}" for r in range(1, 200)))
+    ]
     end = time.monotonic() + 3.0  # zmq closes sockets on its I/O thread, soon after
     while len(os.listdir("/proc/self/fd")) > fds + 4 and time.monotonic() < end:
         time.sleep(0.05)

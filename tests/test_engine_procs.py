@@ -240,7 +240,7 @@ def test_loader_killed_mid_send_exporter_keeps_serving():
         assert check(d_caches, spec, 0, 1, [7, 8, 9], 40, seed=2)
         assert "b" in p_seen["finished_sending"] and p_seen["expired"] == {"a"}, p_seen
         assert p.stats()["blocks_held"] == 0
-        assert not [k for k in p._sender_pairs if k.startswith("D1/")]  # the broken pair is gone
+        assert not [k for k in p._transports["pg"].senders if k.startswith("D1/")]  # the broken pair is gone
     finally:
         if d1.is_alive():
             d1.kill()

@@ -102,20 +102,20 @@ def test_pair_keys_never_repeat_across_reconnections():
     p = TransferEngine(SPEC, pc, 0, 1, "P", transport="pg").start()
     d = TransferEngine(SPEC, dc, 0, 1, "D", transport="pg").start()
     keys: list[str] = []
-    real = p._handle
+    real = p._exporter.handle
 
     def spy(msg):
         if isinstance(msg, C.PairReq):
             keys.append(msg.key)
         return real(msg)
 
-    p._handle = spy
+    p._exporter.handle = spy
     try:
         for i in range(3):
             fill(pc, SPEC, 0, 1, [i + 1], 5, seed=i)
             d.load(f"r{i}", p.export(f"r{i}", [i + 1], 5), [i + 10])
             assert _wait(d, {f"r{i}"}) == {f"r{i}": "done"}
-            d._forget(d._remotes["P"], "simulated timeout")  # as a timed-out load does
+            d._loader.forget(d._loader.remotes["P"], "simulated timeout")  # as a timed-out load does
         assert len(keys) == 3 and len(set(keys)) == 3, keys
     finally:
         d.close()
@@ -144,7 +144,7 @@ def test_failed_start_leaks_nothing(monkeypatch):
     try:
         with pytest.raises(OSError, match="simulated"):
             eng.start()
-        assert eng._ctx.closed
+        assert eng._rank.ctx.closed
         assert threading.active_count() == threads_before
         mine = {n for n in set(os.listdir("/dev/shm")) - segs_before if f"_{os.getpid()}_" in n}
         assert mine == set()  # no epoch segment (other jobs on the machine may make theirs)
@@ -166,7 +166,7 @@ def test_port_in_use_fails_start_cleanly():
         )
         with pytest.raises(zmq.ZMQError):
             eng.start()
-        assert eng._ctx.closed
+        assert eng._rank.ctx.closed
 
 
 # --------------------------------------------------------------------------- 5: lost messages
@@ -256,18 +256,18 @@ def test_a_failing_handler_is_logged_and_the_channel_keeps_serving(caplog):
     addr = f"tcp://127.0.0.1:{p.port}"
     try:
         prm = p.export("r", [1], 4)
-        real = p._exports.notify_many
+        real = p._rank.exports.notify_many
 
         def broken(*args, **kwargs):
             raise RuntimeError("a bug in the notification path")
 
-        p._exports.notify_many = broken
+        p._rank.exports.notify_many = broken
         bad = C.Notify("D", 0, 1, ["r"], [], [prm["token"]])
         with caplog.at_level(logging.WARNING, logger="kvxfer.control"):
             rep = client.call(addr, bad, 5.0)
         assert isinstance(rep, C.ErrorReply) and "a bug in the notification path" in rep.error
         assert any("handler failed on Notify" in r.getMessage() for r in caplog.records)
-        p._exports.notify_many = real
+        p._rank.exports.notify_many = real
         dg = KVTransferParams.from_dict(prm).digest()
         ok = client.call(addr, C.ReadReq("D", 0, 1, ["r"], [prm["token"]], digests=[dg]), 5.0)
         assert isinstance(ok, C.ReadReply) and ok.ok == ["r"]

@@ -178,9 +178,9 @@ def test_pair_request_for_a_backend_not_served_is_refused():
     try:
         prm = p.export("r", [1], 4)
         tok, dg = prm["token"], KVTransferParams.from_dict(prm).digest()
-        rep = p._handle(C.PairReq("D", 0, "k", "nccl", "r", tok, dg))
+        rep = p._exporter.handle(C.PairReq("D", 0, "k", "nccl", "r", tok, dg))
         assert not rep.ok and "pg backend 'nccl' not served here (offers ['gloo'])" in rep.failed["*"]
-        hello = p._handle(C.Hello(**p._identity_fields(), request_id="r", token=tok, digest=dg))
+        hello = p._exporter.handle(C.Hello(**p._rank.identity_fields(), request_id="r", token=tok, digest=dg))
         assert hello.pg["backends"] == ["gloo"]
     finally:
         p.close()
@@ -467,7 +467,7 @@ def test_timed_out_copy_is_reported_only_after_it_completed():
     def stuck(timeout_s, role="load"):
         raise FenceTimeout(f"transfer stream: CUDA work not complete within {timeout_s}s", ev)
 
-    d._order.wait_done = stuck  # the copy is "still running" on the GPU
+    d._rank.order.wait_done = stuck  # the copy is "still running" on the GPU
     try:
         d.load("x", p.export("x", [2, 3], 12), [4, 5])
         end = time.monotonic() + 0.5

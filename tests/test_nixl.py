@@ -89,7 +89,7 @@ def test_direct_and_staged_exact_registered_once(ucx):
             assert untouched(d1c, NHD16, set(ids1), _tail(NHD16, ids1, n))
             assert untouched(d2c, HND32, set(ids2), _tail(HND32, ids2, n))
             assert _wait(p, {f"a{rnd}", f"b{rnd}"}, "send") == {f"a{rnd}": "done", f"b{rnd}": "done"}
-            now = [len(e._nixl._regs) for e in (p, d1, d2)]
+            now = [len(e._transports["nixl"].agent._regs) for e in (p, d1, d2)]
             assert regs is None or now == regs, "memory registered again for a request"
             regs = now
             poison(d1c)
@@ -167,13 +167,17 @@ def test_auto_picks_nixl_across_hosts_never_on_one(ucx):
     p = TransferEngine(NHD16, shm.caches, 0, 1, "P").start()
     near = TransferEngine(NHD16, _caches(NHD16), 0, 1, "Dnear").start()
     far = TransferEngine(NHD16, dc, 0, 1, "Dfar")
-    far._identity = "another-host/boot-x"
+    far._rank.identity = "another-host/boot-x"
     far.start()
     try:
         fill(shm.caches, NHD16, 0, 1, [1, 2], 20, seed=1)
         near.load("n", p.export("n", [1, 2], 20), [3, 4])
         assert _wait(near, {"n"}) == {"n": "done"}
-        assert near.stats()["transports"] == {"P": "ipc"} and p._nixl is None and near._nixl is None
+        assert (
+            near.stats()["transports"] == {"P": "ipc"}
+            and p._transports["nixl"].agent is None
+            and near._transports["nixl"].agent is None
+        )
         far.load("f", p.export("f", [1, 2], 20), [5, 6])
         assert _wait(far, {"f"}) == {"f": "done"}
         assert check(dc, NHD16, 0, 1, [5, 6], 20, seed=1)
@@ -182,7 +186,7 @@ def test_auto_picks_nixl_across_hosts_never_on_one(ucx):
         assert why == (
             "nixl: ipc cannot be used: not on one host; both sides offer NIXL (UCX); paths: rank 0 direct"
         )
-        assert p._nixl is not None  # made on the far loader's handshake
+        assert p._transports["nixl"].agent is not None  # made on the far loader's handshake
     finally:
         for e in (far, near, p):
             e.close()
@@ -196,7 +200,7 @@ def test_auto_loader_of_a_nixl_only_exporter_on_one_host(ucx):
     p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl").start()
     d = TransferEngine(HND32, dc, 0, 1, "D").start()
     try:
-        assert p._offers == ["nixl"]
+        assert p._rank.offers == ["nixl"]
         fill(pc, NHD16, 0, 1, [1, 2], 20, seed=3)
         d.load("x", p.export("x", [1, 2], 20), [4])
         assert _wait(d, {"x"}) == {"x": "done"}
@@ -216,28 +220,30 @@ def test_nixl_metadata_only_for_token_holders(ucx):
     try:
         fill(pc, NHD16, 0, 1, [2], 6, seed=3)
         prm = p.export("victim", [2], 6)
-        ident = dict(p._identity_fields(), engine_id="E", transports=["nixl"])
+        ident = dict(p._rank.identity_fields(), engine_id="E", transports=["nixl"])
         forged = "f" * 48
         for hello in (
             C.Hello(**ident, transport="nixl"),
             C.Hello(**ident, request_id="victim", token=forged, transport="nixl"),
         ):
-            rep = p._handle(hello)
+            rep = p._exporter.handle(hello)
             assert isinstance(rep, C.ErrorReply) and "unauthorized" in rep.error
         dg = KVTransferParams.from_dict(prm).digest()
-        rep = p._handle(
+        rep = p._exporter.handle(
             C.Hello(**ident, request_id="victim", token=prm["token"], transport="nixl", digest=dg)
         )
-        assert rep.nixl["agent"] == p._nixl.name and rep.nixl["md"]
-        rep = p._handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", forged))
+        assert rep.nixl["agent"] == p._transports["nixl"].agent.name and rep.nixl["md"]
+        rep = p._exporter.handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", forged))
         assert not rep.ok and "unauthorized" in rep.failed["*"]
-        rep = p._handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", prm["token"], dg))
+        rep = p._exporter.handle(C.NixlPairReq("E", 0, "x", b"junk", 5.0, "victim", prm["token"], dg))
         assert not rep.ok and "NIXL" in rep.failed["*"]  # authorized, but not metadata
-        rep = p._handle(C.SendReq("E", 0, "x#k", ["victim"], [forged], 0, 4, 16, [(b"", 6, 0, 0)], 16))
+        rep = p._exporter.handle(
+            C.SendReq("E", 0, "x#k", ["victim"], [forged], 0, 4, 16, [(b"", 6, 0, 0)], 16)
+        )
         assert not rep.ok and "unauthorized" in rep.failed["*"]
         d = TransferEngine(NHD16, dc, 0, 1, "D", transport="nixl").start()
         try:
-            d._nixl.send_notif  # noqa: B018 - the loader's agent exists
+            d._transports["nixl"].agent.send_notif  # noqa: B018 - the loader's agent exists
             d.load("victim", prm, [9])
             assert _wait(d, {"victim"}) == {"victim": "done"}
             assert check(dc, NHD16, 0, 1, [9], 6, seed=3)
@@ -260,9 +266,9 @@ def test_lease_ends_during_direct_read_reported_failed(ucx):
 
         def stall():
             end = time.monotonic() + 5
-            while p._exports.lookup("slow") is not None and time.monotonic() < end:
+            while p._rank.exports.lookup("slow") is not None and time.monotonic() < end:
                 time.sleep(0.01)
-            released.set() if p._exports.lookup("slow") is None else None
+            released.set() if p._rank.exports.lookup("slow") is None else None
 
         d._hooks["after_nixl_read"] = stall
         d.load("slow", prm, [1, 2])
@@ -294,7 +300,7 @@ def test_lease_ends_during_staged_stream_fails_at_once(ucx):
 
         def park():
             end = time.monotonic() + 5
-            while p._exports.lookup("s") is not None and time.monotonic() < end:
+            while p._rank.exports.lookup("s") is not None and time.monotonic() < end:
                 time.sleep(0.01)
 
         d._hooks["before_recv"] = park
@@ -358,7 +364,7 @@ def test_restarted_exporter_is_read_anew(ucx):
         fill(p1c, NHD16, 0, 1, [3, 4], 20, seed=1)
         d.load("a", p1.export("a", [3, 4], 20), [5, 6])
         assert _wait(d, {"a"}) == {"a": "done"}
-        old_agent = p1._nixl.name
+        old_agent = p1._transports["nixl"].agent.name
         p1.close()
         p2 = TransferEngine(NHD16, p2c, 0, 1, "P", transport="nixl", port=port).start()
         try:
@@ -368,7 +374,10 @@ def test_restarted_exporter_is_read_anew(ucx):
             assert _wait(d, {"b"}) == {"b": "done"}
             assert time.monotonic() - t0 < 4.0
             assert check(d_c, NHD16, 0, 1, [7, 8], 20, seed=2)
-            assert p2._nixl.name != old_agent and old_agent not in d._nixl._remotes
+            assert (
+                p2._transports["nixl"].agent.name != old_agent
+                and old_agent not in d._transports["nixl"].agent._remotes
+            )
         finally:
             p2.close()
     finally:
@@ -454,12 +463,14 @@ def test_nixl_serves_only_the_export_the_params_open(ucx, dst_spec):
         assert check(dc, dst_spec, 0, 1, a_ids, 20, seed=1)
         assert untouched(dc, dst_spec, set(a_ids), _tail(dst_spec, a_ids, 20))
         if dst_spec is HND32:  # the staged path: P checks what a stream would read
-            ident = d._nixl.name
+            ident = d._transports["nixl"].agent.name
             key = f"{ident}#feed"
-            assert key.rpartition("#")[0] in p._nixl_peers  # D paired for its staged reads
+            assert key.rpartition("#")[0] in p._transports["nixl"].peers  # D paired for its staged reads
             c = p.export("C", [2, 3], 20)  # A was loaded and released; C holds its blocks
             raw = torch.tensor([20, 21], dtype=torch.int64).numpy().tobytes()
-            rep = p._handle(C.SendReq("D", 0, key, ["C"], [c["token"]], 0, 4, 16, [(raw, 32, 0, 0)], 32))
+            rep = p._exporter.handle(
+                C.SendReq("D", 0, key, ["C"], [c["token"]], 0, 4, 16, [(raw, 32, 0, 0)], 32)
+            )
             assert not rep.ok and "refused" in rep.failed["*"] and "block 20" in rep.failed["*"], rep
     finally:
         d.close()

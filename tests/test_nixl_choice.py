@@ -100,14 +100,14 @@ def test_auto_engine_without_nixl_does_not_offer_it(no_nixl):
     caches = [torch.zeros(SPEC.cache_shape(4, 1), dtype=SPEC.dtype) for _ in range(2)]
     eng = TransferEngine(SPEC, caches, 0, 1, "P").start()
     try:
-        assert "nixl" not in eng._offers and eng._nixl is None
-        assert "not installed" in eng._nixl_local_why()
+        assert "nixl" not in eng._rank.offers and eng._transports["nixl"].agent is None
+        assert "not installed" in eng._transports["nixl"].why
         prm = eng.export("r", [1], 4)
         tok, dg = prm["token"], KVTransferParams.from_dict(prm).digest()
-        hello = C.Hello(**eng._identity_fields(), request_id="r", token=tok, transport="nixl", digest=dg)
-        rep = eng._handle(hello)
+        hello = C.Hello(**eng._rank.identity_fields(), request_id="r", token=tok, transport="nixl", digest=dg)
+        rep = eng._exporter.handle(hello)
         assert "not installed" in rep.nixl["why"]  # the loader's choice names why
         with pytest.raises(ValueError, match="exporter rank 0: NIXL is not installed"):
-            choice.choose("nixl", CPU, INFO, eng._identity, [rep], local_nixl="")
+            choice.choose("nixl", CPU, INFO, eng._rank.identity, [rep], local_nixl="")
     finally:
         eng.close()

@@ -75,7 +75,7 @@ def test_cuda_caches_over_nixl(dst, pin, path):
             {dst_ids[-1]: 1000 - (len(dst_ids) - 1) * dst.block_size},
         )
         assert f"rank 0 {path}" in d.stats()["transport_reasons"]["P"]
-        assert p._nixl_entry_d["mem"] == "VRAM"
+        assert p._transports["nixl"].entry["mem"] == "VRAM"
     finally:
         d.close()
         p.close()

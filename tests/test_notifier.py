@@ -1,4 +1,4 @@
-"""The loader's notifier thread (``LoaderRole._notify_loop``): a notification is what frees the
+"""The loader's notifier thread (:class:`kvxfer.notifier.Notifier`): a notification is what frees the
 exporter's blocks, so it must leave as soon as it is queued, batched with whatever else is
 queued by then, and retried (bounded) when the exporter does not acknowledge it.
 
@@ -11,13 +11,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import types
 
 import pytest
 
 from kvxfer import control as C
-from kvxfer.loader import LoaderRole
 from kvxfer.metrics import Metrics
+from kvxfer.notifier import Notifier
 
 DEADLINE_S = 10.0
 
@@ -81,19 +80,14 @@ def _run_loop(monkeypatch, log: list, client: _FakeClient, feed) -> None:
     """Run the notifier loop of a minimal loader on the recording queue until ``feed`` (given
     the queue and the client) returns; then stop it and join it against a deadline."""
     monkeypatch.setattr(C, "ControlClient", lambda ctx: client)
-    me = types.SimpleNamespace(
-        _ctx=None,
-        _stop=threading.Event(),
-        _notify_q=_RecordingQueue(log),
-        _metrics=Metrics(),
-        engine_id="D",
-    )
-    th = threading.Thread(target=LoaderRole._notify_loop, args=(me,), daemon=True)
+    me = Notifier("D", threading.Event(), Metrics())
+    me.queue = _RecordingQueue(log)
+    th = threading.Thread(target=me.run, args=(None,), daemon=True)
     th.start()
     try:
-        feed(me._notify_q, client)
+        feed(me.queue, client)
     finally:
-        me._stop.set()
+        me.stop.set()
         th.join(DEADLINE_S)
     assert not th.is_alive(), "the notifier did not stop within its deadline"
     return me
@@ -180,7 +174,7 @@ def test_a_notification_past_its_deadline_is_given_up_and_counted(monkeypatch, a
             time.sleep(0.5)
 
     me = _run_loop(monkeypatch, log, client, feed)
-    failures = me._metrics.snapshot().get("notify_failures", 0)
+    failures = me.metrics.snapshot().get("notify_failures", 0)
     assert failures == (0 if acked else 1), (failures, log)
 
 
@@ -211,4 +205,4 @@ def test_an_unexpected_send_error_is_logged_and_retried_and_the_notifier_lives_o
     sends = [e for e in log if e[0] in ("raised", "send")]
     assert sends[:3] == [("raised", ["a"]), ("send", ["a"]), ("send", ["b"])], log
     assert any("socket exploded" in r.getMessage() and "retrying" in r.getMessage() for r in caplog.records)
-    assert me._metrics.snapshot().get("notify_failures", 0) == 0
+    assert me.metrics.snapshot().get("notify_failures", 0) == 0

@@ -49,11 +49,9 @@ __all__ = [
 
 WIDTHS = (16, 8, 4, 2, 1)  # copy units in bytes, widest first; each has its own entry point
 THREADS = 256  # threads per block (8 warps); each warp moves one item at a time
-# Fallback blocks of THREADS per SM when the occupancy query fails: ptxas -v gives the widest
-# entries 52-60 registers per thread on sm_80 (4 blocks of 256 fit) and 44-48 on sm_90a (5 fit).
-# Normally the grid is sized by the driver's occupancy query (_blocks_per_sm): on an H200
-# (2026-11-26, ncu) a fixed 4 per SM gave 528 blocks, 0.8 waves and 44 % achieved occupancy
-# where 5 per SM were resident-capable.
+# Fallback blocks of THREADS per SM when the occupancy query fails (the widest entries' registers
+# leave room for 4 on sm_80). Normally the driver's occupancy query sizes the grid
+# (_blocks_per_sm): a fixed count left a partial wave (profiling/results/2026-11-26-H200/README.md).
 BLOCKS_PER_SM = 4
 ITEM_BYTES = 8192  # bytes per item (head, layer, K/V, chunk of tokens) when items are plentiful
 # Threads per block under an SM budget (a grid of max_sms blocks, one per SM): as many as the

@@ -3,8 +3,9 @@ calls that act on the current context (pointer attributes, address ranges, IPC h
 
 ``cupy.cuda.Device(i)`` alone is not enough: entering it calls ``cudaSetDevice`` only when the
 thread's current device differs from ``i``, and a thread that has made no CUDA call yet reports
-device 0 with no context bound. On an H200 (2026-11-26) such a thread's pointer-attribute query
-answered "host memory, device pointer 0" for pinned memory. ``cudaSetDevice`` (CUDA >= 12)
+device 0 with no context bound, and such a thread's pointer-attribute query answers "host
+memory, device pointer 0" for pinned memory (seen on an H200: profiling/results/2026-11-26-H200/).
+``cudaSetDevice`` (CUDA >= 12)
 initialises the device's primary context and binds it, so :func:`bound_device` always calls it.
 """
 

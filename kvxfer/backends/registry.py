@@ -59,10 +59,8 @@ _why: dict[tuple[str, str], str] = {}  # (backend, device type) -> why it is una
 _warned: set[tuple[str, str]] = set()
 FORCE_ENV = "KVXFER_BACKEND"  # forces the backend of calls made with backend=None
 CUDA_ORDER_ENV = "KVXFER_CUDA_BACKENDS"  # the order backend=None tries on CUDA tensors
-# Triton first: faster than the CUDA C++ kernels on every device row of an H100 and three H200s
-# (e.g. Llama-3-8B gather at 4K tokens 95-97 % of a device copy vs 86 %, its one-head slice 89 %
-# vs 65-72 %; equal into pinned memory), and the GPU tests pass with it first (2026-11-26).
-# It costs ~30 us more host time per call (median 150 vs 117 us, bench_ops on the H200).
+# Triton first: faster than the CUDA C++ kernels on every device row measured, equal into pinned
+# memory, at ~30 us more host time per call (profiling/results/2026-11-26-H200/README.md).
 CUDA_ORDER = ("triton", "cuda", "torch")
 
 

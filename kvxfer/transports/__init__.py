@@ -1,33 +1,30 @@
 """Transports: how a request's KV gets from an exporter rank's cache into a loader rank's.
 
-Three kinds, chosen at handshake and reported in stats (never a silent fallback):
+Each kind lives in a folder of its own and is one object per engine rank, behind the small
+interface :class:`Transport` that the engine's roles call (the loader and the exporter find a
+transport by its name in a dict, never by a string switch):
 
-* ``ipc`` — the loader maps the exporter's cache memory (a *cache mapper*,
-  :mod:`kvxfer.transports.ipc.mappers`: ``"shm"`` for CPU caches in shared memory, ``"cuda"`` for
-  CUDA IPC handles) and runs one ``copy_blocks`` per (batch, source rank) straight from it into
-  its own cache; no staging. After every copy the loader compares the exporter's per-block
-  lease epochs (an int64 array the exporter shares) with the snapshot it was granted, so data
-  of released blocks is never delivered. :mod:`kvxfer.transports.choice` picks the transport
-  and says why ipc cannot be used when it cannot.
-* ``pg`` — a 2-rank torch ProcessGroup per (exporter rank, loader rank) pair
-  (:mod:`kvxfer.transports.pg.groups`: NCCL, or Gloo on CPU and through pinned host memory when both
-  ranks share a GPU) through the chunked, double-buffered staging pipeline of
-  :mod:`kvxfer.transports.pg.pipeline`.
-* ``nixl`` — one-sided READs through a NIXL agent per rank (:mod:`kvxfer.transports.nixl.agent`,
-  UCX: InfiniBand, RoCE, EFA, TCP; optional, ``kvxfer[nixl]``): *direct* (the loader READs the
-  exporter's blocks into its own, one descriptor per contiguous run,
-  :mod:`kvxfer.transports.nixl.descs`) when layouts, block sizes and head slices line up, else
-  *staged* (gather, READ of staging buffers, scatter: :mod:`kvxfer.transports.nixl.staged`).
-  The engine's side of it is :mod:`kvxfer.transports.nixl.role`.
+* ``ipc/`` — one host: the loader maps the exporter's cache memory (a cache mapper,
+  :mod:`~kvxfer.transports.ipc.mappers`: shared memory for CPU caches, CUDA IPC for CUDA
+  caches) and runs one ``copy_blocks`` per (batch, source rank) straight from it; then it
+  compares the exporter's block epochs with its grant's, so data of released blocks is never
+  delivered.
+* ``pg/`` — a 2-rank torch ProcessGroup per (exporter rank, loader rank) pair (NCCL, or Gloo
+  on CPU and through pinned host memory when both ranks share a GPU) through the chunked,
+  double-buffered staging pipeline; each exporter pair has a thread of its own.
+* ``nixl/`` — one-sided READs through a NIXL agent per rank (UCX; optional, ``kvxfer[nixl]``):
+  *direct* when layouts, block sizes and head slices line up, else *staged*.
 
-Modules, one job each: ``mappers`` (registry), ``shm``/``cuda_ipc``/``cuda_mapper`` (the two
-mappers), ``choice`` (transport and pair backend, with reasons), ``pg`` (pair groups),
-``staged`` (the pg pipeline), ``batching`` (views and packing requests into ops calls),
-``nixl`` / ``nixl_descs`` / ``nixl_staged`` (NIXL agents, descriptor lists, the staged path).
+Shared by them: ``batching`` (the views an ops call addresses a cache through, and the packing
+of a batch into ops calls), ``staging`` (staging pools and the chunked pipeline),
+``streams`` (the engine's two ends of a staged stream, pg and staged nixl), ``epochs`` (the
+check after a one-sided read, ipc and nixl direct), ``choice`` (which transport a loader picks,
+with the reason).
 """
 
 from __future__ import annotations
 
+from .base import LoaderLink, StreamJob, Transport
 from .batching import BatchPlan, CacheView, Call, Item, cache_views, plan_batch, unit_view
 from .ipc.mappers import mapper, register_mapper
 
@@ -39,6 +36,9 @@ __all__ = [
     "CacheView",
     "Call",
     "Item",
+    "LoaderLink",
+    "StreamJob",
+    "Transport",
     "cache_views",
     "mapper",
     "plan_batch",

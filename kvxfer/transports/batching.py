@@ -1,4 +1,4 @@
-"""Batching arithmetic of both transports: the views an ops call may address a cache through
+"""Batching arithmetic of every transport: the views an ops call may address a cache through
 (:func:`cache_views`: whole blocks, and token slots for NHD/MLA), the choice of units per batch
 and the packing of several requests into as few ops calls as exactness allows
 (:func:`plan_batch`, :func:`pack_calls`). Requests travel as block lists; per-token slot arrays
@@ -7,6 +7,7 @@ are built (one numpy op each) only when requests with partial last blocks share 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,9 +26,11 @@ __all__ = [
     "offset_view",
     "pack_calls",
     "plan_batch",
+    "plan_loads",
     "shared_prefixes",
     "unit_view",
     "view_at",
+    "wire_bytes",
 ]
 
 
@@ -510,3 +513,34 @@ def plan_batch(
         unit_items.append(Item(it.request_id, src, dst, n - skip))
     calls = head_calls + pack_calls(unit_items, su, du)
     return BatchPlan(su, du, calls, skipped, one)
+
+
+def plan_loads(rank, loads: list, src_block_size: int, src_units: Sequence[int]) -> BatchPlan:
+    """:func:`plan_batch` of a loader rank's ``loads`` (a :class:`~kvxfer.rank.Rank`: its spec
+    and units) from one source rank: block lists in; token slots only for the tails of requests
+    that end inside a block; each call names its units. ``distinct`` when no local block is
+    written by two of them (:func:`kvxfer.engine_types.disjoint_blocks`)."""
+    from ..engine_types import disjoint_blocks
+
+    bs = rank.spec.block_size
+    distinct = len(loads) == 1 or disjoint_blocks(loads, bs)
+    return plan_batch(loads, src_block_size, src_units, bs, rank.units, distinct=distinct)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bytes_per_token(spec: KVCacheSpec, num_heads: int) -> int:
+    return spec.bytes_per_token(num_heads=num_heads)
+
+
+def wire_bytes(
+    spec: KVCacheSpec, bp: BatchPlan, num_heads: int, layers: list[int] | None = None
+) -> tuple[int, int]:
+    """(wire bytes ``bp`` moves for ``num_heads`` heads of ``spec``'s ``layers``, default all;
+    wire bytes its n>1 prefixes saved)."""
+    bpt = _bytes_per_token(spec, num_heads)
+    if layers is not None:
+        bpt = bpt * len(layers) // spec.num_layers
+    tokens = 0
+    for c in bp.calls:  # a loop: a generator is a frame more, per read
+        tokens += c.num_tokens
+    return tokens * bpt, bp.skipped_tokens * bpt

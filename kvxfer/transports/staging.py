@@ -43,6 +43,7 @@ __all__ = [
     "Chunk",
     "HostFence",
     "StagingPool",
+    "Stream",
     "chunk_tokens_for",
     "cut",
     "pipelined_recv",
@@ -214,6 +215,31 @@ class Chunk:
     num_tokens: int
     offset: int = 0
     unit: int = 1
+
+
+@dataclass(frozen=True)
+class Stream:
+    """What both ends of one stream agree on (the same on both, each with its own unit ids):
+    the ops ``calls`` (unit ids, tokens[, offset[, unit]]) of a wire of ``num_heads`` heads of
+    ``spec`` (``num_layers`` of its layers: a layer group; default all), in ``unit``-token
+    units where a call names none, cut into chunks of ``chunk_tokens`` tokens; ``tag``: its
+    NVTX name."""
+
+    spec: KVCacheSpec
+    num_heads: int
+    unit: int
+    chunk_tokens: int
+    calls: Sequence[tuple]
+    num_layers: int | None = None
+    tag: str = ""
+
+    def chunks(self) -> list[Chunk]:
+        """The chunks both ends cut :attr:`calls` into (:func:`cut`), in order."""
+        return cut(self.calls, self.chunk_tokens, self.unit)
+
+    def viewer(self) -> Callable[[Chunk, torch.Tensor], torch.Tensor]:
+        """``view(chunk, slot)``: the chunk's wire in a staging slot (:func:`wire_viewer`)."""
+        return wire_viewer(self.spec, self.num_heads, self.num_layers)
 
 
 def cut(calls: Sequence[tuple], chunk_tokens: int, unit: int) -> list[Chunk]:

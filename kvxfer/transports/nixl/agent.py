@@ -181,7 +181,7 @@ class XferFence:
             self._ended = True  # the agent (and its transfers) are gone
         if not self._ended:
             # done or failed: released; still running: ended only if NIXL could cancel it
-            self._ended = self._agent._release(self._handle, self._dlists, quiet=True)
+            self._ended = self._agent.release_read(self._handle, self._dlists, quiet=True)
         return self._ended
 
 
@@ -337,7 +337,7 @@ class NixlAgent:
         except NixlError:
             return "ERR"
 
-    def _release(self, handle, dlists: Sequence, quiet: bool = False) -> bool:
+    def release_read(self, handle, dlists: Sequence, quiet: bool = False) -> bool:
         """Release a transfer handle (cancels an active one) and its descriptor lists; False
         when NIXL cannot (the transfer still runs: keep everything)."""
         try:
@@ -388,7 +388,7 @@ class NixlAgent:
         self.num_reads += 1
         self.num_descs += n
         if st == "ERR":
-            self._release(h, [lh, rh], quiet=True)
+            self.release_read(h, [lh, rh], quiet=True)
             raise NixlError(f"NIXL READ from {remote_agent} failed when posted")
         return h, [lh, rh]
 
@@ -406,14 +406,14 @@ class NixlAgent:
         while True:
             st = self._state(handle)
             if st == "DONE":
-                self._release(handle, dlists)
+                self.release_read(handle, dlists)
                 return
             if st == "ERR":
-                self._release(handle, dlists, quiet=True)
+                self.release_read(handle, dlists, quiet=True)
                 raise NixlError(f"NIXL {what}: the transfer failed (peer gone or memory not registered)")
             if self.stopping() or time.monotonic() >= deadline:
                 why = "the engine is closing" if self.stopping() else "the deadline passed"
-                if self._release(handle, dlists, quiet=True):
+                if self.release_read(handle, dlists, quiet=True):
                     raise NixlError(f"NIXL {what}: {why}; the transfer was cancelled")
                 raise XferTimeout(
                     f"NIXL {what}: {why} and the transfer cannot be cancelled; fenced until it ends",

@@ -35,13 +35,12 @@ refills a receive buffer only after the scatter that read it completed
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from ...spec import KVCacheSpec
 from ...tracing import trace
-from ..staging import Chunk, HostFence, StagingPool, cut, pipelined_recv, pipelined_send, wire_viewer
+from ..staging import Chunk, HostFence, StagingPool, Stream, pipelined_recv, pipelined_send
 from .agent import NixlAgent, NixlError, XferFence, XferTimeout, encode_notif, mem_of
 
 __all__ = ["PING_S", "NixlStaging", "recv_stream", "send_stream"]
@@ -116,28 +115,22 @@ def send_stream(
     peer: str,
     key: str,
     staging: NixlStaging,
-    spec: KVCacheSpec,
-    num_heads: int,
-    unit: int,
-    chunk_tokens: int,
-    calls: Sequence[tuple],
+    stream: Stream,
     gather: Callable[[Chunk, torch.Tensor], None],
     timeout_s: float,
     peer_timeout_s: float,
-    tag: str = "",
-    num_layers: int | None = None,
     status: Callable[[], bytes] | None = None,
 ) -> int:
-    """Exporter: gather every chunk of ``calls`` into the registered staging buffers and let
-    ``peer`` READ it (module doc); returns the bytes read. Every wait ends ``timeout_s`` after
-    the last progress (the stream's start, or the loader's last completed READ).
-    ``calls``: (source unit ids, tokens[, offset]); ``gather(chunk, out)`` fills the wire view
-    ``out`` (``num_layers`` layers: a layer group, default all) and raises to stop;
+    """Exporter: gather every chunk of ``stream`` (source unit ids) into the registered staging
+    buffers and let ``peer`` READ it (module doc); returns the bytes read. Every wait ends
+    ``timeout_s`` after the last progress (the stream's start, or the loader's last completed
+    READ). ``gather(chunk, out)`` fills the wire view ``out`` and raises to stop;
     ``status()`` gives the stream's status bytes once every chunk was read (module doc, step
     5). An exception raised here carries ``peer_gone = True`` when NIXL reported the loader
     gone."""
-    chunks = cut(calls, chunk_tokens, unit)
-    view = wire_viewer(spec, num_heads, num_layers)
+    chunks = stream.chunks()
+    view = stream.viewer()
+    tag = stream.tag
     bound = [time.monotonic() + timeout_s]  # moves on with every READ completed (as pg's per-op bound)
     acked: set[int] = set()
     sent_at: dict[int, tuple[float, torch.Tensor]] = {}  # chunk -> (R sent, slot) until acked
@@ -315,7 +308,7 @@ class _Reads:
             for j, (h, dl, _) in list(self.active.items()):
                 st = self.agent.poll_read(h)
                 if st == "DONE":
-                    self.agent._release(h, dl)
+                    self.agent.release_read(h, dl)
                     del self.active[j]
                     self.done.add(j)
                 elif st == "ERR":
@@ -361,7 +354,7 @@ class _Reads:
         fence)."""
         held = []
         for h, dl, buf in self.active.values():
-            if not self.agent._release(h, dl, quiet=True):
+            if not self.agent.release_read(h, dl, quiet=True):
                 held.append((buf, XferFence(self.agent, h, dl)))
         self.active.clear()
         return held
@@ -389,25 +382,20 @@ def recv_stream(
     key: str,
     remote: dict,
     staging: NixlStaging,
-    spec: KVCacheSpec,
-    num_heads: int,
-    unit: int,
-    chunk_tokens: int,
-    calls: Sequence[tuple],
+    stream: Stream,
     scatter: Callable[[Chunk, torch.Tensor], None],
     deadline: float,
-    tag: str = "",
-    num_layers: int | None = None,
     num_requests: int = 0,
 ) -> tuple[int, bytes]:
-    """Loader: READ every chunk of ``calls`` (destination unit ids, tokens[, offset]) from
-    ``peer``'s staging buffers (``remote``: its :meth:`NixlStaging.describe`) into this
+    """Loader: READ every chunk of ``stream`` (destination unit ids) from ``peer``'s staging
+    buffers (``remote``: its :meth:`NixlStaging.describe`) into this
     side's, and ``scatter(chunk, wire)`` it; returns (the number of chunks, the stream's
     status: ``num_requests`` bytes, module doc step 5; empty when 0). The mailbox ``key``
     must have been opened before the exporter was asked to stream (it is closed here). Every
     wait ends by ``deadline``."""
-    chunks = cut(calls, chunk_tokens, unit)
-    view = wire_viewer(spec, num_heads, num_layers)
+    chunks = stream.chunks()
+    view = stream.viewer()
+    tag = stream.tag
     reads = _Reads(agent, peer, key, remote, staging, deadline, tag)
 
     def do_scatter(c: Chunk, buf: torch.Tensor) -> None:

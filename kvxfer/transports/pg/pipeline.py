@@ -36,23 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 
 from ...spec import KVCacheSpec
 from ...tracing import trace
-from ..staging import (
-    Chunk,
-    HostFence,
-    StagingPool,
-    chunk_tokens_for,
-    cut,
-    pipelined_recv,
-    pipelined_send,
-    wire_viewer,
-)
+from ..staging import Chunk, HostFence, StagingPool, Stream, chunk_tokens_for, pipelined_recv, pipelined_send
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "StagedPipeline"]
 
@@ -189,28 +180,23 @@ class StagedPipeline:
         self,
         pg,
         peer: int,
-        timeout_s: float,
         backend: str,
-        spec: KVCacheSpec,
         cache_device: torch.device,
-        num_heads: int,
-        unit: int,
-        chunk_tokens: int,
-        calls: Sequence[tuple[torch.Tensor, int]],
+        stream: Stream,
         gather: Callable[[Chunk, torch.Tensor], None],
-        tag: str = "",
-        num_layers: int | None = None,
+        timeout_s: float,
         status: Callable[[], bytes] | None = None,
     ) -> int:
-        """Exporter: gather every chunk of ``calls`` (source unit ids, tokens[, offset]) into
-        staging buffers and send it; the gather of chunk ``i+1`` overlaps the send of chunk
-        ``i``. Returns the bytes sent. ``gather(chunk, out)`` fills the wire view ``out``
-        (``num_layers`` of them: a layer group, default all). ``status()``, called once every
-        chunk was gathered, gives the stream's status bytes (module doc, step 4), sent last."""
-        chunks = cut(calls, chunk_tokens, unit)
-        view = wire_viewer(spec, num_heads, num_layers)
+        """Exporter: gather every chunk of ``stream`` (source unit ids) into staging buffers and
+        send it to ``peer`` of pair ``pg`` (``backend``); the gather of chunk ``i+1`` overlaps
+        the send of chunk ``i``. Returns the bytes sent. ``gather(chunk, out)`` fills the wire
+        view ``out``. ``status()``, called once every chunk was gathered, gives the stream's
+        status bytes (module doc, step 4), sent last. Every wait ends by ``timeout_s``."""
+        chunks = stream.chunks()
+        view = stream.viewer()
         pool = self._pool("send", backend, cache_device)
         fences = self._fences(pool, cache_device, timeout_s)
+        tag = stream.tag
         sent = 0
 
         def do_gather(c: Chunk, buf: torch.Tensor) -> None:
@@ -236,27 +222,23 @@ class StagedPipeline:
         self,
         pg,
         peer: int,
-        timeout_s: float,
         backend: str,
-        spec: KVCacheSpec,
         cache_device: torch.device,
-        num_heads: int,
-        unit: int,
-        chunk_tokens: int,
-        calls: Sequence[tuple[torch.Tensor, int]],
+        stream: Stream,
         scatter: Callable[[Chunk, torch.Tensor], None],
-        tag: str = "",
-        num_layers: int | None = None,
+        timeout_s: float,
         num_requests: int = 0,
     ) -> tuple[int, bytes]:
-        """Loader: receive every chunk of ``calls`` (destination unit ids, tokens[, offset])
-        into staging buffers and scatter it; receiving chunk ``i+1`` overlaps scattering chunk
-        ``i``. ``scatter(chunk, wire)``. Returns (the number of chunks, the stream's status: one
-        byte per request, ``num_requests`` of them, module doc step 4; empty when 0)."""
-        chunks = cut(calls, chunk_tokens, unit)
-        view = wire_viewer(spec, num_heads, num_layers)
+        """Loader: receive every chunk of ``stream`` (destination unit ids) from ``peer`` of
+        pair ``pg`` (``backend``) into staging buffers and ``scatter(chunk, wire)`` it;
+        receiving chunk ``i+1`` overlaps scattering chunk ``i``. Returns (the number of chunks,
+        the stream's status: one byte per request, ``num_requests`` of them, module doc step 4;
+        empty when 0). Every wait ends by ``timeout_s``."""
+        chunks = stream.chunks()
+        view = stream.viewer()
         pool = self._pool("recv", backend, cache_device)
         fences = self._fences(pool, cache_device, timeout_s)
+        tag = stream.tag
 
         def do_recv(c: Chunk, buf: torch.Tensor):
             with trace("recv", tag):

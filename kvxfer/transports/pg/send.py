@@ -9,7 +9,9 @@ thread, and one slow stream delays only its own pair's next streams, never anoth
 At most ``max_pairs`` pairs are kept; a pairing beyond that first evicts the pair used least
 recently that is idle (its group is aborted, its thread ends; the loader re-pairs when it next
 reads), and is refused, naming why, when every pair is busy. A stream or join that fails
-discards its pair (the loader re-pairs). :meth:`PairSenders.close` stops every thread.
+discards its pair (the loader re-pairs). :meth:`PairSenders.discard_all` stops every thread.
+:func:`stream_send` is what a pair's thread runs for one send request: the gathers of
+:mod:`kvxfer.transports.streams` through the staged pipeline, then the stream's status.
 """
 
 from __future__ import annotations
@@ -19,10 +21,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from ...tracing import batch_tag
+from ..base import StreamJob
+from ..staging import Stream
+from ..streams import stream_gathers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...rank import Rank
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["MAX_PAIRS", "PairSenders"]
+__all__ = ["MAX_PAIRS", "PairSenders", "stream_send"]
 
 MAX_PAIRS = 64  # pair groups an exporter rank serves at once (a thread and a communicator each)
 
@@ -46,7 +57,7 @@ class PairSenders:
     Args:
         name: thread name prefix (the engine and rank).
         join: ``join(key, backend) -> group``: joins pair ``key`` as rank 0 (blocks, bounded).
-        stream: ``stream(group, msg)``: runs one send request's stream on a joined pair.
+        stream: ``stream(group, backend, job)``: runs one send request's stream on a joined pair.
         discard: ``discard(group, why)``: aborts a pair group (never raises).
         stop: the engine's stop event.
         max_pairs: pairs kept at once.
@@ -56,7 +67,7 @@ class PairSenders:
         self,
         name: str,
         join: Callable[[str, str], object],
-        stream: Callable[[object, object], None],
+        stream: Callable[[object, str, object], None],
         discard: Callable[[object, str], None],
         stop: threading.Event,
         max_pairs: int = MAX_PAIRS,
@@ -140,7 +151,7 @@ class PairSenders:
                     continue
                 if msg is None:
                     return
-                self._stream(pair.group, msg)
+                self._stream(pair.group, pair.backend, msg)
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
             _LOG.warning(
@@ -165,3 +176,28 @@ class PairSenders:
         """The pair threads still running (for a bounded join at close)."""
         with self._lock:
             return [p.thread for p in self._pairs.values() if p.thread is not None]
+
+
+def stream_send(rank: Rank, group, backend: str, job: StreamJob) -> None:
+    """Gather and send one checked send request's stream over pair ``group`` (``backend``) on
+    the rank's send stream, then its status (one byte per request: landed or released
+    meanwhile). A failure raises (the pair's thread discards the pair)."""
+    hook = rank.hooks.get("before_send")
+    if hook:
+        hook()
+    msg = job.msg
+    calls, gather, status = stream_gathers(rank, job)
+    stream = Stream(
+        rank.spec,
+        msg.num_heads,
+        msg.unit,
+        msg.chunk_tokens,
+        calls,
+        len(msg.layers) or None,
+        batch_tag(msg.request_ids),
+    )
+    with rank.order.on_stream("send"):
+        sent = rank.pipeline.send_stream(
+            group, 1, backend, rank.device, stream, gather, rank.timeout_s, status
+        )
+    rank.metrics.add("bytes_sent", sent)

@@ -1,0 +1,378 @@
+"""The ``nixl`` transport of one engine rank (:class:`~kvxfer.transports.Transport`).
+
+One NIXL agent per engine rank (:class:`~kvxfer.transports.nixl.agent.NixlAgent`), made at
+``start()`` when the engine is configured ``transport="nixl"``, else (``"auto"``) on first
+need: when a loader on another host that offers NIXL handshakes with this rank, or when this
+rank as a loader picks ``nixl``. Making it registers, once, the rank's caches, the lease-epoch
+array and a send staging pool (``pipeline.depth`` x ``pipeline.buffer_bytes``: device memory
+for CUDA caches, pinned host memory with ``pipeline.pin_memory``, host memory on CPU).
+
+Handshake: the exporter's ``HelloReply.nixl`` entry (given only to a loader that presented a
+request's token, like every cache description) carries its agent metadata, cache geometry
+(:class:`~kvxfer.transports.nixl.descs.CacheGeometry`), epoch array and staging buffers.
+The loader loads the metadata and decides per read (source rank, head slice) between the
+*direct* path and the *staged* one (:mod:`~kvxfer.transports.nixl.read`). The exporter's side
+of a staged stream runs on this transport's own sender thread, one stream after another
+(:func:`~kvxfer.transports.nixl.staged.send_stream`).
+
+Completion, leases, heartbeats and notifications are the engine's, as for the other
+transports.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ... import control
+from ...engine_types import HandshakeError, Remote
+from ...ordering import FenceTimeout
+from ...plan import Read
+from ...tracing import batch_tag
+from ..base import LoaderLink, StreamJob
+from ..staging import Stream
+from ..streams import stream_gathers
+from . import read as nixl_read
+from .agent import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status
+from .descs import CacheGeometry, direct_why
+from .read import SrcRank, read_key
+from .staged import NixlStaging, send_stream, stream_error
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...rank import Rank
+
+_LOG = logging.getLogger(__name__)
+
+__all__ = ["NixlTransport"]
+
+
+class NixlTransport:
+    """See the module doc. ``agent``: this rank's agent once made (else None); ``peers``:
+    loader agents paired with this rank (their ``timeout_s``)."""
+
+    name = "nixl"
+
+    def __init__(self, rank: Rank) -> None:
+        self.rank = rank
+        self.why = "not started"
+        self.agent: NixlAgent | None = None
+        self.peers: dict[str, float] = {}
+        self.entry: dict | None = None  # the exporter's handshake entry, once the agent is made
+        self.geometry: CacheGeometry | None = None
+        self.send_staging: NixlStaging | None = None
+        self.recv_staging: NixlStaging | None = None
+        self._build_lock = threading.Lock()
+        self._remotes: dict[str, tuple[Remote, dict[int, SrcRank]]] = {}
+        self._jobs: queue.Queue = queue.Queue()
+        self._sender: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Offer ``nixl`` when NIXL imports (no agent yet, unless configured ``nixl``)."""
+        rank = self.rank
+        if rank.transport not in ("auto", "nixl"):
+            self.why = f"the engine is configured for transport {rank.transport!r}"
+            return
+        self.why = nixl_status()
+        if self.why:
+            return
+        if rank.transport == "nixl":
+            self.side(raise_errors=True)
+        self._sender = threading.Thread(
+            target=self._send_loop, name=f"kvxfer-sender-{rank.engine_id}-{rank.tp_rank}", daemon=True
+        )
+        self._sender.start()
+
+    def side(self, raise_errors: bool = False) -> NixlAgent | None:
+        """This rank's agent, made (and its memory registered) on first call; None when it
+        cannot be made (``why`` says why; ``raise_errors`` raises instead)."""
+        if self.agent is not None or self.why:
+            return self.agent
+        with self._build_lock:
+            if self.agent is not None or self.why:
+                return self.agent
+            return self._build(raise_errors)
+
+    def _build(self, raise_errors: bool) -> NixlAgent | None:
+        rank = self.rank
+        t0 = time.monotonic()
+        agent = None
+        try:
+            agent = NixlAgent(f"kvxfer/{rank.engine_id}/{rank.tp_rank}/{rank.incarnation}", stop=rank.stop)
+            agent.register(rank.caches, "caches")
+            agent.register([rank.exports.epochs], "lease epochs")
+            pipe = rank.pipeline
+            send = NixlStaging(
+                agent, pipe.depth, pipe.buffer_bytes, rank.device, pipe.pin_memory, "send staging"
+            )
+            geo = CacheGeometry.of(rank.caches, rank.spec)
+            mem, dev = mem_of(rank.caches[0])
+            self.entry = {
+                "agent": agent.name,
+                "md": agent.metadata(),  # after every registration: it lists them
+                "mem": mem,
+                "dev": dev,
+                "geometry": geo.to_dict(),
+                "epochs": {"addr": int(rank.exports.epochs.data_ptr()), "num_blocks": rank.num_blocks},
+                "staging": send.describe(),
+                "staging_bytes": pipe.buffer_bytes,
+                "units": list(rank.units),
+                "backends": list(agent.backends),
+            }
+            agent.start_pump(f"kvxfer-nixl-{rank.engine_id}-{rank.tp_rank}")
+        except Exception as e:
+            why = f"NIXL agent could not be set up: {type(e).__name__}: {e}"
+            if agent is not None:
+                agent.close()
+            if raise_errors:
+                raise NixlError(why) from e
+            _LOG.warning(
+                "kvxfer engine %s rank %d: %s; nixl is not offered", rank.engine_id, rank.tp_rank, why
+            )
+            self.why = why
+            if "nixl" in rank.offers:
+                rank.offers.remove("nixl")
+            return None
+        self.send_staging, self.geometry = send, geo
+        self.agent = agent
+        _LOG.info(
+            "kvxfer engine %s rank %d: NIXL agent %s ready in %.0f ms (%s memory)",
+            rank.engine_id,
+            rank.tp_rank,
+            agent.name,
+            1e3 * (time.monotonic() - t0),
+            mem,
+        )
+        return agent
+
+    def abort(self, why: str) -> None:
+        self._jobs.put(None)
+
+    def threads(self) -> list:
+        return [self._sender] if self._sender is not None else []
+
+    def close(self, busy: bool = False) -> None:
+        """Close the agent (after the engine's threads stopped). A thread still inside a NIXL
+        call (``busy``: close() gave up on it) keeps the agent alive rather than freeing it
+        under it."""
+        agent = self.agent
+        if agent is None:
+            return
+        if busy:
+            _LOG.warning(
+                "kvxfer engine %s rank %d: a thread is still running; the NIXL agent is left open",
+                self.rank.engine_id,
+                self.rank.tp_rank,
+            )
+            return
+        self.agent = None
+        agent.close()
+
+    def stats(self) -> dict:
+        return self.agent.stats() if self.agent is not None else {}
+
+    # ------------------------------------------------------------------ exporter
+    def hello_entry(self, hello: control.Hello) -> dict | None:
+        """The ``nixl`` entry of the reply to an authenticated ``hello``: given to a loader
+        configured for ``nixl``, and to an ``auto`` loader that offers NIXL when it is on
+        another host or this rank offers nothing else; None otherwise (building the agent costs
+        ~0.5 s and registers memory, so an auto rank does it only when it may be used)."""
+        rank = self.rank
+        if rank.transport not in ("auto", "nixl"):
+            return None
+        asked = hello.transport == "nixl" or (
+            hello.transport in ("", "auto")
+            and "nixl" in hello.transports
+            and (hello.hostname != rank.identity or rank.transport == "nixl")
+        )
+        if not asked:
+            return None
+        if self.side() is None:
+            return {"why": self.why}
+        return self.entry
+
+    def serves(self) -> dict:
+        return {control.NixlPairReq: self.serve_pair}
+
+    def serve_pair(self, msg: control.NixlPairReq) -> control.SendReply:
+        """Load a loader's connection info (its staged reads are notified), once per loader
+        agent (the request's token verified)."""
+        agent = self.side()
+        if agent is None:
+            return control.SendReply(ok=False, failed={"*": f"nixl not offered by this engine: {self.why}"})
+        try:
+            name = agent.add_remote(msg.md, expect=msg.agent)
+        except NixlError as e:
+            return control.SendReply(ok=False, failed={"*": str(e)})
+        self.peers[name] = float(msg.timeout_s)
+        return control.SendReply(ok=True, failed={})
+
+    def serve_stream(self, job: StreamJob) -> control.SendReply:
+        """Queue a checked staged stream for the sender thread (its key names a paired loader
+        agent: ``<agent>#<hex>``)."""
+        if self.agent is None or job.msg.key.rpartition("#")[0] not in self.peers:
+            return control.SendReply(
+                ok=False, failed={"*": f"unknown nixl stream {job.msg.key} (the loader never paired)"}
+            )
+        self._jobs.put(job)
+        return control.SendReply(ok=True, failed={})
+
+    def _send_loop(self) -> None:
+        """The sender thread: staged streams, one after another."""
+        while not self.rank.stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            self._stream_send(job)
+
+    def _stream_send(self, job: StreamJob) -> None:
+        """Gather a stream's chunks (under the tracker lock: a request released mid-stream is
+        marked not landed in the stream's status) and let the loader READ them; logs its own
+        failures."""
+        rank, agent = self.rank, self.agent
+        msg = job.msg
+        peer = msg.key.rpartition("#")[0]
+        calls, gather, status = stream_gathers(rank, job)
+        stream = Stream(
+            rank.spec,
+            msg.num_heads,
+            msg.unit,
+            msg.chunk_tokens,
+            calls,
+            len(msg.layers) or None,
+            batch_tag(msg.request_ids),
+        )
+        try:
+            hook = rank.hooks.get("before_send")
+            if hook:
+                hook()
+            with rank.order.on_stream("send"):
+                sent = send_stream(
+                    agent,
+                    peer,
+                    msg.key,
+                    self.send_staging,
+                    stream,
+                    gather,
+                    rank.timeout_s,
+                    self.peers.get(peer, rank.timeout_s),
+                    status,
+                )
+        except Exception as e:
+            _LOG.warning(
+                "kvxfer exporter %s rank %d: nixl stream %s to %s failed (%s)",
+                rank.engine_id,
+                rank.tp_rank,
+                msg.key,
+                peer,
+                stream_error(e),
+            )
+            if getattr(e, "peer_gone", False):
+                agent.remove_remote(peer)
+                self.peers.pop(peer, None)
+            return
+        rank.metrics.add("bytes_sent", sent)
+
+    # ------------------------------------------------------------------ loader
+    def setup(self, rem: Remote) -> str:
+        """At the handshake with ``rem``: load every source rank's metadata and decide each
+        read's path; returns what to add to the transport's reason (the paths)."""
+        agent = self.side()
+        if agent is None:
+            raise HandshakeError(f"nixl: {self.why}")
+        old = self._remotes.pop(rem.engine_id, None)
+        if old is not None:
+            self._drop(old[1])
+        ranks: dict[int, SrcRank] = {}
+        try:
+            for s in sorted({r.src_rank for r in rem.reads}):
+                ranks[s] = st = nixl_read.src_rank(rem, s)
+                st.mirror_reg = agent.register([st.mirror], "epoch mirror")
+                agent.add_remote(bytes(rem.replies[s].nixl["md"]), expect=st.agent)
+                agent.connect(st.agent)
+        except NixlError as x:
+            self._drop(ranks)
+            raise HandshakeError(f"nixl: {x}") from None
+        except BaseException:
+            self._drop(ranks)
+            raise
+        notes = []
+        for r in rem.reads:
+            st = ranks[r.src_rank]
+            why = direct_why(st.geometry, self.geometry, r.src_head_start, r.dst_head_start, r.num_heads)
+            st.paths[read_key(r)] = why
+            notes.append(f"rank {r.src_rank} " + ("direct" if not why else f"staged ({why})"))
+        self._remotes[rem.engine_id] = (rem, ranks)
+        return "paths: " + ", ".join(notes)
+
+    def _drop(self, ranks: dict[int, SrcRank]) -> None:
+        agent = self.agent
+        if agent is None:
+            return
+        for st in ranks.values():
+            agent.remove_remote(st.agent)
+            agent.deregister(st.mirror_reg)
+
+    def forget(self, rem: Remote) -> None:
+        """Drop the NIXL state of a forgotten remote (its agents are removed: disconnected)."""
+        got = self._remotes.get(rem.engine_id)
+        if got is not None and got[0] is rem:
+            del self._remotes[rem.engine_id]
+            self._drop(got[1])
+
+    def read(
+        self,
+        loader: LoaderLink,
+        rem: Remote,
+        s: int,
+        reads: list[Read],
+        loads: list,
+        granted: dict,
+        deadline: float,
+        layers: list[int] | None,
+    ) -> tuple[int, set[str], dict[str, str]]:
+        """Read the plan's heads (and ``layers``, default all) of source rank ``s`` over NIXL:
+        direct reads first (one READ, then the epoch check), then staged ones; (bytes moved,
+        the local ids that landed in every read, local id -> why for failures)."""
+        got = self._remotes.get(rem.engine_id)
+        if got is None or got[0] is not rem or s not in got[1]:
+            raise RuntimeError(f"nixl: no state for exporter rank {s} (handshake not done)")
+        st = got[1][s]
+        direct = [r for r in reads if not st.paths.get(read_key(r), "?")]
+        staged = [r for r in reads if st.paths.get(read_key(r), "?")]
+        moved, bad = 0, {}
+        landed = {it.request_id for it in loads}
+        try:
+            if direct:
+                moved, ids, bad = nixl_read.direct(self, rem, s, st, direct, loads, granted, deadline, layers)
+                landed &= ids
+            for r in staged:
+                todo = [it for it in loads if it.request_id not in bad]
+                if not todo:
+                    break
+                m, ids, b = nixl_read.staged(self, loader, rem, s, st, r, todo, deadline, layers)
+                moved += m
+                bad.update(b)
+                landed &= ids
+        except XferTimeout as e:  # the READ may still write our blocks: fenced until it ended
+            raise FenceTimeout(str(e), e.fence) from None
+        except NixlError as e:
+            if not self.agent.stopping():
+                loader.forget(rem, f"nixl: {e}")  # the next load handshakes (and connects) anew
+            raise
+        return moved, landed - bad.keys(), bad
+
+    def receive_staging(self) -> NixlStaging:
+        """The loader's registered receive staging pool (made on its first staged read)."""
+        if self.recv_staging is None:
+            pipe, rank = self.rank.pipeline, self.rank
+            self.recv_staging = NixlStaging(
+                self.agent, pipe.depth, pipe.buffer_bytes, rank.device, pipe.pin_memory, "receive staging"
+            )
+        return self.recv_staging

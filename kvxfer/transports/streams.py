@@ -1,0 +1,127 @@
+"""The engine's ends of a staged stream, shared by ``pg`` and staged ``nixl``.
+
+A loader that cannot read an exporter's memory asks it to *stream* (:func:`ask_stream`: a
+``SendReq`` on the side channel naming the transport, the requests with their tokens, the
+head slice, the layers and the ops calls in source units); the exporter checks it (its
+:class:`~kvxfer.exporter.Exporter` verifies the tokens and that the calls read only what they
+open) and hands the transport a :class:`StreamJob`; the transport runs the chunked pipeline
+(:mod:`kvxfer.transports.staging`) with the gathers of :func:`stream_gathers`, and sends the
+stream's *status* last: one byte per request, 1 when the export checked for it was live at
+every chunk's gather. The loader reports a load landed only from a 1 there
+(:func:`take_status`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .. import control, ops
+from ..engine_types import Remote, time_left
+from ..plan import Read
+from .base import LoaderLink, StreamJob
+from .batching import BatchPlan, view_at
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..rank import Rank
+
+__all__ = ["RELEASED_MID_STREAM", "StreamJob", "ask_stream", "stream_gathers", "take_status"]
+
+RELEASED_MID_STREAM = "released during the stream (lease ended or aborted); not delivered"
+
+
+def stream_gathers(rank: Rank, job: StreamJob):
+    """A stream's chunk calls (unit ids as tensors, tokens, offset, unit), the gather the staged
+    pipeline runs per chunk, and ``status()``: one byte per request of ``job``, 1 when the export
+    checked for it (``job.exports``) was still live at every chunk's gather (so the bytes sent
+    are its), 0 when it was released meanwhile (also when its id was exported again since).
+    The gather runs under the tracker lock, so no request is released during one; a released
+    request's blocks are still gathered (the stream goes on for the others) but never reported
+    landed. On CUDA the requests are reported released only after the gathers ran."""
+    msg, checked = job
+    cuda = rank.device.type == "cuda"
+    layers = list(msg.layers) or None
+    rids = msg.request_ids
+    live = bytearray(b"\x01" * len(rids))
+    exports = rank.exports
+
+    def gather(c, out: torch.Tensor) -> None:
+        view = view_at(rank.by_unit, c.unit, c.offset, rank.offset_views)
+        with exports.lock:
+            for k, rid in enumerate(rids):
+                if live[k] and exports.lookup(rid) is not checked[k]:
+                    live[k] = 0
+            ops.gather_blocks(
+                view.caches, view.spec, c.units, c.num_tokens, msg.head_start, msg.num_heads, layers, out=out
+            )
+            if cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+                exports.track_gather(rids, ev)
+
+    calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t, o, u) for b, t, o, u in msg.calls]
+    return calls, gather, lambda: bytes(live)
+
+
+def ask_stream(
+    loader: LoaderLink,
+    transport: str,
+    rem: Remote,
+    s: int,
+    key: str,
+    r: Read,
+    loads: list,
+    bp: BatchPlan,
+    chunk_tokens: int,
+    deadline: float,
+    layers: list[int] | None = None,
+) -> dict[str, str]:
+    """Ask source rank ``s`` to stream ``bp``'s calls (head slice ``r``, ``layers``) over
+    ``transport``'s pair or mailbox ``key``; local id -> why for the loads it refused (empty:
+    accepted). A refusal of the whole request (``"*"``) raises ``RuntimeError`` naming it; a
+    timeout forgets the remote and raises :class:`~kvxfer.control.ControlTimeout`."""
+    rank = loader.rank
+    req = control.SendReq(
+        rank.engine_id,
+        rank.tp_rank,
+        key,
+        [it.params.request_id for it in loads],
+        [it.params.token for it in loads],
+        r.src_head_start,
+        r.num_heads,
+        bp.src_unit,
+        [(c.src.tobytes(), c.num_tokens, c.src_offset, c.src_unit) for c in bp.calls],
+        chunk_tokens,
+        layers or [],
+        transport,
+    )
+    try:
+        rep = loader.client.call(rem.addrs[s], req, time_left(deadline))
+    except control.ControlTimeout:
+        loader.forget(rem, "a send request timed out")
+        raise
+    if not isinstance(rep, control.SendReply):
+        raise RuntimeError(f"send request refused: {getattr(rep, 'error', rep)}")
+    if rep.ok:
+        return {}
+    if "*" in rep.failed:
+        raise StreamRefused(rep.failed["*"])
+    local_of = {it.params.request_id: it.request_id for it in loads}
+    return {local_of.get(rid, rid): f"exporter rank {s}: {why}" for rid, why in rep.failed.items()}
+
+
+class StreamRefused(RuntimeError):
+    """The exporter refused a send request as a whole (the message says why)."""
+
+
+def take_status(loads: list, flags: bytes, s: int, landed: set, bad: dict) -> None:
+    """File each of ``loads`` under ``landed`` (its byte of the stream's status ``flags`` is 1)
+    or ``bad`` (0: released during the stream, never delivered)."""
+    why = f"exporter rank {s}: {RELEASED_MID_STREAM}"
+    for it, flag in zip(loads, flags):
+        if flag == 1:
+            landed.add(it.request_id)
+        else:
+            bad[it.request_id] = why
