@@ -13,6 +13,7 @@ every chunk's gather. The loader reports a load landed only from a 1 there
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,25 +22,28 @@ import torch
 from .. import control, ops
 from ..engine_types import Remote, time_left
 from ..plan import Read
+from ..tracing import batch_tag
 from .base import LoaderLink, StreamJob
 from .batching import BatchPlan, view_at
+from .staging import Stream
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..rank import Rank
 
-__all__ = ["RELEASED_MID_STREAM", "StreamJob", "ask_stream", "stream_gathers", "take_status"]
+__all__ = ["RELEASED_MID_STREAM", "ask_stream", "stream_gathers", "stream_scatters", "take_status"]
 
 RELEASED_MID_STREAM = "released during the stream (lease ended or aborted); not delivered"
 
 
-def stream_gathers(rank: Rank, job: StreamJob):
-    """A stream's chunk calls (unit ids as tensors, tokens, offset, unit), the gather the staged
-    pipeline runs per chunk, and ``status()``: one byte per request of ``job``, 1 when the export
-    checked for it (``job.exports``) was still live at every chunk's gather (so the bytes sent
-    are its), 0 when it was released meanwhile (also when its id was exported again since).
-    The gather runs under the tracker lock, so no request is released during one; a released
-    request's blocks are still gathered (the stream goes on for the others) but never reported
-    landed. On CUDA the requests are reported released only after the gathers ran."""
+def stream_gathers(rank: Rank, job: StreamJob) -> tuple[Stream, Callable, Callable[[], bytes]]:
+    """The exporter's end of a checked send request: its :class:`Stream` (source unit ids as
+    tensors), the gather the staged pipeline runs per chunk, and ``status()``: one byte per
+    request of ``job``, 1 when the export checked for it (``job.exports``) was still live at
+    every chunk's gather (so the bytes sent are its), 0 when it was released meanwhile (also
+    when its id was exported again since). The gather runs under the tracker lock, so no
+    request is released during one; a released request's blocks are still gathered (the stream
+    goes on for the others) but never reported landed. On CUDA the requests are reported
+    released only after the gathers ran."""
     msg, checked = job
     cuda = rank.device.type == "cuda"
     layers = list(msg.layers) or None
@@ -62,7 +66,43 @@ def stream_gathers(rank: Rank, job: StreamJob):
                 exports.track_gather(rids, ev)
 
     calls = [(torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()), t, o, u) for b, t, o, u in msg.calls]
-    return calls, gather, lambda: bytes(live)
+    stream = Stream(
+        rank.spec,
+        msg.num_heads,
+        msg.unit,
+        msg.chunk_tokens,
+        calls,
+        len(layers) if layers else None,
+        batch_tag(rids),
+    )
+    return stream, gather, lambda: bytes(live)
+
+
+def stream_scatters(
+    rank: Rank, r: Read, bp: BatchPlan, chunk_tokens: int, loads: list, layers: list[int] | None = None
+) -> tuple[Stream, Callable]:
+    """The loader's end of a stream it asked for: the :class:`Stream` of ``bp``'s calls in this
+    rank's units (head slice ``r``, ``layers``) and the scatter the staged pipeline runs per
+    chunk. The ids were checked at ``load()`` (range, repeats); when the batch's loads write
+    disjoint blocks (``bp.distinct``) no call repeats one either, and the ops skip those checks."""
+    disjoint = bp.distinct
+
+    def scatter(c, wire: torch.Tensor) -> None:
+        dv = view_at(rank.by_unit, c.unit, c.offset, rank.offset_views)
+        bound = rank.num_blocks * (rank.spec.block_size // c.unit)
+        ids = ops.CheckedIds(c.units, bound, True) if disjoint else c.units
+        ops.scatter_blocks(wire, dv.caches, dv.spec, ids, c.num_tokens, r.dst_head_start, layers)
+
+    stream = Stream(
+        rank.spec,
+        r.num_heads,
+        bp.dst_unit,
+        chunk_tokens,
+        [(c.dst, c.num_tokens, c.dst_offset, c.dst_unit) for c in bp.calls],
+        len(layers) if layers else None,
+        batch_tag([it.request_id for it in loads]),
+    )
+    return stream, scatter
 
 
 def ask_stream(

@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from ... import control, ops
+from ... import control
 from ...engine_types import HandshakeError, LoadItem, Remote, describe_error, time_left
 from ...plan import Read
 from ...tracing import batch_tag, trace
 from ..base import LoaderLink
-from ..batching import plan_batch, plan_loads, view_at, wire_bytes
+from ..batching import plan_batch, plan_loads, wire_bytes
 from ..epochs import stale_loads
-from ..staging import Stream
-from ..streams import ask_stream, take_status
+from ..streams import ask_stream, stream_scatters, take_status
 from .agent import NixlAgent, mem_of
 from .descs import CacheGeometry, descs, direct_runs, epoch_runs
 from .staged import NixlStaging, recv_stream
@@ -233,19 +232,10 @@ def staged(
             except BaseException:
                 agent.close_box(key)
                 raise
-        stream = Stream(
-            rank.spec,
-            r.num_heads,
-            bp.dst_unit,
-            chunk_tokens,
-            [(c.dst, c.num_tokens, c.dst_offset, c.dst_unit) for c in bp.calls],
-            len(layers) if layers else None,
-            batch_tag([it.request_id for it in loads]),
-        )
+        stream, scatter = stream_scatters(rank, r, bp, chunk_tokens, loads, layers)
         n, flags = recv_stream(
-            agent, st.agent, key, st.staging, receive, stream, _scatterer(rank, r.dst_head_start, layers), deadline,
-            len(loads),
-        )  # fmt: skip
+            agent, st.agent, key, st.staging, receive, stream, scatter, deadline, len(loads)
+        )
         rank.order.wait_done(time_left(deadline))  # CUDA: the scatters ran
         rank.metrics.add("ops_calls", n)
         take_status(loads, flags, s, landed, bad)
@@ -254,11 +244,3 @@ def staged(
         break
     rank.metrics.add("dedup_bytes", saved)
     return moved, landed, bad
-
-
-def _scatterer(rank, head_start: int, layers: list[int] | None):
-    def scatter(c, wire: torch.Tensor) -> None:
-        dv = view_at(rank.by_unit, c.unit, c.offset, rank.offset_views)
-        ops.scatter_blocks(wire, dv.caches, dv.spec, c.units, c.num_tokens, head_start, layers)
-
-    return scatter

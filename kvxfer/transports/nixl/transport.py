@@ -31,9 +31,7 @@ from ... import control
 from ...engine_types import HandshakeError, Remote
 from ...ordering import FenceTimeout
 from ...plan import Read
-from ...tracing import batch_tag
 from ..base import LoaderLink, StreamJob
-from ..staging import Stream
 from ..streams import stream_gathers
 from . import read as nixl_read
 from .agent import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status
@@ -238,16 +236,7 @@ class NixlTransport:
         rank, agent = self.rank, self.agent
         msg = job.msg
         peer = msg.key.rpartition("#")[0]
-        calls, gather, status = stream_gathers(rank, job)
-        stream = Stream(
-            rank.spec,
-            msg.num_heads,
-            msg.unit,
-            msg.chunk_tokens,
-            calls,
-            len(msg.layers) or None,
-            batch_tag(msg.request_ids),
-        )
+        stream, gather, status = stream_gathers(rank, job)
         try:
             hook = rank.hooks.get("before_send")
             if hook:

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import secrets
 
-import torch
-
-from ... import control, ops
+from ... import control
 from ...engine_types import LoadItem, Remote, describe_error, time_left
 from ...plan import Read
-from ...tracing import batch_tag
 from ..base import LoaderLink
-from ..batching import BatchPlan, plan_loads, view_at, wire_bytes
-from ..staging import Stream
-from ..streams import StreamRefused, ask_stream, take_status
+from ..batching import BatchPlan, plan_loads, wire_bytes
+from ..streams import StreamRefused, ask_stream, stream_scatters, take_status
 from . import groups
 
 __all__ = ["join_pair", "read"]
@@ -98,27 +94,10 @@ def _recv(
 ):
     """Receive and scatter one stream; the exporter's status of it (one byte per load of
     ``loads``, 1: landed)."""
-    tag = batch_tag([it.request_id for it in loads])
     hook = rank.hooks.get("before_recv")
     if hook:
         hook()
-    disjoint = bp.distinct  # ids checked at load() (range, repeats); disjoint loads: none across them
-
-    def scatter(c, wire: torch.Tensor) -> None:
-        dv = view_at(rank.by_unit, c.unit, c.offset, rank.offset_views)
-        bound = rank.num_blocks * (rank.spec.block_size // c.unit)
-        ids = ops.CheckedIds(c.units, bound, True) if disjoint else c.units
-        ops.scatter_blocks(wire, dv.caches, dv.spec, ids, c.num_tokens, r.dst_head_start, layers)
-
-    stream = Stream(
-        rank.spec,
-        r.num_heads,
-        bp.dst_unit,
-        chunk_tokens,
-        [(c.dst, c.num_tokens, c.dst_offset, c.dst_unit) for c in bp.calls],
-        len(layers) if layers else None,
-        tag,
-    )
+    stream, scatter = stream_scatters(rank, r, bp, chunk_tokens, loads, layers)
     n, flags = rank.pipeline.recv_stream(
         group, 0, backend, rank.device, stream, scatter, time_left(deadline), len(loads)
     )

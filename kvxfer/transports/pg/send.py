@@ -23,9 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from ...tracing import batch_tag
 from ..base import StreamJob
-from ..staging import Stream
 from ..streams import stream_gathers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -185,17 +183,7 @@ def stream_send(rank: Rank, group, backend: str, job: StreamJob) -> None:
     hook = rank.hooks.get("before_send")
     if hook:
         hook()
-    msg = job.msg
-    calls, gather, status = stream_gathers(rank, job)
-    stream = Stream(
-        rank.spec,
-        msg.num_heads,
-        msg.unit,
-        msg.chunk_tokens,
-        calls,
-        len(msg.layers) or None,
-        batch_tag(msg.request_ids),
-    )
+    stream, gather, status = stream_gathers(rank, job)
     with rank.order.on_stream("send"):
         sent = rank.pipeline.send_stream(
             group, 1, backend, rank.device, stream, gather, rank.timeout_s, status
