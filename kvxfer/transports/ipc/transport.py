@@ -2,7 +2,7 @@
 
 Exporter: at start it describes the rank's caches for loaders on this host and allocates the
 block-epoch array in shared memory (:mod:`~kvxfer.transports.ipc.offer`); the epochs are the
-export tracker's, so a loader that maps them sees every release. LoaderLink: it maps each source
+export tracker's, so a loader that maps them sees every release. Loader: it maps each source
 rank on first use and copies straight from it (:mod:`~kvxfer.transports.ipc.read`)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Exporter: a TCPStore the loaders' pair groups meet at, the backends it serves
 (:mod:`~kvxfer.transports.pg.groups`), and the pair groups loaders asked for, each joined and
-served by a thread of its own (:mod:`~kvxfer.transports.pg.send`). LoaderLink: a pair group with
+served by a thread of its own (:mod:`~kvxfer.transports.pg.send`). Loader: a pair group with
 each source rank, joined on first use, and the staged receive
 (:mod:`~kvxfer.transports.pg.read`)."""
 
