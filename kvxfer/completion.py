@@ -85,6 +85,7 @@ class _Export:
         "marked",
         "notified_by",
         "num_tokens",
+        "slot",
         "token",
     )
 
@@ -107,6 +108,7 @@ class _Export:
         self.token = token  # the export's auth token (kvxfer.auth), kept to verify messages cheaply
         self.digest = digest  # kvxfer.auth.content_digest of (num_tokens, block_ids)
         self.gen = gen  # the export's generation of its request id (kvxfer.auth: the token's nonce)
+        self.slot = -1  # its lease slot (kvxfer.transports.ipc.slots), -1 for none
 
 
 class ExportTracker:
@@ -140,6 +142,10 @@ class ExportTracker:
         # so the caller cannot reuse the blocks before the gather read them.
         self._inflight: dict[str, list] = {}
         self._deferred: list[tuple[str, str, list]] = []  # (request id, "finished"|"expired", events)
+        # the lease-slot table loaders on this host read one-sided (kvxfer.transports.ipc.slots),
+        # set by the ipc transport when it offers one; None: no slots
+        self.slots = None
+        self._unready: dict[str, int] = {}  # request id -> slot whose ready flag is not set yet
 
     # ------------------------------------------------------------------ export
     def add(
@@ -151,11 +157,14 @@ class ExportTracker:
         token: str = "",
         digest: bytes = b"",
         gen: int = 0,
+        ready: bool = True,
     ) -> None:
         """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``.
         ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`.
         ``token``, ``digest``, ``gen``: the export's auth token, content digest and generation
-        (:mod:`kvxfer.auth`), checked by :meth:`grant` and the like while it is live."""
+        (:mod:`kvxfer.auth`), checked by :meth:`grant` and the like while it is live.
+        ``ready``: the compute that wrote the blocks has completed (else :meth:`refresh_ready`
+        sets the lease slot's ready flag once it has)."""
         ids = block_ids
         if type(ids) is not np.ndarray or ids.dtype is not _INT64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(block_ids, dtype=np.int64)
@@ -175,6 +184,23 @@ class ExportTracker:
             if num_layers:
                 e.marked = np.zeros(num_layers, dtype=bool)
             self._live[request_id] = e
+            slots = self.slots
+            if slots is not None and token:
+                e.slot = slots.open(request_id, token, digest, e.deadline, ready, bool(num_layers))
+                if e.slot >= 0 and not ready:
+                    self._unready[request_id] = e.slot
+
+    def refresh_ready(self, not_ready: Callable[[list[str]], list[str]]) -> None:
+        """Set the ready flag of the lease slots whose exports' compute has completed now
+        (``not_ready``: :meth:`kvxfer.ordering.StreamOrder.not_ready`)."""
+        if not self._unready:
+            return
+        with self.lock:
+            rids = list(self._unready)
+            still = set(not_ready(rids))
+            for rid in rids:
+                if rid not in still:
+                    self.slots.set_ready(self._unready.pop(rid))
 
     def generation(self, request_id: str) -> int:
         """The generation the next export of ``request_id`` gets: 0, or one more than the last
@@ -227,8 +253,12 @@ class ExportTracker:
         """Drop live exports (under :attr:`lock`): their blocks one holder less each, the
         epochs of blocks no export holds now bumped; remembered as gone (bounded)."""
         live, gone, rc, ep, release = self._live, self._gone, self._rc, self._ep, idops.release
+        slots = self.slots
         for rid in request_ids:
             e = live.pop(rid)
+            if e.slot >= 0:  # closed before the epochs move (kvxfer.transports.ipc.slots)
+                slots.close(e.slot)
+                self._unready.pop(rid, None)
             release(rc, ep, e.block_ids)
             gone.pop(rid, None)  # re-inserted last: the newest release is forgotten last
             gone[rid] = (e.gen, e.token)
@@ -261,6 +291,8 @@ class ExportTracker:
                     continue
                 if e.deadline < deadline:
                     e.deadline = deadline
+                    if e.slot >= 0:
+                        self.slots.renew(e.slot, deadline)
                 ok[rid] = snapshot(ep, e.block_ids)
                 if e.marked is not None:
                     masks[rid] = self.layers_ready(rid)
@@ -330,8 +362,10 @@ class ExportTracker:
             deadline = time.monotonic() + self.lease_s
             for rid in request_ids:
                 e = self._live.get(rid)
-                if e is not None:
-                    e.deadline = max(e.deadline, deadline)
+                if e is not None and e.deadline < deadline:
+                    e.deadline = deadline
+                    if e.slot >= 0:
+                        self.slots.renew(e.slot, deadline)
 
     def track_gather(self, request_ids: list[str], event) -> None:
         """A CUDA gather reading these requests' blocks was enqueued; ``event`` (``query()``)
@@ -400,6 +434,35 @@ class ExportTracker:
                 by = e.notified_by
                 by.add(sender)
                 if len(by) >= e.expected:
+                    done.append(rid)
+            if done:
+                self._release_many(done)
+                self._report_many(done, "finished")
+        return len(done)
+
+    def collect_done(self, expected: Callable[[int, int], int | str]) -> int:
+        """Count the done marks loaders wrote in the lease slots (one-sided reads that landed,
+        :mod:`kvxfer.transports.ipc.slots`) as the notifications of those loader ranks
+        (``expected(loader_tp, loader_rank)``: :meth:`kvxfer.exporter.Exporter.expected_from`,
+        a count or why that rank may not notify here: then the mark counts nothing). Returns how
+        many exports were released."""
+        slots = self.slots
+        if slots is None:
+            return 0
+        done = []
+        with self.lock:
+            for rid, marks in slots.take_done():
+                e = self._live.get(rid)
+                if e is None:
+                    continue
+                for d, loader_tp in marks:
+                    want = expected(loader_tp, d)
+                    if type(want) is str:
+                        continue
+                    if e.expected is None:
+                        e.expected = want
+                    e.notified_by.add(d)
+                if e.expected is not None and len(e.notified_by) >= e.expected:
                     done.append(rid)
             if done:
                 self._release_many(done)

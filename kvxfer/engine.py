@@ -43,6 +43,7 @@ from .rank import Rank
 from .spec import KVCacheSpec
 from .transports import TRANSPORTS, cache_views
 from .transports.ipc.cuda_ipc import host_id
+from .transports.ipc.onesided import OneSided
 from .transports.ipc.transport import IpcTransport
 from .transports.nixl.agent import require_nixl
 from .transports.nixl.transport import NixlTransport
@@ -87,6 +88,10 @@ class TransferEngine:
         max_sms: SM budget of this engine's transfers (a positive int, or None for none): the
             kernels launch at most that many CTAs, and whole-block copies may go to the copy
             engines (:mod:`kvxfer.backends.dma`); ``stats()["copy_path"]`` says what ran and why.
+        onesided: let ``load()`` read straight from an ``ipc`` exporter it has mapped, with no
+            message before the copy, when the exporter's lease-slot table says the export is
+            live and ready (:mod:`kvxfer.transports.ipc.onesided`; ``stats()["onesided"]`` says
+            how many did and why the others did not). False: every load takes the messaged path.
 
     Stream ordering on CUDA caches (:mod:`kvxfer.ordering`): ``export(..., ready=event)`` or
     :meth:`set_compute_stream` make the transfer wait for the compute that wrote the blocks;
@@ -109,6 +114,7 @@ class TransferEngine:
         pipeline: StagedPipeline | None = None,
         auth_key: str | None = None,
         max_sms: int | None = None,
+        onesided: bool = True,
     ) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise ValueError(f"spec: expected a KVCacheSpec, got {type(spec).__name__}")
@@ -135,6 +141,8 @@ class TransferEngine:
             raise ValueError(f"pipeline: expected a StagedPipeline or None, got {type(pipeline).__name__}")
         if auth_key is not None and (not isinstance(auth_key, str) or not auth_key):
             raise ValueError("auth_key: must be a non-empty string or None")
+        if not isinstance(onesided, bool):
+            raise ValueError(f"onesided: must be a bool, got {onesided!r}")
         self.spec = spec
         self.caches = list(caches)
         self.tp_rank = tp_rank
@@ -160,6 +168,7 @@ class TransferEngine:
         self._notifier = Notifier(engine_id, rank.stop, rank.metrics)
         self._loader = Loader(rank, self._transports, self._notifier)
         self._exporter = Exporter(rank, self._transports)
+        self._onesided = OneSided(rank, self._loader, self._transports["ipc"]) if onesided else None
         self._hooks = rank.hooks  # test hooks, by name (each read where it is called)
         self._started = False
         self._closed = False
@@ -214,6 +223,7 @@ class TransferEngine:
         ipc = self._transports["ipc"]
         ipc.start()  # the epochs the export tracker keeps, in shared memory when ipc is offered
         rank.exports = ExportTracker(self.num_blocks, self.lease_s, ipc.epochs)
+        rank.exports.slots = ipc.slots  # one-sided reads by loaders on this host (ipc.onesided)
         rank.offers = ["ipc"] if not ipc.why else []
         for name in ("pg", "nixl"):  # nixl registers the tracker's epochs with its agent
             t = self._transports[name]
@@ -330,10 +340,12 @@ class TransferEngine:
             block_ids = block_ids[:need]
         ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
         token, digest, gen = self._export_token(request_id, ids, num_tokens, token)
+        rank = self._rank
         if not streaming:
-            self._rank.order.mark(request_id, ready)
+            rank.order.mark(request_id, ready)
         layers = self.spec.num_layers if streaming else 0
-        self._rank.exports.add(request_id, ids, num_tokens, layers, token, digest, gen)
+        gated = rank.order.gated(request_id)
+        rank.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated)
         # plain ints: that list is the params' (JSON-safe); else the checked array's values
         listed = block_ids if type(block_ids) is list and idops.exact_ints(block_ids) else ids.tolist()
         return params_dict(
@@ -460,7 +472,10 @@ class TransferEngine:
                 f"num_computed_tokens: {k} is not a multiple of the block size {self.spec.block_size}"
             )
         self._rank.loads.add(request_id, ids, now())
-        self._loader.queue_load(LoadItem(request_id, p, ids, 0.0, k))
+        item = LoadItem(request_id, p, ids, 0.0, k)
+        if self._onesided is not None and self._onesided.try_load(item, self.timeout_s):
+            return  # launched here, reported by a later poll()
+        self._loader.queue_load(item)
 
     def poll(self) -> PollResult:
         """Start the loads queued since the last poll (one batch) and report what completed.
@@ -472,11 +487,45 @@ class TransferEngine:
         if not self._open:
             self._check_started()
         self._loader.dispatch(self.timeout_s)
+        if self._onesided is not None:
+            self._onesided.complete()
+        self._exporter.tick()  # heartbeat, ready flags, done marks of one-sided reads
         out = PollResult()
         rank = self._rank
         rank.exports.drain(out)
         rank.loads.drain(out)
         return out
+
+    def wait(self, request_ids, timeout_s: float) -> PollResult:
+        """Like :meth:`poll`, but block until each load of ``request_ids`` has been reported
+        (finished or failed) or ``timeout_s`` passed; returns everything reported meanwhile.
+
+        For a caller that wants the least latency: a one-sided load's completion event is
+        queried every 20 us while it is waited for (no sleep of the messaged path's polls)."""
+        if not self._open:
+            self._check_started()
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        want = set(request_ids)
+        if not (isinstance(timeout_s, (int, float)) and timeout_s >= 0):
+            raise ValueError(f"timeout_s: must be a number >= 0, got {timeout_s!r}")
+        deadline = time.monotonic() + timeout_s
+        out = self.poll()
+        while True:
+            want -= out.finished_recving
+            want -= out.failed.keys()
+            if not want or time.monotonic() >= deadline:
+                return out
+            if self._onesided is not None:
+                self._onesided.wait_some(want, deadline)
+            else:
+                time.sleep(min(2e-4, max(0.0, deadline - time.monotonic())))
+            r = self.poll()
+            out.finished_sending |= r.finished_sending
+            out.finished_recving |= r.finished_recving
+            out.failed.update(r.failed)
+            out.expired |= r.expired
+            out.errors.update(r.errors)
 
     def stats(self) -> dict:
         """Counters, bytes, p50/p90/p99 transfer time (of the last 100 000 loads), busy-time
@@ -488,6 +537,7 @@ class TransferEngine:
             s["blocks_held"] = rank.exports.held_blocks()
         s["loads_pending"] = rank.loads.pending()
         s["transport_reasons"] = dict(self._loader.transport_reasons)
+        s["onesided"] = self._onesided.stats() if self._onesided is not None else {"off": True}
         s.update(self.pipeline.stats())
         for t in self._transports.values():
             s.update(t.stats())

@@ -92,6 +92,7 @@ class Exporter:
         while not rank.stop.is_set():
             try:
                 self.server.serve_once(self.handle, TICK_MS)
+                self.tick()
                 n = rank.exports.expire()
                 if n:
                     rank.metrics.add("expirations", n)
@@ -105,6 +106,21 @@ class Exporter:
                     type(e).__name__,
                     e,
                 )
+
+    def tick(self) -> None:
+        """What the lease-slot table needs often (:mod:`kvxfer.transports.ipc.slots`): the
+        heartbeat, the ready flags of exports whose compute completed, the done marks of
+        one-sided reads (counted as notifications). Called by the server thread every tick and
+        by ``poll()``."""
+        exports = self.rank.exports
+        slots = exports.slots
+        if slots is None:
+            return
+        slots.beat()
+        exports.refresh_ready(lambda rids: self.rank.order.not_ready(rids, count=False))
+        n = exports.collect_done(self.expected_from)
+        if n:
+            self.rank.metrics.add("finished_exports", n)
 
     def handle(self, msg):
         """The reply to one side-channel message (or a :class:`~kvxfer.control.Deferred`)."""
@@ -233,7 +249,7 @@ class Exporter:
         bad = {}
         released = rank.exports.notify_many(
             ids,
-            (msg.engine_id, msg.tp_rank),
+            msg.tp_rank,  # one key per loader rank, shared with its done marks (ipc.slots)
             lambda: self.expected_from(msg.tp_size, msg.tp_rank),
             msg.tokens,
             rank.secret.verify,

@@ -701,6 +701,11 @@ class Loader:
         self.fenced = still
 
     # -------------------------------------------------------------------- notifications
+    def notify(self, rem: Remote, done: list[LoadItem], failed: list[LoadItem]) -> None:
+        """Queue the notification of ``done`` and ``failed`` loads of ``rem`` (:meth:`_notify`);
+        the one-sided path's, after its done marks."""
+        self._notify(rem, done, failed)
+
     def _notify(self, rem: Remote, done: list[LoadItem], failed: list[LoadItem]) -> None:
         """Queue the notification of every exporter rank the plan names (acknowledged and
         retried by the notifier thread until the exporter's lease would end anyway)."""

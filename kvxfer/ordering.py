@@ -99,9 +99,13 @@ class StreamOrder:
                     del self._pending[rid]
             self._pending[request_id] = events
 
-    def not_ready(self, request_ids: list[str]) -> list[str]:
+    def gated(self, request_id: str) -> bool:
+        """Whether ``request_id``'s export waits for events not yet seen complete."""
+        return request_id in self._pending
+
+    def not_ready(self, request_ids: list[str], count: bool = True) -> list[str]:
         """The ids whose ready events have not all completed (``query()`` only; never blocks).
-        Completed ones are forgotten."""
+        Completed ones are forgotten. ``count``: add them to ``num_not_ready`` (grants)."""
         if not self._pending:
             return []
         out = []
@@ -115,7 +119,8 @@ class StreamOrder:
                     out.append(rid)
                 else:
                     del self._pending[rid]
-        self.num_not_ready += len(out)
+        if count:
+            self.num_not_ready += len(out)
         return out
 
     def forget(self, live: Any) -> None:

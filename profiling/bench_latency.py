@@ -18,7 +18,12 @@ several), the p90 of its end and how many ranges it had. Ranges without a reques
 (``wait``) count for the request whose ``load`` range holds them on that thread.
 
     python profiling/bench_latency.py [--transport ipc|pg] [--tokens 16,4096] [--reqs 20]
-        [--layers 32] [--device cpu|cuda] [--out DIR] [--corrupt]
+        [--paths onesided,messaged] [--layers 32] [--device cpu|cuda] [--out DIR] [--corrupt]
+
+Over ``ipc`` each size runs twice: the one-sided path (``load()`` finds the request's lease slot
+and copies at once; ``poll()`` checks and reports; P frees on its next poll from D's done mark)
+and the messaged one (``TransferEngine(onesided=False)``: lease grant, copy in the worker,
+notification).
 
 Under each table, a reference measured in the same run between the same two processes, their
 engines running: a bare ZeroMQ round trip (a DEALER in D, an echoing ROUTER thread in P, a
@@ -233,7 +238,7 @@ STAGES = (  # (side, phase, label), in path order; a phase absent on a transport
     ("P", "send", "send                 P sender: wire -> D"),
     ("D", "recv", "recv                 D worker: wire from P"),
     ("D", "scatter", "scatter              D worker: wire -> cache"),
-    ("D", "copy", "copy                 D worker: P's mapped cache -> D's cache"),
+    ("D", "copy", "copy                 D caller (one-sided) or worker: P's cache -> D's"),
     ("D", "wait", "wait                 D worker: CUDA event polls"),
     ("D", "done", "done                 D caller: poll() reports it finished"),
     ("D", "notify", "notify               D notifier: round trip to P"),
@@ -282,7 +287,13 @@ def run(a: argparse.Namespace) -> int:
     write = common.table_writer()
     rows, raw, failures = [], [], 0
     bare_runs: list[dict] = []
-    for tokens in [int(x) for x in a.tokens.split(",")]:
+    paths = [x for x in a.paths.split(",") if x]
+    bad = [x for x in paths if x not in ("onesided", "messaged")]
+    if bad or not paths:
+        raise SystemExit(f"--paths: {a.paths!r} is not a list of onesided, messaged")
+    if a.transport != "ipc":
+        paths = ["messaged"]  # only ipc reads one-sided
+    for tokens, path in [(int(x), q) for x in a.tokens.split(",") for q in paths]:
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
         args = {
@@ -296,7 +307,16 @@ def run(a: argparse.Namespace) -> int:
         proc.start()
         d_ids = list(range(d_spec.num_blocks_for(tokens)))[::-1]
         shm, caches = mappable_caches(d_spec, len(d_ids), device, fill=False)
-        eng = TransferEngine(d_spec, caches, 0, 1, f"D-{tokens}", transport=a.transport, lease_s=60.0).start()
+        eng = TransferEngine(
+            d_spec,
+            caches,
+            0,
+            1,
+            f"D-{tokens}",
+            transport=a.transport,
+            lease_s=60.0,
+            onesided=path == "onesided",
+        ).start()
         per: list[dict] = []
         bare: list[float] = []
         wrong = 0
@@ -347,14 +367,15 @@ def run(a: argparse.Namespace) -> int:
         failures += wrong
         bare_ms = [x * 1e3 for x in bare]
         spaced_ms = [x * 1e3 for x in spaced]
-        bare_runs.append({"tokens": tokens, "round_trips_ms": bare_ms, "spaced_round_trips_ms": spaced_ms,
+        bare_runs.append({"tokens": tokens, "path": path, "round_trips_ms": bare_ms, "spaced_round_trips_ms": spaced_ms,
                           "idle_gap_s": IDLE_GAP_S})  # fmt: skip
         nbytes = tokens * p_spec.bytes_per_token()
         write(
             f"# kvxfer bench_latency on {meta['device']} ({device.type}), {meta['date']}, commit {meta['git_commit']}"
         )
         write(
-            f"# {a.transport}: P tp=1 NHD block 16 -> D tp=1 HND block 32, {a.layers} layers x 8 kv heads x 128 bf16"
+            f"# {a.transport}, {path} path: P tp=1 NHD block 16 -> D tp=1 HND block 32, {a.layers} layers x 8 kv "
+            "heads x 128 bf16"
         )
         write(
             f"# {tokens} tokens ({nbytes} bytes), {len(per)} warm requests, one at a time; ms after load(); #wrong {wrong}"
@@ -371,7 +392,7 @@ def run(a: argparse.Namespace) -> int:
                 f" {label:<64} {med[0]:8.3f} {med[1]:8.3f} {med[2]:8.3f} {p90:8.3f} {med[3]:6.0f} {len(got):3d}"
             )
             rows.append(
-                {"transport": a.transport, "tokens": tokens, "bytes": nbytes, "side": side, "stage": phase,
+                {"transport": a.transport, "path": path, "tokens": tokens, "bytes": nbytes, "side": side, "stage": phase,
                  "start_ms": med[0], "end_ms": med[1], "busy_ms": med[2], "p90_end_ms": p90,
                  "ranges": med[3], "n": len(got), "wrong": wrong}
             )  # fmt: skip
@@ -404,6 +425,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--transport", default="ipc", help="ipc (default) or pg")
     ap.add_argument("--tokens", default="16,4096", help="comma list of prompt lengths (default 16,4096)")
+    ap.add_argument(
+        "--paths",
+        default="onesided,messaged",
+        help="ipc: the one-sided path (load() copies when the lease slot allows), the messaged one "
+        "(lease grant, copy in the worker), or both (default)",
+    )
     ap.add_argument("--reqs", type=int, default=20, help="warm requests per size (default 20)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")

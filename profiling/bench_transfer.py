@@ -9,7 +9,9 @@ per request (time inside ``load()`` plus the ``poll()`` that dispatched it), and
 a verification pass compares a digest of what P holds with what landed on D, per request.
 
 Transports (``--transports``, default ``ipc,pg`` plus ``nixl-direct,nixl-staged`` when NIXL is
-installed): ``nixl-direct`` loads into a D cache laid out like P's (NHD, block 16: READs of P's
+installed): ``ipc`` reads one-sided once the first request mapped P (``load()`` copies when P's
+lease slot allows: kvxfer.transports.ipc.onesided); ``ipc-messaged`` is the same transport with
+one-sided reads off (a lease grant, then the copy in D's worker thread); ``nixl-direct`` loads into a D cache laid out like P's (NHD, block 16: READs of P's
 blocks straight into D's), ``nixl-staged`` into the HND block-32 D of the other rows (gather,
 READ of staging buffers, scatter). UCX runs as the environment says (``UCX_TLS`` ...);
 ``UCX_NET_DEVICES`` defaults to ``lo`` (P and D share this host); ``--ucx-tls tcp`` forces the
@@ -317,7 +319,7 @@ def _link_limit(
     transport: str, nbytes: int, device: torch.device, store_port: int, cmd_q, iters: int
 ) -> tuple[float, str]:
     """Median seconds of the transport's raw link for ``nbytes`` (see module doc)."""
-    if transport == "ipc" or transport.startswith("nixl"):
+    if transport.startswith(("ipc", "nixl")):
         kind = "d2d" if device.type == "cuda" else "cpu"
         return common.CopyLimit(device).measure(nbytes, kind, iters, 1), f"copy_{kind}"
     from kvxfer.transports.pg import groups as pg
@@ -352,9 +354,9 @@ def run(a: argparse.Namespace) -> int:
     p_spec, d_spec_staged = specs(a.layers)
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else (QUICK_SIZES if a.quick else SIZES)
     transports = (a.transports or default_transports()).split(",")
-    bad = [t for t in transports if t not in ("ipc", "pg", "nixl-direct", "nixl-staged")]
+    bad = [t for t in transports if t not in ("ipc", "ipc-messaged", "pg", "nixl-direct", "nixl-staged")]
     if bad:
-        raise SystemExit(f"--transports: unknown {bad} (ipc, pg, nixl-direct, nixl-staged)")
+        raise SystemExit(f"--transports: unknown {bad} (ipc, ipc-messaged, pg, nixl-direct, nixl-staged)")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # before the exporter spawns: both are here
     if a.ucx_tls:
         os.environ["UCX_TLS"] = a.ucx_tls
@@ -375,7 +377,7 @@ def run(a: argparse.Namespace) -> int:
     rows: list[dict] = []
     meta = common.run_metadata(device)
     cols = [
-        common.Column("transport", "transport", 12),
+        common.Column("transport", "transport", 13),
         common.Column("phase", "phase", 5),
         common.Column("tokens", "tokens", 6),
         common.Column("bytes", "bytes", 11),
@@ -421,8 +423,9 @@ def run(a: argparse.Namespace) -> int:
                 0,
                 1,
                 f"D-{transport}-{n}",
-                transport="nixl" if transport.startswith("nixl") else transport,
+                transport="nixl" if transport.startswith("nixl") else transport.split("-")[0],
                 lease_s=60.0,
+                onesided=transport != "ipc-messaged",
             ).start()
             try:
                 walls, hosts, wrong = [], [], []

@@ -50,8 +50,10 @@ step gputests-cuda 120 60 env KVXFER_CUDA_BACKENDS=cuda,triton,torch sh -c \
 # 120 s: 90 cut the 136-row sweep while it drew its plot (2026-11-26)
 step ops 120 50 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-1head,deepseek-v3-mla \
   --sizes 4096,32768
-step transfer 100 45 bash $v transfer --sizes 4096 --reqs 5 --iters 3 --inflight 8 --batches 2
-step latency 70 30 bash $v latency --tokens 16,4096 --reqs 10
+# issue 40: ipc reads one-sided (load() launches the copy), beside the messaged path (a lease grant)
+step transfer 120 45 bash $v transfer --transports ipc,ipc-messaged,pg --sizes 4096 --reqs 5 --iters 3 \
+  --inflight 8 --batches 2
+step latency 90 30 bash $v latency --tokens 16,4096 --reqs 10
 step batching 25 15 bash $v batching --backends cuda,triton
 # the Triton tile/warp sweep: 8 KiB x 8 warps, the smallest tile of the first sweep, won it
 # (kernels/launch.py); this one looks below and above it (6 configurations)

@@ -79,7 +79,7 @@ print(w['model'], w['layout'], w['dest'], w['op'], w['backend'])")
     python3 -m kvxfer.demo 2>&1 | tee "$out/demo.txt"
     python3 -m kvxfer.topology 2>&1 | tee "$out/topology.txt"
     ;;
-  latency)  # one request's timeline through the engine (ipc, then pg), P and D in two processes
+  latency)  # one request's timeline through the engine (ipc one-sided and messaged, then pg), P and D in two processes
     python3 profiling/bench_latency.py --out "$out" "${@:2}" 2>&1 | tee "$out/bench_latency.txt" | tail -30
     python3 profiling/bench_latency.py --transport pg --tokens 4096 --reqs 10 --out "$out/pg" 2>&1 | tee "$out/bench_latency_pg.txt" | tail -14
     ;;

@@ -476,17 +476,9 @@ def fault_exporter(sc: dict, part: str, q_d0, q_d1, q_ctl) -> dict:
         port=sc["src_port"],
     ).start()
     if part == "first":
-        q_ctl.put(
-            (
-                "segments",
-                [
-                    shm.name,
-                    eng._transports["ipc"].segment.name
-                    if eng._transports["ipc"].segment is not None
-                    else None,
-                ],
-            )
-        )
+        ipc = eng._transports["ipc"]
+        made = [s.name for s in (ipc.segment, ipc.slot_segment) if s is not None]
+        q_ctl.put(("segments", [shm.name, *made]))
     free = list(range(nb))
     held: dict[str, list[int]] = {}
     reports: dict[str, int] = {}

@@ -13,20 +13,31 @@ def _stages(stdout: str) -> dict[str, list[str]]:
             for line in stdout.splitlines() if line.startswith(" ")}  # fmt: skip
 
 
-@pytest.mark.parametrize("transport", ["ipc", "pg"])
-def test_bench_latency_prints_each_stage_of_the_path(tmp_path, transport):
+@pytest.mark.parametrize(
+    ("transport", "path"), [("ipc", "messaged"), ("ipc", "onesided"), ("pg", "messaged")]
+)
+def test_bench_latency_prints_each_stage_of_the_path(tmp_path, transport, path):
     res = _run(
         "bench_latency.py", "--device", "cpu", "--transport", transport, "--tokens", "16",
-        "--reqs", "3", "--layers", "2", "--out", str(tmp_path), timeout=180,
+        "--reqs", "3", "--layers", "2", "--paths", path, "--out", str(tmp_path), timeout=180,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     assert "#wrong 0" in res.stdout and "wrong requests: 0  OK" in res.stdout
+    assert f"{transport}, {path} path" in res.stdout
     got = _stages(res.stdout)
+    ms = {k: (float(v[-6]), float(v[-5])) for k, v in got.items()}  # (first start, last end)
+    if path == "onesided":  # load() copies: no worker batch, no grant; P frees from the done mark
+        assert {"load()", "copy", "done", "notify", "serve Notify", "freed"} <= set(got), res.stdout
+        assert not {"load", "grant", "serve ReadReq"} & set(got), res.stdout
+        assert all(row[-1] == "3" for row in got.values()), res.stdout
+        assert ms["load()"][0] <= ms["copy"][0] <= ms["copy"][1] <= ms["done"][0], ms
+        assert ms["copy"][1] <= ms["freed"][0], ms
+        assert "the grant round trip is" not in res.stdout
+        return
     want = {"load()", "load", "grant", "serve ReadReq", "done", "notify", "serve Notify", "freed"}
     want |= {"copy"} if transport == "ipc" else {"serve SendReq", "gather", "send", "recv", "scatter"}
     assert want <= set(got), res.stdout
     assert all(row[-1] == "3" for row in got.values()), res.stdout  # every warm request has them
-    ms = {k: (float(v[-6]), float(v[-5])) for k, v in got.items()}  # (first start, last end)
     # the path's order: grant before the data moves, the data before D's caller sees the load
     # done and before P's caller sees the blocks freed. Those two are not ordered: D's worker
     # notifies P as soon as the data landed, and P's poll may see it before D's next poll does

@@ -602,7 +602,15 @@ class _Servers:
     caches are of kinds ``p_kind`` / ``d_kind`` (see ``_KINDS``). D's caches start poisoned."""
 
     def __init__(
-        self, tp_p: int, tp_d: int, p_kind="fa16", d_kind="fa32", lease_s=30.0, timeout_s=5.0, nb=16
+        self,
+        tp_p: int,
+        tp_d: int,
+        p_kind="fa16",
+        d_kind="fa32",
+        lease_s=30.0,
+        timeout_s=5.0,
+        nb=16,
+        shm=False,
     ):
         extra = {"lease_s": lease_s, "timeout_s": timeout_s}
         self.kinds = (p_kind, d_kind)
@@ -616,6 +624,7 @@ class _Servers:
         )
         self.ps, self.ds = SchedulerSide(self.pc), SchedulerSide(self.dc)
         self.pw, self.dw, self.pcache, self.dcache = [], [], [], []
+        self.segments = []  # shm=True: every rank's caches in shared memory (ipc can map them)
         for tp, kind, cfg, workers, caches_out in (
             (tp_p, p_kind, self.pc, self.pw, self.pcache),
             (tp_d, d_kind, self.dc, self.dw, self.dcache),
@@ -623,6 +632,8 @@ class _Servers:
             make, backend, isa, _ = _KINDS[kind]
             for r in range(tp):
                 caches = {f"l{i}": make(nb, HEADS // tp) for i in range(LAYERS)}
+                if shm:
+                    caches = dict(zip(caches, self._in_shm(list(caches.values()))))
                 if workers is self.dw:
                     for t in caches.values():
                         t.fill_(POISON)
@@ -634,6 +645,21 @@ class _Servers:
                 caches_out.append(list(caches.values()))
         self.ps.set_handshake({r: w.handshake_info() for r, w in enumerate(self.pw)})
         self.ds.set_handshake({r: w.handshake_info() for r, w in enumerate(self.dw)})
+
+    def _in_shm(self, tensors):
+        """The same shapes and strides over one shared-memory segment (what the ipc transport
+        maps on CPU), zeroed."""
+        from kvxfer.transports.ipc.shm import alloc_shm_array
+
+        per = -(-max(t.untyped_storage().nbytes() for t in tensors) // 256) * 256
+        words, seg = alloc_shm_array(per * len(tensors) // 8, "kv")
+        self.segments.append(seg)
+        raw = words.view(torch.uint8)
+        out = []
+        for i, t in enumerate(tensors):
+            base = raw[i * per : (i + 1) * per].view(t.dtype)
+            out.append(base.as_strided(t.shape, t.stride(), base.storage_offset() + t.storage_offset()))
+        return out
 
     def fill_p(self, block_ids, n, seed=5):
         fill = _fill_cpu if self.kinds[0] == "cpu32" else _fill_fa
@@ -665,16 +691,22 @@ class _Servers:
         return counts_s, counts_r, bad
 
     def close(self):
+        from kvxfer.transports.ipc.shm import release_segment
+
         for w in self.pw + self.dw:
             w.close()
+        for seg in self.segments:
+            release_segment(seg)
 
 
-def _run_until(srv, side, pred, timeout=10.0):
-    """Step ``side`` until ``pred(acc)`` holds; acc accumulates per-request worker reports."""
+def _run_until(srv, side, pred, timeout=10.0, first=None):
+    """Step ``side`` until ``pred(acc)`` holds; acc accumulates per-request worker reports
+    (``first``: the reports of a step already taken, counted first)."""
     acc = {"send": {}, "recv": {}, "bad": set()}
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        s, r, bad = srv.step(side)
+        s, r, bad = first if first is not None else srv.step(side)
+        first = None
         for k, v in s.items():
             acc["send"][k] = acc["send"].get(k, 0) + v
         for k, v in r.items():
@@ -686,28 +718,35 @@ def _run_until(srv, side, pred, timeout=10.0):
     raise AssertionError(f"timed out: {acc}")
 
 
-def _hand_over(srv, n, p_blocks, d_blocks, hit=0, d_req="d-1"):
+def _hand_over(srv, n, p_blocks, d_blocks, hit=0, d_req="d-1", p_req="p-1", p_first=False):
     """P prefills ``n`` tokens into ``p_blocks``, D loads them into ``d_blocks`` after a local
-    hit of ``hit`` tokens; returns P's rows (per rank, per layer) and D's worker reports."""
+    hit of ``hit`` tokens; returns P's rows (per rank, per layer) and D's worker reports.
+    ``p_first``: P's workers export before D's start the load (else after)."""
     rows = srv.fill_p(p_blocks, n)
     toks = list(range(n))
     preq = Request(
-        "p-1", toks, {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED, num_computed_tokens=n
+        p_req, toks, {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED, num_computed_tokens=n
     )
     hold, params = srv.ps.request_finished(preq, p_blocks)
     assert hold
     dreq = Request(d_req, toks, json.loads(json.dumps(params)))  # through the proxy: JSON
     assert srv.ds.get_num_new_matched_tokens(dreq, hit) == (n - hit, True)
     srv.ds.update_state_after_alloc(dreq, Blocks(d_blocks), n - hit)
-    srv.step("D")  # the load starts before the export exists (the params come from P's scheduler)
-    srv.step("P")  # now P exports
-    acc = _run_until(srv, "D", lambda a: a["recv"].get(d_req) == len(srv.dw))
+    first = None
+    if p_first:
+        srv.step("P")  # P's workers export
+        first = srv.step("D")  # start_load_kv loads (one-sided: launched, and done by get_finished)
+    else:
+        srv.step("D")  # the load starts before the export exists (the params come from P's scheduler)
+        srv.step("P")  # now P exports
+    acc = _run_until(srv, "D", lambda a: a["recv"].get(d_req) == len(srv.dw), first=first)
     srv.ds.update_connector_output({d_req})
     return rows, acc
 
 
-def _check_d(srv, rows, d_blocks, n, hit=0):
-    """D's kernels read exactly P's K/V for tokens [hit, n); blocks of the hit stay poisoned."""
+def _check_d(srv, rows, d_blocks, n, hit=0, written=()):
+    """D's kernels read exactly P's K/V for tokens [hit, n); blocks of the hit stay poisoned, and
+    every block but these and ``written`` (an earlier request's)."""
     tp_p, tp_d = len(srv.pw), len(srv.dw)
     want = [torch.cat([rows[r][layer] for r in range(tp_p)], dim=2) for layer in range(LAYERS)]
     hd = HEADS // tp_d
@@ -721,7 +760,7 @@ def _check_d(srv, rows, d_blocks, n, hit=0):
             t = srv.dcache[r][layer]
             for blk in d_blocks[: hit // bs_d]:
                 assert bool((t[blk] == POISON).all()), f"block {blk} of the local hit was written"
-            others = [b for b in range(t.shape[0]) if b not in d_blocks]
+            others = [b for b in range(t.shape[0]) if b not in d_blocks and b not in written]
             assert bool((t[others] == POISON).all()), "a block outside the request was written"
 
 
@@ -749,6 +788,28 @@ def test_p_to_d_through_engines_exact_bytes_and_p_frees(tp_p, tp_d, p_kind, d_ki
         assert all(w.engine.stats()["blocks_held"] == 0 for w in srv.pw)
         assert all(w.pending() == 0 for w in srv.pw + srv.dw)
         assert srv.ps.num_tracked() == 0
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize(
+    ("tp_p", "tp_d", "p_kind", "d_kind"), [(2, 1, "fa16", "fa32"), (1, 2, "cpu32", "cpu32")]
+)
+def test_worker_reads_one_sided_once_p_is_mapped(tp_p, tp_d, p_kind, d_kind):
+    """The second hand-over: D's start_load_kv launches the copy itself (no lease grant), its
+    get_finished reports it, P frees from the done marks; the bytes are P's."""
+    srv = _Servers(tp_p, tp_d, p_kind, d_kind, shm=True)
+    try:
+        _hand_over(srv, 45, [3, 9, 4] if p_kind == "fa16" else [3, 9], [11, 2])
+        assert all(w.engine.stats()["transports"] == {"P": "ipc"} for w in srv.dw)
+        _run_until(srv, "P", lambda a: a["send"].get("p-1") == tp_p)
+        n, p_blocks, d_blocks = 45, [5, 6, 7] if p_kind == "fa16" else [5, 6], [8, 7]
+        rows, acc = _hand_over(srv, n, p_blocks, d_blocks, d_req="d-2", p_req="p-2", p_first=True)
+        assert not acc["bad"]
+        assert [w.engine.stats()["onesided"]["loads"] for w in srv.dw] == [1] * tp_d
+        _check_d(srv, rows, d_blocks, n, written=(11, 2))
+        _run_until(srv, "P", lambda a: a["send"].get("p-2") == tp_p)
+        assert all(w.engine.stats()["blocks_held"] == 0 for w in srv.pw)
     finally:
         srv.close()
 

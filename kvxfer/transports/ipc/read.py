@@ -19,7 +19,7 @@ from . import offer
 if TYPE_CHECKING:  # pragma: no cover
     from ...rank import Rank
 
-__all__ = ["IpcMap", "map_rank", "read"]
+__all__ = ["IpcMap", "launch", "map_rank", "read"]
 
 
 class IpcMap(NamedTuple):
@@ -40,22 +40,17 @@ def map_rank(rem: Remote, s: int, device: torch.device) -> IpcMap:
     return IpcMap(views, list(views), ep, ep.numpy(), handles, {})
 
 
-def read(
+def launch(
     rank: Rank,
     mapped: IpcMap,
     rem: Remote,
-    s: int,
     reads: list[Read],
     loads,
-    granted: dict[str, bytes],
-    deadline: float,
     layers: list[int] | None = None,
-) -> tuple[int, set[str], dict[str, str]]:
-    """Copy the plan's ``reads`` of source rank ``s`` (``layers``, default all) for ``loads``
-    straight from its ``mapped`` caches, one ops call per batch call, then check the block
-    epochs against the grant's (``granted``: local id -> int64 epochs, native bytes). Returns
-    (wire bytes moved, the local ids that landed: copied, the copy completed and their epochs
-    unchanged; local id -> why for the loads whose blocks were released meanwhile)."""
+) -> tuple[int, int, int]:
+    """Issue the copies of the plan's ``reads`` (``layers``, default all) for ``loads`` straight
+    from ``mapped`` caches, one ops call per batch call and read, on the current stream (CUDA:
+    queued, not waited for). Returns (wire bytes moved, bytes a repeated block saved, ops calls)."""
     src_by_unit, memo = mapped.views, mapped.memo
     src_bs, dst_bs = rem.spec.block_size, rank.spec.block_size
     bp = plan_loads(rank, loads, src_bs, mapped.units)
@@ -65,9 +60,6 @@ def read(
     # still checks a call that carries several loads for repeats among them unless their
     # blocks are disjoint (the plan's ``distinct``).
     distinct = bp.distinct
-    hook = rank.hooks.get("before_ipc_copy")
-    if hook:
-        hook()
     for c in bp.calls:
         su, du = bp.units(c)
         sv = view_at(src_by_unit, su, c.src_offset, memo)
@@ -91,7 +83,29 @@ def read(
     for r in reads:
         m, sk = wire_bytes(rank.spec, bp, r.num_heads, layers)
         moved, saved = moved + m, saved + sk
-    calls = len(bp.calls) * len(reads)
+    return moved, saved, len(bp.calls) * len(reads)
+
+
+def read(
+    rank: Rank,
+    mapped: IpcMap,
+    rem: Remote,
+    s: int,
+    reads: list[Read],
+    loads,
+    granted: dict[str, bytes],
+    deadline: float,
+    layers: list[int] | None = None,
+) -> tuple[int, set[str], dict[str, str]]:
+    """Copy the plan's ``reads`` of source rank ``s`` (``layers``, default all) for ``loads``
+    straight from its ``mapped`` caches (:func:`launch`), wait for the copy, then check the
+    block epochs against the grant's (``granted``: local id -> int64 epochs, native bytes).
+    Returns (wire bytes moved, the local ids that landed: copied, the copy completed and their
+    epochs unchanged; local id -> why for the loads whose blocks were released meanwhile)."""
+    hook = rank.hooks.get("before_ipc_copy")
+    if hook:
+        hook()
+    moved, saved, calls = launch(rank, mapped, rem, reads, loads, layers)
     rank.order.wait_done(time_left(deadline))  # CUDA: the copy ran before the epochs are re-read
     hook = rank.hooks.get("after_ipc_copy")
     if hook:

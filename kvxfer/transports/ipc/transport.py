@@ -1,32 +1,42 @@
 """The ``ipc`` transport of one engine rank (:class:`~kvxfer.transports.Transport`).
 
 Exporter: at start it describes the rank's caches for loaders on this host and allocates the
-block-epoch array in shared memory (:mod:`~kvxfer.transports.ipc.offer`); the epochs are the
-export tracker's, so a loader that maps them sees every release. Loader: it maps each source
-rank on first use and copies straight from it (:mod:`~kvxfer.transports.ipc.read`)."""
+block-epoch array and the lease-slot table in shared memory (:mod:`~kvxfer.transports.ipc.offer`,
+:mod:`~kvxfer.transports.ipc.slots`); both are the export tracker's, so a loader that maps them
+sees every export and release. Loader: it maps each source rank on first use and copies straight
+from it (:mod:`~kvxfer.transports.ipc.read`); once mapped, :mod:`~kvxfer.transports.ipc.onesided`
+reads without a message."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import TYPE_CHECKING
 
 from ... import control
 from ...engine_types import Remote
+from ...ordering import event_done
 from ...plan import Read
 from ...tracing import items_tag, trace
 from ..base import LoaderLink, StreamJob
 from . import offer
 from .mappers import mapper
 from .read import IpcMap, map_rank, read
+from .slots import DEFAULT_SLOTS, HEADER, SLOT, ExporterSlots, SlotView
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...rank import Rank
 
 __all__ = ["IpcTransport"]
 
+_LOG = logging.getLogger(__name__)
+
 
 class IpcTransport:
     """See the module doc; ``epochs`` is the shared epoch array once offered (else None),
-    ``segment`` its shared-memory segment."""
+    ``segment`` its shared-memory segment, ``slots`` the lease-slot table
+    (:class:`~kvxfer.transports.ipc.slots.ExporterSlots`, else None). ``lock`` is held while a
+    mapping is used or dropped from two threads (the one-sided path runs in the caller's)."""
 
     name = "ipc"
 
@@ -36,7 +46,14 @@ class IpcTransport:
         self.epochs = None
         self._entry: dict | None = None
         self.segment = None
+        self.slots: ExporterSlots | None = None
+        self.slot_segment = None
         self._maps: dict[int, tuple[Remote, dict[int, IpcMap]]] = {}  # id(remote) -> its maps
+        # id(remote) -> (remote, [each exporter rank's SlotView or None], their shm handles)
+        self.views: dict[int, tuple[Remote, list, list]] = {}
+        self.lock = threading.RLock()
+        self.busy: dict[int, list] = {}  # id(remote) -> events of one-sided copies maybe running
+        self.epoch = 0  # remotes forgotten so far (a one-sided target made before is stale)
 
     def start(self) -> None:
         rank = self.rank
@@ -45,6 +62,12 @@ class IpcTransport:
         )
         self._entry, self.epochs, self.segment = made.desc, made.epochs, made.epoch_shm
         self.why = "" if made.offered else made.desc.get("why") or "not offered"
+        if made.offered:
+            n = min(DEFAULT_SLOTS, max(64, 2 * rank.num_blocks))
+            table, self.slot_segment = mapper("shm").alloc_shm_array(HEADER + n * SLOT, "ls")
+            self.slots = ExporterSlots(table.numpy(), rank.incarnation)
+            self._entry["slots"] = self.slot_segment.name
+            self._entry["slot_words"] = HEADER + n * SLOT
 
     @property
     def entry(self) -> dict:
@@ -61,6 +84,27 @@ class IpcTransport:
         return control.SendReply(ok=False, failed={"*": "ipc does not stream: the loader copies itself"})
 
     def setup(self, rem: Remote) -> str:
+        """Map every exporter rank's lease-slot table (small, host memory): the one-sided path
+        reads them before any cache is mapped, and marks done in the ranks it only notifies."""
+        views, handles = [], []
+        for r in rem.replies:
+            entry = r.ipc or {}
+            name, words = entry.get("slots"), entry.get("slot_words")
+            view = None
+            if isinstance(name, str) and isinstance(words, int) and HEADER + SLOT <= words <= 1 << 26:
+                try:
+                    table, h = mapper("shm").attach_array(name, words)
+                    handles.append(h)
+                    view = SlotView(table.numpy())
+                except (OSError, ValueError) as e:
+                    _LOG.warning(
+                        "kvxfer loader %s: exporter %s rank %d's lease slots not mapped (%s); its loads "
+                        "take the messaged path",
+                        self.rank.engine_id, rem.engine_id, r.tp_rank, e,
+                    )  # fmt: skip
+            views.append(view)
+        with self.lock:
+            self.views[id(rem)] = (rem, views, handles)
         return ""
 
     def read(
@@ -79,19 +123,45 @@ class IpcTransport:
             got = self._maps[id(rem)] = (rem, {})
         mapped = got[1].get(s)
         if mapped is None:
-            mapped = got[1][s] = map_rank(rem, s, self.rank.device)
+            with self.lock:
+                mapped = got[1][s] = map_rank(rem, s, self.rank.device)
         with trace("copy", items_tag, loads):
             return read(self.rank, mapped, rem, s, reads, loads, granted, deadline, layers)
 
-    def forget(self, rem: Remote) -> None:
+    def mapped(self, rem: Remote, s: int) -> IpcMap | None:
+        """Source rank ``s`` of ``rem`` as mapped by an earlier read (None if not yet)."""
         got = self._maps.get(id(rem))
-        if got is not None and got[0] is rem:
-            del self._maps[id(rem)]
-            for m in got[1].values():
-                offer.detach(m.handles)
+        return got[1].get(s) if got is not None and got[0] is rem else None
+
+    def slot_views(self, rem: Remote) -> list | None:
+        got = self.views.get(id(rem))
+        return got[1] if got is not None and got[0] is rem else None
+
+    def forget(self, rem: Remote) -> None:
+        with self.lock:
+            self.epoch += 1
+            busy = [ev for ev in self.busy.pop(id(rem), ()) if not event_done(ev)]
+            if busy:  # a one-sided copy may still read the mapping: unmap once it completed
+                _LOG.warning(
+                    "kvxfer loader %s: %s forgotten while %d one-sided copies from it may run; its "
+                    "mappings are kept",
+                    self.rank.engine_id, rem.engine_id, len(busy),
+                )  # fmt: skip
+                return
+            got = self._maps.get(id(rem))
+            if got is not None and got[0] is rem:
+                del self._maps[id(rem)]
+                for m in got[1].values():
+                    offer.detach(m.handles)
+            got = self.views.get(id(rem))
+            if got is not None and got[0] is rem:
+                del self.views[id(rem)]
+                for h in got[2]:
+                    mapper("shm").detach(h)
 
     def abort(self, why: str) -> None:
-        pass
+        if self.slots is not None:
+            self.slots.shut()
 
     def threads(self) -> list:
         return []
@@ -99,9 +169,15 @@ class IpcTransport:
     def close(self, busy: bool = False) -> None:
         for rem, _ in list(self._maps.values()):
             self.forget(rem)
+        for rem, _, _ in list(self.views.values()):
+            self.forget(rem)
         if self.segment is not None:
             mapper("shm").release_segment(self.segment)
             self.segment = None
+        if self.slot_segment is not None:
+            self.slots.shut()
+            mapper("shm").release_segment(self.slot_segment)
+            self.slot_segment = None
 
     def stats(self) -> dict:
         return {}

@@ -1,0 +1,295 @@
+"""One-sided ``ipc`` reads: a load launched in the caller's thread, with no message before the
+copy and none on the critical path after it.
+
+When a loader rank has already mapped the exporter ranks of a remote engine (an earlier load
+handshook and mapped them, :mod:`kvxfer.transports.ipc.transport`), ``load()`` looks up the
+request in each source rank's lease-slot table (:mod:`kvxfer.transports.ipc.slots`): a live
+slot bound to the params' token and digest, whose ready flag is set (the exporter's compute
+wrote the blocks), not a layer-wise export, leased for longer than the load's timeout, on an
+exporter that is open and beat recently. If every source rank has one, the loader snapshots
+the blocks' epochs between two reads of the slot's generation, and issues the copy on its load
+stream right there (:func:`kvxfer.transports.ipc.read.launch`; CUDA: an event from a pool is
+recorded after it). Anything else returns False, and the load takes the messaged path (lease
+grant, then the copy in the worker thread), which names every refusal.
+
+``poll()`` (:meth:`OneSided.complete`) queries the events itself. A load whose copy completed is
+checked as the messaged path checks it: the slot still at the same generation and the blocks'
+epochs unchanged (released meanwhile: the load fails, its bytes never reported), and the
+exporter still beating. A landed load is reported finished, a done mark goes into the slot of
+every exporter rank the plan has this rank notify (the exporter frees the blocks at its next
+``poll()``), and the acknowledged notification is still queued, for a mark that was missed.
+
+The guarantees are those of the messaged path (DESIGN, "Completion"): the snapshot is taken while
+the export is live, the check after the copy catches a release, the GPU work completes before a
+load is reported or the exporter frees, the ready flag is the exporter's ready gate, and the
+exporter counts each loader rank once whether it marks done or notifies.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ... import idops
+from ...engine_types import LoadItem, Remote, describe_error
+from ...metrics import now
+from ...ordering import event_done
+from ...tracing import items_tag, trace
+from .read import launch
+from .slots import binding
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...loader import Loader
+    from ...rank import Rank
+    from .transport import IpcTransport
+
+__all__ = ["ORDERED_CPU", "STALE_S", "OneSided"]
+
+_LOG = logging.getLogger(__name__)
+
+# The slot protocol relies on stores and loads staying in program order between processes
+# (kvxfer.transports.ipc.slots): x86-64 (TSO) keeps them; elsewhere loads take the messaged path.
+ORDERED_CPU = platform.machine().lower() in ("x86_64", "amd64")
+STALE_S = 2.0  # an exporter that has not beat for this long is not read one-sided (it beats every 20 ms)
+_STALE_NS = int(STALE_S * 1e9)
+_POOL_MAX = 64  # completion events kept for reuse
+
+
+class _Target:
+    """A mapped remote as the one-sided path reads it: per source rank (rank, its slot view, its
+    mapping, the plan's reads of it); ``epoch``: the ipc transport's count of forgotten remotes
+    when it was made (a change means a mapping may be gone)."""
+
+    __slots__ = ("epoch", "rem", "sources")
+
+    def __init__(self, rem: Remote, epoch: int, sources: list) -> None:
+        self.rem = rem
+        self.epoch = epoch
+        self.sources = sources
+
+
+class _Flight:
+    """One one-sided load in flight: the load, its remote, per source rank (rank, its slot
+    view, slot, generation, mapping, the epochs' snapshot), and the event after its copy."""
+
+    __slots__ = ("b", "checks", "event", "item", "late", "moved", "rem", "t0")
+
+    def __init__(self, item: LoadItem, rem: Remote, checks: list, b: tuple[int, int], t0: float) -> None:
+        self.item = item
+        self.rem = rem
+        self.checks = checks
+        self.b = b
+        self.t0 = t0
+        self.event = None
+        self.moved = 0
+        self.late = False
+
+
+class OneSided:
+    """The one-sided path of one loader rank (see the module doc).
+
+    Args:
+        rank: the rank's shared state.
+        loader: the rank's :class:`~kvxfer.loader.Loader` (its handshaken remotes, notifier).
+        ipc: the rank's :class:`~kvxfer.transports.ipc.transport.IpcTransport` (its mappings).
+
+    ``loads``: loads read one-sided so far; ``fallbacks``: why a load took the messaged path,
+    counted by reason (both in ``stats()["onesided"]``)."""
+
+    def __init__(self, rank: Rank, loader: Loader, ipc: IpcTransport) -> None:
+        self.rank = rank
+        self.loader = loader
+        self.ipc = ipc
+        self.flights: list[_Flight] = []
+        self.loads = 0
+        self.fallbacks: dict[str, int] = {}
+        self._pool: list = []
+        self._targets: dict[str, _Target] = {}
+        self.lock = threading.Lock()  # flights: appended by load(), taken by poll()
+
+    # ------------------------------------------------------------------------- launch
+    def _no(self, why: str) -> bool:
+        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        return False
+
+    def _target(self, rem: Remote) -> _Target | None:
+        """What a one-sided read of ``rem`` needs per source rank, made once per mapping of it
+        (None while a source rank is not mapped yet)."""
+        t = self._targets.get(rem.engine_id)
+        ipc = self.ipc
+        if t is not None and t.rem is rem and t.epoch == ipc.epoch:
+            return t
+        views = ipc.slot_views(rem)
+        if views is None:
+            return None
+        sources = []
+        for s in rem.src_ranks:
+            v, m = views[s], ipc.mapped(rem, s)
+            if v is None or m is None:
+                return None
+            sources.append((s, v, m, rem.reads_by_rank[s]))
+        t = self._targets[rem.engine_id] = _Target(rem, ipc.epoch, sources)
+        return t
+
+    def try_load(self, item: LoadItem, timeout_s: float) -> bool:
+        """Launch ``item`` one-sided if it can be (see the module doc); False: queue it for the
+        messaged path (nothing was written)."""
+        if not ORDERED_CPU:
+            return self._no("weakly ordered CPU")
+        p = item.params
+        rem = self.loader.remotes.get(p.engine_id)
+        if rem is None or not rem.serves(p):
+            return self._no("not handshaken")
+        if rem.transport != "ipc":
+            return self._no(f"transport {rem.transport}")
+        t = self._target(rem)
+        if t is None:
+            return self._no("not mapped")
+        ids = item.src_ids
+        if ids.size != rem.spec.num_blocks_for(p.num_tokens) or idops.max_id(ids) >= rem.num_blocks:
+            return self._no("bad params")  # the messaged path names the problem
+        try:
+            b0, b1 = b = binding(p.token, p.digest())
+        except ValueError:
+            return self._no("bad params")  # a token that is not hex: the messaged path refuses it
+        now_ns = time.monotonic_ns()
+        need_ns = now_ns + int(timeout_s * 1e9)
+        checks = []
+        snapshot = idops.snapshot
+        for s, v, m, reads in t.sources:
+            i, g, why = v.lookup(b0, b1, now_ns, _STALE_NS, need_ns)
+            if why:
+                return self._no(why)
+            snap = snapshot(m.epochs_np, ids)
+            if not v.same(i, g):
+                return self._no("no live slot")
+            checks.append((s, v, i, g, m, snap, reads))
+        f = _Flight(item, rem, checks, b, now())
+        item.deadline = time.monotonic() + timeout_s
+        rank, ipc = self.rank, self.ipc
+        try:
+            with ipc.lock, trace("copy", items_tag, [item]):
+                if t.epoch != ipc.epoch:  # a remote was forgotten meanwhile: its mapping may be gone
+                    return self._no("not mapped")
+                hook = rank.hooks.get("before_ipc_copy")
+                if hook:
+                    hook()
+                calls = saved = 0
+                with rank.order.on_stream():
+                    for c in checks:
+                        mv, sv, n = launch(rank, c[4], rem, c[6], [item])
+                        f.moved, saved, calls = f.moved + mv, saved + sv, calls + n
+                    if rank.order.cuda:
+                        f.event = self._event()
+                        busy = ipc.busy.setdefault(id(rem), [])
+                        if len(busy) >= 16:
+                            busy[:] = [e for e in busy if not event_done(e)]
+                        busy.append(f.event)
+                rank.metrics.record_ops(calls, saved)
+        except Exception as e:  # the copy may have written part of the blocks: fail the load
+            self.loads += 1
+            self._report(f, f"one-sided ipc copy: {describe_error(e)}")
+            return True
+        self.loads += 1
+        with self.lock:
+            self.flights.append(f)
+        return True
+
+    def _event(self):
+        import torch
+
+        ev = self._pool.pop() if self._pool else torch.cuda.Event()
+        ev.record(self.rank.order.stream("load"))
+        return ev
+
+    # ----------------------------------------------------------------------- complete
+    def complete(self) -> None:
+        """Check and report every one-sided load whose copy completed (``poll()`` calls it); one
+        notification per remote for all of them."""
+        if not self.flights:
+            return
+        with self.lock:
+            flights, self.flights = self.flights, []
+        still = []
+        notes: dict[int, tuple[Remote, list, list]] = {}
+        for f in flights:
+            ev = f.event
+            if ev is not None and not event_done(ev):
+                if time.monotonic() > f.item.deadline and not f.late:
+                    # the copy is still running: hold the report until it completed
+                    f.late = True
+                    _LOG.warning(
+                        "kvxfer loader %s rank %d: one-sided copy of %s not complete by its "
+                        "deadline; reported once it completed",
+                        self.rank.engine_id, self.rank.tp_rank, f.item.request_id,
+                    )  # fmt: skip
+                still.append(f)
+                continue
+            self._report(f, self._check(f), notes)
+            if ev is not None and len(self._pool) < _POOL_MAX:
+                self._pool.append(ev)
+        for rem, done, failed in notes.values():
+            self.loader.notify(rem, done, failed)
+        if still:
+            with self.lock:
+                self.flights[:0] = still
+
+    def _check(self, f: _Flight) -> str:
+        """The check after a completed copy: "" when the load landed, else why not."""
+        hook = self.rank.hooks.get("after_ipc_copy")
+        for s, v, i, g, m, snap, _ in f.checks:
+            if hook:
+                hook(m.epochs)
+            why = v.alive(_STALE_NS, time.monotonic_ns())
+            if why:
+                return f"exporter rank {s}: {why}"
+            if not v.same(i, g) or not idops.unchanged(m.epochs_np, f.item.src_ids, snap):
+                return f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
+        return ""
+
+    def _report(self, f: _Flight, why: str, notes: dict | None = None) -> None:
+        """Report ``f`` once: landed (``why`` empty: done marks in the slots) or failed for
+        ``why``; its notification goes into ``notes`` (remote -> loads), or now."""
+        rank, item, rem = self.rank, f.item, f.rem
+        t = now()
+        rank.metrics.record_batch(f.t0, t, 0 if why else f.moved, 0)
+        if not why:
+            rank.metrics.record_done(rank.loads.finish_many([item.request_id], t))
+            views = self.ipc.slot_views(rem) or []
+            for s in rem.notify_to:
+                v = views[s] if s < len(views) else None
+                if v is None:
+                    continue
+                c = next((c for c in f.checks if c[0] == s), None)
+                i, g = (c[2], c[3]) if c is not None else v.find(*f.b)
+                if i >= 0:
+                    v.mark_done(i, g, rank.tp_rank, rank.tp_size)
+        elif rank.loads.fail(item.request_id, why):
+            rank.metrics.add("failures")
+        if notes is None:
+            self.loader.notify(rem, [] if why else [item], [item] if why else [])
+            return
+        note = notes.get(id(rem))
+        if note is None:
+            note = notes[id(rem)] = (rem, [], [])
+        note[2 if why else 1].append(item)
+
+    # --------------------------------------------------------------------------- wait
+    def wait_some(self, request_ids: set[str], deadline: float) -> None:
+        """Block until a one-sided copy of ``request_ids`` completed, or ``deadline``, or a short
+        pause when none of them is in flight here (the messaged path reports through poll)."""
+        evs = [f.event for f in self.flights if f.event is not None and f.item.request_id in request_ids]
+        if not evs:
+            time.sleep(min(2e-4, max(0.0, deadline - time.monotonic())))
+            return
+        spin_until = time.monotonic() + 2e-4  # a copy about to end: query, yielding the GIL only
+        while time.monotonic() < deadline:
+            if any(event_done(e) for e in evs):
+                return
+            time.sleep(0 if time.monotonic() < spin_until else 2e-5)
+
+    def stats(self) -> dict:
+        return {"loads": self.loads, "in_flight": len(self.flights), "fallbacks": dict(self.fallbacks)}

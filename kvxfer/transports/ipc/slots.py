@@ -1,0 +1,283 @@
+"""The lease-slot table: an exporter rank's live exports, in shared memory, for one-sided reads.
+
+A loader on the same host that has mapped an exporter rank's caches (``ipc``) can read a request
+without asking the exporter first, when the exporter's table says the request's export is live,
+ready and leased long enough (:mod:`kvxfer.transports.ipc.onesided`). The table is an int64
+array in POSIX shared memory beside the block epochs (both are host bookkeeping, also for CUDA
+caches). The exporter writes every word except the done marks; a loader writes only its own
+done marks and the header's ``done`` word.
+
+Header (``HEADER`` words): ``MAGIC``, ``VERSION``, the number of slots, the exporter's heartbeat
+(``time.monotonic_ns()``, written every side-channel tick and every ``poll()``), ``open`` (1
+until the engine closes), a hash of the exporter's incarnation, ``done``: how many entries
+loaders have appended to the done ring (the ``RING`` words after the first eight).
+
+Slot (``SLOT`` words), one per live export:
+
+* ``gen``: a seqlock generation. Even when stable; the exporter makes it odd while it rewrites
+  the slot (open or close) and even again after, so a reader that sees the same even value
+  before and after reading the slot read one consistent state. It only grows.
+* ``bind`` (two words): the export's token MAC XOR its content digest (:func:`binding`,
+  :mod:`kvxfer.auth`). A loader finds the slot of its params by this value: params of another
+  export, or altered ones, find none (and take the path the exporter checks by name).
+* ``deadline``: the lease's end (``monotonic_ns``), renewed with the lease.
+* ``ready``: 1 once the compute that wrote the blocks completed (the exporter's ready gate).
+* ``flags``: ``LIVE``, ``LAYERWISE`` (a streaming export: never read one-sided).
+* ``done[d]`` for loader rank ``d < MAX_DONE``: ``gen * 512 + loader tp_size`` once loader rank
+  ``d`` has landed the request (post-checked). The exporter counts it like a notification from
+  loader rank ``d`` when it names the slot's current ``gen``; a mark of an earlier export of the
+  slot names an older generation and counts nothing. The loader then appends the slot to the
+  header's ring (``RING`` entries, ``done``: how many were ever written), so the exporter's
+  ``poll()`` reads one word when nothing was marked and only the named slots when something was.
+
+The slot of an export is found by its binding: probing ``PROBES`` slots from ``bind[0] mod
+num_slots``; an export finding none free has no slot (its loads take the messaged path). The
+params do not name the slot: they are identical on every exporter rank and may be made before
+the export (:meth:`kvxfer.engine.TransferEngine.params_for`, a scheduler's token), while each
+rank places its exports itself.
+
+Ordering: the exporter closes a slot (``gen`` odd, ``flags`` cleared, ``gen`` even) *before* it
+bumps the released blocks' epochs, and a loader snapshots the epochs between two reads of the
+same even ``gen``; so a snapshot taken while the slot was live either precedes the release (and
+the post-copy epoch check sees it) or is discarded. Single aligned int64 stores and loads, in
+program order (x86-64's TSO keeps store-store and load-load order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+
+__all__ = [
+    "HEADER",
+    "MAX_DONE",
+    "PROBES",
+    "SLOT",
+    "ExporterSlots",
+    "SlotView",
+    "binding",
+]
+
+MAGIC = 0x6B7678736C6F7431  # "kvxslot1"
+VERSION = 1
+RING = 56  # done-mark ring entries (slot * 2**32 + generation)
+HEADER = 8 + RING
+H_MAGIC, H_VERSION, H_NUM, H_BEAT, H_OPEN, H_INCARNATION, H_DONE = range(7)
+H_RING = 8
+MAX_DONE = 16  # loader ranks that mark done in the slot; higher ranks notify by message only
+SLOT = 8 + MAX_DONE
+S_GEN, S_BIND0, S_BIND1, S_DEADLINE, S_READY, S_FLAGS = range(6)
+S_DONE = 8
+LIVE, LAYERWISE = 1, 2
+PROBES = 8
+DONE_TP = 512  # done[d] = gen * DONE_TP + loader tp_size (tp_size <= 256)
+DEFAULT_SLOTS = 4096  # twice the exports a rank is expected to hold live at once
+
+
+_M63 = (1 << 63) - 1
+
+
+def binding(token: str, digest: bytes) -> tuple[int, int]:
+    """The two words binding a slot to one export: the token's MAC (its last 32 hex digits, 16
+    bytes keyed by the engine's secret over the request id, nonce and digest: kvxfer.auth) XOR
+    the content digest (BLAKE2b-128 of the ids and token count), 63 bits of each half. Params of
+    another export differ in the MAC, altered ids or token count in the digest. ValueError when
+    the token is not hex. (0.3 us; hashing them again cost 0.8.)"""
+    return (
+        (int(token[-32:-16], 16) ^ int.from_bytes(digest[:8], "little")) & _M63,
+        (int(token[-16:], 16) ^ int.from_bytes(digest[8:16], "little")) & _M63,
+    )
+
+
+def incarnation_word(incarnation: str) -> int:
+    h = hashlib.blake2b(incarnation.encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little", signed=True)
+
+
+def _num_slots(words: int) -> int:
+    return (words - HEADER) // SLOT
+
+
+class ExporterSlots:
+    """The exporter rank's side of its table (``table``: the int64 array in shared memory,
+    ``HEADER + num_slots * SLOT`` words). Its methods are called under the export tracker's
+    lock (``open``, ``close``, ``renew``, ``set_ready``, ``take_done``), or from any thread
+    (``beat``, ``shut``). Single words are read and written through a memoryview (~50 ns each;
+    a numpy scalar access costs ~150 ns)."""
+
+    def __init__(self, table: np.ndarray, incarnation: str) -> None:
+        n = _num_slots(table.size)
+        if n < PROBES:
+            raise ValueError(f"slots: a table of {table.size} words holds {n} slots, fewer than {PROBES}")
+        self.t = table
+        self.mv = memoryview(table)
+        self.num_slots = n
+        self.rows = table[HEADER:].reshape(n, SLOT)
+        table[:HEADER] = 0
+        table[H_NUM] = n
+        table[H_INCARNATION] = incarnation_word(incarnation)
+        table[H_VERSION] = VERSION
+        table[H_OPEN] = 1
+        table[H_MAGIC] = MAGIC
+        self.beat()
+        self.used = bytearray(n)
+        self.owner: dict[int, str] = {}  # slot -> request id
+        self._seen = 0  # ring entries taken so far
+
+    def beat(self) -> None:
+        """The heartbeat: this rank is alive now."""
+        self.mv[H_BEAT] = time.monotonic_ns()
+
+    def shut(self) -> None:
+        """The engine is closing: no loader reads one-sided from here any more."""
+        self.mv[H_OPEN] = 0
+
+    def open(
+        self, request_id: str, token: str, digest: bytes, deadline: float, ready: bool, layerwise: bool
+    ) -> int:
+        """Give a live export a slot; its index, or -1 when the probed slots are all taken."""
+        b0, b1 = binding(token, digest)
+        n, used = self.num_slots, self.used
+        for k in range(PROBES):
+            i = (b0 + k) % n
+            if not used[i]:
+                break
+        else:
+            return -1
+        mv, base = self.mv, HEADER + i * SLOT
+        mv[base + S_GEN] += 1  # odd: being written
+        mv[base + S_BIND0] = b0
+        mv[base + S_BIND1] = b1
+        mv[base + S_DEADLINE] = int(deadline * 1e9)
+        mv[base + S_READY] = 1 if ready else 0
+        mv[base + S_FLAGS] = LIVE | LAYERWISE if layerwise else LIVE
+        mv[base + S_GEN] += 1  # even: stable
+        used[i] = 1
+        self.owner[i] = request_id
+        return i
+
+    def close(self, i: int) -> None:
+        """End slot ``i``'s export (before the released blocks' epochs move)."""
+        mv, base = self.mv, HEADER + i * SLOT
+        mv[base + S_GEN] += 1
+        mv[base + S_FLAGS] = 0
+        mv[base + S_READY] = 0
+        mv[base + S_BIND0] = 0
+        mv[base + S_BIND1] = 0
+        mv[base + S_GEN] += 1
+        self.used[i] = 0
+        del self.owner[i]
+
+    def renew(self, i: int, deadline: float) -> None:
+        self.mv[HEADER + i * SLOT + S_DEADLINE] = int(deadline * 1e9)
+
+    def set_ready(self, i: int) -> None:
+        self.mv[HEADER + i * SLOT + S_READY] = 1
+
+    def take_done(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        """The done marks loaders wrote since the last call, of live exports:
+        ``[(request id, [(loader rank, loader tp_size), ...])]``. One read when none was written;
+        else the slots the ring names (every live slot if more were written than it holds)."""
+        mv = self.mv
+        w = mv[H_DONE]
+        seen = self._seen
+        if w == seen:
+            return []
+        self._seen = w
+        if 0 < w - seen <= RING:
+            slots = {mv[H_RING + k % RING] for k in range(seen, w)}
+        else:  # the ring overflowed (or was written by a confused peer): look at every live slot
+            slots = self.owner.keys()
+        out = []
+        for i in list(slots):
+            rid = self.owner.get(i) if type(i) is int and 0 <= i < self.num_slots else None
+            if rid is None:
+                continue
+            base = HEADER + i * SLOT
+            g = mv[base + S_GEN]
+            marks = [
+                (d, v % DONE_TP)
+                for d, v in enumerate(mv[base + S_DONE : base + S_DONE + MAX_DONE].tolist())
+                if v and v // DONE_TP == g
+            ]
+            if marks:
+                out.append((rid, marks))
+        return out
+
+
+class SlotView:
+    """A loader's view of an exporter rank's table (mapped read-write: the loader writes its
+    done marks and the ring)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        n = _num_slots(table.size)
+        if table[H_MAGIC] != MAGIC or table[H_VERSION] != VERSION or table[H_NUM] != n:
+            raise ValueError("slots: not a lease-slot table of this kvxfer version")
+        self.t = table
+        self.mv = memoryview(table)
+        self.num_slots = n
+
+    def alive(self, stale_ns: int, now_ns: int) -> str:
+        """ "" when the exporter is open and beat within ``stale_ns``; else why not."""
+        mv = self.mv
+        if not mv[H_OPEN]:
+            return "the exporting engine closed"
+        age = now_ns - mv[H_BEAT]
+        if age > stale_ns:
+            return f"no heartbeat from the exporter for {age / 1e9:.2f} s (stopped or hung)"
+        return ""
+
+    def find(self, b0: int, b1: int) -> tuple[int, int]:
+        """(slot, its even generation) of the live export bound to ``(b0, b1)``; (-1, 0) when none
+        is (not exported yet, released, or the slot was being rewritten)."""
+        n, mv = self.num_slots, self.mv
+        for k in range(PROBES):
+            base = HEADER + (b0 + k) % n * SLOT
+            g = mv[base + S_GEN]
+            if g & 1 or mv[base + S_BIND0] != b0 or mv[base + S_BIND1] != b1 or not mv[base + S_FLAGS] & LIVE:
+                continue
+            if mv[base + S_GEN] == g:
+                return (b0 + k) % n, g
+        return -1, 0
+
+    def lookup(self, b0: int, b1: int, now_ns: int, stale_ns: int, need_ns: int) -> tuple[int, int, str]:
+        """(slot, its even generation, "") of the live export bound to ``(b0, b1)`` when it may be
+        read one-sided now: the exporter open and beating within ``stale_ns``, the export ready,
+        not layer-wise, leased past ``need_ns``; else (-1, 0, why not)."""
+        mv = self.mv
+        if not mv[H_OPEN] or now_ns - mv[H_BEAT] > stale_ns:
+            return -1, 0, "exporter closed or silent"
+        i, g = self.find(b0, b1)
+        if i < 0:
+            return -1, 0, "no live slot"
+        base = HEADER + i * SLOT
+        if mv[base + S_FLAGS] & LAYERWISE:
+            return -1, 0, "layer-wise export"
+        if not mv[base + S_READY]:
+            return -1, 0, "not ready"
+        if mv[base + S_DEADLINE] < need_ns:
+            return -1, 0, "lease too short"
+        return i, g, ""
+
+    def state(self, i: int, g: int) -> tuple[bool, int, int, int]:
+        """(still generation ``g``, ready, flags, lease deadline in ns) of slot ``i``."""
+        mv, base = self.mv, HEADER + i * SLOT
+        return mv[base + S_GEN] == g, mv[base + S_READY], mv[base + S_FLAGS], mv[base + S_DEADLINE]
+
+    def same(self, i: int, g: int) -> bool:
+        return self.mv[HEADER + i * SLOT + S_GEN] == g
+
+    def mark_done(self, i: int, g: int, loader_rank: int, loader_tp: int) -> None:
+        """Loader rank ``loader_rank`` of a ``loader_tp``-rank engine landed slot ``i``'s export
+        (generation ``g``); the slot goes into the ring for the exporter to look at. Two loaders
+        writing the ring at once may lose an entry: that export is then freed by the
+        notification that follows."""
+        if loader_rank >= MAX_DONE:
+            return
+        mv = self.mv
+        mv[HEADER + i * SLOT + S_DONE + loader_rank] = g * DONE_TP + loader_tp
+        w = mv[H_DONE]
+        mv[H_RING + w % RING] = i
+        mv[H_DONE] = w + 1

@@ -1,0 +1,488 @@
+"""One-sided ipc reads (kvxfer.transports.ipc.onesided): byte-exact through the caller's copy
+across TP ratios, layouts, block sizes, dtypes, MLA, n>1 and partial loads, and every way the
+path can go wrong (a release during the copy, a compute not done, an exporter that died or a
+loader that did, a slot reused, params forged or altered). Each test also checks that the
+one-sided path, not the messaged one, did the work (``stats()["onesided"]``)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from kvxfer import KVCacheSpec, TransferEngine, ops
+from kvxfer.transports.ipc import onesided as onesided_mod
+from kvxfer.transports.ipc import slots as slots_mod
+from kvxfer.transports.ipc.shm import alloc_shm_caches
+
+from .engine_procs import check, fill, free_port_base, payload, poison, untouched
+
+F16 = KVCacheSpec(2, 2, 16, 8, torch.float16)
+
+
+# ----------------------------------------------------------------------------- helpers
+class Ranks:
+    """``tp`` engine ranks of one engine in this process, over shared-memory caches."""
+
+    def __init__(self, spec: KVCacheSpec, tp: int, name: str, nb: int = 48, **kw) -> None:
+        self.spec, self.tp, self.name = spec, tp, name
+        port = free_port_base(tp)
+        self.shm = [alloc_shm_caches(spec, nb, tp) for _ in range(tp)]
+        for s in self.shm:
+            poison(s.caches)
+        self.engines = []
+        try:
+            for r in range(tp):
+                kw.setdefault("lease_s", 30.0)
+                e = TransferEngine(spec, self.shm[r].caches, r, tp, name, port=port if tp > 1 else 0, **kw)
+                self.engines.append(e.start())
+        except BaseException:
+            self.close()
+            raise
+
+    def __getitem__(self, r: int) -> TransferEngine:
+        return self.engines[r]
+
+    def caches(self, r: int):
+        return self.shm[r].caches
+
+    def export(self, rid: str, ids: list[int], n: int, seed: int, **kw) -> dict:
+        """Fill and export ``rid`` on every rank; the params (checked equal on every rank)."""
+        params = []
+        for r, e in enumerate(self.engines):
+            fill(self.caches(r), self.spec, r, self.tp, ids, n, seed)
+            params.append(e.export(rid, ids, n, **kw))
+        assert all(p == params[0] for p in params)
+        return params[0]
+
+    def onesided(self) -> list[int]:
+        return [e.stats()["onesided"]["loads"] for e in self.engines]
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+        for s in self.shm:
+            s.close()
+
+
+def poll_until(engines, want: set[str], side: str, timeout: float = 10.0) -> dict[str, str]:
+    """Poll every engine of ``engines`` until each of them reported every id of ``want`` on
+    ``side`` ("recv" or "send"); per id the outcomes ("done", "failed: why", "expired") of all
+    ranks, which must agree. Each rank reports an id once."""
+    got: list[dict[str, str]] = [{} for _ in engines]
+    end = time.monotonic() + timeout
+    while any(set(g) != want for g in got) and time.monotonic() < end:
+        for e, g in zip(engines, got):
+            r = e.poll()
+            if side == "recv":
+                out = {rid: "done" for rid in r.finished_recving}
+                out.update({rid: "failed: " + r.errors.get(rid, "") for rid in r.failed})
+            else:
+                out = {rid: "done" for rid in r.finished_sending}
+                out.update(dict.fromkeys(r.expired, "expired"))
+            for rid, what in out.items():
+                assert rid not in g, f"{rid} reported twice"
+                g[rid] = what
+        time.sleep(0.001)
+    merged: dict[str, str] = {}
+    for g in got:
+        for rid, what in g.items():
+            if merged.setdefault(rid, what) != what:
+                merged[rid] = f"ranks disagree: {merged[rid]} / {what}"
+    return merged
+
+
+def warm(p: Ranks, d: Ranks) -> None:
+    """One request through the messaged path: D handshakes and maps P (the one-sided path needs
+    both); not counted as one-sided."""
+    prm = p.export("warm", [0], 1, seed=1)
+    for e in d.engines:
+        e.load("warm", prm, [0])
+    assert poll_until(d.engines, {"warm"}, "recv") == {"warm": "done"}
+    assert poll_until(p.engines, {"warm"}, "send") == {"warm": "done"}
+    assert d.onesided() == [0] * d.tp
+
+
+def tokens_hold(caches, spec, tp_rank, tp_size, ids, n, seed, lo, hi) -> bool:
+    """Tokens ``[lo, hi)`` of request ``seed`` (this rank's heads) are in ``ids``, bytewise."""
+    got = ops.gather_blocks(caches, spec, ids, n)
+    want = payload(spec, seed, n, spec.heads_of_rank(tp_rank, tp_size))
+    return torch.equal(got[..., lo:hi, :].view(torch.uint8), want[..., lo:hi, :].view(torch.uint8))
+
+
+# ------------------------------------------------------------------- byte-exact, any shape
+CASES = {
+    "nhd16-hnd32-fp16-1:1": (KVCacheSpec(2, 4, 16, 16, torch.float16), 1, KVCacheSpec(2, 4, 16, 32, torch.float16, layout="HND"), 1),
+    "hnd32-nhd16-bf16-2:1": (KVCacheSpec(3, 4, 16, 32, torch.bfloat16, layout="HND"), 2, KVCacheSpec(3, 4, 16, 16, torch.bfloat16), 1),
+    "nhd8-nhd12-fp8-1:2": (KVCacheSpec(2, 4, 32, 8, torch.float8_e4m3fn), 1, KVCacheSpec(2, 4, 32, 12, torch.float8_e4m3fn), 2),
+    "fp32-1:4": (KVCacheSpec(2, 4, 8, 16, torch.float32), 1, KVCacheSpec(2, 4, 8, 16, torch.float32, layout="HND"), 4),
+    "bf16-4:1": (KVCacheSpec(2, 4, 16, 16, torch.bfloat16, layout="HND"), 4, KVCacheSpec(2, 4, 16, 8, torch.bfloat16), 1),
+    "fp16-2:3": (KVCacheSpec(2, 6, 8, 16, torch.float16), 2, KVCacheSpec(2, 6, 8, 32, torch.float16, layout="HND"), 3),
+    "replicated-1:4": (KVCacheSpec(2, 2, 16, 16, torch.float16), 1, KVCacheSpec(2, 2, 16, 16, torch.float16), 4),
+    "mla-1:2": (KVCacheSpec(2, 1, 48, 16, torch.bfloat16, use_mla=True), 1, KVCacheSpec(2, 1, 48, 32, torch.bfloat16, use_mla=True), 2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_onesided_lands_exactly_and_frees_by_done_marks(case):
+    """Requests of odd lengths (partial last blocks on both sides) land byte for byte through the
+    caller's copy on every loader rank, blocks no request names keep their poison, and every
+    exporter rank frees each request once every loader rank it expects has landed it, not
+    before."""
+    src, src_tp, dst, dst_tp = CASES[case]
+    p, d = Ranks(src, src_tp, "P"), None
+    try:
+        d = Ranks(dst, dst_tp, "D")
+        warm(p, d)
+        for e in d.engines:  # notifications dropped: only the done marks free the blocks
+            e._hooks["notify"] = lambda addr, msg: None
+        lengths = [1, 7, 16, 33, 64, 100]
+        s_next, d_next = 1, 1
+        reqs = {}
+        for i, n in enumerate(lengths):
+            s_ids = list(range(s_next, s_next + src.num_blocks_for(n)))[::-1]
+            d_ids = list(range(d_next, d_next + dst.num_blocks_for(n)))
+            s_next += len(s_ids)
+            d_next += len(d_ids)
+            reqs[f"r{i}"] = (n, 100 + i, p.export(f"r{i}", s_ids, n, seed=100 + i), d_ids)
+        # every loader rank but the last loads: no exporter rank that waits for it may free
+        for r in range(dst_tp - 1):
+            for rid, (_, _, prm, d_ids) in reqs.items():
+                d[r].load(rid, prm, d_ids)
+        if dst_tp > 1:
+            assert poll_until(d.engines[:-1], set(reqs), "recv") == dict.fromkeys(reqs, "done")
+            # an exporter rank the last loader rank notifies must not have freed anything yet
+            waits_last = [
+                s for s in range(src_tp) if type(p[s]._exporter.expected_from(dst_tp, dst_tp - 1)) is int
+            ]
+            assert waits_last, "the plan has the last loader rank notify no exporter rank"
+            early = poll_until([p[s] for s in waits_last], set(reqs), "send", timeout=0.3)
+            assert early == {}, f"freed before the last loader rank landed: {early}"
+        for rid, (_, _, prm, d_ids) in reqs.items():
+            d[dst_tp - 1].load(rid, prm, d_ids)
+        assert poll_until(d.engines[-1:], set(reqs), "recv") == dict.fromkeys(reqs, "done")  # the others did
+        assert d.onesided() == [len(reqs)] * dst_tp, [e.stats()["onesided"] for e in d.engines]
+        for r in range(dst_tp):
+            used: set[int] = {0}
+            for n, seed, _, d_ids in reqs.values():
+                assert check(d.caches(r), dst, r, dst_tp, d_ids, n, seed), f"D{r} request seed {seed}"
+                used |= set(d_ids)
+            tails = {ids[-1]: n - (len(ids) - 1) * dst.block_size for n, _, _, ids in reqs.values()}
+            assert untouched(d.caches(r), dst, used, tails), f"D{r} wrote outside the requests"
+        assert poll_until(p.engines, set(reqs), "send") == dict.fromkeys(reqs, "done")
+        for e in p.engines:
+            assert e.stats()["blocks_held"] == 0 and e.stats()["exports_live"] == 0
+    finally:
+        p.close()
+        if d is not None:
+            d.close()
+
+
+def test_onesided_n_children_and_partial_loads():
+    """n>1 children sharing prefix blocks, and loads of only the tokens a prefix hit lacks
+    (``num_computed_tokens``): the held prefix is not written, the rest lands exactly."""
+    src, dst = (
+        KVCacheSpec(2, 2, 16, 8, torch.bfloat16),
+        KVCacheSpec(2, 2, 16, 16, torch.bfloat16, layout="HND"),
+    )
+    p, d = Ranks(src, 1, "P"), Ranks(dst, 1, "D")
+    try:
+        warm(p, d)
+        # n=3 children: 4 shared blocks of prefix (32 tokens), a tail each
+        prefix = [10, 11, 12, 13]
+        fill(p.caches(0), src, 0, 1, [*prefix, 14], 37, seed=7)  # the prefix's payload is seed 7's
+        params = {}
+        for i, (tail_blk, tail) in enumerate([(14, 5), (15, 8), (16, 3)]):
+            rid = f"c{i}"
+            params[rid] = (p[0].export(rid, [*prefix, tail_blk], 32 + tail), 32 + tail)
+        d_ids = {"c0": [1, 2, 3], "c1": [4, 5, 6], "c2": [7, 8, 9]}
+        for rid, (prm, _) in params.items():
+            d[0].load(rid, prm, d_ids[rid])
+        assert poll_until(d.engines, set(params), "recv") == dict.fromkeys(params, "done")
+        assert tokens_hold(d.caches(0), dst, 0, 1, d_ids["c0"], 37, 7, 0, 37)
+        for rid in ("c1", "c2"):  # their prefix tokens are seed 7's
+            assert tokens_hold(d.caches(0), dst, 0, 1, d_ids[rid], params[rid][1], 7, 0, 32)
+        # a partial load: D holds tokens [0, 32) already (another seed's), pulls [32, 50)
+        fill(p.caches(0), src, 0, 1, [20, 21, 22, 23, 24, 25, 26], 50, seed=9)
+        prm = p[0].export("part", [20, 21, 22, 23, 24, 25, 26], 50)
+        fill(d.caches(0), dst, 0, 1, [30, 31, 32, 33], 50, seed=99)
+        d[0].load("part", prm, [30, 31, 32, 33], num_computed_tokens=32)
+        assert poll_until(d.engines, {"part"}, "recv") == {"part": "done"}
+        assert tokens_hold(d.caches(0), dst, 0, 1, [30, 31, 32, 33], 50, 99, 0, 32), (
+            "the held prefix was written"
+        )
+        assert tokens_hold(d.caches(0), dst, 0, 1, [30, 31, 32, 33], 50, 9, 32, 50)
+        assert d.onesided() == [4]
+        assert poll_until(p.engines, {*params, "part"}, "send") == dict.fromkeys([*params, "part"], "done")
+    finally:
+        p.close()
+        d.close()
+
+
+def test_wait_reports_a_onesided_load_without_polling():
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        prm = p.export("a", [3, 4], 12, seed=3)
+        d[0].load("a", prm, [5, 6])
+        r = d[0].wait(["a"], 5.0)
+        assert r.finished_recving == {"a"} and d.onesided() == [1]
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
+        with pytest.raises(ValueError, match="timeout_s"):
+            d[0].wait(["a"], -1)
+    finally:
+        p.close()
+        d.close()
+
+
+# ---------------------------------------------------------------------------- what goes wrong
+def test_release_during_the_copy_fails_the_load_never_delivers():
+    """P aborts the export while D's one-sided copy runs (after it, before the check) and its
+    runner reuses the blocks: D reports the load failed, naming the release."""
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        prm = p.export("x", [3, 4], 12, seed=3)
+
+        def release_and_reuse(epochs):
+            p[0].abort_export("x")
+            fill(p.caches(0), F16, 0, 1, [3, 4], 12, seed=99)
+
+        d[0]._hooks["after_ipc_copy"] = release_and_reuse
+        d[0].load("x", prm, [5, 6])
+        got = poll_until(d.engines, {"x"}, "recv")
+        assert got["x"].startswith("failed:") and "released before or during the copy" in got["x"], got
+        assert d.onesided() == [1]
+        assert d[0].stats()["transfers"] == 1 and d[0].stats()["failures"] == 1  # the warm one landed
+    finally:
+        p.close()
+        d.close()
+
+
+def test_slot_reused_by_a_new_export_fails_the_load():
+    """The export ends and a new export of the same id takes its place during the copy: the
+    slot's generation moved, the load fails; the new export's params then load one-sided."""
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        prm = p.export("x", [3, 4], 12, seed=3)
+        again = {}
+
+        def reexport(epochs):
+            d[0]._hooks.pop("after_ipc_copy")
+            p[0].abort_export("x")
+            again["prm"] = p.export("x", [3, 4], 12, seed=4)
+
+        d[0]._hooks["after_ipc_copy"] = reexport
+        d[0].load("x", prm, [5, 6])
+        got = poll_until(d.engines, {"x"}, "recv")
+        assert got["x"].startswith("failed:"), got
+        assert again["prm"]["token"] != prm["token"]
+        d[0].load("x", again["prm"], [5, 6])
+        assert poll_until(d.engines, {"x"}, "recv") == {"x": "done"}
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 4)
+        assert d.onesided() == [2]
+    finally:
+        p.close()
+        d.close()
+
+
+class Gate:
+    """A ready event (``query()``) the test opens."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_compute_not_done_is_never_read_onesided():
+    """An export whose ready event has not completed is not read one-sided: the load takes the
+    messaged path, which waits for the gate; once P saw it complete, the next load is one-sided."""
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        gate = Gate()
+        prm = p.export("g", [3, 4], 12, seed=3, ready=gate)
+        d[0].load("g", prm, [5, 6])
+        assert d.onesided() == [0] and d[0].stats()["onesided"]["fallbacks"]["not ready"] == 1
+        assert poll_until(d.engines, {"g"}, "recv", timeout=0.3) == {}
+        gate.done = True
+        assert poll_until(d.engines, {"g"}, "recv") == {"g": "done"}
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
+        gate2 = Gate()
+        prm2 = p.export("h", [7, 8], 12, seed=5, ready=gate2)
+        gate2.done = True
+        p[0].poll()  # P sees the gate open: the slot's ready flag is set
+        d[0].load("h", prm2, [9, 10])
+        assert d.onesided() == [1]
+        assert poll_until(d.engines, {"h"}, "recv") == {"h": "done"}
+        assert check(d.caches(0), F16, 0, 1, [9, 10], 12, 5)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_layerwise_export_takes_the_messaged_path():
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        prm = p.export("s", [3, 4], 12, seed=3, streaming=True)
+        d[0].load("s", prm, [5, 6])
+        assert d[0].stats()["onesided"]["fallbacks"]["layer-wise export"] == 1
+        p[0].mark_ready("s", range(F16.num_layers))
+        assert poll_until(d.engines, {"s"}, "recv") == {"s": "done"}
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_forged_and_altered_params_are_never_read_onesided():
+    """A forged token finds no slot, nor do params whose ids were changed: both take the
+    messaged path, where the exporter refuses them by name; D's blocks keep their poison."""
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        prm = p.export("x", [3, 4], 12, seed=3)
+        forged = dict(prm, token="0" * 16 + "f" * 32)
+        altered = dict(prm, block_ids=[3, 5])
+        d[0].load("x", forged, [5, 6])
+        got = poll_until(d.engines, {"x"}, "recv")
+        assert got["x"].startswith("failed:") and "unauthorized" in got["x"], got
+        d[0].load("x", altered, [5, 6])
+        got = poll_until(d.engines, {"x"}, "recv")
+        assert got["x"].startswith("failed:") and "refused" in got["x"], got
+        assert d.onesided() == [0] and d[0].stats()["onesided"]["fallbacks"]["no live slot"] == 2
+        assert untouched(d.caches(0), F16, {0}, {0: 1})
+        # the failed load was notified with the export's token: P freed it (as a release)
+        assert poll_until(p.engines, {"x"}, "send") == {"x": "done"}
+        prm = p.export("y", [3, 4], 12, seed=4)
+        d[0].load("y", prm, [5, 6])  # real params load one-sided
+        assert poll_until(d.engines, {"y"}, "recv") == {"y": "done"} and d.onesided() == [1]
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 4)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_done_mark_frees_without_the_notification_and_the_notification_without_the_mark(monkeypatch):
+    """P frees from the done mark alone (the notification lost), and from the notification alone
+    (the mark lost): either record is enough, and neither frees twice."""
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        d[0]._hooks["notify"] = lambda addr, msg: None  # notifications dropped
+        prm = p.export("a", [3, 4], 12, seed=3)
+        d[0].load("a", prm, [5, 6])
+        assert poll_until(d.engines, {"a"}, "recv") == {"a": "done"}
+        assert poll_until(p.engines, {"a"}, "send") == {"a": "done"}
+        del d[0]._hooks["notify"]
+        monkeypatch.setattr(slots_mod.SlotView, "mark_done", lambda *a: None)
+        prm = p.export("b", [7, 8], 12, seed=4)
+        d[0].load("b", prm, [9, 10])
+        assert poll_until(d.engines, {"b"}, "recv") == {"b": "done"}
+        assert poll_until(p.engines, {"b"}, "send") == {"b": "done"}
+        assert d.onesided() == [2]
+    finally:
+        p.close()
+        d.close()
+
+
+def test_loader_that_never_completes_is_freed_at_lease_end():
+    """D launches a one-sided copy and stops (never polls again: no mark, no notification): P
+    frees the blocks when the lease ends."""
+    p, d = Ranks(F16, 1, "P", lease_s=1.0), Ranks(F16, 1, "D", timeout_s=0.3)
+    try:
+        warm(p, d)
+        prm = p.export("a", [3, 4], 12, seed=3)
+        d[0].load("a", prm, [5, 6])
+        assert d.onesided() == [1]
+        t0 = time.monotonic()
+        assert poll_until(p.engines, {"a"}, "send", timeout=5.0) == {"a": "expired"}
+        assert 0.5 < time.monotonic() - t0 < 3.0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_short_lease_takes_the_messaged_path():
+    """A lease shorter than the load's timeout is not read one-sided (the grant renews it)."""
+    p, d = Ranks(F16, 1, "P", lease_s=1.0), Ranks(F16, 1, "D", timeout_s=2.0)
+    try:
+        warm(p, d)
+        prm = p.export("a", [3, 4], 12, seed=3)
+        d[0].load("a", prm, [5, 6])
+        assert d[0].stats()["onesided"]["fallbacks"]["lease too short"] == 1
+        assert poll_until(d.engines, {"a"}, "recv") == {"a": "done"}
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_closed_exporter_is_not_read_onesided():
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D", timeout_s=1.0)
+    try:
+        warm(p, d)
+        prm = p.export("a", [3, 4], 12, seed=3)
+        p[0].close()
+        d[0].load("a", prm, [5, 6])
+        assert d.onesided() == [0]
+        got = poll_until(d.engines, {"a"}, "recv", timeout=5.0)
+        assert got["a"].startswith("failed:"), got
+        assert untouched(d.caches(0), F16, {0}, {0: 1})
+    finally:
+        p.close()
+        d.close()
+
+
+# ------------------------------------------------------------------ an exporter that dies
+def exporter_proc(port: int, q) -> None:
+    """P in its own process: exports "warm" and "a", hands their params over, then waits to be
+    killed."""
+    shm = alloc_shm_caches(F16, 16, 1)
+    e = TransferEngine(F16, shm.caches, 0, 1, "P", port=port, lease_s=30.0).start()
+    for rid, ids, seed in (("warm", [0], 1), ("a", [3, 4], 3)):
+        fill(shm.caches, F16, 0, 1, ids, 12 if rid == "a" else 1, seed)
+        q.put(e.export(rid, ids, 12 if rid == "a" else 1))
+    time.sleep(120)
+
+
+def test_exporter_killed_is_a_named_failure_not_a_hang(monkeypatch):
+    """P is SIGKILLed after D mapped it: its heartbeat stops, D no longer reads it one-sided,
+    and the load fails by its deadline with the reason; D's process goes on."""
+    monkeypatch.setattr(onesided_mod, "_STALE_NS", int(0.2e9))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port_base(1)
+    proc = ctx.Process(target=exporter_proc, args=(port, q), daemon=True)
+    proc.start()
+    dshm = alloc_shm_caches(F16, 16, 1)
+    poison(dshm.caches)
+    d = TransferEngine(F16, dshm.caches, 0, 1, "D", timeout_s=1.0).start()
+    try:
+        warm_prm, prm = q.get(timeout=60), q.get(timeout=60)
+        d.load("warm", warm_prm, [0])
+        assert poll_until([d], {"warm"}, "recv") == {"warm": "done"}
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        time.sleep(0.4)  # past the (shortened) heartbeat bound
+        t0 = time.monotonic()
+        d.load("a", prm, [5, 6])
+        assert d.stats()["onesided"]["fallbacks"]["exporter closed or silent"] == 1
+        got = poll_until([d], {"a"}, "recv", timeout=10.0)
+        assert got["a"].startswith("failed:"), got
+        assert time.monotonic() - t0 < 5.0
+        assert untouched(dshm.caches, F16, {0}, {0: 1})
+    finally:
+        d.close()
+        dshm.close()
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
