@@ -145,7 +145,7 @@ class ExportTracker:
         # the lease-slot table loaders on this host read one-sided (kvxfer.transports.ipc.slots),
         # set by the ipc transport when it offers one; None: no slots
         self.slots = None
-        self._unready: dict[str, int] = {}  # request id -> slot whose ready flag is not set yet
+        self.unready: dict[str, int] = {}  # request id -> slot whose ready flag is not set yet
 
     # ------------------------------------------------------------------ export
     def add(
@@ -188,19 +188,19 @@ class ExportTracker:
             if slots is not None and token:
                 e.slot = slots.open(request_id, token, digest, e.deadline, ready, bool(num_layers))
                 if e.slot >= 0 and not ready:
-                    self._unready[request_id] = e.slot
+                    self.unready[request_id] = e.slot
 
     def refresh_ready(self, not_ready: Callable[[list[str]], list[str]]) -> None:
         """Set the ready flag of the lease slots whose exports' compute has completed now
         (``not_ready``: :meth:`kvxfer.ordering.StreamOrder.not_ready`)."""
-        if not self._unready:
+        if not self.unready:
             return
         with self.lock:
-            rids = list(self._unready)
+            rids = list(self.unready)
             still = set(not_ready(rids))
             for rid in rids:
                 if rid not in still:
-                    self.slots.set_ready(self._unready.pop(rid))
+                    self.slots.set_ready(self.unready.pop(rid))
 
     def generation(self, request_id: str) -> int:
         """The generation the next export of ``request_id`` gets: 0, or one more than the last
@@ -258,7 +258,8 @@ class ExportTracker:
             e = live.pop(rid)
             if e.slot >= 0:  # closed before the epochs move (kvxfer.transports.ipc.slots)
                 slots.close(e.slot)
-                self._unready.pop(rid, None)
+                if self.unready:
+                    self.unready.pop(rid, None)
             release(rc, ep, e.block_ids)
             gone.pop(rid, None)  # re-inserted last: the newest release is forgotten last
             gone[rid] = (e.gen, e.token)

@@ -169,6 +169,7 @@ class TransferEngine:
         self._loader = Loader(rank, self._transports, self._notifier)
         self._exporter = Exporter(rank, self._transports)
         self._onesided = OneSided(rank, self._loader, self._transports["ipc"]) if onesided else None
+        rank.onesided = onesided
         self._hooks = rank.hooks  # test hooks, by name (each read where it is called)
         self._started = False
         self._closed = False
@@ -489,7 +490,7 @@ class TransferEngine:
         self._loader.dispatch(self.timeout_s)
         if self._onesided is not None:
             self._onesided.complete()
-        self._exporter.tick()  # heartbeat, ready flags, done marks of one-sided reads
+        self._exporter.tick(beat=False)  # ready flags, done marks of one-sided reads
         out = PollResult()
         rank = self._rank
         rank.exports.drain(out)

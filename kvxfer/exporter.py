@@ -107,20 +107,27 @@ class Exporter:
                     e,
                 )
 
-    def tick(self) -> None:
+    def tick(self, beat: bool = True) -> None:
         """What the lease-slot table needs often (:mod:`kvxfer.transports.ipc.slots`): the
         heartbeat, the ready flags of exports whose compute completed, the done marks of
         one-sided reads (counted as notifications). Called by the server thread every tick and
-        by ``poll()``."""
+        by ``poll()`` (``beat=False``: the server thread's beat suffices); one load when there is
+        nothing to do."""
         exports = self.rank.exports
         slots = exports.slots
         if slots is None:
             return
-        slots.beat()
-        exports.refresh_ready(lambda rids: self.rank.order.not_ready(rids, count=False))
-        n = exports.collect_done(self.expected_from)
-        if n:
-            self.rank.metrics.add("finished_exports", n)
+        if beat:
+            slots.beat()
+        if exports.unready:
+            exports.refresh_ready(self._not_ready)
+        if slots.marked():
+            n = exports.collect_done(self.expected_from)
+            if n:
+                self.rank.metrics.add("finished_exports", n)
+
+    def _not_ready(self, request_ids: list[str]) -> list[str]:
+        return self.rank.order.not_ready(request_ids, count=False)
 
     def handle(self, msg):
         """The reply to one side-channel message (or a :class:`~kvxfer.control.Deferred`)."""

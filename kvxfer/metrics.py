@@ -74,6 +74,23 @@ class Metrics:
             self.transfers += len(latencies)
             self._latency.extend(latencies)
 
+    def record_load(self, start: float, end: float, nbytes: int, calls: int, latencies: list[float]) -> None:
+        """One load moved on its own (one-sided): :meth:`record_batch` and :meth:`record_done`
+        (``latencies``: its latency when it landed, else empty) under one lock."""
+        with self._lock:
+            self.bytes_received += nbytes
+            self.ops_calls += calls
+            span = self._span
+            if span is None or start > span[1]:
+                if span is not None:
+                    self._busy_closed += span[1] - span[0]
+                self._span = (start, end)
+            else:
+                self._span = (min(span[0], start), max(span[1], end))
+            if latencies:
+                self.transfers += len(latencies)
+                self._latency.extend(latencies)
+
     def record_ops(self, calls: int, dedup_bytes: int) -> None:
         """``calls`` ops calls issued for loads, and wire bytes an n>1 sibling carried."""
         with self._lock:

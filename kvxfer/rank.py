@@ -85,6 +85,7 @@ class Rank:
         self.incarnation = ""
         self.offers: list[str] = []
         self.exports: ExportTracker | None = None
+        self.onesided = False  # loads read one-sided over ipc when they can (set by the engine)
 
     def identity_fields(self) -> dict:
         """Who this rank is and what it speaks: the fields shared by ``Hello`` (as loader) and

@@ -32,17 +32,21 @@ def _skip_without_cuda() -> None:
     pytest.importorskip("cupy")
 
 
-def gpu_exporter(port: int, reqs: list, q) -> None:
-    """P on cuda:0: fills and exports ``reqs`` ((rid, ids, n, seed)), hands the params over,
-    then serves until killed."""
+def gpu_exporter(port: int, reqs: list, q, go) -> None:
+    """P on cuda:0: fills ``reqs`` ((rid, ids, n, seed)) and exports the first; exports the rest
+    once told (after D mapped P: exports made before a loader maps the lease-slot table get no
+    slot), handing each one's params over; then serves until killed."""
     nb = max(i for _, ids, _, _ in reqs for i in ids) + 1
     caches = [
         torch.zeros(SRC.cache_shape(nb, 1), dtype=SRC.dtype, device="cuda") for _ in range(SRC.num_layers)
     ]
     e = TransferEngine(SRC, caches, 0, 1, "P", port=port, lease_s=60.0).start()
-    for rid, ids, n, seed in reqs:
+    for _, ids, n, seed in reqs:
         fill(caches, SRC, 0, 1, ids, n, seed)
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    for k, (rid, ids, n, _) in enumerate(reqs):
+        if k == 1:
+            go.get(timeout=120)
         q.put(e.export(rid, ids, n))
     end = time.monotonic() + 300
     while time.monotonic() < end:
@@ -50,12 +54,21 @@ def gpu_exporter(port: int, reqs: list, q) -> None:
         time.sleep(0.001)
 
 
-def _start(port: int, reqs: list):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=gpu_exporter, args=(port, reqs, q), daemon=True)
-    proc.start()
-    return proc, [q.get(timeout=120) for _ in reqs]
+class _P:
+    """P's process: ``first()``: the first request's params; ``rest()``: the others' (exported then)."""
+
+    def __init__(self, port: int, reqs: list) -> None:
+        ctx = mp.get_context("spawn")
+        self.q, self.go, self.n = ctx.Queue(), ctx.Queue(), len(reqs)
+        self.proc = ctx.Process(target=gpu_exporter, args=(port, reqs, self.q, self.go), daemon=True)
+        self.proc.start()
+
+    def first(self) -> dict:
+        return self.q.get(timeout=120)
+
+    def rest(self) -> list[dict]:
+        self.go.put(True)
+        return [self.q.get(timeout=120) for _ in range(self.n - 1)]
 
 
 def _stop(proc) -> None:
@@ -72,7 +85,8 @@ def test_onesided_cuda_ipc_lands_exactly_and_p_frees():
         k = SRC.num_blocks_for(n)
         reqs.append((f"r{i}", list(range(nxt, nxt + k))[::-1], n, 10 + i))
         nxt += k
-    proc, params = _start(free_port_base(1), reqs)
+    p = _P(free_port_base(1), reqs)
+    proc = p.proc
     nb = 300
     caches = [
         torch.zeros(DST.cache_shape(nb, 1), dtype=DST.dtype, device="cuda") for _ in range(DST.num_layers)
@@ -80,11 +94,11 @@ def test_onesided_cuda_ipc_lands_exactly_and_p_frees():
     poison(caches)
     d = TransferEngine(DST, caches, 0, 1, "D", timeout_s=10.0).start()
     try:
-        d.load("warm", params[0], [0])
+        d.load("warm", p.first(), [0])
         assert poll_until([d], {"warm"}, "recv") == {"warm": "done"}
         d_ids = {}
         nxt = 1
-        for (rid, _, n, _), prm in zip(reqs[1:], params[1:]):
+        for (rid, _, n, _), prm in zip(reqs[1:], p.rest()):
             k = DST.num_blocks_for(n)
             d_ids[rid] = list(range(nxt, nxt + k))
             nxt += k
@@ -106,17 +120,18 @@ def test_exporter_killed_while_d_reads_its_cuda_memory():
     _skip_without_cuda()
     port = free_port_base(1)
     k = SRC.num_blocks_for(BIG)
-    proc, params = _start(port, [("warm", [0], 1, 1), ("big", list(range(1, k + 1)), BIG, 7)])
+    p = _P(port, [("warm", [0], 1, 1), ("big", list(range(1, k + 1)), BIG, 7)])
+    proc = p.proc
     kd = DST.num_blocks_for(BIG)
     caches = [
         torch.zeros(DST.cache_shape(kd + 1, 1), dtype=DST.dtype, device="cuda") for _ in range(DST.num_layers)
     ]
     d = TransferEngine(DST, caches, 0, 1, "D", timeout_s=5.0).start()
     try:
-        d.load("warm", params[0], [0])
+        d.load("warm", p.first(), [0])
         assert poll_until([d], {"warm"}, "recv") == {"warm": "done"}
         ids = list(range(1, kd + 1))
-        d.load("big", params[1], ids)
+        d.load("big", p.rest()[0], ids)
         assert d.stats()["onesided"]["loads"] == 1  # launched: the copy reads P's memory now
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -131,8 +146,9 @@ def test_exporter_killed_while_d_reads_its_cuda_memory():
         assert float((x * 2).sum()) == 2048.0
         proc.join(10)
         # a restarted P at the same address: D handshakes anew and loads
-        proc, params = _start(port, [("again", [0, 1], 20, 3)])
-        d.load("again", params[0], [0])
+        p = _P(port, [("again", [0, 1], 20, 3)])
+        proc = p.proc
+        d.load("again", p.first(), [0])
         got = poll_until([d], {"again"}, "recv", timeout=30.0)
         assert got == {"again": "done"}, got
         assert check(caches, DST, 0, 1, [0], 20, 3)

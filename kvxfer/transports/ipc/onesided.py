@@ -38,7 +38,7 @@ from ...engine_types import LoadItem, Remote, describe_error
 from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
-from .read import launch
+from .read import launch_one
 from .slots import binding
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,31 +60,36 @@ _POOL_MAX = 64  # completion events kept for reuse
 
 class _Target:
     """A mapped remote as the one-sided path reads it: per source rank (rank, its slot view, its
-    mapping, the plan's reads of it); ``epoch``: the ipc transport's count of forgotten remotes
-    when it was made (a change means a mapping may be gone)."""
+    mapping, the plan's reads of it), and where a landed load marks done; ``epoch``: the ipc
+    transport's count of forgotten remotes when it was made (a change means a mapping may be
+    gone)."""
 
-    __slots__ = ("epoch", "rem", "sources")
+    __slots__ = ("epoch", "marks", "rem", "sources")
 
-    def __init__(self, rem: Remote, epoch: int, sources: list) -> None:
+    def __init__(self, rem: Remote, epoch: int, sources: list, marks: list) -> None:
         self.rem = rem
         self.epoch = epoch
         self.sources = sources
+        self.marks = marks  # per exporter rank this rank notifies: (its slot view, index in sources or -1)
 
 
 class _Flight:
-    """One one-sided load in flight: the load, its remote, per source rank (rank, its slot
-    view, slot, generation, mapping, the epochs' snapshot), and the event after its copy."""
+    """One one-sided load in flight: the load, its target (remote), per source rank (rank, its
+    slot view, slot, generation, mapping, the epochs' snapshot, reads), and the event after its
+    copy."""
 
-    __slots__ = ("b", "checks", "event", "item", "late", "moved", "rem", "t0")
+    __slots__ = ("b", "calls", "checks", "event", "item", "late", "moved", "rem", "t0", "target")
 
-    def __init__(self, item: LoadItem, rem: Remote, checks: list, b: tuple[int, int], t0: float) -> None:
+    def __init__(self, item: LoadItem, target: _Target, checks: list, b: tuple[int, int], t0: float) -> None:
         self.item = item
-        self.rem = rem
+        self.target = target
+        self.rem = target.rem
         self.checks = checks
         self.b = b
         self.t0 = t0
         self.event = None
         self.moved = 0
+        self.calls = 0
         self.late = False
 
 
@@ -131,7 +136,13 @@ class OneSided:
             if v is None or m is None:
                 return None
             sources.append((s, v, m, rem.reads_by_rank[s]))
-        t = self._targets[rem.engine_id] = _Target(rem, ipc.epoch, sources)
+        ranks = [src[0] for src in sources]
+        marks = [
+            (views[s], ranks.index(s) if s in ranks else -1)
+            for s in rem.notify_to
+            if s < len(views) and views[s] is not None
+        ]
+        t = self._targets[rem.engine_id] = _Target(rem, ipc.epoch, sources, marks)
         return t
 
     def try_load(self, item: LoadItem, timeout_s: float) -> bool:
@@ -167,7 +178,7 @@ class OneSided:
             if not v.same(i, g):
                 return self._no("no live slot")
             checks.append((s, v, i, g, m, snap, reads))
-        f = _Flight(item, rem, checks, b, now())
+        f = _Flight(item, t, checks, b, now())
         item.deadline = time.monotonic() + timeout_s
         rank, ipc = self.rank, self.ipc
         try:
@@ -177,18 +188,16 @@ class OneSided:
                 hook = rank.hooks.get("before_ipc_copy")
                 if hook:
                     hook()
-                calls = saved = 0
                 with rank.order.on_stream():
                     for c in checks:
-                        mv, sv, n = launch(rank, c[4], rem, c[6], [item])
-                        f.moved, saved, calls = f.moved + mv, saved + sv, calls + n
+                        mv, n = launch_one(rank, c[4], rem, c[6], item)
+                        f.moved, f.calls = f.moved + mv, f.calls + n
                     if rank.order.cuda:
                         f.event = self._event()
                         busy = ipc.busy.setdefault(id(rem), [])
                         if len(busy) >= 16:
                             busy[:] = [e for e in busy if not event_done(e)]
                         busy.append(f.event)
-                rank.metrics.record_ops(calls, saved)
         except Exception as e:  # the copy may have written part of the blocks: fail the load
             self.loads += 1
             self._report(f, f"one-sided ipc copy: {describe_error(e)}")
@@ -255,20 +264,17 @@ class OneSided:
         ``why``; its notification goes into ``notes`` (remote -> loads), or now."""
         rank, item, rem = self.rank, f.item, f.rem
         t = now()
-        rank.metrics.record_batch(f.t0, t, 0 if why else f.moved, 0)
-        if not why:
-            rank.metrics.record_done(rank.loads.finish_many([item.request_id], t))
-            views = self.ipc.slot_views(rem) or []
-            for s in rem.notify_to:
-                v = views[s] if s < len(views) else None
-                if v is None:
-                    continue
-                c = next((c for c in f.checks if c[0] == s), None)
-                i, g = (c[2], c[3]) if c is not None else v.find(*f.b)
+        if why:
+            rank.metrics.record_load(f.t0, t, 0, f.calls, [])
+            if rank.loads.fail(item.request_id, why):
+                rank.metrics.add("failures")
+        else:
+            rank.metrics.record_load(f.t0, t, f.moved, f.calls, rank.loads.finish_many([item.request_id], t))
+            checks = f.checks
+            for v, k in f.target.marks:
+                i, g = (checks[k][2], checks[k][3]) if k >= 0 else v.find(*f.b)
                 if i >= 0:
                     v.mark_done(i, g, rank.tp_rank, rank.tp_size)
-        elif rank.loads.fail(item.request_id, why):
-            rank.metrics.add("failures")
         if notes is None:
             self.loader.notify(rem, [] if why else [item], [item] if why else [])
             return

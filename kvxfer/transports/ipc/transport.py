@@ -84,8 +84,11 @@ class IpcTransport:
         return control.SendReply(ok=False, failed={"*": "ipc does not stream: the loader copies itself"})
 
     def setup(self, rem: Remote) -> str:
-        """Map every exporter rank's lease-slot table (small, host memory): the one-sided path
-        reads them before any cache is mapped, and marks done in the ranks it only notifies."""
+        """Map every exporter rank's lease-slot table (small, host memory) when this rank reads
+        one-sided (``rank.onesided``): the one-sided path reads them before any cache is mapped,
+        and marks done in the ranks it only notifies."""
+        if not self.rank.onesided:
+            return ""
         views, handles = [], []
         for r in rem.replies:
             entry = r.ipc or {}
