@@ -368,10 +368,15 @@ def main() -> None:
     print("  (8x2K-4K: requests of 2048..4096 tokens, last block partial; -1s: the one-sided path,")
     print("   where load() launches the copy and poll() checks it: its 'loader batch' is empty, and")
     print("   the exporter handlers are the notification that follows the done mark)")
-    one = cases["1x4096-1s"]["total_us"]
-    verdict = "met" if one <= ONESIDED_TARGET_US else "NOT met"
+    one = cases["1x4096-1s"]
+    sides = {k: one[f"{k.lower()}_side_us"] for k in ("P", "D")}
+    per = ", ".join(
+        f"{k} {v:.1f} us {'met' if v <= ONESIDED_TARGET_US else 'NOT met'}" for k, v in sides.items()
+    )
+    verdict = "met" if one["total_us"] <= ONESIDED_TARGET_US else "NOT met"
     print(
-        f"  issue 40 target <= {ONESIDED_TARGET_US:.0f} us for a one-sided 4K-token request: {verdict} ({one:.1f} us)"
+        f"  issue 40 target <= {ONESIDED_TARGET_US:.0f} us for a one-sided 4K-token request: per side {per}; "
+        f"both sides together {verdict} ({one['total_us']:.1f} us; messaged {target:.1f} us)"
     )
     ref = python_reference_us()
     print(

@@ -486,3 +486,24 @@ def test_exporter_killed_is_a_named_failure_not_a_hang(monkeypatch):
         if proc.is_alive():
             proc.kill()
         proc.join(10)
+
+
+def test_large_cpu_copy_goes_to_the_worker(monkeypatch):
+    """On CPU caches load() copies one-sided only up to CPU_COPY_MAX_BYTES (it runs in the
+    caller's thread); a larger load takes the messaged path and lands the same."""
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        per_token = F16.bytes_per_token()
+        monkeypatch.setattr(onesided_mod, "CPU_COPY_MAX_BYTES", 12 * per_token)
+        small = p.export("small", [3, 4], 12, seed=3)
+        big = p.export("big", [5, 6], 13, seed=4)
+        d[0].load("small", small, [7, 8])
+        d[0].load("big", big, [9, 10])
+        assert d[0].stats()["onesided"]["fallbacks"]["CPU copy too large for the caller"] == 1
+        assert poll_until(d.engines, {"small", "big"}, "recv") == {"small": "done", "big": "done"}
+        assert d.onesided() == [1]
+        assert check(d.caches(0), F16, 0, 1, [7, 8], 12, 3) and check(d.caches(0), F16, 0, 1, [9, 10], 13, 4)
+    finally:
+        p.close()
+        d.close()

@@ -46,13 +46,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...rank import Rank
     from .transport import IpcTransport
 
-__all__ = ["ORDERED_CPU", "STALE_S", "OneSided"]
+__all__ = ["CPU_COPY_MAX_BYTES", "ORDERED_CPU", "STALE_S", "OneSided"]
 
 _LOG = logging.getLogger(__name__)
 
 # The slot protocol relies on stores and loads staying in program order between processes
 # (kvxfer.transports.ipc.slots): x86-64 (TSO) keeps them; elsewhere loads take the messaged path.
 ORDERED_CPU = platform.machine().lower() in ("x86_64", "amd64")
+# On CPU caches the copy runs in the caller's thread (there is nothing to launch): a larger one
+# would hold load() for more than ~1 ms (~20 GB/s here), so it goes to the worker thread instead.
+CPU_COPY_MAX_BYTES = 16 << 20
 STALE_S = 2.0  # an exporter that has not beat for this long is not read one-sided (it beats every 20 ms)
 _STALE_NS = int(STALE_S * 1e9)
 _POOL_MAX = 64  # completion events kept for reuse
@@ -113,6 +116,11 @@ class OneSided:
         self.fallbacks: dict[str, int] = {}
         self._pool: list = []
         self._targets: dict[str, _Target] = {}
+        # CPU caches: bytes per token this rank copies (load() copies them itself: bounded)
+        spec = rank.spec
+        self._cpu_bpt = (
+            0 if rank.device.type == "cuda" else spec.bytes_per_token(spec.heads_per_rank(rank.tp_size))
+        )
         self.lock = threading.Lock()  # flights: appended by load(), taken by poll()
 
     # ------------------------------------------------------------------------- launch
@@ -159,6 +167,8 @@ class OneSided:
         t = self._target(rem)
         if t is None:
             return self._no("not mapped")
+        if self._cpu_bpt and (p.num_tokens - item.first) * self._cpu_bpt > CPU_COPY_MAX_BYTES:
+            return self._no("CPU copy too large for the caller")
         ids = item.src_ids
         if ids.size != rem.spec.num_blocks_for(p.num_tokens) or idops.max_id(ids) >= rem.num_blocks:
             return self._no("bad params")  # the messaged path names the problem
