@@ -247,7 +247,8 @@ class TransferEngine:
 
         Returns within ``CLOSE_TIMEOUT_S`` (5 s): pair groups are aborted first, so a thread
         blocked in a transfer wakes up; notifications still unacknowledged get until then; a
-        thread still stuck after the bound is left behind (a daemon) and logged.
+        thread still stuck after the bound is left behind (a daemon) and logged. One-sided CUDA
+        copies still reading an exporter's memory get up to 2 s more before it is unmapped.
         """
         self._open = False
         if self._closed or not self._started:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from ... import control
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["IpcTransport"]
 
 _LOG = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 2.0  # close() waits this long for one-sided copies still reading a mapping
 
 
 class IpcTransport:
@@ -144,10 +147,11 @@ class IpcTransport:
         with self.lock:
             self.epoch += 1
             busy = [ev for ev in self.busy.pop(id(rem), ()) if not event_done(ev)]
-            if busy:  # a one-sided copy may still read the mapping: unmap once it completed
+            if busy:  # a one-sided copy may still read the mapping: unmapped by a later forget
+                self.busy[id(rem)] = busy
                 _LOG.warning(
                     "kvxfer loader %s: %s forgotten while %d one-sided copies from it may run; its "
-                    "mappings are kept",
+                    "mappings are kept until they completed",
                     self.rank.engine_id, rem.engine_id, len(busy),
                 )  # fmt: skip
                 return
@@ -170,6 +174,9 @@ class IpcTransport:
         return []
 
     def close(self, busy: bool = False) -> None:
+        end = time.monotonic() + CLOSE_WAIT_S  # one-sided copies still reading a mapping: bounded
+        while any(not event_done(ev) for evs in self.busy.values() for ev in evs) and time.monotonic() < end:
+            time.sleep(1e-3)
         for rem, _ in list(self._maps.values()):
             self.forget(rem)
         for rem, _, _ in list(self.views.values()):
