@@ -59,15 +59,19 @@ class Metrics:
     def record_batch(self, start: float, end: float, nbytes: int, calls: int) -> None:
         """One (batch, source rank) transfer that moved ``nbytes`` wire bytes."""
         with self._lock:
-            self.bytes_received += nbytes
-            self.ops_calls += calls
-            span = self._span
-            if span is None or start > span[1]:
-                if span is not None:
-                    self._busy_closed += span[1] - span[0]
-                self._span = (start, end)
-            else:  # overlaps the open span (an earlier start can only come from a racing recorder)
-                self._span = (min(span[0], start), max(span[1], end))
+            self._moved(start, end, nbytes, calls)
+
+    def _moved(self, start: float, end: float, nbytes: int, calls: int) -> None:
+        """:meth:`record_batch`'s counts and busy span, under the lock."""
+        self.bytes_received += nbytes
+        self.ops_calls += calls
+        span = self._span
+        if span is None or start > span[1]:
+            if span is not None:
+                self._busy_closed += span[1] - span[0]
+            self._span = (start, end)
+        else:  # overlaps the open span (an earlier start can only come from a racing recorder)
+            self._span = (min(span[0], start), max(span[1], end))
 
     def record_done(self, latencies: list[float]) -> None:
         with self._lock:
@@ -78,15 +82,7 @@ class Metrics:
         """One load moved on its own (one-sided): :meth:`record_batch` and :meth:`record_done`
         (``latencies``: its latency when it landed, else empty) under one lock."""
         with self._lock:
-            self.bytes_received += nbytes
-            self.ops_calls += calls
-            span = self._span
-            if span is None or start > span[1]:
-                if span is not None:
-                    self._busy_closed += span[1] - span[0]
-                self._span = (start, end)
-            else:
-                self._span = (min(span[0], start), max(span[1], end))
+            self._moved(start, end, nbytes, calls)
             if latencies:
                 self.transfers += len(latencies)
                 self._latency.extend(latencies)

@@ -30,14 +30,18 @@ class StreamJob(NamedTuple):
 
 
 class LoaderLink(Protocol):
-    """What a transport's read uses of the loader that calls it (:class:`kvxfer.loader.Loader`):
-    the rank, the worker thread's side-channel client, and :meth:`forget` of a remote that stopped
-    answering (the next load handshakes anew)."""
+    """What a transport uses of the loader (:class:`kvxfer.loader.Loader`): the rank, the worker
+    thread's side-channel client, :meth:`forget` of a remote that stopped answering (the next
+    load handshakes anew); and for the one-sided ``ipc`` path, the handshaken ``remotes`` by
+    engine id and :meth:`notify` of loads it reported."""
 
     rank: Rank
     client: control.ControlClient
+    remotes: dict[str, Remote]
 
     def forget(self, rem: Remote, why: str = ...) -> None: ...
+
+    def notify(self, rem: Remote, done: list, failed: list) -> None: ...
 
 
 class Transport(Protocol):

@@ -42,8 +42,8 @@ from .read import launch_one
 from .slots import binding
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...loader import Loader
     from ...rank import Rank
+    from ..base import LoaderLink
     from .transport import IpcTransport
 
 __all__ = ["CPU_COPY_MAX_BYTES", "ORDERED_CPU", "STALE_S", "OneSided"]
@@ -101,13 +101,14 @@ class OneSided:
 
     Args:
         rank: the rank's shared state.
-        loader: the rank's :class:`~kvxfer.loader.Loader` (its handshaken remotes, notifier).
+        loader: the rank's loader (:class:`~kvxfer.transports.LoaderLink`: its handshaken
+            remotes, its notifications).
         ipc: the rank's :class:`~kvxfer.transports.ipc.transport.IpcTransport` (its mappings).
 
     ``loads``: loads read one-sided so far; ``fallbacks``: why a load took the messaged path,
     counted by reason (both in ``stats()["onesided"]``)."""
 
-    def __init__(self, rank: Rank, loader: Loader, ipc: IpcTransport) -> None:
+    def __init__(self, rank: Rank, loader: LoaderLink, ipc: IpcTransport) -> None:
         self.rank = rank
         self.loader = loader
         self.ipc = ipc

@@ -4,15 +4,15 @@ A loader on the same host that has mapped an exporter rank's caches (``ipc``) ca
 without asking the exporter first, when the exporter's table says the request's export is live,
 ready and leased long enough (:mod:`kvxfer.transports.ipc.onesided`). The table is an int64
 array in POSIX shared memory beside the block epochs (both are host bookkeeping, also for CUDA
-caches). The exporter writes every word except the done marks; a loader writes only its own
-done marks and the header's ``done`` word.
+caches). The exporter writes every word except these, which loaders write: their own done
+marks, and in the header the done ring, its count and ``readers``.
 
 Header (``HEADER`` words): ``MAGIC``, ``VERSION``, the number of slots, the exporter's heartbeat
-(``time.monotonic_ns()``, written every side-channel tick and every ``poll()``), ``open`` (1
-until the engine closes), a hash of the exporter's incarnation, ``done``: how many entries
-loaders have appended to the done ring (the ``RING`` words after the first eight), and
-``readers``: set by the first loader that maps the table to read one-sided. Until then the
-exporter gives its exports no slot (an engine no one reads one-sided pays nothing for it).
+(``time.monotonic_ns()``, written every side-channel tick, 20 ms), ``open`` (1 until the engine
+closes), a hash of the exporter's incarnation, ``done``: how many entries loaders have appended
+to the done ring (the ``RING`` words after the first eight), and ``readers``: set by the first
+loader that maps the table to read one-sided. Until then the exporter gives its exports no slot
+(an engine no one reads one-sided pays one load per export for the table).
 
 Slot (``SLOT`` words), one per live export:
 
