@@ -142,8 +142,8 @@ class OneSided:
         sources = []
         for s in rem.src_ranks:
             v, m = views[s], ipc.mapped(rem, s)
-            if v is None or m is None:
-                return None
+            if v is None or m is None or not v.of(rem.replies[s].incarnation):
+                return None  # not mapped yet, or a table of another start of that rank
             sources.append((s, v, m, rem.reads_by_rank[s]))
         ranks = [src[0] for src in sources]
         marks = [

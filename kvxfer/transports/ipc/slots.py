@@ -227,8 +227,13 @@ class SlotView:
         self.num_slots = n
         self.mv[H_READERS] = 1  # the exporter gives its exports slots from now on
 
+    def of(self, incarnation: str) -> bool:
+        """Whether the table is that of the exporter's start ``incarnation`` (its handshake's)."""
+        return self.mv[H_INCARNATION] == incarnation_word(incarnation)
+
     def alive(self, stale_ns: int, now_ns: int) -> str:
-        """ "" when the exporter is open and beat within ``stale_ns``; else why not."""
+        """Why the exporter may not be read now; empty when it is open and beat within
+        ``stale_ns``."""
         mv = self.mv
         if not mv[H_OPEN]:
             return "the exporting engine closed"

@@ -1,0 +1,158 @@
+"""The lease-slot table (kvxfer.transports.ipc.slots) on its own: the exporter's writes against a
+loader's view of the same memory, and every mark or entry that must count nothing."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.transports.ipc.slots import (
+    DONE_TP,
+    H_DONE,
+    H_OPEN,
+    H_READERS,
+    H_RING,
+    HEADER,
+    MAX_DONE,
+    PROBES,
+    RING,
+    S_GEN,
+    SLOT,
+    ExporterSlots,
+    SlotView,
+    binding,
+)
+
+TOKEN = "0011223344556677" + "8899aabbccddeeff0123456789abcdef"
+DIGEST = bytes(range(16))
+FAR = 10**18  # a lease end no check reaches
+
+
+def _table(n: int = 64, incarnation: str = "inc-1") -> tuple[ExporterSlots, SlotView]:
+    t = np.zeros(HEADER + n * SLOT, dtype=np.int64)
+    return ExporterSlots(t, incarnation), SlotView(t)
+
+
+def _token(k: int) -> str:
+    """Another export's token: its MAC differs in both halves (as real ones do)."""
+    return TOKEN[:16] + f"{k:016x}" + f"{k * 7919:016x}"
+
+
+def test_binding_tells_exports_and_contents_apart():
+    b = binding(TOKEN, DIGEST)
+    assert binding(TOKEN, DIGEST) == b
+    assert binding(_token(1), DIGEST) != b  # another export's token
+    assert binding(TOKEN, bytes([1]) + DIGEST[1:]) != b  # other ids or token count
+    assert all(0 <= w < 1 << 63 for w in b)
+    with pytest.raises(ValueError):
+        binding("z" * 48, DIGEST)
+
+
+def test_no_slot_until_a_loader_reads_one_sided():
+    t = np.zeros(HEADER + 64 * SLOT, dtype=np.int64)
+    ex = ExporterSlots(t, "inc")
+    assert ex.open("r", TOKEN, DIGEST, 100.0, True, False) == -1
+    SlotView(t)  # a loader maps it to read one-sided
+    assert t[H_READERS] == 1
+    assert ex.open("r", TOKEN, DIGEST, 100.0, True, False) >= 0
+
+
+def test_a_loader_finds_a_live_ready_slot_and_nothing_else():
+    ex, view = _table()
+    b = binding(TOKEN, DIGEST)
+    now = time.monotonic_ns()
+    assert view.lookup(*b, now, 10**9, now) == (-1, 0, "no live slot")
+    i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, False, False)
+    assert view.lookup(*b, now, 10**9, now)[2] == "not ready"
+    ex.set_ready(i)
+    j, g, why = view.lookup(*b, now, 10**9, now)
+    assert (j, why) == (i, "") and g % 2 == 0 and g > 0
+    assert view.lookup(*b, now, 10**9, FAR)[2] == "lease too short"
+    assert view.lookup(*binding(_token(9), DIGEST), now, 10**9, now)[2] == "no live slot"
+    ex.close(i)
+    assert view.lookup(*b, now, 10**9, now)[2] == "no live slot"
+    assert not view.same(i, g)  # the generation moved on close
+
+
+def test_a_slot_being_rewritten_is_not_read():
+    ex, view = _table()
+    b = binding(TOKEN, DIGEST)
+    i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    ex.rows[i, S_GEN] += 1  # odd: the exporter is in the middle of a rewrite
+    assert view.find(*b) == (-1, 0)
+    ex.rows[i, S_GEN] += 1
+    assert view.find(*b)[0] == i
+
+
+def test_layerwise_closed_and_silent_exporters_are_refused():
+    ex, view = _table()
+    b = binding(TOKEN, DIGEST)
+    now = time.monotonic_ns()
+    ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, True)
+    assert view.lookup(*b, now, 10**9, now)[2] == "layer-wise export"
+    assert view.lookup(*b, now + 5 * 10**9, 10**9, now)[2] == "exporter closed or silent"
+    ex.shut()
+    assert view.t[H_OPEN] == 0 and view.lookup(*b, now, 10**9, now)[2] == "exporter closed or silent"
+    assert view.alive(10**9, now) == "the exporting engine closed"
+
+
+def test_incarnation_names_the_exporters_start():
+    _, view = _table(incarnation="start-1")
+    assert view.of("start-1") and not view.of("start-2")
+
+
+def test_full_probe_window_gives_no_slot():
+    ex, _ = _table(n=PROBES)
+    got = [ex.open(f"r{k}", _token(k), DIGEST, 100.0, True, False) for k in range(PROBES + 1)]
+    assert sorted(got[:PROBES]) == list(range(PROBES)) and got[PROBES] == -1
+
+
+def test_done_marks_count_once_for_the_current_export_only():
+    ex, view = _table()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    _, g, _ = view.lookup(*binding(TOKEN, DIGEST), time.monotonic_ns(), 10**9, 0)
+    assert not ex.marked() and ex.take_done() == []
+    view.mark_done(i, g, 1, 2)
+    assert ex.marked()
+    assert ex.take_done() == [("a", [(1, 2)])]
+    assert ex.take_done() == []  # taken
+    # a mark of the slot's previous export (an older generation) counts nothing
+    ex.close(i)
+    k = ex.open("b", TOKEN, DIGEST, 100.0, True, False)
+    assert k == i
+    view.mark_done(i, g, 0, 2)
+    assert ex.take_done() == []
+    # a forged generation or a slot out of range named in the ring counts nothing
+    ex.rows[i, 8] = (g + 100) * DONE_TP + 2
+    w = int(ex.t[H_DONE])
+    ex.t[H_RING + w % RING] = 10**12
+    ex.t[H_DONE] = w + 1
+    assert ex.take_done() == []
+
+
+def test_ring_overflow_looks_at_every_live_slot():
+    ex, view = _table(n=1024)
+    marked = {}
+    for k in range(RING + 5):
+        i = ex.open(f"r{k}", _token(k), DIGEST, 100.0, True, False)
+        assert i >= 0
+        g = int(ex.rows[i, S_GEN])
+        view.mark_done(i, g, 0, 1)
+        marked[f"r{k}"] = [(0, 1)]
+    got = dict(ex.take_done())
+    assert got == marked
+
+
+def test_loader_ranks_past_the_marks_notify_only():
+    ex, view = _table()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    g = int(ex.rows[i, S_GEN])
+    view.mark_done(i, g, MAX_DONE, MAX_DONE + 1)
+    assert not ex.marked() and ex.take_done() == []
+
+
+def test_a_view_refuses_what_is_not_a_table():
+    with pytest.raises(ValueError, match="not a lease-slot table"):
+        SlotView(np.zeros(HEADER + 16 * SLOT, dtype=np.int64))
