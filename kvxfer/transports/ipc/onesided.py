@@ -33,7 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ... import idops
+from ... import idops, ops
 from ...engine_types import LoadItem, Remote, describe_error
 from ...metrics import now
 from ...ordering import event_done
@@ -59,6 +59,21 @@ CPU_COPY_MAX_BYTES = 16 << 20
 STALE_S = 2.0  # an exporter that has not beat for this long is not read one-sided (it beats every 20 ms)
 _STALE_NS = int(STALE_S * 1e9)
 _POOL_MAX = 64  # completion events kept for reuse
+
+
+def _copy_whole(whole: tuple, item: LoadItem) -> tuple[int, int]:
+    """Issue the copies of a whole load (:meth:`OneSided._whole`'s arguments): (wire bytes, calls)."""
+    src_caches, src_spec, dst_caches, dst_spec, src_bound, dst_bound, heads = whole
+    n = item.num_tokens
+    src_ids = ops.CheckedIds(item.src, src_bound, False)
+    dst_ids = ops.CheckedIds(item.dst, dst_bound, True)
+    moved = 0
+    for src_head, dst_head, num_heads, per_token in heads:
+        ops.copy_blocks(
+            src_caches, src_spec, src_ids, dst_caches, dst_spec, dst_ids, n, src_head, dst_head, num_heads
+        )
+        moved += n * per_token
+    return moved, len(heads)
 
 
 class _Target:
@@ -144,7 +159,7 @@ class OneSided:
             v, m = views[s], ipc.mapped(rem, s)
             if v is None or m is None or not v.of(rem.replies[s].incarnation):
                 return None  # not mapped yet, or a table of another start of that rank
-            sources.append((s, v, m, rem.reads_by_rank[s]))
+            sources.append((s, v, m, rem.reads_by_rank[s], self._whole(rem, m, rem.reads_by_rank[s])))
         ranks = [src[0] for src in sources]
         marks = [
             (views[s], ranks.index(s) if s in ranks else -1)
@@ -153,6 +168,26 @@ class OneSided:
         ]
         t = self._targets[rem.engine_id] = _Target(rem, ipc.epoch, sources, marks)
         return t
+
+    def _whole(self, rem: Remote, m, reads: list) -> tuple:
+        """What the copy of a whole load (no tokens held here) from mapping ``m`` passes to
+        ``ops.copy_blocks`` besides its ids: both sides' whole-block views and id bounds, and per
+        read (head starts, heads, wire bytes per token). Made once per target."""
+        rank = self.rank
+        su, du = m.units[0], rank.units[0]
+        sv, dv = m.views[su], rank.by_unit[du]
+        heads = [
+            (
+                r.src_head_start,
+                r.dst_head_start,
+                r.num_heads,
+                rank.spec.bytes_per_token(num_heads=r.num_heads),
+            )
+            for r in reads
+        ]
+        src_bound = rem.num_blocks * (rem.spec.block_size // su)
+        dst_bound = rank.num_blocks * (rank.spec.block_size // du)
+        return sv.caches, sv.spec, dv.caches, dv.spec, src_bound, dst_bound, heads
 
     def try_load(self, item: LoadItem, timeout_s: float) -> bool:
         """Launch ``item`` one-sided if it can be (see the module doc); False: queue it for the
@@ -181,16 +216,16 @@ class OneSided:
         need_ns = now_ns + int(timeout_s * 1e9)
         checks = []
         snapshot = idops.snapshot
-        for s, v, m, reads in t.sources:
+        for s, v, m, reads, whole in t.sources:
             i, g, why = v.lookup(b0, b1, now_ns, _STALE_NS, need_ns)
             if why:
                 return self._no(why)
             snap = snapshot(m.epochs_np, ids)
             if not v.same(i, g):
                 return self._no("no live slot")
-            checks.append((s, v, i, g, m, snap, reads))
+            checks.append((s, v, i, g, m, snap, reads, whole))
         f = _Flight(item, t, checks, b, now())
-        item.deadline = time.monotonic() + timeout_s
+        item.deadline = now_ns * 1e-9 + timeout_s  # time.monotonic's clock
         rank, ipc = self.rank, self.ipc
         try:
             with ipc.lock, trace("copy", items_tag, [item]):
@@ -201,7 +236,10 @@ class OneSided:
                     hook()
                 with rank.order.on_stream():
                     for c in checks:
-                        mv, n = launch_one(rank, c[4], rem, c[6], item)
+                        if item.first:  # a partial load: planned as the messaged path plans it
+                            mv, n = launch_one(rank, c[4], rem, c[6], item)
+                        else:
+                            mv, n = _copy_whole(c[7], item)
                         f.moved, f.calls = f.moved + mv, f.calls + n
                     if rank.order.cuda:
                         f.event = self._event()
@@ -235,6 +273,7 @@ class OneSided:
             flights, self.flights = self.flights, []
         still = []
         notes: dict[int, tuple[Remote, list, list]] = {}
+        now_ns = time.monotonic_ns()
         for f in flights:
             ev = f.event
             if ev is not None and not event_done(ev):
@@ -248,7 +287,7 @@ class OneSided:
                     )  # fmt: skip
                 still.append(f)
                 continue
-            self._report(f, self._check(f), notes)
+            self._report(f, self._check(f, now_ns), notes)
             if ev is not None and len(self._pool) < _POOL_MAX:
                 self._pool.append(ev)
         for rem, done, failed in notes.values():
@@ -257,13 +296,14 @@ class OneSided:
             with self.lock:
                 self.flights[:0] = still
 
-    def _check(self, f: _Flight) -> str:
+    def _check(self, f: _Flight, now_ns: int) -> str:
         """The check after a completed copy: "" when the load landed, else why not."""
         hook = self.rank.hooks.get("after_ipc_copy")
-        for s, v, i, g, m, snap, _ in f.checks:
+        for s, v, i, g, m, snap, *_ in f.checks:
             if hook:
                 hook(m.epochs)
-            why = v.alive(_STALE_NS, time.monotonic_ns())
+                now_ns = time.monotonic_ns()
+            why = v.alive(_STALE_NS, now_ns)
             if why:
                 return f"exporter rank {s}: {why}"
             if not v.same(i, g) or not idops.unchanged(m.epochs_np, f.item.src_ids, snap):
