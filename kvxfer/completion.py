@@ -111,6 +111,15 @@ class _Export:
         self.slot = -1  # its lease slot (kvxfer.transports.ipc.slots), -1 for none
 
 
+def _counted(e: _Export, sender, expected: int) -> bool:
+    """Count one notification (or done mark) of loader rank ``sender`` for export ``e``, whose
+    plan expects ``expected`` of them; True once all have arrived. A sender counts once."""
+    if e.expected is None:
+        e.expected = expected
+    e.notified_by.add(sender)
+    return len(e.notified_by) >= e.expected
+
+
 class ExportTracker:
     """Requests this rank exported, their leases, notification counts and block epochs.
 
@@ -430,11 +439,7 @@ class ExportTracker:
                     if bad is not None:
                         bad[rid] = want
                     continue
-                if e.expected is None:
-                    e.expected = want
-                by = e.notified_by
-                by.add(sender)
-                if len(by) >= e.expected:
+                if _counted(e, sender, want):
                     done.append(rid)
             if done:
                 self._release_many(done)
@@ -456,14 +461,12 @@ class ExportTracker:
                 e = self._live.get(rid)
                 if e is None:
                     continue
+                landed = False
                 for d, loader_tp in marks:
                     want = expected(loader_tp, d)
-                    if type(want) is str:
-                        continue
-                    if e.expected is None:
-                        e.expected = want
-                    e.notified_by.add(d)
-                if e.expected is not None and len(e.notified_by) >= e.expected:
+                    if type(want) is not str:
+                        landed = _counted(e, d, want) or landed
+                if landed:
                     done.append(rid)
             if done:
                 self._release_many(done)

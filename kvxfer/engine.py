@@ -488,11 +488,14 @@ class TransferEngine:
         """
         if not self._open:
             self._check_started()
+        return self._poll_into(PollResult())
+
+    def _poll_into(self, out: PollResult) -> PollResult:
+        """:meth:`poll`, its reports added to ``out`` (the drains merge into what it holds)."""
         self._loader.dispatch(self.timeout_s)
         if self._onesided is not None:
             self._onesided.complete()
         self._exporter.tick(beat=False)  # ready flags, done marks of one-sided reads
-        out = PollResult()
         rank = self._rank
         rank.exports.drain(out)
         rank.loads.drain(out)
@@ -512,7 +515,7 @@ class TransferEngine:
         if not (isinstance(timeout_s, (int, float)) and timeout_s >= 0):
             raise ValueError(f"timeout_s: must be a number >= 0, got {timeout_s!r}")
         deadline = time.monotonic() + timeout_s
-        out = self.poll()
+        out = self._poll_into(PollResult())
         while True:
             want -= out.finished_recving
             want -= out.failed.keys()
@@ -522,12 +525,7 @@ class TransferEngine:
                 self._onesided.wait_some(want, deadline)
             else:
                 time.sleep(min(2e-4, max(0.0, deadline - time.monotonic())))
-            r = self.poll()
-            out.finished_sending |= r.finished_sending
-            out.finished_recving |= r.finished_recving
-            out.failed.update(r.failed)
-            out.expired |= r.expired
-            out.errors.update(r.errors)
+            self._poll_into(out)
 
     def stats(self) -> dict:
         """Counters, bytes, p50/p90/p99 transfer time (of the last 100 000 loads), busy-time

@@ -38,7 +38,7 @@ from ...engine_types import LoadItem, Remote, describe_error
 from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
-from .read import launch_one
+from .read import launch
 from .slots import binding
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,12 +96,11 @@ class _Flight:
     slot view, slot, generation, mapping, the epochs' snapshot, reads), and the event after its
     copy."""
 
-    __slots__ = ("b", "calls", "checks", "event", "item", "late", "moved", "rem", "t0", "target")
+    __slots__ = ("b", "calls", "checks", "event", "item", "late", "moved", "t0", "target")
 
     def __init__(self, item: LoadItem, target: _Target, checks: list, b: tuple[int, int], t0: float) -> None:
         self.item = item
         self.target = target
-        self.rem = target.rem
         self.checks = checks
         self.b = b
         self.t0 = t0
@@ -237,7 +236,7 @@ class OneSided:
                 with rank.order.on_stream():
                     for c in checks:
                         if item.first:  # a partial load: planned as the messaged path plans it
-                            mv, n = launch_one(rank, c[4], rem, c[6], item)
+                            mv, _, n = launch(rank, c[4], rem, c[6], [item])
                         else:
                             mv, n = _copy_whole(c[7], item)
                         f.moved, f.calls = f.moved + mv, f.calls + n
@@ -313,7 +312,7 @@ class OneSided:
     def _report(self, f: _Flight, why: str, notes: dict | None = None) -> None:
         """Report ``f`` once: landed (``why`` empty: done marks in the slots) or failed for
         ``why``; its notification goes into ``notes`` (remote -> loads), or now."""
-        rank, item, rem = self.rank, f.item, f.rem
+        rank, item, rem = self.rank, f.item, f.target.rem
         t = now()
         if why:
             rank.metrics.record_load(f.t0, t, 0, f.calls, [])

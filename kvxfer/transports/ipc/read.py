@@ -19,7 +19,7 @@ from . import offer
 if TYPE_CHECKING:  # pragma: no cover
     from ...rank import Rank
 
-__all__ = ["IpcMap", "launch", "launch_one", "map_rank", "read"]
+__all__ = ["IpcMap", "launch", "map_rank", "read"]
 
 
 class IpcMap(NamedTuple):
@@ -84,28 +84,6 @@ def launch(
         m, sk = wire_bytes(rank.spec, bp, r.num_heads, layers)
         moved, saved = moved + m, saved + sk
     return moved, saved, len(bp.calls) * len(reads)
-
-
-def launch_one(rank: Rank, mapped: IpcMap, rem: Remote, reads: list[Read], item) -> tuple[int, int]:
-    """:func:`launch` of one load of whole requests (``item.first == 0``), without planning a
-    batch: its block lists are the one call's (what :func:`plan_loads` makes of a lone load,
-    ~3 us cold spared). Returns (wire bytes moved, ops calls)."""
-    if item.first:
-        moved, _, calls = launch(rank, mapped, rem, reads, [item])
-        return moved, calls
-    su, du = mapped.units[0], rank.units[0]  # whole blocks: the coarsest unit of each side
-    sv, dv = mapped.views[su], rank.by_unit[du]
-    n = item.num_tokens
-    src_ids = ops.CheckedIds(item.src, rem.num_blocks * (rem.spec.block_size // su), False)
-    dst_ids = ops.CheckedIds(item.dst, rank.num_blocks * (rank.spec.block_size // du), True)
-    moved = 0
-    for r in reads:
-        ops.copy_blocks(
-            sv.caches, sv.spec, src_ids, dv.caches, dv.spec, dst_ids, n,
-            r.src_head_start, r.dst_head_start, r.num_heads,
-        )  # fmt: skip
-        moved += n * rank.spec.bytes_per_token(num_heads=r.num_heads)
-    return moved, len(reads)
 
 
 def read(

@@ -259,13 +259,12 @@ class SlotView:
         """(slot, its even generation, "") of the live export bound to ``(b0, b1)`` when it may be
         read one-sided now: the exporter open and beating within ``stale_ns``, the export ready,
         not layer-wise, leased past ``need_ns``; else (-1, 0, why not)."""
-        mv = self.mv
-        if not mv[H_OPEN] or now_ns - mv[H_BEAT] > stale_ns:
+        if self.alive(stale_ns, now_ns):
             return -1, 0, "exporter closed or silent"
         i, g = self.find(b0, b1)
         if i < 0:
             return -1, 0, "no live slot"
-        base = HEADER + i * SLOT
+        mv, base = self.mv, HEADER + i * SLOT
         if mv[base + S_FLAGS] & LAYERWISE:
             return -1, 0, "layer-wise export"
         if not mv[base + S_READY]:
@@ -273,11 +272,6 @@ class SlotView:
         if mv[base + S_DEADLINE] < need_ns:
             return -1, 0, "lease too short"
         return i, g, ""
-
-    def state(self, i: int, g: int) -> tuple[bool, int, int, int]:
-        """(still generation ``g``, ready, flags, lease deadline in ns) of slot ``i``."""
-        mv, base = self.mv, HEADER + i * SLOT
-        return mv[base + S_GEN] == g, mv[base + S_READY], mv[base + S_FLAGS], mv[base + S_DEADLINE]
 
     def same(self, i: int, g: int) -> bool:
         return self.mv[HEADER + i * SLOT + S_GEN] == g
