@@ -507,3 +507,20 @@ def test_large_cpu_copy_goes_to_the_worker(monkeypatch):
     finally:
         p.close()
         d.close()
+
+
+def test_exporter_closing_after_the_copy_fails_the_load_as_released():
+    """P closes between D's one-sided copy and D's check: its exports were released first, so the
+    load fails naming the release (as the messaged path does), never done."""
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        prm = p.export("a", [3, 4], 12, seed=3)
+        d[0].load("a", prm, [5, 6])
+        assert d.onesided() == [1]
+        p[0].close()
+        got = poll_until(d.engines, {"a"}, "recv")
+        assert got["a"].startswith("failed:") and "released before or during the copy" in got["a"], got
+    finally:
+        p.close()
+        d.close()

@@ -302,11 +302,13 @@ class OneSided:
             if hook:
                 hook(m.epochs)
                 now_ns = time.monotonic_ns()
-            why = v.alive(_STALE_NS, now_ns)
-            if why:
-                return f"exporter rank {s}: {why}"
+            # released first: an exporter that closed released every export before it shut,
+            # so that is what happened to the blocks (the messaged path says the same)
             if not v.same(i, g) or not idops.unchanged(m.epochs_np, f.item.src_ids, snap):
                 return f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
+            why = v.alive(_STALE_NS, now_ns)
+            if why:  # nothing released, but the exporter stopped beating (killed, hung)
+                return f"exporter rank {s}: {why}"
         return ""
 
     def _report(self, f: _Flight, why: str, notes: dict | None = None) -> None:
