@@ -126,6 +126,12 @@ class OneSided:
         self.rank = rank
         self.loader = loader
         self.ipc = ipc
+        if not ORDERED_CPU:
+            _LOG.warning(
+                "kvxfer engine %s rank %d: one-sided reads off on %s (the lease-slot protocol needs "
+                "x86-64's store order); ipc loads take the messaged path",
+                rank.engine_id, rank.tp_rank, platform.machine(),
+            )  # fmt: skip
         self.flights: list[_Flight] = []
         self.loads = 0
         self.fallbacks: dict[str, int] = {}

@@ -48,6 +48,7 @@ program order (x86-64's TSO keeps store-store and load-load order).
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 import time
 
@@ -79,6 +80,7 @@ DONE_TP = 512  # done[d] = gen * DONE_TP + loader tp_size (tp_size <= 256)
 DEFAULT_SLOTS = 4096  # twice the exports a rank is expected to hold live at once
 
 
+_LOG = logging.getLogger(__name__)
 _M63 = (1 << 63) - 1
 _FIELDS = struct.Struct("=5q")  # bind0, bind1, deadline, ready, flags: written between gen steps
 _CLEARED = bytes(_FIELDS.size)
@@ -129,6 +131,7 @@ class ExporterSlots:
         self.used = bytearray(n)
         self.owner: dict[int, str] = {}  # slot -> request id
         self._seen = 0  # ring entries taken so far
+        self._full_logged = False
 
     def beat(self) -> None:
         """The heartbeat: this rank is alive now."""
@@ -152,6 +155,13 @@ class ExporterSlots:
             if not used[i]:
                 break
         else:
+            if not self._full_logged:
+                self._full_logged = True
+                _LOG.warning(
+                    "kvxfer lease slots: %d slots, the %d probed for export %r all taken; exports "
+                    "without a slot are loaded through the messaged path (logged once)",
+                    n, PROBES, request_id,
+                )  # fmt: skip
             return -1
         mv, base = self.mv, HEADER + i * SLOT
         mv[base + S_GEN] += 1  # odd: being written
