@@ -7,16 +7,19 @@ non-blocking copy and the per-layer pointer tables are cached, so nothing here s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
 from collections import OrderedDict
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from ..backends import meta_ring
 from ..backends.base import PagedSide, ids_tensor
 from .rows import move_rows_kernel
 
@@ -156,20 +159,30 @@ class _Side:
             self.ptrs = (x.data_ptr(),)
             self.byte_values = list(self.ptrs)
 
-    def args(self, word_bytes: int) -> tuple[tuple, tuple]:
-        """((table or wire, ids or wire), (head_start, block_size, 4 strides in words))."""
+    def args(self, word_bytes: int, ring=None) -> tuple[tuple, tuple]:
+        """((table or wire, ids or wire), (head_start, block_size, 4 strides in words)).
+        ``ring``: the launch's :class:`~kvxfer.backends.meta_ring.MetaRing` (CUDA; its lock
+        held until the kernel is queued), through which the ids reach the device."""
         if not self.paged:
             words = self.wire.reshape(-1).view(torch.uint8).view(_WORDS[word_bytes][0])
             return (words, words), (0, 1, 0, 0, 0, 0)
         side = self.side
-        ids_dtype = torch.int32 if side.num_blocks <= 2**31 else torch.int64
-        ids = ids_tensor(side).to(ids_dtype)
-        if side.device.type == "cuda":
-            # Through pinned memory (torch's caching host allocator keeps the block until the
-            # copy is done): from pageable memory the driver may wait for the stream before the
-            # copy, the host waiting out the work queued ahead (profiling/results/2026-11-26-H200/).
-            ids = ids.pin_memory()
-        ids = ids.to(side.device, non_blocking=True)
+        small = side.num_blocks <= 2**31
+        ids = None
+        if ring is not None:  # one copy from the persistent pinned ring, nothing allocated
+            host = side.block_ids.astype(np.int32) if small else side.block_ids
+            off = ring.stage(host)
+            if off is not None:
+                ids = ring.device[off : off + host.nbytes].view(torch.int32 if small else torch.int64)
+        if ids is None:
+            ids = ids_tensor(side).to(torch.int32 if small else torch.int64)
+            if side.device.type == "cuda":
+                # Through pinned memory (torch's caching host allocator keeps the block until the
+                # copy is done): from pageable memory the driver may wait for the stream before
+                # the copy, the host waiting out the work queued ahead
+                # (profiling/results/2026-11-26-H200/).
+                ids = ids.pin_memory()
+            ids = ids.to(side.device, non_blocking=True)
         w = side.element_size
         strides = (side.stride_kv, side.stride_block, side.stride_token, side.stride_head)
         words = tuple(s * w // word_bytes for s in strides)
@@ -236,8 +249,22 @@ def move(
         raise RuntimeError("kvxfer.kernels: TRITON_INTERPRET=1 is set, so CUDA tensors cannot be used")
     s, d = _Side(src), _Side(dst)
     plan = _plan(s, d, shape)
-    s_ptrs, s_args = s.args(plan.word_bytes)
-    d_ptrs, d_args = d.args(plan.word_bytes)
+    if dev.type != "cuda":
+        _launch(s, d, shape, plan, dev, None, warmup)
+        return
+    with torch.cuda.device(dev):
+        ring = None
+        if not warmup and (s.paged or d.paged):
+            ring = meta_ring.ring_for(
+                torch.device("cuda", torch.cuda.current_device()), torch.cuda.current_stream()
+            )
+        with ring.lock if ring is not None else contextlib.nullcontext():  # until the kernel is queued
+            _launch(s, d, shape, plan, dev, ring, warmup)
+
+
+def _launch(s: _Side, d: _Side, shape: PagedSide, plan: Plan, dev: torch.device, ring, warmup: bool) -> None:
+    s_ptrs, s_args = s.args(plan.word_bytes, ring)
+    d_ptrs, d_args = d.args(plan.word_bytes, ring)
     num_t_tiles = -(-shape.num_tokens // plan.block_t)
     num_tiles = shape.num_heads * shape.num_layers * shape.num_kv * num_t_tiles
     assert num_tiles < 2**31, "grid too large for one launch"
@@ -251,11 +278,10 @@ def move(
     kwargs = plan.constexprs(s.paged, d.paged)
     kwargs["PERSISTENT"] = persistent
     num_warps = _GPU_BUDGET_NUM_WARPS if persistent else plan.num_warps
-    if dev.type == "cuda":
-        with torch.cuda.device(dev):
-            if warmup:
-                move_rows_kernel.warmup(*args, grid=grid, **kwargs, num_warps=num_warps)
-            else:
-                move_rows_kernel[grid](*args, **kwargs, num_warps=num_warps)
+    if dev.type == "cuda":  # the device is current (move)
+        if warmup:
+            move_rows_kernel.warmup(*args, grid=grid, **kwargs, num_warps=num_warps)
+        else:
+            move_rows_kernel[grid](*args, **kwargs, num_warps=num_warps)
     elif not warmup:
         move_rows_kernel[grid](*args, **kwargs)

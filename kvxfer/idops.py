@@ -47,6 +47,7 @@ __all__ = [
     "ids_from_list",
     "max_id",
     "moved",
+    "native",
     "release",
     "snapshot",
     "status",
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
-ABI_VERSION = 3  # must equal kAbiVersion in csrc/ctl/kvx_ctl.cpp
+ABI_VERSION = 4  # must equal kAbiVersion in csrc/ctl/kvx_ctl.cpp
 _MAX_INT64 = 2**63 - 1
 ENV = "KVXFER_NATIVE_CTL"
 TARGET = cpu_build.CONTROL_MODULE
@@ -287,6 +288,12 @@ def ensure() -> bool:
             _resolve(build=True)
             _state["tried_build"] = True
     return _state["native"] is not None
+
+
+def native() -> ModuleType | None:
+    """The native module when its functions are in use (for the lease-slot table's calls,
+    :mod:`kvxfer.transports.ipc.slots`), else None."""
+    return _state["native"]
 
 
 def status() -> str:

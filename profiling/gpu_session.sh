@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that does a whole GPU validation pass within the 10-minute command limit:
 # fatbin build, the one-GPU pg cases in their own processes (a CUDA fault there must not poison
-# the suite's context), the GPU-marked tests with the built-in backend order and then with
+# the suite's context), the GPU-marked tests with the built-in backend order, an ops call's host
+# time with and without the launch-table ring (bench_launch_host), the GPU-marked tests with
 # CUDA C++ first (the whole suite no longer fits one call; CI runs the CPU tests), what a transfer
 # costs a GEMM beside it (bench_interference: kernels under SM budgets vs the copy engines), kernel sweep,
 # transfer bench + demo, one request's timeline (bench_latency), a ragged batch's two plans
@@ -38,6 +39,9 @@ for m in staged-pinned staged whole; do for d in bf16 e4m3; do
     "python3 -m pytest -v -rs -p no:cacheprovider --log-level=DEBUG '$one[$m-$d]' >>'$out/onegpu.log' 2>&1"
 done; done
 step gputests 200 90 bash $v gputests  # the one-GPU cases again, after whole ones in one process
+# issue 40: an ops call's host time with the launch tables through the persistent pinned ring and
+# through a pinned copy + device tensor per call (KVXFER_META_RING=0's path), both backends
+step launchhost 40 20 sh -c "python3 profiling/bench_launch_host.py --calls 300 >'$out/bench_launch_host.txt' 2>&1"
 # issue 41: a bf16 8192^3 GEMM loop beside 4K-token Llama-3-8B copies and pinned gathers, kernels of
 # both backends at budgets all/32/16/8 SMs and DMA (cuMemcpyBatchAsync): 40 rows, ~2 s each (estimated:
 # not run on a GPU yet); before gputests-cuda, so the later, older steps are the ones cut short
@@ -67,3 +71,4 @@ tar xzf "$out/results.tgz" -O ./pytest-gpu.log 2>/dev/null | tail -25
 tar xzf "$out/results.tgz" -O ./pytest-gpu-triton.log 2>/dev/null | tail -8
 tar xzf "$out/results.tgz" -O ./bench_interference.txt 2>/dev/null | tail -60
 tar xzf "$out/results.tgz" -O ./sweep_triton_tiles.txt 2>/dev/null | tail -8
+tar xzf "$out/results.tgz" -O ./bench_launch_host.txt 2>/dev/null | head -14

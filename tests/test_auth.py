@@ -55,3 +55,22 @@ def test_content_digest_reads_uint64_and_int64_alike_and_every_id():
     assert content_digest(5, a) != content_digest(5, a[::-1].copy())
     assert content_digest(5, a) != content_digest(6, a)
     assert len(content_digest(5, a)) == 16
+
+
+@pytest.mark.parametrize("num_ids", [4, 255, 256, 1000])
+def test_content_digest_is_blake2b_of_little_endian_bytes_whatever_the_array(num_ids):
+    """The digest's input is fixed (8-byte little-endian count, then little-endian int64 ids),
+    whether the ids come contiguous (hashed as they are, in updates of 255 ids), strided,
+    big-endian or narrower."""
+    a = np.random.default_rng(num_ids).choice(2**31, num_ids, replace=False).astype(np.int64)
+    a[0] = 2**40
+    want = hashlib.blake2b(
+        (5).to_bytes(8, "little") + b"".join(int(x).to_bytes(8, "little") for x in a), digest_size=16
+    ).digest()
+    wide = np.zeros(2 * num_ids, dtype=np.int64)
+    wide[::2] = a
+    for ids in (a, a.view(np.uint64), wide[::2], a.astype(">i8")):
+        assert content_digest(5, ids) == want, ids.dtype
+    assert content_digest(5, a[:-1]) != want and content_digest(6, a) != want
+    small = a[1:3]
+    assert content_digest(5, small.astype(np.int32)) == content_digest(5, small)

@@ -203,3 +203,70 @@ def test_checked_ids_that_are_not_dense_int64_are_checked_and_made_dense(backend
     copy_blocks(src, spec, wrap(s_ids, False), dst, spec, wrap(d_ids, True), num_tokens, backend=backend)
     place(want, spec, truth, range(4), d_ids)
     assert_bytes_equal(as_bytes(dst), as_bytes(want))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(
+    "src_layout,dst_layout,src_bs,dst_bs,dtype",
+    [
+        (Layout.NHD, Layout.HND, 16, 32, torch.float16),
+        (Layout.HND, Layout.NHD, 5, 3, torch.float8_e4m3fn),
+        ("MLA", "MLA", 4, 8, torch.bfloat16),
+    ],
+)
+def test_prepared_copy_gives_copy_blocks_bytes_call_after_call(
+    src_layout, dst_layout, src_bs, dst_bs, dtype, backend
+):
+    """ops.PreparedCopy (the one-sided ipc load's copy): the bytes copy_blocks gives, for each of
+    several calls with other ids and token counts (partial last blocks), poison elsewhere kept."""
+    from kvxfer.ops import PreparedCopy
+
+    s_spec = make_spec(src_layout, dtype, src_bs, head_dim=40)
+    d_spec = make_spec(dst_layout, dtype, dst_bs, head_dim=40)
+    mla = src_layout == "MLA"
+    n_src = s_spec.num_blocks_for(64) + 1
+    n_dst = 2 * d_spec.num_blocks_for(64) + 2
+    src = register_caches(empty_cache(s_spec, n_src, 1 if mla else 4), s_spec)
+    truth = truth_bytes(s_spec, 64, seed=3)
+    s_all = list(range(n_src - 1))[::-1]
+    place(src, s_spec, truth, range(s_spec.num_kv_heads), s_all)
+    dst = register_caches(empty_cache(d_spec, n_dst, 1 if mla else 2), d_spec)
+    want = register_caches(empty_cache(d_spec, n_dst, 1 if mla else 2), d_spec)
+    heads = dict(src_head_start=0 if mla else 2, num_heads=1 if mla else 2)
+    copy = PreparedCopy(src, dst, backend=backend, **heads)
+    rng = np.random.default_rng(0)
+    for num_tokens in (64, 37, 1):
+        s_ids = s_all[: s_spec.num_blocks_for(num_tokens)]
+        d_ids = [int(x) for x in rng.permutation(n_dst)[: d_spec.num_blocks_for(num_tokens)]]
+        copy(_ids(s_ids, n_src, False), _ids(d_ids, n_dst, True), num_tokens)
+        assert last_backend() == backend
+        copy_blocks(src, s_spec, s_ids, want, d_spec, d_ids, num_tokens, backend=backend, **heads)
+        assert_bytes_equal(as_bytes(dst), as_bytes(want))
+    assert as_bytes(dst).ne(as_bytes(empty_cache(d_spec, n_dst, 1 if mla else 2))).any()  # it wrote
+
+
+def test_prepared_copy_refuses_what_copy_blocks_refuses_before_writing():
+    from kvxfer.ops import PreparedCopy
+
+    spec = make_spec(Layout.NHD, torch.bfloat16, 4, head_dim=8, heads=2, layers=2)
+    src = register_caches(empty_cache(spec, 3, 2), spec)
+    dst = register_caches(empty_cache(spec, 3, 2), spec)
+    before = as_bytes(dst).clone()
+    copy = PreparedCopy(src, dst)
+    with pytest.raises(ValueError, match="src_block_ids: block id 5 out of range"):
+        copy(_ids([5], 8, False), _ids([0], 3, True), 4)
+    with pytest.raises(ValueError, match="dst_block_ids: repeated block id 1"):
+        copy([0, 2], [1, 1], 8)  # plain ids: checked like copy_blocks checks them
+    with pytest.raises(ValueError, match="needs 2 blocks"):
+        copy(_ids([0], 3, False), _ids([1, 2], 3, True), 8)
+    with pytest.raises(ValueError, match="num_tokens"):
+        copy(_ids([0], 3, False), _ids([1], 3, True), 2.0)
+    copy(_ids([0], 3, False), _ids([1], 3, True), 0)  # nothing to copy
+    assert torch.equal(as_bytes(dst), before)
+    other = make_spec(Layout.NHD, torch.float16, 4, head_dim=8, heads=2, layers=2)
+    with pytest.raises(ValueError, match="incompatible caches"):
+        PreparedCopy(src, register_caches(empty_cache(other, 3, 2), other))
+    with pytest.raises(ValueError, match="registered caches"):
+        PreparedCopy(list(src), dst)
+    with pytest.raises(ValueError, match="head"):
+        PreparedCopy(src, dst, src_head_start=1, num_heads=2)

@@ -1,5 +1,7 @@
 """The lease-slot table (kvxfer.transports.ipc.slots) on its own: the exporter's writes against a
-loader's view of the same memory, and every mark or entry that must count nothing."""
+loader's view of the same memory, and every mark or entry that must count nothing. Every test
+runs twice: the loader's reads, checks and marks as native calls (csrc/ctl/kvx_ctl.cpp) and as
+the same steps in Python."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import time
 import numpy as np
 import pytest
 
+from kvxfer import idops
+from kvxfer.transports.ipc import slots
 from kvxfer.transports.ipc.slots import (
     DONE_TP,
     H_DONE,
@@ -28,11 +32,23 @@ from kvxfer.transports.ipc.slots import (
 TOKEN = "0011223344556677" + "8899aabbccddeeff0123456789abcdef"
 DIGEST = bytes(range(16))
 FAR = 10**18  # a lease end no check reaches
+_NATIVE = slots._native  # before the fixture replaces it (the Python runs)
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def path(request, monkeypatch):
+    """The loader's side through the native module, or through Python (the module not loaded)."""
+    if request.param == "native":
+        assert idops.ensure(), idops.status()  # a compiler is there (tests/test_idops.py says so too)
+    else:
+        monkeypatch.setattr(slots, "_native", lambda: None)
+    return request.param
 
 
 def _table(n: int = 64, incarnation: str = "inc-1") -> tuple[ExporterSlots, SlotView]:
     t = np.zeros(HEADER + n * SLOT, dtype=np.int64)
-    return ExporterSlots(t, incarnation), SlotView(t)
+    ex, view = ExporterSlots(t, incarnation), SlotView(t)
+    return ex, view
 
 
 def _token(k: int) -> str:
@@ -156,3 +172,113 @@ def test_loader_ranks_past_the_marks_notify_only():
 def test_a_view_refuses_what_is_not_a_table():
     with pytest.raises(ValueError, match="not a lease-slot table"):
         SlotView(np.zeros(HEADER + 16 * SLOT, dtype=np.int64))
+
+
+def test_the_path_in_use_is_the_one_named(path):
+    _, view = _table()
+    assert (view.ctl is not None) == (path == "native")
+
+
+def _epochs(num_blocks: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    """Epochs that name their block (a snapshot of the wrong blocks cannot pass), and ids."""
+    return np.arange(num_blocks, dtype=np.int64) * 1000 + 7, np.array([5, 3, 39, 0, 17], dtype=np.int64)
+
+
+def test_read_snapshots_the_epochs_of_a_live_slot_and_check_sees_every_change():
+    ex, view = _table()
+    epochs, ids = _epochs()
+    b = binding(TOKEN, DIGEST)
+    now = time.monotonic_ns()
+    assert view.read(*b, now, 10**9, now, epochs, ids) == "no live slot"
+    i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, False, False)
+    assert view.read(*b, now, 10**9, now, epochs, ids) == "not ready"
+    ex.set_ready(i)
+    assert view.read(*b, now, 10**9, FAR, epochs, ids) == "lease too short"
+    j, g, snap = view.read(*b, now, 10**9, now, epochs, ids)
+    assert j == i and g == ex.rows[i, S_GEN] and bytes(snap) == epochs[ids].tobytes()
+    assert view.check(i, g, epochs, ids, snap, now, 10**9) == 0
+    epochs[39] += 1  # one block released meanwhile
+    assert view.check(i, g, epochs, ids, snap, now, 10**9) == 1
+    epochs[39] -= 1
+    assert view.check(i, g, epochs, ids[:-1], snap, now, 10**9) == 1  # a snapshot of other ids
+    assert view.check(i, g, epochs, ids, snap, now + 5 * 10**9, 10**9) == 2  # silent since
+    ex.close(i)
+    assert view.check(i, g, epochs, ids, snap, now, 10**9) == 1  # the slot moved on
+    k = ex.open("r2", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    assert k == i and view.check(i, g, epochs, ids, snap, now, 10**9) == 1  # reused: a newer generation
+
+
+def test_read_refuses_rewritten_layerwise_closed_and_silent():
+    ex, view = _table()
+    epochs, ids = _epochs()
+    b = binding(TOKEN, DIGEST)
+    now = time.monotonic_ns()
+    i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    ex.rows[i, S_GEN] += 1  # odd: mid-rewrite
+    assert view.read(*b, now, 10**9, now, epochs, ids) == "no live slot"
+    ex.rows[i, S_GEN] += 1
+    assert view.read(*b, now, 10**9, now, epochs, ids)[0] == i
+    assert view.read(*binding(_token(3), DIGEST), now, 10**9, now, epochs, ids) == "no live slot"
+    assert view.read(*b, now + 5 * 10**9, 10**9, now, epochs, ids) == "exporter closed or silent"
+    ex.close(i)
+    ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, True)
+    assert view.read(*b, now, 10**9, now, epochs, ids) == "layer-wise export"
+    ex.shut()
+    assert view.read(*b, now, 10**9, now, epochs, ids) == "exporter closed or silent"
+
+
+class TestNative:
+    """The native calls themselves (once each: not the loader's path under test)."""
+
+    @pytest.fixture(autouse=True)
+    def path(self):
+        assert idops.ensure(), idops.status()
+        return "native"
+
+    def test_native_and_python_marks_write_the_same_words(self):
+        tables = []
+        for native in (True, False):
+            t = np.zeros(HEADER + 64 * SLOT, dtype=np.int64)
+            ex, view = ExporterSlots(t, "inc"), SlotView(t)
+            if not native:
+                view.ctl = None
+            assert (view.ctl is not None) == native
+            ex.beat = lambda: None  # the heartbeat is a time: equal tables need equal words
+            t[3] = 0
+            for k in range(RING + 3):
+                i = ex.open(f"r{k}", _token(k), DIGEST, 100.0, True, False)
+                view.mark_done(i, int(ex.rows[i, S_GEN]), k % 3, 3)
+            tables.append(t.copy())
+        assert np.array_equal(tables[0], tables[1])
+
+    def test_native_slot_calls_check_their_arguments_before_reading(self):
+        _, view = _table()
+        ctl, t = view.ctl, view.t
+        epochs, ids = _epochs()
+        with pytest.raises(IndexError, match="out of range"):
+            ctl.slot_read(t, epochs, np.array([40], dtype=np.int64), 1, 2, 0, 1, 0)
+        with pytest.raises(ValueError, match="fewer than"):
+            ctl.slot_read(t[: HEADER + SLOT], epochs, ids, 1, 2, 0, 1, 0)
+        with pytest.raises(TypeError, match="8-byte ints"):
+            ctl.slot_read(t, epochs.astype(np.int32), ids, 1, 2, 0, 1, 0)
+        with pytest.raises(IndexError, match="slot 64 of 64"):
+            ctl.slot_check(t, epochs, ids, epochs[ids].tobytes(), 64, 0, 0, 1)
+        with pytest.raises(IndexError, match="slot -1"):
+            ctl.slot_mark(t, -1, 2, 0, 1)
+        with pytest.raises(ValueError, match="loader rank 2 of 2"):
+            ctl.slot_mark(t, 0, 2, 2, 2)
+        assert not t[HEADER:].any() and t[H_DONE] == 0  # nothing written
+
+    def test_a_native_module_of_another_layout_is_not_used(self, monkeypatch, caplog):
+        class Other:
+            @staticmethod
+            def slot_layout():
+                return (HEADER, SLOT + 1, PROBES, RING, MAX_DONE)
+
+        monkeypatch.setattr(slots, "_logged_layout", False)
+        monkeypatch.setattr(idops, "native", lambda: Other)
+        with caplog.at_level("WARNING", logger="kvxfer.transports.ipc.slots"):
+            assert _NATIVE() is None
+        assert "the slot reads run in Python" in caplog.text
+        monkeypatch.setattr(idops, "native", lambda: None)
+        assert _NATIVE() is None

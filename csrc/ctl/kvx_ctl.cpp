@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 3;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 4;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A contiguous buffer of `itemsize`-byte integers ("" item: any bytes-like, itemsize 1).
 struct Buf {
@@ -467,6 +467,142 @@ PyObject *exact_ints(PyObject *, PyObject *const *args, Py_ssize_t n) {
   Py_RETURN_TRUE;
 }
 
+// ----------------------------------------------------------------------------- lease slots
+// The lease-slot table of kvxfer/transports/ipc/slots.py (its docstring is the protocol): an
+// int64 array in shared memory that another process writes while these read it. Every word is
+// read with an acquire load and written with a release store, so neither the compiler nor the
+// CPU reorders the seqlock's reads (gen, fields, gen) or the done mark before its ring entry.
+// slot_layout() returns the constants below; slots.py uses these functions only when they
+// equal its own.
+constexpr Py_ssize_t kHeader = 8 + 56, kSlot = 8 + 16, kProbes = 8, kRing = 56, kMaxDone = 16;
+constexpr Py_ssize_t kHOpen = 4, kHBeat = 3, kHDone = 6, kHRing = 8;
+constexpr Py_ssize_t kGen = 0, kBind0 = 1, kBind1 = 2, kDeadline = 3, kReady = 4, kFlags = 5, kDone = 8;
+constexpr int64_t kLive = 1, kLayerwise = 2, kDoneTp = 512;
+// slot_read's refusals (slots.py names them)
+enum Refusal { kSilent = 1, kNoSlot = 2, kLayerwiseRefused = 3, kNotReady = 4, kShortLease = 5 };
+
+inline int64_t ld(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void st(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+// The number of slots of a table buffer; -1 (ValueError set) when it holds none.
+Py_ssize_t table_slots(const Buf &t) {
+  const Py_ssize_t n = (t.count() - kHeader) / kSlot;
+  if (t.count() < kHeader || n < kProbes) {
+    PyErr_Format(PyExc_ValueError, "slots: a table of %zd words holds fewer than %zd slots", t.count(), kProbes);
+    return -1;
+  }
+  return n;
+}
+
+bool alive(const int64_t *t, int64_t now_ns, int64_t stale_ns) {
+  return ld(t + kHOpen) != 0 && now_ns - ld(t + kHBeat) <= stale_ns;
+}
+
+bool int64_args(PyObject *const *args, Py_ssize_t first, Py_ssize_t count, int64_t *out) {
+  for (Py_ssize_t k = 0; k < count; ++k) {
+    out[k] = PyLong_AsLongLong(args[first + k]);
+    if (out[k] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// slot_read(table, epochs, ids, b0, b1, now_ns, stale_ns, need_ns) -> (slot, gen, snapshot) of
+// the live export bound to (b0, b1) when it may be read one-sided now (the exporter open and
+// beating within stale_ns, the export ready, not layer-wise, leased past need_ns), with
+// epochs[ids] taken between two reads of the same even generation; else a Refusal code (int).
+PyObject *slot_read(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 8, "slot_read")) return nullptr;
+  Buf tb, ep, ids;
+  int64_t v[5];
+  if (!get(args[0], tb, 8, false, "table") || !get(args[1], ep, 8, false, "epochs") ||
+      !get(args[2], ids, 8, false, "ids") || !int64_args(args, 3, 5, v)) {
+    return nullptr;
+  }
+  const Py_ssize_t num = table_slots(tb);
+  if (num < 0 || !ids_in_range(ids, ep.count(), "slot_read")) return nullptr;
+  const int64_t b0 = v[0], b1 = v[1], now_ns = v[2], stale_ns = v[3], need_ns = v[4];
+  if (b0 < 0) return PyErr_Format(PyExc_ValueError, "slot_read: binding word %lld is negative", (long long)b0);
+  const int64_t *t = static_cast<const int64_t *>(tb.view.buf);
+  if (!alive(t, now_ns, stale_ns)) return PyLong_FromLong(kSilent);
+  Py_ssize_t slot = -1;
+  int64_t gen = 0;
+  const int64_t *s = nullptr;
+  for (Py_ssize_t k = 0; k < kProbes && slot < 0; ++k) {
+    const Py_ssize_t i = static_cast<Py_ssize_t>((static_cast<uint64_t>(b0) + k) % static_cast<uint64_t>(num));
+    s = t + kHeader + i * kSlot;
+    const int64_t g = ld(s + kGen);
+    if ((g & 1) || ld(s + kBind0) != b0 || ld(s + kBind1) != b1 || !(ld(s + kFlags) & kLive)) continue;
+    if (ld(s + kGen) == g) slot = i, gen = g;
+  }
+  if (slot < 0) return PyLong_FromLong(kNoSlot);
+  if (ld(s + kFlags) & kLayerwise) return PyLong_FromLong(kLayerwiseRefused);
+  if (!ld(s + kReady)) return PyLong_FromLong(kNotReady);
+  if (ld(s + kDeadline) < need_ns) return PyLong_FromLong(kShortLease);
+  const Py_ssize_t k = ids.count();
+  PyObject *snap = PyBytes_FromStringAndSize(nullptr, k * 8);
+  if (snap == nullptr) return nullptr;
+  int64_t *d = reinterpret_cast<int64_t *>(PyBytes_AS_STRING(snap));
+  const int64_t *e = static_cast<const int64_t *>(ep.view.buf);
+  const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
+  for (Py_ssize_t i = 0; i < k; ++i) d[i] = ld(e + x[i]);
+  if (ld(s + kGen) != gen) {  // rewritten meanwhile: the snapshot may postdate a release
+    Py_DECREF(snap);
+    return PyLong_FromLong(kNoSlot);
+  }
+  return Py_BuildValue("(nLN)", slot, static_cast<long long>(gen), snap);
+}
+
+// slot_check(table, epochs, ids, snapshot, slot, gen, now_ns, stale_ns) -> 0 when slot `slot`
+// is still at generation `gen`, epochs[ids] equal the snapshot and the exporter is alive; 1 when
+// the slot or the epochs moved (released), 2 when only the exporter stopped (closed, silent).
+PyObject *slot_check(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 8, "slot_check")) return nullptr;
+  Buf tb, ep, ids, snap;
+  int64_t v[4];
+  if (!get(args[0], tb, 8, false, "table") || !get(args[1], ep, 8, false, "epochs") ||
+      !get(args[2], ids, 8, false, "ids") || !get(args[3], snap, 0, false, "snapshot") ||
+      !int64_args(args, 4, 4, v)) {
+    return nullptr;
+  }
+  const Py_ssize_t num = table_slots(tb);
+  if (num < 0 || !ids_in_range(ids, ep.count(), "slot_check")) return nullptr;
+  if (v[0] < 0 || v[0] >= num) return PyErr_Format(PyExc_IndexError, "slot_check: slot %lld of %zd", (long long)v[0], num);
+  const int64_t *t = static_cast<const int64_t *>(tb.view.buf);
+  if (ld(t + kHeader + v[0] * kSlot + kGen) != v[1]) return PyLong_FromLong(1);
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  if (!same_epochs(ep, ids, snap)) return PyLong_FromLong(1);
+  return PyLong_FromLong(alive(t, v[2], v[3]) ? 0 : 2);
+}
+
+// slot_mark(table, slot, gen, loader_rank, loader_tp): loader rank `loader_rank` (< 16) of a
+// `loader_tp`-rank engine landed slot `slot`'s export of generation `gen`: its done mark, then
+// the slot into the done ring, then the ring's count (each a release store, in that order).
+PyObject *slot_mark(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 5, "slot_mark")) return nullptr;
+  Buf tb;
+  int64_t v[4];
+  if (!get(args[0], tb, 8, true, "table") || !int64_args(args, 1, 4, v)) return nullptr;
+  const Py_ssize_t num = table_slots(tb);
+  if (num < 0) return nullptr;
+  const int64_t slot = v[0], gen = v[1], rank = v[2], tp = v[3];
+  if (slot < 0 || slot >= num) return PyErr_Format(PyExc_IndexError, "slot_mark: slot %lld of %zd", (long long)slot, num);
+  if (rank < 0 || tp < 1 || tp >= kDoneTp || rank >= tp) {
+    return PyErr_Format(PyExc_ValueError, "slot_mark: loader rank %lld of %lld", (long long)rank, (long long)tp);
+  }
+  if (rank >= kMaxDone) Py_RETURN_NONE;  // higher ranks notify by message only
+  int64_t *t = static_cast<int64_t *>(tb.view.buf);
+  st(t + kHeader + slot * kSlot + kDone + rank, gen * kDoneTp + tp);
+  const int64_t w = ld(t + kHDone);
+  st(t + kHRing + w % kRing, slot);
+  st(t + kHDone, w + 1);
+  Py_RETURN_NONE;
+}
+
+// slot_layout() -> the table layout these functions assume (slots.py compares it with its own).
+PyObject *slot_layout(PyObject *, PyObject *) {
+  return Py_BuildValue("(nnnnn)", kHeader, kSlot, kProbes, kRing, kMaxDone);
+}
+
 PyObject *abi_version(PyObject *, PyObject *) { return PyLong_FromLong(kAbiVersion); }
 
 // METH_FASTCALL functions have another signature than PyCFunction: cast through void (*)().
@@ -494,6 +630,13 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL, "ids -> the largest id as unsigned"},
     {"exact_ints", as_method(exact_ints),
      METH_FASTCALL, "seq -> whether every item is exactly an int (no bool, no subclass)"},
+    {"slot_read", as_method(slot_read), METH_FASTCALL,
+     "table, epochs, ids, b0, b1, now_ns, stale_ns, need_ns -> (slot, gen, snapshot) or a refusal code"},
+    {"slot_check", as_method(slot_check), METH_FASTCALL,
+     "table, epochs, ids, snapshot, slot, gen, now_ns, stale_ns -> 0 landed, 1 released, 2 exporter stopped"},
+    {"slot_mark", as_method(slot_mark), METH_FASTCALL,
+     "table, slot, gen, loader_rank, loader_tp: a done mark and its ring entry"},
+    {"slot_layout", slot_layout, METH_NOARGS, "the lease-slot table layout these functions assume"},
     {"abi_version", abi_version, METH_NOARGS, "the source's ABI version"},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -69,8 +69,11 @@ _loaded_from: dict[int, str] = {}  # device index -> "fatbin:<path>" or "nvrtc"
 class Launch:
     """One kernel launch: entry point, 1-D grid, block size and its 64-bit arguments.
 
-    ``meta`` holds the device tables the pointer arguments point into; keep it alive until the
-    launch is enqueued (afterwards the stream-ordered caching allocator keeps it valid).
+    ``meta`` holds the tables the pointer arguments point into (per paged side: layer bases,
+    then block ids; int64). With ``rel`` empty, ``args`` hold their addresses (a host table,
+    for the g++ build's tests). Otherwise ``meta`` is the host table of a CUDA launch and the
+    args at indices ``rel`` are byte offsets into it: :func:`enqueue_staged` puts the table on
+    the device (:mod:`kvxfer.backends.meta_ring`) and adds its device address.
     """
 
     name: str
@@ -78,6 +81,7 @@ class Launch:
     block: int
     args: tuple[int, ...]
     meta: torch.Tensor
+    rel: tuple[int, ...] = ()
 
 
 def copy_width(*values: int) -> int:
@@ -155,11 +159,10 @@ def _plan(
         offset += n_layers + ids.size
     width = copy_width(*addresses)
     meta = torch.from_numpy(meta_np)
-    if meta_device is not None and torch.device(meta_device).type == "cuda":
-        # Pinned (caching host allocator) so the copy is asynchronous; the allocator records the
-        # copy's event before the pinned block is reused.
-        meta = meta.pin_memory().to(meta_device, non_blocking=True)
-    base = meta.data_ptr()
+    # A CUDA launch's table goes to the device when it is queued (enqueue_staged): its pointer
+    # arguments are offsets into the table until then.
+    staged = meta_device is not None and torch.device(meta_device).type == "cuda"
+    base = 0 if staged else meta.data_ptr()
 
     max_warps = max_blocks * threads // 32
     num_rows = num_heads * num_layers * num_kv
@@ -170,14 +173,19 @@ def _plan(
         raise ValueError(f"transfer of {num_items} items: too large for one launch; split it")
 
     args: list[int] = [num_heads, num_layers, num_kv, num_tokens, row_bytes, chunk]
-    paged_args = [[base + 8 * lo, base + 8 * ids, *strides, bs] for lo, ids, strides, bs in fields]
+    rel: list[int] = []  # where the table's addresses go
+
+    def add_paged(lo: int, ids: int, strides: tuple[int, int, int, int], bs: int) -> None:
+        rel.extend((len(args), len(args) + 1))
+        args.extend((base + 8 * lo, base + 8 * ids, *strides, bs))
+
+    if op == "scatter":
+        args.append(wire_ptr)
+    for f in fields:
+        add_paged(*f)
     if op == "gather":
-        args += [*paged_args[0], wire_ptr]
-    elif op == "scatter":
-        args += [wire_ptr, *paged_args[0]]
-    else:
-        args += [*paged_args[0], *paged_args[1]]
-    return Launch(f"kvx_{op}_w{width}", grid, threads, tuple(args), meta)
+        args.append(wire_ptr)
+    return Launch(f"kvx_{op}_w{width}", grid, threads, tuple(args), meta, tuple(rel) if staged else ())
 
 
 def plan_gather(
@@ -380,26 +388,72 @@ def _cupy_stream(ptr: int, device_index: int):
     return cupy.cuda.ExternalStream(ptr, device_index)
 
 
+def with_table(plan: Launch, base: int) -> tuple[int, ...]:
+    """``plan.args`` with the address ``base`` of its table added at ``plan.rel``."""
+    if not plan.rel:
+        return plan.args
+    args = list(plan.args)
+    for i in plan.rel:
+        args[i] += base
+    return tuple(args)
+
+
+def enqueue_staged(plan: Launch, ring, enqueue, allocate) -> None:
+    """Queue ``plan``: its table to the device through ``ring`` (a
+    :class:`~kvxfer.backends.meta_ring.MetaRing` of the launch's device and stream, or None), or,
+    when there is none or it refuses, through ``allocate(meta) -> (keep alive, device address)``;
+    then ``enqueue(args)`` with the table's address in them, under the ring's lock (the ring
+    reuses a segment only after the kernels that read it, which needs them queued in order)."""
+    if not plan.rel:
+        enqueue(plan.args)
+        return
+    if ring is not None:
+        with ring.lock:
+            off = ring.stage(plan.meta.numpy())
+            if off is not None:
+                enqueue(with_table(plan, ring.device_ptr + off))
+                return
+    keep, base = allocate(plan.meta)
+    enqueue(with_table(plan, base))
+    del keep  # the caching allocator keeps it valid for the work queued on this stream
+
+
+def _allocate_table(device: torch.device):
+    def allocate(meta: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # Pinned (caching host allocator) so the copy is asynchronous; the allocator records the
+        # copy's event before the pinned block is reused.
+        dev = meta.pin_memory().to(device, non_blocking=True)
+        return dev, dev.data_ptr()
+
+    return allocate
+
+
 def _launch(plan: Launch, device: torch.device) -> None:
-    import numpy as np
+    from . import meta_ring
 
     index = _index(device)
     kernel = _kernels(index)[plan.name]
-    torch_stream = torch.cuda.current_stream(device).cuda_stream
-    stream = _cupy_stream(torch_stream, index)
-    if _LOG.isEnabledFor(logging.DEBUG):  # what a fault report needs: kernel, stream, addresses
-        _LOG.debug(
-            "launch %s on cuda:%d stream %#x grid %d x %d args %s (thread %s)",
-            plan.name,
-            index,
-            torch_stream,
-            plan.grid,
-            plan.block,
-            [hex(a) if a > 0xFFFFFFFF else a for a in plan.args],
-            threading.current_thread().name,
-        )
+    torch_stream = torch.cuda.current_stream(device)
+    raw_stream = torch_stream.cuda_stream
+    stream = _cupy_stream(raw_stream, index)
+
+    def enqueue(args: tuple[int, ...]) -> None:
+        if _LOG.isEnabledFor(logging.DEBUG):  # what a fault report needs: kernel, stream, addresses
+            _LOG.debug(
+                "launch %s on cuda:%d stream %#x grid %d x %d args %s (thread %s)",
+                plan.name,
+                index,
+                raw_stream,
+                plan.grid,
+                plan.block,
+                [hex(a) if a > 0xFFFFFFFF else a for a in args],
+                threading.current_thread().name,
+            )
+        kernel((plan.grid,), (plan.block,), tuple(np.int64(a) for a in args))
+
     with bound_device(index), stream:  # a fresh thread may have no context bound (device_context)
-        kernel((plan.grid,), (plan.block,), tuple(np.int64(a) for a in plan.args))
+        ring = meta_ring.ring_for(torch.device("cuda", index), torch_stream) if plan.rel else None
+        enqueue_staged(plan, ring, enqueue, _allocate_table(torch.device("cuda", index)))
 
 
 @functools.cache

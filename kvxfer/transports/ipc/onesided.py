@@ -63,17 +63,15 @@ _POOL_MAX = 64  # completion events kept for reuse
 
 def _copy_whole(whole: tuple, item: LoadItem) -> tuple[int, int]:
     """Issue the copies of a whole load (:meth:`OneSided._whole`'s arguments): (wire bytes, calls)."""
-    src_caches, src_spec, dst_caches, dst_spec, src_bound, dst_bound, heads = whole
+    src_bound, dst_bound, copies = whole
     n = item.num_tokens
     src_ids = ops.CheckedIds(item.src, src_bound, False)
     dst_ids = ops.CheckedIds(item.dst, dst_bound, True)
     moved = 0
-    for src_head, dst_head, num_heads, per_token in heads:
-        ops.copy_blocks(
-            src_caches, src_spec, src_ids, dst_caches, dst_spec, dst_ids, n, src_head, dst_head, num_heads
-        )
+    for copy, per_token in copies:
+        copy(src_ids, dst_ids, n)
         moved += n * per_token
-    return moved, len(heads)
+    return moved, len(copies)
 
 
 class _Target:
@@ -175,24 +173,22 @@ class OneSided:
         return t
 
     def _whole(self, rem: Remote, m, reads: list) -> tuple:
-        """What the copy of a whole load (no tokens held here) from mapping ``m`` passes to
-        ``ops.copy_blocks`` besides its ids: both sides' whole-block views and id bounds, and per
-        read (head starts, heads, wire bytes per token). Made once per target."""
+        """What the copy of a whole load (no tokens held here) from mapping ``m`` needs besides
+        its ids: both sides' id bounds, and per read an :class:`~kvxfer.ops.PreparedCopy` between
+        the whole-block views and its wire bytes per token. Made once per target."""
         rank = self.rank
         su, du = m.units[0], rank.units[0]
         sv, dv = m.views[su], rank.by_unit[du]
-        heads = [
+        copies = [
             (
-                r.src_head_start,
-                r.dst_head_start,
-                r.num_heads,
+                ops.PreparedCopy(sv.caches, dv.caches, r.src_head_start, r.dst_head_start, r.num_heads),
                 rank.spec.bytes_per_token(num_heads=r.num_heads),
             )
             for r in reads
         ]
         src_bound = rem.num_blocks * (rem.spec.block_size // su)
         dst_bound = rank.num_blocks * (rank.spec.block_size // du)
-        return sv.caches, sv.spec, dv.caches, dv.spec, src_bound, dst_bound, heads
+        return src_bound, dst_bound, copies
 
     def try_load(self, item: LoadItem, timeout_s: float) -> bool:
         """Launch ``item`` one-sided if it can be (see the module doc); False: queue it for the
@@ -220,15 +216,11 @@ class OneSided:
         now_ns = time.monotonic_ns()
         need_ns = now_ns + int(timeout_s * 1e9)
         checks = []
-        snapshot = idops.snapshot
         for s, v, m, reads, whole in t.sources:
-            i, g, why = v.lookup(b0, b1, now_ns, _STALE_NS, need_ns)
-            if why:
-                return self._no(why)
-            snap = snapshot(m.epochs_np, ids)
-            if not v.same(i, g):
-                return self._no("no live slot")
-            checks.append((s, v, i, g, m, snap, reads, whole))
+            got = v.read(b0, b1, now_ns, _STALE_NS, need_ns, m.epochs_np, ids)
+            if type(got) is str:
+                return self._no(got)
+            checks.append((s, v, got[0], got[1], m, got[2], reads, whole))
         f = _Flight(item, t, checks, b, now())
         item.deadline = now_ns * 1e-9 + timeout_s  # time.monotonic's clock
         rank, ipc = self.rank, self.ipc
@@ -304,17 +296,18 @@ class OneSided:
     def _check(self, f: _Flight, now_ns: int) -> str:
         """The check after a completed copy: "" when the load landed, else why not."""
         hook = self.rank.hooks.get("after_ipc_copy")
+        ids = f.item.src_ids
         for s, v, i, g, m, snap, *_ in f.checks:
             if hook:
                 hook(m.epochs)
                 now_ns = time.monotonic_ns()
             # released first: an exporter that closed released every export before it shut,
             # so that is what happened to the blocks (the messaged path says the same)
-            if not v.same(i, g) or not idops.unchanged(m.epochs_np, f.item.src_ids, snap):
+            got = v.check(i, g, m.epochs_np, ids, snap, now_ns, _STALE_NS)
+            if got == 1:
                 return f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
-            why = v.alive(_STALE_NS, now_ns)
-            if why:  # nothing released, but the exporter stopped beating (killed, hung)
-                return f"exporter rank {s}: {why}"
+            if got:  # nothing released, but the exporter stopped beating (killed, hung)
+                return f"exporter rank {s}: {v.alive(_STALE_NS, now_ns) or 'stopped'}"
         return ""
 
     def _report(self, f: _Flight, why: str, notes: dict | None = None) -> None:
