@@ -110,7 +110,7 @@ def test_tables_land_aligned_and_a_table_larger_than_a_segment_is_refused(caplog
     with caplog.at_level("WARNING", logger="kvxfer.backends.meta_ring"):
         assert ring.stage(_table(9, 129)) is None  # 1032 bytes: more than a 1024-byte segment
         assert ring.stage(_table(9, 200)) is None
-    assert ring.stats() == {"staged": 3, "fallbacks": 2, "bytes": 4096}
+    assert ring.stats() == {"staged": 3, "fallbacks": 2, "bytes": 4096, "broken": ""}
     assert caplog.text.count("allocates its table") == 1  # logged once per ring
     with pytest.raises(ValueError, match="multiple of"):
         MetaRing(LateStream(), nbytes=1000)
@@ -151,6 +151,23 @@ def test_a_ring_that_did_not_wait_for_its_events_would_be_caught():
             stream.run(int(rng.integers(0, 40)))
     stream.run()
     assert any(not np.array_equal(seen[k], tables[k]) for k in tables)
+
+
+def test_a_failing_driver_call_retires_the_ring(caplog):
+    stream = LateStream()
+    ring = MetaRing(stream, nbytes=SEGMENTS * 1024)
+    assert ring.stage(_table(0, 4)) == 0
+
+    def fails(dst, src, n):
+        raise TypeError("memcpyAsync() takes 5 arguments")
+
+    stream.copy_to_device = fails
+    with caplog.at_level("WARNING", logger="kvxfer.backends.meta_ring"):
+        assert ring.stage(_table(1, 4)) is None
+    assert "TypeError: memcpyAsync() takes 5 arguments" in caplog.text
+    stream.copy_to_device = LateStream.copy_to_device.__get__(stream)
+    assert ring.stage(_table(2, 4)) is None  # retired, though the driver works again
+    assert ring.stats()["fallbacks"] == 2 and ring.broken
 
 
 def test_rings_are_off_when_asked(monkeypatch):

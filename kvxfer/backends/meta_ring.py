@@ -17,7 +17,8 @@ Reuse is safe by two rules:
   :meth:`MetaRing.stage` until its kernel is queued, every kernel that reads its device memory.
 * When that event has not completed yet (more launches in flight than the ring holds, or a
   table larger than a segment), :meth:`MetaRing.stage` returns None and the caller takes the
-  allocating path for that launch (counted in ``fallbacks``, logged once): never a wait.
+  allocating path for that launch (counted in ``fallbacks``, logged once): never a wait. A
+  driver call that fails retires the ring (logged, ``broken`` says why): its launches allocate.
 
 The driver calls go through a :class:`Driver` (CUDA through torch and CuPy:
 :class:`CudaDriver`), so the ring's logic is tested on CPU against a stream that runs its
@@ -103,6 +104,7 @@ class MetaRing:
         self.staged = 0
         self.fallbacks = 0
         self._logged = False
+        self.broken = ""  # why a driver call failed (then every table is refused)
         self.lock = threading.Lock()  # held from stage() until the kernel that reads the table is queued
 
     def stage(self, table: np.ndarray) -> int | None:
@@ -110,6 +112,22 @@ class MetaRing:
         byte offset in the ring (the device address is ``device_ptr`` plus it), or None when
         the ring cannot take it now (the caller allocates). Call under :attr:`lock`, and hold it
         until the launch that reads the table is queued."""
+        if self.broken:
+            self.fallbacks += 1
+            return None
+        try:
+            return self._stage(table)
+        except Exception as e:  # a driver call failed: this ring is not used again
+            self.broken = f"{type(e).__name__}: {e}"
+            _LOG.warning(
+                "kvxfer launch tables: the ring's driver call failed (%s); its launches allocate "
+                "their tables from now on",
+                self.broken,
+            )
+            self.fallbacks += 1
+            return None
+
+    def _stage(self, table: np.ndarray) -> int | None:
         n = table.nbytes
         need = -(-n // ALIGN) * ALIGN
         if need > self.segment_bytes or not n:
@@ -144,32 +162,51 @@ class MetaRing:
         return None
 
     def stats(self) -> dict:
-        return {"staged": self.staged, "fallbacks": self.fallbacks, "bytes": self.nbytes}
+        return {
+            "staged": self.staged,
+            "fallbacks": self.fallbacks,
+            "bytes": self.nbytes,
+            "broken": self.broken,
+        }
 
 
 class CudaDriver:
     """:class:`Driver` of one CUDA device and stream: pinned host and device memory from
-    torch (made once per ring), the copy through CuPy's runtime on the raw stream, events from
-    torch (recorded only when a segment is left)."""
+    torch (made once per ring), the copy through CuPy's runtime on the raw stream (without
+    CuPy, torch's ``copy_`` of the two slices: a dispatcher call more), events from torch
+    (recorded only when a segment is left)."""
 
     def __init__(self, device, stream) -> None:
         self.device = device
         self.stream = stream  # a torch.cuda.Stream
         self.stream_ptr = stream.cuda_stream
+        try:
+            import cupy
+
+            rt = cupy.cuda.runtime
+            self._memcpy = rt.memcpyAsync
+            self._h2d = getattr(rt, "memcpyHostToDevice", 1)
+        except (ImportError, AttributeError) as e:
+            _LOG.info("kvxfer launch tables: copies through torch (CuPy's runtime: %s)", e)
+            self._memcpy = None
 
     def alloc(self, nbytes: int) -> tuple[np.ndarray, int, Any, int]:
         import torch
 
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._host = host  # keeps the pinned block (the numpy view does not own it)
+        self._host, self._dev = host, dev  # the numpy view does not own the pinned block
         return host.numpy(), host.data_ptr(), dev, dev.data_ptr()
 
     def copy_to_device(self, dst: int, src: int, nbytes: int) -> None:
-        import cupy
+        if self._memcpy is not None:
+            self._memcpy(dst, src, nbytes, self._h2d, self.stream_ptr)
+            return
+        import torch
 
-        rt = cupy.cuda.runtime
-        rt.memcpyAsync(dst, src, nbytes, getattr(rt, "memcpyHostToDevice", 1), self.stream_ptr)
+        d, h = dst - self._dev.data_ptr(), src - self._host.data_ptr()
+        with torch.cuda.stream(self.stream):
+            self._dev[d : d + nbytes].copy_(self._host[h : h + nbytes], non_blocking=True)
 
     def new_event(self) -> Any:
         import torch
