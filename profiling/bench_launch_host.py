@@ -30,9 +30,12 @@ from kvxfer import KVCacheSpec, Layout, ops
 from kvxfer.backends import meta_ring, registry
 
 
-def time_calls(backend: str, device: torch.device, ring: bool, calls: int, batch: int, tokens: int) -> dict:
+def time_calls(
+    backend: str, device: torch.device, ring: bool, calls: int, batch: int, tokens: int, prof=None
+) -> dict:
     """Host seconds of ``calls`` copies of a ``tokens``-token Llama-3-8B request (32 layers,
-    8 KV heads of 128, bf16, block 16) with the ring on or off."""
+    8 KV heads of 128, bf16, block 16) with the ring on or off (``prof``: a profiler enabled
+    around each call alone)."""
     spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16, Layout.NHD)
     per = spec.num_blocks_for(tokens)
     nb = 2 * per
@@ -52,9 +55,13 @@ def time_calls(backend: str, device: torch.device, ring: bool, calls: int, batch
         for k in range(calls + 20):
             s_ids = ops.CheckedIds(rng.permutation(nb)[:per].astype(np.int64), nb, False)
             d_ids = ops.CheckedIds(rng.permutation(nb)[:per].astype(np.int64), nb, True)
+            if prof is not None:
+                prof.enable()
             t0 = time.perf_counter()
             ops.copy_blocks(src, spec, s_ids, dst, spec, d_ids, tokens, backend=backend)
             t1 = time.perf_counter()
+            if prof is not None:
+                prof.disable()
             if k >= 20:
                 out.append(t1 - t0)
             if device.type == "cuda" and k % batch == batch - 1:
@@ -76,6 +83,20 @@ def time_calls(backend: str, device: torch.device, ring: bool, calls: int, batch
     }
 
 
+def profile_calls(backend: str, device: torch.device, calls: int, tokens: int, top: int = 25) -> str:
+    """Where one call's host time goes (the ring on): cProfile over ``calls`` calls, the
+    ``top`` functions by own time, for the choice of what to move to native code next."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    time_calls(backend, device, True, calls, 8, tokens, prof)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -83,6 +104,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--batch", type=int, default=8, help="calls between synchronizes")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument(
+        "--profile", type=int, default=100, help="calls profiled per backend after the timing (0: none)"
+    )
     a = ap.parse_args()
     device = torch.device(a.device)
     rows = []
@@ -103,6 +127,9 @@ def main() -> None:
         on = [r["p50_us"] for r in rows if r["backend"] == backend and r["ring"]]
         print(f"# {backend}: ring/no ring p50 = {min(on) / min(off):.2f} (best of two runs each)")
     print(json.dumps({"bench": "launch_host", "device": str(device), "rows": rows}))
+    for backend in dict.fromkeys(r["backend"] for r in rows) if a.profile else ():
+        print(f"\n# cProfile of {a.profile} calls, {backend}, ring on (own time; profiling slows every call)")
+        print(profile_calls(backend, device, a.profile, a.tokens))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,11 @@ Ordering: the exporter closes a slot (``gen`` odd, ``flags`` cleared, ``gen`` ev
 bumps the released blocks' epochs, and a loader snapshots the epochs between two reads of the
 same even ``gen``; so a snapshot taken while the slot was live either precedes the release (and
 the post-copy epoch check sees it) or is discarded. Single aligned int64 stores and loads, in
-program order (x86-64's TSO keeps store-store and load-load order).
+program order (x86-64's TSO keeps store-store and load-load order). The loader's read (lookup,
+snapshot, generation again), its check after the copy and its done mark are one native call each
+(``slot_read``, ``slot_check``, ``slot_mark`` of ``csrc/ctl/kvx_ctl.cpp``: acquire loads and
+release stores, so the compiler keeps that order too) when the control module is loaded
+(:mod:`kvxfer.idops`), else the same steps through the memoryview.
 """
 
 from __future__ import annotations
