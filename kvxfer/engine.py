@@ -22,10 +22,11 @@ finished or expired. Every thread is bounded and stopped by :meth:`close`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -478,6 +479,25 @@ class TransferEngine:
         if self._onesided is not None and self._onesided.try_load(item, self.timeout_s):
             return  # launched here, reported by a later poll()
         self._loader.queue_load(item)
+
+    @contextlib.contextmanager
+    def batched_loads(self) -> Iterator[None]:
+        """Within the block, loads that read one-sided (``ipc``, the remote mapped) are looked
+        up as :meth:`load` is called and launched together when the block ends: per remote one
+        ops call per plan read and source rank for all of them, one completion event, where each
+        would otherwise be its own launch. For a caller that issues a step's loads at once (the
+        vLLM worker's ``start_load_kv``); loads taking the messaged path are batched by the
+        worker anyway. Nests; per thread. Loads made in the block are launched even when it
+        raises."""
+        os_ = self._onesided
+        if os_ is None:
+            yield
+            return
+        os_.hold()
+        try:
+            yield
+        finally:
+            os_.release()
 
     def poll(self) -> PollResult:
         """Start the loads queued since the last poll (one batch) and report what completed.

@@ -24,6 +24,7 @@ Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -45,7 +46,12 @@ from kvxfer.transports.ipc.shm import alloc_shm_caches
 
 
 def host_cost(
-    n_iter: int = 300, batch: int = 1, tokens: int = 4096, unaligned: bool = False, onesided: bool = False
+    n_iter: int = 300,
+    batch: int = 1,
+    tokens: int = 4096,
+    unaligned: bool = False,
+    onesided: bool = False,
+    batched: bool = False,
 ) -> dict:
     """Host cost per request of the engine's real ipc path, driven synchronously in this thread.
 
@@ -55,7 +61,8 @@ def host_cost(
     notifier thread sends later) is answered after P's poll and counted on P's side. The copy
     kernel being a no-op, the CPU bound on one-sided copies (``CPU_COPY_MAX_BYTES``: on CPU caches
     the copy runs in ``load()``) is lifted: this is the host part of the GPU path. Else the
-    messaged path (one-sided reads off).
+    messaged path (one-sided reads off). ``batched``: the loads in one ``batched_loads()``
+    block (one-sided: one launch for the batch, as the vLLM worker loads a step's requests).
 
     Per iteration: P.export() of ``batch`` requests, D.load() of each, then the loader's batch
     exactly as its worker runs it after ``poll()`` (``_run_batch``: lease grant round trip,
@@ -111,8 +118,9 @@ def host_cost(
                 for k, (rid, n) in enumerate(zip(rids, lens))
             ]
             t1 = time.perf_counter()
-            for k, (rid, prm) in enumerate(zip(rids, params)):
-                d.load(rid, prm, dst_ids[k * per : (k + 1) * per])
+            with d.batched_loads() if batched else contextlib.nullcontext():
+                for k, (rid, prm) in enumerate(zip(rids, params)):
+                    d.load(rid, prm, dst_ids[k * per : (k + 1) * per])
             t2 = time.perf_counter()
             with d._loader.lock:  # what poll() hands the worker
                 work, d._loader.incoming = d._loader.incoming, []
@@ -335,23 +343,24 @@ def main() -> None:
         "8x2K-4K": host_cost(max(a.host_iters // 8, 10), 8, 4096, unaligned=True),
         "1x4096-1s": host_cost(a.host_iters, 1, 4096, onesided=True),
         "8x4096-1s": host_cost(max(a.host_iters // 8, 10), 8, 4096, onesided=True),
+        "8x4096-1sb": host_cost(max(a.host_iters // 8, 10), 8, 4096, onesided=True, batched=True),
     }
     target = cases["1x4096"]["total_us"]
     print("host-side cost per request, us, median over iterations (32 layers, 8x128 bf16, block 16;")
     print("ipc path through the engine's own code; copy kernel and socket hop excluded)")
     names = list(cases)
-    print(f"  {'phase':<80}" + "".join(f"{n:>10}" for n in names))
+    print(f"  {'phase':<80}" + "".join(f"{n:>11}" for n in names))
     for key, label in PHASES:
-        print(f"  {label:<80}" + "".join(f"{cases[n][key]:10.1f}" for n in names))
+        print(f"  {label:<80}" + "".join(f"{cases[n][key]:11.1f}" for n in names))
         if key == "loader_us":
             label = "  of which ops.copy_blocks (validation, PagedSide, dispatch; kernel no-op)"
-            print(f"  {label:<80}" + "".join(f"{cases[n]['ops_checks_us']:10.1f}" for n in names))
-    print(f"  {'total per request (median)':<80}" + "".join(f"{cases[n]['total_us']:10.1f}" for n in names))
+            print(f"  {label:<80}" + "".join(f"{cases[n]['ops_checks_us']:11.1f}" for n in names))
+    print(f"  {'total per request (median)':<80}" + "".join(f"{cases[n]['total_us']:11.1f}" for n in names))
     print(
-        f"  {'total per request (mean)':<80}" + "".join(f"{cases[n]['mean_total_us']:10.1f}" for n in names)
+        f"  {'total per request (mean)':<80}" + "".join(f"{cases[n]['mean_total_us']:11.1f}" for n in names)
     )
     for key, label in SIDES:
-        print(f"  {label:<80}" + "".join(f"{cases[n][key]:10.1f}" for n in names))
+        print(f"  {label:<80}" + "".join(f"{cases[n][key]:11.1f}" for n in names))
     batched = cases["8x4096"]["total_us"]
     for what, got, goal in (
         ("DESIGN target <= 50 us for one 4K-token request", target, HOST_TARGET_US),
@@ -373,7 +382,8 @@ def main() -> None:
     )
     print("  (8x2K-4K: requests of 2048..4096 tokens, last block partial; -1s: the one-sided path,")
     print("   where load() launches the copy and poll() checks it: its 'loader batch' is empty, and")
-    print("   the exporter handlers are the notification that follows the done mark)")
+    print("   the exporter handlers are the notification that follows the done mark; -1sb: the eight")
+    print("   one-sided loads in one batched_loads() block, launched together)")
     one = cases["1x4096-1s"]
     sides = {k: one[f"{k.lower()}_side_us"] for k in ("P", "D")}
     per = ", ".join(

@@ -6,6 +6,7 @@ one-sided path, not the messaged one, did the work (``stats()["onesided"]``)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -127,13 +128,24 @@ CASES = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["each", "batched"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_onesided_lands_exactly_and_frees_by_done_marks(case):
+def test_onesided_lands_exactly_and_frees_by_done_marks(case, batched):
     """Requests of odd lengths (partial last blocks on both sides) land byte for byte through the
     caller's copy on every loader rank, blocks no request names keep their poison, and every
     exporter rank frees each request once every loader rank it expects has landed it, not
-    before."""
+    before. ``batched``: each rank's loads in one ``batched_loads()`` block, launched together
+    (fewer ops calls than loads)."""
     src, src_tp, dst, dst_tp = CASES[case]
+
+    def load_all(e, reqs):
+        with e.batched_loads() if batched else contextlib.nullcontext():
+            for rid, (_, _, prm, d_ids) in reqs.items():
+                e.load(rid, prm, d_ids)
+            if batched:  # held until the block ends
+                assert not e._onesided.flights
+        assert len(e._onesided.flights) == len(reqs)
+
     p, d = Ranks(src, src_tp, "P"), None
     try:
         d = Ranks(dst, dst_tp, "D")
@@ -150,9 +162,9 @@ def test_onesided_lands_exactly_and_frees_by_done_marks(case):
             d_next += len(d_ids)
             reqs[f"r{i}"] = (n, 100 + i, p.export(f"r{i}", s_ids, n, seed=100 + i), d_ids)
         # every loader rank but the last loads: no exporter rank that waits for it may free
+        calls0 = [e.stats()["ops_calls"] for e in d.engines]
         for r in range(dst_tp - 1):
-            for rid, (_, _, prm, d_ids) in reqs.items():
-                d[r].load(rid, prm, d_ids)
+            load_all(d[r], reqs)
         if dst_tp > 1:
             assert poll_until(d.engines[:-1], set(reqs), "recv") == dict.fromkeys(reqs, "done")
             # an exporter rank the last loader rank notifies must not have freed anything yet
@@ -162,10 +174,19 @@ def test_onesided_lands_exactly_and_frees_by_done_marks(case):
             assert waits_last, "the plan has the last loader rank notify no exporter rank"
             early = poll_until([p[s] for s in waits_last], set(reqs), "send", timeout=0.3)
             assert early == {}, f"freed before the last loader rank landed: {early}"
-        for rid, (_, _, prm, d_ids) in reqs.items():
-            d[dst_tp - 1].load(rid, prm, d_ids)
+        load_all(d[dst_tp - 1], reqs)
         assert poll_until(d.engines[-1:], set(reqs), "recv") == dict.fromkeys(reqs, "done")  # the others did
         assert d.onesided() == [len(reqs)] * dst_tp, [e.stats()["onesided"] for e in d.engines]
+        calls = [e.stats()["ops_calls"] - c0 for e, c0 in zip(d.engines, calls0)]
+        for e, c in zip(d.engines, calls):
+            rem = e._loader.remotes["P"]
+            each = len(reqs) * sum(
+                len(rem.reads_by_rank[s]) for s in rem.src_ranks
+            )  # a call per load and read
+            if batched:  # the batch planner's calls for the six loads together: fewer
+                assert 0 < c < each, (c, each)
+            else:
+                assert c == each, (c, each)
         for r in range(dst_tp):
             used: set[int] = {0}
             for n, seed, _, d_ids in reqs.values():
@@ -234,6 +255,74 @@ def test_wait_reports_a_onesided_load_without_polling():
         assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
         with pytest.raises(ValueError, match="timeout_s"):
             d[0].wait(["a"], -1)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("dst_bs", [16, 32])
+def test_batched_nhd_loads_take_two_ops_calls_for_six_requests(dst_bs):
+    """vLLM's layout (NHD both sides): six requests with partial last blocks, loaded in one
+    batch, are one ops call of whole blocks and one of token slots (the tails), where each
+    load alone is one call: on a GPU, two launches for the step instead of six."""
+    src, dst = KVCacheSpec(2, 4, 16, 16, torch.bfloat16), KVCacheSpec(2, 4, 16, dst_bs, torch.bfloat16)
+    p, d = Ranks(src, 1, "P", nb=80), Ranks(dst, 1, "D", nb=80)
+    try:
+        warm(p, d)
+        reqs, s_next, d_next = {}, 1, 1
+        for i, n in enumerate([1, 17, 100, 300, 64, 33]):
+            s_ids = list(range(s_next, s_next + src.num_blocks_for(n)))[::-1]
+            d_ids = list(range(d_next, d_next + dst.num_blocks_for(n)))
+            s_next, d_next = s_next + len(s_ids), d_next + len(d_ids)
+            reqs[f"q{i}"] = (n, 40 + i, p.export(f"q{i}", s_ids, n, seed=40 + i), d_ids)
+        calls0 = d[0].stats()["ops_calls"]
+        with d[0].batched_loads():
+            for rid, (_, _, prm, d_ids) in reqs.items():
+                d[0].load(rid, prm, d_ids)
+        assert poll_until(d.engines, set(reqs), "recv") == dict.fromkeys(reqs, "done")
+        assert d[0].stats()["ops_calls"] - calls0 == 2 and d.onesided() == [6]
+        for n, seed, _, d_ids in reqs.values():
+            assert check(d.caches(0), dst, 0, 1, d_ids, n, seed), seed
+    finally:
+        p.close()
+        d.close()
+
+
+def test_batched_loads_nest_launch_on_error_and_split_at_the_cpu_bound(monkeypatch):
+    """A batch launches once, when its outermost block ends, also when the block raises; on CPU
+    caches (the caller copies) a batch over ``CPU_COPY_MAX_BYTES`` launches what it held before
+    it takes the next load. Every load lands exactly, partial ones included."""
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        e, os_ = d[0], d[0]._onesided
+        reqs = {
+            f"b{i}": (p.export(f"b{i}", [1 + 2 * i, 2 + 2 * i], 12, seed=20 + i), [20 + 2 * i, 21 + 2 * i])
+            for i in range(5)
+        }
+        per_load = 12 * F16.bytes_per_token()
+        monkeypatch.setattr(onesided_mod, "CPU_COPY_MAX_BYTES", int(1.5 * per_load))
+        with pytest.raises(RuntimeError, match="the step failed"), e.batched_loads():
+            with e.batched_loads():  # nested: its end launches nothing
+                e.load("b0", reqs["b0"][0], reqs["b0"][1])
+            assert not os_.flights
+            e.load("b1", reqs["b1"][0], reqs["b1"][1])  # over the bound: b0 is launched first
+            assert [f.item.request_id for f in os_.flights] == ["b0"]
+            raise RuntimeError("the step failed")
+        assert sorted(f.item.request_id for f in os_.flights) == ["b0", "b1"]  # launched on the way out
+        monkeypatch.setattr(onesided_mod, "CPU_COPY_MAX_BYTES", 16 << 20)
+        fill(d.caches(0), F16, 0, 1, [28, 29], 12, seed=99)
+        with e.batched_loads():
+            for rid in ("b2", "b3"):
+                e.load(rid, reqs[rid][0], reqs[rid][1])
+            e.load("b4", reqs["b4"][0], [28, 29], num_computed_tokens=8)  # holds tokens [0, 8)
+        assert poll_until(d.engines, set(reqs), "recv") == dict.fromkeys(reqs, "done")
+        assert d.onesided() == [5]
+        for i in range(4):
+            assert check(d.caches(0), F16, 0, 1, reqs[f"b{i}"][1], 12, 20 + i), f"b{i}"
+        assert tokens_hold(d.caches(0), F16, 0, 1, [28, 29], 12, 99, 0, 8), "the held prefix was written"
+        assert tokens_hold(d.caches(0), F16, 0, 1, [28, 29], 12, 24, 8, 12)
+        assert poll_until(p.engines, set(reqs), "send") == dict.fromkeys(reqs, "done")
     finally:
         p.close()
         d.close()

@@ -6,6 +6,7 @@ restarted P serves again."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -77,7 +78,9 @@ def _stop(proc) -> None:
     proc.join(10)
 
 
-def test_onesided_cuda_ipc_lands_exactly_and_p_frees():
+@pytest.mark.parametrize("batched", [False, True], ids=["each", "batched"])
+def test_onesided_cuda_ipc_lands_exactly_and_p_frees(batched):
+    """``batched``: the four loads in one ``batched_loads()`` block: one launch, one event."""
     _skip_without_cuda()
     reqs = [("warm", [0], 1, 1)]
     nxt = 1
@@ -98,12 +101,18 @@ def test_onesided_cuda_ipc_lands_exactly_and_p_frees():
         assert poll_until([d], {"warm"}, "recv") == {"warm": "done"}
         d_ids = {}
         nxt = 1
-        for (rid, _, n, _), prm in zip(reqs[1:], p.rest()):
-            k = DST.num_blocks_for(n)
-            d_ids[rid] = list(range(nxt, nxt + k))
-            nxt += k
-            d.load(rid, prm, d_ids[rid])
+        calls0 = d.stats()["ops_calls"]
+        with d.batched_loads() if batched else contextlib.nullcontext():
+            for (rid, _, n, _), prm in zip(reqs[1:], p.rest()):
+                k = DST.num_blocks_for(n)
+                d_ids[rid] = list(range(nxt, nxt + k))
+                nxt += k
+                d.load(rid, prm, d_ids[rid])
+        events = {id(f.event) for f in d._onesided.flights}
         got = poll_until([d], set(d_ids), "recv")
+        calls = d.stats()["ops_calls"] - calls0
+        # batched: one event; the planner's calls (HND tails are one call each) at most one per load
+        assert (calls <= len(d_ids) and len(events) == 1) if batched else calls == len(d_ids), (calls, events)
         assert got == dict.fromkeys(d_ids, "done"), got
         assert d.stats()["onesided"]["loads"] == len(d_ids), d.stats()["onesided"]
         for rid, _, n, seed in reqs[1:]:

@@ -188,20 +188,24 @@ class WorkerSide:
             except ValueError as e:
                 _LOG.warning("kvxfer: export of %s refused (%s); its blocks are freed", ex.request_id, e)
                 self._sending_done.add(ex.request_id)
-        for ld in meta.loads:
-            try:
-                check_pair(KVLayout.from_dict(ld.params.get("kv_layout")), self.layout)
-                n = KVTransferParams.from_dict(ld.params).num_tokens
-                ids = expand_block_ids(ld.block_ids, self.ratio)[: eng.spec.num_blocks_for(n)]
-                eng.load(ld.request_id, ld.params, ids, num_computed_tokens=ld.num_computed_tokens)
-                self._loads[ld.request_id] = list(ld.block_ids)
-            except ValueError as e:  # KVLayoutMismatch included: nothing was written
-                _LOG.warning(
-                    "kvxfer: load of %s refused (%s: %s); reported failed", ld.request_id, type(e).__name__, e
-                )
-                self._recving_done.add(ld.request_id)
-                self._bad_blocks.update(ld.block_ids)
-                self._release_quietly(ld.params)
+        with eng.batched_loads():  # the step's one-sided loads: one launch per remote
+            for ld in meta.loads:
+                try:
+                    check_pair(KVLayout.from_dict(ld.params.get("kv_layout")), self.layout)
+                    n = KVTransferParams.from_dict(ld.params).num_tokens
+                    ids = expand_block_ids(ld.block_ids, self.ratio)[: eng.spec.num_blocks_for(n)]
+                    eng.load(ld.request_id, ld.params, ids, num_computed_tokens=ld.num_computed_tokens)
+                    self._loads[ld.request_id] = list(ld.block_ids)
+                except ValueError as e:  # KVLayoutMismatch included: nothing was written
+                    _LOG.warning(
+                        "kvxfer: load of %s refused (%s: %s); reported failed",
+                        ld.request_id,
+                        type(e).__name__,
+                        e,
+                    )
+                    self._recving_done.add(ld.request_id)
+                    self._bad_blocks.update(ld.block_ids)
+                    self._release_quietly(ld.params)
         for prm in meta.releases:
             self._release_quietly(prm)
 

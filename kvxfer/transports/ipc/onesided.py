@@ -141,6 +141,8 @@ class OneSided:
             0 if rank.device.type == "cuda" else spec.bytes_per_token(spec.heads_per_rank(rank.tp_size))
         )
         self.lock = threading.Lock()  # flights: appended by load(), taken by poll()
+        self._local = threading.local()  # per thread: the loads held by an open batch (hold())
+        self._batches = 0  # threads with a batch open (none: load() skips the thread-local lookup)
 
     # ------------------------------------------------------------------------- launch
     def _no(self, why: str) -> bool:
@@ -223,6 +225,17 @@ class OneSided:
             checks.append((s, v, got[0], got[1], m, got[2], reads, whole))
         f = _Flight(item, t, checks, b, now())
         item.deadline = now_ns * 1e-9 + timeout_s  # time.monotonic's clock
+        held = getattr(self._local, "held", None) if self._batches else None
+        if held is not None:  # launched with the batch's other loads when it closes
+            if self._cpu_bpt:
+                size = (p.num_tokens - item.first) * self._cpu_bpt
+                if held[1] + size > CPU_COPY_MAX_BYTES:  # the caller copies on CPU: bounded per launch
+                    self._launch_held()
+                    held = self._local.held
+                held[1] += size
+            held[0].append(f)
+            self.loads += 1
+            return True
         rank, ipc = self.rank, self.ipc
         try:
             with ipc.lock, trace("copy", items_tag, [item]):
@@ -253,6 +266,76 @@ class OneSided:
             self.flights.append(f)
         return True
 
+    # -------------------------------------------------------------------------- batch
+    def hold(self) -> None:
+        """Open a batch on this thread: one-sided loads are looked up and snapshotted as they
+        come, and launched together at :meth:`release` (one ops call per read and source rank
+        for all of them, one event) instead of one launch each. Nests."""
+        depth = getattr(self._local, "depth", 0)
+        if not depth:
+            self._local.held = [[], 0]  # flights, CPU bytes
+            with self.lock:
+                self._batches += 1
+        self._local.depth = depth + 1
+
+    def release(self) -> None:
+        """Close the batch :meth:`hold` opened; the outermost close launches what it held."""
+        self._local.depth -= 1
+        if not self._local.depth:
+            try:
+                self._launch_held()
+            finally:
+                self._local.held = None
+                with self.lock:
+                    self._batches -= 1
+
+    def _launch_held(self) -> None:
+        """Launch the loads held so far: per remote one launch of the plan's reads per source
+        rank (:func:`kvxfer.transports.ipc.read.launch`, the messaged path's batch planner), one
+        event for all; a load whose launch failed is reported failed."""
+        held = self._local.held
+        flights, self._local.held = held[0], [[], 0]
+        by_target: dict[int, list[_Flight]] = {}
+        for f in flights:
+            by_target.setdefault(id(f.target), []).append(f)
+        for group in by_target.values():
+            self._launch_group(group)
+
+    def _launch_group(self, group: list[_Flight]) -> None:
+        t = group[0].target
+        rem, rank, ipc = t.rem, self.rank, self.ipc
+        items = [f.item for f in group]
+        try:
+            with ipc.lock, trace("copy", items_tag, items):
+                if t.epoch != ipc.epoch:  # a remote was forgotten since the loads were looked up
+                    raise RuntimeError("the exporter's mapping was dropped before the launch")
+                hook = rank.hooks.get("before_ipc_copy")
+                if hook:
+                    hook()
+                calls = 0
+                with rank.order.on_stream():
+                    for c in group[0].checks:
+                        calls += launch(rank, c[4], rem, c[6], items)[2]
+                    ev = None
+                    if rank.order.cuda:
+                        ev = self._event()
+                        busy = ipc.busy.setdefault(id(rem), [])
+                        if len(busy) >= 16:
+                            busy[:] = [e for e in busy if not event_done(e)]
+                        busy.append(ev)
+        except Exception as e:  # the copy may have written part of the blocks: fail the loads
+            for f in group:
+                self._report(f, f"one-sided ipc copy: {describe_error(e)}")
+            return
+        per_token = [
+            sum(rank.spec.bytes_per_token(num_heads=r.num_heads) for r in c[6]) for c in group[0].checks
+        ]
+        for k, f in enumerate(group):
+            f.event, f.calls = ev, calls if k == 0 else 0  # the batch's calls counted once
+            f.moved = (f.item.num_tokens - f.item.first) * sum(per_token)
+        with self.lock:
+            self.flights.extend(group)
+
     def _event(self):
         import torch
 
@@ -271,6 +354,7 @@ class OneSided:
         still = []
         notes: dict[int, tuple[Remote, list, list]] = {}
         now_ns = time.monotonic_ns()
+        pooled: set[int] = set()  # a batch's loads share one event: back to the pool once
         for f in flights:
             ev = f.event
             if ev is not None and not event_done(ev):
@@ -285,7 +369,8 @@ class OneSided:
                 still.append(f)
                 continue
             self._report(f, self._check(f, now_ns), notes)
-            if ev is not None and len(self._pool) < _POOL_MAX:
+            if ev is not None and len(self._pool) < _POOL_MAX and id(ev) not in pooled:
+                pooled.add(id(ev))
                 self._pool.append(ev)
         for rem, done, failed in notes.values():
             self.loader.notify(rem, done, failed)
