@@ -31,6 +31,8 @@ def test_launches_queued_behind_a_spin_each_read_their_own_table(dev, backend, m
     if not status["available"]:
         pytest.skip(f"the {backend} backend is unavailable here: {status['reason']}")
     monkeypatch.setattr(meta_ring, "RING_BYTES", meta_ring.SEGMENTS * 16 * 1024)  # 64 KiB: it wraps
+    # a registry of its own: torch hands out pooled streams, whose handles earlier tests' rings use
+    monkeypatch.setattr(meta_ring, "_rings", {})
     spec = KVCacheSpec(4, 2, 64, 16, torch.bfloat16, Layout.NHD)
     num_blocks = 640
     # every element of layer l, block b holds (l * 1000 + b) as int16 bits: a wrong table names itself

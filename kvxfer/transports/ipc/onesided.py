@@ -10,7 +10,10 @@ exporter that is open and beat recently. If every source rank has one, the loade
 the blocks' epochs between two reads of the slot's generation, and issues the copy on its load
 stream right there (:func:`kvxfer.transports.ipc.read.launch`; CUDA: an event from a pool is
 recorded after it). Anything else returns False, and the load takes the messaged path (lease
-grant, then the copy in the worker thread), which names every refusal.
+grant, then the copy in the worker thread), which names every refusal. Inside a batch
+(:meth:`OneSided.hold`, ``TransferEngine.batched_loads()``) the copy waits for the batch's end,
+where the held loads of each remote are launched together through the messaged path's batch
+planner (:func:`kvxfer.transports.ipc.read.launch`), with one event.
 
 ``poll()`` (:meth:`OneSided.complete`) queries the events itself. A load whose copy completed is
 checked as the messaged path checks it: the slot still at the same generation and the blocks'
