@@ -328,6 +328,26 @@ def test_batched_loads_nest_launch_on_error_and_split_at_the_cpu_bound(monkeypat
         d.close()
 
 
+def test_a_batch_whose_mapping_was_dropped_fails_its_loads_by_name():
+    """The remote's mapping is dropped (the ipc transport forgot a remote) between a held load's
+    lookup and the batch's launch: nothing is copied, the load fails naming it, P is told."""
+    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
+    try:
+        warm(p, d)
+        prm = p.export("x", [3, 4], 12, seed=5)
+        before = torch.cat([c.view(torch.uint8).flatten() for c in d.caches(0)])
+        with d[0].batched_loads():
+            d[0].load("x", prm, [6, 7])
+            d[0]._onesided.ipc.epoch += 1  # what forgetting a remote does
+        got = poll_until(d.engines, {"x"}, "recv")
+        assert got["x"].startswith("failed") and "mapping was dropped before the launch" in got["x"], got
+        assert torch.equal(torch.cat([c.view(torch.uint8).flatten() for c in d.caches(0)]), before)
+        assert poll_until(p.engines, {"x"}, "send") == {"x": "done"}  # the failure notification frees it
+    finally:
+        p.close()
+        d.close()
+
+
 # ---------------------------------------------------------------------------- what goes wrong
 def test_release_during_the_copy_fails_the_load_never_delivers():
     """P aborts the export while D's one-sided copy runs (after it, before the check) and its
