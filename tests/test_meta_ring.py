@@ -247,3 +247,60 @@ def test_a_device_planned_launch_through_the_ring_moves_the_host_planned_bytes(p
     else:
         for a, b in zip(dst_a, dst_b):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_the_cuda_launch_stages_its_table_through_the_stream_ring(monkeypatch):
+    """cuda._launch (fake cupy and stream: nothing runs on a GPU): a plan planned for the device
+    asks for the ring of its device and stream, stages its table there, and the kernel gets the
+    ring's device address plus the offsets; a plan with addresses (rel empty) is passed as is."""
+    import types
+
+    from kvxfer.backends import cuda as kc
+    from tests.test_device_context import FakeRuntime
+
+    rt = FakeRuntime()
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt)))
+    launched = []
+    monkeypatch.setattr(kc, "_kernels", lambda i: {"kvx_copy_w16": lambda g, b, a: launched.append(a)})
+
+    class _Ctx:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr(kc, "_cupy_stream", lambda ptr, i: _Ctx())
+    stream = types.SimpleNamespace(cuda_stream=0xABC)
+    monkeypatch.setattr(kc.torch.cuda, "current_stream", lambda d: stream)
+    late = LateStream()
+    ring = MetaRing(late, nbytes=SEGMENTS * 1024)
+    asked = []
+    monkeypatch.setattr(meta_ring, "ring_for", lambda dev, s: asked.append((dev, s)) or ring)
+    table = torch.from_numpy(np.arange(6, dtype=np.int64) + 500)
+    plan = kc.Launch("kvx_copy_w16", 2, 256, (7, 0, 16, 9), table, (1, 2))
+    kc._launch(plan, torch.device("cuda", 0))
+    assert asked == [(torch.device("cuda", 0), stream)]
+    args = [int(a) for a in launched[0]]
+    assert args == [7, ring.device_ptr, ring.device_ptr + 16, 9]
+    late.run()
+    assert np.array_equal(ring.device[:48].view(np.int64), table.numpy())
+    kc._launch(kc.Launch("kvx_copy_w16", 2, 256, (1, 2), None), torch.device("cuda", 0))
+    assert [int(a) for a in launched[1]] == [1, 2] and len(asked) == 1
+
+
+def test_the_triton_side_takes_its_ids_from_the_ring():
+    """kernels.launch._Side.args with a ring: the ids are staged as int32 and handed to the
+    kernel as a view of the ring's device bytes (here a CPU tensor standing in)."""
+    from kvxfer.kernels import launch as kl
+
+    spec = KVCacheSpec(2, 2, 8, 4, torch.float16, Layout.NHD)
+    caches = [torch.zeros(spec.cache_shape(9, 1), dtype=spec.dtype) for _ in range(2)]
+    side = ops.make_side(caches, spec, [7, 2, 5], 10)
+    late = LateStream()
+    ring = MetaRing(late, nbytes=SEGMENTS * 1024)
+    ring.device = torch.from_numpy(ring.device)  # the device buffer as the Triton path slices it
+    (_, ids), _ = kl._Side(side).args(2, ring)
+    late.run()
+    assert ids.dtype == torch.int32 and ids.tolist() == [7, 2, 5] and ring.staged == 1
+    assert ids.data_ptr() == ring.device_ptr  # a view of the ring, nothing allocated
