@@ -192,9 +192,13 @@ class WorkerSide:
             for ld in meta.loads:
                 try:
                     check_pair(KVLayout.from_dict(ld.params.get("kv_layout")), self.layout)
-                    n = KVTransferParams.from_dict(ld.params).num_tokens
-                    ids = expand_block_ids(ld.block_ids, self.ratio)[: eng.spec.num_blocks_for(n)]
-                    eng.load(ld.request_id, ld.params, ids, num_computed_tokens=ld.num_computed_tokens)
+                    prm = KVTransferParams.from_dict(ld.params)  # checked once: load() takes it as is
+                    if type(prm) is list:
+                        raise ValueError("params: a load takes one child's params, got a list")
+                    ids = expand_block_ids(ld.block_ids, self.ratio)[
+                        : eng.spec.num_blocks_for(prm.num_tokens)
+                    ]
+                    eng.load(ld.request_id, prm, ids, num_computed_tokens=ld.num_computed_tokens)
                     self._loads[ld.request_id] = list(ld.block_ids)
                 except ValueError as e:  # KVLayoutMismatch included: nothing was written
                     _LOG.warning(
