@@ -452,8 +452,11 @@ def _launch(plan: Launch, device: torch.device) -> None:
         kernel((plan.grid,), (plan.block,), tuple(np.int64(a) for a in args))
 
     with bound_device(index), stream:  # a fresh thread may have no context bound (device_context)
-        ring = meta_ring.ring_for(torch.device("cuda", index), torch_stream) if plan.rel else None
-        enqueue_staged(plan, ring, enqueue, _allocate_table(torch.device("cuda", index)))
+        if not plan.rel:
+            enqueue(plan.args)
+            return
+        dev = torch.device("cuda", index)
+        enqueue_staged(plan, meta_ring.ring_for(dev, torch_stream), enqueue, _allocate_table(dev))
 
 
 @functools.cache

@@ -265,8 +265,3 @@ def ring_for(device, stream) -> MetaRing | None:
                 )
         _rings[key] = ring
         return ring
-
-
-def stats() -> dict:
-    """Per (device index, stream address) ring: tables staged, refused, bytes."""
-    return {k: r.stats() for k, r in _rings.items() if r is not None}

@@ -255,11 +255,7 @@ class OneSided:
                             mv, n = _copy_whole(c[7], item)
                         f.moved, f.calls = f.moved + mv, f.calls + n
                     if rank.order.cuda:
-                        f.event = self._event()
-                        busy = ipc.busy.setdefault(id(rem), [])
-                        if len(busy) >= 16:
-                            busy[:] = [e for e in busy if not event_done(e)]
-                        busy.append(f.event)
+                        f.event = self._done_event(rem)
         except Exception as e:  # the copy may have written part of the blocks: fail the load
             self.loads += 1
             self._report(f, f"one-sided ipc copy: {describe_error(e)}")
@@ -319,31 +315,31 @@ class OneSided:
                 with rank.order.on_stream():
                     for c in group[0].checks:
                         calls += launch(rank, c[4], rem, c[6], items)[2]
-                    ev = None
-                    if rank.order.cuda:
-                        ev = self._event()
-                        busy = ipc.busy.setdefault(id(rem), [])
-                        if len(busy) >= 16:
-                            busy[:] = [e for e in busy if not event_done(e)]
-                        busy.append(ev)
+                    ev = self._done_event(rem) if rank.order.cuda else None
         except Exception as e:  # the copy may have written part of the blocks: fail the loads
             for f in group:
                 self._report(f, f"one-sided ipc copy: {describe_error(e)}")
             return
-        per_token = [
-            sum(rank.spec.bytes_per_token(num_heads=r.num_heads) for r in c[6]) for c in group[0].checks
-        ]
+        # wire bytes per token of every read of every source rank (_whole keeps them per read)
+        per_token = sum(pt for c in group[0].checks for _, pt in c[7][2])
         for k, f in enumerate(group):
             f.event, f.calls = ev, calls if k == 0 else 0  # the batch's calls counted once
-            f.moved = (f.item.num_tokens - f.item.first) * sum(per_token)
+            f.moved = (f.item.num_tokens - f.item.first) * per_token
         with self.lock:
             self.flights.extend(group)
 
-    def _event(self):
+    def _done_event(self, rem: Remote):
+        """An event (pooled) recorded on the load stream after the copies just queued from
+        ``rem``, also in the ipc transport's busy list of ``rem`` (a close of the mapping waits
+        for it; completed ones are pruned once it holds 16)."""
         import torch
 
         ev = self._pool.pop() if self._pool else torch.cuda.Event()
         ev.record(self.rank.order.stream("load"))
+        busy = self.ipc.busy.setdefault(id(rem), [])
+        if len(busy) >= 16:
+            busy[:] = [e for e in busy if not event_done(e)]
+        busy.append(ev)
         return ev
 
     # ----------------------------------------------------------------------- complete
