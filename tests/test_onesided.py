@@ -108,6 +108,21 @@ def warm(p: Ranks, d: Ranks) -> None:
     assert d.onesided() == [0] * d.tp
 
 
+@contextlib.contextmanager
+def warmed(src: KVCacheSpec = F16, dst: KVCacheSpec = F16):
+    """A single-rank P and D, D warmed (handshaken and mapped: :func:`warm`); both closed after."""
+    p = Ranks(src, 1, "P")
+    try:
+        d = Ranks(dst, 1, "D")
+        try:
+            warm(p, d)
+            yield p, d
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
 def tokens_hold(caches, spec, tp_rank, tp_size, ids, n, seed, lo, hi) -> bool:
     """Tokens ``[lo, hi)`` of request ``seed`` (this rank's heads) are in ``ids``, bytewise."""
     got = ops.gather_blocks(caches, spec, ids, n)
@@ -245,9 +260,7 @@ def test_onesided_n_children_and_partial_loads():
 
 
 def test_wait_reports_a_onesided_load_without_polling():
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         prm = p.export("a", [3, 4], 12, seed=3)
         d[0].load("a", prm, [5, 6])
         r = d[0].wait(["a"], 5.0)
@@ -255,9 +268,6 @@ def test_wait_reports_a_onesided_load_without_polling():
         assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
         with pytest.raises(ValueError, match="timeout_s"):
             d[0].wait(["a"], -1)
-    finally:
-        p.close()
-        d.close()
 
 
 @pytest.mark.parametrize("dst_bs", [16, 32])
@@ -292,9 +302,7 @@ def test_batched_loads_nest_launch_on_error_and_split_at_the_cpu_bound(monkeypat
     """A batch launches once, when its outermost block ends, also when the block raises; on CPU
     caches (the caller copies) a batch over ``CPU_COPY_MAX_BYTES`` launches what it held before
     it takes the next load. Every load lands exactly, partial ones included."""
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         e, os_ = d[0], d[0]._onesided
         reqs = {
             f"b{i}": (p.export(f"b{i}", [1 + 2 * i, 2 + 2 * i], 12, seed=20 + i), [20 + 2 * i, 21 + 2 * i])
@@ -323,17 +331,12 @@ def test_batched_loads_nest_launch_on_error_and_split_at_the_cpu_bound(monkeypat
         assert tokens_hold(d.caches(0), F16, 0, 1, [28, 29], 12, 99, 0, 8), "the held prefix was written"
         assert tokens_hold(d.caches(0), F16, 0, 1, [28, 29], 12, 24, 8, 12)
         assert poll_until(p.engines, set(reqs), "send") == dict.fromkeys(reqs, "done")
-    finally:
-        p.close()
-        d.close()
 
 
 def test_a_batch_whose_mapping_was_dropped_fails_its_loads_by_name():
     """The remote's mapping is dropped (the ipc transport forgot a remote) between a held load's
     lookup and the batch's launch: nothing is copied, the load fails naming it, P is told."""
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         prm = p.export("x", [3, 4], 12, seed=5)
         before = torch.cat([c.view(torch.uint8).flatten() for c in d.caches(0)])
         with d[0].batched_loads():
@@ -343,18 +346,13 @@ def test_a_batch_whose_mapping_was_dropped_fails_its_loads_by_name():
         assert got["x"].startswith("failed") and "mapping was dropped before the launch" in got["x"], got
         assert torch.equal(torch.cat([c.view(torch.uint8).flatten() for c in d.caches(0)]), before)
         assert poll_until(p.engines, {"x"}, "send") == {"x": "done"}  # the failure notification frees it
-    finally:
-        p.close()
-        d.close()
 
 
 # ---------------------------------------------------------------------------- what goes wrong
 def test_release_during_the_copy_fails_the_load_never_delivers():
     """P aborts the export while D's one-sided copy runs (after it, before the check) and its
     runner reuses the blocks: D reports the load failed, naming the release."""
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         prm = p.export("x", [3, 4], 12, seed=3)
 
         def release_and_reuse(epochs):
@@ -367,17 +365,12 @@ def test_release_during_the_copy_fails_the_load_never_delivers():
         assert got["x"].startswith("failed:") and "released before or during the copy" in got["x"], got
         assert d.onesided() == [1]
         assert d[0].stats()["transfers"] == 1 and d[0].stats()["failures"] == 1  # the warm one landed
-    finally:
-        p.close()
-        d.close()
 
 
 def test_slot_reused_by_a_new_export_fails_the_load():
     """The export ends and a new export of the same id takes its place during the copy: the
     slot's generation moved, the load fails; the new export's params then load one-sided."""
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         prm = p.export("x", [3, 4], 12, seed=3)
         again = {}
 
@@ -395,9 +388,6 @@ def test_slot_reused_by_a_new_export_fails_the_load():
         assert poll_until(d.engines, {"x"}, "recv") == {"x": "done"}
         assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 4)
         assert d.onesided() == [2]
-    finally:
-        p.close()
-        d.close()
 
 
 class Gate:
@@ -413,9 +403,7 @@ class Gate:
 def test_compute_not_done_is_never_read_onesided():
     """An export whose ready event has not completed is not read one-sided: the load takes the
     messaged path, which waits for the gate; once P saw it complete, the next load is one-sided."""
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         gate = Gate()
         prm = p.export("g", [3, 4], 12, seed=3, ready=gate)
         d[0].load("g", prm, [5, 6])
@@ -432,32 +420,22 @@ def test_compute_not_done_is_never_read_onesided():
         assert d.onesided() == [1]
         assert poll_until(d.engines, {"h"}, "recv") == {"h": "done"}
         assert check(d.caches(0), F16, 0, 1, [9, 10], 12, 5)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_layerwise_export_takes_the_messaged_path():
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         prm = p.export("s", [3, 4], 12, seed=3, streaming=True)
         d[0].load("s", prm, [5, 6])
         assert d[0].stats()["onesided"]["fallbacks"]["layer-wise export"] == 1
         p[0].mark_ready("s", range(F16.num_layers))
         assert poll_until(d.engines, {"s"}, "recv") == {"s": "done"}
         assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_forged_and_altered_params_are_never_read_onesided():
     """A forged token finds no slot, nor do params whose ids were changed: both take the
     messaged path, where the exporter refuses them by name; D's blocks keep their poison."""
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         prm = p.export("x", [3, 4], 12, seed=3)
         forged = dict(prm, token="0" * 16 + "f" * 32)
         altered = dict(prm, block_ids=[3, 5])
@@ -475,17 +453,12 @@ def test_forged_and_altered_params_are_never_read_onesided():
         d[0].load("y", prm, [5, 6])  # real params load one-sided
         assert poll_until(d.engines, {"y"}, "recv") == {"y": "done"} and d.onesided() == [1]
         assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 4)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_done_mark_frees_without_the_notification_and_the_notification_without_the_mark(monkeypatch):
     """P frees from the done mark alone (the notification lost), and from the notification alone
     (the mark lost): either record is enough, and neither frees twice."""
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         d[0]._hooks["notify"] = lambda addr, msg: None  # notifications dropped
         prm = p.export("a", [3, 4], 12, seed=3)
         d[0].load("a", prm, [5, 6])
@@ -498,9 +471,6 @@ def test_done_mark_frees_without_the_notification_and_the_notification_without_t
         assert poll_until(d.engines, {"b"}, "recv") == {"b": "done"}
         assert poll_until(p.engines, {"b"}, "send") == {"b": "done"}
         assert d.onesided() == [2]
-    finally:
-        p.close()
-        d.close()
 
 
 def test_loader_that_never_completes_is_freed_at_lease_end():
@@ -600,9 +570,7 @@ def test_exporter_killed_is_a_named_failure_not_a_hang(monkeypatch):
 def test_large_cpu_copy_goes_to_the_worker(monkeypatch):
     """On CPU caches load() copies one-sided only up to CPU_COPY_MAX_BYTES (it runs in the
     caller's thread); a larger load takes the messaged path and lands the same."""
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         per_token = F16.bytes_per_token()
         monkeypatch.setattr(onesided_mod, "CPU_COPY_MAX_BYTES", 12 * per_token)
         small = p.export("small", [3, 4], 12, seed=3)
@@ -613,23 +581,15 @@ def test_large_cpu_copy_goes_to_the_worker(monkeypatch):
         assert poll_until(d.engines, {"small", "big"}, "recv") == {"small": "done", "big": "done"}
         assert d.onesided() == [1]
         assert check(d.caches(0), F16, 0, 1, [7, 8], 12, 3) and check(d.caches(0), F16, 0, 1, [9, 10], 13, 4)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_exporter_closing_after_the_copy_fails_the_load_as_released():
     """P closes between D's one-sided copy and D's check: its exports were released first, so the
     load fails naming the release (as the messaged path does), never done."""
-    p, d = Ranks(F16, 1, "P"), Ranks(F16, 1, "D")
-    try:
-        warm(p, d)
+    with warmed() as (p, d):
         prm = p.export("a", [3, 4], 12, seed=3)
         d[0].load("a", prm, [5, 6])
         assert d.onesided() == [1]
         p[0].close()
         got = poll_until(d.engines, {"a"}, "recv")
         assert got["a"].startswith("failed:") and "released before or during the copy" in got["a"], got
-    finally:
-        p.close()
-        d.close()
