@@ -187,7 +187,10 @@ class CudaDriver:
             self._memcpy = rt.memcpyAsync
             self._h2d = getattr(rt, "memcpyHostToDevice", 1)
         except (ImportError, AttributeError) as e:
-            _LOG.info("kvxfer launch tables: copies through torch (CuPy's runtime: %s)", e)
+            _LOG.warning(
+                "kvxfer launch tables: copies through torch, a dispatcher call more per launch (CuPy's runtime: %s)",
+                e,
+            )
             self._memcpy = None
 
     def alloc(self, nbytes: int) -> tuple[np.ndarray, int, Any, int]:
