@@ -9,6 +9,9 @@
 //             before the matching stores
 // A paged side finds token t's row through its block table (block_ids[t / block_size]) and its
 // per-layer base address from a device table; the wire side is dense [H, L, KV, T, row_bytes].
+// A paged side whose ids are token slots (slot_block > 1, block_size 1) finds token t at slot
+// s = block_ids[t]: block s / slot_block, offset s % slot_block (requests that end inside a
+// block share one launch, in any layout).
 #pragma once
 
 #include "kvx_common.cuh"
@@ -21,14 +24,23 @@ constexpr int kLoadsInFlight = 4;
 // One rank's paged cache. Byte strides; `layers[l]` already includes head_start * s_head.
 struct Paged {
   const i64* layers;     // [L] base address of each selected layer (device memory)
-  const i64* block_ids;  // [ceil(T / block_size)] block of each block-sized run of tokens
+  const i64* block_ids;  // [ceil(T / block_size)] block (or token slot) of each run of tokens
   i64 s_kv, s_blk, s_tok, s_head;
   FastDiv block_size;
+  FastDiv slot_block;  // 1: ids are blocks; > 1: ids are slots of blocks of this many tokens
 
   KVX_HD i64 item_base(u32 h, u32 l, u32 kv) const { return layers[l] + kv * s_kv + h * s_head; }
   KVX_HD char* row(i64 base, u32 t) const {
     const u32 j = block_size.div(t);
-    return as_ptr(base + block_ids[j] * s_blk + static_cast<i64>(t - j * block_size.d) * s_tok);
+    i64 id = block_ids[j];
+    u32 o = t - j * block_size.d;
+    if (slot_block.d != 1) {  // uniform across the grid: no divergence; slots < 2^31 (host check)
+      const u32 s = static_cast<u32>(id);
+      const u32 b = slot_block.div(s);
+      o += s - b * slot_block.d;
+      id = b;
+    }
+    return as_ptr(base + id * s_blk + static_cast<i64>(o) * s_tok);
   }
 };
 
@@ -50,7 +62,7 @@ struct Shape {
 };
 
 KVX_HD Paged make_paged(const i64* layers, const i64* block_ids, i64 s_kv, i64 s_blk, i64 s_tok,
-                        i64 s_head, i64 block_size) {
+                        i64 s_head, i64 block_size, i64 slot_block) {
   Paged p;
   p.layers = layers;
   p.block_ids = block_ids;
@@ -59,6 +71,7 @@ KVX_HD Paged make_paged(const i64* layers, const i64* block_ids, i64 s_kv, i64 s
   p.s_tok = s_tok;
   p.s_head = s_head;
   p.block_size = FastDiv(static_cast<u32>(block_size));
+  p.slot_block = FastDiv(static_cast<u32>(slot_block));
   return p;
 }
 

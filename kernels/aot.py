@@ -28,7 +28,7 @@ __all__ = ["OPS", "compile_ptx", "nhd_plan"]
 
 OPS = {"gather": (True, False), "scatter": (False, True), "copy": (True, True)}
 _INT_ARGS = ("T", "L", "KV", "num_t_tiles", "num_tiles")
-_SIDE_INTS = ("head_start", "bs", "s_kv", "s_blk", "s_tok", "s_head")
+_SIDE_INTS = ("head_start", "bs", "sb", "s_kv", "s_blk", "s_tok", "s_head")
 
 
 def compile_ptx(op: str, plan: Plan, arch: int = 90, persistent: bool = False) -> str:

@@ -160,12 +160,12 @@ class _Side:
             self.byte_values = list(self.ptrs)
 
     def args(self, word_bytes: int, ring=None) -> tuple[tuple, tuple]:
-        """((table or wire, ids or wire), (head_start, block_size, 4 strides in words)).
+        """((table or wire, ids or wire), (head_start, block_size, slot_block, 4 strides in words)).
         ``ring``: the launch's :class:`~kvxfer.backends.meta_ring.MetaRing` (CUDA; its lock
         held until the kernel is queued), through which the ids reach the device."""
         if not self.paged:
             words = self.wire.reshape(-1).view(torch.uint8).view(_WORDS[word_bytes][0])
-            return (words, words), (0, 1, 0, 0, 0, 0)
+            return (words, words), (0, 1, 1, 0, 0, 0, 0)
         side = self.side
         small = side.num_blocks <= 2**31
         ids = None
@@ -186,7 +186,12 @@ class _Side:
         w = side.element_size
         strides = (side.stride_kv, side.stride_block, side.stride_token, side.stride_head)
         words = tuple(s * w // word_bytes for s in strides)
-        return (_table(side.device, self.ptrs), ids), (side.head_start, side.block_size, *words)
+        return (_table(side.device, self.ptrs), ids), (
+            side.head_start,
+            side.block_size,
+            side.slot_block,
+            *words,
+        )
 
 
 def _side_values(x: PagedSide) -> tuple[tuple[int, ...], list[int]]:

@@ -8,7 +8,10 @@ values, so every dtype (fp8 included) moves bit-exactly.
 Paged side: ``table`` is an int64 tensor of per-layer base addresses (``data_ptr()`` values,
 cast to pointers in the kernel) and ``ids`` the request's block ids on the device; the row of
 (layer ``l``, kv, token ``t``, head ``h``) starts at word
-``table[l] + kv*s_kv + ids[t // bs]*s_blk + (t % bs)*s_tok + (head_start + h)*s_head``.
+``table[l] + kv*s_kv + ids[t // bs]*s_blk + (t % bs)*s_tok + (head_start + h)*s_head``; with
+``sb > 1`` (then ``bs == 1``) the ids are token slots: slot ``i = ids[t]`` is block ``i // sb``,
+offset ``i % sb`` (one formula for both: block ``ids[t // bs] // sb``, offset
+``t % bs + ids[t // bs] % sb``; Triton specialises an ``sb`` of 1, so block ids pay nothing).
 Wire side: ``table`` is the contiguous ``[H, L, KV, T, R]`` wire itself (device or pinned host
 memory, read/written through its device address), row ``((h*L + l)*KV + kv)*T + t``.
 
@@ -38,6 +41,7 @@ def _row_starts(
     T,
     head_start,
     bs,
+    sb,
     s_kv,
     s_blk,
     s_tok,
@@ -50,8 +54,10 @@ def _row_starts(
     """(base pointer, word offset of each token's row ``[BLOCK_T]``) for one side."""
     if PAGED:
         base = tl.load(table + layer).to(tl.pointer_type(WORD))
-        blk = tl.load(ids + t // bs, mask=tmask, other=0).to(tl.int64)
-        off = kv * s_kv + (head_start + h) * s_head + blk * s_blk + (t % bs).to(tl.int64) * s_tok
+        i = tl.load(ids + t // bs, mask=tmask, other=0)
+        blk = (i // sb).to(tl.int64)
+        tok = (t % bs + i % sb).to(tl.int64)
+        off = kv * s_kv + (head_start + h) * s_head + blk * s_blk + tok * s_tok
     else:
         base = table
         off = (g * T + t) * R
@@ -76,12 +82,14 @@ def _move_tile(
     num_t_tiles,
     src_head_start,
     src_bs,
+    src_sb,
     src_s_kv,
     src_s_blk,
     src_s_tok,
     src_s_head,
     dst_head_start,
     dst_bs,
+    dst_sb,
     dst_s_kv,
     dst_s_blk,
     dst_s_tok,
@@ -108,11 +116,11 @@ def _move_tile(
     col = tl.arange(0, BLOCK_W)
     mask = tmask[:, None] & (col < R)[None, :]
     s_base, s_off = _row_starts(
-        src, src_ids, t, tmask, g, layer, kv, h, T, src_head_start, src_bs,
+        src, src_ids, t, tmask, g, layer, kv, h, T, src_head_start, src_bs, src_sb,
         src_s_kv, src_s_blk, src_s_tok, src_s_head, SRC_PAGED, WORD, R, VEC,
     )  # fmt: skip
     d_base, d_off = _row_starts(
-        dst, dst_ids, t, tmask, g, layer, kv, h, T, dst_head_start, dst_bs,
+        dst, dst_ids, t, tmask, g, layer, kv, h, T, dst_head_start, dst_bs, dst_sb,
         dst_s_kv, dst_s_blk, dst_s_tok, dst_s_head, DST_PAGED, WORD, R, VEC,
     )  # fmt: skip
     s_ptr = tl.multiple_of(s_base + s_off[:, None] + col[None, :], [1, ALIGN])
@@ -133,12 +141,14 @@ def move_rows_kernel(
     num_tiles,
     src_head_start,
     src_bs,
+    src_sb,
     src_s_kv,
     src_s_blk,
     src_s_tok,
     src_s_head,
     dst_head_start,
     dst_bs,
+    dst_sb,
     dst_s_kv,
     dst_s_blk,
     dst_s_tok,
@@ -168,14 +178,14 @@ def move_rows_kernel(
         for it in tl.range(0, tl.cdiv(num_tiles - pid, step)):
             _move_tile(
                 pid + it * step, src, src_ids, dst, dst_ids, T, L, KV, num_t_tiles,
-                src_head_start, src_bs, src_s_kv, src_s_blk, src_s_tok, src_s_head,
-                dst_head_start, dst_bs, dst_s_kv, dst_s_blk, dst_s_tok, dst_s_head,
+                src_head_start, src_bs, src_sb, src_s_kv, src_s_blk, src_s_tok, src_s_head,
+                dst_head_start, dst_bs, dst_sb, dst_s_kv, dst_s_blk, dst_s_tok, dst_s_head,
                 SRC_PAGED, DST_PAGED, WORD, R, VEC, ALIGN, BLOCK_T, BLOCK_W,
             )  # fmt: skip
     else:
         _move_tile(
             pid, src, src_ids, dst, dst_ids, T, L, KV, num_t_tiles,
-            src_head_start, src_bs, src_s_kv, src_s_blk, src_s_tok, src_s_head,
-            dst_head_start, dst_bs, dst_s_kv, dst_s_blk, dst_s_tok, dst_s_head,
+            src_head_start, src_bs, src_sb, src_s_kv, src_s_blk, src_s_tok, src_s_head,
+            dst_head_start, dst_bs, dst_sb, dst_s_kv, dst_s_blk, dst_s_tok, dst_s_head,
             SRC_PAGED, DST_PAGED, WORD, R, VEC, ALIGN, BLOCK_T, BLOCK_W,
         )  # fmt: skip

@@ -23,6 +23,7 @@ names the call's NVTX range while a tool listens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -162,6 +163,7 @@ class _CacheInfo:
     device: torch.device
     dtype: torch.dtype
     cuda: bool  # device.type == "cuda", kept: a device's .type is a torch call per op otherwise
+    slot_block: int = 1  # tokens per physical block when ids are token slots (register_caches)
 
 
 class PagedCache(tuple):
@@ -170,7 +172,8 @@ class PagedCache(tuple):
     A tuple of the layer tensors: pass it wherever the ops take ``caches`` and the per-layer
     checks are skipped (they cost ~1 us per layer per call otherwise). ``max_sms``: the SM
     budget of every op on them (None: none); ``path_stats``: what those ops chose
-    (:func:`path_stats`).
+    (:func:`path_stats`). ``spec``: the spec the ops take with these caches (with
+    ``token_slots``, the registered spec with ``block_size=1``: the ids are token slots).
     """
 
     spec: KVCacheSpec
@@ -185,11 +188,20 @@ class PagedCache(tuple):
         name: str = "caches",
         max_sms: int | None = None,
         path_stats: _dma.PathStats | None = None,
+        token_slots: bool = False,
     ) -> PagedCache:
         max_sms = _dma.check_max_sms(max_sms)
         if path_stats is not None and not isinstance(path_stats, _dma.PathStats):
             raise ValueError(f"path_stats: expected a PathStats or None, got {type(path_stats).__name__}")
+        if type(token_slots) is not bool:
+            raise ValueError(f"token_slots: must be True or False, got {token_slots!r}")
         info = _check_caches(caches, spec, name)
+        if token_slots and spec.block_size > 1:
+            num_slots = info.num_blocks * spec.block_size
+            if num_slots >= 1 << 31:  # the kernels divide a slot as a 32-bit integer
+                raise ValueError(f"token_slots: {num_slots} slots in {name}, more than 2**31 - 1")
+            info = dataclasses.replace(info, num_blocks=num_slots, slot_block=spec.block_size)
+            spec = dataclasses.replace(spec, block_size=1)
         self = super().__new__(cls, caches)
         self.spec, self.info, self.max_sms = spec, info, max_sms
         self.path_stats = path_stats if path_stats is not None else _dma.PathStats(max_sms)
@@ -202,6 +214,7 @@ def register_caches(
     max_sms: int | None = None,
     *,
     path_stats: _dma.PathStats | None = None,
+    token_slots: bool = False,
 ) -> PagedCache:
     """Validate a rank's per-layer caches once; the result is accepted by every op.
 
@@ -209,8 +222,15 @@ def register_caches(
     own (a positive int, or None for none; a copy between two registered caches takes the
     smaller). ``path_stats``: share one record of the chosen paths between several
     registrations of one engine's caches (its views); a fresh one by default.
+
+    ``token_slots``: address tokens, not blocks. The ops then take one id per token, its slot
+    ``block * block_size + offset`` (``[0, num_blocks * block_size)``), so a call may carry
+    requests that end inside a block, any layout (an HND block cannot be re-viewed as token
+    rows: only the kernels can address its slots), and the caches go with the spec
+    ``result.spec`` (``block_size=1``); passing ``spec`` itself is refused. Such a call runs on
+    the kernels, never the copy engines (a slot's rows are not block runs).
     """
-    return PagedCache(caches, spec, max_sms=max_sms, path_stats=path_stats)
+    return PagedCache(caches, spec, max_sms=max_sms, path_stats=path_stats, token_slots=token_slots)
 
 
 def path_stats(caches: PagedCache) -> dict:
@@ -296,6 +316,11 @@ def make_side(
     registered = isinstance(caches, PagedCache) and (caches.spec is spec or caches.spec == spec)
     if registered:
         info = caches.info
+    elif isinstance(caches, PagedCache) and caches.info.slot_block > 1:
+        raise ValueError(
+            f"{name}: registered with token_slots (ids are token slots), so they go with their "
+            f"registration's spec (block_size 1), not one of block_size {spec.block_size}"
+        )
     else:
         info = _check_caches(caches, spec, name)
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
@@ -335,6 +360,7 @@ def make_side(
         stride_head=info.strides[3],
         layout=info.layout,
         memo=memo,
+        slot_block=info.slot_block,
     )
 
 
@@ -740,6 +766,7 @@ def _with_ids(t: PagedSide, ids: torch.Tensor, num_tokens: int) -> PagedSide:
         t.layout,
         t.memo,
         t.max_sms,
+        t.slot_block,
     )
 
 

@@ -9,7 +9,10 @@ ways:
   what the staged streams did before protocol 3): every token is its own unit, one id per
   token and side;
 * ``split``: one call over the requests' whole blocks and a second over their tails as token
-  slots (``split_tails=True``, what the ipc read and the streams take now).
+  slots (``split_tails=True``, what the ipc read and the streams take now);
+* ``blocks``: no token-slot view at all, so every request that ends inside a block sends its
+  tail in a call of its own (what an HND destination did before caches could be registered
+  with ``token_slots``: no tensor view re-blocks HND).
 
 For each backend and destination block size one row per plan: ids passed, host time of the
 plan and of the ops calls, the calls' time (on a GPU the kernels' alone: host work hidden by a
@@ -18,7 +21,8 @@ same bytes timed in the same rounds, and ``#wrong``: bytes of the requests that 
 the source (independent oracle, :mod:`profiling.verify`) plus bytes outside them that changed.
 
 Llama-3-8B rows (8 kv heads x 128, bf16), NHD block 16 at the source, 8 requests of
-2K-4K tokens (32 layers on a GPU; 4 on a CPU unless ``--layers``).
+2K-4K tokens (32 layers on a GPU; 4 on a CPU unless ``--layers``), into NHD blocks of 16 and
+32 and HND blocks of 16 (``--to``; an HND destination's slots go through the kernels).
 
     python profiling/bench_batching.py --quick        # CPU/CI: seconds
     python profiling/bench_batching.py                # GPU: cuda and triton
@@ -68,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short requests, 4 layers, few iterations (CI)")
     p.add_argument("--backends", default="cuda,triton,cpu,torch", help="comma list; unavailable ones skipped")
-    p.add_argument("--to", default="16,32", help="comma list of destination block sizes (NHD)")
+    p.add_argument(
+        "--to", default="16,32,HND16", help="comma list of destinations: block size, NHD or HND prefix (NHD)"
+    )
     p.add_argument("--reqs", type=int, default=8)
     p.add_argument("--tokens", default=None, help="MIN,MAX tokens per request (default 2048,4096)")
     p.add_argument("--layers", type=int, default=None, help="default 32 on a GPU, 4 on a CPU")
@@ -110,9 +116,9 @@ def _runner(bp: BatchPlan, sviews: dict, dviews: dict, backend: str):
     for c in bp.calls:
         su, du = bp.units(c)
         sv, dv = sviews[su], dviews[du]
-        # NHD caches and their slot views: [2, num_units, unit, heads, dim]
-        s_ids = ops.CheckedIds(c.src, sv.caches[0].shape[1], False)
-        d_ids = ops.CheckedIds(c.dst, dv.caches[0].shape[1], True)
+        # registered views: their unit count (blocks, or token slots)
+        s_ids = ops.CheckedIds(c.src, sv.caches.info.num_blocks, False)
+        d_ids = ops.CheckedIds(c.dst, dv.caches.info.num_blocks, True)
         calls.append((sv.caches, sv.spec, s_ids, dv.caches, dv.spec, d_ids, c.num_tokens))
 
     def run() -> None:
@@ -122,7 +128,7 @@ def _runner(bp: BatchPlan, sviews: dict, dviews: dict, backend: str):
     return run
 
 
-def _wrong_bytes(items, src, src_spec, dst, dst_spec) -> int:
+def _wrong_bytes(items, src, src_spec, dst, dst_spec, dst_layout: str) -> int:
     """Bytes of the requests that differ from the source, plus bytes outside them that are no
     longer poison (re-poisons the requests' rows to count those)."""
     heads = src_spec.num_kv_heads
@@ -130,11 +136,11 @@ def _wrong_bytes(items, src, src_spec, dst, dst_spec) -> int:
     for it in items:
         ids_s, ids_d = torch.from_numpy(it.src), torch.from_numpy(it.dst)
         wrong += verify.check_copy(
-            src, "NHD", ids_s, dst, "NHD", ids_d, src_spec.block_size, dst_spec.block_size,
+            src, "NHD", ids_s, dst, dst_layout, ids_d, src_spec.block_size, dst_spec.block_size,
             it.num_tokens, 0, 0, heads,
         )["wrong_bytes"]  # fmt: skip
     requests = [(torch.from_numpy(it.dst), it.num_tokens) for it in items]
-    return wrong + verify.clobbered_bytes_of(dst, "NHD", requests, dst_spec.block_size, 0, heads)
+    return wrong + verify.clobbered_bytes_of(dst, dst_layout, requests, dst_spec.block_size, 0, heads)
 
 
 def _plan_us(items, src_units, dst_units, src_bs, dst_bs, split: bool, iters: int) -> float:
@@ -159,14 +165,17 @@ def main(argv=None) -> int:
         [
             f"{meta['device']}; torch {meta.get('torch')}; commit {meta.get('git_commit')}",
             f"{args.reqs} requests of {args.token_range[0]}-{args.token_range[1]} tokens, "
-            f"{layers} layers x 8 heads x 128 bf16, NHD block 16 -> NHD block --to",
-            "slots: every token a unit in one call; split: whole blocks in one call, tails as slots",
+            f"{layers} layers x 8 heads x 128 bf16, NHD block 16 -> --to",
+            "slots: every token a unit in one call; split: whole blocks in one call, tails as slots; "
+            "blocks: no slot view, a call per tail",
         ]
     )
     limits = common.CopyLimit(device)
     rows, bad = [], 0
-    for to in (int(x) for x in args.to.split(",")):
-        dst_spec = KVCacheSpec(layers, 8, 128, to, torch.bfloat16)
+    for dest in args.to.split(","):
+        lay = "HND" if dest.upper().startswith("HND") else "NHD"
+        to = int(dest.upper().removeprefix(lay))
+        dst_spec = KVCacheSpec(layers, 8, 128, to, torch.bfloat16, layout=lay)
         items, src_nb, dst_nb = _requests(args, src_spec, dst_spec)
         src = [
             torch.empty(src_spec.cache_shape(src_nb, 1), dtype=torch.bfloat16, device=device)
@@ -186,6 +195,7 @@ def main(argv=None) -> int:
                 name: plan_batch(items, 16, list(sviews), to, list(dviews), split)
                 for name, split in (("slots", False), ("split", True))
             }
+            plans["blocks"] = plan_batch(items, 16, [16], to, [to], True)
             fns = [_runner(bp, sviews, dviews, backend) for bp in plans.values()]
             wrong = {}
             for name, fn in zip(plans, fns):  # verification pass: poison, run once, compare
@@ -194,7 +204,7 @@ def main(argv=None) -> int:
                 common.synchronize(device)
                 if ops.last_backend() != backend:
                     raise RuntimeError(f"ops ran backend {ops.last_backend()!r}, not {backend!r}")
-                wrong[name] = _wrong_bytes(items, src, src_spec, dst, dst_spec)
+                wrong[name] = _wrong_bytes(items, src, src_spec, dst, dst_spec, lay)
             limit = limits.fn(nbytes, "d2d" if device.type == "cuda" else "cpu")
             host: list[float] = []
             times = common.time_fns(
@@ -203,7 +213,7 @@ def main(argv=None) -> int:
             )  # fmt: skip
             for k, (name, bp) in enumerate(plans.items()):
                 row = {
-                    "to": f"NHD/{to}",
+                    "to": f"{lay}/{to}",
                     "backend": backend,
                     "plan": name,
                     "calls": len(bp.calls),
@@ -211,7 +221,13 @@ def main(argv=None) -> int:
                     "tokens": tokens,
                     "bytes": nbytes,
                     "plan_us": _plan_us(
-                        items, list(sviews), list(dviews), 16, to, name == "split", args.iters
+                        items,
+                        [16] if name == "blocks" else list(sviews),
+                        [to] if name == "blocks" else list(dviews),
+                        16,
+                        to,
+                        name != "slots",
+                        args.iters,
                     ),
                     "host_us": host[k] * 1e6,
                     "time_us": times[k] * 1e6,

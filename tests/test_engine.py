@@ -354,14 +354,14 @@ def test_batch_of_ragged_loads_with_disjoint_blocks_lands_and_overlapping_ones_a
     [
         (KVCacheSpec(2, 2, 16, 8, torch.float16), 2),  # blocks, then the tails as token slots
         (KVCacheSpec(2, 2, 16, 32, torch.float16), 2),
-        (KVCacheSpec(2, 2, 16, 8, torch.float16, layout="HND"), 3),  # no slot view: a call per tail
+        (KVCacheSpec(2, 2, 16, 8, torch.float16, layout="HND"), 2),  # HND slots: through the kernels
     ],
     ids=["nhd16-nhd8", "nhd16-nhd32", "nhd16-hnd8"],
 )
 def test_ragged_batch_across_block_sizes_lands_exactly(transport, dst, ipc_calls):
     """One batch of loads whose lengths end inside a block, between block sizes that differ:
-    the loader moves their whole blocks in one call and only their tails as token slots where
-    both caches have a slot view (else one call per request ending inside a block); every load
+    the loader moves their whole blocks in one call and only their tails as token slots (HND
+    included: its caches are registered with ``token_slots``); every load
     lands byte for byte, the tail slots of partial blocks and every block no load names stay
     poisoned."""
     src = KVCacheSpec(2, 2, 16, 16, torch.float16)

@@ -35,7 +35,9 @@ def test_staged_pg_between_processes(case):
         s = d["stats"]
         assert s["transfers"] == len(want) and s["failures"] == 0 and s["transports"] == {"P": "pg"}
         assert s["staging_pools"] == 1
-        assert s["staging_chunks_recv"] >= 3 + len(lengths) - 1, s
+        # the batch's whole blocks and its tails (token slots, any layout) pack into chunks of
+        # at most 72 tokens of the widest read: >= 438 / 144 tokens of a one-head read
+        assert s["staging_chunks_recv"] >= 4, s
         assert s["staging_streams"] >= 1
     sent = sum(res[f"P{r}"]["stats"]["staging_chunks_sent"] for r in range(src_tp))
     assert sent == sum(res[f"D{r}"]["stats"]["staging_chunks_recv"] for r in range(dst_tp))

@@ -271,11 +271,15 @@ def test_wait_reports_a_onesided_load_without_polling():
 
 
 @pytest.mark.parametrize("dst_bs", [16, 32])
-def test_batched_nhd_loads_take_two_ops_calls_for_six_requests(dst_bs):
-    """vLLM's layout (NHD both sides): six requests with partial last blocks, loaded in one
-    batch, are one ops call of whole blocks and one of token slots (the tails), where each
-    load alone is one call: on a GPU, two launches for the step instead of six."""
-    src, dst = KVCacheSpec(2, 4, 16, 16, torch.bfloat16), KVCacheSpec(2, 4, 16, dst_bs, torch.bfloat16)
+@pytest.mark.parametrize("layouts", ["NHD-NHD", "HND-HND", "NHD-HND", "HND-NHD"])
+def test_batched_loads_take_two_ops_calls_for_six_requests(layouts, dst_bs):
+    """Six requests with partial last blocks, loaded in one batch, are one ops call of whole
+    blocks and one of token slots (the tails), where each load alone is one call: on a GPU,
+    two launches for the step instead of six. vLLM's layout (NHD), and HND on either side,
+    whose tails only the kernels can address as slots (``token_slots``)."""
+    s_lay, d_lay = layouts.split("-")
+    src = KVCacheSpec(2, 4, 16, 16, torch.bfloat16, layout=s_lay)
+    dst = KVCacheSpec(2, 4, 16, dst_bs, torch.bfloat16, layout=d_lay)
     p, d = Ranks(src, 1, "P", nb=80), Ranks(dst, 1, "D", nb=80)
     try:
         warm(p, d)
@@ -291,8 +295,12 @@ def test_batched_nhd_loads_take_two_ops_calls_for_six_requests(dst_bs):
                 d[0].load(rid, prm, d_ids)
         assert poll_until(d.engines, set(reqs), "recv") == dict.fromkeys(reqs, "done")
         assert d[0].stats()["ops_calls"] - calls0 == 2 and d.onesided() == [6]
+        used: set[int] = {0}
         for n, seed, _, d_ids in reqs.values():
             assert check(d.caches(0), dst, 0, 1, d_ids, n, seed), seed
+            used |= set(d_ids)
+        tails = {ids[-1]: n - (len(ids) - 1) * dst.block_size for n, _, _, ids in reqs.values()}
+        assert untouched(d.caches(0), dst, used, tails), "D wrote outside the requests"
     finally:
         p.close()
         d.close()

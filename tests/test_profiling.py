@@ -363,14 +363,19 @@ def test_bench_batching_quick_both_plans_exact(tmp_path):
     with open(tmp_path / "bench_batching.json") as f:
         rows = json.load(f)["rows"]
     assert {(r["to"], r["backend"], r["plan"]) for r in rows} == {
-        (f"NHD/{bs}", b, p) for bs in (16, 32) for b in ("cpu", "torch") for p in ("slots", "split")
+        (to, b, p)
+        for to in ("NHD/16", "NHD/32", "HND/16")
+        for b in ("cpu", "torch")
+        for p in ("slots", "split", "blocks")
     }
     assert all(r["wrong"] == 0 and r["gbps"] > 0 and r["frac"] > 0 for r in rows)
-    for r in rows:  # 8 requests of 100-400 tokens end inside a block (seed 0): slots pass every token
-        if r["plan"] == "slots":
+    for r in rows:  # 8 requests of 100-400 tokens, 7 end inside a block (seed 0)
+        if r["plan"] == "slots":  # every token a slot, HND's through the kernels' slot addressing
             assert r["calls"] == 1 and r["ids"] == 2 * r["tokens"]
-        else:
+        elif r["plan"] == "split":
             assert r["calls"] == 2 and r["ids"] < r["tokens"] // 2
+        else:  # no slot view: the whole blocks, then a call per tail
+            assert r["calls"] == 8 and r["ids"] < r["tokens"] // 2
 
 
 def test_bench_batching_counts_a_misplaced_tail(tmp_path, monkeypatch, capsys):

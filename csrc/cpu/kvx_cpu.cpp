@@ -7,6 +7,8 @@
 // Model (the same as the CUDA kernels, csrc/kvx_copy.cuh): a transfer moves H * L * KV * T rows
 // of R bytes. Row (h, l, kv, t) of a side lives at
 //     layer(l) + head_off + kv * s_kv + h * s_head + block_ids[t / bs] * s_blk + (t % bs) * s_tok
+// or, when the ids are token slots (slot_block > 1, bs = 1), with the slot s = block_ids[t]:
+//     layer(l) + head_off + kv * s_kv + h * s_head + (s / slot_block) * s_blk + (s % slot_block) * s_tok
 // with layer(l) = layers[l] for a paged cache, base + l * layer_stride for a dense wire (which is
 // a paged side with one block of bs = T and s_tok = R).
 //
@@ -49,8 +51,8 @@ namespace {
 
 typedef std::int64_t i64;
 
-constexpr int kAbiVersion = 1;  // = cpu_build.ABI_VERSION; bump with any change to the arguments
-constexpr int kSideFields = 11;
+constexpr int kAbiVersion = 2;  // = cpu_build.ABI_VERSION; bump with any change to the arguments
+constexpr int kSideFields = 12;
 constexpr int kHeadFields = 8;
 constexpr int kMaxThreads = 64;
 
@@ -68,7 +70,8 @@ struct Side {
   i64 base, layer_stride;
   const i64* block_ids;  // [ceil(T / block_size)]
   i64 block_size, s_kv, s_blk, s_tok, s_head, head_off;
-  i64 extent;  // bytes from a layer's base address that its rows can reach (overlap checks)
+  i64 extent;      // bytes from a layer's base address that its rows can reach (overlap checks)
+  i64 slot_block;  // 1: ids are blocks; > 1: ids are token slots of blocks of this many tokens
 
   char* layer(i64 l) const {
     const i64 addr = layers ? layers[l] : base + l * layer_stride;
@@ -76,7 +79,13 @@ struct Side {
   }
   i64 token_offset(i64 t) const {
     const i64 j = t / block_size;
-    return block_ids[j] * s_blk + (t - j * block_size) * s_tok;
+    i64 id = block_ids[j], o = t - j * block_size;
+    if (slot_block != 1) {
+      const i64 b = id / slot_block;
+      o += id - b * slot_block;
+      id = b;
+    }
+    return id * s_blk + o * s_tok;
   }
 };
 
@@ -93,6 +102,7 @@ Side read_side(const i64* a) {
   s.s_head = a[8];
   s.head_off = a[9];
   s.extent = a[10];
+  s.slot_block = a[11];
   return s;
 }
 
@@ -111,6 +121,7 @@ Side dense_side(char* base, i64 H, i64 L, i64 KV, i64 T, i64 R) {
   s.s_head = L * KV * T * R;
   s.head_off = 0;
   s.extent = H * L * KV * T * R;
+  s.slot_block = 1;
   return s;
 }
 
@@ -419,8 +430,9 @@ int kvx_cpu_abi_version() { return kAbiVersion; }
 int kvx_cpu_has_stream() { return kHaveStream ? 1 : 0; }
 
 // args: H, L, KV, T, R (row bytes), threads, flags, min_bytes_per_thread, then the source and
-// destination sides, 11 fields each: layers address (0 for a dense wire), base, layer_stride,
-// block_ids address, block_size, s_kv, s_blk, s_tok, s_head, head_off, extent (bytes).
+// destination sides, 12 fields each: layers address (0 for a dense wire), base, layer_stride,
+// block_ids address, block_size, s_kv, s_blk, s_tok, s_head, head_off, extent (bytes),
+// slot_block (1: block ids; > 1: token slots, block_size 1).
 // Returns 0, or -1 when n is not the expected count, -2 when memory for the plan ran out.
 int kvx_cpu_move(const i64* args, int n) {
   if (n != kHeadFields + 2 * kSideFields) return -1;

@@ -15,25 +15,25 @@ typedef long long ll;
 typedef const long long* cp;
 
 
-// gather / scatter / copy take 14 / 14 / 20 arguments; unpack them into the entry's types.
+// gather / scatter / copy take 15 / 15 / 22 arguments; unpack them into the entry's types.
 #define KVX_HOST_CASES(W)                                                                               \
   if (!std::strcmp(name, "kvx_gather_w" #W)) {                                                         \
-    if (n != 14) return -1;                                                                            \
+    if (n != 15) return -1;                                                                            \
     kvx_shim::run_grid(grid, block, kvx_gather_w##W, a[0], a[1], a[2], a[3], a[4], a[5], (cp)a[6],     \
-                       (cp)a[7], a[8], a[9], a[10], a[11], a[12], (char*)a[13]);                       \
+                       (cp)a[7], a[8], a[9], a[10], a[11], a[12], a[13], (char*)a[14]);                \
     return 0;                                                                                          \
   }                                                                                                    \
   if (!std::strcmp(name, "kvx_scatter_w" #W)) {                                                        \
-    if (n != 14) return -1;                                                                            \
+    if (n != 15) return -1;                                                                            \
     kvx_shim::run_grid(grid, block, kvx_scatter_w##W, a[0], a[1], a[2], a[3], a[4], a[5],             \
-                       (const char*)a[6], (cp)a[7], (cp)a[8], a[9], a[10], a[11], a[12], a[13]);       \
+                       (const char*)a[6], (cp)a[7], (cp)a[8], a[9], a[10], a[11], a[12], a[13], a[14]); \
     return 0;                                                                                          \
   }                                                                                                    \
   if (!std::strcmp(name, "kvx_copy_w" #W)) {                                                           \
-    if (n != 20) return -1;                                                                            \
+    if (n != 22) return -1;                                                                            \
     kvx_shim::run_grid(grid, block, kvx_copy_w##W, a[0], a[1], a[2], a[3], a[4], a[5], (cp)a[6],       \
-                       (cp)a[7], a[8], a[9], a[10], a[11], a[12], (cp)a[13], (cp)a[14], a[15], a[16],  \
-                       a[17], a[18], a[19]);                                                           \
+                       (cp)a[7], a[8], a[9], a[10], a[11], a[12], a[13], (cp)a[14], (cp)a[15], a[16],  \
+                       a[17], a[18], a[19], a[20], a[21]);                                             \
     return 0;                                                                                          \
   }
 

@@ -28,8 +28,13 @@ class PagedSide:
     ``stride_kv=0``, one head with ``stride_head=0``). All layers share shape and strides.
 
     Token ``t`` of the request lives in block ``block_ids[t // block_size]`` at offset
-    ``t % block_size``. ``block_ids`` holds exactly ``ceil(num_tokens / block_size)`` ids, all
-    in ``[0, num_blocks)``, as a C-contiguous int64 numpy array (read it in place; it may be
+    ``t % block_size``. With ``slot_block > 1`` (a cache registered with ``token_slots``; then
+    ``block_size == 1``) the ids are token slots instead: token ``t`` lives at slot
+    ``s = block_ids[t]``, in block ``s // slot_block`` at offset ``s % slot_block``. One formula
+    covers both: id ``i = block_ids[t // block_size]``, block ``i // slot_block``, offset
+    ``t % block_size + i % slot_block`` (one of the two divisors is 1). ``block_ids`` holds
+    exactly ``ceil(num_tokens / block_size)`` ids, all in ``[0, num_blocks)`` (slots: ``num_blocks``
+    counts slots, blocks times ``slot_block``), as a C-contiguous int64 numpy array (read it in place; it may be
     read-only: :func:`ids_tensor` gives a tensor). numpy, not torch: the sides are made per
     ops call, and each torch call on them cost 3-6 us with a cold cache
     (``profiling/bench_engine.py``) where the backends only need the ids' address or values.
@@ -58,6 +63,8 @@ class PagedSide:
     # programs striding over the work); None: one full wave (Triton: one program per tile).
     # Set by ops per call, never part of a template's memo.
     max_sms: int | None = None
+    # Tokens per physical block when the ids are token slots (see above); 1: they are block ids.
+    slot_block: int = 1
 
     def kept(self, name: str, make):
         """``make(self)``, kept in :attr:`memo` under ``name`` when this side has a memo (made

@@ -53,7 +53,7 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 _ENV_THREADS = "KVXFER_CPU_THREADS"
-_NUM_ARGS = 8 + 2 * 11  # kvx_cpu_move: 8 header fields + 2 sides of 11 (see the source)
+_NUM_ARGS = 8 + 2 * 12  # kvx_cpu_move: 8 header fields + 2 sides of 12 (see the source)
 _FLAG_STREAM = 1
 EXTRA_FLAGS = 0  # OR-ed into every call's flags: loop-order overrides for profiling/sweep_cpu.py
 # Non-temporal (streaming) stores from this many bytes per call. They skip the read-for-
@@ -218,7 +218,7 @@ def is_available(device: torch.device) -> bool:
 
 # --------------------------------------------------------------------------- calls
 def _paged(side: PagedSide) -> tuple[list[int], tuple[array, np.ndarray], int]:
-    """The 11 side fields of a paged cache, the tables they point into (keep them alive), and
+    """The 12 side fields of a paged cache, the tables they point into (keep them alive), and
     the bytes of a row. All but the block ids' address are kept in the side's memo (the
     engine's sides share their registered cache's template memo: no per-call layer table, and
     no torch call per op: each costs a few us with a cold cache)."""
@@ -234,11 +234,13 @@ def _static_fields(side: PagedSide) -> tuple[array, list[int], int]:
     es = side.element_size
     layers = array("q", side.layer_ptrs())
     # bytes from a layer's base its rows can reach (every block, token and K/V of the heads up
-    # to the last one moved; strides are non-negative): for the overlap check of a copy
+    # to the last one moved; strides are non-negative): for the overlap check of a copy. With
+    # token slots, num_blocks counts slots (slot_block per block) and block_size is 1.
+    sb = side.slot_block
     extent = (
         (side.num_kv - 1) * side.stride_kv
-        + (side.num_blocks - 1) * side.stride_block
-        + (side.block_size - 1) * side.stride_token
+        + (-(-side.num_blocks // sb) - 1) * side.stride_block
+        + (side.block_size * sb - 1) * side.stride_token
         + (side.head_start + side.num_heads - 1) * side.stride_head
     ) * es + side.row_bytes
     return (
@@ -255,13 +257,14 @@ def _static_fields(side: PagedSide) -> tuple[array, list[int], int]:
             side.stride_head * es,
             side.head_start * side.stride_head * es,
             extent,
+            sb,
         ],
         side.row_bytes,
     )
 
 
 def _dense(wire: torch.Tensor, side: PagedSide) -> list[int]:
-    """The 11 side fields of a contiguous wire [H, L, KV, T, D]: one block of T tokens."""
+    """The 12 side fields of a contiguous wire [H, L, KV, T, D]: one block of T tokens."""
     _, num_layers, num_kv, num_tokens, _ = side.wire_view_shape()
     row = side.row_bytes
     return [
@@ -276,6 +279,7 @@ def _dense(wire: torch.Tensor, side: PagedSide) -> list[int]:
         num_layers * num_kv * num_tokens * row,
         0,
         wire.numel() * wire.element_size(),
+        1,
     ]
 
 

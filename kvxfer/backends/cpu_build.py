@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 SOURCE = Path("cpu") / "kvx_cpu.cpp"  # relative to the csrc directory
-ABI_VERSION = 1  # must equal kAbiVersion in the source
+ABI_VERSION = 2  # must equal kAbiVersion in the source
 CXX_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-shared", "-pthread", "-Wall", "-Wextra", "-Werror")
 BUILD_TIMEOUT_S = 300
 

@@ -144,7 +144,8 @@ def _plan(
     if num_tokens >= 1 << 31 or row_bytes >= 1 << 24:
         raise ValueError(f"num_tokens {num_tokens} / row of {row_bytes} bytes: too large for one launch")
     paged = [s for s in (src, dst) if s is not None]
-    fields: list[tuple[int, int, tuple[int, int, int, int], int]] = []  # table offsets, strides, bs
+    # per side: table offsets, strides, block size, slot block
+    fields: list[tuple[int, int, tuple[int, int, int, int], int, int]] = []
     addresses: list[int] = [row_bytes] if wire_ptr is None else [row_bytes, wire_ptr]
     per_side = [(_paged_fields(s), s.block_ids) for s in paged]
     # one host table, filled in place: per side its layer bases, then its block ids
@@ -155,7 +156,7 @@ def _plan(
         n_layers = f.layers.size
         meta_np[offset : offset + n_layers] = f.layers
         meta_np[offset + n_layers : offset + n_layers + ids.size] = ids
-        fields.append((offset, offset + n_layers, f.strides, s.block_size))
+        fields.append((offset, offset + n_layers, f.strides, s.block_size, s.slot_block))
         offset += n_layers + ids.size
     width = copy_width(*addresses)
     meta = torch.from_numpy(meta_np)
@@ -175,9 +176,9 @@ def _plan(
     args: list[int] = [num_heads, num_layers, num_kv, num_tokens, row_bytes, chunk]
     rel: list[int] = []  # where the table's addresses go
 
-    def add_paged(lo: int, ids: int, strides: tuple[int, int, int, int], bs: int) -> None:
+    def add_paged(lo: int, ids: int, strides: tuple[int, int, int, int], bs: int, slot_block: int) -> None:
         rel.extend((len(args), len(args) + 1))
-        args.extend((base + 8 * lo, base + 8 * ids, *strides, bs))
+        args.extend((base + 8 * lo, base + 8 * ids, *strides, bs, slot_block))
 
     if op == "scatter":
         args.append(wire_ptr)

@@ -20,7 +20,8 @@ That is: an ``ipc`` copy between like caches of whole heads (NHD needs every hea
 HND any head slice: a block's heads are contiguous there) in one run per (layer, K/V, block);
 and a gather into (scatter from) a wire where one head's tokens are contiguous in a block (HND,
 MLA, NHD with one head per rank) in one run per (head, layer, K/V, block). An NHD head slice of
-several heads is one 2 x ``head_dim``-byte row per token: no.
+several heads is one 2 x ``head_dim``-byte row per token: no. Nor are token slots (caches
+registered with ``token_slots``: one id per token, each a few rows).
 
 **The rule** (:func:`choose`): DMA where it applies and the SM budget is small
 (``max_sms <= SMALL_BUDGET_SMS``) or the copy is large (``>= LARGE_COPY_BYTES``), and its runs
@@ -172,6 +173,9 @@ def _structure(op: str, src: PagedSide | None, dst: PagedSide | None) -> _Plan:
     assert side is not None
     paged = [s for s in (src, dst) if s is not None]
     bs = side.block_size
+    slotted = next((s for s in paged if s.slot_block > 1), None)
+    if slotted is not None:
+        return _Plan(f"{slotted.layout} token slots: a slot's rows are not block runs")
     if op == "copy" and src.block_size != dst.block_size:
         return _Plan(f"block sizes differ ({src.block_size} -> {dst.block_size}): tokens change blocks")
     r = side.num_tokens % bs

@@ -23,8 +23,9 @@ def _row_offsets(side: PagedSide, base: int) -> torch.Tensor:
     """Byte offset from ``base`` of every row, shaped ``[H, L, KV, T]`` (wire order)."""
     es = side.element_size
     t = torch.arange(side.num_tokens, dtype=torch.int64)
-    blocks = ids_tensor(side)[t // side.block_size]
-    tok = blocks * side.stride_block + (t % side.block_size) * side.stride_token
+    ids = ids_tensor(side)[t // side.block_size]
+    sb = side.slot_block  # > 1: the ids are token slots (block_size 1)
+    tok = (ids // sb) * side.stride_block + (t % side.block_size + ids % sb) * side.stride_token
     heads = (side.head_start + torch.arange(side.num_heads, dtype=torch.int64)) * side.stride_head
     kv = torch.arange(side.num_kv, dtype=torch.int64) * side.stride_kv
     layer = torch.tensor(side.layer_ptrs(), dtype=torch.int64) - base

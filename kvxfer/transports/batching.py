@@ -52,11 +52,14 @@ def cache_views(
 ) -> tuple[CacheView, ...]:
     """The views an ops call may address ``caches`` through, coarsest first.
 
-    Always the caches themselves (unit = ``block_size``: ids are block ids); for NHD and MLA
-    caches whose blocks are not padded apart also the block-size-1 view of
-    :func:`unit_view` (unit = 1: ids are token slots), which lets requests with a partial last
-    block share one ops call. Every view carries the SM budget ``max_sms`` (the engine's) and
-    one shared record of the paths its ops chose (:func:`kvxfer.ops.path_stats`).
+    Always the caches themselves (unit = ``block_size``: ids are block ids) and, when blocks
+    hold more than one token, a token-slot view (unit = 1: ids are token slots), which lets
+    requests with a partial last block share one ops call: for NHD and MLA caches whose blocks
+    are not padded apart the block-size-1 tensor view of :func:`unit_view` (plain strides, so
+    the copy engines can still take its whole-token runs); for HND caches and padded blocks,
+    which no tensor view re-blocks, the caches registered with ``token_slots`` (the kernels
+    split each slot into block and offset). Every view carries the SM budget ``max_sms`` (the
+    engine's) and one shared record of the paths its ops chose (:func:`kvxfer.ops.path_stats`).
     """
     from .. import ops
     from ..backends.dma import PathStats, check_max_sms
@@ -64,9 +67,14 @@ def cache_views(
     stats = PathStats(check_max_sms(max_sms))
     reg = ops.register_caches(caches, spec, max_sms, path_stats=stats)
     out = [CacheView(reg, spec, spec.block_size)]
+    if spec.block_size == 1:
+        return tuple(out)
     views, vspec, unit = unit_view(caches, spec)
-    if unit == 1 and spec.block_size != 1:
-        out.append(CacheView(ops.register_caches(views, vspec, max_sms, path_stats=stats), vspec, 1))
+    if unit == 1:
+        slots = ops.register_caches(views, vspec, max_sms, path_stats=stats)
+    else:
+        slots = ops.register_caches(caches, spec, max_sms, path_stats=stats, token_slots=True)
+    out.append(CacheView(slots, slots.spec, 1))
     return tuple(out)
 
 
@@ -97,8 +105,8 @@ def unit_view(
     (``[2, nb*bs, 1, h, d]``, ``[nb*bs, 1, d]``): a "block" is then one token slot, so
     any concatenation of requests is exact. HND ``[2, nb, h, bs, d]`` cannot be re-blocked (its
     token stride is inside a block), nor can caches whose blocks are padded apart; they keep
-    their blocks. Returns (views, spec of the
-    views, unit = tokens per unit).
+    their blocks here (:func:`cache_views` addresses their tokens through ``token_slots``
+    instead). Returns (views, spec of the views, unit = tokens per unit).
     """
     c0 = caches[0]
     if spec.use_mla:

@@ -52,6 +52,11 @@ class Case:
     wire_misalign: int = 0
     max_blocks: int = 3  # grid cap (the GPU run uses the device's own)
     seed: int = 0
+    # ids are token slots (caches registered with token_slots) on that side: random distinct
+    # slots anywhere in the cache; the reference is the torch backend on the same slots
+    # (tests/test_token_slots.py checks it against plain indexing)
+    src_slots: bool = False
+    dst_slots: bool = False
 
     @property
     def id(self) -> str:
@@ -73,6 +78,8 @@ class Case:
             "misalign",
             "wire_misalign",
             "max_blocks",
+            "src_slots",
+            "dst_slots",
         ):
             v = getattr(self, f)
             if v != getattr(base, f):
@@ -163,6 +170,9 @@ def _caches(case: Case, side: str, device, origin: bool) -> tuple[list[torch.Ten
     num_blocks = needed + 3  # spare blocks: must stay poison
     g = torch.Generator().manual_seed(case.seed * 1000 + (1 if side == "src" else 2))
     block_ids = torch.randperm(num_blocks, generator=g)[:needed].tolist()
+    slots = getattr(case, f"{side}_slots")
+    if slots:  # one id per token: distinct slots anywhere, in random order
+        block_ids = torch.randperm(num_blocks * spec.block_size, generator=g)[: case.num_tokens].tolist()
     shape = spec.local_cache_shape(num_blocks, heads)
     caches = []
     for layer in range(case.num_layers):
@@ -172,7 +182,19 @@ def _caches(case: Case, side: str, device, origin: bool) -> tuple[list[torch.Ten
         if torch.device(device).type != "cpu":
             c = _alloc(shape, spec.dtype, case.misalign, device).copy_(c)
         caches.append(c)
+    if slots:
+        caches = ops.register_caches(caches, spec, token_slots=True)
+        spec = caches.spec
     return caches, spec, block_ids
+
+
+def _clone(caches) -> list[torch.Tensor]:
+    """Clones of ``caches``, registered as they are (token slots stay token slots)."""
+    out = [c.clone() for c in caches]
+    if isinstance(caches, ops.PagedCache) and caches.info.slot_block > 1:
+        physical = replace(caches.spec, block_size=caches.info.slot_block)
+        return ops.register_caches(out, physical, token_slots=True)
+    return out
 
 
 def run_case(case: Case, device, kernels, pinned_wire: bool = False) -> None:
@@ -193,7 +215,7 @@ def run_case(case: Case, device, kernels, pinned_wire: bool = False) -> None:
         return
     if case.op == "scatter":
         caches, spec, ids = _caches(case, "dst", device, origin=False)
-        ref = [c.clone() for c in caches]
+        ref = _clone(caches)
         num_heads = 1 if spec.use_mla else case.num_heads
         wire_shape = spec.wire_shape(case.num_tokens, num_heads, len(layers) if layers else case.num_layers)
         wire = _alloc(wire_shape, spec.dtype, case.wire_misalign, "cpu")
@@ -217,7 +239,7 @@ def run_case(case: Case, device, kernels, pinned_wire: bool = False) -> None:
         return
     src_caches, src_spec, src_ids = _caches(case, "src", device, origin=True)
     dst_caches, dst_spec, dst_ids = _caches(case, "dst", device, origin=False)
-    ref = [c.clone() for c in dst_caches]
+    ref = _clone(dst_caches)
     num_heads = 1 if src_spec.use_mla else case.num_heads
     ops.copy_blocks(
         src_caches,
@@ -321,4 +343,27 @@ def matrix() -> list[Case]:
             num_tokens=65,
         )
     )
+    # token slots (one id per token, any layout): each layout and op, odd block sizes, mixed
+    # with block ids on the other side of a copy, a misaligned base
+    dtypes = iter(("bf16", "e4m3", "fp32", "int8", "fp16", "e5m2", "bf16", "e4m3", "fp16"))
+    for op in ("gather", "scatter", "copy"):
+        for layout in ("NHD", "HND", "MLA"):
+            heads = dict(num_heads=1) if layout == "MLA" else dict(src_head_start=1, num_heads=2)
+            cases.append(
+                Case(
+                    op=op,
+                    dtype=next(dtypes),
+                    layout=layout,
+                    src_bs=5,
+                    dst_bs=7,
+                    head_dim=16,
+                    num_tokens=23,
+                    src_slots=op != "scatter",
+                    dst_slots=op != "gather",
+                    **heads,
+                )
+            )
+    cases.append(Case(op="copy", layout="NHD", dst_layout="HND", dst_bs=32, num_tokens=41, dst_slots=True))
+    cases.append(Case(op="copy", layout="HND", dst_layout="NHD", src_bs=8, src_slots=True, head_dim=72))
+    cases.append(Case(op="gather", layout="HND", dtype="fp16", head_dim=64, misalign=2, src_slots=True))
     return [replace(c, seed=i) for i, c in enumerate(cases)]
