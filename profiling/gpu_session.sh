@@ -58,7 +58,9 @@ step ops 120 50 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-
 step transfer 120 45 bash $v transfer --transports ipc,ipc-messaged,pg --sizes 4096 --reqs 5 --iters 3 \
   --inflight 8 --batches 2
 step latency 90 30 bash $v latency --tokens 16,4096 --reqs 10
-step batching 25 15 bash $v batching --backends cuda,triton
+# issue 40: an HND destination's tails as token slots through the kernels (2 calls) beside a call
+# per tail (plan "blocks", what HND took before token slots), and NHD/16 as before
+step batching 30 15 bash $v batching --backends cuda,triton --to 16,HND16
 # the Triton tile/warp sweep: 8 KiB x 8 warps, the smallest tile of the first sweep, won it
 # (kernels/launch.py); this one looks below and above it (6 configurations)
 step sweep 115 50 sh -c "python3 profiling/sweep_triton_tiles.py --tiles 4096,8192,16384 --warps 8,16 --timeout 18 \

@@ -84,7 +84,7 @@ print(w['model'], w['layout'], w['dest'], w['op'], w['backend'])")
     python3 profiling/bench_latency.py --transport pg --tokens 4096 --reqs 10 --out "$out/pg" 2>&1 | tee "$out/bench_latency_pg.txt" | tail -14
     ;;
   batching)  # a batch of requests ending inside a block: all tokens as slots vs blocks + tails
-    python3 profiling/bench_batching.py --out "$out" "${@:2}" 2>&1 | tee "$out/bench_batching.txt" | tail -16
+    python3 profiling/bench_batching.py --out "$out" "${@:2}" 2>&1 | tee "$out/bench_batching.txt" | tail -20
     ;;
   hostcost)  # the engine's per-request host cost on this machine's CPU (DESIGN's target is set for it)
     python3 profiling/bench_engine.py --host-only --host-iters "${2:-200}" 2>&1 | tee "$out/bench_engine.txt" | tail -24

@@ -271,28 +271,26 @@ def test_cache_views_offer_token_slots_in_every_layout(layout):
 
 
 # --------------------------------------------------------------------------- GPU
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_slots_on_gpu(layout, backend):
-    if backend == "triton" and INTERPRETED:
-        pytest.skip("TRITON_INTERPRET is set: Triton runs CPU tensors only")
+def _round_trip(device: str, backend: str, layout: str) -> None:
+    """Gather, scatter and copy by slot on ``device`` (the GPU test's body; rehearsed on CPU)."""
     spec = _spec(layout, torch.bfloat16, block_size=16, head_dim=128)
     heads = slice(0, 1) if layout == "MLA" else slice(1, 3)
     num_heads = heads.stop - heads.start
-    src = _filled(spec, 15, "cuda")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    src = _filled(spec, 15, device)
     reg = ops.register_caches(src, spec, token_slots=True)
     slots = _slots(spec, 37, seed=16)
     wire = ops.gather_blocks(reg, reg.spec, slots, 37, heads.start, num_heads, backend=backend)
-    torch.cuda.synchronize()
+    sync()
+    assert ops.last_backend() == backend
     _equal(_wire_rows(wire, spec), _read(src, spec, slots, heads), "gather")
-    dst, want = _poisoned(spec, "cuda"), _poisoned(spec)
+    dst, want = _poisoned(spec, device), _poisoned(spec)
     _write(want, spec, slots, heads, _wire_rows(wire, spec))
     dreg = ops.register_caches(dst, spec, token_slots=True)
     ops.scatter_blocks(wire, dreg, dreg.spec, slots, 37, heads.start, backend=backend)
-    torch.cuda.synchronize()
+    sync()
     _equal(_all_bytes(dst), _all_bytes(want), "scatter")
-    d2, want2 = _poisoned(spec, "cuda"), _poisoned(spec)
+    d2, want2 = _poisoned(spec, device), _poisoned(spec)
     d_slots = _slots(spec, 37, seed=17)
     _write(want2, spec, d_slots, heads, _read(src, spec, slots, heads))
     d2reg = ops.register_caches(d2, spec, token_slots=True)
@@ -309,5 +307,19 @@ def test_slots_on_gpu(layout, backend):
         num_heads,
         backend=backend,
     )
-    torch.cuda.synchronize()
+    sync()
     _equal(_all_bytes(d2), _all_bytes(want2), "copy")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_rehearsed_on_cpu(layout):
+    _round_trip("cpu", "cpu", layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_slots_on_gpu(layout, backend):
+    if backend == "triton" and INTERPRETED:
+        pytest.skip("TRITON_INTERPRET is set: Triton runs CPU tensors only")
+    _round_trip("cuda", backend, layout)
