@@ -127,6 +127,17 @@ def test_gather_scatter_by_slot(layout, dtype, backend):
     _equal(_all_bytes(dst), _all_bytes(want), "scatter (poison elsewhere)")
 
 
+def _side(caches, spec: KVCacheSpec, n: int, slots: bool, seed: int):
+    """(registered caches, the ids an op takes, the slot of each of the ``n`` tokens): random
+    distinct slots when ``slots``, else the first ``n`` tokens of random blocks."""
+    if slots:
+        ids = _slots(spec, n, seed)
+        return ops.register_caches(caches, spec, token_slots=True), ids, ids
+    ids = np.random.default_rng(seed).permutation(NUM_BLOCKS)[: spec.num_blocks_for(n)]
+    tokens = (ids[:, None] * spec.block_size + np.arange(spec.block_size)).reshape(-1)[:n]
+    return ops.register_caches(caches, spec), ids, tokens
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize(
     "src_layout,dst_layout,src_slots,dst_slots",
@@ -145,22 +156,8 @@ def test_copy_by_slot(src_layout, dst_layout, src_slots, dst_slots, dtype, backe
     src, dst, want = _filled(sspec, seed=3), _poisoned(dspec), _poisoned(dspec)
     heads = slice(0, 1) if src_layout == "MLA" else slice(1, 4)
     dheads = slice(0, 1) if src_layout == "MLA" else slice(0, 3)
-    if src_slots:
-        s_ids = _slots(sspec, n, seed=4)
-        s_reg = ops.register_caches(src, sspec, token_slots=True)
-        s_tokens = s_ids
-    else:
-        s_ids = np.random.default_rng(5).permutation(NUM_BLOCKS)[: sspec.num_blocks_for(n)]
-        s_reg = ops.register_caches(src, sspec)
-        s_tokens = (s_ids[:, None] * sspec.block_size + np.arange(sspec.block_size)).reshape(-1)[:n]
-    if dst_slots:
-        d_ids = _slots(dspec, n, seed=6)
-        d_reg = ops.register_caches(dst, dspec, token_slots=True)
-        d_tokens = d_ids
-    else:
-        d_ids = np.random.default_rng(7).permutation(NUM_BLOCKS)[: dspec.num_blocks_for(n)]
-        d_reg = ops.register_caches(dst, dspec)
-        d_tokens = (d_ids[:, None] * dspec.block_size + np.arange(dspec.block_size)).reshape(-1)[:n]
+    s_reg, s_ids, s_tokens = _side(src, sspec, n, src_slots, seed=4)
+    d_reg, d_ids, d_tokens = _side(dst, dspec, n, dst_slots, seed=6)
     _write(want, dspec, d_tokens, dheads, _read(src, sspec, s_tokens, heads))
     ops.copy_blocks(
         s_reg, s_reg.spec, s_ids, d_reg, d_reg.spec, d_ids, n, heads.start, dheads.start,
