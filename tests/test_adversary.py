@@ -9,6 +9,7 @@ message makes the exporter work or grow.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -18,7 +19,7 @@ import pytest
 import torch
 import zmq
 
-from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine
+from kvxfer import KVCacheSpec, KVTransferParams, Layout, TransferEngine
 from kvxfer import control as C
 from kvxfer.limits import MAX_TP_SIZE
 from kvxfer.transports.ipc.shm import alloc_shm_caches
@@ -57,13 +58,19 @@ def engines():
     cache poisoned; everything closed at the end."""
     made: list = []
 
-    def make(transport: str, p_kw: dict | None = None, d_kw: dict | None = None, blocks: int = 32):
-        ps, ds = alloc_shm_caches(SPEC, blocks, 1), alloc_shm_caches(SPEC, blocks, 1)
+    def make(
+        transport: str,
+        p_kw: dict | None = None,
+        d_kw: dict | None = None,
+        blocks: int = 32,
+        spec: KVCacheSpec = SPEC,
+    ):
+        ps, ds = alloc_shm_caches(spec, blocks, 1), alloc_shm_caches(spec, blocks, 1)
         made.extend([ps, ds])
         poison(ds.caches)
-        p = TransferEngine(SPEC, ps.caches, 0, 1, "P", transport=transport, **(p_kw or {})).start()
+        p = TransferEngine(spec, ps.caches, 0, 1, "P", transport=transport, **(p_kw or {})).start()
         made.append(p)
-        d = TransferEngine(SPEC, ds.caches, 0, 1, "D", transport=transport, **(d_kw or {})).start()
+        d = TransferEngine(spec, ds.caches, 0, 1, "D", transport=transport, **(d_kw or {})).start()
         made.append(d)
         return p, d, ps, ds
 
@@ -166,11 +173,15 @@ def test_params_open_only_their_own_export(engines, transport):
     assert untouched(ds.caches, SPEC, {12, 13, 14}, {12: 8, 13: 4, 14: 4})  # all else poisoned
 
 
-def test_a_send_request_reads_only_the_tokens_its_tokens_open(engines):
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_a_send_request_reads_only_the_tokens_its_tokens_open(engines, layout):
     """A peer holding A's params asks P directly to stream B's blocks, a block nobody exported,
     or the unused tail of A's partial last block: refused by name before anything is queued;
-    A's own blocks are served."""
-    p, _d, _ps, _ds = engines("pg", p_kw={"timeout_s": 2.0})
+    A's own blocks are served. HND too, whose exporter serves token slots through the kernels'
+    slot addressing (``token_slots``)."""
+    spec = dataclasses.replace(SPEC, layout=Layout(layout))
+    p, _d, _ps, _ds = engines("pg", p_kw={"timeout_s": 2.0}, spec=spec)
+    assert sorted(p._rank.by_unit) == [1, 8]
     a = p.export("A", [2, 3], 12)  # block 3 holds tokens 8..11: 4 of its 8 slots
     p.export("B", [20, 21], 16)
     key = "x/0/k"
