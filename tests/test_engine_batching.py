@@ -221,8 +221,9 @@ def test_plan_batch_matches_per_request_copies(src, dst, lens, sibling, split_ta
             assert bp.calls[0].num_tokens == sum(lens) - bp.calls[1].num_tokens
 
 
-def test_plan_batch_one_call_per_ragged_request_on_hnd():
-    # HND caches have no token-slot view: only block units (16) on both sides.
+def test_plan_batch_one_call_per_ragged_request_with_block_units_only():
+    # Block units (16) on both sides, no token slots (the nixl direct READ's plans): a request
+    # that ends inside a block cannot share a call with one after it.
     lens = [32, 20, 64, 5, 16]  # two requests end inside a block
     items = [
         Item(f"r{i}", np.arange(i * 8, i * 8 + -(-n // 16)), np.arange(i * 8, i * 8 + -(-n // 16)), n)
