@@ -20,7 +20,9 @@ from .backends import dma as _dma
 from .backends.base import PagedSide
 from .spec import KVCacheSpec, Layout
 
-__all__ = ["CheckedIds", "PagedCache", "make_side", "path_stats", "register_caches"]
+__all__ = ["MAX_SLOTS", "CheckedIds", "PagedCache", "make_side", "path_stats", "register_caches"]
+
+MAX_SLOTS = (1 << 31) - 1  # token slots of one registration: the kernels divide a slot in 32 bits
 
 
 class CheckedIds:
@@ -155,8 +157,8 @@ class PagedCache(tuple):
         info = _check_caches(caches, spec, name)
         if token_slots and spec.block_size > 1:
             num_slots = info.num_blocks * spec.block_size
-            if num_slots >= 1 << 31:  # the kernels divide a slot as a 32-bit integer
-                raise ValueError(f"token_slots: {num_slots} slots in {name}, more than 2**31 - 1")
+            if num_slots > MAX_SLOTS:
+                raise ValueError(f"token_slots: {num_slots} slots in {name}, more than {MAX_SLOTS}")
             info = dataclasses.replace(info, num_blocks=num_slots, slot_block=spec.block_size)
             spec = dataclasses.replace(spec, block_size=1)
         self = super().__new__(cls, caches)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..paged import MAX_SLOTS
 from ..spec import KVCacheSpec, Layout
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = [
     "BatchPlan",
@@ -72,6 +76,15 @@ def cache_views(
     views, vspec, unit = unit_view(caches, spec)
     if unit == 1:
         slots = ops.register_caches(views, vspec, max_sms, path_stats=stats)
+    elif reg.info.num_blocks * spec.block_size > MAX_SLOTS:
+        _LOG.warning(
+            "kvxfer: %d token slots in these %s caches, more than the kernels address (%d); "
+            "requests that end inside a block take a call each",
+            reg.info.num_blocks * spec.block_size,
+            spec.layout.value,
+            MAX_SLOTS,
+        )
+        return tuple(out)
     else:
         slots = ops.register_caches(caches, spec, max_sms, path_stats=stats, token_slots=True)
     out.append(CacheView(slots, slots.spec, 1))
