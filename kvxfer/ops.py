@@ -392,21 +392,7 @@ class PreparedCopy:
             raise ValueError(f"num_tokens: must be an int >= 0, got {num_tokens!r}")
         if not num_tokens:
             return
-        st, dt = self._src, self._dst
-        src = _with_ids(
-            st,
-            _as_block_ids(
-                src_block_ids, st.num_blocks, -(-num_tokens // st.block_size), "src_block_ids", False
-            ),
-            num_tokens,
-        )
-        dst = _with_ids(
-            dt,
-            _as_block_ids(
-                dst_block_ids, dt.num_blocks, -(-num_tokens // dt.block_size), "dst_block_ids", True
-            ),
-            num_tokens,
-        )
+        src, dst = _copy_sides(self._src, self._dst, src_block_ids, dst_block_ids, num_tokens)
         a, b = self._src_caches, self._dst_caches
         budget = _cap(None, src, dst, a, b)
         if self._cuda or _dma.serves_cpu():
@@ -506,6 +492,15 @@ def _checked_sides(
             pairs.clear()
         got = pairs[key] = _pair(src_caches, dst_caches, src_head_start, dst_head_start, num_heads, layers)
     _, st, dt, device = got
+    src, dst = _copy_sides(st, dt, src_ids, dst_ids, num_tokens)
+    return src, dst, device
+
+
+def _copy_sides(
+    st: PagedSide, dt: PagedSide, src_ids, dst_ids, num_tokens: int
+) -> tuple[PagedSide, PagedSide]:
+    """A copy's two sides from their templates (:func:`_template`) and ids, the ids checked as
+    :func:`_as_block_ids` checks them (the destination's for repeats too)."""
     src = _with_ids(
         st,
         _as_block_ids(src_ids, st.num_blocks, -(-num_tokens // st.block_size), "src_block_ids", False),
@@ -516,7 +511,7 @@ def _checked_sides(
         _as_block_ids(dst_ids, dt.num_blocks, -(-num_tokens // dt.block_size), "dst_block_ids", True),
         num_tokens,
     )
-    return src, dst, device
+    return src, dst
 
 
 def warmup(
