@@ -259,18 +259,16 @@ def test_too_many_slots_are_refused_and_the_views_go_without(monkeypatch, caplog
     """More slots than the kernels' 32-bit division takes: the registration is refused by name,
     and an engine's views keep block units only (with a warning), as before token slots."""
     from kvxfer import paged
-    from kvxfer.transports import batching
 
     spec = _spec("HND")  # 9 blocks of 5: 45 slots
     monkeypatch.setattr(paged, "MAX_SLOTS", 44)
-    monkeypatch.setattr(batching, "MAX_SLOTS", 44)
     caches = _filled(spec, 18)
     with pytest.raises(ValueError, match="token_slots: 45 slots in caches, more than 44"):
         ops.register_caches(caches, spec, token_slots=True)
     with caplog.at_level(logging.WARNING, logger="kvxfer.transports.batching"):
         views = cache_views(caches, spec)
     assert [v.unit for v in views] == [spec.block_size]
-    assert "45 token slots" in caplog.text and "a call each" in caplog.text
+    assert "token_slots: 45 slots in caches, more than 44" in caplog.text and "a call each" in caplog.text
 
 
 # --------------------------------------------------------------------------- views

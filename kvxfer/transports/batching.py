@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..paged import MAX_SLOTS
 from ..spec import KVCacheSpec, Layout
 
 _LOG = logging.getLogger(__name__)
@@ -76,17 +75,17 @@ def cache_views(
     views, vspec, unit = unit_view(caches, spec)
     if unit == 1:
         slots = ops.register_caches(views, vspec, max_sms, path_stats=stats)
-    elif reg.info.num_blocks * spec.block_size > MAX_SLOTS:
-        _LOG.warning(
-            "kvxfer: %d token slots in these %s caches, more than the kernels address (%d); "
-            "requests that end inside a block take a call each",
-            reg.info.num_blocks * spec.block_size,
-            spec.layout.value,
-            MAX_SLOTS,
-        )
-        return tuple(out)
     else:
-        slots = ops.register_caches(caches, spec, max_sms, path_stats=stats, token_slots=True)
+        try:  # the caches passed as blocks just now: only the slot count can be refused
+            slots = ops.register_caches(caches, spec, max_sms, path_stats=stats, token_slots=True)
+        except ValueError as e:
+            _LOG.warning(
+                "kvxfer: %s caches without token slots (%s); requests that end inside a block "
+                "take a call each",
+                spec.layout.value,
+                e,
+            )
+            return tuple(out)
     out.append(CacheView(slots, slots.spec, 1))
     return tuple(out)
 
