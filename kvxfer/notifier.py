@@ -34,13 +34,16 @@ class Notifier:
         stop: set when the engine closes; what is queued by then still goes until its deadline.
         metrics: where ``notify_failures`` is counted.
 
-    ``queue``: ``(address, Notify | Heartbeat, deadline)`` tuples."""
+    ``queue``: ``(address, Notify | Heartbeat, deadline)`` tuples. A ``SimpleQueue``: its put is
+    one C call, where ``queue.Queue``'s takes a Python lock and condition (``poll()`` queues
+    the one-sided path's notification: 3 us against 24 us for the first put after 10 ms idle
+    on the 2-core dev VM, ~0.3 against ~1 us back to back)."""
 
     def __init__(self, engine_id: str, stop: threading.Event, metrics: Metrics) -> None:
         self.engine_id = engine_id
         self.stop = stop
         self.metrics = metrics
-        self.queue: queue.Queue = queue.Queue()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def put(self, addr: str, msg, deadline: float) -> None:
