@@ -52,6 +52,7 @@ def host_cost(
     unaligned: bool = False,
     onesided: bool = False,
     batched: bool = False,
+    idle_s: float = 0.0,
 ) -> dict:
     """Host cost per request of the engine's real ipc path, driven synchronously in this thread.
 
@@ -63,6 +64,9 @@ def host_cost(
     the copy runs in ``load()``) is lifted: this is the host part of the GPU path. Else the
     messaged path (one-sided reads off). ``batched``: the loads in one ``batched_loads()``
     block (one-sided: one launch for the batch, as the vLLM worker loads a step's requests).
+    ``idle_s``: the thread sleeps that long before each caller's step (export, load, the
+    loader's batch, each poll), outside the timed spans: every step then runs as it does
+    between a server's scheduler steps, its code and data out of the CPU's caches.
 
     Per iteration: P.export() of ``batch`` requests, D.load() of each, then the loader's batch
     exactly as its worker runs it after ``poll()`` (``_run_batch``: lease grant round trip,
@@ -101,7 +105,7 @@ def host_cost(
         ops_s[0] += time.perf_counter() - t0
 
     ops.copy_blocks = timed_copy
-    n_warm = 20
+    n_warm = 20  # profiling/host_steps.py leaves out as many (its WARMUP)
     copies0 = NullKernel.copies
     try:
         for i in range(n_iter + n_warm):
@@ -112,43 +116,55 @@ def host_cost(
             lens = [rng.randint(tokens // 2, tokens) if unaligned else tokens for _ in range(batch)]
             rids = [f"r{i}-{k}" for k in range(batch)]
             ex0, op0 = loop.exporter_s, ops_s[0]
+            idle(idle_s)
             t0 = time.perf_counter()
             params = [
                 p.export(rid, src_ids[k * per : (k + 1) * per], n)
                 for k, (rid, n) in enumerate(zip(rids, lens))
             ]
-            t1 = time.perf_counter()
+            s_export = time.perf_counter() - t0
+            idle(idle_s)
+            t0 = time.perf_counter()
             with d.batched_loads() if batched else contextlib.nullcontext():
                 for k, (rid, prm) in enumerate(zip(rids, params)):
                     d.load(rid, prm, dst_ids[k * per : (k + 1) * per])
-            t2 = time.perf_counter()
+            s_load = time.perf_counter() - t0
             with d._loader.lock:  # what poll() hands the worker
                 work, d._loader.incoming = d._loader.incoming, []
             for it in work:
                 it.deadline = time.monotonic() + d.timeout_s
+            s_loader = 0.0
             if work:  # one-sided: only the first load (handshake, mappings) takes the worker's path
+                idle(idle_s)
+                t0 = time.perf_counter()
                 d._loader._run_batch(work)
-            t3 = time.perf_counter()
+                s_loader = time.perf_counter() - t0
             ex3 = loop.exporter_s
+            idle(idle_s)
+            t0 = time.perf_counter()
             rd = d.poll()
-            t_dpoll = time.perf_counter()
+            s_dpoll = time.perf_counter() - t0
+            idle(idle_s)
+            t0 = time.perf_counter()
             rp = p.poll()
             for addr, msg in notes:
                 loop.call(addr, msg, d.timeout_s)
             notes.clear()
             if rp.finished_sending != set(rids):  # the handshaking first load: freed by the notification
                 rp.finished_sending |= p.poll().finished_sending
-            t4 = time.perf_counter()
+            s_ppoll = time.perf_counter() - t0
             assert rd.finished_recving == set(rids) and not rd.failed, (rd, rd.errors)
             assert rp.finished_sending == set(rids), rp
             if i >= n_warm:
                 ex = loop.exporter_s - ex0
                 late = loop.exporter_s - ex3  # handlers of the notifications answered after P's poll
-                for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2 - (ex - late), ex, t4 - t3 - late)):
+                s_loader -= ex - late  # the grant's handler ran inside the loader's batch
+                s_ppoll -= late
+                for k, v in zip(t, (s_export, s_load, s_loader, ex, s_dpoll + s_ppoll)):
                     t[k].append(v / batch)
                 # what each engine's process pays (P and D are separate processes in serving)
-                side["P"].append((t1 - t0 + ex + t4 - t_dpoll - late) / batch)
-                side["D"].append((t2 - t1 + t3 - t2 - (ex - late) + t_dpoll - t3) / batch)
+                side["P"].append((s_export + ex + s_ppoll) / batch)
+                side["D"].append((s_load + s_loader + s_dpoll) / batch)
                 in_ops.append((ops_s[0] - op0) / batch)
         assert d.stats()["transports"] == {"P": "ipc"}
         if onesided:
@@ -175,6 +191,12 @@ def host_cost(
     out["p_side_us"] = statistics.median(side["P"]) * 1e6
     out["d_side_us"] = statistics.median(side["D"]) * 1e6
     return out
+
+
+def idle(seconds: float) -> None:
+    """Sleep ``seconds`` (none for 0): the pause a server's step puts between two calls."""
+    if seconds:
+        time.sleep(seconds)
 
 
 def warm_vs_cold(n_iter: int = 400) -> dict:
@@ -335,6 +357,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--host-iters", type=int, default=300)
     ap.add_argument("--host-only", action="store_true", help="skip the bandwidth runs")
+    ap.add_argument(
+        "--idle-ms",
+        type=float,
+        default=10.0,
+        help="the one-request cases again with this pause before each caller's step, as between a "
+        "server's steps (default 10; 0 leaves them out)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     cases = {
@@ -345,22 +374,29 @@ def main() -> None:
         "8x4096-1s": host_cost(max(a.host_iters // 8, 10), 8, 4096, onesided=True),
         "8x4096-1sb": host_cost(max(a.host_iters // 8, 10), 8, 4096, onesided=True, batched=True),
     }
+    idle_s = a.idle_ms / 1e3
+    if idle_s > 0:  # each step after a pause: its code and data no longer in the CPU's caches
+        n_idle = max(a.host_iters // 3, 10)
+        tag = f"@{a.idle_ms:g}ms"
+        cases["1x4096" + tag] = host_cost(n_idle, 1, 4096, idle_s=idle_s)
+        cases["1x4096-1s" + tag] = host_cost(n_idle, 1, 4096, onesided=True, idle_s=idle_s)
     target = cases["1x4096"]["total_us"]
     print("host-side cost per request, us, median over iterations (32 layers, 8x128 bf16, block 16;")
     print("ipc path through the engine's own code; copy kernel and socket hop excluded)")
     names = list(cases)
-    print(f"  {'phase':<80}" + "".join(f"{n:>11}" for n in names))
+    w = max(11, max(len(n) for n in names) + 1)
+    print(f"  {'phase':<80}" + "".join(f"{n:>{w}}" for n in names))
     for key, label in PHASES:
-        print(f"  {label:<80}" + "".join(f"{cases[n][key]:11.1f}" for n in names))
+        print(f"  {label:<80}" + "".join(f"{cases[n][key]:{w}.1f}" for n in names))
         if key == "loader_us":
             label = "  of which ops.copy_blocks (validation, PagedSide, dispatch; kernel no-op)"
-            print(f"  {label:<80}" + "".join(f"{cases[n]['ops_checks_us']:11.1f}" for n in names))
-    print(f"  {'total per request (median)':<80}" + "".join(f"{cases[n]['total_us']:11.1f}" for n in names))
+            print(f"  {label:<80}" + "".join(f"{cases[n]['ops_checks_us']:{w}.1f}" for n in names))
+    print(f"  {'total per request (median)':<80}" + "".join(f"{cases[n]['total_us']:{w}.1f}" for n in names))
     print(
-        f"  {'total per request (mean)':<80}" + "".join(f"{cases[n]['mean_total_us']:11.1f}" for n in names)
+        f"  {'total per request (mean)':<80}" + "".join(f"{cases[n]['mean_total_us']:{w}.1f}" for n in names)
     )
     for key, label in SIDES:
-        print(f"  {label:<80}" + "".join(f"{cases[n][key]:11.1f}" for n in names))
+        print(f"  {label:<80}" + "".join(f"{cases[n][key]:{w}.1f}" for n in names))
     batched = cases["8x4096"]["total_us"]
     for what, got, goal in (
         ("DESIGN target <= 50 us for one 4K-token request", target, HOST_TARGET_US),
@@ -383,7 +419,8 @@ def main() -> None:
     print("  (8x2K-4K: requests of 2048..4096 tokens, last block partial; -1s: the one-sided path,")
     print("   where load() launches the copy and poll() checks it: its 'loader batch' is empty, and")
     print("   the exporter handlers are the notification that follows the done mark; -1sb: the eight")
-    print("   one-sided loads in one batched_loads() block, launched together)")
+    print("   one-sided loads in one batched_loads() block, launched together; @N ms: each caller's")
+    print("   step after an N ms pause, as between a server's steps, its code and data out of the caches)")
     one = cases["1x4096-1s"]
     sides = {k: one[f"{k.lower()}_side_us"] for k in ("P", "D")}
     per = ", ".join(
@@ -404,7 +441,12 @@ def main() -> None:
         f"  the engine's ops.copy_blocks call of one request: {wc['warm_us']:.1f} us in a tight loop, "
         f"{wc['cold_us']:.1f} us after 0.5 ms of other Python ({wc['cold_us'] / wc['warm_us']:.1f}x):"
     )
-    print("  the figures above are for code run cold, as between a server's scheduler steps")
+    print("  a spin evicts little; the @N ms columns are the cost after a pause:")
+    warm_ref, idle_ref = common.idle_reference_us(max(idle_s, 0.01))
+    print(
+        f"  the reference loop after {max(idle_s, 0.01) * 1e3:g} ms idle: {idle_ref:.1f} us, back to back "
+        f"{warm_ref:.2f} us ({idle_ref / warm_ref:.0f}x): what a pause costs this machine's caches now"
+    )
     bw = [] if a.host_only else [bandwidth(t, a.tokens, a.reqs, a.iters) for t in ("ipc", "pg")]
     if bw:
         print(
@@ -424,7 +466,12 @@ def main() -> None:
                 f"the transfer reaches {r['fraction_of_link']:.2f} of it"
             )
         print(line)
-    targets = {"host_1x_us": HOST_TARGET_US, "host_batch8_us": BATCH_TARGET_US, "python_reference_us": ref}
+    targets = {
+        "host_1x_us": HOST_TARGET_US,
+        "host_batch8_us": BATCH_TARGET_US,
+        "python_reference_us": ref,
+        "idle_reference_us": [warm_ref, idle_ref],
+    }
     print(
         json.dumps(
             {

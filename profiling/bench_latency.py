@@ -279,21 +279,14 @@ def _pct(v: list[float], q: float) -> float:
 
 def run(a: argparse.Namespace) -> int:
     device = common.pick_device(a.device)
-    if a.transport not in ("ipc", "pg"):
-        raise SystemExit(f"--transport: {a.transport!r} is not ipc or pg")
     rec = _record()
     p_spec, d_spec = transfer_specs(a.layers)
     meta = common.run_metadata(device)
     write = common.table_writer()
     rows, raw, failures = [], [], 0
     bare_runs: list[dict] = []
-    paths = [x for x in a.paths.split(",") if x]
-    bad = [x for x in paths if x not in ("onesided", "messaged")]
-    if bad or not paths:
-        raise SystemExit(f"--paths: {a.paths!r} is not a list of onesided, messaged")
-    if a.transport != "ipc":
-        paths = ["messaged"]  # only ipc reads one-sided
-    for tokens, path in [(int(x), q) for x in a.tokens.split(",") for q in paths]:
+    paths = a.path_list if a.transport == "ipc" else ["messaged"]  # only ipc reads one-sided
+    for tokens, path in [(n, q) for n in a.token_list for q in paths]:
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
         args = {
@@ -367,8 +360,9 @@ def run(a: argparse.Namespace) -> int:
         failures += wrong
         bare_ms = [x * 1e3 for x in bare]
         spaced_ms = [x * 1e3 for x in spaced]
+        warm_ref, idle_ref = common.idle_reference_us()
         bare_runs.append({"tokens": tokens, "path": path, "round_trips_ms": bare_ms, "spaced_round_trips_ms": spaced_ms,
-                          "idle_gap_s": IDLE_GAP_S})  # fmt: skip
+                          "idle_gap_s": IDLE_GAP_S, "loop_us_warm_idle": [warm_ref, idle_ref]})  # fmt: skip
         nbytes = tokens * p_spec.bytes_per_token()
         write(
             f"# kvxfer bench_latency on {meta['device']} ({device.type}), {meta['date']}, commit {meta['git_commit']}"
@@ -410,6 +404,11 @@ def run(a: argparse.Namespace) -> int:
             f"back to back, p50 {s50:.3f} ms (p90 {_pct(spaced_ms, 0.9):.3f}) each after "
             f"{IDLE_GAP_S * 1e3:.0f} ms idle, over {len(bare_ms)} each{ratio}"
         )
+        write(
+            f"# reference, this machine's caches: a fixed Python loop (sum(range(100))) {warm_ref:.2f} us back "
+            f"to back, {idle_ref:.1f} us after 10 ms idle ({idle_ref / warm_ref:.0f}x); D waits on P between "
+            "requests, so each request's steps run with the second"
+        )
         write("")
         raw += [{"request": p["request"], "ranges": p["ranges"]} for p in per]
     common.write_json(
@@ -419,7 +418,8 @@ def run(a: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, its values checked (``token_list``, ``path_list`` added)."""
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -436,7 +436,23 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     ap.add_argument("--corrupt", action="store_true", help="flip a landed byte (tests the #wrong check)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
-    return run(ap.parse_args(argv))
+    a = ap.parse_args(argv)
+    if a.transport not in ("ipc", "pg"):
+        ap.error(f"--transport: {a.transport!r} is not ipc or pg")
+    a.path_list = [x for x in a.paths.split(",") if x]
+    if not a.path_list or any(x not in ("onesided", "messaged") for x in a.path_list):
+        ap.error(f"--paths: {a.paths!r} is not a list of onesided, messaged")
+    try:
+        a.token_list = [int(x) for x in a.tokens.split(",")]
+    except ValueError:
+        ap.error(f"--tokens: {a.tokens!r} is not a comma list of token counts")
+    if not all(n >= 1 for n in a.token_list):
+        ap.error(f"--tokens: {a.tokens!r}: each count must be >= 1")
+    return a
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,26 @@ DEFAULT_OUT = os.path.join(ROOT, "profiling", "out")
 PROFILE_RANGE = os.environ.get("KVXFER_PROFILE_RANGE", "")  # "", "ops" or "sweep"
 
 
+# ------------------------------------------------------------------------- the machine now
+def idle_reference_us(idle_s: float = 0.01, runs: int = 30) -> tuple[float, float]:
+    """(back to back, after ``idle_s`` of sleep): medians in us of one run of a fixed Python loop
+    (``sum(range(100))``). The second is what a pause costs this machine's caches: on the
+    2-core dev VM a step that runs after 10 ms idle costs several times what it costs back to
+    back (the loop ~10x), so a benchmark whose steps come after pauses (one request at a time,
+    a server between steps) prints it beside its figures."""
+    out = []
+    for pause in (0.0, idle_s):
+        ts = []
+        for _ in range(runs):
+            if pause:
+                time.sleep(pause)
+            t0 = time.perf_counter()
+            sum(range(100))
+            ts.append(time.perf_counter() - t0)
+        out.append(statistics.median(ts) * 1e6)
+    return out[0], out[1]
+
+
 # ----------------------------------------------------------------------------- devices
 def pick_device(name: str | None = None) -> torch.device:
     """``name`` if given, else CUDA when present, else CPU."""

@@ -31,6 +31,13 @@ def test_bench_engine_small():
     assert floor8["total_us"] > 0 and floor8["engine_ratio"] > 0
     assert "the same in batches of 8" in res.stdout
     assert data["warm_vs_cold"]["warm_us"] > 0 and data["warm_vs_cold"]["cold_us"] > 0
+    # the one-request cases again, each caller's step after a 10 ms pause (the default)
+    for case in ("1x4096@10ms", "1x4096-1s@10ms"):
+        row = data["host_cost"][case]
+        assert all(row[k] > 0 for k in ("export_us", "load_us", "poll_us", "p_side_us", "d_side_us")), row
+    assert data["host_cost"]["1x4096@10ms"]["loader_us"] > 0  # the messaged path's batch is timed too
+    assert all(v > 0 for v in data["targets"]["idle_reference_us"])
+    assert "the reference loop after 10 ms idle" in res.stdout
 
 
 def test_bench_host_floor_small():
@@ -45,3 +52,19 @@ def test_bench_host_floor_small():
         assert all(v > 0 for v in steps), data[mode]
         assert data[mode]["total_us"] > 0
     assert "target <= 50 us" in res.stdout
+
+
+def test_host_steps_times_each_step_of_a_request():
+    """host_steps wraps the engine's steps in timers over bench_engine's loop: every step of the
+    one-sided path is timed once per request (the warm-up requests left out)."""
+    res = _run("host_steps.py", "--iters", "12", "--idle-ms", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    assert data["bench"] == "host_steps" and data["path"] == "onesided" and data["idle_ms"] == 1
+    rows = {r["step"]: r for r in data["rows"]}
+    for step in ("TransferEngine.export", "TransferEngine.load", "OneSided.try_load", "SlotView.read",
+                 "PreparedCopy.__call__", "OneSided._check", "KVTransferParams.from_dict"):  # fmt: skip
+        assert rows[step]["calls"] == 12 and rows[step]["median_us"] > 0, rows[step]
+    assert rows["engine.check_block_ids"]["calls"] == 24  # the export's ids and the load's
+    assert rows["Loader._run_batch"]["calls"] == 0  # only the handshaking warm-up load takes it
+    assert rows["TransferEngine.load"]["median_us"] > rows["OneSided.try_load"]["median_us"]  # nested
