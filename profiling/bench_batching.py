@@ -88,6 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 1 <= lo <= hi:
         p.error(f"--tokens: need 1 <= MIN <= MAX, got {lo},{hi}")
     args.token_range = (lo, hi)
+    args.dests = []  # (layout, block size) per --to entry
+    for dest in args.to.split(","):
+        lay = "HND" if dest.upper().startswith("HND") else "NHD"
+        bs = dest.upper().removeprefix(lay)
+        if not bs.isdigit() or int(bs) < 1:
+            p.error(f"--to: {dest!r} is not a block size with an optional NHD or HND prefix (e.g. HND16)")
+        args.dests.append((lay, int(bs)))
     args.iters = args.iters or (3 if args.quick else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     return args
@@ -172,9 +179,7 @@ def main(argv=None) -> int:
     )
     limits = common.CopyLimit(device)
     rows, bad = [], 0
-    for dest in args.to.split(","):
-        lay = "HND" if dest.upper().startswith("HND") else "NHD"
-        to = int(dest.upper().removeprefix(lay))
+    for lay, to in args.dests:
         dst_spec = KVCacheSpec(layers, 8, 128, to, torch.bfloat16, layout=lay)
         items, src_nb, dst_nb = _requests(args, src_spec, dst_spec)
         src = [

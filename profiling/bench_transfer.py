@@ -352,11 +352,8 @@ def default_transports() -> str:
 def run(a: argparse.Namespace) -> int:
     device = common.pick_device(a.device)
     p_spec, d_spec_staged = specs(a.layers)
-    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else (QUICK_SIZES if a.quick else SIZES)
+    sizes = a.size_list or (QUICK_SIZES if a.quick else SIZES)
     transports = (a.transports or default_transports()).split(",")
-    bad = [t for t in transports if t not in ("ipc", "ipc-messaged", "pg", "nixl-direct", "nixl-staged")]
-    if bad:
-        raise SystemExit(f"--transports: unknown {bad} (ipc, ipc-messaged, pg, nixl-direct, nixl-staged)")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # before the exporter spawns: both are here
     if a.ucx_tls:
         os.environ["UCX_TLS"] = a.ucx_tls
@@ -503,7 +500,11 @@ def run(a: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def main(argv=None) -> int:
+TRANSPORTS = ("ipc", "ipc-messaged", "pg", "nixl-direct", "nixl-staged")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, its values checked (``size_list`` added: [] for the default sizes)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 layers, small sizes (CI on CPU)")
     p.add_argument("--transports", default=None, help="default ipc,pg (+ nixl-direct,nixl-staged with NIXL)")
@@ -520,10 +521,23 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.inflight < 0 or a.batches < 1:
         p.error("--inflight must be >= 0 and --batches >= 1")
+    bad = [t for t in (a.transports or "").split(",") if a.transports and t not in TRANSPORTS]
+    if bad:
+        p.error(f"--transports: unknown {bad} ({', '.join(TRANSPORTS)})")
+    try:
+        a.size_list = [int(x) for x in a.sizes.split(",")] if a.sizes else []
+    except ValueError:
+        p.error(f"--sizes: {a.sizes!r} is not a comma list of token counts")
+    if not all(n >= 1 for n in a.size_list):
+        p.error(f"--sizes: {a.sizes!r}: each count must be >= 1")
     a.layers = a.layers or (2 if a.quick else 32)
     a.reqs = a.reqs if a.reqs is not None else (3 if a.quick else 10)
     a.iters = a.iters or (3 if a.quick else 10)
-    return run(a)
+    return a
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per configuration")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    for name in ("tiles", "warps"):
+        value = getattr(a, name)
+        if not all(x.isdigit() and int(x) > 0 for x in value.split(",")):
+            p.error(f"--{name}: {value!r} is not a comma list of positive ints")
+    bad = [x for x in a.ops.split(",") if x not in ("gather", "scatter", "copy")]
+    if bad:
+        p.error(f"--ops: unknown {bad} (gather, scatter, copy)")
+    return a
 
 
 def _run_config(a: argparse.Namespace, tile: int, warps: int) -> tuple[list[dict], str]:
