@@ -36,6 +36,22 @@ def time_left(deadline: float) -> float:
     return left
 
 
+def full_layer_mask(num_layers: int) -> int:
+    """Every layer as an int bit mask in wire bit order: layer ``i`` is bit ``i`` counted from
+    the most significant bit of ``ceil(L / 8)`` big-endian bytes, so ``mask.to_bytes(n, "big")``
+    is ``numpy.packbits`` of the layer flags (the ``want``/``layers`` fields of the grant
+    messages). Ints, not numpy arrays: a small numpy op costs microseconds with a cold cache, and
+    a load made about ten of them (profiling/results/2026-11-24-cpu-hostcost/)."""
+    pad = -num_layers % 8
+    return ((1 << num_layers) - 1) << pad
+
+
+def mask_layers(mask: int, num_layers: int) -> list[int]:
+    """The layer indices set in ``mask`` (see :func:`full_layer_mask`), ascending."""
+    top = num_layers + (-num_layers % 8) - 1
+    return [i for i in range(num_layers) if mask >> (top - i) & 1]
+
+
 def compat_hash(spec: KVCacheSpec) -> str:
     d = spec.to_dict()
     return "|".join(str(d[k]) for k in ("use_mla", "num_layers", "num_kv_heads", "head_dim", "dtype"))
@@ -112,7 +128,7 @@ class Remote:
     pg_backends: list = field(default_factory=list)  # src rank -> pair backend ("nccl"/"gloo")
     host: str = ""  # where the params said the remote listens (a change means a new remote)
     port: int = 0
-    full_mask: int = 0  # every layer of the remote's spec as a layer mask (kvxfer.loader)
+    full_mask: int = 0  # every layer of the remote's spec as a layer mask (full_layer_mask)
 
     def serves(self, p: KVTransferParams) -> bool:
         """Whether params ``p`` name this remote where it was handshaken (a change of address or

@@ -7,9 +7,9 @@ One load, from ``poll()`` to the notification:
    (:meth:`Loader.dispatch`); each load gets its deadline then (``timeout_s`` from now): every
    wait below ends by it.
 2. :meth:`Loader._run_batch` groups the batch by remote engine and handshakes with each new one
-   (:meth:`Loader._remote`, cached; a remote whose address changed, or whose rank restarted, is
-   dropped with what its transport made for it and handshaken anew); the transport is chosen
-   there (:mod:`kvxfer.transports.choice`).
+   (:func:`kvxfer.handshake.remote`, cached; a remote whose address changed, or whose rank
+   restarted, is dropped with what its transport made for it and handshaken anew); the
+   transport is chosen there (:mod:`kvxfer.transports.choice`).
 3. :meth:`Loader._run_remote` checks the params against the remote, asks every source rank the
    plan reads for a lease grant (renews the leases, returns block epochs; retried while a rank
    does not know a request yet or its compute is not done), then has the remote's transport
@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 
-from . import control, idops
+from . import control, handshake, idops, releases
 from .completion import UNKNOWN
 from .engine_types import (
     Expired,
@@ -40,38 +40,20 @@ from .engine_types import (
     ReleaseItem,
     Remote,
     describe_error,
+    mask_layers,
     time_left,
 )
 from .metrics import now
 from .notifier import Notifier
 from .ordering import NOT_READY, FenceTimeout, event_done
-from .plan import plan_reads
 from .rank import Rank
-from .spec import KVCacheSpec
 from .tracing import items_tag, trace
-from .transports import Transport, choice
-from .transports.pg import groups as pg_groups
+from .transports import Transport
 
 _LOG = logging.getLogger(__name__)
 
 
 RESTARTED = "restarted (its incarnation changed): loads made from params of its previous start are void"
-
-
-def _full_mask(num_layers: int) -> int:
-    """Every layer as an int bit mask in wire bit order: layer ``i`` is bit ``i`` counted from
-    the most significant bit of ``ceil(L / 8)`` big-endian bytes, so ``mask.to_bytes(n, "big")``
-    is ``numpy.packbits`` of the layer flags (the ``want``/``layers`` fields of the grant
-    messages). Ints, not numpy arrays: a small numpy op costs microseconds with a cold cache, and
-    a load made about ten of them (profiling/results/2026-11-24-cpu-hostcost/)."""
-    pad = -num_layers % 8
-    return ((1 << num_layers) - 1) << pad
-
-
-def _mask_layers(mask: int, num_layers: int) -> list[int]:
-    """The layer indices set in ``mask`` (see :func:`_full_mask`), ascending."""
-    top = num_layers + (-num_layers % 8) - 1
-    return [i for i in range(num_layers) if mask >> (top - i) & 1]
 
 
 class Loader:
@@ -99,7 +81,7 @@ class Loader:
         self.fenced: list = []  # loads held until their timed-out GPU work completed
         self._work: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._topo = None  # kvxfer.topology.probe(), only when two different GPUs handshake
+        self._topo = None  # topology(): probed only when two different GPUs handshake
 
     # -------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -208,7 +190,7 @@ class Loader:
         """Run one batch that ``poll()`` handed over: loads, or releases (TransferEngine.release:
         notify, move nothing), never both."""
         if type(batch[0]) is ReleaseItem:
-            self._run_releases(batch)
+            releases.run(self, batch)
             return
         groups: dict[str, list[LoadItem]] = {}
         for it in batch:
@@ -219,7 +201,7 @@ class Loader:
                 while items and (rem is None or not rem.serves(items[0].params)):
                     try:  # new, or moved to another address (restarted?): handshake
                         with trace("handshake", engine_id):
-                            rem = self._remote(items[0], items[0].deadline)
+                            rem = handshake.remote(self, items[0], items[0].deadline)
                     except (HandshakeError, Expired) as e:
                         if getattr(e, "refused", False) and len(items) > 1:
                             # the exporter refused this load's params (another export's token,
@@ -252,133 +234,9 @@ class Loader:
         for a in addrs:
             self.notifier.put(a, msg, deadline)
 
-    # ------------------------------------------------------------------------ handshake
-    def _remote(self, it: LoadItem, deadline: float) -> Remote:
-        """The handshaken remote of ``it``'s params (cached while its address is the same)."""
-        p = it.params
-        rem = self.remotes.get(p.engine_id)
-        if rem is not None:
-            if rem.serves(p):
-                return rem
-            _LOG.info(
-                "kvxfer loader %s: engine %s moved from %s:%d to %s:%d (restarted?): handshaking anew",
-                self.rank.engine_id,
-                p.engine_id,
-                rem.host,
-                rem.port,
-                p.host,
-                p.port,
-            )
-            self.forget(rem, "the remote moved to a new address")
-        t0 = now()
-        addrs = [f"tcp://{p.host}:{p.port + r}" for r in range(p.tp_size)]
-        hello = control.Hello(
-            **self.rank.identity_fields(),
-            request_id=p.request_id,
-            token=p.token,
-            transport=self.rank.transport,
-            digest=p.digest(),
-        )
-        try:
-            return self._handshake(p, addrs, hello, deadline, t0)
-        except Exception as e:
-            for a in addrs:  # a failed handshake keeps no socket open (params may name 256 ranks)
-                self.client.drop(a)
-            if isinstance(e, (HandshakeError, Expired)):
-                raise
-            raise HandshakeError(describe_error(e)) from None
-
-    def _handshake(self, p, addrs: list[str], hello: control.Hello, deadline: float, t0: float) -> Remote:
-        """Send ``hello`` to every exporter rank of ``p`` and make the :class:`Remote` of their
-        replies. A :class:`HandshakeError` names why not, with ``answered``: the ranks that
-        accepted the request's token (they are told of the failed loads: :meth:`_run_batch`)."""
-        replies = self.client.call_many([(a, hello) for a in addrs], time_left(deadline), partial=True)
-        answered = [
-            addrs[r]
-            for r, rep in enumerate(replies)
-            if isinstance(rep, control.HelloReply)
-            and not rep.error
-            and rep.engine_id == p.engine_id
-            and rep.tp_rank == r
-        ]
-        try:
-            silent = [a for a, rep in zip(addrs, replies) if rep is None]
-            if silent:
-                raise HandshakeError(
-                    f"no reply from {', '.join(silent[:4])}{' ...' if len(silent) > 4 else ''}"
-                )
-            return self._remote_of(p, addrs, replies, t0)
-        except HandshakeError as e:
-            e.answered = tuple(answered)
-            raise
-
-    def _remote_of(self, p, addrs: list[str], replies: list, t0: float) -> Remote:
-        """The :class:`Remote` of the exporter ranks' handshake ``replies`` (cached here)."""
-        for r, rep in enumerate(replies):
-            if not isinstance(rep, control.HelloReply):
-                e = HandshakeError(f"rank {r} answered {type(rep).__name__}: {getattr(rep, 'error', '')}")
-                e.refused = getattr(rep, "error", "").startswith(control.HELLO_REFUSED)
-                raise e
-            if rep.error:
-                raise HandshakeError(f"rank {r}: {rep.error}")
-            if rep.engine_id != p.engine_id or rep.tp_rank != r or rep.tp_size != p.tp_size:
-                raise HandshakeError(
-                    f"rank {r} at {addrs[r]} is engine {rep.engine_id!r} rank {rep.tp_rank}/{rep.tp_size}, "
-                    f"params name {p.engine_id!r} with tp_size {p.tp_size}"
-                )
-        spec = KVCacheSpec.from_dict(replies[0].spec)
-        mismatch = spec.model_mismatch(self.rank.spec)
-        if mismatch:
-            raise HandshakeError(f"incompatible peer: {mismatch}")
-        try:
-            plan = plan_reads(spec, p.tp_size, self.rank.spec, self.rank.tp_size)
-        except ValueError as e:
-            raise HandshakeError(f"incompatible peer: TP {p.tp_size} -> {self.rank.tp_size}: {e}") from None
-        transport, pg_backends = self._choose_transport(replies)
-        rem = Remote(
-            p.engine_id, spec, p.tp_size, addrs, transport, replies, min(r.num_blocks for r in replies), plan
-        )
-        rem.pg_backends, rem.host, rem.port = pg_backends, p.host, p.port
-        rem.full_mask = _full_mask(spec.num_layers)
-        rem.reads, rem.notify_to = plan.reads(self.rank.tp_rank), plan.notify_targets(self.rank.tp_rank)
-        rem.src_ranks = sorted({r.src_rank for r in rem.reads})
-        rem.reads_by_rank = {s: [r for r in rem.reads if r.src_rank == s] for s in rem.src_ranks}
-        note = self.transports[transport].setup(rem)  # nixl: metadata, direct/staged per read
-        if note:
-            self.transport_reasons[rem.engine_id] += f"; {note}"
-        self.remotes[p.engine_id] = rem
-        self.rank.metrics.record_handshake(p.engine_id, now() - t0, transport)
-        return rem
-
-    def _choose_transport(self, replies: list[control.HelloReply]) -> tuple[str, list[str]]:
-        """Pick the transport and, for pg, each source rank's pair backend
-        (kvxfer.transports.choice); the reasons go to stats()["transport_reasons"]."""
-        info = self.transports["ipc"].entry["info"]
-        backends: list[str] = []
-        try:
-            transport, why = choice.choose(
-                self.rank.transport,
-                self.rank.device,
-                info,
-                self.rank.identity,
-                replies,
-                self._topology,
-                local_nixl=self.transports["nixl"].why,
-            )
-            if transport == "pg":
-                for r in replies:
-                    if not isinstance((r.pg or {}).get("staging_bytes"), int):
-                        raise ValueError(
-                            f"pg: exporter rank {r.tp_rank} advertises no staging buffers (an incompatible kvxfer)"
-                        )
-                backends, bwhy = pg_groups.pair_backends(self.rank.device, info, replies)
-                why = f"{why}; {bwhy}" if bwhy else why
-        except ValueError as e:
-            raise HandshakeError(str(e)) from None
-        self.transport_reasons[replies[0].engine_id] = why
-        return transport, backends
-
-    def _topology(self):
+    def topology(self):
+        """This host's GPU topology (:func:`kvxfer.topology.probe`), probed on the first call: a
+        handshake between two different GPUs asks for it (:mod:`kvxfer.handshake`)."""
         if self._topo is None:
             from .topology import probe
 
@@ -506,7 +364,7 @@ class Loader:
                 # (new mappings, new pair groups) and run the batch again; params of the previous
                 # start are unknown there and fail by the deadline.
                 try:
-                    fresh = self._remote(good[0], deadline)
+                    fresh = handshake.remote(self, good[0], deadline)
                 except (HandshakeError, Expired) as e:
                     self._fail_all(rem, good, f"handshake after a restart: {e}")
                     return
@@ -604,7 +462,7 @@ class Loader:
         L = rem.spec.num_layers
         full = rem.full_mask
         for layers_mask, rids in groups.items():
-            layers = None if layers_mask == full else _mask_layers(layers_mask, L)
+            layers = None if layers_mask == full else mask_layers(layers_mask, L)
             sub = {rid: alive[rid] for rid in rids if rid in alive}
             if not sub:
                 continue
@@ -741,74 +599,3 @@ class Loader:
             t.forget(rem)
         for a in rem.addrs:
             self.client.drop(a)
-
-    # ------------------------------------------------------------------------ releases
-    def _run_releases(self, items: list[ReleaseItem]) -> None:
-        """Tell exporters that these requests will never be loaded here (TransferEngine.release).
-
-        Each exporter rank the plan names gets the notification a failed load would send, so
-        it frees the blocks once every loader rank released or loaded them. A rank that does
-        not know a request yet (the params were made before the export) is asked again until
-        the release's deadline: a notification for an unknown request would be dropped.
-        """
-        groups: dict[str, list[ReleaseItem]] = {}
-        for it in items:
-            groups.setdefault(it.params.engine_id, []).append(it)
-        for engine_id, its in groups.items():
-            its = list({it.params.request_id: it for it in its}.values())
-            rids = [it.params.request_id for it in its]
-            deadline = min(it.deadline for it in its)
-            try:
-                rem = self._remote(its[0], deadline)
-            except (HandshakeError, Expired) as e:
-                _LOG.warning(
-                    "kvxfer %s rank %d: release of %s: handshake with %s failed (%s); the exporter "
-                    "frees them when their lease ends",
-                    self.rank.engine_id, self.rank.tp_rank, rids, engine_id, e,
-                )  # fmt: skip
-                continue
-            tok = {it.params.request_id: it.params.token for it in its}
-            dig = {it.params.request_id: it.params.digest() for it in its}
-            todo = {s: list(rids) for s in rem.notify_to}
-            while any(todo.values()) and time.monotonic() < deadline:
-                ranks = [s for s in rem.notify_to if todo[s]]
-                calls = [
-                    (
-                        rem.addrs[s],
-                        control.ReadReq(
-                            self.rank.engine_id,
-                            self.rank.tp_rank,
-                            self.rank.tp_size,
-                            todo[s],
-                            [tok[r] for r in todo[s]],
-                            digests=[dig[r] for r in todo[s]],
-                        ),
-                    )
-                    for s in ranks
-                ]
-                try:
-                    replies = self.client.call_many(calls, max(0.01, deadline - time.monotonic()))
-                except control.ControlTimeout as e:
-                    self.forget(rem, str(e))
-                    _LOG.warning(
-                        "kvxfer %s rank %d: release of %s: %s; the exporter frees them when their lease ends",
-                        self.rank.engine_id, self.rank.tp_rank, rids, e,
-                    )  # fmt: skip
-                    todo = {}
-                    break
-                for s, g in zip(ranks, replies):
-                    todo[s] = (
-                        [r for r, why in g.failed.items() if why == UNKNOWN]
-                        if isinstance(g, control.ReadReply)
-                        else []
-                    )
-                if any(todo.values()):
-                    time.sleep(0.005)
-            if any(todo.values()):
-                _LOG.warning(
-                    "kvxfer %s rank %d: release of %s: not exported by %s by the deadline; the exporter "
-                    "frees them when their lease ends",
-                    self.rank.engine_id, self.rank.tp_rank, sorted({r for v in todo.values() for r in v}), engine_id,
-                )  # fmt: skip
-            if self.remotes.get(engine_id) is rem:
-                self._notify(rem, [], its)

@@ -162,7 +162,7 @@ def test_release_unreachable_exporter_is_bounded_and_logged(caplog):
         port = free_port_base(1)  # nobody listens there
         d.release(params_dict("r", "P", "127.0.0.1", port, 1, [1], 4, "0" * 48))
         t0 = time.monotonic()
-        with caplog.at_level("WARNING", logger="kvxfer.loader"):
+        with caplog.at_level("WARNING", logger="kvxfer.releases"):
             d.poll()
             while "release of ['r']" not in caplog.text and time.monotonic() - t0 < 5:
                 time.sleep(0.02)

@@ -229,7 +229,8 @@ def test_bad_layer_marks_and_partial_loads_are_named_errors():
 @pytest.mark.parametrize("num_layers", [1, 7, 8, 9, 32, 61, 80])
 def test_int_layer_masks_are_packbits_on_the_wire(num_layers):
     """The loader keeps layer sets as ints whose big-endian bytes are numpy.packbits of the flags."""
-    from kvxfer.loader import _full_mask, _mask_layers
+    from kvxfer.engine_types import full_layer_mask as _full_mask
+    from kvxfer.engine_types import mask_layers as _mask_layers
 
     rng = np.random.default_rng(num_layers)
     nbytes = (num_layers + 7) // 8
