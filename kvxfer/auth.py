@@ -134,7 +134,7 @@ UNAUTHORIZED = "unauthorized: the token does not match the request (params of an
 def tokens_match(expected: str, presented: object) -> bool:
     """Constant-time comparison of a presented token with the expected one. (The exporter's
     tracker runs this same test inline in its grant and notification loops, one request after
-    another, without a call per request: ``kvxfer.completion.ExportTracker.grant``.)"""
+    another, without a call per request: ``kvxfer.exports.ExportTracker.grant``.)"""
     return isinstance(presented, str) and hmac.compare_digest(expected, presented)
 
 

@@ -33,9 +33,10 @@ import torch
 
 from . import idops, ops, tracing
 from .auth import EngineSecret, content_digest
-from .completion import ExportTracker, PollResult
+from .completion import PollResult
 from .engine_types import HandshakeError, LoadItem, ReleaseItem, check_block_ids
 from .exporter import Exporter
+from .exports import ExportTracker
 from .loader import Loader
 from .metrics import now
 from .notifier import Notifier

@@ -19,9 +19,9 @@ import numpy as np
 
 from . import control
 from .auth import UNAUTHORIZED
-from .completion import UNKNOWN
 from .engine_types import TICK_MS
 from .entitlement import allowed_prefixes, call_refusal
+from .exports import UNKNOWN
 from .ordering import NOT_READY
 from .plan import plan_reads
 from .rank import Rank

@@ -32,7 +32,6 @@ import threading
 import time
 
 from . import control, handshake, idops, releases
-from .completion import UNKNOWN
 from .engine_types import (
     Expired,
     HandshakeError,
@@ -43,6 +42,7 @@ from .engine_types import (
     mask_layers,
     time_left,
 )
+from .exports import UNKNOWN
 from .metrics import now
 from .notifier import Notifier
 from .ordering import NOT_READY, FenceTimeout, event_done

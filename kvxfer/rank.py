@@ -19,8 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .completion import ExportTracker, LoadTracker
+from .completion import LoadTracker
 from .engine_types import compat_hash
+from .exports import ExportTracker
 from .metrics import Metrics
 from .ordering import StreamOrder
 from .spec import KVCacheSpec

@@ -9,8 +9,8 @@ import logging
 import time
 
 from . import control, handshake
-from .completion import UNKNOWN
 from .engine_types import Expired, HandshakeError, ReleaseItem
+from .exports import UNKNOWN
 
 __all__ = ["run"]
 

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_engine
 
-from kvxfer import auth, completion, engine, exporter, loader, metrics, ops, params
+from kvxfer import auth, completion, engine, exporter, exports, loader, metrics, ops, params
 from kvxfer.transports.ipc import onesided, slots
 
 # (owner, attribute, side): the steps of one request on the loader's (D) and exporter's (P) side
@@ -38,7 +38,7 @@ STEPS = (
     (engine.TransferEngine, "_export_token", "P"),
     (engine, "content_digest", "P"),
     (auth.EngineSecret, "token", "P"),
-    (completion.ExportTracker, "add", "P"),
+    (exports.ExportTracker, "add", "P"),
     (engine.TransferEngine, "load", "D"),
     (params.KVTransferParams, "from_dict", "D"),
     (engine, "check_block_ids", "P+D"),
@@ -57,7 +57,7 @@ STEPS = (
     (completion.LoadTracker, "finish_many", "D"),
     (metrics.Metrics, "record_load", "P+D"),
     (exporter.Exporter, "tick", "P+D"),
-    (completion.ExportTracker, "drain", "P+D"),
+    (exports.ExportTracker, "drain", "P+D"),
     (completion.LoadTracker, "drain", "P+D"),
 )
 

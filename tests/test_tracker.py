@@ -9,7 +9,8 @@ import torch
 
 from kvxfer import CompletionAggregator, KVCacheSpec, plan_reads
 from kvxfer.auth import UNAUTHORIZED, EngineSecret, content_digest
-from kvxfer.completion import ALTERED, OTHER_EXPORT, RELEASED, UNKNOWN, ExportTracker, LoadTracker, PollResult
+from kvxfer.completion import LoadTracker, PollResult
+from kvxfer.exports import ALTERED, OTHER_EXPORT, RELEASED, UNKNOWN, ExportTracker
 
 GQA = KVCacheSpec(2, 2, 8, 16, torch.float16)
 MLA = KVCacheSpec(2, 1, 8, 16, torch.float16, use_mla=True)
