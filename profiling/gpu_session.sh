@@ -5,7 +5,8 @@
 # time with and without the launch-table ring (bench_launch_host), the GPU-marked tests with
 # CUDA C++ first (the whole suite no longer fits one call; CI runs the CPU tests), what a transfer
 # costs a GEMM beside it (bench_interference: kernels under SM budgets vs the copy engines), kernel sweep,
-# transfer bench + demo, one request's timeline (bench_latency), a ragged batch's two plans
+# transfer bench + demo, one request's timeline (bench_latency), a real model's KV moved and its
+# logits checked (model_check), layer-wise export (bench_overlap), a ragged batch's two plans
 # (bench_batching), the Triton tile/warp sweep, one ncu look at the worst ops row, the engine's
 # host cost on this host's CPU (bench_engine). Steps run in that order of priority.
 # Each step gets at most what is left of a 540 s budget (a step that no longer fits is skipped
@@ -58,6 +59,15 @@ step ops 120 50 bash $v ops --backends triton,cuda --models llama3-8b,llama3-8b-
 step transfer 120 45 bash $v transfer --transports ipc,ipc-messaged,pg --sizes 4096 --reqs 5 --iters 3 \
   --inflight 8 --batches 2
 step latency 90 30 bash $v latency --tokens 16,4096 --reqs 10
+# issue 42 step 4: a real model (transformers' Llama, random weights, fp32) prefilled in P, its KV over
+# CUDA IPC into D's cache of another layout and block size, D's next-token log-probabilities against
+# a plain run's; then the same with one K off by 1 % on D, which must fail the check (~10 s each on CPU)
+step model 60 25 sh -c "python3 profiling/model_check.py --device cuda >'$out/model_check.txt' 2>&1; \
+  python3 profiling/model_check.py --device cuda --mutate >>'$out/model_check.txt' 2>&1"
+# issue 42 step 5: layer-wise export on the GPU (matrix products per layer on the compute stream, a
+# CUDA event per layer) against exporting at the end: the transfer's tail after the prefill
+step overlap 60 25 sh -c "python3 profiling/bench_overlap.py --device cuda --sizes 1024,4096 --reqs 3 \
+  --out '$out' >'$out/bench_overlap.txt' 2>&1"
 # issue 40: an HND destination's tails as token slots through the kernels (2 calls) beside a call
 # per tail (plan "blocks", what HND took before token slots), and NHD/16 as before
 step batching 30 15 bash $v batching --backends cuda,triton --to 16,HND16
@@ -74,3 +84,4 @@ tar xzf "$out/results.tgz" -O ./pytest-gpu-triton.log 2>/dev/null | tail -8
 tar xzf "$out/results.tgz" -O ./bench_interference.txt 2>/dev/null | tail -60
 tar xzf "$out/results.tgz" -O ./sweep_triton_tiles.txt 2>/dev/null | tail -8
 tar xzf "$out/results.tgz" -O ./bench_launch_host.txt 2>/dev/null | head -14
+tar xzf "$out/results.tgz" -O ./model_check.txt 2>/dev/null | grep -E "^(max|check)"
