@@ -3,12 +3,15 @@ KV moved over ``ipc`` into D's cache of another layout and block size, and D's n
 log-probabilities set against a plain run's.
 
 P (a process of its own) runs the prefill of a random prompt, writes each layer's K and V into its
-paged cache (NHD, 16-token blocks, shuffled block ids) by plain indexing, and exports the request.
-D (this process) loads it into its cache (HND, 32-token blocks, other shuffled ids; CPU: shared
-memory, GPU: CUDA IPC), reads it back by plain indexing into the model's cache, and decodes one
-token. The reference is the plain run of the same model: the prompt and that token in one forward.
-Neither side's indexing goes through kvxfer, so a copy that lands a token, head, layer or K/V in
-the wrong place changes D's output. The model is small (4 layers, GQA 4 query / 2 KV heads of
+paged cache (NHD, 16-token blocks, shuffled block ids) by plain indexing, twice, and exports the two
+requests. D (this process) loads each into its cache (HND, 32-token blocks, other shuffled ids;
+CPU: shared memory, GPU: CUDA IPC): the first load handshakes and maps P's cache (the messaged
+path), the second reads one-sided. After each, D reads the KV back by plain indexing into the
+model's cache and decodes one token. The reference is the plain run of the same model: the prompt and that token in one forward.
+Neither side's indexing goes through kvxfer, so a copy that lands a token's K or V, a head or a
+layer in the wrong place, or leaves one out, changes D's output. What the model cannot see: whole
+tokens (K and V together) moved to other positions of the request, since attention over the cache
+is a sum over its tokens and RoPE is already in the keys; the byte-exact tests see that. The model is small (4 layers, GQA 4 query / 2 KV heads of
 32, fp32), its weights drawn by transformers' own initialisation (seeded, with a wider spread
 than its default: see :func:`model_config`) and handed to P in a file, so both processes run the
 same model.
@@ -71,6 +74,7 @@ def load_model(path: str, device: torch.device):
     """The checked model: transformers' Llama with the weights saved at ``path``, fp32, eval."""
     from transformers import LlamaForCausalLM
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products as fp32 (the check's noise floor)
     model = LlamaForCausalLM(model_config())
     model.load_state_dict(torch.load(path, map_location="cpu"))
     return model.to(device=device, dtype=torch.float32).eval()
@@ -165,24 +169,31 @@ def _exporter(args: dict, conn) -> None:
     shm, caches = mappable_caches(p_spec, args["blocks"], device, fill=False)
     for c in caches:
         c.fill_(float("nan"))  # blocks the request does not name: whatever lands from them shows
-    write_kv(caches, p_spec, args["ids"], kv)
+    for ids in args["ids"]:  # the same KV under two requests, in blocks of their own
+        write_kv(caches, p_spec, ids, kv)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     eng = TransferEngine(p_spec, caches, 0, 1, "P", transport="ipc", port=args["port"], lease_s=60.0)
     eng.start()
     try:
-        conn.send(("params", eng.export("r0", args["ids"], n)))
+        # one export per "export" command: the second comes after D mapped this rank's lease
+        # slots (on its first load), so it gets a slot and D reads it one-sided
         end = time.monotonic() + DEADLINE_S
-        freed = stop = False
-        while time.monotonic() < end and not (stop and freed):
-            r = eng.poll()
-            freed = freed or "r0" in r.finished_sending
+        want, done, stop = set(), set(), False
+        while time.monotonic() < end and not (stop and done >= want):
+            done |= eng.poll().finished_sending
             if not stop and conn.poll(0.001):
-                stop = conn.recv()[0] == "stop"
-                end = min(end, time.monotonic() + 5.0)  # D landed it: P frees at a poll soon
+                cmd = conn.recv()
+                if cmd[0] == "export":
+                    k = len(want)
+                    want.add(f"r{k}")
+                    conn.send(("params", eng.export(f"r{k}", args["ids"][k], n)))
+                elif cmd[0] == "stop":
+                    stop = True
+                    end = min(end, time.monotonic() + 5.0)  # D landed them: P frees at a poll soon
             elif stop:
                 time.sleep(0.001)
-        conn.send(("stopped", freed))
+        conn.send(("stopped", bool(want) and done >= want))
     finally:
         eng.close()
         if shm is not None:
@@ -207,10 +218,14 @@ def run(a: argparse.Namespace) -> dict:
     p_spec, d_spec = specs()
     g = torch.Generator().manual_seed(a.seed)
     prompt = torch.randint(0, VOCAB, (a.tokens,), generator=g).tolist()
-    p_blocks = p_spec.num_blocks_for(a.tokens) + 3  # a few blocks the request does not name
-    d_blocks = d_spec.num_blocks_for(a.tokens) + 3
-    p_ids = torch.randperm(p_blocks, generator=g)[: p_spec.num_blocks_for(a.tokens)].tolist()
-    d_ids = torch.randperm(d_blocks, generator=g)[: d_spec.num_blocks_for(a.tokens)].tolist()
+    pn, dn = p_spec.num_blocks_for(a.tokens), d_spec.num_blocks_for(a.tokens)
+    p_blocks, d_blocks = 2 * pn + 3, 2 * dn + 3  # two requests, and a few blocks neither names
+    p_perm, d_perm = (
+        torch.randperm(p_blocks, generator=g).tolist(),
+        torch.randperm(d_blocks, generator=g).tolist(),
+    )
+    p_ids = [p_perm[:pn], p_perm[pn : 2 * pn]]
+    d_ids = [d_perm[:dn], d_perm[dn : 2 * dn]]
     torch.manual_seed(a.seed)
     with tempfile.TemporaryDirectory() as tmp:
         weights = os.path.join(tmp, "llama.pt")
@@ -235,19 +250,26 @@ def run(a: argparse.Namespace) -> dict:
         eng = TransferEngine(d_spec, caches, 0, 1, "D", transport="ipc", lease_s=60.0).start()
         deadline = time.monotonic() + DEADLINE_S
         try:
-            params = _get(here, "params", proc, deadline)[1]
-            t0 = time.perf_counter()
-            eng.load("r0", params, d_ids)
-            r = eng.wait(["r0"], max(0.0, deadline - time.monotonic()))
-            load_s = time.perf_counter() - t0
-            if "r0" not in r.finished_recving:
-                raise RuntimeError(f"the load did not finish: {r.errors or 'timed out'}")
-            if a.mutate:  # one token's K of one layer off by 1 %: the check must see it
-                tok = a.tokens // 2
-                blk, off = d_ids[tok // d_spec.block_size], tok % d_spec.block_size
-                caches[LAYERS // 2][0][blk, :, off] *= 1.01
-            kv = read_kv(caches, d_spec, d_ids, a.tokens)
-            got = decode_logprobs(model, kv, first, a.tokens)
+            # r0: the first load from P handshakes and maps P's cache (the messaged path); r1, the
+            # remote mapped, reads one-sided (load() launches the copy)
+            diffs, load_ms, argmax_equal = [], [], []
+            for rid, ids in zip(("r0", "r1"), d_ids):
+                here.send(("export",))
+                params = _get(here, "params", proc, deadline)[1]
+                t0 = time.perf_counter()
+                eng.load(rid, params, ids)
+                r = eng.wait([rid], max(0.0, deadline - time.monotonic()))
+                load_ms.append((time.perf_counter() - t0) * 1e3)
+                if rid not in r.finished_recving:
+                    raise RuntimeError(f"the load of {rid} did not finish: {r.errors or 'timed out'}")
+                if a.mutate:  # one token's K of one layer off by 1 %: the check must see it
+                    tok = a.tokens // 2
+                    blk, off = ids[tok // d_spec.block_size], tok % d_spec.block_size
+                    caches[LAYERS // 2][0][blk, :, off] *= 1.01
+                got = decode_logprobs(model, read_kv(caches, d_spec, ids, a.tokens), first, a.tokens)
+                diffs.append(float((got - ref).abs().max()))
+                argmax_equal.append(int(got.argmax()) == int(ref.argmax()))
+            onesided = eng.stats()["onesided"].get("loads", 0)
             here.send(("stop",))
             freed = _get(here, "stopped", proc, deadline)[1]
         finally:
@@ -258,8 +280,8 @@ def run(a: argparse.Namespace) -> dict:
                 proc.join(5)
             if shm is not None:
                 shm.close()
-    diff = float((got - ref).abs().max())
-    same = int(got.argmax()) == int(ref.argmax())
+    diff = max(diffs)
+    same = all(argmax_equal)
     held = diff <= a.atol and same
     return {
         "device": str(device),
@@ -268,10 +290,12 @@ def run(a: argparse.Namespace) -> dict:
         "p": f"{p_spec.layout.value}/{p_spec.block_size}",
         "d": f"{d_spec.layout.value}/{d_spec.block_size}",
         "max_abs_logprob_diff": diff,
+        "logprob_diff_per_load": diffs,  # r0 (messaged), r1 (one-sided)
+        "onesided_loads": onesided,
         "argmax_equal": same,
         "atol": a.atol,
         "p_freed": bool(freed),
-        "load_ms": load_s * 1e3,
+        "load_ms": load_ms,
         "mutated": a.mutate,
         "held": held,
         "ok": (not held) if a.mutate else (held and bool(freed)),
@@ -302,7 +326,9 @@ def main(argv=None) -> int:
     )
     print(
         f"max |logprob(D) - logprob(plain)| = {res['max_abs_logprob_diff']:.3g} (atol {a.atol:g}), "
-        f"argmax equal: {res['argmax_equal']}, P freed the blocks: {res['p_freed']}, load {res['load_ms']:.1f} ms"
+        f"argmax equal: {res['argmax_equal']}, P freed the blocks: {res['p_freed']}; per load "
+        f"(messaged, one-sided: {res['onesided_loads']} read so): {', '.join(f'{d:.3g}' for d in res['logprob_diff_per_load'])}, "
+        f"{', '.join(f'{t:.1f}' for t in res['load_ms'])} ms"
     )
     print(f"check {'held' if res['held'] else 'FAILED'}: {'OK' if res['ok'] else 'WRONG'}")
     print(json.dumps(res))

@@ -28,6 +28,8 @@ def test_a_real_models_kv_decodes_as_a_plain_run():
     assert got["held"] and got["ok"] and got["argmax_equal"] and got["p_freed"], got
     assert got["max_abs_logprob_diff"] <= got["atol"] == 1e-4
     assert (got["p"], got["d"]) == ("NHD/16", "HND/32") and got["tokens"] % 16 and got["tokens"] % 32
+    # two loads: the first handshakes (the messaged path), the second reads one-sided
+    assert len(got["logprob_diff_per_load"]) == 2 and got["onesided_loads"] == 1, got
 
 
 def test_one_key_off_by_one_percent_fails_the_check():
