@@ -2,14 +2,15 @@
 # One device call that does a whole GPU validation pass within the 10-minute command limit, in the
 # order of issue 42's steps: fatbin build; the GPU-marked tests with the built-in backend order
 # (the exporter killed while D reads its CUDA memory among them); one request's timeline
-# (bench_latency) and the transfer bench + demo, one-sided and messaged; an ops call's host time with
-# and without the launch-table ring (bench_launch_host, with its cProfile); what a transfer costs a
-# GEMM beside it (bench_interference: kernels under SM budgets vs the copy engines); a real model's
-# KV moved and its log-probabilities checked (model_check); layer-wise export (bench_overlap); the
-# GPU-marked tests with CUDA C++ first; the kernel sweep (bench_ops) and one ncu look at its worst
-# row; the engine's host cost on this host's CPU (bench_engine); a ragged batch's two plans
-# (bench_batching); the one-GPU pg cases in their own processes (a CUDA fault there must not
-# poison the suite's context); the Triton tile/warp sweep. Steps run in that order of priority.
+# (bench_latency) and the transfer bench + demo, one-sided and messaged; an ops call's host time
+# with and without the launch-table ring (bench_launch_host, with its cProfile); what a transfer
+# costs a GEMM beside it (bench_interference: kernels under SM budgets vs the copy engines); a real
+# model's KV moved and its log-probabilities checked (model_check); layer-wise export
+# (bench_overlap); NIXL with GPU memory (bench_transfer's nixl rows); the GPU-marked tests with
+# CUDA C++ first; the kernel sweep (bench_ops) and one ncu look at its worst row; the engine's host
+# cost on this host's CPU (bench_engine); a ragged batch's two plans (bench_batching); the one-GPU
+# pg cases in their own processes (a CUDA fault there must not poison the suite's context); the
+# Triton tile/warp sweep. Steps run in that order of priority.
 # Each step gets at most what is left of a 540 s budget (a step that no longer fits is skipped
 # and says so), so the results are always packed: everything lands in $OUT/results.tgz (the
 # device tool returns at most 8 files), plus onegpu.log.
@@ -56,6 +57,10 @@ step model 60 25 sh -c "python3 profiling/model_check.py --device cuda >'$out/mo
 # CUDA event per layer) against exporting at the end: the transfer's tail after the prefill
 step overlap 60 25 sh -c "python3 profiling/bench_overlap.py --device cuda --sizes 1024,4096 --reqs 3 \
   --out '$out' >'$out/bench_overlap.txt' 2>&1"
+# issue 42 step 6: NIXL with GPU memory (the carried nixl-cu13, slimmed: profiling/gpu_wheels.sh); its
+# GPU-marked tests ran in gputests; here the transfer rows over UCX on the one GPU, direct and staged
+step nixl 60 25 sh -c "python3 profiling/bench_transfer.py --transports nixl-direct,nixl-staged --sizes 4096 \
+  --reqs 3 --iters 2 --out '$out/nixl' >'$out/bench_transfer_nixl.txt' 2>&1"
 # the same tests with CUDA C++ first in the CUDA order (the default is Triton first since
 # 2026-11-26), so the engine's threads run on both backends' kernels
 step gputests-cuda 120 60 env KVXFER_CUDA_BACKENDS=cuda,triton,torch sh -c \
