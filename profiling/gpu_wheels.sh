@@ -17,5 +17,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # the 64 MiB a device call carries; the full wheel is kept outside .whl/
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl nixl-cu13==1.5.1
-python3 profiling/slim_nixl_wheel.py .whl/nixl_cu13-1.5.1-cp312-*.whl --keep-full "${TMPDIR:-/tmp}" | head -1
+python3 profiling/slim_nixl_wheel.py .whl/nixl_cu13-1.5.1-cp312-*.whl --keep-full "${TMPDIR:-/tmp}"
 ls -la .whl

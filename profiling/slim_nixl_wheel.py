@@ -12,8 +12,9 @@ A plugin that is left out is one NIXL cannot create; kvxfer creates UCX only
 
     python profiling/slim_nixl_wheel.py .whl/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl
 
-writes ``<name>`` in place of the wheel (the original kept as ``<name>.full``, outside ``.whl/``
-when ``--keep-full DIR`` says where) and prints what it left out.
+writes ``<name>`` in place of the wheel (the original kept as ``<name>.full``, or in ``--keep-full
+DIR``: outside ``.whl/``, which the device call carries) and prints the sizes (``-v``: and what it
+left out).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("wheel", help="a nixl_cu13 wheel")
     ap.add_argument("--keep-full", default=None, help="a directory to move the original wheel to")
+    ap.add_argument("-v", "--verbose", action="store_true", help="list the members left out")
     a = ap.parse_args(argv)
     if not os.path.basename(a.wheel).startswith("nixl_cu13-"):
         ap.error(f"{a.wheel}: not a nixl_cu13 wheel")
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
     print(
         f"{os.path.basename(a.wheel)}: {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB, {len(dropped)} members left out"
     )
-    for n in dropped:
+    for n in dropped if a.verbose else ():
         print(f"  - {n}")
     return 0
 
