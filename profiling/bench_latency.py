@@ -218,13 +218,7 @@ def _exporter(args: dict, conn) -> None:
 
 
 def _get(conn, kind: str, proc):
-    if not conn.poll(DEADLINE_S):
-        raise TimeoutError(f"no {kind!r} from the exporter within {DEADLINE_S}s (alive: {proc.is_alive()})")
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError(f"exporter failed: {msg[1]}")
-    assert msg[0] == kind, msg
-    return msg
+    return common.expect(conn, kind, proc, DEADLINE_S)
 
 
 # ----------------------------------------------------------------------------- timeline

@@ -34,6 +34,22 @@ DEFAULT_OUT = os.path.join(ROOT, "profiling", "out")
 PROFILE_RANGE = os.environ.get("KVXFER_PROFILE_RANGE", "")  # "", "ops" or "sweep"
 
 
+# ------------------------------------------------------------------------ helper processes
+def expect(conn, kind: str, proc, timeout_s: float) -> tuple:
+    """The next message from a helper process over the pipe ``conn``, which must be ``(kind,
+    ...)``: ``TimeoutError`` after ``timeout_s`` (saying whether ``proc`` is alive),
+    ``RuntimeError`` with the helper's traceback when it sent ``("error", text)``."""
+    if not conn.poll(max(0.0, timeout_s)):
+        raise TimeoutError(
+            f"no {kind!r} from the helper process within {timeout_s:.0f}s (alive: {proc.is_alive()})"
+        )
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"the helper process failed: {msg[1]}")
+    assert msg[0] == kind, msg
+    return msg
+
+
 # ------------------------------------------------------------------------- the machine now
 def idle_reference_us(idle_s: float = 0.01, runs: int = 30) -> tuple[float, float]:
     """(back to back, after ``idle_s`` of sleep): medians in us of one run of a fixed Python loop

@@ -42,6 +42,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import common
+
 from kvxfer import KVCacheSpec, Layout, TransferEngine
 from kvxfer.ports import free_port_base
 
@@ -202,13 +204,7 @@ def _exporter(args: dict, conn) -> None:
 
 # ------------------------------------------------------------------------------------------- D
 def _get(conn, kind: str, proc, deadline: float):
-    if not conn.poll(max(0.0, deadline - time.monotonic())):
-        raise TimeoutError(f"no {kind!r} from P in time (alive: {proc.is_alive()})")
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError(f"P failed: {msg[1]}")
-    assert msg[0] == kind, msg
-    return msg
+    return common.expect(conn, kind, proc, deadline - time.monotonic())
 
 
 def run(a: argparse.Namespace) -> dict:
