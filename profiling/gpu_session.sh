@@ -86,7 +86,9 @@ done; done
 # (kernels/launch.py); this one looks below and above it (6 configurations)
 step sweep 115 50 sh -c "python3 profiling/sweep_triton_tiles.py --tiles 4096,8192,16384 --warps 8,16 --timeout 18 \
   --ops gather,copy --out '$out/sweep' >'$out/sweep_triton_tiles.txt' 2>&1"
-(cd "$out" && tar czf results.tgz --exclude results.tgz --exclude onegpu.log ./* && find . -maxdepth 1 -type f ! -name results.tgz ! -name onegpu.log -delete)
+# everything but the tarball and onegpu.log out of $OUT, folders too (nixl/, sweep/): the device
+# tool brings back at most 8 files
+(cd "$out" && tar czf results.tgz --exclude results.tgz --exclude onegpu.log ./* && find . -mindepth 1 ! -name results.tgz ! -name onegpu.log -delete)
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/onegpu.log" | tail -12
 tar xzf "$out/results.tgz" -O ./pytest-gpu.log 2>/dev/null | tail -25
 tar xzf "$out/results.tgz" -O ./pytest-gpu-cuda.log 2>/dev/null | tail -8
@@ -94,3 +96,4 @@ tar xzf "$out/results.tgz" -O ./bench_interference.txt 2>/dev/null | tail -60
 tar xzf "$out/results.tgz" -O ./sweep_triton_tiles.txt 2>/dev/null | tail -8
 tar xzf "$out/results.tgz" -O ./bench_launch_host.txt 2>/dev/null | head -14
 tar xzf "$out/results.tgz" -O ./model_check.txt 2>/dev/null | grep -E "^(max|check)"
+true  # the greps above print what they find; the steps' own status is in their lines
