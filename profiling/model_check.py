@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common
+from bench_transfer import mappable_caches
 
 from kvxfer import KVCacheSpec, Layout, TransferEngine
 from kvxfer.ports import free_port_base
@@ -158,9 +159,6 @@ def exporter(args: dict, conn) -> None:
 
 
 def _exporter(args: dict, conn) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_transfer import mappable_caches
-
     device = torch.device(args["device"])
     model = load_model(args["weights"], device)
     prompt = torch.tensor([args["prompt"]], device=device)
@@ -239,9 +237,6 @@ def run(a: argparse.Namespace) -> dict:
                 "blocks": p_blocks, "port": free_port_base(1)}  # fmt: skip
         proc = ctx.Process(target=exporter, args=(args, there), daemon=True)
         proc.start()
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from bench_transfer import mappable_caches
-
         shm, caches = mappable_caches(d_spec, d_blocks, device, fill=False)
         eng = TransferEngine(d_spec, caches, 0, 1, "D", transport="ipc", lease_s=60.0).start()
         deadline = time.monotonic() + DEADLINE_S

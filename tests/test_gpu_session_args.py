@@ -99,7 +99,7 @@ def _session_commands() -> list[tuple[str, str, list[str]]]:
 def test_the_session_runs_the_benchmarks_read_here():
     """The reading above found the session's benchmark steps (a change of the script's shape
     would otherwise leave this file checking nothing)."""
-    got = {name: (script, argv) for name, script, argv in _session_commands()}
+    got = {name: (script, argv) for name, script, argv in CASES}
     benches = ("launchhost", "interference", "ops", "transfer", "latency", "batching", "sweep", "hostcost")
     want = {*benches, "latency-1"}
     assert want <= set(got), sorted(got)
@@ -139,7 +139,10 @@ print("PARSED", sorted(vars(ns)))
 """
 
 
-@pytest.mark.parametrize("name,script,argv", _session_commands(), ids=[c[0] for c in _session_commands()])
+CASES = _session_commands()
+
+
+@pytest.mark.parametrize("name,script,argv", CASES, ids=[c[0] for c in CASES])
 def test_session_command_parses(name, script, argv, tmp_path):
     import json
 
