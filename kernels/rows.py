@@ -173,15 +173,18 @@ def move_rows_kernel(
     pid = tl.program_id(0).to(tl.int64)
     if PERSISTENT:
         step = tl.num_programs(0)
-        # a trip count, not range(pid, num_tiles, step): the interpreter's loop variable is a
-        # Python int, and tile ids must stay int64
-        for it in tl.range(0, tl.cdiv(num_tiles - pid, step)):
+        # a while loop over int64 tile ids, not a tl.range: Triton 3.6's interpreter cannot take
+        # a run-time loop bound (it converts a one-element array to int, which NumPy >= 2.3
+        # refuses), and range(pid, ...) would make the ids Python ints there
+        tile = pid
+        while tile < num_tiles:
             _move_tile(
-                pid + it * step, src, src_ids, dst, dst_ids, T, L, KV, num_t_tiles,
+                tile, src, src_ids, dst, dst_ids, T, L, KV, num_t_tiles,
                 src_head_start, src_bs, src_sb, src_s_kv, src_s_blk, src_s_tok, src_s_head,
                 dst_head_start, dst_bs, dst_sb, dst_s_kv, dst_s_blk, dst_s_tok, dst_s_head,
                 SRC_PAGED, DST_PAGED, WORD, R, VEC, ALIGN, BLOCK_T, BLOCK_W,
             )  # fmt: skip
+            tile += step
     else:
         _move_tile(
             pid, src, src_ids, dst, dst_ids, T, L, KV, num_t_tiles,
