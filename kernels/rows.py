@@ -174,7 +174,7 @@ def move_rows_kernel(
     if PERSISTENT:
         step = tl.num_programs(0)
         # a while loop over int64 tile ids, not a tl.range: Triton 3.6's interpreter cannot take
-        # a run-time loop bound (it converts a one-element array to int, which NumPy >= 2.3
+        # a run-time loop bound (it converts a one-element array to int, which NumPy 2.4
         # refuses), and range(pid, ...) would make the ids Python ints there
         tile = pid
         while tile < num_tiles:
