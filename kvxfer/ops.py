@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from . import tracing
+from .backends import batch_copy as _batch_copy
 from .backends import dma as _dma
 from .backends import registry as _registry
 from .backends.base import PagedSide
@@ -150,7 +151,7 @@ def _move(
     if choice.path == "dma":
         host = wire is not None and wire.device.type != device.type  # a pinned host wire
         with tracing.trace(op, str, choice):
-            done = _dma.run(
+            done = _batch_copy.run(
                 choice.runs, device, src_host=host and op == "scatter", dst_host=host and op == "gather"
             )
         if done:
@@ -215,7 +216,7 @@ def gather_blocks(
     if num_tokens:
         wire = out.view(side.wire_view_shape())
         budget = _cap(max_sms, side, None, caches)
-        if device.type == "cuda" or _dma.serves_cpu():
+        if device.type == "cuda" or _batch_copy.serves_cpu():
             _move("gather", backend, device, (side, wire), side, None, wire, budget, dma, caches)
         else:
             _run(backend, device, "gather", side, wire)
@@ -258,7 +259,7 @@ def scatter_blocks(
         device = side.device
         w = wire.view(side.wire_view_shape())
         budget = _cap(max_sms, None, side, caches)
-        if device.type == "cuda" or _dma.serves_cpu():
+        if device.type == "cuda" or _batch_copy.serves_cpu():
             _move("scatter", backend, device, (w, side), None, side, w, budget, dma, caches)
         else:
             _run(backend, device, "scatter", w, side)
@@ -312,7 +313,7 @@ def copy_blocks(
             layers,
         )
         budget = _cap(max_sms, src, dst, src_caches, dst_caches)
-        if src_caches.info.cuda or _dma.serves_cpu():
+        if src_caches.info.cuda or _batch_copy.serves_cpu():
             _move("copy", backend, device, (src, dst), src, dst, None, budget, dma, src_caches, dst_caches)
         else:
             _run(backend, device, "copy", src, dst)
@@ -340,7 +341,7 @@ def copy_blocks(
         raise ValueError(f"dst_caches: on {dst.device}, src_caches on {device}; copy needs one device")
     if num_tokens:
         budget = _cap(max_sms, src, dst, src_caches, dst_caches)
-        if device.type == "cuda" or _dma.serves_cpu():
+        if device.type == "cuda" or _batch_copy.serves_cpu():
             _move("copy", backend, device, (src, dst), src, dst, None, budget, dma, src_caches, dst_caches)
         else:
             _run(backend, device, "copy", src, dst)
@@ -395,7 +396,7 @@ class PreparedCopy:
         src, dst = _copy_sides(self._src, self._dst, src_block_ids, dst_block_ids, num_tokens)
         a, b = self._src_caches, self._dst_caches
         budget = _cap(None, src, dst, a, b)
-        if self._cuda or _dma.serves_cpu():
+        if self._cuda or _batch_copy.serves_cpu():
             _move("copy", self.backend, self._device, (src, dst), src, dst, None, budget, None, a, b)
         else:
             _run(self.backend, self._device, "copy", src, dst)

@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch
 
 from kvxfer import ops
-from kvxfer.backends import dma
+from kvxfer.backends import batch_copy, dma
 from kvxfer.spec import dtype_from_name
 from profiling import common, verify
 from profiling.shapes import MODELS
@@ -210,7 +210,7 @@ class Setup:
         )
 
 
-def memmove_copier() -> dma.BatchCopier:
+def memmove_copier() -> batch_copy.BatchCopier:
     """A stand-in of ``cuMemcpyBatchAsync`` for CPU plumbing runs: the same ctypes prototype, each
     run a ``memmove`` (what a copy engine would do to those bytes; nothing about its speed)."""
 
@@ -219,8 +219,8 @@ def memmove_copier() -> dma.BatchCopier:
             ctypes.memmove(dsts[i], srcs[i], sizes[i])
         return 0
 
-    fn = dma.PROTOTYPES[2](call)
-    copier = dma.BatchCopier(fn, 2, "memmove stand-in (CPU plumbing)", ("cpu",))
+    fn = batch_copy.PROTOTYPES[2](call)
+    copier = batch_copy.BatchCopier(fn, 2, "memmove stand-in (CPU plumbing)", ("cpu",))
     copier._keep = fn  # the callback must outlive every call
     return copier
 
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
     meta = common.run_metadata(device)
     notes = []
     if device.type == "cpu":
-        dma.install_copier(memmove_copier())
+        batch_copy.install_copier(memmove_copier())
         notes.append(
             "CPU plumbing run: no SMs and no copy engines; budgets do nothing to the CPU backend and the dma "
             "rows use a memmove stand-in of cuMemcpyBatchAsync. These numbers say nothing about a GPU."
@@ -508,7 +508,7 @@ def main(argv=None) -> int:
     )
     write(f"# wrote {path}")
     if device.type == "cpu":
-        dma.install_copier(None)
+        batch_copy.install_copier(None)
     return 1 if failed else 0
 
 

@@ -1,5 +1,6 @@
-"""The copy-engine path (kvxfer/backends/dma.py): the runs built for ``cuMemcpyBatchAsync``, the
-rule that chooses between it and a kernel, the driver call's shape, the fallback, the stats.
+"""The copy-engine path (kvxfer/backends/dma.py, kvxfer/backends/batch_copy.py): the runs built for
+``cuMemcpyBatchAsync``, the rule that chooses between it and a kernel, the driver call's shape,
+the fallback, the stats.
 
 On CPU a fake driver, built from the very ctypes prototype the real symbol gets, records each
 batch and performs it with ``memmove`` on CPU memory, so the runs are checked byte for byte
@@ -24,22 +25,22 @@ import pytest
 import torch
 
 from kvxfer import KVCacheSpec, Layout, ops, tracing
-from kvxfer.backends import dma
+from kvxfer.backends import batch_copy, dma
 
 POISON = 0xA5
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
 
 class FakeDriver:
-    """``cuMemcpyBatchAsync`` on CPU memory: a ctypes callback of ``dma.PROTOTYPES[abi]`` that
+    """``cuMemcpyBatchAsync`` on CPU memory: a ctypes callback of ``batch_copy.PROTOTYPES[abi]`` that
     records each batch (runs, attributes, stream) and moves the bytes with ``memmove``; ``rc``
     makes it fail (and, in the 12.8 form, report run ``fail_at``)."""
 
     def __init__(self, abi: int = 2, rc: int = 0, fail_at: int = 0) -> None:
         self.abi, self.rc, self.fail_at = abi, rc, fail_at
         self.calls: list[dict] = []
-        self.fn = dma.PROTOTYPES[abi](self._call)
-        self.copier = dma.BatchCopier(self.fn, abi, f"fake v{abi}", ("cpu",))
+        self.fn = batch_copy.PROTOTYPES[abi](self._call)
+        self.copier = batch_copy.BatchCopier(self.fn, abi, f"fake v{abi}", ("cpu",))
 
     def _call(self, dsts, srcs, sizes, count, attrs, idxs, num_attrs, *rest):
         stream = rest[-1]
@@ -73,10 +74,10 @@ class FakeDriver:
 @pytest.fixture
 def fake():
     drv = FakeDriver()
-    dma.install_copier(drv.copier)
+    batch_copy.install_copier(drv.copier)
     ops.reset_backends()
     yield drv
-    dma.install_copier(None)
+    batch_copy.install_copier(None)
     ops.reset_backends()
 
 
@@ -270,10 +271,10 @@ def test_the_batch_the_driver_gets(fake):
     assert len(call["runs"]) == 2 * 2 * 2  # [0,1]->[2,3] one run, [5]->[4] another, per (layer, kv)
     assert call["attrs"] == [
         (
-            dma.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            batch_copy.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
             (2, 0),
             (2, 0),
-            dma.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+            batch_copy.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
         )
     ]
     assert call["idxs"] == [0] and call["stream"] is None
@@ -337,7 +338,7 @@ def test_choice_overrides_and_switches(fake, monkeypatch):
 def test_without_a_batched_copy_the_rule_falls_back(monkeypatch):
     """No copier for these tensors (CPU memory, no fake): the kernel, naming why; and
     ``dma=True`` names the same reason."""
-    dma.install_copier(None)
+    batch_copy.install_copier(None)
     s, d = _sides(16)
     c = dma.choose("copy", s, d, None, 4, None, CPU)
     assert (c.path, c.key) == ("kernel", "no cuMemcpyBatchAsync") and "CUDA memory" in c.detail
@@ -349,12 +350,12 @@ def test_a_driver_without_the_call_falls_back_with_a_logged_reason(monkeypatch, 
     def no_call():
         raise OSError("the driver exports no cuMemcpyBatchAsync")
 
-    monkeypatch.setattr(dma, "_Driver", no_call)
-    dma.install_copier(None)
+    monkeypatch.setattr(batch_copy, "_Driver", no_call)
+    batch_copy.install_copier(None)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvxfer.backends.dma"):
-            c, why = dma.copier(torch.device("cuda", 0))
-            again = dma.copier(torch.device("cuda", 1))
+        with caplog.at_level(logging.WARNING, logger="kvxfer.backends.batch_copy"):
+            c, why = batch_copy.copier(torch.device("cuda", 0))
+            again = batch_copy.copier(torch.device("cuda", 1))
         assert c is None and again[0] is None and "exports no cuMemcpyBatchAsync" in why
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "transfers use the kernels" in warnings[0] and why in warnings[0]
@@ -363,7 +364,7 @@ def test_a_driver_without_the_call_falls_back_with_a_logged_reason(monkeypatch, 
         assert (choice.path, choice.key) == ("kernel", "no cuMemcpyBatchAsync")
         assert dma.status("cuda").startswith("off: OSError: the driver exports no")
     finally:
-        dma.install_copier(None)
+        batch_copy.install_copier(None)
 
 
 def test_dma_true_on_a_transfer_that_is_not_runs_writes_nothing(fake):
@@ -432,14 +433,14 @@ def test_a_failing_driver_call_falls_back_to_the_kernel(monkeypatch, caplog):
     """The driver refuses the batch: one warning, the kernel moves the same bytes (exact), and
     the path stays off for the device type (later calls say why)."""
     drv = FakeDriver(abi=1, rc=1, fail_at=3)
-    dma.install_copier(drv.copier)
+    batch_copy.install_copier(drv.copier)
     monkeypatch.setattr(dma, "MIN_RUN_BYTES", 0)
     try:
         spec = _spec("HND", heads=4, bs=4, layers=2)
         src = ops.register_caches(_caches(spec, 8, "random"), spec)
         dst = ops.register_caches(_caches(spec, 8, "poison"), spec, max_sms=4)
         ref = [c.clone() for c in dst]
-        with caplog.at_level(logging.WARNING, logger="kvxfer.backends.dma"):
+        with caplog.at_level(logging.WARNING, logger="kvxfer.backends.batch_copy"):
             ops.copy_blocks(src, spec, [0, 1], dst, spec, [2, 3], 8)
             ops.copy_blocks(src, spec, [0, 1], dst, spec, [2, 3], 8)
         ops.copy_blocks(src, spec, [0, 1], ref, spec, [2, 3], 8, backend="torch")
@@ -451,7 +452,7 @@ def test_a_failing_driver_call_falls_back_to_the_kernel(monkeypatch, caplog):
         assert st["reasons"] == {"copy kernel: dma call failed": 1, "copy kernel: no cuMemcpyBatchAsync": 1}
         assert "off" in st["dma_path"] and "fake v1 returned 1" in st["dma_path"]
     finally:
-        dma.install_copier(None)
+        batch_copy.install_copier(None)
 
 
 # --------------------------------------------------------------------------- the call's shape vs cuda.h
@@ -477,7 +478,7 @@ _CTYPES_OF = {
     "CUdeviceptr *": ctypes.POINTER(ctypes.c_uint64),
     "size_t *": ctypes.POINTER(ctypes.c_size_t),
     "size_t": ctypes.c_size_t,
-    "CUmemcpyAttributes *": ctypes.POINTER(dma.CUmemcpyAttributes),
+    "CUmemcpyAttributes *": ctypes.POINTER(batch_copy.CUmemcpyAttributes),
     "CUstream": ctypes.c_void_p,
 }
 
@@ -505,15 +506,20 @@ def test_the_prototypes_match_cuda_h():
     assert v2, "cuda.h declares no cuMemcpyBatchAsync_v2"
     assert re.search(r"#define\s+cuMemcpyBatchAsync\s+__CUDA_API_PTSZ\(cuMemcpyBatchAsync_v2\)", header)
     for t in v2:
-        assert [_CTYPES_OF[x] for x in t] == list(dma.ARGTYPES[2]), t
+        assert [_CTYPES_OF[x] for x in t] == list(batch_copy.ARGTYPES[2]), t
     legacy = [t for t in plain if len(t) == 9]
     assert legacy, plain
     for t in legacy:
-        assert [_CTYPES_OF[x] for x in t] == list(dma.ARGTYPES[1]), t
-    assert dma.PROTOTYPES[2]._argtypes_ == dma.ARGTYPES[2] and dma.PROTOTYPES[2]._restype_ is ctypes.c_int
-    assert isinstance(FakeDriver(2).fn, dma.PROTOTYPES[2]) and isinstance(FakeDriver(1).fn, dma.PROTOTYPES[1])
+        assert [_CTYPES_OF[x] for x in t] == list(batch_copy.ARGTYPES[1]), t
+    assert (
+        batch_copy.PROTOTYPES[2]._argtypes_ == batch_copy.ARGTYPES[2]
+        and batch_copy.PROTOTYPES[2]._restype_ is ctypes.c_int
+    )
+    assert isinstance(FakeDriver(2).fn, batch_copy.PROTOTYPES[2]) and isinstance(
+        FakeDriver(1).fn, batch_copy.PROTOTYPES[1]
+    )
     with pytest.raises(TypeError, match="PROTOTYPES"):
-        dma.BatchCopier(lambda *a: 0, 2, "not a prototype")
+        batch_copy.BatchCopier(lambda *a: 0, 2, "not a prototype")
 
 
 _LAYOUT_C = r"""
@@ -545,7 +551,7 @@ def test_the_attribute_structs_match_cuda_h(tmp_path):
     sizes, consts = subprocess.run(
         [str(tmp_path / "l")], capture_output=True, text=True, check=True
     ).stdout.splitlines()
-    A, L = dma.CUmemcpyAttributes, dma.CUmemLocation
+    A, L = batch_copy.CUmemcpyAttributes, batch_copy.CUmemLocation
     assert [int(x) for x in sizes.split()] == [
         ctypes.sizeof(A),
         ctypes.sizeof(L),
@@ -558,18 +564,18 @@ def test_the_attribute_structs_match_cuda_h(tmp_path):
         ctypes.sizeof(ctypes.c_int),
     ]
     assert [int(x) for x in consts.split()] == [
-        dma.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-        dma.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-        dma.CU_MEM_LOCATION_TYPE_DEVICE,
-        dma.CU_MEM_LOCATION_TYPE_HOST,
+        batch_copy.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        batch_copy.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+        batch_copy.CU_MEM_LOCATION_TYPE_DEVICE,
+        batch_copy.CU_MEM_LOCATION_TYPE_HOST,
     ]
 
 
 def test_importing_kvxfer_does_no_cuda_work():
     """The DMA module loads the driver only when a call wants it."""
     code = (
-        "import sys, kvxfer, kvxfer.ops, kvxfer.backends.dma as d\n"
-        "assert d._copiers == {} and 'cupy' not in sys.modules\n"
+        "import sys, kvxfer, kvxfer.ops, kvxfer.backends.batch_copy as b\n"
+        "assert b._copiers == {} and 'cupy' not in sys.modules\n"
         "import ctypes\n"
         "print('ok')\n"
     )
@@ -584,12 +590,12 @@ def gpu(fn):
 
 
 def _real_copier():
-    dma.install_copier(None)
-    c, why = dma.copier(torch.device("cuda"))
+    batch_copy.install_copier(None)
+    c, why = batch_copy.copier(torch.device("cuda"))
     if c is None:
         v = ctypes.c_int(0)
         ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
-        if v.value < dma.MIN_DRIVER:
+        if v.value < batch_copy.MIN_DRIVER:
             pytest.skip(f"driver CUDA {v.value}: cuMemcpyBatchAsync needs 12.8 ({why})")
         pytest.fail(f"a 12.8+ driver ({v.value}) but no batched copy: {why}")
     return c
