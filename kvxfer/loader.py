@@ -530,7 +530,7 @@ class Loader:
         for it in failed:
             if self.rank.loads.fail(it.request_id, reasons[it.request_id]):
                 self.rank.metrics.add("failures")
-        self._notify(rem, done, failed)
+        self.notify(rem, done, failed)
 
     def _fail_all(self, rem: Remote, items: list[LoadItem], why: str) -> None:
         """:meth:`_complete` with every one of ``items`` failed for ``why``."""
@@ -560,13 +560,10 @@ class Loader:
 
     # -------------------------------------------------------------------- notifications
     def notify(self, rem: Remote, done: list[LoadItem], failed: list[LoadItem]) -> None:
-        """Queue the notification of ``done`` and ``failed`` loads of ``rem`` (:meth:`_notify`);
-        the one-sided path's, after its done marks."""
-        self._notify(rem, done, failed)
-
-    def _notify(self, rem: Remote, done: list[LoadItem], failed: list[LoadItem]) -> None:
-        """Queue the notification of every exporter rank the plan names (acknowledged and
-        retried by the notifier thread until the exporter's lease would end anyway)."""
+        """Queue the notification of ``done`` and ``failed`` loads of ``rem`` to every exporter
+        rank the plan names (acknowledged and retried by the notifier thread until the
+        exporter's lease would end anyway): this worker's, the releases' and the one-sided
+        path's, after its done marks."""
         if not done and not failed:
             return
         rids: list[str] = []
