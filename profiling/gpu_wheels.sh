@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Download, here, the wheels the lent GPU machine lacks (it has no network): kvxfer's runtime
-# deps that its image does not carry (pyzmq, msgspec, the nvtx Python package: its nvidia-nvtx is only
-# the C library), and NIXL (slimmed). transformers, for profiling/model_check.py, is in the image. They land in .whl/ (git-ignored), which the device tool
-# carries; profiling/gpu_validate.sh installs them there. Python 3.12, x86-64 (the GPU image).
+# deps that its image does not carry (pyzmq, msgspec, the nvtx Python package: its nvidia-nvtx is
+# only the C library), and NIXL (slimmed). transformers, for profiling/model_check.py, is in the
+# image. They land in .whl/ (git-ignored), which the device tool carries; profiling/gpu_validate.sh
+# installs them there. Python 3.12, x86-64 (the GPU image).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exclude=$(git rev-parse --git-path info/exclude)

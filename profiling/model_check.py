@@ -3,22 +3,23 @@ KV moved over ``ipc`` into D's cache of another layout and block size, and D's n
 log-probabilities set against a plain run's.
 
 P (a process of its own) runs the prefill of a random prompt, writes each layer's K and V into its
-paged cache (NHD, 16-token blocks, shuffled block ids) by plain indexing, twice, and exports the two
-requests. D (this process) loads each into its cache (HND, 32-token blocks, other shuffled ids;
+paged cache (NHD, 16-token blocks, shuffled block ids) by plain indexing, twice, and exports the
+two requests. D (this process) loads each into its cache (HND, 32-token blocks, other shuffled ids;
 CPU: shared memory, GPU: CUDA IPC): the first load handshakes and maps P's cache (the messaged
 path), the second reads one-sided. After each, D reads the KV back by plain indexing into the
-model's cache and decodes one token. The reference is the plain run of the same model: the prompt and that token in one forward.
-Neither side's indexing goes through kvxfer, so a copy that lands a token's K or V, a head or a
-layer in the wrong place, or leaves one out, changes D's output. What the model cannot see: whole
-tokens (K and V together) moved to other positions of the request, since attention over the cache
-is a sum over its tokens and RoPE is already in the keys; the byte-exact tests see that. The model is small (4 layers, GQA 4 query / 2 KV heads of
-32, fp32), its weights drawn by transformers' own initialisation (seeded, with a wider spread
-than its default: see :func:`model_config`) and handed to P in a file, so both processes run the
-same model.
+model's cache and decodes one token. The reference is the plain run of the same model: the prompt
+and that token in one forward. Neither side's indexing goes through kvxfer, so a copy that lands a
+token's K or V, a head or a layer in the wrong place, or leaves one out, changes D's output. What
+the model cannot see: whole tokens (K and V together) moved to other positions of the request,
+since attention over the cache is a sum over its tokens and RoPE is already in the keys; the
+byte-exact tests see that. The model is small (4 layers, GQA 4 query / 2 KV heads of 32, fp32), its
+weights drawn by transformers' own initialisation (seeded, with a wider spread than its default:
+see :func:`model_config`) and handed to P in a file, so both processes run the same model.
 
 The check: the largest difference between D's and the reference's log-probabilities over the
-vocabulary (``--atol``, default 1e-4; the exact KV gives 3.8e-6 on CPU) and the same argmax. ``--mutate`` scales the K of one token
-of one layer in D's cache by 1.01 after the load: the check must then fail (it can).
+vocabulary (``--atol``, default 1e-4; the exact KV gives 3.8e-6 on CPU) and the same argmax.
+``--mutate`` scales the K of one token of one layer in D's cache by 1.01 after the load: the check
+must then fail (it can).
 
     python profiling/model_check.py [--device cpu|cuda] [--tokens 37] [--mutate]
 
