@@ -34,6 +34,11 @@ out = pathlib.Path('kvxfer/_prebuilt/kvxfer_kernels.fatbin'); out.parent.mkdir(e
 cmd = nvcc_command(find_nvcc(), out); print(' '.join(cmd)); subprocess.run(cmd, check=True)"
   cuobjdump --list-elf kvxfer/_prebuilt/kvxfer_kernels.fatbin 2>&1 | head
   python3 -c "import torch; from kvxfer.backends import cuda; assert cuda.is_available(torch.device('cuda')); print('kernels loaded from', cuda.loaded_from(0))"
+  # every GPU backend must be there: a run without one measures the other alone (2026-11-28: the
+  # Triton backend failed to import on the device and every step fell back to CUDA C++)
+  python3 -c "import torch; from kvxfer.backends import registry
+for name, row in registry.backend_status(torch.device('cuda')).items():
+    print('backend', name, 'ok' if row['available'] else 'UNAVAILABLE: ' + row['reason'])"
   # the control-path helpers (kvxfer/idops.py), built with the host compiler as an engine's start() would
   python3 -c "from kvxfer import idops; print('control helpers', idops.ensure(), idops.status())"
 }
@@ -48,7 +53,10 @@ case "$step" in
     ;;
   gputests)
     # shellcheck disable=SC2086
-    python3 -m pytest -q -rfEs -m "gpu or multigpu" --timeout 120 --durations=15 ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest-gpu.log" | tail -40
+    # -v: a line per test as it ends, so a cut run names the test it was in; each failure's report
+    # lands in failures-gpu*.txt at once (tests/conftest.py), not only in the summary at the end
+    KVXFER_FAILURES_NOW="$out/failures-gpu${TAG:+-$TAG}.txt" python3 -m pytest -v -rfEs -m "gpu or multigpu" \
+      --timeout 120 --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest-gpu${TAG:+-$TAG}.log" | tail -40
     ;;
   ops)
     # extra args narrow the sweep to fit 10 minutes, e.g.: ops --models llama3-8b --dest device

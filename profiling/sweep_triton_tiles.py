@@ -4,7 +4,7 @@ Each configuration runs ``bench_ops.py`` in its own process with ``$KVXFER_TRITO
 and ``$KVXFER_TRITON_NUM_WARPS`` set (read when the kernels load), so each compiles its own
 variants; the rows are verified byte for byte as always. Prints, per row, the fraction of the
 in-run limit under each configuration and the best one, plus a ``#wrong`` column, and writes
-``sweep_triton_tiles.json``. The defaults live in ``kernels/launch.py``.
+``sweep_triton_tiles.json``. The defaults live in ``kvxfer/kernels/launch.py``.
 
     python profiling/sweep_triton_tiles.py --out OUT            # GPU: 4 tiles x 2 warp counts
     python profiling/sweep_triton_tiles.py --tiles 8192,16384 --warps 4 --models llama3-8b-1head

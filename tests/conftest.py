@@ -22,6 +22,19 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# $KVXFER_FAILURES_NOW: a file each failing test's report is appended to as it fails, not at the
+# end of the run, so a run its time limit cuts short (a GPU session's step) still says why
+_FAILURES_NOW = os.environ.get("KVXFER_FAILURES_NOW", "")
+
+
+def pytest_runtest_logreport(report):
+    if _FAILURES_NOW and report.failed:
+        with open(_FAILURES_NOW, "a") as f:
+            f.write(
+                f"=== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n"
+            )
+
+
 def pytest_collection_modifyitems(config, items):
     num_gpus = torch.cuda.device_count() if HAS_CUDA else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")

@@ -80,6 +80,10 @@ def _session_commands() -> list[tuple[str, str, list[str]]]:
             continue
         name, cmd = m.groups()
         words = shlex.split(cmd.split("  #")[0])  # a comment after the command left out
+        if words[:1] == ["env"]:  # env NAME=VALUE ... COMMAND: the command
+            words = words[1:]
+            while words and "=" in words[0]:
+                words = words[1:]
         if words[:2] == ["bash", "$v"]:
             step = words[2]
             assert step in validate, f"gpu_session.sh step {name!r} runs gpu_validate.sh {step}: no such step"

@@ -17,10 +17,9 @@ if not torch.cuda.is_available():  # tests/conftest.py does the same; here for s
 
 pytest.importorskip("triton")
 
-from kvxfer.kernels import launch
-
 from kvxfer import KVCacheSpec, ops, plan_reads
 from kvxfer import kernels as tk
+from kvxfer.kernels import launch
 from tests.triton_cases import (
     POISON,
     RUNNERS,

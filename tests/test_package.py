@@ -1,8 +1,14 @@
-"""`import kvxfer` is cheap: no CUDA work, no heavy optional imports; kernels map as kvxfer.kernels."""
+"""`import kvxfer` is cheap: no CUDA work, no heavy optional imports; every subpackage imports from
+a plain source tree (the GPU machine runs the checkout on PYTHONPATH, uninstalled)."""
 
 import json
+import os
 import subprocess
 import sys
+
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _probe(code: str) -> dict:
@@ -31,3 +37,35 @@ def test_lazy_public_names_resolve():
         " kvxfer.CompletionAggregator.__name__, kvxfer.kernels.__name__]))"
     )
     assert out == ["TransferEngine", "KVTransferParams", "CompletionAggregator", "kvxfer.kernels"]
+
+
+def test_every_package_is_its_own_folder():
+    """No package-dir remap: each package of pyproject.toml is the folder its dotted name says, so
+    a checkout on PYTHONPATH imports what the wheel installs (a remapped ``kvxfer.kernels`` made
+    a 2026-11-28 GPU run lose the Triton backend)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        tool = tomllib.load(f)["tool"]["setuptools"]
+    assert tool.get("package-dir", {}) in ({}, {"kvxfer": "kvxfer"}), tool.get("package-dir")
+    missing = [
+        p for p in tool["packages"] if not os.path.isfile(os.path.join(ROOT, *p.split("."), "__init__.py"))
+    ]
+    assert not missing, missing
+
+
+def test_subpackages_import_from_the_source_tree_uninstalled():
+    """Every package imports with the checkout on PYTHONPATH and no editable-install finder (the
+    finder an editable install adds would hide a package the tree alone does not hold)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        packages = tomllib.load(f)["tool"]["setuptools"]["packages"]
+    code = (
+        "import importlib, json, sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__.lower()]\n"
+        f"print(json.dumps([importlib.import_module(p).__file__ for p in {packages!r}]))"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/", env=env
+    )
+    assert r.returncode == 0, r.stderr
+    files = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(f.startswith(os.path.join(ROOT, "kvxfer")) for f in files), files

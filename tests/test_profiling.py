@@ -433,7 +433,7 @@ def test_sweep_triton_tiles_plumbing(tmp_path):
     table = [ln for ln in res.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
     assert len(table) == 2 and all(ln.split()[1] in ("gather", "copy") for ln in table), res.stdout
     got = json.loads((tmp_path / "sweep_triton_tiles.json").read_text())
-    assert got["configs"] == ["8192/8*", "16384/8"]  # * the default (kernels/launch.py)
+    assert got["configs"] == ["8192/8*", "16384/8"]  # * the default (kvxfer/kernels/launch.py)
     assert {r["op"] for r in got["rows"]} == {"gather", "copy"}
     assert all(set(r["pct_limit"]) == {"8192/8", "16384/8"} and r["wrong"] == 0 for r in got["rows"])
     for cfg in ("tile8192_warps8", "tile16384_warps8"):

@@ -19,7 +19,7 @@ Grid (1-D): one program per (h, l, kv, tile of ``BLOCK_T`` tokens), tokens faste
 launch covers every layer and block of a call. A program moves a ``[BLOCK_T, BLOCK_W]`` tile.
 Under an SM budget (``PERSISTENT``) the grid is capped at the budget and each program strides
 over the tiles ``pid, pid + grid, ...``; the uncapped variant keeps one tile per program (the
-code measured for the tile and warp defaults, ``kernels/launch.py``).
+code measured for the tile and warp defaults, ``kvxfer/kernels/launch.py``).
 """
 
 from __future__ import annotations
