@@ -71,6 +71,13 @@ class FakeDriver:
         return 0
 
 
+@pytest.fixture(autouse=True)
+def _rule_on(monkeypatch):
+    """The rule applies in these tests ($KVXFER_DMA=rule; by default a call takes a kernel:
+    test_the_copy_engines_are_not_taken_by_default)."""
+    monkeypatch.setenv(dma.DMA_ENV, "rule")
+
+
 @pytest.fixture
 def fake():
     drv = FakeDriver()
@@ -319,6 +326,20 @@ def test_choice_rule(fake, monkeypatch, budget, large, tokens, min_run, want):
     c = dma.choose("copy", s, d, None, budget, None, CPU)
     assert (c.path, c.key) == want, c
     assert (c.runs is not None) == (c.path == "dma")
+
+
+def test_the_copy_engines_are_not_taken_by_default(fake, monkeypatch):
+    """Without $KVXFER_DMA=rule a call the rule would send to the copy engines (small budget,
+    large copy) takes the kernel, naming why; dma=True still takes them."""
+    monkeypatch.delenv(dma.DMA_ENV, raising=False)
+    monkeypatch.setattr(dma, "LARGE_COPY_BYTES", 1)
+    monkeypatch.setattr(dma, "MIN_RUN_BYTES", 0)
+    s, d = _sides(16)
+    c = dma.choose("copy", s, d, None, 8, None, CPU)
+    assert (c.path, c.key) == ("kernel", "copy engines not by default") and "$KVXFER_DMA=rule" in c.detail
+    assert dma.choose("copy", s, d, None, 8, True, CPU).path == "dma"
+    monkeypatch.setenv(dma.DMA_ENV, "rule")
+    assert dma.choose("copy", s, d, None, 8, None, CPU).path == "dma"
 
 
 def test_choice_overrides_and_switches(fake, monkeypatch):

@@ -235,8 +235,10 @@ def test_token_slots_must_be_a_bool(hnd):
         ops.register_caches(dst, spec, token_slots=1)
 
 
-def test_copy_engines_refuse_token_slots(hnd):
+def test_copy_engines_refuse_token_slots(hnd, monkeypatch):
     from kvxfer.backends import dma
+
+    monkeypatch.setenv(dma.DMA_ENV, "rule")  # the rule would take them where they apply
 
     spec, reg, dst = hnd
     dreg = ops.register_caches(dst, spec, token_slots=True)

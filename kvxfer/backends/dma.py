@@ -26,12 +26,14 @@ MLA, NHD with one head per rank) in one run per (head, layer, K/V, block). An NH
 several heads is one 2 x ``head_dim``-byte row per token: no. Nor are token slots (caches
 registered with ``token_slots``: one id per token, each a few rows).
 
-**The rule** (:func:`choose`): DMA where it applies and the SM budget is small
-(``max_sms <= SMALL_BUDGET_SMS``) or the copy is large (``>= LARGE_COPY_BYTES``), and its runs
-are not too small for the copy engines (mean ``>= MIN_RUN_BYTES`` after coalescing); a kernel
-otherwise. ``dma=True`` asks for DMA wherever it applies (an error naming why where it does not),
-``dma=False`` or ``$KVXFER_DMA=0`` never use it. The thresholds are not measured yet:
-``profiling/bench_interference.py`` measures both paths on the next GPU session.
+**By default a call takes a kernel**: measured on an H200, the batched copy of a 4K-token
+transfer with scattered block ids ran at 0.3 % (device copy) and ~10 % (gather to pinned host) of
+what a kernel reaches (``DMA_ENV``'s comment has the figures). ``dma=True`` asks for DMA wherever
+it applies (an error naming why where it does not). ``$KVXFER_DMA=rule`` applies **the rule**
+(:func:`choose`): DMA where it applies and the SM budget is small (``max_sms <=
+SMALL_BUDGET_SMS``) or the copy is large (``>= LARGE_COPY_BYTES``), and its runs are not too
+small for the copy engines (mean ``>= MIN_RUN_BYTES`` after coalescing); a kernel otherwise.
+``dma=False`` or ``$KVXFER_DMA=0`` never use it.
 
 **The driver**: ``cuMemcpyBatchAsync`` (CUDA 12.8+, :mod:`kvxfer.backends.batch_copy`). A
 driver without the call, or a call that fails, falls back to the kernel with one logged warning.
@@ -64,11 +66,15 @@ __all__ = [
     "status",
 ]
 
-DMA_ENV = "KVXFER_DMA"  # "0"/"off": never; anything else (default): by the rule
-# The rule's thresholds, to be set by profiling/bench_interference.py on the next GPU session
-# (not measured yet). A budget at or below this many SMs is "small": a kernel that narrow leaves
-# bandwidth on the table (sglang #40278 reports host<->device KV at the copy-engine ceiling from
-# 4 of 152 SMs, a kernel from many more), so the copy engines move it.
+DMA_ENV = "KVXFER_DMA"  # unset (default): never by itself; "rule": by the rule; "0"/"off": never
+# Off by default: on an H200 the batched copy moved a 4K-token Llama-3-8B transfer with random
+# block ids at 0.3 % of a device copy_ (ipc copy, 16384 runs of 32 KiB: 79 ms against 0.26 ms)
+# and an HND gather to pinned host at 9.6-10.5 % of a pinned copy_ (131072 runs of 4 KiB), while
+# a kernel capped at 8 SMs kept 93-96 % of the pinned copy (profiling/results/2026-11-28-H200/,
+# bench_interference). Until a measured case where the copy engines win, a call takes them only
+# when it asks (dma=True) or $KVXFER_DMA=rule applies the rule below.
+# The rule's thresholds. A budget at or below this many SMs is "small"; sglang #40278 reports
+# host<->device KV at the copy-engine ceiling from 4 of 152 SMs.
 SMALL_BUDGET_SMS = 16
 # A copy of at least this many bytes is "large": a 4K-token Llama-3-8B transfer is 537 MB, a
 # layer group of 4 layers of it 67 MB.
@@ -294,6 +300,10 @@ def _env_off() -> bool:
     return os.environ.get(DMA_ENV, "").strip().lower() in ("0", "off", "false", "no")
 
 
+def _rule_on() -> bool:
+    return os.environ.get(DMA_ENV, "").strip().lower() == "rule"
+
+
 def choose(
     op: str,
     src: PagedSide | None,
@@ -311,6 +321,12 @@ def choose(
         return Choice("kernel", "dma=False", "")
     if dma is None and _env_off():
         return Choice("kernel", f"${DMA_ENV} off", "")
+    if dma is None and not _rule_on():
+        return Choice(
+            "kernel",
+            "copy engines not by default",
+            f"measured slower than the kernels; dma=True or ${DMA_ENV}=rule takes them",
+        )
     shape = src if src is not None else dst
     assert shape is not None
     nbytes = shape.num_heads * shape.num_layers * shape.num_kv * shape.num_tokens * shape.row_bytes
