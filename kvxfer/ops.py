@@ -24,6 +24,7 @@ names the call's NVTX range while a tool listens.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -58,12 +59,14 @@ from .spec import KVCacheSpec
 
 __all__ = [
     "BACKENDS",
+    "HOST_WIRE_MAX_SMS",
     "CheckedIds",
     "PagedCache",
     "PreparedCopy",
     "backend_status",
     "copy_blocks",
     "gather_blocks",
+    "host_wire_budget",
     "last_backend",
     "make_side",
     "path_stats",
@@ -95,6 +98,40 @@ def _cap(max_sms, src: PagedSide | None, dst: PagedSide | None, a, b=None) -> in
             src.max_sms = budget
         if dst is not None:
             dst.max_sms = budget
+    return budget
+
+
+# SM budget of a gather into (scatter from) a pinned host wire on a GPU when the call and its
+# caches set none. Such a call is bound by PCIe, not by SMs: on an H200 an uncapped gather of a
+# 4K-token Llama-3-8B request held every SM for its ~10 ms and a bf16 GEMM beside it took 8.6x as
+# long, while Triton capped at 16 SMs kept 93 % of a pinned copy_ and slowed the GEMM by 26 %
+# (profiling/results/2026-11-28-H200/, bench_interference). $KVXFER_HOST_WIRE_MAX_SMS overrides
+# it (0: no budget).
+HOST_WIRE_MAX_SMS = 16
+HOST_WIRE_ENV = "KVXFER_HOST_WIRE_MAX_SMS"
+
+
+def host_wire_budget() -> int | None:
+    """The SM budget a host-wire gather or scatter on a GPU takes when none is set
+    (:data:`HOST_WIRE_MAX_SMS`, or ``$KVXFER_HOST_WIRE_MAX_SMS``; None when that is 0)."""
+    raw = os.environ.get(HOST_WIRE_ENV, "").strip()
+    if not raw:
+        return HOST_WIRE_MAX_SMS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"${HOST_WIRE_ENV}={raw!r}: not an integer") from None
+    if value < 0:
+        raise ValueError(f"${HOST_WIRE_ENV}={value}: must be 0 (no budget) or a positive SM count")
+    return value or None
+
+
+def _wire_cap(budget: int | None, side: PagedSide, wire: torch.Tensor) -> int | None:
+    """``budget``, or for a GPU side with a host-memory wire and no budget set, the host-wire
+    budget (put on ``side``, where the kernels read it)."""
+    if budget is None and side.device.type == "cuda" and wire.device.type == "cpu":
+        budget = host_wire_budget()
+        side.max_sms = budget
     return budget
 
 
@@ -215,7 +252,7 @@ def gather_blocks(
         _check_wire(out, side, spec, "out")
     if num_tokens:
         wire = out.view(side.wire_view_shape())
-        budget = _cap(max_sms, side, None, caches)
+        budget = _wire_cap(_cap(max_sms, side, None, caches), side, wire)
         if device.type == "cuda" or _batch_copy.serves_cpu():
             _move("gather", backend, device, (side, wire), side, None, wire, budget, dma, caches)
         else:
@@ -258,7 +295,7 @@ def scatter_blocks(
     if num_tokens:
         device = side.device
         w = wire.view(side.wire_view_shape())
-        budget = _cap(max_sms, None, side, caches)
+        budget = _wire_cap(_cap(max_sms, None, side, caches), side, w)
         if device.type == "cuda" or _batch_copy.serves_cpu():
             _move("scatter", backend, device, (w, side), None, side, w, budget, dma, caches)
         else:
@@ -538,8 +575,14 @@ def warmup(
     one = make_side(caches, spec, [0], 1)
     wire = torch.empty(one.wire_view_shape(), dtype=one.dtype, device=info.device)
     most = min(4096, info.num_blocks * spec.block_size)
+    # Without a budget, a gather into or scatter from pinned host memory takes the host-wire one
+    # (its own capped variant: compiled too, the copy excepted, which never has a host wire).
+    wire_budget = host_wire_budget() if budget is None and info.device.type == "cuda" else None
     for tokens in sorted({1 << k for k in range(most.bit_length())} | {most}):
         side = make_side(caches, spec, list(range(spec.num_blocks_for(tokens))), tokens)
         side.max_sms = budget
         fn(side, wire)
+        if wire_budget is not None:
+            side.max_sms = wire_budget
+            fn(side, wire, copy=False)
     return name

@@ -5,7 +5,9 @@ on a loader stream, a loop of one transfer of a 4K-token Llama-3-8B request (``-
 ``copy``, an ipc copy between like caches, and ``gather`` into pinned host memory), moved by:
 
 * ``kernel`` at each SM budget of ``--budgets`` (``all`` = no budget; ``ops`` ``max_sms=``,
-  ``dma=False``), for each of ``--backends`` (default: the one ``backend=None`` picks);
+  ``dma=False``), for each of ``--backends`` (default: the one ``backend=None`` picks). ``all``
+  is no budget for the pinned gather too: the bench sets ``$KVXFER_HOST_WIRE_MAX_SMS=0``, so
+  the row that the host-wire default (``ops.HOST_WIRE_MAX_SMS``, 16) gives is the ``16`` one;
 * ``dma``: the copy engines (``dma=True``; one ``cuMemcpyBatchAsync`` per call), where the
   transfer is whole-block runs (else the row says why not);
 * ``copy_``: a plain ``copy_`` of the same bytes (the limit), for reference.
@@ -427,6 +429,7 @@ def summary(rows: list[dict], write, device: torch.device) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    os.environ[ops.HOST_WIRE_ENV] = "0"  # "all" means no budget for host wires too (module doc)
     device = common.pick_device(args.device)
     if args.quick:
         torch.set_num_threads(1)

@@ -263,7 +263,8 @@ def _num_compiled() -> int:
 @gpu
 def test_warmup_leaves_no_request_size_to_compile_gpu():
     """After ``ops.warmup`` no request size compiles a Triton variant on the request path: the
-    token tiles come in power-of-two buckets and warm-up covers every one of them."""
+    token tiles come in power-of-two buckets and warm-up covers every one of them, also the
+    host-wire budget's capped variants of a gather into and scatter from pinned memory."""
     spec = KVCacheSpec(2, 8, 128, 16, torch.bfloat16, "NHD")
     caches = [torch.zeros(spec.local_cache_shape(600, 8), dtype=spec.dtype, device="cuda") for _ in range(2)]
     assert ops.warmup(caches, spec, backend="triton") == "triton"
@@ -273,6 +274,9 @@ def test_warmup_leaves_no_request_size_to_compile_gpu():
         nb = spec.num_blocks_for(n)
         wire = ops.gather_blocks(caches, spec, list(range(nb)), n, backend="triton")
         ops.scatter_blocks(wire, caches, spec, list(range(300, 300 + nb)), n, backend="triton")
+        pinned = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=True)
+        ops.gather_blocks(caches, spec, list(range(nb)), n, out=pinned, backend="triton")
+        ops.scatter_blocks(pinned, caches, spec, list(range(300, 300 + nb)), n, backend="triton")
         ops.copy_blocks(
             caches, spec, list(range(nb)), caches, spec, list(range(300, 300 + nb)), n, backend="triton"
         )

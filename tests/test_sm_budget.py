@@ -206,6 +206,32 @@ def test_budget_comes_from_the_call_else_the_registered_caches(recorder):
     ]
 
 
+def test_a_host_wire_on_a_gpu_takes_the_host_wire_budget_when_none_is_set(monkeypatch):
+    """A gather into (scatter from) pinned host memory on a GPU is PCIe-bound: with no budget
+    from the call or the caches it runs capped at HOST_WIRE_MAX_SMS ($KVXFER_HOST_WIRE_MAX_SMS,
+    0 for none); a set budget, a device wire or a CPU cache are left alone."""
+    monkeypatch.delenv(ops.HOST_WIRE_ENV, raising=False)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    host, dev = torch.empty(4), torch.empty(4, device="meta")  # meta: any non-host device
+
+    def cap(budget, device, wire):
+        side = types.SimpleNamespace(device=device, max_sms=budget)
+        return ops._wire_cap(budget, side, wire), side.max_sms
+
+    assert cap(None, gpu, host) == (ops.HOST_WIRE_MAX_SMS, ops.HOST_WIRE_MAX_SMS) == (16, 16)
+    assert cap(40, gpu, host) == (40, 40)
+    assert cap(None, gpu, dev) == (None, None)
+    assert cap(None, cpu, host) == (None, None)
+    monkeypatch.setenv(ops.HOST_WIRE_ENV, "8")
+    assert cap(None, gpu, host) == (8, 8)
+    monkeypatch.setenv(ops.HOST_WIRE_ENV, "0")
+    assert cap(None, gpu, host) == (None, None)
+    for bad in ("-1", "x"):
+        monkeypatch.setenv(ops.HOST_WIRE_ENV, bad)
+        with pytest.raises(ValueError, match="KVXFER_HOST_WIRE_MAX_SMS"):
+            ops.host_wire_budget()
+
+
 def test_engine_path_copy_carries_the_budget(recorder):
     """The engine's copies (registered caches, checked ids: the memoised sides) get the budget
     on each call, and a later call without one does not inherit it from the template."""

@@ -335,7 +335,7 @@ def is_available(device: torch.device) -> bool:
         return False
 
 
-def warmup(side: PagedSide, wire: torch.Tensor) -> None:
+def warmup(side: PagedSide, wire: torch.Tensor, copy: bool = True) -> None:
     """Load the kernels on ``side``'s device (fatbin, else an NVRTC compile) before the first
     transfer needs them."""
     _kernels(_index(side.device))

@@ -81,14 +81,15 @@ def copy(src: PagedSide, dst: PagedSide) -> None:
     move(src, dst, src)
 
 
-def warmup(side: PagedSide, wire: torch.Tensor) -> None:
-    """Compile (without launching) the gather, scatter and copy kernels for ``side``'s cache
-    shape family and a wire like ``wire`` (its dtype, device and alignment: its size does not
-    matter, nothing runs); a no-op under the CPU interpreter."""
+def warmup(side: PagedSide, wire: torch.Tensor, copy: bool = True) -> None:
+    """Compile (without launching) the gather, scatter and (``copy``) copy kernels for ``side``'s
+    cache shape family and SM budget and a wire like ``wire`` (its dtype and alignment: its size
+    does not matter, nothing runs); a no-op under the CPU interpreter."""
     from .launch import INTERPRETED, move
 
     if INTERPRETED or side.device.type != "cuda":
         return
     move(side, wire, side, warmup=True)
     move(wire, side, side, warmup=True)
-    move(side, side, side, warmup=True)
+    if copy:
+        move(side, side, side, warmup=True)
