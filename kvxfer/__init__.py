@@ -23,6 +23,7 @@ __all__ = [
     "TransferEngine",
     "TransferPlan",
     "__version__",
+    "alloc_shm_caches",
     "plan_reads",
 ]
 
@@ -31,12 +32,14 @@ _LAZY = {
     "TransferEngine": "kvxfer.engine",
     "KVTransferParams": "kvxfer.params",
     "CompletionAggregator": "kvxfer.completion",
+    "alloc_shm_caches": "kvxfer.transports.ipc.shm",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .completion import CompletionAggregator
     from .engine import TransferEngine
     from .params import KVTransferParams
+    from .transports.ipc.shm import alloc_shm_caches
 
 
 def __getattr__(name: str):
