@@ -404,6 +404,7 @@ def test_bench_batching_counts_a_misplaced_tail(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two runs under callgrind, each importing torch: 2.5-6.5 min on 2 cores
 def test_count_host_instructions_counts_the_request_path():
     """callgrind's per-iteration count of bench_engine.host_cost: positive, with the engine's
     native id conversion among the functions (a few iterations: the figure, not its size)."""
