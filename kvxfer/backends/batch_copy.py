@@ -21,12 +21,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
+import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from .dma import Runs
 
 __all__ = [
     "ARGTYPES",
@@ -37,12 +35,30 @@ __all__ = [
     "CUmemLocation",
     "CUmemcpyAttributes",
     "DmaError",
+    "Runs",
     "copier",
     "install_copier",
     "looked_up",
     "run",
     "serves_cpu",
 ]
+
+
+class Runs(NamedTuple):
+    """The memory copies of one transfer: ``count`` runs, ``dsts[i] <- srcs[i]`` of ``sizes[i]``
+    bytes (uint64 arrays, C-contiguous, what the driver call takes), ``nbytes`` in all; ``unit``
+    the bytes of one block's run before adjacent ones were coalesced."""
+
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
+    nbytes: int
+    unit: int
+
+    @property
+    def count(self) -> int:
+        return int(self.sizes.size)
+
 
 _LOG = logging.getLogger(__name__)
 

@@ -50,6 +50,7 @@ import torch
 
 from . import addrspace, batch_copy
 from .base import PagedSide
+from .batch_copy import Runs
 
 __all__ = [
     "DMA_ENV",
@@ -93,20 +94,6 @@ def check_max_sms(value, what: str = "max_sms") -> int | None:
 
 
 # --------------------------------------------------------------------------- runs
-class Runs(NamedTuple):
-    """The memory copies of one transfer: ``count`` runs, ``dsts[i] <- srcs[i]`` of ``sizes[i]``
-    bytes (uint64 arrays, C-contiguous, what the driver call takes), ``nbytes`` in all; ``unit``
-    the bytes of one block's run before adjacent ones were coalesced."""
-
-    dsts: np.ndarray
-    srcs: np.ndarray
-    sizes: np.ndarray
-    nbytes: int
-    unit: int
-
-    @property
-    def count(self) -> int:
-        return int(self.sizes.size)
 
 
 class _Layout(NamedTuple):
