@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -957,3 +959,40 @@ def test_ports_consumer_free_and_producer_in_use_named(caplog):
     finally:
         for w in workers:
             w.close()
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs CPU affinity calls and two CPUs",
+)
+def test_engine_threads_are_not_bound_to_the_workers_pinned_core():
+    """vLLM's CPU worker binds its main thread to one core (GOMP_CPU_AFFINITY), the same core for
+    every server on a host; the engine's threads, started from that thread, would inherit it and
+    stall behind busy-waiting workers. They run on every CPU of the process; the calling thread
+    keeps its binding."""
+    make, backend, _, bs = _KINDS["fa16"]
+    wide = os.sched_getaffinity(0)
+    pinned = {min(wide)}
+    out: dict = {}
+
+    def as_vllm_worker():  # a thread of its own: pytest's thread keeps its affinity
+        os.sched_setaffinity(0, pinned)
+        cfg = ConnectorConfig.from_vllm(
+            vllm_config(role="kv_producer", block_size=bs, port=free_port_base(1))
+        )
+        w = WorkerSide(cfg, 0)
+        try:
+            w.register({"l0": make(4, 4)}, backend=backend, head_size=HD, total_kv_heads=HEADS, use_mla=False)
+            out["caller"] = os.sched_getaffinity(0)
+            prefix = f"kvxfer-server-{cfg.engine_id}-"
+            out["engine"] = [
+                os.sched_getaffinity(t.native_id) for t in threading.enumerate() if t.name.startswith(prefix)
+            ]
+        finally:
+            w.close()
+
+    t = threading.Thread(target=as_vllm_worker)
+    t.start()
+    t.join(60)
+    assert out["caller"] == pinned
+    assert out["engine"] and all(a == wide for a in out["engine"]), (out, wide)

@@ -11,10 +11,12 @@ it), an export whose lease ended as finished sending (its blocks may be freed).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import zmq
@@ -33,6 +35,48 @@ __all__ = ["WorkerSide"]
 _BIND_ERRORS = (OSError, zmq.ZMQError)  # a side-channel port in use (errno EADDRINUSE)
 
 _COUNTERS = ("transfers", "bytes", "failures", "expirations", "finished_exports", "handshakes", "ops_calls")
+
+
+def process_cpus() -> set[int]:
+    """The CPUs this process may run on: the union of its threads' affinities. vLLM's CPU
+    worker binds its OpenMP threads (``GOMP_CPU_AFFINITY``: the main thread to the first core of
+    its list, here core 0 on a 2-core machine, for every server on the host); its other threads
+    keep the process's own set. Empty where the platform has no affinity calls."""
+    if not hasattr(os, "sched_getaffinity"):
+        return set()
+    cpus: set[int] = set()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        tids = ["0"]
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
+            cpus |= os.sched_getaffinity(int(tid))
+    return cpus
+
+
+@contextlib.contextmanager
+def threads_on(cpus: set[int]) -> Iterator[None]:
+    """While in the block, the calling thread may run on ``cpus`` (the threads it starts inherit
+    that); its own affinity is restored after. Nothing changes where ``cpus`` is empty or already
+    the thread's set, or the platform has no affinity calls."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    if own == cpus:
+        yield
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        _LOG.warning("kvxfer connector: could not widen the CPU affinity to %s (%s)", sorted(cpus), e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 class WorkerSide:
@@ -104,7 +148,34 @@ class WorkerSide:
             )
         self.ratio = self.cfg.block_size // spec.block_size
         self.layout = layout
-        self.engine = self._start_engine(spec, views)
+        # The engine's threads (side channel, loader, notifier, transports' and their libraries'
+        # threads, all started from here) inherit this thread's CPU affinity. vLLM's CPU worker
+        # binds this (main) thread to one core, and every server on a host to the same one: its
+        # busy-waiting main thread, its OpenMP work and the engine's threads of both P and D
+        # then share that core, and side-channel replies and streams stalled for seconds
+        # (handshakes and lease grants past their deadline, loads failing at lease end). The
+        # engine's threads run on every CPU of the process instead.
+        cpus = process_cpus()
+        own = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        with threads_on(cpus):
+            self.engine = self._start_engine(spec, views)
+        if cpus and own and cpus != own:
+            _LOG.info(
+                "kvxfer connector: the engine's threads run on CPUs %s (this worker thread is bound to %s)",
+                sorted(cpus),
+                sorted(own),
+            )
+            if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto" and own == {min(cpus)}:
+                _LOG.warning(
+                    "kvxfer connector: vLLM bound this worker to CPU %d, the first of this process's "
+                    "CPUs %s (VLLM_CPU_OMP_THREADS_BIND=auto): every vLLM CPU server on this host with "
+                    "that setting binds its worker there too, and with P and D on one host their "
+                    "busy-waiting workers then starve each other and the KV transfers (loads time "
+                    "out). Give each server its own CPUs (VLLM_CPU_OMP_THREADS_BIND=<cpu list>, "
+                    "disjoint) or VLLM_CPU_OMP_THREADS_BIND=nobind",
+                    min(cpus),
+                    sorted(cpus),
+                )
         _LOG.info(
             "kvxfer connector: engine %s rank %d/%d on %s:%d, %d layers (%s, %s), %s",
             self.cfg.engine_id,
