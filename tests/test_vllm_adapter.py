@@ -613,6 +613,7 @@ class _Servers:
         timeout_s=5.0,
         nb=16,
         shm=False,
+        workers_first=False,
     ):
         extra = {"lease_s": lease_s, "timeout_s": timeout_s}
         self.kinds = (p_kind, d_kind)
@@ -624,7 +625,8 @@ class _Servers:
         self.dc = ConnectorConfig.from_vllm(
             vllm_config(role="kv_consumer", engine_id="D", tp=tp_d, block_size=_KINDS[d_kind][3], extra=extra)
         )
-        self.ps, self.ds = SchedulerSide(self.pc), SchedulerSide(self.dc)
+        if not workers_first:  # workers_first: vLLM's order (the scheduler after the caches)
+            self.ps, self.ds = SchedulerSide(self.pc), SchedulerSide(self.dc)
         self.pw, self.dw, self.pcache, self.dcache = [], [], [], []
         self.segments = []  # shm=True: every rank's caches in shared memory (ipc can map them)
         for tp, kind, cfg, workers, caches_out in (
@@ -645,6 +647,8 @@ class _Servers:
                 )
                 workers.append(w)
                 caches_out.append(list(caches.values()))
+        if workers_first:
+            self.ps, self.ds = SchedulerSide(self.pc), SchedulerSide(self.dc)
         self.ps.set_handshake({r: w.handshake_info() for r, w in enumerate(self.pw)})
         self.ds.set_handshake({r: w.handshake_info() for r, w in enumerate(self.dw)})
 
@@ -794,6 +798,23 @@ def test_p_to_d_through_engines_exact_bytes_and_p_frees(tp_p, tp_d, p_kind, d_ki
         srv.close()
 
 
+@pytest.mark.parametrize("tp_p", [1, 2])
+def test_p_key_file_is_gone_once_the_scheduler_is_built(tp_p):
+    """In vLLM's order (the workers start their engines, then the scheduler is built) P's host
+    key file (kvxfer.auth) is removed as soon as the scheduler read it: a server stopped by a
+    signal, whose workers never close, leaves none behind; hand-overs still verify."""
+    from kvxfer.auth import key_path
+
+    srv = _Servers(tp_p, 1, "fa16", "fa32", workers_first=True)
+    try:
+        assert not key_path("P", srv.pc.base_port).exists()
+        rows, acc = _hand_over(srv, 45, [3, 9, 4], [11, 2])
+        assert not acc["bad"]
+        _check_d(srv, rows, [11, 2], 45)
+    finally:
+        srv.close()
+
+
 @pytest.mark.parametrize(
     ("tp_p", "tp_d", "p_kind", "d_kind"), [(2, 1, "fa16", "fa32"), (1, 2, "cpu32", "cpu32")]
 )
@@ -910,6 +931,65 @@ def test_failed_load_is_reported_finished_with_its_block_ids():
         assert acc["bad"] == {6, 7}  # manager block ids: vLLM's kv_load_failure_policy applies
         stats = srv.dw[0].stats_delta()
         assert stats["failures"] == 1 and srv.dw[0].stats_delta() is None  # deltas, then idle
+    finally:
+        srv.close()
+
+
+def test_failed_load_is_reported_by_request_too():
+    """vLLM 0.32 takes failed loads by request (failed_recving): a request is failed (or
+    recomputed) even when its block table no longer holds the blocks reported bad."""
+    srv = _Servers(1, 1, timeout_s=0.5)
+    try:
+        preq = Request(
+            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
+        )
+        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        srv.ps.build_connector_meta()  # never exported
+        dreq = Request("d", list(range(40)), params)
+        srv.ds.get_num_new_matched_tokens(dreq, 0)
+        srv.ds.update_state_after_alloc(dreq, Blocks([6, 7]), 40)
+        _run_until(srv, "D", lambda a: "d" in a["recv"], timeout=8)
+        assert srv.dw[0].take_failed_loads() == {"d"} and srv.dw[0].take_failed_loads() == set()
+    finally:
+        srv.close()
+
+
+def test_p_side_sliding_window_blocks_out_of_the_window_are_not_handed_off(caplog):
+    """A sliding-window group: vLLM put its null block (id 0) in place of the blocks the window
+    passed. That KV is not whole: no params (D computes the prompt), a warning, no export."""
+    s = _sched(engine_id="P")
+    s.window = "sliding window of 32 tokens (SlidingWindowSpec)"
+    with caplog.at_level("WARNING"):
+        assert _p_finish(s, n=97, blocks=(0, 0, 5, 6))[1] == (False, None)
+        assert _p_finish(s, n=70, blocks=(0, 5, 6))[1] == (False, None)  # one null block: not whole either
+    assert s.build_connector_meta().exports == [] and s.num_not_handed_off == 2
+    assert "not handed off: 2 of its 4 blocks are out of the sliding window" in caplog.text
+    assert "sliding window of 32 tokens" in caplog.text and caplog.text.count("not handed off") == 1
+    assert _p_finish(s, n=40, blocks=(7, 8))[1][0] is True  # in the window: handed off
+
+
+def test_loads_and_exports_of_the_null_block_are_refused_and_counted(caplog):
+    """A load whose blocks hold vLLM's null block (D's sliding window) is never written (the
+    null block must stay zeros): refused, reported failed by block ids and by request, and
+    counted in the failures vLLM logs (kvxfer_failures)."""
+    srv = _Servers(1, 1)
+    try:
+        preq = Request(
+            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
+        )
+        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        srv.step("P")
+        dreq = Request("d", list(range(40)), params)
+        srv.ds.get_num_new_matched_tokens(dreq, 0)
+        srv.ds.update_state_after_alloc(dreq, Blocks([0, 7]), 40)
+        with caplog.at_level("WARNING"):
+            _, recv, bad = srv.step("D")
+        assert recv == {"d": 1} and bad == {0, 7}
+        assert srv.dw[0].take_failed_loads() == {"d"}
+        assert "load of d refused" in caplog.text and "null block" in caplog.text
+        assert srv.dw[0].stats_delta()["failures"] == 1
+        assert bool((srv.dcache[0][0][0] == POISON).all())  # block 0 untouched
+        _run_until(srv, "P", lambda a: a["send"].get("p") == 1)  # D released P's blocks
     finally:
         srv.close()
 

@@ -26,7 +26,7 @@ from ..params import KVTransferParams
 from ..ports import free_port_base
 from .config import ConnectorConfig
 from .layout import KVLayout, caches_from_vllm, check_pair
-from .scheduler import TransferMeta, expand_block_ids
+from .scheduler import NULL_BLOCK_ID, NULL_BLOCK_WHY, TransferMeta, expand_block_ids
 
 _LOG = logging.getLogger(__name__)
 
@@ -105,6 +105,8 @@ class WorkerSide:
         self._sending_done: set[str] = set()  # exports to report without the engine (refused)
         self._recving_done: set[str] = set()  # loads to report without the engine (refused)
         self._bad_blocks: set[int] = set()
+        self._failed: set[str] = set()  # loads that failed or were refused, not yet taken
+        self._refused = 0  # loads and exports refused here (counted as failures in the stats)
         self._last: dict[str, float] = {}
 
     # ----------------------------------------------------------------- registration
@@ -254,14 +256,19 @@ class WorkerSide:
         for ex in meta.exports:
             ids = expand_block_ids(ex.block_ids, self.ratio)[: eng.spec.num_blocks_for(ex.num_tokens)]
             try:
+                if NULL_BLOCK_ID in ex.block_ids:
+                    raise ValueError(NULL_BLOCK_WHY)
                 eng.export(ex.request_id, ids, ex.num_tokens, token=ex.token or None)
                 self._exported.add(ex.request_id)
             except ValueError as e:
                 _LOG.warning("kvxfer: export of %s refused (%s); its blocks are freed", ex.request_id, e)
                 self._sending_done.add(ex.request_id)
+                self._refused += 1
         with eng.batched_loads():  # the step's one-sided loads: one launch per remote
             for ld in meta.loads:
                 try:
+                    if NULL_BLOCK_ID in ld.block_ids:  # never written: it must stay vLLM's zeros
+                        raise ValueError(NULL_BLOCK_WHY)
                     check_pair(KVLayout.from_dict(ld.params.get("kv_layout")), self.layout)
                     prm = KVTransferParams.from_dict(ld.params)  # checked once: load() takes it as is
                     if type(prm) is list:
@@ -279,6 +286,8 @@ class WorkerSide:
                         e,
                     )
                     self._recving_done.add(ld.request_id)
+                    self._failed.add(ld.request_id)
+                    self._refused += 1
                     self._bad_blocks.update(ld.block_ids)
                     self._release_quietly(ld.params)
         for prm in meta.releases:
@@ -303,6 +312,7 @@ class WorkerSide:
         for rid in res.failed:
             _LOG.warning("kvxfer: load of %s failed (%s)", rid, res.errors.get(rid, "unknown reason"))
             self._bad_blocks.update(self._loads.get(rid, ()))
+            self._failed.add(rid)
             recving.add(rid)
         for rid in recving:
             self._loads.pop(rid, None)
@@ -315,11 +325,19 @@ class WorkerSide:
         out, self._bad_blocks = self._bad_blocks, set()
         return out
 
+    def take_failed_loads(self) -> set[str]:
+        """Request ids of loads that failed or were refused, reported (in ``finished``'s
+        receiving set) since the last call: vLLM fails or recomputes them by request, whatever
+        its view of their blocks (a sliding-window group swaps blocks for its null block)."""
+        out, self._failed = self._failed, set()
+        return out
+
     def stats_delta(self) -> dict | None:
         """Counters since the last call, plus the engine's latency percentiles (None if idle)."""
         if self.engine is None:
             return None
-        s = self.engine.stats()
+        s = dict(self.engine.stats())
+        s["failures"] += self._refused  # refused here, before the engine saw them
         out = {k: s[k] - self._last.get(k, 0) for k in _COUNTERS}
         out["busy_s"] = s["busy_s"] - self._last.get("busy_s", 0.0)
         self._last = {k: s[k] for k in (*_COUNTERS, "busy_s")}
