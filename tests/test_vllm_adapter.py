@@ -1076,3 +1076,39 @@ def test_engine_threads_are_not_bound_to_the_workers_pinned_core():
     t.join(60)
     assert out["caller"] == pinned
     assert out["engine"] and all(a == wide for a in out["engine"]), (out, wide)
+
+
+def test_port_in_use_is_named_when_vllm_first_loads_the_connector_class():
+    """An exporting server's kv_port in use is reported when vLLM's config checks load the
+    connector class in the API server process (KVConnectorFactory.get_connector_class), before
+    any model loads, not when the worker binds after loading it. Main process only, once; a
+    consumer, or a free port, passes."""
+    code = (
+        "import importlib, json, socket\n"
+        "held = socket.socket()\n"
+        "held.bind(('127.0.0.1', 0))\n"
+        "held.listen()\n"
+        "class KVC:\n"
+        "    kv_role = 'kv_producer'\n"
+        "    kv_port = held.getsockname()[1]\n"
+        "    kv_connector_extra_config = {'host': '127.0.0.1'}\n"
+        "def get_connector_class(kv_transfer_config):  # vLLM's call, as far as the frame goes\n"
+        "    return getattr(importlib.import_module(kv_transfer_config.path), 'KvxferConnector')\n"
+        "out = {'port': KVC.kv_port}\n"
+        "for role, path in (('kv_consumer', 'kvxfer.vllm'), ('kv_producer', 'kvxfer.vllm')):\n"
+        "    KVC.kv_role, KVC.path = role, path\n"
+        "    try:\n"
+        "        get_connector_class(KVC())\n"
+        "        out[role] = 'no error'\n"
+        "    except Exception as e:\n"
+        "        out[role] = f'{type(e).__name__}: {e}'\n"
+        "    import kvxfer.vllm\n"
+        "    kvxfer.vllm._ports_checked = False\n"
+        "print(json.dumps(out))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not out["kv_consumer"].startswith("RuntimeError"), out  # a consumer binds no kv_port
+    want = f"RuntimeError: kvxfer connector: side-channel port {out['port']} on 127.0.0.1 is in use"
+    assert out["kv_producer"].startswith(want) and "another kv_port" in out["kv_producer"], out

@@ -24,7 +24,7 @@ import zmq
 from ..engine import TransferEngine
 from ..params import KVTransferParams
 from ..ports import free_port_base
-from .config import ConnectorConfig
+from .config import ConnectorConfig, port_in_use_message
 from .layout import KVLayout, caches_from_vllm, check_pair
 from .scheduler import NULL_BLOCK_ID, NULL_BLOCK_WHY, TransferMeta, expand_block_ids
 
@@ -226,13 +226,7 @@ class WorkerSide:
         except _BIND_ERRORS as e:
             if getattr(e, "errno", None) != errno.EADDRINUSE:
                 raise
-            raise RuntimeError(
-                f"kvxfer connector: side-channel port {port} on {cfg.host} is in use ({e}): engine "
-                f"{cfg.engine_id} TP rank {r} binds kv_port + data_parallel_rank * tp_size + tp_rank = "
-                f"{port}. Give this server another kv_port in --kv-transfer-config (servers on one host "
-                f"need ranges of tp_size ports that do not overlap), or stop the process holding it "
-                f"(ss -ltnp 'sport = :{port}')"
-            ) from e
+            raise RuntimeError(port_in_use_message(cfg.host, port, e, cfg.engine_id, r)) from e
 
     def handshake_info(self) -> dict:
         """What the scheduler side needs to know about the registered caches."""
