@@ -48,7 +48,12 @@ def _fake(kind: str, seen: list, stream_chunks=None, fail: bool = False) -> Thre
             self.end_headers()
             self.wfile.write(data)
 
-    return ThreadingHTTPServer(("127.0.0.1", 0), H)
+    return _Fake(("127.0.0.1", 0), H)
+
+
+class _Fake(ThreadingHTTPServer):
+    request_queue_size = 512  # the upstreams take a burst too (test_proxy_takes_a_burst_of_clients)
+    daemon_threads = True
 
 
 @pytest.fixture
@@ -294,3 +299,26 @@ def test_proxy_client_dropping_a_stream_is_logged_not_a_traceback(caplog):
             srv.server_close()
         for t in threads:
             t.join(5)
+
+
+def test_proxy_takes_a_burst_of_clients(servers):
+    """128 clients at once all get their answer (the listen backlog was socketserver's 5: some of
+    32 were reset by the kernel)."""
+    port = servers[0]
+    n = 128
+    out: list = []
+    go = threading.Barrier(n)
+
+    def one():
+        go.wait(30)
+        try:
+            out.append(_post(port, "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0])
+        except OSError as e:
+            out.append(repr(e))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == [200] * n, [x for x in out if x != 200][:3]

@@ -304,7 +304,14 @@ def make_server(
 
             self._relay(d_url, "POST", self.path, json.dumps(body).encode(), failed)
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return _Server((host, port), Handler)
+
+
+class _Server(ThreadingHTTPServer):
+    # connections waiting to be accepted (socketserver's default is 5: a burst of 32 clients
+    # had some reset by the kernel before a thread took them)
+    request_queue_size = 512
+    daemon_threads = True
 
 
 def main(argv: list[str] | None = None) -> None:
