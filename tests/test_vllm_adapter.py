@@ -935,6 +935,20 @@ def test_failed_load_is_reported_finished_with_its_block_ids():
         srv.close()
 
 
+def test_stats_delta_carries_the_intervals_load_latency():
+    """stats_delta carries the interval's summed load latency: vLLM logs its mean
+    (kvxfer_avg_ms, one interval's loads) beside the engine-lifetime percentiles."""
+    srv = _Servers(1, 1)
+    try:
+        srv.dw[0].stats_delta()
+        _hand_over(srv, 45, [3, 9, 4], [11, 2])
+        d = srv.dw[0].stats_delta()
+        assert d["transfers"] == 1 and 0 < d["latency_sum_s"] < 5.0, d
+        assert abs(d["latency_sum_s"] - srv.dw[0].engine.stats()["latency_sum_s"]) < 1e-9
+    finally:
+        srv.close()
+
+
 def test_failed_load_is_reported_by_request_too():
     """vLLM 0.32 takes failed loads by request (failed_recving): a request is failed (or
     recomputed) even when its block table no longer holds the blocks reported bad."""

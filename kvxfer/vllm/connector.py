@@ -117,6 +117,7 @@ _SUMMED = (
     "handshakes",
     "ops_calls",
     "busy_s",
+    "latency_sum_s",
 )
 
 
@@ -151,6 +152,10 @@ class KvxferStats(KVConnectorStats):
             "kvxfer_expirations": d.get("expirations", 0),
             "kvxfer_bytes": d.get("bytes", 0),
             "kvxfer_GBps": d.get("bytes", 0) / busy / 1e9 if busy > 0 else 0.0,
+            # the interval's loads: mean time from load() (start_load_kv) to landed
+            "kvxfer_avg_ms": d.get("latency_sum_s", 0.0) / d["transfers"] * 1e3
+            if d.get("transfers")
+            else 0.0,
             "kvxfer_p50_ms": d.get("p50_s", 0.0) * 1e3,
             "kvxfer_p99_ms": d.get("p99_s", 0.0) * 1e3,
         }

@@ -333,8 +333,9 @@ class WorkerSide:
         s = dict(self.engine.stats())
         s["failures"] += self._refused  # refused here, before the engine saw them
         out = {k: s[k] - self._last.get(k, 0) for k in _COUNTERS}
-        out["busy_s"] = s["busy_s"] - self._last.get("busy_s", 0.0)
-        self._last = {k: s[k] for k in (*_COUNTERS, "busy_s")}
+        for k in ("busy_s", "latency_sum_s"):
+            out[k] = s[k] - self._last.get(k, 0.0)
+        self._last = {k: s[k] for k in (*_COUNTERS, "busy_s", "latency_sum_s")}
         if not any(out.values()):
             return None
         out.update({k: s[k] for k in ("p50_s", "p90_s", "p99_s")})
