@@ -20,6 +20,7 @@ import itertools
 import logging
 import operator
 import os
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -471,8 +472,8 @@ class ControlServer:
 # or GIL-bound peer still answers) for PEER_TIMEOUT_MS. A new connection whose ZMTP handshake
 # does not complete within HANDSHAKE_IVL_MS is dropped too (a stopped process still accepts
 # TCP connections in its kernel). A dropped connection is retried every RECONNECT_IVL_MS (zmq
-# adds up to as much again at random), so a request sent to a peer that died earlier fails at
-# the first refused retry after it was sent. PEER_TIMEOUT_MS ($KVXFER_PEER_TIMEOUT_MS, default
+# adds up to as much again at random); a request for a peer whose connection dropped and has not
+# come back first checks it with one TCP connect (PROBE_S at most): refused, it fails at once. PEER_TIMEOUT_MS ($KVXFER_PEER_TIMEOUT_MS, default
 # 1000) is a trade: a peer whose I/O thread gets no CPU for that long is taken for gone, and
 # 150 ms did that on a 2-core host running two vLLM servers and other work (load average 10).
 def _peer_timeout_ms() -> int:
@@ -491,7 +492,7 @@ def _peer_timeout_ms() -> int:
 PEER_TIMEOUT_MS = _peer_timeout_ms()
 HEARTBEAT_IVL_MS = max(10, PEER_TIMEOUT_MS // 5)
 HANDSHAKE_IVL_MS = max(1000, PEER_TIMEOUT_MS)
-RECONNECT_IVL_MS = 40
+RECONNECT_IVL_MS = 20
 _GONE_EVENTS = {
     zmq.EVENT_CLOSED: "connection refused (nothing listens there: the process is gone or restarting)",
     zmq.EVENT_DISCONNECTED: (
@@ -501,7 +502,9 @@ _GONE_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "side-channel handshake failed (not a kvxfer side channel?)",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "side-channel handshake failed (authentication)",
 }
-_MONITORED = functools.reduce(operator.or_, _GONE_EVENTS)
+_MONITORED = functools.reduce(operator.or_, _GONE_EVENTS) | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_REFUSED = _GONE_EVENTS[zmq.EVENT_CLOSED]
+PROBE_S = 0.05  # bound of the TCP connect that checks a peer whose connection is down
 _EVENT = struct.Struct("=HI")  # a monitor event's first frame: event (uint16), value (uint32)
 
 
@@ -515,6 +518,7 @@ class ControlClient:
         self._mons: dict[str, zmq.Socket] = {}  # addr -> its socket's monitor (PAIR)
         self._ids = itertools.count(1)
         self.gone: dict[str, str] = {}  # addr -> why, of requests a partial call_many gave up
+        self._down: set[str] = set()  # addrs whose connection dropped and has not come back
 
     def _sock(self, addr: str) -> zmq.Socket:
         s = self._socks.get(addr)
@@ -540,9 +544,27 @@ class ControlClient:
                 frames = mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if not why and len(frames[0]) == _EVENT.size:
-                why = _GONE_EVENTS.get(_EVENT.unpack(frames[0])[0], "")
+            if len(frames[0]) != _EVENT.size:
+                continue
+            event = _EVENT.unpack(frames[0])[0]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._down.discard(addr)
+            elif event in _GONE_EVENTS:
+                self._down.add(addr)
+                why = why or _GONE_EVENTS[event]
         return why
+
+    @staticmethod
+    def _refuses(addr: str) -> bool:
+        """Whether ``tcp://host:port`` refuses a TCP connection now (bounded by ``PROBE_S``)."""
+        host, _, port = addr.removeprefix("tcp://").rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
+        except ConnectionRefusedError:
+            return True
+        except (OSError, ValueError):
+            return False
+        return False
 
     def call(self, addr: str, msg, timeout_s: float):
         """Send ``msg`` and return the decoded reply; :class:`ControlTimeout` after ``timeout_s``."""
@@ -555,9 +577,20 @@ class ControlClient:
         when a peer is gone: see the class), or with ``partial=True`` the replies that came,
         ``None`` for the others (``gone[addr]`` says why, for a peer that is gone)."""
         pending: dict[tuple[str, int], int] = {}
+        dead: set[str] = set()
         for addr in {a for a, _ in calls}:
             self._gone(addr)  # what happened before these requests is not about them
+            # a connection that dropped and has not come back: zmq would queue the request
+            # until its next retry; a peer refusing connections now fails it at once
+            if addr in self._down and self._refuses(addr):
+                if not partial:
+                    raise PeerGone(addr, _REFUSED)
+                self.gone[addr] = _REFUSED
+                dead.add(addr)
+        out: list = [None] * len(calls)
         for i, (addr, msg) in enumerate(calls):
+            if addr in dead:
+                continue
             mid = next(self._ids)
             if not _dropped(msg):
                 try:
@@ -567,7 +600,6 @@ class ControlClient:
             else:
                 self._sock(addr)  # registered for polling; the reply will simply not come
             pending[(addr, mid)] = i
-        out: list = [None] * len(calls)
         poller = zmq.Poller()
         owner: dict = {}  # socket -> (addr, is the monitor)
         for addr in {a for a, _ in pending}:
@@ -622,6 +654,7 @@ class ControlClient:
         if mon is not None:
             mon.close(0)
         self.gone.pop(addr, None)
+        self._down.discard(addr)
 
     def close(self) -> None:
         for addr in list(self._socks):
