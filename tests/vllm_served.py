@@ -551,9 +551,9 @@ def kill_p_mid_flight(a, p: Server, d: Server, model: str, prompt: list[int]) ->
     router = KvxferRouter(p.url, d.url, after_prefill=kill).start()
     try:
         got = answer(router.url, body_of(model, prompt, a.tokens), timeout=60)
+        t_end = time.monotonic()  # before close(): shutdown() waits up to 0.5 s for its poll
     finally:
         router.close()
-    t_end = time.monotonic()
     out = {"status": got["status"], "error": got["error"], "problems": []}
     if "t_kill" not in mark:
         out["problems"].append(f"P killed: the router never got P's params ({got})")
