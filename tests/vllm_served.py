@@ -33,9 +33,9 @@ to a temporary directory; no download):
    (``vllm:kv_cache_usage_perc`` back to 0).
 3. Last in each setting, P is SIGKILLed (its whole process group) by the kvxfer router right
    after P answered and before D is asked: the client must get an error naming P and what
-   happened within ``--kill-bound`` (0.2 s) of P's death (its side channel refusing
-   connections: the kernel closes a killed process's sockets only once its memory is torn
-   down); the time from the signal is recorded too.
+   happened within ``--kill-bound`` (0.2 s) of P's death (every process of its group exited:
+   the kernel closes a killed process's sockets only once its memory is torn down); the time
+   from the signal is recorded too.
 
 Servers run as users run them: the model in vLLM's default dtype for CPU (bf16: the fp32
 weights are cast) with 128-token blocks, unless ``--dtype``/``--block-size`` say otherwise;
@@ -56,7 +56,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -107,6 +106,17 @@ class Server:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def wait_gone(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every process of the server's group has exited (reaping the server's
+        own process); whether they did within ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            self.proc.poll()
+            if not _group_alive(self.proc.pid):
+                return True
+            time.sleep(0.002)
+        return False
 
     def wait_ready(self, deadline: float) -> float:
         """Seconds from start until /health answered; RuntimeError (with the log's tail) if the
@@ -534,18 +544,9 @@ def kill_p_mid_flight(a, p: Server, d: Server, model: str, prompt: list[int]) ->
         mark["t_kill"] = time.monotonic()
         p.kill()
         mark["p_engine"] = (kv or {}).get("engine_id")
-        # P is gone once its side channel refuses connections: the kernel closes a killed
+        # P is dead once every process of its group exited: the kernel closes a killed
         # process's sockets only after it tore down its memory (some 0.1-0.5 s for a server)
-        host, port = (kv or {}).get("host"), (kv or {}).get("port")
-        end = time.monotonic() + 10
-        while isinstance(port, int) and time.monotonic() < end:
-            try:
-                socket.create_connection((host, port), timeout=0.05).close()
-            except ConnectionRefusedError:
-                break
-            except OSError:
-                pass
-            time.sleep(0.002)
+        p.wait_gone()
         mark["t_dead"] = time.monotonic()
 
     router = KvxferRouter(p.url, d.url, after_prefill=kill).start()
