@@ -378,7 +378,8 @@ def summary(res: dict) -> str:
             diff = max((abs(a - b) for a, b in zip(got["logprobs"], rl)), default=float("nan"))
             lines.append(
                 f"prompt {n:4d} tokens: tokens equal {got['tokens'] == rt}, max |logprob diff| {diff:.2e}, "
-                f"first logprob D {got['logprobs'][0]:.6f} ref {rl[0]:.6f}, cached {got['num_cached_tokens']}, "
+                f"first logprob D {(got['logprobs'] or [float('nan')])[0]:.6f} ref {rl[0]:.6f}, "
+                f"cached {got['num_cached_tokens']}, "
                 f"loaded {got['bytes']} bytes in {got['transfers']} transfer(s)"
                 + ("" if got.get("handed_off", True) else " (not handed off: D computed it)")
             )
