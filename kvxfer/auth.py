@@ -175,6 +175,7 @@ class EngineSecret:
     ) -> None:
         key = auth_key if auth_key is not None else os.environ.get(AUTH_KEY_ENV)
         self.path: Path | None = None
+        self.created = False  # this instance wrote the host key file (no other rank had yet)
         self._owner = tp_rank == 0
         if key:
             self.secret = hmac.new(key.encode(), engine_id.encode(), hashlib.sha256).digest()
@@ -184,7 +185,7 @@ class EngineSecret:
             self.source = "random (single rank)"
         else:
             self.path = key_path(engine_id, port)
-            self.secret = self._shared(self.path, timeout_s)
+            self.secret, self.created = self._shared(self.path, timeout_s)
             self.source = f"host key file {self.path}"
         self._keyed = _KeyedSha256(self.secret)
 
@@ -212,9 +213,11 @@ class EngineSecret:
         return hmac.compare_digest(self.token(request_id, nonce, digest), token)
 
     @staticmethod
-    def _shared(path: Path, timeout_s: float) -> bytes:
-        """Read the host key file, creating it (atomically, 0600) when absent."""
+    def _shared(path: Path, timeout_s: float) -> tuple[bytes, bool]:
+        """Read the host key file, creating it (atomically, 0600) when absent; (the secret,
+        whether this call created it)."""
         deadline = time.monotonic() + timeout_s
+        created = False
         while True:
             try:
                 data = path.read_bytes()
@@ -226,7 +229,7 @@ class EngineSecret:
                     raise RuntimeError(
                         f"auth: key file {path} is not private to this user (mode {st.st_mode:o})"
                     )
-                return data
+                return data, created
             if data is None:
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kvxfer-key-")
                 try:
@@ -236,6 +239,7 @@ class EngineSecret:
                     os.close(fd)
                 try:
                     os.link(tmp, path)  # atomic create-if-absent: one rank's secret wins
+                    created = True
                 except FileExistsError:
                     pass
                 finally:
@@ -244,6 +248,13 @@ class EngineSecret:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"auth: key file {path} holds {len(data)} bytes, not {_SECRET_BYTES}")
             time.sleep(0.01)
+
+    def remove_file(self) -> None:
+        """Remove the host key file now, whatever this rank (for a process that knows every rank
+        has read it: vLLM's scheduler, built after its workers started their engines). The
+        secret stays in memory; a process killed later leaves no file behind."""
+        self._owner = True
+        self.close()
 
     def close(self) -> None:
         """Rank 0 removes the host key file, so the next start of the engine draws a new secret."""

@@ -4,7 +4,10 @@ Every engine rank binds one ROUTER socket (:class:`ControlServer`, served by one
 Requests carry an 8-byte id; replies echo it. :class:`ControlClient` (one DEALER socket per
 remote rank, used from one thread) sends requests and waits for the matching reply with a
 bound; every message is a request with a reply (notifications and heartbeats are acknowledged
-and retried by the engine). Stale replies of timed-out requests, and frames that do not decode,
+and retried by the engine). A request whose peer is gone fails at once, not at its bound
+(:class:`PeerGone`): each client socket is watched (a zmq socket monitor) and exchanges ZMTP
+heartbeats, so a refused connection, a closed one, or a peer that stops answering heartbeats
+for ``PEER_TIMEOUT_MS`` ends the requests pending on it within about that. Stale replies of timed-out requests, and frames that do not decode,
 are dropped and logged; a malformed request gets an :class:`ErrorReply`, never crashes the
 serving thread. :class:`FaultInjector` drops messages on purpose (tests and soaks).
 """
@@ -12,8 +15,12 @@ serving thread. :class:`FaultInjector` drops messages on purpose (tests and soak
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
+import operator
+import os
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -60,6 +67,7 @@ __all__ = [
     "NixlPairReq",
     "Notify",
     "PairReq",
+    "PeerGone",
     "ReadReply",
     "ReadReq",
     "SendReply",
@@ -287,6 +295,17 @@ class ControlTimeout(RuntimeError):
     """A side-channel request got no reply within its bound."""
 
 
+class PeerGone(ControlTimeout):
+    """A side-channel request's peer refused the connection, closed it, or stopped answering
+    heartbeats while the request was pending: its process is gone (or hung), so the request
+    fails now rather than at its bound. ``addr``: the peer's address; ``why``: what happened."""
+
+    def __init__(self, addr: str, why: str) -> None:
+        super().__init__(f"side channel to {addr}: {why}")
+        self.addr = addr
+        self.why = why
+
+
 class FaultInjector:
     """Drops (or delays) side-channel messages on purpose: each outgoing request (client) and
     each reply (server) that ``only(msg)`` selects (default all) is delayed by ``delay_s`` and
@@ -448,13 +467,58 @@ class ControlServer:
         self.sock.close(0)
 
 
+# A peer is gone when a connection to it is refused or closed, or when it answers no ZMTP
+# heartbeat (sent every HEARTBEAT_IVL_MS by libzmq's I/O thread, answered by the peer's: a busy
+# or GIL-bound peer still answers) for PEER_TIMEOUT_MS. A new connection whose ZMTP handshake
+# does not complete within HANDSHAKE_IVL_MS is dropped too (a stopped process still accepts
+# TCP connections in its kernel). A dropped connection is retried every RECONNECT_IVL_MS (zmq
+# adds up to as much again at random); a request for a peer whose connection dropped and has not
+# come back first checks it with one TCP connect (PROBE_S at most): refused, it fails at once. PEER_TIMEOUT_MS ($KVXFER_PEER_TIMEOUT_MS, default
+# 1000) is a trade: a peer whose I/O thread gets no CPU for that long is taken for gone, and
+# 150 ms did that on a 2-core host running two vLLM servers and other work (load average 10).
+def _peer_timeout_ms() -> int:
+    raw = os.environ.get("KVXFER_PEER_TIMEOUT_MS", "1000")
+    try:
+        v = int(raw)
+    except ValueError:
+        v = 0
+    if not 50 <= v <= 600_000:
+        raise ValueError(
+            f"$KVXFER_PEER_TIMEOUT_MS: must be an int of milliseconds in [50, 600000], got {raw!r}"
+        )
+    return v
+
+
+PEER_TIMEOUT_MS = _peer_timeout_ms()
+HEARTBEAT_IVL_MS = max(10, PEER_TIMEOUT_MS // 5)
+HANDSHAKE_IVL_MS = max(1000, PEER_TIMEOUT_MS)
+RECONNECT_IVL_MS = 20
+_GONE_EVENTS = {
+    zmq.EVENT_CLOSED: "connection refused (nothing listens there: the process is gone or restarting)",
+    zmq.EVENT_DISCONNECTED: (
+        f"connection lost (the peer closed it, or answered no heartbeat for {PEER_TIMEOUT_MS} ms)"
+    ),
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "side-channel handshake failed (the peer stopped answering?)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "side-channel handshake failed (not a kvxfer side channel?)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "side-channel handshake failed (authentication)",
+}
+_MONITORED = functools.reduce(operator.or_, _GONE_EVENTS) | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_REFUSED = _GONE_EVENTS[zmq.EVENT_CLOSED]
+PROBE_S = 0.05  # bound of the TCP connect that checks a peer whose connection is down
+_EVENT = struct.Struct("=HI")  # a monitor event's first frame: event (uint16), value (uint32)
+
+
 class ControlClient:
-    """DEALER sockets to remote ranks (by address); use from one thread only."""
+    """DEALER sockets to remote ranks (by address), each watched by a socket monitor (see
+    :class:`PeerGone`); use from one thread only."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.ctx = ctx
         self._socks: dict[str, zmq.Socket] = {}
+        self._mons: dict[str, zmq.Socket] = {}  # addr -> its socket's monitor (PAIR)
         self._ids = itertools.count(1)
+        self.gone: dict[str, str] = {}  # addr -> why, of requests a partial call_many gave up
+        self._down: set[str] = set()  # addrs whose connection dropped and has not come back
 
     def _sock(self, addr: str) -> zmq.Socket:
         s = self._socks.get(addr)
@@ -462,9 +526,45 @@ class ControlClient:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 10_000)
+            s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_TIMEOUT_MS)
+            s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+            s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            self._mons[addr] = s.get_monitor_socket(_MONITORED)
             s.connect(addr)
             self._socks[addr] = s
         return s
+
+    def _gone(self, addr: str) -> str:
+        """Drain ``addr``'s monitor; why its peer is gone ("" when no such event came)."""
+        mon = self._mons.get(addr)
+        why = ""
+        while mon is not None and mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames[0]) != _EVENT.size:
+                continue
+            event = _EVENT.unpack(frames[0])[0]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._down.discard(addr)
+            elif event in _GONE_EVENTS:
+                self._down.add(addr)
+                why = why or _GONE_EVENTS[event]
+        return why
+
+    @staticmethod
+    def _refuses(addr: str) -> bool:
+        """Whether ``tcp://host:port`` refuses a TCP connection now (bounded by ``PROBE_S``)."""
+        host, _, port = addr.removeprefix("tcp://").rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
+        except ConnectionRefusedError:
+            return True
+        except (OSError, ValueError):
+            return False
+        return False
 
     def call(self, addr: str, msg, timeout_s: float):
         """Send ``msg`` and return the decoded reply; :class:`ControlTimeout` after ``timeout_s``."""
@@ -473,10 +573,24 @@ class ControlClient:
     def call_many(self, calls: list[tuple[str, object]], timeout_s: float, partial: bool = False) -> list:
         """Send every request at once, then wait for all replies (one overall bound).
 
-        :class:`ControlTimeout` when some reply did not come in time, or with ``partial=True``
-        the replies that came, ``None`` for the others."""
+        :class:`ControlTimeout` when some reply did not come in time (:class:`PeerGone`, at once,
+        when a peer is gone: see the class), or with ``partial=True`` the replies that came,
+        ``None`` for the others (``gone[addr]`` says why, for a peer that is gone)."""
         pending: dict[tuple[str, int], int] = {}
+        dead: set[str] = set()
+        for addr in {a for a, _ in calls}:
+            self._gone(addr)  # what happened before these requests is not about them
+            # a connection that dropped and has not come back: zmq would queue the request
+            # until its next retry; a peer refusing connections now fails it at once
+            if addr in self._down and self._refuses(addr):
+                if not partial:
+                    raise PeerGone(addr, _REFUSED)
+                self.gone[addr] = _REFUSED
+                dead.add(addr)
+        out: list = [None] * len(calls)
         for i, (addr, msg) in enumerate(calls):
+            if addr in dead:
+                continue
             mid = next(self._ids)
             if not _dropped(msg):
                 try:
@@ -486,10 +600,12 @@ class ControlClient:
             else:
                 self._sock(addr)  # registered for polling; the reply will simply not come
             pending[(addr, mid)] = i
-        out: list = [None] * len(calls)
         poller = zmq.Poller()
+        owner: dict = {}  # socket -> (addr, is the monitor)
         for addr in {a for a, _ in pending}:
-            poller.register(self._sock(addr), zmq.POLLIN)
+            for sock, mon in ((self._sock(addr), False), (self._mons[addr], True)):
+                poller.register(sock, zmq.POLLIN)
+                owner[sock] = (addr, mon)
         deadline = time.monotonic() + timeout_s
         while pending:
             left = deadline - time.monotonic()
@@ -499,7 +615,15 @@ class ControlClient:
                 addrs = sorted({a for a, _ in pending})
                 raise ControlTimeout(f"no reply from {', '.join(addrs)} within {timeout_s:.1f}s")
             for sock, _ in poller.poll(int(left * 1000) + 1):
-                addr = next(a for a, s in self._socks.items() if s is sock)
+                addr, is_mon = owner[sock]
+                if is_mon:
+                    why = self._gone(addr)
+                    if why and any(a == addr for a, _ in pending):
+                        if not partial:
+                            raise PeerGone(addr, why)
+                        self.gone[addr] = why
+                        pending = {k: v for k, v in pending.items() if k[0] != addr}
+                    continue
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -522,10 +646,16 @@ class ControlClient:
     def drop(self, addr: str) -> None:
         """Forget the socket to ``addr`` (after a timeout, so stale replies cannot confuse a retry)."""
         s = self._socks.pop(addr, None)
+        mon = self._mons.pop(addr, None)
         if s is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                s.disable_monitor()
             s.close(0)
+        if mon is not None:
+            mon.close(0)
+        self.gone.pop(addr, None)
+        self._down.discard(addr)
 
     def close(self) -> None:
-        for s in self._socks.values():
-            s.close(0)
-        self._socks.clear()
+        for addr in list(self._socks):
+            self.drop(addr)

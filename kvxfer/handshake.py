@@ -108,7 +108,9 @@ def _ask(
     try:
         silent = [a for a, rep in zip(addrs, replies) if rep is None]
         if silent:
-            raise HandshakeError(f"no reply from {', '.join(silent[:4])}{' ...' if len(silent) > 4 else ''}")
+            gone = loader.client.gone
+            named = [f"{a} ({gone[a]})" if a in gone else a for a in silent[:4]]
+            raise HandshakeError(f"no reply from {', '.join(named)}{' ...' if len(silent) > 4 else ''}")
         return _remote_of(loader, p, addrs, replies, t0)
     except HandshakeError as e:
         e.answered = tuple(answered)

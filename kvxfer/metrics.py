@@ -35,6 +35,7 @@ class Metrics:
     def __init__(self, max_samples: int = 100_000) -> None:
         self._lock = threading.Lock()
         self.transfers = 0  # requests received successfully
+        self.latency_sum_s = 0.0  # their latencies summed (a mean over any interval: a difference)
         self.bytes_received = 0  # wire bytes that crossed into this rank (loads)
         self.bytes_sent = 0  # wire bytes this rank sent (pg exports)
         self.failures = 0  # loads reported failed
@@ -76,6 +77,7 @@ class Metrics:
     def record_done(self, latencies: list[float]) -> None:
         with self._lock:
             self.transfers += len(latencies)
+            self.latency_sum_s += sum(latencies)
             self._latency.extend(latencies)
 
     def record_load(self, start: float, end: float, nbytes: int, calls: int, latencies: list[float]) -> None:
@@ -85,6 +87,7 @@ class Metrics:
             self._moved(start, end, nbytes, calls)
             if latencies:
                 self.transfers += len(latencies)
+                self.latency_sum_s += sum(latencies)
                 self._latency.extend(latencies)
 
     def record_ops(self, calls: int, dedup_bytes: int) -> None:
@@ -105,6 +108,7 @@ class Metrics:
             busy = self._busy_closed + (span[1] - span[0] if span is not None else 0.0)
             out = {
                 "transfers": self.transfers,
+                "latency_sum_s": self.latency_sum_s,
                 "bytes": self.bytes_received,
                 "bytes_sent": self.bytes_sent,
                 "failures": self.failures,

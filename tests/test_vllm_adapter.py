@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -611,6 +613,7 @@ class _Servers:
         timeout_s=5.0,
         nb=16,
         shm=False,
+        workers_first=False,
     ):
         extra = {"lease_s": lease_s, "timeout_s": timeout_s}
         self.kinds = (p_kind, d_kind)
@@ -622,7 +625,8 @@ class _Servers:
         self.dc = ConnectorConfig.from_vllm(
             vllm_config(role="kv_consumer", engine_id="D", tp=tp_d, block_size=_KINDS[d_kind][3], extra=extra)
         )
-        self.ps, self.ds = SchedulerSide(self.pc), SchedulerSide(self.dc)
+        if not workers_first:  # workers_first: vLLM's order (the scheduler after the caches)
+            self.ps, self.ds = SchedulerSide(self.pc), SchedulerSide(self.dc)
         self.pw, self.dw, self.pcache, self.dcache = [], [], [], []
         self.segments = []  # shm=True: every rank's caches in shared memory (ipc can map them)
         for tp, kind, cfg, workers, caches_out in (
@@ -643,6 +647,8 @@ class _Servers:
                 )
                 workers.append(w)
                 caches_out.append(list(caches.values()))
+        if workers_first:
+            self.ps, self.ds = SchedulerSide(self.pc), SchedulerSide(self.dc)
         self.ps.set_handshake({r: w.handshake_info() for r, w in enumerate(self.pw)})
         self.ds.set_handshake({r: w.handshake_info() for r, w in enumerate(self.dw)})
 
@@ -792,6 +798,23 @@ def test_p_to_d_through_engines_exact_bytes_and_p_frees(tp_p, tp_d, p_kind, d_ki
         srv.close()
 
 
+@pytest.mark.parametrize("tp_p", [1, 2])
+def test_p_key_file_is_gone_once_the_scheduler_is_built(tp_p):
+    """In vLLM's order (the workers start their engines, then the scheduler is built) P's host
+    key file (kvxfer.auth) is removed as soon as the scheduler read it: a server stopped by a
+    signal, whose workers never close, leaves none behind; hand-overs still verify."""
+    from kvxfer.auth import key_path
+
+    srv = _Servers(tp_p, 1, "fa16", "fa32", workers_first=True)
+    try:
+        assert not key_path("P", srv.pc.base_port).exists()
+        rows, acc = _hand_over(srv, 45, [3, 9, 4], [11, 2])
+        assert not acc["bad"]
+        _check_d(srv, rows, [11, 2], 45)
+    finally:
+        srv.close()
+
+
 @pytest.mark.parametrize(
     ("tp_p", "tp_d", "p_kind", "d_kind"), [(2, 1, "fa16", "fa32"), (1, 2, "cpu32", "cpu32")]
 )
@@ -912,6 +935,79 @@ def test_failed_load_is_reported_finished_with_its_block_ids():
         srv.close()
 
 
+def test_stats_delta_carries_the_intervals_load_latency():
+    """stats_delta carries the interval's summed load latency: vLLM logs its mean
+    (kvxfer_avg_ms, one interval's loads) beside the engine-lifetime percentiles."""
+    srv = _Servers(1, 1)
+    try:
+        srv.dw[0].stats_delta()
+        _hand_over(srv, 45, [3, 9, 4], [11, 2])
+        d = srv.dw[0].stats_delta()
+        assert d["transfers"] == 1 and 0 < d["latency_sum_s"] < 5.0, d
+        assert abs(d["latency_sum_s"] - srv.dw[0].engine.stats()["latency_sum_s"]) < 1e-9
+    finally:
+        srv.close()
+
+
+def test_failed_load_is_reported_by_request_too():
+    """vLLM 0.32 takes failed loads by request (failed_recving): a request is failed (or
+    recomputed) even when its block table no longer holds the blocks reported bad."""
+    srv = _Servers(1, 1, timeout_s=0.5)
+    try:
+        preq = Request(
+            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
+        )
+        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        srv.ps.build_connector_meta()  # never exported
+        dreq = Request("d", list(range(40)), params)
+        srv.ds.get_num_new_matched_tokens(dreq, 0)
+        srv.ds.update_state_after_alloc(dreq, Blocks([6, 7]), 40)
+        _run_until(srv, "D", lambda a: "d" in a["recv"], timeout=8)
+        assert srv.dw[0].take_failed_loads() == {"d"} and srv.dw[0].take_failed_loads() == set()
+    finally:
+        srv.close()
+
+
+def test_p_side_sliding_window_blocks_out_of_the_window_are_not_handed_off(caplog):
+    """A sliding-window group: vLLM put its null block (id 0) in place of the blocks the window
+    passed. That KV is not whole: no params (D computes the prompt), a warning, no export."""
+    s = _sched(engine_id="P")
+    s.window = "sliding window of 32 tokens (SlidingWindowSpec)"
+    with caplog.at_level("WARNING"):
+        assert _p_finish(s, n=97, blocks=(0, 0, 5, 6))[1] == (False, None)
+        assert _p_finish(s, n=70, blocks=(0, 5, 6))[1] == (False, None)  # one null block: not whole either
+    assert s.build_connector_meta().exports == [] and s.num_not_handed_off == 2
+    assert "not handed off: 2 of its 4 blocks are out of the sliding window" in caplog.text
+    assert "sliding window of 32 tokens" in caplog.text and caplog.text.count("not handed off") == 1
+    assert _p_finish(s, n=40, blocks=(7, 8))[1][0] is True  # in the window: handed off
+
+
+def test_loads_and_exports_of_the_null_block_are_refused_and_counted(caplog):
+    """A load whose blocks hold vLLM's null block (D's sliding window) is never written (the
+    null block must stay zeros): refused, reported failed by block ids and by request, and
+    counted in the failures vLLM logs (kvxfer_failures)."""
+    srv = _Servers(1, 1)
+    try:
+        preq = Request(
+            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
+        )
+        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        srv.step("P")
+        dreq = Request("d", list(range(40)), params)
+        srv.ds.get_num_new_matched_tokens(dreq, 0)
+        srv.ds.update_state_after_alloc(dreq, Blocks([0, 7]), 40)
+        with caplog.at_level("WARNING"):
+            _, recv, bad = srv.step("D")
+        assert recv == {"d": 1} and bad == {0, 7}
+        assert srv.dw[0].take_failed_loads() == {"d"}
+        assert "load of d refused" in caplog.text and "null block" in caplog.text
+        assert srv.dw[0].stats_delta()["failures"] == 1
+        assert bool((srv.dcache[0][0][0] == POISON).all())  # block 0 untouched
+        _run_until(srv, "P", lambda a: a["send"].get("p") == 1)  # D released P's blocks
+    finally:
+        srv.close()
+
+
 def test_p_lease_expiry_reports_finished_sending():
     srv = _Servers(1, 1, lease_s=0.3)
     try:
@@ -957,3 +1053,76 @@ def test_ports_consumer_free_and_producer_in_use_named(caplog):
     finally:
         for w in workers:
             w.close()
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs CPU affinity calls and two CPUs",
+)
+def test_engine_threads_are_not_bound_to_the_workers_pinned_core():
+    """vLLM's CPU worker binds its main thread to one core (GOMP_CPU_AFFINITY), the same core for
+    every server on a host; the engine's threads, started from that thread, would inherit it and
+    stall behind busy-waiting workers. They run on every CPU of the process; the calling thread
+    keeps its binding."""
+    make, backend, _, bs = _KINDS["fa16"]
+    wide = os.sched_getaffinity(0)
+    pinned = {min(wide)}
+    out: dict = {}
+
+    def as_vllm_worker():  # a thread of its own: pytest's thread keeps its affinity
+        os.sched_setaffinity(0, pinned)
+        cfg = ConnectorConfig.from_vllm(
+            vllm_config(role="kv_producer", block_size=bs, port=free_port_base(1))
+        )
+        w = WorkerSide(cfg, 0)
+        try:
+            w.register({"l0": make(4, 4)}, backend=backend, head_size=HD, total_kv_heads=HEADS, use_mla=False)
+            out["caller"] = os.sched_getaffinity(0)
+            prefix = f"kvxfer-server-{cfg.engine_id}-"
+            out["engine"] = [
+                os.sched_getaffinity(t.native_id) for t in threading.enumerate() if t.name.startswith(prefix)
+            ]
+        finally:
+            w.close()
+
+    t = threading.Thread(target=as_vllm_worker)
+    t.start()
+    t.join(60)
+    assert out["caller"] == pinned
+    assert out["engine"] and all(a == wide for a in out["engine"]), (out, wide)
+
+
+def test_port_in_use_is_named_when_vllm_first_loads_the_connector_class():
+    """An exporting server's kv_port in use is reported when vLLM's config checks load the
+    connector class in the API server process (KVConnectorFactory.get_connector_class), before
+    any model loads, not when the worker binds after loading it. Main process only, once; a
+    consumer, or a free port, passes."""
+    code = (
+        "import importlib, json, socket\n"
+        "held = socket.socket()\n"
+        "held.bind(('127.0.0.1', 0))\n"
+        "held.listen()\n"
+        "class KVC:\n"
+        "    kv_role = 'kv_producer'\n"
+        "    kv_port = held.getsockname()[1]\n"
+        "    kv_connector_extra_config = {'host': '127.0.0.1'}\n"
+        "def get_connector_class(kv_transfer_config):  # vLLM's call, as far as the frame goes\n"
+        "    return getattr(importlib.import_module(kv_transfer_config.path), 'KvxferConnector')\n"
+        "out = {'port': KVC.kv_port}\n"
+        "for role, path in (('kv_consumer', 'kvxfer.vllm'), ('kv_producer', 'kvxfer.vllm')):\n"
+        "    KVC.kv_role, KVC.path = role, path\n"
+        "    try:\n"
+        "        get_connector_class(KVC())\n"
+        "        out[role] = 'no error'\n"
+        "    except Exception as e:\n"
+        "        out[role] = f'{type(e).__name__}: {e}'\n"
+        "    import kvxfer.vllm\n"
+        "    kvxfer.vllm._ports_checked = False\n"
+        "print(json.dumps(out))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not out["kv_consumer"].startswith("RuntimeError"), out  # a consumer binds no kv_port
+    want = f"RuntimeError: kvxfer connector: side-channel port {out['port']} on 127.0.0.1 is in use"
+    assert out["kv_producer"].startswith(want) and "another kv_port" in out["kv_producer"], out

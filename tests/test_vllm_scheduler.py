@@ -384,3 +384,30 @@ def test_connector_api_points_and_hybrid_models_refused(model_dir):
         HybridModelUnsupported, match=r"model .*: 2 KV cache groups \(FullAttentionSpec, SlidingWindowSpec\)"
     ):
         KvxferConnector(_vllm_config(model_dir, "kv_consumer", "E", 15000), KVConnectorRole.SCHEDULER, two)
+
+
+def test_what_vllm_does_with_hybrid_models_for_this_connector():
+    """What docs/INTEGRATION.md says happens (HybridModelUnsupported never fires with 0.32/0.33):
+    the connector does not declare SupportsHMA, so vLLM turns its hybrid KV cache manager off,
+    and then promotes a mixed model's sliding-window layers to full attention (one group), while
+    a uniform sliding-window model keeps its SlidingWindowSpec (one group: P's null blocks)."""
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kvc = KVTransferConfig(
+        kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both"
+    )
+    assert KVConnectorFactory.supports_hma_config(kvc) is False
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    swa = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=32
+    )
+    mixed = {"l0": full, "l1": swa}
+    unify_hybrid_kv_cache_specs(mixed)
+    assert {type(s).__name__ for s in mixed.values()} == {"FullAttentionSpec"}
+    uniform = {"l0": swa, "l1": swa}
+    unify_hybrid_kv_cache_specs(uniform)
+    assert {type(s).__name__ for s in uniform.values()} == {"SlidingWindowSpec"}

@@ -35,6 +35,7 @@ Where things come from:
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["ROLES", "ConnectorConfig", "default_host"]
+__all__ = ["ROLES", "ConnectorConfig", "default_host", "port_in_use", "port_in_use_message"]
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -83,6 +84,32 @@ def default_host() -> str:
         why,
     )
     return "127.0.0.1"
+
+
+def port_in_use(host: str, port: int) -> OSError | None:
+    """The error of binding ``host:port`` as a listening socket would (``SO_REUSEADDR``, as
+    zmq binds: connections in TIME_WAIT do not count) when the port is in use, else None (free,
+    or another problem the side channel's own bind reports)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen(1)
+        except OSError as e:
+            return e if e.errno == errno.EADDRINUSE else None
+    return None
+
+
+def port_in_use_message(host: str, port: int, why: object, engine_id: str = "", tp_rank: int = 0) -> str:
+    """What a server whose side-channel port is taken says: the port, the rule, the fix."""
+    who = f"engine {engine_id} TP rank {tp_rank} binds" if engine_id else "TP rank 0 binds"
+    return (
+        f"kvxfer connector: side-channel port {port} on {host} is in use ({why}): {who} kv_port + "
+        f"data_parallel_rank * tp_size + tp_rank = {port}. Give this server another kv_port in "
+        f"--kv-transfer-config (servers on one host need ranges of tp_size ports that do not "
+        f"overlap), or stop the process holding it (ss -ltnp 'sport = :{port}')"
+    )
 
 
 def _positive(key: str, v: object) -> float:

@@ -16,8 +16,24 @@ vLLM 0.32/0.33 connector API points this connector answers explicitly:
   keeps until ``get_finished`` reports them.
 * ``request_finished``'s block ids: the scheduler clips them to the computed tokens, partial
   tail block included; the export covers exactly those (whole, for CPU_ATTN pages).
-* Hybrid models (several KV cache groups) are refused at construction with
-  :class:`HybridModelUnsupported`, naming the model and its groups.
+* Hybrid models: this connector does not declare ``SupportsHMA``, so vLLM 0.32/0.33 turn the
+  hybrid KV cache manager off for it ("Turning off hybrid kv cache manager because
+  `--kv-transfer-config` selects a KV connector that does not support it") and then:
+  a model mixing full-attention and sliding-window (or chunked local) layers has its local
+  layers promoted to full attention (``unify_hybrid_kv_cache_specs`` in
+  ``vllm/v1/core/kv_cache_utils.py``): one group, every layer's KV for every token, moved
+  like any model's; a model whose layers cannot be promoted to one type (Mamba/SSM hybrids)
+  stops at vLLM's startup ("Failed to promote local KV cache specs to one unified type"),
+  before any connector is built. :class:`HybridModelUnsupported` fires only for a vLLM that
+  hands the connector several groups anyway.
+* A uniform sliding-window model (every layer ``SlidingWindowSpec``: one group) runs, but
+  vLLM frees the blocks a request's window has passed and puts its null block in their place:
+  such a request's KV is not whole, so P does not export it (no ``kv_transfer_params``, a
+  warning) and D computes the prompt itself; a load whose blocks hold the null block is
+  refused and reported failed. Moving only the in-window blocks is not done yet.
+* Failed loads are reported by request too (``get_transfer_results``'s ``failed_recving``,
+  vLLM 0.32+), not only as block ids: vLLM then fails (or recomputes) the request whatever its
+  block table holds by then.
 """
 
 from __future__ import annotations
@@ -34,6 +50,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+try:  # vLLM 0.32+: loads reported failed by request
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - an older vLLM: failures are reported as block ids only
+    KVConnectorTransferResults = None
 
 from .config import ConnectorConfig
 from .scheduler import ExportSpec, LoadSpec, SchedulerSide, TransferMeta
@@ -60,8 +81,9 @@ __all__ = [
 
 
 class HybridModelUnsupported(ValueError):
-    """The model has several KV cache groups (hybrid attention, e.g. Mamba or sliding-window
-    layers with vLLM's hybrid KV cache manager): not supported by ``KvxferConnector`` yet."""
+    """The model has several KV cache groups (hybrid attention with vLLM's hybrid KV cache
+    manager on): not supported by ``KvxferConnector`` yet. vLLM 0.32/0.33 turn that manager off
+    for this connector, so they never hand it several groups (see the module doc)."""
 
 
 @dataclass
@@ -95,6 +117,7 @@ _SUMMED = (
     "handshakes",
     "ops_calls",
     "busy_s",
+    "latency_sum_s",
 )
 
 
@@ -129,12 +152,26 @@ class KvxferStats(KVConnectorStats):
             "kvxfer_expirations": d.get("expirations", 0),
             "kvxfer_bytes": d.get("bytes", 0),
             "kvxfer_GBps": d.get("bytes", 0) / busy / 1e9 if busy > 0 else 0.0,
+            # the interval's loads: mean time from load() (start_load_kv) to landed
+            "kvxfer_avg_ms": d.get("latency_sum_s", 0.0) / d["transfers"] * 1e3
+            if d.get("transfers")
+            else 0.0,
             "kvxfer_p50_ms": d.get("p50_s", 0.0) * 1e3,
             "kvxfer_p99_ms": d.get("p99_s", 0.0) * 1e3,
         }
 
     def is_empty(self) -> bool:
         return not self.data
+
+
+def _window(group) -> str:
+    """A KV cache group's attention window, described ("" for full attention or MLA)."""
+    spec = getattr(group, "kv_cache_spec", group)
+    for attr in ("sliding_window", "attention_chunk_size"):
+        w = getattr(spec, attr, None)
+        if w:
+            return f"{attr.replace('_', ' ')} of {w} tokens ({type(spec).__name__})"
+    return ""
 
 
 def _tp_rank() -> int:
@@ -193,7 +230,17 @@ class KvxferConnector(KVConnectorBase_V1):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(self.cfg)
+            window = _window(groups[0]) if groups else ""
+            if window:
+                model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
+                _LOG.warning(
+                    "kvxfer connector: model %s keeps only a %s per request: a request whose "
+                    "window has passed a block is not handed off (P answers without "
+                    "kv_transfer_params; D computes the prompt itself)",
+                    model,
+                    window,
+                )
+            self.scheduler_side = SchedulerSide(self.cfg, window)
         else:
             self.worker_side = WorkerSide(self.cfg, _tp_rank())
 
@@ -290,6 +337,17 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self.worker_side.finished()
         return sending or None, recving or None
+
+    if KVConnectorTransferResults is not None:
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+            """``get_finished``'s sets, and the failed loads by request (``failed_recving``)."""
+            sending, recving = self.worker_side.finished()
+            return KVConnectorTransferResults(
+                finished_sending=set(sending),
+                finished_recving=set(recving),
+                failed_recving=self.worker_side.take_failed_loads(),
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()

@@ -8,6 +8,16 @@ takes the ``kv_transfer_params`` of P's response and sends the original request 
 them, then relays D's answer (streamed or not) to the client. Any other path goes to D
 unchanged. With several ``--prefill``/``--decode`` servers it picks them round robin.
 
+What goes wrong is said to the client and logged (a warning): a request D would refuse
+(``n > 1`` with greedy sampling) is answered 400 before P prefills it (P would hold its KV
+until the lease ends); a P that cannot be reached, or answers an error, is a 502 naming it; a
+P that answers without ``kv_transfer_params`` (it did not hand the KV off: its log says why)
+sends the request to D without them, to compute itself; when D answers an error (vLLM says
+"Internal server error" for a failed KV load, as a 500 or as a streamed error event) the
+proxy checks P's side channel (a TCP connect, 0.1 s at most) and adds to the error which P
+(URL, engine id, side-channel address) and what it found: P refusing connections (gone), or
+P alive (D's log has the load's reason).
+
 Standard library only; meant for trying the connector and for tests, not for production
 traffic (one thread per connection, no retries). Every upstream call has a timeout.
 """
@@ -19,15 +29,68 @@ import http.client
 import itertools
 import json
 import logging
+import socket
 import threading
 import urllib.parse
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["make_server", "prefill_body"]
+__all__ = ["make_server", "prefill_body", "refusal"]
 
 _GENERATE = ("/v1/completions", "/v1/chat/completions")
+_GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS (sampling_params.py): a lower temperature is greedy
+_PROBE_S = 0.1  # bound of the check of P's side channel after D failed
+_ERROR_BODY_MAX = 1 << 20
+
+
+def refusal(body: dict) -> str:
+    """Why D would refuse ``body`` before running it (so P must not prefill it), or ``""``:
+    ``n > 1`` with greedy sampling, which vLLM rejects ("n must be 1 when using greedy
+    sampling"). Only what the request says is checked (a model whose generation config makes
+    greedy the default is not known here)."""
+    n, t = body.get("n", 1), body.get("temperature")
+    greedy = isinstance(t, (int, float)) and not isinstance(t, bool) and t < _GREEDY_EPS
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1 and greedy:
+        return f"n={n} with greedy sampling (temperature {t}): vLLM takes n > 1 only when sampling"
+    return ""
+
+
+def probe_p(p_url: str, kv: dict) -> str:
+    """What the side channel of the P that made ``kv`` (its ``kv_transfer_params``) says, in
+    words for the client: refusing connections (P is gone), silent, or accepting them (P is
+    alive: D's log says why the load failed). One TCP connect, at most ``_PROBE_S``."""
+    host, port = kv.get("host"), kv.get("port")
+    who = f"prefill server {p_url} (kvxfer engine {kv.get('engine_id')}, side channel {host}:{port})"
+    rid = kv.get("request_id")
+    if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
+        return f"{who}: its params name no side channel"
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_S):
+            pass
+    except ConnectionRefusedError:
+        return f"{who} refuses connections: P is gone, so D could not load request {rid}'s KV from it"
+    except OSError as e:
+        return f"{who} did not answer a connection in {_PROBE_S} s ({e}): D could not load request {rid}'s KV"
+    return f"{who} accepts connections: D's log says why the load of request {rid} failed"
+
+
+def _annotate(data: bytes, note: str) -> bytes:
+    """An OpenAI-style error body (``{"error": {"message": ...}}`` or ``{"error": "..."}``) with
+    `` [proxy: note]`` added to its message; any other body with the note after it."""
+    try:
+        d = json.loads(data)
+    except ValueError:
+        d = None
+    if isinstance(d, dict) and isinstance(d.get("error"), dict):
+        err = d["error"]
+        err["message"] = f"{err.get('message', '')} [proxy: {note}]"
+    elif isinstance(d, dict) and isinstance(d.get("error"), str):
+        d["error"] = f"{d['error']} [proxy: {note}]"
+    else:
+        return data + f" [proxy: {note}]".encode()
+    return json.dumps(d).encode()
 
 
 def prefill_body(body: dict) -> dict:
@@ -60,9 +123,17 @@ def _conn(u: urllib.parse.SplitResult, timeout: float) -> http.client.HTTPConnec
 
 
 def make_server(
-    host: str, port: int, prefill: list[str], decode: list[str], timeout_s: float = 600.0
+    host: str,
+    port: int,
+    prefill: list[str],
+    decode: list[str],
+    timeout_s: float = 600.0,
+    after_prefill: Callable[[str, dict], None] | None = None,
 ) -> ThreadingHTTPServer:
-    """A ready (not yet serving) proxy; call ``serve_forever()`` and ``shutdown()``."""
+    """A ready (not yet serving) proxy; call ``serve_forever()`` and ``shutdown()``.
+
+    ``after_prefill(p_url, kv_transfer_params)``: called once P answered with its params, before
+    the request goes to D (a test hook: ``tests/vllm_served.py`` kills P there)."""
     ups = _Upstreams(prefill, decode)
 
     class Handler(BaseHTTPRequestHandler):
@@ -79,10 +150,10 @@ def make_server(
             self.end_headers()
             self.wfile.write(data)
 
-        def _relay(self, u, method: str, path: str, body: bytes | None) -> None:
+        def _relay(self, u, method: str, path: str, body: bytes | None, failed=None) -> None:
             c = _conn(u, timeout_s)
             try:
-                self._relay_on(c, method, path, body)
+                self._relay_on(c, method, path, body, failed)
             except (BrokenPipeError, ConnectionResetError) as e:  # the client went away mid-answer
                 _LOG.info(
                     "proxy: connection closed while relaying %s %s to client %s (%s)",
@@ -95,8 +166,11 @@ def make_server(
             finally:
                 c.close()
 
-        def _relay_on(self, c, method: str, path: str, body: bytes | None) -> None:
-            """Send one upstream request on ``c`` and stream its answer to the client (chunked)."""
+        def _relay_on(self, c, method: str, path: str, body: bytes | None, failed=None) -> None:
+            """Send one upstream request on ``c`` and stream its answer to the client (chunked).
+            ``failed(status) -> note``: for D's answer to a handed-off request, called when it
+            is an error (a status >= 500, or a streamed error event): the note is added to the
+            error's message."""
             headers = {"Content-Type": "application/json"} if body is not None else {}
             auth = self.headers.get("Authorization")
             if auth:
@@ -105,20 +179,53 @@ def make_server(
                 c.request(method, path, body=body, headers=headers)
                 r = c.getresponse()
             except OSError as e:
+                _LOG.warning("proxy: upstream %s:%s: %s (502 to the client)", c.host, c.port, e)
                 self._reply(502, {"error": f"proxy: upstream {c.host}:{c.port}: {e}"})
                 return
-            self.send_response(r.status)
             ctype = r.getheader("Content-Type", "application/json")
+            if failed is not None and r.status >= 400:
+                data = failed(r.status, r.read(_ERROR_BODY_MAX))
+                self.send_response(r.status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_response(r.status)
             self.send_header("Content-Type", ctype)
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            events = failed is not None and ctype.startswith("text/event-stream")
+            buf = b""
             while True:
                 chunk = r.read1(65536)
                 if not chunk:
                     break
+                if events:  # whole events only, an error event annotated
+                    buf += chunk
+                    cut = buf.rfind(b"\n\n") + 2
+                    if cut < 2:
+                        continue
+                    chunk, buf = buf[:cut], buf[cut:]
+                    if b'"error"' in chunk:
+                        chunk = b"".join(self._event(ev, failed) for ev in chunk.split(b"\n\n")[:-1])
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
+            if buf:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(buf), buf))
             self.wfile.write(b"0\r\n\r\n")
+
+        @staticmethod
+        def _event(ev: bytes, failed) -> bytes:
+            """One server-sent event (without its blank line), an error event annotated."""
+            if ev.startswith(b"data: {") and b'"error"' in ev:
+                try:
+                    is_error = "error" in json.loads(ev[6:])
+                except ValueError:
+                    is_error = False
+                if is_error:
+                    ev = b"data: " + failed(200, ev[6:])
+            return ev + b"\n\n"
 
         def do_GET(self) -> None:
             self._relay(ups.next()[1], "GET", self.path, None)
@@ -136,6 +243,11 @@ def make_server(
             except ValueError as e:
                 self._reply(400, {"error": f"proxy: bad request body: {e}"})
                 return
+            why = refusal(body)
+            if why:
+                _LOG.warning("proxy: refused a request before prefilling it: %s", why)
+                self._reply(400, {"error": f"proxy: {why}"})
+                return
             c = _conn(p_url, timeout_s)
             try:
                 c.request(
@@ -148,25 +260,58 @@ def make_server(
                 p_raw = r.read()
                 status = r.status
             except OSError as e:
+                _LOG.warning("proxy: prefill server %s: %s (502 to the client)", p_url.netloc, e)
                 self._reply(502, {"error": f"proxy: prefill server {p_url.netloc}: {e}"})
                 return
             finally:
                 c.close()
             try:
-                kv = json.loads(p_raw).get("kv_transfer_params") if status == 200 else None
+                answer = json.loads(p_raw) if status == 200 else None
             except ValueError:
-                kv = None
-            if not kv:
-                _LOG.warning(
-                    "proxy: prefill server %s answered %d without kv_transfer_params", p_url.netloc, status
-                )
-                self._reply(502, {"error": f"proxy: prefill server {p_url.netloc} answered {status} "
-                                           f"without kv_transfer_params: {p_raw[:500]!r}"})  # fmt: skip
+                answer = None
+            if not isinstance(answer, dict):
+                _LOG.warning("proxy: prefill server %s answered %d (502 to the client)", p_url.netloc, status)
+                self._reply(502, {"error": f"proxy: prefill server {p_url.netloc} answered {status}: "
+                                           f"{p_raw[:500]!r}"})  # fmt: skip
                 return
+            kv = answer.get("kv_transfer_params")
+            if not isinstance(kv, dict) or not kv:
+                _LOG.warning(
+                    "proxy: prefill server %s answered without kv_transfer_params (it did not hand the "
+                    "KV off: its log says why); the decode server %s computes the prompt itself",
+                    p_url.netloc,
+                    d_url.netloc,
+                )
+                body.pop("kv_transfer_params", None)
+                self._relay(d_url, "POST", self.path, json.dumps(body).encode())
+                return
+            if after_prefill is not None:
+                after_prefill(p_url.geturl(), kv)
             body["kv_transfer_params"] = kv
-            self._relay(d_url, "POST", self.path, json.dumps(body).encode())
+            p_name, d_name = p_url.geturl(), d_url.netloc
 
-    return ThreadingHTTPServer((host, port), Handler)
+            def failed(status: int, data: bytes) -> bytes:
+                if status >= 500 or status == 200:  # 200: an error event in a stream
+                    note = probe_p(p_name, kv)
+                    _LOG.warning("proxy: decode server %s failed a request (%d): %s", d_name, status, note)
+                    return _annotate(data, note)
+                _LOG.warning(
+                    "proxy: decode server %s refused a request (%d: %r); prefill server %s holds its KV "
+                    "(request %s) until its lease ends",
+                    d_name, status, data[:300], p_name, kv.get("request_id"),
+                )  # fmt: skip
+                return data
+
+            self._relay(d_url, "POST", self.path, json.dumps(body).encode(), failed)
+
+    return _Server((host, port), Handler)
+
+
+class _Server(ThreadingHTTPServer):
+    # connections waiting to be accepted (socketserver's default is 5: a burst of 32 clients
+    # had some reset by the kernel before a thread took them)
+    request_queue_size = 512
+    daemon_threads = True
 
 
 def main(argv: list[str] | None = None) -> None:

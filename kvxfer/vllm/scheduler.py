@@ -49,10 +49,25 @@ from .layout import KVLayout, KVLayoutMismatch, check_pair
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["ExportSpec", "LoadSpec", "SchedulerSide", "TransferMeta", "expand_block_ids", "prompt_hash"]
+__all__ = [
+    "NULL_BLOCK_ID",
+    "ExportSpec",
+    "LoadSpec",
+    "SchedulerSide",
+    "TransferMeta",
+    "expand_block_ids",
+    "prompt_hash",
+]
 
 _NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 _CONSUMED_MAX = 65536
+# vLLM's null block (BlockPool: the pool's first block, never a request's own). A sliding-window
+# (or chunked-local) KV cache group puts it in place of each block out of its window.
+NULL_BLOCK_ID = 0
+NULL_BLOCK_WHY = (
+    "block_ids: vLLM's null block (id 0) stands for blocks out of a sliding-window group's window; "
+    "handing them off is not supported (moving the in-window blocks only is not done yet)"
+)
 
 
 def prompt_hash(token_ids, num_tokens: int) -> str:
@@ -120,9 +135,11 @@ class _Source:
 class SchedulerSide:
     """The scheduler half of ``KvxferConnector``; see the module docstring for the lifecycle."""
 
-    def __init__(self, cfg: ConnectorConfig) -> None:
+    def __init__(self, cfg: ConnectorConfig, window: str = "") -> None:
         self.cfg = cfg
-        self._secret: EngineSecret | None = None  # made on the first export
+        self.window = window  # the KV cache group's window, described ("": none known)
+        self.num_not_handed_off = 0  # finished requests not exported (blocks out of the window)
+        self._secret: EngineSecret | None = self._engine_secret() if cfg.exports else None
         self.kernel_block_size = cfg.block_size  # updated by set_handshake (worker's registered caches)
         self.bytes_per_token = 0  # whole model, from the workers' handshake metadata
         self.layout: KVLayout | None = None  # the registered caches' layout (set_handshake)
@@ -134,6 +151,18 @@ class SchedulerSide:
         self._loading: dict[str, tuple[str, str]] = {}  # local request -> remote key
         self._consumed: dict[tuple[str, str], None] = {}  # remote keys already loaded (bounded)
         self._warned: set[str] = set()
+
+    def _engine_secret(self) -> EngineSecret:
+        """The secret the workers' engines share (kvxfer.auth: the host key file, or the cluster
+        key). vLLM builds the scheduler after every worker registered its caches, so every
+        worker's engine has read the key file by now: the file goes at once (a server stopped
+        by a signal, whose workers never close their engines, leaves none behind). A file this
+        call had to create (no worker started first: not vLLM's order) stays, for the workers
+        to read; rank 0 removes it when it closes."""
+        secret = EngineSecret(self.cfg.engine_id, self.cfg.base_port, tp_rank=-1)
+        if secret.path is not None and not secret.created:
+            secret.remove_file()
+        return secret
 
     # ------------------------------------------------------------------ handshake
     def set_handshake(self, per_rank: dict[int, dict]) -> None:
@@ -412,10 +441,13 @@ class SchedulerSide:
         nkb = -(-n // kbs)  # kernel blocks holding the n valid tokens (the last may be partial)
         moved = nkb * kbs if self.layout.whole_blocks else n  # whole pages: the partial block whole
         mgr = list(block_ids[: -(-n // bs)])
+        if NULL_BLOCK_ID in mgr:
+            self._not_handed_off(rid, mgr)
+            return False, None
         kids = expand_block_ids(mgr, self.ratio)[:nkb]
         tokens = getattr(request, "all_token_ids", None) or getattr(request, "prompt_token_ids", None) or []
-        if self._secret is None:  # the workers' engines share it (kvxfer.auth): same host
-            self._secret = EngineSecret(self.cfg.engine_id, self.cfg.base_port, tp_rank=-1)
+        if self._secret is None:  # pragma: no cover - made at construction where this exports
+            self._secret = self._engine_secret()
         token = self._secret.new_token(rid, moved, kids)  # every worker's export is bound to it
         out = params_dict(
             rid, self.cfg.engine_id, self.cfg.host, self.cfg.base_port, self.cfg.tp_size, kids, moved, token
@@ -429,6 +461,26 @@ class SchedulerSide:
         if want_decode:
             return True, {**out, "do_remote_prefill": True, "do_remote_decode": False}
         return True, {"reuse": out}
+
+    def _not_handed_off(self, rid: str, mgr: list[int]) -> None:
+        """A finished request whose blocks out of a sliding window vLLM already freed (its null
+        block stands in for them): its KV is not whole, so it is not exported; P answers without
+        ``kv_transfer_params`` and D computes the prompt itself. Warned on the first such
+        request and every 100th after (a count)."""
+        self.num_not_handed_off += 1
+        n = self.num_not_handed_off
+        if n == 1 or n % 100 == 0:
+            _LOG.warning(
+                "kvxfer: request %s not handed off: %d of its %d blocks are out of the sliding window "
+                "(%s; vLLM freed them and its null block stands in), so its KV is not whole; no "
+                "kv_transfer_params (the decode server computes the prompt itself). Moving only the "
+                "in-window blocks is not supported yet. %d such requests so far",
+                rid,
+                mgr.count(NULL_BLOCK_ID),
+                len(mgr),
+                self.window or "a KV cache group that frees blocks",
+                n,
+            )
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self) -> TransferMeta:

@@ -11,10 +11,12 @@ it), an export whose lease ended as finished sending (its blocks may be freed).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import zmq
@@ -22,9 +24,9 @@ import zmq
 from ..engine import TransferEngine
 from ..params import KVTransferParams
 from ..ports import free_port_base
-from .config import ConnectorConfig
+from .config import ConnectorConfig, port_in_use_message
 from .layout import KVLayout, caches_from_vllm, check_pair
-from .scheduler import TransferMeta, expand_block_ids
+from .scheduler import NULL_BLOCK_ID, NULL_BLOCK_WHY, TransferMeta, expand_block_ids
 
 _LOG = logging.getLogger(__name__)
 
@@ -33,6 +35,48 @@ __all__ = ["WorkerSide"]
 _BIND_ERRORS = (OSError, zmq.ZMQError)  # a side-channel port in use (errno EADDRINUSE)
 
 _COUNTERS = ("transfers", "bytes", "failures", "expirations", "finished_exports", "handshakes", "ops_calls")
+
+
+def process_cpus() -> set[int]:
+    """The CPUs this process may run on: the union of its threads' affinities. vLLM's CPU
+    worker binds its OpenMP threads (``GOMP_CPU_AFFINITY``: the main thread to the first core of
+    its list, here core 0 on a 2-core machine, for every server on the host); its other threads
+    keep the process's own set. Empty where the platform has no affinity calls."""
+    if not hasattr(os, "sched_getaffinity"):
+        return set()
+    cpus: set[int] = set()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        tids = ["0"]
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
+            cpus |= os.sched_getaffinity(int(tid))
+    return cpus
+
+
+@contextlib.contextmanager
+def threads_on(cpus: set[int]) -> Iterator[None]:
+    """While in the block, the calling thread may run on ``cpus`` (the threads it starts inherit
+    that); its own affinity is restored after. Nothing changes where ``cpus`` is empty or already
+    the thread's set, or the platform has no affinity calls."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    if own == cpus:
+        yield
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        _LOG.warning("kvxfer connector: could not widen the CPU affinity to %s (%s)", sorted(cpus), e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 class WorkerSide:
@@ -61,6 +105,8 @@ class WorkerSide:
         self._sending_done: set[str] = set()  # exports to report without the engine (refused)
         self._recving_done: set[str] = set()  # loads to report without the engine (refused)
         self._bad_blocks: set[int] = set()
+        self._failed: set[str] = set()  # loads that failed or were refused, not yet taken
+        self._refused = 0  # loads and exports refused here (counted as failures in the stats)
         self._last: dict[str, float] = {}
 
     # ----------------------------------------------------------------- registration
@@ -104,7 +150,34 @@ class WorkerSide:
             )
         self.ratio = self.cfg.block_size // spec.block_size
         self.layout = layout
-        self.engine = self._start_engine(spec, views)
+        # The engine's threads (side channel, loader, notifier, transports' and their libraries'
+        # threads, all started from here) inherit this thread's CPU affinity. vLLM's CPU worker
+        # binds this (main) thread to one core, and every server on a host to the same one: its
+        # busy-waiting main thread, its OpenMP work and the engine's threads of both P and D
+        # then share that core, and side-channel replies and streams stalled for seconds
+        # (handshakes and lease grants past their deadline, loads failing at lease end). The
+        # engine's threads run on every CPU of the process instead.
+        cpus = process_cpus()
+        own = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        with threads_on(cpus):
+            self.engine = self._start_engine(spec, views)
+        if cpus and own and cpus != own:
+            _LOG.info(
+                "kvxfer connector: the engine's threads run on CPUs %s (this worker thread is bound to %s)",
+                sorted(cpus),
+                sorted(own),
+            )
+            if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto" and own == {min(cpus)}:
+                _LOG.warning(
+                    "kvxfer connector: vLLM bound this worker to CPU %d, the first of this process's "
+                    "CPUs %s (VLLM_CPU_OMP_THREADS_BIND=auto): every vLLM CPU server on this host with "
+                    "that setting binds its worker there too, and with P and D on one host their "
+                    "busy-waiting workers then starve each other and the KV transfers (loads time "
+                    "out). Give each server its own CPUs (VLLM_CPU_OMP_THREADS_BIND=<cpu list>, "
+                    "disjoint) or VLLM_CPU_OMP_THREADS_BIND=nobind",
+                    min(cpus),
+                    sorted(cpus),
+                )
         _LOG.info(
             "kvxfer connector: engine %s rank %d/%d on %s:%d, %d layers (%s, %s), %s",
             self.cfg.engine_id,
@@ -153,13 +226,7 @@ class WorkerSide:
         except _BIND_ERRORS as e:
             if getattr(e, "errno", None) != errno.EADDRINUSE:
                 raise
-            raise RuntimeError(
-                f"kvxfer connector: side-channel port {port} on {cfg.host} is in use ({e}): engine "
-                f"{cfg.engine_id} TP rank {r} binds kv_port + data_parallel_rank * tp_size + tp_rank = "
-                f"{port}. Give this server another kv_port in --kv-transfer-config (servers on one host "
-                f"need ranges of tp_size ports that do not overlap), or stop the process holding it "
-                f"(ss -ltnp 'sport = :{port}')"
-            ) from e
+            raise RuntimeError(port_in_use_message(cfg.host, port, e, cfg.engine_id, r)) from e
 
     def handshake_info(self) -> dict:
         """What the scheduler side needs to know about the registered caches."""
@@ -183,14 +250,19 @@ class WorkerSide:
         for ex in meta.exports:
             ids = expand_block_ids(ex.block_ids, self.ratio)[: eng.spec.num_blocks_for(ex.num_tokens)]
             try:
+                if NULL_BLOCK_ID in ex.block_ids:
+                    raise ValueError(NULL_BLOCK_WHY)
                 eng.export(ex.request_id, ids, ex.num_tokens, token=ex.token or None)
                 self._exported.add(ex.request_id)
             except ValueError as e:
                 _LOG.warning("kvxfer: export of %s refused (%s); its blocks are freed", ex.request_id, e)
                 self._sending_done.add(ex.request_id)
+                self._refused += 1
         with eng.batched_loads():  # the step's one-sided loads: one launch per remote
             for ld in meta.loads:
                 try:
+                    if NULL_BLOCK_ID in ld.block_ids:  # never written: it must stay vLLM's zeros
+                        raise ValueError(NULL_BLOCK_WHY)
                     check_pair(KVLayout.from_dict(ld.params.get("kv_layout")), self.layout)
                     prm = KVTransferParams.from_dict(ld.params)  # checked once: load() takes it as is
                     if type(prm) is list:
@@ -208,6 +280,8 @@ class WorkerSide:
                         e,
                     )
                     self._recving_done.add(ld.request_id)
+                    self._failed.add(ld.request_id)
+                    self._refused += 1
                     self._bad_blocks.update(ld.block_ids)
                     self._release_quietly(ld.params)
         for prm in meta.releases:
@@ -232,6 +306,7 @@ class WorkerSide:
         for rid in res.failed:
             _LOG.warning("kvxfer: load of %s failed (%s)", rid, res.errors.get(rid, "unknown reason"))
             self._bad_blocks.update(self._loads.get(rid, ()))
+            self._failed.add(rid)
             recving.add(rid)
         for rid in recving:
             self._loads.pop(rid, None)
@@ -244,14 +319,23 @@ class WorkerSide:
         out, self._bad_blocks = self._bad_blocks, set()
         return out
 
+    def take_failed_loads(self) -> set[str]:
+        """Request ids of loads that failed or were refused, reported (in ``finished``'s
+        receiving set) since the last call: vLLM fails or recomputes them by request, whatever
+        its view of their blocks (a sliding-window group swaps blocks for its null block)."""
+        out, self._failed = self._failed, set()
+        return out
+
     def stats_delta(self) -> dict | None:
         """Counters since the last call, plus the engine's latency percentiles (None if idle)."""
         if self.engine is None:
             return None
-        s = self.engine.stats()
+        s = dict(self.engine.stats())
+        s["failures"] += self._refused  # refused here, before the engine saw them
         out = {k: s[k] - self._last.get(k, 0) for k in _COUNTERS}
-        out["busy_s"] = s["busy_s"] - self._last.get("busy_s", 0.0)
-        self._last = {k: s[k] for k in (*_COUNTERS, "busy_s")}
+        for k in ("busy_s", "latency_sum_s"):
+            out[k] = s[k] - self._last.get(k, 0.0)
+        self._last = {k: s[k] for k in (*_COUNTERS, "busy_s", "latency_sum_s")}
         if not any(out.values()):
             return None
         out.update({k: s[k] for k in ("p50_s", "p90_s", "p99_s")})
