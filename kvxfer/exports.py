@@ -87,11 +87,16 @@ class _Export:
 
 def _counted(e: _Export, sender, expected: int) -> bool:
     """Count one notification (or done mark) of loader rank ``sender`` for export ``e``, whose
-    plan expects ``expected`` of them; True once all have arrived. A sender counts once."""
+    plan expects ``expected`` of them; True when this one completed the count. A sender counts
+    once: its repeats (a retried message, one message naming the request twice) return False,
+    so an export is released, and reported, once whatever arrives."""
     if e.expected is None:
         e.expected = expected
-    e.notified_by.add(sender)
-    return len(e.notified_by) >= e.expected
+    seen = e.notified_by
+    if sender in seen:
+        return False
+    seen.add(sender)
+    return len(seen) >= e.expected
 
 
 class ExportTracker:
@@ -232,13 +237,18 @@ class ExportTracker:
     def _release(self, request_id: str) -> None:
         self._release_many((request_id,))
 
-    def _release_many(self, request_ids) -> None:
+    def _release_many(self, request_ids) -> list[str]:
         """Drop live exports (under :attr:`lock`): their blocks one holder less each, the
-        epochs of blocks no export holds now bumped; remembered as gone (bounded)."""
+        epochs of blocks no export holds now bumped; remembered as gone (bounded). An id not
+        live (named twice, or released meanwhile) is skipped. Returns the ids released."""
         live, gone, rc, ep, release = self._live, self._gone, self._rc, self._ep, idops.release
         slots = self.slots
+        out = []
         for rid in request_ids:
-            e = live.pop(rid)
+            e = live.pop(rid, None)
+            if e is None:
+                continue
+            out.append(rid)
             if e.slot >= 0:  # closed before the epochs move (kvxfer.transports.ipc.slots)
                 slots.close(e.slot)
                 if self.unready:
@@ -248,6 +258,7 @@ class ExportTracker:
             gone[rid] = (e.gen, e.token)
         while len(gone) > GONE_KEPT:
             del gone[next(iter(gone))]
+        return out
 
     def grant(
         self,
@@ -416,7 +427,7 @@ class ExportTracker:
                 if _counted(e, sender, want):
                     done.append(rid)
             if done:
-                self._release_many(done)
+                done = self._release_many(done)
                 self._report_many(done, "finished")
         return len(done)
 
@@ -443,7 +454,7 @@ class ExportTracker:
                 if landed:
                     done.append(rid)
             if done:
-                self._release_many(done)
+                done = self._release_many(done)
                 self._report_many(done, "finished")
         return len(done)
 

@@ -496,3 +496,22 @@ def test_a_request_exported_again_mid_stream_is_not_sent_as_the_old_one(engines)
     d.load("r", prm, [10, 11])
     got = _recv(d, {"r"})
     assert got["r"].startswith("failed:") and "released during the stream" in got["r"], got
+
+
+def test_a_notification_naming_a_request_twice_is_reported_once(engines):
+    """A raw Notify ``["V", "V"]`` from a holder of V's token: P releases V once and reports it
+    in finished_sending exactly once (the caller frees its blocks), and acknowledges the
+    message without an error."""
+    p, *_ = engines("ipc")
+    prm = p.export("V", [3, 4], 12)
+    ctx, client, addr = _client(p)
+    try:
+        rep = client.call(addr, C.Notify("E", 0, 1, ["V", "V"], [], [prm["token"]] * 2), 5.0)
+        assert isinstance(rep, C.Ack) and rep.failed == {}, rep
+        assert _sent(p, {"V"}) == {"V": "finished"}
+        assert _sent(p, {"never"}, timeout=0.3) == {}  # and not a second time
+        assert p.stats()["exports_live"] == 0 and p.stats()["blocks_held"] == 0
+        assert p.abort_export("V") is False
+    finally:
+        client.close()
+        ctx.term()

@@ -251,3 +251,34 @@ def test_a_released_request_id_exported_again_gets_the_next_generation():
     t.add("r", np.array([1]), 4, token="t1", gen=1)
     t.abort("r")
     assert t.generation("r") == 2
+
+
+def test_a_notification_naming_a_request_twice_releases_and_reports_it_once():
+    """One notification naming the same request twice (a raw ``["V", "V"]``, or an honest loader
+    that loaded the same params under two local ids) counts its sender once: the export is
+    released once and reported in finished_sending once, nothing raises, no block stays held."""
+    t = ExportTracker(8, 30.0)
+    t.add("V", torch.tensor([1, 2]), 20)
+    t.add("W", torch.tensor([3]), 4)
+    assert t.notify_many(["V", "V", "W", "V"], ("D", 0), 1) == 2
+    assert t.notify_many(["V", "V"], ("D", 0), 1) == 0  # already released: nothing more
+    out = PollResult()
+    t.drain(out)
+    assert out.finished_sending == {"V", "W"} and t.held_blocks() == 0 and t.num_live() == 0
+    assert t.epochs[[1, 2, 3]].tolist() == [1, 1, 1]  # each block released once
+    # a request that needs two ranks: the same rank twice in one message is still one of two
+    t.add("X", torch.tensor([4]), 4)
+    assert t.notify_many(["X", "X"], ("D", 0), 2) == 0 and t.num_live() == 1
+    assert t.notify_many(["X"], ("D", 1), 2) == 1
+
+
+def test_a_release_of_an_id_no_longer_live_is_skipped_not_raised():
+    """Releasing ids one of which is no longer live (released by a racing path) releases the
+    others and raises nothing."""
+    t = ExportTracker(8, 30.0)
+    t.add("a", torch.tensor([1]), 4)
+    t.add("b", torch.tensor([2]), 4)
+    with t.lock:
+        t._release_many(["a", "a", "zzz", "b"])
+    assert t.num_live() == 0 and t.held_blocks() == 0
+    assert t.epochs[[1, 2]].tolist() == [1, 1]
