@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from . import idops
 from .auth import UNAUTHORIZED
 from .completion import PollResult
 from .ordering import event_done
+
+_LOG = logging.getLogger(__name__)
 
 UNKNOWN = "unknown: not exported here (yet)"
 _INT64 = np.dtype(np.int64)
@@ -250,15 +253,34 @@ class ExportTracker:
                 continue
             out.append(rid)
             if e.slot >= 0:  # closed before the epochs move (kvxfer.transports.ipc.slots)
-                slots.close(e.slot)
                 if self.unready:
                     self.unready.pop(rid, None)
+                try:
+                    slots.close(e.slot)
+                except Exception as ex:  # the release still completes and is reported
+                    self._unpublished(rid, ex)
             release(rc, ep, e.block_ids)
             gone.pop(rid, None)  # re-inserted last: the newest release is forgotten last
             gone[rid] = (e.gen, e.token)
         while len(gone) > GONE_KEPT:
             del gone[next(iter(gone))]
         return out
+
+    def _unpublished(self, request_id: str, error: Exception) -> None:
+        """Closing ``request_id``'s lease slot failed: shut the whole table (no loader reads
+        one-sided from it any more, and a one-sided copy in flight fails its check), so the
+        release may go on and move the epochs. Logged."""
+        _LOG.warning(
+            "kvxfer exports: the lease slot of %r could not be closed (%s: %s); one-sided reads "
+            "from this rank are shut off, the release goes on",
+            request_id, type(error).__name__, error,
+        )  # fmt: skip
+        try:
+            self.slots.shut()
+        except Exception as e:  # nothing a loader could map is left: nothing to shut
+            _LOG.warning(
+                "kvxfer exports: shutting the lease-slot table failed too (%s: %s)", type(e).__name__, e
+            )
 
     def grant(
         self,

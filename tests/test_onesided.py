@@ -601,3 +601,55 @@ def test_exporter_closing_after_the_copy_fails_the_load_as_released():
         p[0].close()
         got = poll_until(d.engines, {"a"}, "recv")
         assert got["a"].startswith("failed:") and "released before or during the copy" in got["a"], got
+
+
+# ------------------------------------------------------------- words a stranger wrote in the table
+def table_of(p: Ranks, r: int = 0):
+    """Exporter rank ``r``'s lease-slot table as it maps it: the memory any process of the same
+    user can map (``/dev/shm/kvx_ls_*``) and write."""
+    return p[r]._transports["ipc"].slots.t
+
+
+def python_slot_reads(d: Ranks) -> None:
+    """D's slot views take the Python steps (as with ``KVXFER_NATIVE_CTL=0``)."""
+    for e in d.engines:
+        for _, views, _ in e._transports["ipc"].views.values():
+            for v in views:
+                if v is not None:
+                    v.ctl = None
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_table_words_a_stranger_wrote_never_crash_d_nor_leak_p(native):
+    """Done counts a stranger wrote into P's table (negative: D's native mark wrote outside the
+    mapping, SIGSEGV; at int64's end: D's Python mark raised out of poll()) and generations
+    near 2**63 in every slot (P read them back, raised on release and leaked the blocks): D's
+    loads land exactly and its poll() raises nothing; P releases and reports every export once
+    and holds no block after."""
+    with warmed() as (p, d):
+        if not native:
+            python_slot_reads(d)
+        t = table_of(p)
+        for k, count in enumerate([-(2**62), 2**63 - 1, -1, -(2**63)]):
+            t[slots_mod.H_DONE] = count
+            rid = f"c{k}"
+            prm = p.export(rid, [3, 4], 12, seed=10 + k)
+            d[0].load(rid, prm, [5, 6])
+            assert poll_until(d.engines, {rid}, "recv") == {rid: "done"}
+            assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 10 + k)
+            assert poll_until(p.engines, {rid}, "send") == {rid: "done"}
+        assert d.onesided() == [4]
+        t[slots_mod.H_DONE] = 0
+        prms = {f"g{k}": p.export(f"g{k}", [7 + 2 * k, 8 + 2 * k], 12, seed=20 + k) for k in range(3)}
+        rows = t[slots_mod.HEADER :].reshape(-1, slots_mod.SLOT)
+        rows[:, slots_mod.S_GEN] = 2**63 - 2  # even: a stable slot's, but out of range
+        assert p[0].abort_export("g0")
+        for k in (1, 2):  # their slots' generations are out of range: the messaged path loads them
+            d[0].load(f"g{k}", prms[f"g{k}"], [20 + 2 * k, 21 + 2 * k])
+        assert poll_until(d.engines, {"g1", "g2"}, "recv") == {"g1": "done", "g2": "done"}
+        for k in (1, 2):
+            assert check(d.caches(0), F16, 0, 1, [20 + 2 * k, 21 + 2 * k], 12, 20 + k)
+        assert poll_until(p.engines, set(prms), "send") == dict.fromkeys(prms, "done")
+        assert p[0].stats()["blocks_held"] == 0 and p[0].stats()["exports_live"] == 0
+        fallbacks = d[0].stats()["onesided"]["fallbacks"]
+        assert fallbacks.get("table word out of range") == 2, fallbacks

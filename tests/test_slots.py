@@ -282,3 +282,122 @@ class TestNative:
         assert "the slot reads run in Python" in caplog.text
         monkeypatch.setattr(idops, "native", lambda: None)
         assert _NATIVE() is None
+
+
+# --------------------------------------------------------- every table word is untrusted input
+BAD_COUNTS = [-1, -9, -56, -57, -(2**62), -(2**63), 2**63 - 1]
+
+
+def _guarded(n: int = 64, guard: int = 4096) -> tuple[np.ndarray, ExporterSlots, SlotView]:
+    """A table inside a larger array: ``guard`` words before and after it that nothing may
+    write (a write outside the table lands there instead of outside the mapping)."""
+    big = np.zeros(guard + HEADER + n * SLOT + guard, dtype=np.int64)
+    t = big[guard : guard + HEADER + n * SLOT]
+    return big, ExporterSlots(t, "inc"), SlotView(t)
+
+
+def _outside(big: np.ndarray, guard: int = 4096) -> bool:
+    return bool(big[:guard].any() or big[-guard:].any())
+
+
+@pytest.mark.parametrize("count", BAD_COUNTS)
+def test_a_bad_done_count_is_no_ring_entry_never_a_write_outside(count, caplog):
+    """A done count a stranger wrote (negative, or at int64's end) is not used as a ring index
+    nor incremented past int64: the loader's mark lands in its slot only, nothing is written
+    outside the table, nothing raises (the native path wrote before the ring, the Python one
+    raised on the count's increment); it is logged once, and the exporter still counts the
+    mark (it looks at every live slot when the count is not one it can follow)."""
+    big, ex, view = _guarded()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    g = int(ex.rows[i, S_GEN])
+    ex.t[H_DONE] = count
+    with caplog.at_level("WARNING", logger="kvxfer.transports.ipc.slots"):
+        view.mark_done(i, g, 0, 1)
+        view.mark_done(i, g, 0, 1)
+    assert not _outside(big), "a table word was used as an index outside the table"
+    assert ex.t[H_DONE] == count and not ex.t[H_RING : H_RING + RING].any()
+    assert caplog.text.count("done count") == 1, caplog.text
+    assert ex.take_done() == [("a", [(0, 1)])]
+
+
+def test_a_done_count_reaching_int64s_end_stops_there():
+    """A count one below int64's end takes one more ring entry; the next mark leaves it there."""
+    big, ex, view = _guarded()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    ex.t[H_DONE] = 2**63 - 2
+    view.mark_done(i, ex.gens[i], 0, 1)
+    assert ex.t[H_DONE] == 2**63 - 1 and ex.t[H_RING + (2**63 - 2) % RING] == i
+    view.mark_done(i, ex.gens[i], 1, 2)
+    assert ex.t[H_DONE] == 2**63 - 1 and not _outside(big)
+    assert ex.take_done() == [("a", [(0, 1), (1, 2)])]
+
+
+@pytest.mark.parametrize("gen", [2**62, 2**63 - 2, -2, -(2**63)])
+def test_a_generation_out_of_range_is_no_slot(gen, caplog):
+    """A slot whose generation word a stranger set out of range (a done mark of it would not fit
+    int64) is no slot: the read falls back by name, logged once; a mark naming such a
+    generation writes nothing and raises nothing."""
+    big, ex, view = _guarded()
+    epochs, ids = _epochs()
+    b = binding(TOKEN, DIGEST)
+    now = time.monotonic_ns()
+    i = ex.open("a", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    ex.rows[i, S_GEN] = gen
+    with caplog.at_level("WARNING", logger="kvxfer.transports.ipc.slots"):
+        assert view.read(*b, now, 10**9, now, epochs, ids) == "table word out of range"
+        assert view.find(*b) == (-1, 0)
+        view.mark_done(i, gen, 0, 1)
+        view.mark_done(i, gen, 0, 1)
+    assert caplog.text.count("generation out of range") == 1, caplog.text  # logged once per view
+    assert not _outside(big) and not ex.rows[i, 8:].any() and ex.t[H_DONE] == 0
+
+
+def test_a_heartbeat_word_at_int64s_end_is_silence_not_an_overflow():
+    _, ex, view = _guarded()
+    epochs, ids = _epochs()
+    b = binding(TOKEN, DIGEST)
+    now = time.monotonic_ns()
+    ex.open("a", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    ex.t[3] = -(2**63)  # H_BEAT
+    assert view.read(*b, now, 10**9, now, epochs, ids) == "exporter closed or silent"
+    assert view.alive(10**9, now)
+
+
+def test_the_exporter_keeps_its_state_private_and_only_publishes():
+    """Generations (seqlock words) a stranger wrote near int64's end, or anywhere, do not reach
+    the exporter: it opens, closes and counts marks from its own copy (which it publishes), so
+    nothing raises and a loader's snapshot under the generation it found still fails its check
+    once the slot closed."""
+    ex, view = _table()
+    epochs, ids = _epochs()
+    b = binding(TOKEN, DIGEST)
+    now = time.monotonic_ns()
+    i = ex.open("a", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    j, g, snap = view.read(*b, now, 10**9, now, epochs, ids)
+    assert j == i
+    for k in range(ex.num_slots):
+        ex.rows[k, S_GEN] = 2**63 - 1 - k % 2
+    ex.close(i)  # raised OverflowError when the exporter read its word back
+    assert int(ex.rows[i, S_GEN]) == ex.gens[i] == g + 2
+    assert view.check(i, g, epochs, ids, snap, now, 10**9) == 1
+    k = ex.open("b", _token(2), DIGEST, time.monotonic() + 30, True, False)
+    assert int(ex.rows[k, S_GEN]) == ex.gens[k] and ex.gens[k] % 2 == 0
+    ex.rows[k, S_GEN] = 123456  # a stranger's value: marks naming it count nothing
+    view.mark_done(k, 123456, 0, 1)
+    assert ex.take_done() == []
+    view.mark_done(k, ex.gens[k], 0, 1)  # a mark naming the exporter's own generation counts
+    assert ex.take_done() == [("b", [(0, 1)])]
+
+
+def test_done_marks_naming_an_impossible_loader_count_nothing():
+    """A mark whose loader tp size is 0, past MAX_TP_SIZE, or not above its rank counts nothing
+    (the exporter would plan for that size)."""
+    ex, _ = _table()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    g = ex.gens[i]
+    for d, tp in ((0, 0), (1, 1), (2, 300)):
+        ex.rows[i, 8 + d] = g * DONE_TP + tp
+    w = int(ex.t[H_DONE])
+    ex.t[H_RING + w % RING] = i
+    ex.t[H_DONE] = w + 1
+    assert ex.take_done() == []

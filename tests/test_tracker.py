@@ -282,3 +282,28 @@ def test_a_release_of_an_id_no_longer_live_is_skipped_not_raised():
         t._release_many(["a", "a", "zzz", "b"])
     assert t.num_live() == 0 and t.held_blocks() == 0
     assert t.epochs[[1, 2]].tolist() == [1, 1]
+
+
+def test_a_release_completes_and_is_reported_when_its_slot_cannot_be_published(caplog):
+    """The lease slot of an export cannot be closed (publishing to the table raised): the release
+    still completes (blocks freed, epochs moved, reported once), and the table is shut so no
+    loader reads one-sided from it any more; logged."""
+    from kvxfer.transports.ipc.slots import H_OPEN, H_READERS, HEADER, SLOT, ExporterSlots
+
+    table = np.zeros(HEADER + 64 * SLOT, dtype=np.int64)
+    t = ExportTracker(8, 30.0)
+    t.slots = ExporterSlots(table, "inc")
+    table[H_READERS] = 1
+    t.add("a", np.array([1, 2]), 20, token="00" * 24, digest=bytes(16))
+    assert t._live["a"].slot >= 0
+
+    def broken(i):
+        raise OSError("the table is gone")
+
+    t.slots.close = broken
+    with caplog.at_level("WARNING", logger="kvxfer.exports"):
+        assert t.abort("a")
+    out = PollResult()
+    t.drain(out)
+    assert out.finished_sending == {"a"} and t.held_blocks() == 0 and t.epochs[[1, 2]].tolist() == [1, 1]
+    assert table[H_OPEN] == 0 and "could not be closed" in caplog.text

@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 4;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 5;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A contiguous buffer of `itemsize`-byte integers ("" item: any bytes-like, itemsize 1).
 struct Buf {
@@ -474,12 +474,21 @@ PyObject *exact_ints(PyObject *, PyObject *const *args, Py_ssize_t n) {
 // CPU reorders the seqlock's reads (gen, fields, gen) or the done mark before its ring entry.
 // slot_layout() returns the constants below; slots.py uses these functions only when they
 // equal its own.
+//
+// Every word read from the table is untrusted input: any process of the same user can write
+// it. None is used as an index or in arithmetic that could overflow before it is checked; a
+// word out of range is "no slot" (slot_read) or "no ring entry" (slot_mark), never a crash.
 constexpr Py_ssize_t kHeader = 8 + 56, kSlot = 8 + 16, kProbes = 8, kRing = 56, kMaxDone = 16;
 constexpr Py_ssize_t kHOpen = 4, kHBeat = 3, kHDone = 6, kHRing = 8;
 constexpr Py_ssize_t kGen = 0, kBind0 = 1, kBind1 = 2, kDeadline = 3, kReady = 4, kFlags = 5, kDone = 8;
 constexpr int64_t kLive = 1, kLayerwise = 2, kDoneTp = 512;
+constexpr int64_t kInt64Max = INT64_MAX;
+// The largest generation a done mark can name: gen * kDoneTp + tp must fit int64 (GEN_MAX).
+constexpr int64_t kGenMax = (kInt64Max - (kDoneTp - 1)) / kDoneTp;
 // slot_read's refusals (slots.py names them)
-enum Refusal { kSilent = 1, kNoSlot = 2, kLayerwiseRefused = 3, kNotReady = 4, kShortLease = 5 };
+enum Refusal { kSilent = 1, kNoSlot = 2, kLayerwiseRefused = 3, kNotReady = 4, kShortLease = 5, kBadWord = 6 };
+// slot_mark's outcomes (slots.py logs the last two once)
+enum Mark { kMarked = 0, kMarkBadCount = 1, kMarkBadGen = 2 };
 
 inline int64_t ld(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void st(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -494,8 +503,10 @@ Py_ssize_t table_slots(const Buf &t) {
   return n;
 }
 
+// Open, and beat within stale_ns of now_ns. The heartbeat word is compared, not subtracted from:
+// a word near int64's ends must not overflow (now_ns and stale_ns are the caller's, sane).
 bool alive(const int64_t *t, int64_t now_ns, int64_t stale_ns) {
-  return ld(t + kHOpen) != 0 && now_ns - ld(t + kHBeat) <= stale_ns;
+  return ld(t + kHOpen) != 0 && ld(t + kHBeat) >= now_ns - stale_ns;
 }
 
 bool int64_args(PyObject *const *args, Py_ssize_t first, Py_ssize_t count, int64_t *out) {
@@ -510,6 +521,8 @@ bool int64_args(PyObject *const *args, Py_ssize_t first, Py_ssize_t count, int64
 // the live export bound to (b0, b1) when it may be read one-sided now (the exporter open and
 // beating within stale_ns, the export ready, not layer-wise, leased past need_ns), with
 // epochs[ids] taken between two reads of the same even generation; else a Refusal code (int).
+// A slot bound to (b0, b1) whose generation is out of [0, kGenMax] is skipped (kBadWord when no
+// other probed slot is the export's).
 PyObject *slot_read(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 8, "slot_read")) return nullptr;
   Buf tb, ep, ids;
@@ -526,15 +539,20 @@ PyObject *slot_read(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!alive(t, now_ns, stale_ns)) return PyLong_FromLong(kSilent);
   Py_ssize_t slot = -1;
   int64_t gen = 0;
+  bool bad = false;
   const int64_t *s = nullptr;
   for (Py_ssize_t k = 0; k < kProbes && slot < 0; ++k) {
     const Py_ssize_t i = static_cast<Py_ssize_t>((static_cast<uint64_t>(b0) + k) % static_cast<uint64_t>(num));
     s = t + kHeader + i * kSlot;
     const int64_t g = ld(s + kGen);
     if ((g & 1) || ld(s + kBind0) != b0 || ld(s + kBind1) != b1 || !(ld(s + kFlags) & kLive)) continue;
+    if (g < 0 || g > kGenMax) {
+      bad = true;
+      continue;
+    }
     if (ld(s + kGen) == g) slot = i, gen = g;
   }
-  if (slot < 0) return PyLong_FromLong(kNoSlot);
+  if (slot < 0) return PyLong_FromLong(bad ? kBadWord : kNoSlot);
   if (ld(s + kFlags) & kLayerwise) return PyLong_FromLong(kLayerwiseRefused);
   if (!ld(s + kReady)) return PyLong_FromLong(kNotReady);
   if (ld(s + kDeadline) < need_ns) return PyLong_FromLong(kShortLease);
@@ -574,9 +592,12 @@ PyObject *slot_check(PyObject *, PyObject *const *args, Py_ssize_t n) {
   return PyLong_FromLong(alive(t, v[2], v[3]) ? 0 : 2);
 }
 
-// slot_mark(table, slot, gen, loader_rank, loader_tp): loader rank `loader_rank` (< 16) of a
-// `loader_tp`-rank engine landed slot `slot`'s export of generation `gen`: its done mark, then
-// the slot into the done ring, then the ring's count (each a release store, in that order).
+// slot_mark(table, slot, gen, loader_rank, loader_tp) -> Mark: loader rank `loader_rank` (< 16)
+// of a `loader_tp`-rank engine landed slot `slot`'s export of generation `gen`: its done mark,
+// then the slot into the done ring, then the ring's count (each a release store, in that
+// order). `gen` was read from the table: out of [0, kGenMax] nothing is written (kMarkBadGen).
+// A ring count out of [0, INT64_MAX) leaves the ring and the count alone after the mark
+// (kMarkBadCount): it is no index, and its increment would overflow.
 PyObject *slot_mark(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 5, "slot_mark")) return nullptr;
   Buf tb;
@@ -589,13 +610,15 @@ PyObject *slot_mark(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (rank < 0 || tp < 1 || tp >= kDoneTp || rank >= tp) {
     return PyErr_Format(PyExc_ValueError, "slot_mark: loader rank %lld of %lld", (long long)rank, (long long)tp);
   }
-  if (rank >= kMaxDone) Py_RETURN_NONE;  // higher ranks notify by message only
+  if (rank >= kMaxDone) return PyLong_FromLong(kMarked);  // higher ranks notify by message only
+  if (gen < 0 || gen > kGenMax) return PyLong_FromLong(kMarkBadGen);
   int64_t *t = static_cast<int64_t *>(tb.view.buf);
   st(t + kHeader + slot * kSlot + kDone + rank, gen * kDoneTp + tp);
   const int64_t w = ld(t + kHDone);
+  if (w < 0 || w == kInt64Max) return PyLong_FromLong(kMarkBadCount);
   st(t + kHRing + w % kRing, slot);
   st(t + kHDone, w + 1);
-  Py_RETURN_NONE;
+  return PyLong_FromLong(kMarked);
 }
 
 // slot_layout() -> the table layout these functions assume (slots.py compares it with its own).
@@ -635,7 +658,7 @@ PyMethodDef kMethods[] = {
     {"slot_check", as_method(slot_check), METH_FASTCALL,
      "table, epochs, ids, snapshot, slot, gen, now_ns, stale_ns -> 0 landed, 1 released, 2 exporter stopped"},
     {"slot_mark", as_method(slot_mark), METH_FASTCALL,
-     "table, slot, gen, loader_rank, loader_tp: a done mark and its ring entry"},
+     "table, slot, gen, loader_rank, loader_tp -> 0 marked, 1 ring count out of range, 2 gen out of range"},
     {"slot_layout", slot_layout, METH_NOARGS, "the lease-slot table layout these functions assume"},
     {"abi_version", abi_version, METH_NOARGS, "the source's ABI version"},
     {nullptr, nullptr, 0, nullptr},
