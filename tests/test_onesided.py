@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from kvxfer import KVCacheSpec, TransferEngine, ops
+from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, ops
 from kvxfer.transports.ipc import onesided as onesided_mod
 from kvxfer.transports.ipc import slots as slots_mod
 from kvxfer.transports.ipc.shm import alloc_shm_caches
@@ -461,6 +461,36 @@ def test_forged_and_altered_params_are_never_read_onesided():
         d[0].load("y", prm, [5, 6])  # real params load one-sided
         assert poll_until(d.engines, {"y"}, "recv") == {"y": "done"} and d.onesided() == [1]
         assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 4)
+
+
+def test_params_altered_to_reach_another_exports_slot_are_refused_by_name():
+    """A D that holds only B's params loads (a) block ids B never exported, with the token
+    re-derived so that the old binding (token MAC XOR content digest) equals B's slot's, and
+    (b) B's params under another request id. The one-sided path used to read both, report
+    them done and free B; now neither finds a slot, and each fails naming ``unauthorized``, as
+    the messaged path refuses it: D's blocks keep their poison, B stays exported, and B's own
+    params then load one-sided."""
+    with warmed() as (p, d):
+        prm = p.export("B", [3, 4], 12, seed=3)
+        fill(p.caches(0), F16, 0, 1, [9, 10], 12, seed=66)  # blocks no export holds
+        alt = dict(prm, block_ids=[9, 10])
+        dg_b = KVTransferParams.from_dict(prm).digest()
+        dg_x = KVTransferParams.from_dict(alt).digest()
+        mac = int(prm["token"][-32:], 16) ^ int.from_bytes(dg_b, "little") ^ int.from_bytes(dg_x, "little")
+        alt["token"] = prm["token"][:16] + f"{mac:032x}"
+        d[0].load("alt", alt, [5, 6])
+        d[0].load("renamed", dict(prm, request_id="B-other"), [7, 8])
+        got = poll_until(d.engines, {"alt", "renamed"}, "recv")
+        for rid in ("alt", "renamed"):
+            assert got[rid].startswith("failed:") and "unauthorized" in got[rid], got
+        assert d.onesided() == [0]
+        assert untouched(d.caches(0), F16, {0}, {0: 1})
+        assert poll_until(p.engines, {"B"}, "send", timeout=0.5) == {}  # B was not freed
+        assert p[0].stats()["exports_live"] == 1
+        d[0].load("B", prm, [5, 6])
+        assert poll_until(d.engines, {"B"}, "recv") == {"B": "done"} and d.onesided() == [1]
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
+        assert poll_until(p.engines, {"B"}, "send") == {"B": "done"}
 
 
 def test_done_mark_frees_without_the_notification_and_the_notification_without_the_mark(monkeypatch):

@@ -56,14 +56,25 @@ def _token(k: int) -> str:
     return TOKEN[:16] + f"{k:016x}" + f"{k * 7919:016x}"
 
 
-def test_binding_tells_exports_and_contents_apart():
-    b = binding(TOKEN, DIGEST)
-    assert binding(TOKEN, DIGEST) == b
-    assert binding(_token(1), DIGEST) != b  # another export's token
-    assert binding(TOKEN, bytes([1]) + DIGEST[1:]) != b  # other ids or token count
+def test_binding_tells_exports_contents_and_request_ids_apart():
+    b = binding(TOKEN, DIGEST, "r")
+    assert binding(TOKEN, DIGEST, "r") == b
+    assert binding(_token(1), DIGEST, "r") != b  # another export's token
+    assert binding(TOKEN, bytes([1]) + DIGEST[1:], "r") != b  # other ids or token count
+    assert binding(TOKEN, DIGEST, "r2") != b  # another request id
     assert all(0 <= w < 1 << 63 for w in b)
     with pytest.raises(ValueError):
-        binding("z" * 48, DIGEST)
+        binding("\u00e9" * 48, DIGEST, "r")  # not a token export() made (not ASCII)
+
+
+def test_a_binding_cannot_be_reached_from_other_params():
+    """The binding is a hash of the token, the digest and the request id together, not a
+    combination of them one can solve for: the token that bound the old XOR (token MAC XOR
+    digest) of another export's slot to altered ids finds nothing now."""
+    dg_x = bytes(range(16, 32))
+    mac = int(TOKEN[-32:], 16) ^ int.from_bytes(DIGEST, "little") ^ int.from_bytes(dg_x, "little")
+    forged = TOKEN[:16] + f"{mac:032x}"
+    assert binding(forged, dg_x, "r") != binding(TOKEN, DIGEST, "r")
 
 
 def test_no_slot_until_a_loader_reads_one_sided():
@@ -77,7 +88,7 @@ def test_no_slot_until_a_loader_reads_one_sided():
 
 def test_a_loader_finds_a_live_ready_slot_and_nothing_else():
     ex, view = _table()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     now = time.monotonic_ns()
     assert view.lookup(*b, now, 10**9, now) == (-1, 0, "no live slot")
     i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, False, False)
@@ -86,7 +97,7 @@ def test_a_loader_finds_a_live_ready_slot_and_nothing_else():
     j, g, why = view.lookup(*b, now, 10**9, now)
     assert (j, why) == (i, "") and g % 2 == 0 and g > 0
     assert view.lookup(*b, now, 10**9, FAR)[2] == "lease too short"
-    assert view.lookup(*binding(_token(9), DIGEST), now, 10**9, now)[2] == "no live slot"
+    assert view.lookup(*binding(_token(9), DIGEST, "r"), now, 10**9, now)[2] == "no live slot"
     ex.close(i)
     assert view.lookup(*b, now, 10**9, now)[2] == "no live slot"
     assert not view.same(i, g)  # the generation moved on close
@@ -94,7 +105,7 @@ def test_a_loader_finds_a_live_ready_slot_and_nothing_else():
 
 def test_a_slot_being_rewritten_is_not_read():
     ex, view = _table()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, False)
     ex.rows[i, S_GEN] += 1  # odd: the exporter is in the middle of a rewrite
     assert view.find(*b) == (-1, 0)
@@ -104,7 +115,7 @@ def test_a_slot_being_rewritten_is_not_read():
 
 def test_layerwise_closed_and_silent_exporters_are_refused():
     ex, view = _table()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     now = time.monotonic_ns()
     ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, True)
     assert view.lookup(*b, now, 10**9, now)[2] == "layer-wise export"
@@ -128,7 +139,7 @@ def test_full_probe_window_gives_no_slot():
 def test_done_marks_count_once_for_the_current_export_only():
     ex, view = _table()
     i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
-    _, g, _ = view.lookup(*binding(TOKEN, DIGEST), time.monotonic_ns(), 10**9, 0)
+    _, g, _ = view.lookup(*binding(TOKEN, DIGEST, "a"), time.monotonic_ns(), 10**9, 0)
     assert not ex.marked() and ex.take_done() == []
     view.mark_done(i, g, 1, 2)
     assert ex.marked()
@@ -136,7 +147,7 @@ def test_done_marks_count_once_for_the_current_export_only():
     assert ex.take_done() == []  # taken
     # a mark of the slot's previous export (an older generation) counts nothing
     ex.close(i)
-    k = ex.open("b", TOKEN, DIGEST, 100.0, True, False)
+    k = ex.open("a", TOKEN, DIGEST, 100.0, True, False)  # a later export of "a" (same binding here)
     assert k == i
     view.mark_done(i, g, 0, 2)
     assert ex.take_done() == []
@@ -187,7 +198,7 @@ def _epochs(num_blocks: int = 40) -> tuple[np.ndarray, np.ndarray]:
 def test_read_snapshots_the_epochs_of_a_live_slot_and_check_sees_every_change():
     ex, view = _table()
     epochs, ids = _epochs()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     now = time.monotonic_ns()
     assert view.read(*b, now, 10**9, now, epochs, ids) == "no live slot"
     i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, False, False)
@@ -204,21 +215,21 @@ def test_read_snapshots_the_epochs_of_a_live_slot_and_check_sees_every_change():
     assert view.check(i, g, epochs, ids, snap, now + 5 * 10**9, 10**9) == 2  # silent since
     ex.close(i)
     assert view.check(i, g, epochs, ids, snap, now, 10**9) == 1  # the slot moved on
-    k = ex.open("r2", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    k = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, False)
     assert k == i and view.check(i, g, epochs, ids, snap, now, 10**9) == 1  # reused: a newer generation
 
 
 def test_read_refuses_rewritten_layerwise_closed_and_silent():
     ex, view = _table()
     epochs, ids = _epochs()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     now = time.monotonic_ns()
     i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, False)
     ex.rows[i, S_GEN] += 1  # odd: mid-rewrite
     assert view.read(*b, now, 10**9, now, epochs, ids) == "no live slot"
     ex.rows[i, S_GEN] += 1
     assert view.read(*b, now, 10**9, now, epochs, ids)[0] == i
-    assert view.read(*binding(_token(3), DIGEST), now, 10**9, now, epochs, ids) == "no live slot"
+    assert view.read(*binding(_token(3), DIGEST, "r"), now, 10**9, now, epochs, ids) == "no live slot"
     assert view.read(*b, now + 5 * 10**9, 10**9, now, epochs, ids) == "exporter closed or silent"
     ex.close(i)
     ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, True)
@@ -238,7 +249,7 @@ class TestNative:
     def test_native_and_python_marks_write_the_same_words(self):
         tables = []
         for native in (True, False):
-            t = np.zeros(HEADER + 64 * SLOT, dtype=np.int64)
+            t = np.zeros(HEADER + 1024 * SLOT, dtype=np.int64)
             ex, view = ExporterSlots(t, "inc"), SlotView(t)
             if not native:
                 view.ctl = None
@@ -339,7 +350,7 @@ def test_a_generation_out_of_range_is_no_slot(gen, caplog):
     generation writes nothing and raises nothing."""
     big, ex, view = _guarded()
     epochs, ids = _epochs()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "a")
     now = time.monotonic_ns()
     i = ex.open("a", TOKEN, DIGEST, time.monotonic() + 30, True, False)
     ex.rows[i, S_GEN] = gen
@@ -355,7 +366,7 @@ def test_a_generation_out_of_range_is_no_slot(gen, caplog):
 def test_a_heartbeat_word_at_int64s_end_is_silence_not_an_overflow():
     _, ex, view = _guarded()
     epochs, ids = _epochs()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "a")
     now = time.monotonic_ns()
     ex.open("a", TOKEN, DIGEST, time.monotonic() + 30, True, False)
     ex.t[3] = -(2**63)  # H_BEAT
@@ -370,7 +381,7 @@ def test_the_exporter_keeps_its_state_private_and_only_publishes():
     once the slot closed."""
     ex, view = _table()
     epochs, ids = _epochs()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "a")
     now = time.monotonic_ns()
     i = ex.open("a", TOKEN, DIGEST, time.monotonic() + 30, True, False)
     j, g, snap = view.read(*b, now, 10**9, now, epochs, ids)

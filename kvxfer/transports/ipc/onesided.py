@@ -215,7 +215,7 @@ class OneSided:
         if ids.size != rem.spec.num_blocks_for(p.num_tokens) or idops.max_id(ids) >= rem.num_blocks:
             return self._no("bad params")  # the messaged path names the problem
         try:
-            b0, b1 = b = binding(p.token, p.digest())
+            b0, b1 = b = binding(p.token, p.digest(), p.request_id)
         except ValueError:
             return self._no("bad params")  # a token that is not hex: the messaged path refuses it
         now_ns = time.monotonic_ns()
