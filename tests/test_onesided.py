@@ -493,6 +493,34 @@ def test_params_altered_to_reach_another_exports_slot_are_refused_by_name():
         assert poll_until(p.engines, {"B"}, "send") == {"B": "done"}
 
 
+@pytest.mark.parametrize("how", ["each", "batched", "messaged-first"])
+def test_the_same_params_twice_in_one_batch_are_refused_as_the_messaged_path_refuses_them(how):
+    """The same params loaded under two local ids before a poll: the first lands, the second
+    fails naming it ("loaded twice in one batch", the messaged path's words), writes nothing,
+    and P releases and reports the export once. (The one-sided path read both, and their done
+    marks and the notification naming the id twice made P release it without reporting it.)
+    ``messaged-first``: the first load is queued for the messaged path (its export not ready
+    yet), the second would have been one-sided."""
+    with warmed() as (p, d):
+        gate = Gate() if how == "messaged-first" else None
+        prm = p.export("x", [3, 4], 12, seed=3, ready=gate)
+        with d[0].batched_loads() if how == "batched" else contextlib.nullcontext():
+            d[0].load("x1", prm, [5, 6])
+            if gate is not None:
+                gate.done = True
+                p[0].poll()  # the slot's ready flag is set: a second load could go one-sided
+            d[0].load("x2", prm, [7, 8])
+        got = poll_until(d.engines, {"x1", "x2"}, "recv")
+        assert got["x1"] == "done", got
+        assert got["x2"].startswith("failed:") and "'x' is loaded twice in one batch" in got["x2"], got
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
+        assert untouched(d.caches(0), F16, {0, 5, 6}, {0: 1, 6: 4})
+        assert poll_until(p.engines, {"x"}, "send") == {"x": "done"}
+        assert poll_until(p.engines, {"other"}, "send", timeout=0.3) == {}  # not reported again
+        assert p[0].stats()["blocks_held"] == 0
+        assert d.onesided() == [0 if how == "messaged-first" else 1]
+
+
 def test_done_mark_frees_without_the_notification_and_the_notification_without_the_mark(monkeypatch):
     """P frees from the done mark alone (the notification lost), and from the notification alone
     (the mark lost): either record is enough, and neither frees twice."""

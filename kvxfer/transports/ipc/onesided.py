@@ -37,7 +37,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ... import idops, ops
-from ...engine_types import LoadItem, Remote, describe_error
+from ...engine_types import LoadItem, Remote, describe_error, loaded_twice
 from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
@@ -97,10 +97,11 @@ class _Flight:
     slot view, slot, generation, mapping, the epochs' snapshot, reads), and the event after its
     copy."""
 
-    __slots__ = ("b", "calls", "checks", "event", "item", "late", "moved", "t0", "target")
+    __slots__ = ("b", "calls", "checks", "event", "item", "key", "late", "moved", "t0", "target")
 
     def __init__(self, item: LoadItem, target: _Target, checks: list, b: tuple[int, int], t0: float) -> None:
         self.item = item
+        self.key = (item.params.engine_id, item.params.request_id)
         self.target = target
         self.checks = checks
         self.b = b
@@ -138,6 +139,9 @@ class OneSided:
         self.fallbacks: dict[str, int] = {}
         self._pool: list = []
         self._targets: dict[str, _Target] = {}
+        # (engine id, request id) of the params of every load launched or held here and not
+        # reported yet: a second load of them is refused as the messaged path refuses a repeat
+        self._active: set[tuple[str, str]] = set()
         # CPU caches: bytes per token this rank copies (load() copies them itself: bounded)
         spec = rank.spec
         self._cpu_bpt = (
@@ -201,6 +205,12 @@ class OneSided:
         if not ORDERED_CPU:
             return self._no("weakly ordered CPU")
         p = item.params
+        key = (p.engine_id, p.request_id)
+        if key in self._active or key in self.loader.incoming_keys:
+            # the same params already in this batch (here or queued for the messaged path)
+            if self.rank.loads.fail(item.request_id, loaded_twice(p.request_id)):
+                self.rank.metrics.add("failures")
+            return True
         rem = self.loader.remotes.get(p.engine_id)
         if rem is None or not rem.serves(p):
             return self._no("not handshaken")
@@ -237,6 +247,7 @@ class OneSided:
                     held = self._local.held
                 held[1] += size
             held[0].append(f)
+            self._active.add(f.key)
             self.loads += 1
             return True
         rank, ipc = self.rank, self.ipc
@@ -261,6 +272,7 @@ class OneSided:
             self._report(f, f"one-sided ipc copy: {describe_error(e)}")
             return True
         self.loads += 1
+        self._active.add(f.key)
         with self.lock:
             self.flights.append(f)
         return True
@@ -398,6 +410,7 @@ class OneSided:
         """Report ``f`` once: landed (``why`` empty: done marks in the slots) or failed for
         ``why``; its notification goes into ``notes`` (remote -> loads), or now."""
         rank, item, rem = self.rank, f.item, f.target.rem
+        self._active.discard(f.key)
         t = now()
         if why:
             rank.metrics.record_load(f.t0, t, 0, f.calls, [])
