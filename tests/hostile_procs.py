@@ -345,3 +345,68 @@ def hostile_client(sc: dict, q_params, q_stop) -> dict:
     s.close(0)
     ctx.term()
     return {"sent": sent, "tampered": tampered, "written": written}
+
+
+def table_writer(name: str, words: int, seed: int, seconds: float, q_stop=None) -> dict:
+    """A stranger of the exporter's user: maps its lease-slot table by name (what any such
+    process can find in ``/dev/shm``) and writes random words into every field, in bursts
+    (30 ms on, 30 ms off) for ``seconds`` or until ``q_stop`` holds an item: header words,
+    ring entries and every word of the slots (live ones half the time), each an extreme
+    (0, +-1, int64's ends, ...), a random int64, a small int, or, into a live slot, a done
+    mark forged for its current generation with its ring entry (which frees that export
+    early). Returns how many words it wrote, by field."""
+    import numpy as np
+
+    from kvxfer.transports.ipc import slots as S
+    from kvxfer.transports.ipc.shm import attach_array, detach
+
+    table, h = attach_array(name, words)
+    t = table.numpy()
+    n = (words - S.HEADER) // S.SLOT
+    rows = t[S.HEADER :].reshape(n, S.SLOT)
+    rng = random.Random(seed)
+    extremes = [0, 1, -1, 2, 3, -9, -57, 511, 512, 2**31, 2**62, 2**63 - 1, -(2**62), -(2**63)]
+    wrote: dict[str, int] = {}
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end and (q_stop is None or q_stop.empty()):
+            burst = time.monotonic() + 0.03
+            while time.monotonic() < burst:
+                live = np.flatnonzero(rows[:, S.S_FLAGS] & S.LIVE)
+                for _ in range(32):
+                    r = rng.random()
+                    kind = rng.random()
+                    if kind < 0.4:
+                        v = rng.choice(extremes)
+                    elif kind < 0.7:
+                        v = rng.getrandbits(64) - (1 << 63)
+                    else:
+                        v = rng.randint(-1000, 1000)
+                    if r < 0.2:
+                        k = rng.randrange(8)
+                        field = f"header{k}"
+                        t[k] = v
+                    elif r < 0.3:
+                        field = "ring"
+                        t[S.H_RING + rng.randrange(S.RING)] = v
+                    else:
+                        i = int(rng.choice(live)) if live.size and rng.random() < 0.5 else rng.randrange(n)
+                        w = rng.randrange(S.SLOT)
+                        if w >= S.S_DONE and rng.random() < 0.3:  # a done mark forged for this export
+                            g = int(rows[i, S.S_GEN])
+                            if 0 <= g < 2**54:  # a mark of it fits int64
+                                v = g * S.DONE_TP + 1
+                                c = int(t[S.H_DONE])
+                                if 0 <= c < 2**62:
+                                    t[S.H_RING + c % S.RING] = i
+                                    t[S.H_DONE] = c + 1
+                            w = S.S_DONE
+                        field = f"slot{w}" if w < S.S_DONE else "slot.done"
+                        rows[i, w] = v
+                    wrote[field] = wrote.get(field, 0) + 1
+                time.sleep(0.0002)
+            time.sleep(0.03)
+    finally:
+        del t, rows, table
+        detach(h)
+    return wrote
