@@ -412,3 +412,21 @@ def test_done_marks_naming_an_impossible_loader_count_nothing():
     ex.t[H_RING + w % RING] = i
     ex.t[H_DONE] = w + 1
     assert ex.take_done() == []
+
+
+def test_the_exporters_header_words_come_back_with_its_beat():
+    """Header words a stranger overwrote (magic, version, slot count, incarnation, open) hold
+    until the exporter's next beat only; a shut table stays shut; ``readers``, once a loader
+    set it, is the exporter's to remember (a stranger clearing it does not stop the slots)."""
+    ex, view = _table()
+    words = ex.t[:8].copy()
+    ex.t[[0, 1, 2, 4, 5]] = [-1, 2**63 - 1, 0, 0, 17]
+    assert not view.of("inc-1") and view.alive(10**9, time.monotonic_ns())
+    ex.beat()
+    assert (ex.t[[0, 1, 2, 4, 5]] == words[[0, 1, 2, 4, 5]]).all() and view.of("inc-1")
+    assert view.alive(10**9, time.monotonic_ns()) == ""
+    ex.t[H_READERS] = 0
+    assert ex.open("r", TOKEN, DIGEST, 100.0, True, False) >= 0
+    ex.shut()
+    ex.beat()
+    assert ex.t[H_OPEN] == 0 and view.alive(10**9, time.monotonic_ns()) == "the exporting engine closed"

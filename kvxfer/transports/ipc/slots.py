@@ -8,8 +8,8 @@ caches). The exporter writes every word except these, which loaders write: their
 marks, and in the header the done ring, its count and ``readers``.
 
 Header (``HEADER`` words): ``MAGIC``, ``VERSION``, the number of slots, the exporter's heartbeat
-(``time.monotonic_ns()``, written every side-channel tick, 20 ms), ``open`` (1 until the engine
-closes), a hash of the exporter's incarnation, ``done``: how many entries loaders have appended
+(``time.monotonic_ns()``, written every side-channel tick, 20 ms, with the exporter's other
+header words again), ``open`` (1 until the engine closes), a hash of the exporter's incarnation, ``done``: how many entries loaders have appended
 to the done ring (the ``RING`` words after the first eight), and ``readers``: set by the first
 loader that maps the table to read one-sided. Until then the exporter gives its exports no slot
 (an engine no one reads one-sided pays one load per export for the table).
@@ -70,6 +70,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+import threading
 import time
 
 import numpy as np
@@ -180,10 +181,12 @@ class ExporterSlots:
     a numpy scalar access costs ~150 ns).
 
     What the exporter relies on is private (``gens``: each slot's generation, ``used``,
-    ``owner``, the ring entries taken): it only *publishes* it to the table, and never reads a
-    word back but those loaders write (the done marks, the ring and its count, ``readers``),
-    each taken as untrusted input. So a process that writes the table cannot make the exporter
-    raise, leak an export or count a mark of anything but a live slot's current generation."""
+    ``owner``, the ring entries taken, its header words and whether it is open): it only
+    *publishes* it to the table (the header again with every beat), and never reads a word back
+    but those loaders write (the done marks, the ring and its count, ``readers``), each taken as
+    untrusted input. So a process that writes the table cannot make the exporter raise, leak an
+    export or count a mark of anything but a live slot's current generation, and what it
+    overwrote of the header holds until the next beat."""
 
     def __init__(self, table: np.ndarray, incarnation: str) -> None:
         n = _num_slots(table.size)
@@ -195,11 +198,12 @@ class ExporterSlots:
         self.num_slots = n
         self.rows = table[HEADER:].reshape(n, SLOT)
         table[:HEADER] = 0
-        table[H_NUM] = n
-        table[H_INCARNATION] = incarnation_word(incarnation)
-        table[H_VERSION] = VERSION
-        table[H_OPEN] = 1
-        table[H_MAGIC] = MAGIC
+        # the header words the exporter owns, republished with every beat (a process that
+        # overwrote one keeps loaders off the one-sided path for a tick, not for good)
+        self._header = (MAGIC, VERSION, n, incarnation_word(incarnation))
+        self._open = True
+        self._readers = False  # a loader set ``readers`` once (kept here: the word is anyone's)
+        self._lock = threading.Lock()  # beat() and shut() run on different threads
         self.beat()
         self.used = bytearray(n)
         self.gens = [0] * n  # the slots' generations (published to the table, never read back)
@@ -208,20 +212,30 @@ class ExporterSlots:
         self._full_logged = False
 
     def beat(self) -> None:
-        """The heartbeat: this rank is alive now."""
-        self.mv[H_BEAT] = time.monotonic_ns()
+        """The heartbeat: this rank is alive now; the header words it owns are published again."""
+        mv = self.mv
+        if not self._readers and mv[H_READERS]:
+            self._readers = True
+        with self._lock:
+            mv[H_MAGIC], mv[H_VERSION], mv[H_NUM], mv[H_INCARNATION] = self._header
+            mv[H_OPEN] = 1 if self._open else 0
+            mv[H_BEAT] = time.monotonic_ns()
 
     def shut(self) -> None:
         """The engine is closing: no loader reads one-sided from here any more."""
-        self.mv[H_OPEN] = 0
+        with self._lock:
+            self._open = False
+            self.mv[H_OPEN] = 0
 
     def open(
         self, request_id: str, token: str, digest: bytes, deadline: float, ready: bool, layerwise: bool
     ) -> int:
         """Give a live export a slot; its index, or -1 when no loader reads one-sided from here
         yet or the probed slots are all taken."""
-        if not self.mv[H_READERS]:
-            return -1
+        if not self._readers:
+            if not self.mv[H_READERS]:
+                return -1
+            self._readers = True
         b0, b1 = binding(token, digest, request_id)
         n, used = self.num_slots, self.used
         for k in range(PROBES):
@@ -313,10 +327,14 @@ class SlotView:
     user can write the table): a generation or a done count out of range is no slot, or no ring
     entry, logged once per view; never an index, never a value that overflows."""
 
-    def __init__(self, table: np.ndarray) -> None:
+    def __init__(self, table: np.ndarray, wait_s: float = 0.1) -> None:
         n = _num_slots(table.size)
-        if table[H_MAGIC] != MAGIC or table[H_VERSION] != VERSION or table[H_NUM] != n:
-            raise ValueError("slots: not a lease-slot table of this kvxfer version")
+        end = time.monotonic() + wait_s
+        while table[H_MAGIC] != MAGIC or table[H_VERSION] != VERSION or table[H_NUM] != n:
+            if time.monotonic() >= end:
+                raise ValueError("slots: not a lease-slot table of this kvxfer version")
+            # a word another process overwrote comes back with the exporter's next beat (20 ms)
+            time.sleep(0.005)
         self.t = table
         self.mv = memoryview(table)
         self.num_slots = n
