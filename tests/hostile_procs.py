@@ -10,11 +10,16 @@
   report against its deadline.
 * :func:`hostile_client` — a stranger on P's side channel: random, truncated, oversized and
   deeply nested frames, forged tokens, replayed grants and heartbeats of real params, and
-  loads of tampered params through an engine of its own.
+  loads of tampered params through an engine of its own; with ``replay_notify`` (per second),
+  replayed notifications of real params too (one id twice in a message, or from a loader rank that
+  notifies nothing).
+* :func:`table_stranger` — a process of P's user writing random words into P's lease-slot
+  table (:func:`table_writer`), following P across its restart (the one-sided phase).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -33,7 +38,7 @@ def _rss_mb() -> float:
     return 0.0  # pragma: no cover - not Linux
 
 
-def hostile_exporter(sc: dict, q_d, q_h) -> dict:
+def hostile_exporter(sc: dict, q_d, q_h, q_w=None) -> dict:
     from kvxfer import TransferEngine
     from kvxfer.transports.ipc.shm import alloc_shm_caches
 
@@ -43,10 +48,14 @@ def hostile_exporter(sc: dict, q_d, q_h) -> dict:
     shm = alloc_shm_caches(spec, nb, 1)
 
     def start():
-        return TransferEngine(
+        e = TransferEngine(
             spec, shm.caches, 0, 1, "P", transport=sc["transport"], lease_s=sc["lease_s"],
             port=sc["port"], timeout_s=sc["timeout_s"],
         ).start()  # fmt: skip
+        ipc = e._transports["ipc"]
+        if q_w is not None and ipc.slot_segment is not None:  # the stranger finds it in /dev/shm
+            q_w.put((ipc.slot_segment.name, ipc.entry["slot_words"]))
+        return e
 
     eng = start()
     free = list(range(nb))
@@ -113,6 +122,8 @@ def hostile_exporter(sc: dict, q_d, q_h) -> dict:
         time.sleep(0.001)
     q_d.put(None)
     q_h.put(None)
+    if q_w is not None:
+        q_w.put(None)
     rss1 = _rss_mb()
     stats = eng.stats()
     eng.close()
@@ -183,6 +194,8 @@ def hostile_loader(sc: dict, q_in) -> dict:
         "reports": reports,
         "wrong": wrong,
         "notify_failures": stats.get("notify_failures", 0),
+        "onesided": stats["onesided"].get("loads", 0),
+        "fallbacks": stats["onesided"].get("fallbacks", {}),
     }
 
 
@@ -255,7 +268,8 @@ def hostile_client(sc: dict, q_params, q_stop) -> dict:
     an engine of its own. Counts what was sent and how the tampered loads ended."""
     import zmq
 
-    from kvxfer import TransferEngine
+    from kvxfer import KVTransferParams, TransferEngine
+    from kvxfer import control as C
 
     rng = random.Random(sc["seed"] + 1)
     spec = _spec(sc["spec"])
@@ -311,6 +325,17 @@ def hostile_client(sc: dict, q_params, q_stop) -> dict:
             big.close(0)
             oversized += 1
             sent["oversized"] = sent.get("oversized", 0) + 1
+        due = int((time.monotonic() - t_start) * sc.get("replay_notify", 0)) - sent.get("notify", 0)
+        for _ in range(min(due, 8) if params else 0):  # paced: replay_notify per second
+            # a replayed notification of real params (a token holder releasing them early):
+            # the same id twice in one message, or from a loader rank that notifies nothing
+            p = KVTransferParams.from_dict(rng.choice(params[-5:]))
+            k, (tp, rank) = rng.choice([1, 2]), rng.choice([(1, 0), (1, 0), (4, 3)])
+            msg = C.Notify("H", rank, tp, [p.request_id] * k, [], [p.token] * k)
+            mid += 1
+            with contextlib.suppress(zmq.Again):
+                s.send_multipart([mid.to_bytes(8, "little"), C.encode(msg)], zmq.NOBLOCK)
+            sent["notify"] = sent.get("notify", 0) + 1
         if params and rng.random() < 0.3 and len(tampered) < 40:
             p = dict(rng.choice(params[-20:]))
             how = rng.choice(["block_ids", "num_tokens", "token"])
@@ -410,3 +435,31 @@ def table_writer(name: str, words: int, seed: int, seconds: float, q_stop=None) 
         del t, rows, table
         detach(h)
     return wrote
+
+
+def table_stranger(sc: dict, q_w) -> dict:
+    """The table writer of the soak's one-sided phase: writes P's current lease-slot table
+    (:func:`table_writer`, in slices of 0.3 s) and moves to the new one when P restarts, until P
+    says it ended (None) or the deadline. Returns the words written by field."""
+    total: dict[str, int] = {}
+    current = None
+    end = time.monotonic() + sc["deadline_s"]
+    while time.monotonic() < end:
+        try:
+            while True:  # the newest table P published, or P's end
+                got = q_w.get(timeout=0.05) if current is None else q_w.get_nowait()
+                if got is None:
+                    return total
+                current = got
+        except Exception:
+            pass
+        if current is None:
+            continue
+        try:
+            wrote = table_writer(current[0], current[1], sc["seed"] * 1000 + sum(total.values()), 0.3)
+        except FileNotFoundError:  # that start of P closed (its table unlinked): wait for the next
+            current = None
+            continue
+        for k, v in wrote.items():
+            total[k] = total.get(k, 0) + v
+    return total
