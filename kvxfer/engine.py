@@ -65,13 +65,15 @@ CLOSE_TIMEOUT_S = 5.0  # close() returns within this, even with a thread stuck i
 # process then ("terminate called without an active exception").
 _LEFT: list[tuple[threading.Thread, float]] = []
 _LEFT_LOCK = threading.Lock()
+_LEFT_HOOK: list[bool] = []  # one entry once _join_left is registered with atexit
 
 
 def _leave(threads: list[threading.Thread], until: float) -> None:
     """Have the interpreter's exit wait for ``threads`` until ``until`` (``time.monotonic``)."""
     with _LEFT_LOCK:
-        if not _LEFT:
+        if not _LEFT_HOOK:
             atexit.register(_join_left)
+            _LEFT_HOOK.append(True)
         _LEFT[:] = [(t, u) for t, u in _LEFT if t.is_alive()]
         _LEFT.extend((t, until) for t in threads)
 

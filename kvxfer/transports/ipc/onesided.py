@@ -4,13 +4,18 @@ copy and none on the critical path after it.
 When a loader rank has already mapped the exporter ranks of a remote engine (an earlier load
 handshook and mapped them, :mod:`kvxfer.transports.ipc.transport`), ``load()`` looks up the
 request in each source rank's lease-slot table (:mod:`kvxfer.transports.ipc.slots`): a live
-slot bound to the params' token and digest, whose ready flag is set (the exporter's compute
-wrote the blocks), not a layer-wise export, leased for longer than the load's timeout, on an
-exporter that is open and beat recently. If every source rank has one, the loader snapshots
-the blocks' epochs between two reads of the slot's generation, and issues the copy on its load
-stream right there (:func:`kvxfer.transports.ipc.read.launch`; CUDA: an event from a pool is
-recorded after it). Anything else returns False, and the load takes the messaged path (lease
-grant, then the copy in the worker thread), which names every refusal. Inside a batch
+slot bound to the params (a hash of their token, content digest and request id: only the
+export's own params find it), whose ready flag is set (the exporter's compute wrote the blocks),
+not a layer-wise export, leased for longer than the load's timeout, on an exporter that is open
+and beat recently. If every source rank has one, the loader snapshots the blocks' epochs
+between two reads of the slot's generation, and issues the copy on its load stream right there
+(:func:`kvxfer.transports.ipc.read.launch`; CUDA: an event from a pool is recorded after it).
+Anything else returns False, and the load takes the messaged path (lease grant, then the copy
+in the worker thread), which names every refusal. The one refusal this path makes itself is
+the messaged path's own check of a batch: params another load already reads (launched or held
+here and not reported yet, or queued for the loader's next batch) fail as "loaded twice in one
+batch". Every word it reads from the table is untrusted (``slots``): a bad one is no slot.
+Inside a batch
 (:meth:`OneSided.hold`, ``TransferEngine.batched_loads()``) the copy waits for the batch's end,
 where the held loads of each remote are launched together through the messaged path's batch
 planner (:func:`kvxfer.transports.ipc.read.launch`), with one event.
