@@ -67,6 +67,33 @@ def test_binding_tells_exports_contents_and_request_ids_apart():
         binding("\u00e9" * 48, DIGEST, "r")  # not a token export() made (not ASCII)
 
 
+def test_native_and_python_bindings_are_blake2b_of_the_same_bytes():
+    """The native binding (csrc/ctl/kvx_ctl.cpp's own BLAKE2b) and hashlib's give the same words
+    for every input length (one block and several, an empty request id, non-ASCII ones); both
+    refuse a token that is not ASCII and a request id without UTF-8 (ValueError)."""
+    import hashlib
+    import random
+
+    assert idops.ensure(), idops.status()
+    native = idops.native().binding
+    rng = random.Random(3)
+    rids = ["", "r", "cmpl-0", "é" * 40, "请求-" * 30, "x" * 63, "x" * 64, "x" * 65, "y" * 400]
+    rids += [
+        "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(0, 300))) for _ in range(200)
+    ]
+    for k, rid in enumerate(rids):
+        token = f"{rng.getrandbits(192):048x}"
+        digest = rng.randbytes(16)
+        h = hashlib.blake2b(digest + token.encode() + rid.encode(), digest_size=16).digest()
+        x = int.from_bytes(h, "little")
+        want = (x >> 64 & (2**63 - 1), x & (2**63 - 1))
+        assert native(token, digest, rid) == slots._py_binding(token, digest, rid) == want, (k, rid)
+    for bad in (("é" * 48, DIGEST, "r"), (TOKEN, DIGEST, "\ud800")):
+        for f in (native, slots._py_binding):
+            with pytest.raises(ValueError):
+                f(*bad)
+
+
 def test_a_binding_cannot_be_reached_from_other_params():
     """The binding is a hash of the token, the digest and the request id together, not a
     combination of them one can solve for: the token that bound the old XOR (token MAC XOR

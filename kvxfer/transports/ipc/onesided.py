@@ -47,7 +47,7 @@ from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
 from .read import launch
-from .slots import binding
+from .slots import binder
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...rank import Rank
@@ -88,13 +88,14 @@ class _Target:
     transport's count of forgotten remotes when it was made (a change means a mapping may be
     gone)."""
 
-    __slots__ = ("epoch", "marks", "rem", "sources")
+    __slots__ = ("bind", "epoch", "marks", "rem", "sources")
 
     def __init__(self, rem: Remote, epoch: int, sources: list, marks: list) -> None:
         self.rem = rem
         self.epoch = epoch
         self.sources = sources
         self.marks = marks  # per exporter rank this rank notifies: (its slot view, index in sources or -1)
+        self.bind = binder()  # slots.binding, native when the module is in use
 
 
 class _Flight:
@@ -104,9 +105,11 @@ class _Flight:
 
     __slots__ = ("b", "calls", "checks", "event", "item", "key", "late", "moved", "t0", "target")
 
-    def __init__(self, item: LoadItem, target: _Target, checks: list, b: tuple[int, int], t0: float) -> None:
+    def __init__(
+        self, item: LoadItem, target: _Target, checks: list, b: tuple[int, int], t0: float, key: tuple
+    ) -> None:
         self.item = item
-        self.key = (item.params.engine_id, item.params.request_id)
+        self.key = key  # (engine id, request id) of the params
         self.target = target
         self.checks = checks
         self.b = b
@@ -230,9 +233,9 @@ class OneSided:
         if ids.size != rem.spec.num_blocks_for(p.num_tokens) or idops.max_id(ids) >= rem.num_blocks:
             return self._no("bad params")  # the messaged path names the problem
         try:
-            b0, b1 = b = binding(p.token, p.digest(), p.request_id)
+            b0, b1 = b = t.bind(p.token, p.digest(), p.request_id)
         except ValueError:
-            return self._no("bad params")  # a token that is not hex: the messaged path refuses it
+            return self._no("bad params")  # a token not ASCII: the messaged path refuses it
         now_ns = time.monotonic_ns()
         need_ns = now_ns + int(timeout_s * 1e9)
         checks = []
@@ -241,7 +244,7 @@ class OneSided:
             if type(got) is str:
                 return self._no(got)
             checks.append((s, v, got[0], got[1], m, got[2], reads, whole))
-        f = _Flight(item, t, checks, b, now())
+        f = _Flight(item, t, checks, b, now(), key)
         item.deadline = now_ns * 1e-9 + timeout_s  # time.monotonic's clock
         held = getattr(self._local, "held", None) if self._batches else None
         if held is not None:  # launched with the batch's other loads when it closes

@@ -72,6 +72,7 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -85,6 +86,7 @@ __all__ = [
     "SLOT",
     "ExporterSlots",
     "SlotView",
+    "binder",
     "binding",
 ]
 
@@ -146,22 +148,33 @@ def _native():
     return mod
 
 
-def binding(token: str, digest: bytes, request_id: str) -> tuple[int, int]:
-    """The two words binding a slot to one export: BLAKE2b-128 of the content digest (16 bytes),
-    the token (its 48 ASCII characters) and the request id, as two 63-bit ints. A hash of the
-    three together, not a combination of them: the token's MAC is the export's secret-keyed
-    proof of exactly its request id and digest (kvxfer.auth), so a slot's binding is found only
-    by the params that export handed out; params with another token, other ids or token count,
-    or another request id find no slot (and take the messaged path, which refuses them by
-    name), and none can be solved for from one export's params. ``ValueError`` when the token
-    is not ASCII. (~0.6 us here; the XOR of MAC and digest it replaced cost 0.2 but let a
-    holder of one export's params reach its slot with other ids or another request id.)"""
-    h = _blake2b(
-        b"".join((digest, token.encode("ascii"), request_id.encode("utf-8", "surrogatepass"))),
-        digest_size=16,
-    ).digest()
+def _py_binding(token: str, digest: bytes, request_id: str) -> tuple[int, int]:
+    """:func:`binding` through hashlib (the native module not loaded)."""
+    h = _blake2b(b"".join((digest, token.encode("ascii"), request_id.encode())), digest_size=16).digest()
     x = int.from_bytes(h, "little")
     return x >> 64 & _M63, x & _M63
+
+
+def binder() -> Callable[[str, bytes, str], tuple[int, int]]:
+    """The :func:`binding` function to call: the native module's (``binding`` of
+    ``csrc/ctl/kvx_ctl.cpp``, ~0.2 us) when it is in use, else hashlib's (~1 us more). Both give
+    the same words (tests/test_slots.py). Callers on the hot path take it once."""
+    mod = idops.native()
+    return mod.binding if mod is not None else _py_binding
+
+
+def binding(token: str, digest: bytes, request_id: str) -> tuple[int, int]:
+    """The two words binding a slot to one export: BLAKE2b-128 of the content digest (16 bytes),
+    the token (its 48 ASCII characters) and the request id (UTF-8), as two 63-bit ints. A hash
+    of the three together, not a combination of them: the token's MAC is the export's
+    secret-keyed proof of exactly its request id and digest (kvxfer.auth), so a slot's binding
+    is found only by the params that export handed out; params with another token, other ids
+    or token count, or another request id find no slot (and take the messaged path, which
+    refuses them by name), and none can be solved for from one export's params. ``ValueError``
+    when the token is not ASCII or the request id has no UTF-8 (a lone surrogate): such params
+    get no slot. (The XOR of MAC and digest it replaced let a holder of one export's params
+    reach its slot with other ids or another request id.)"""
+    return binder()(token, digest, request_id)
 
 
 def incarnation_word(incarnation: str) -> int:
@@ -205,6 +218,7 @@ class ExporterSlots:
         self._readers = False  # a loader set ``readers`` once (kept here: the word is anyone's)
         self._lock = threading.Lock()  # beat() and shut() run on different threads
         self.beat()
+        self._binding = binder()
         self.used = bytearray(n)
         self.gens = [0] * n  # the slots' generations (published to the table, never read back)
         self.owner: dict[int, str] = {}  # slot -> request id
@@ -236,7 +250,10 @@ class ExporterSlots:
             if not self.mv[H_READERS]:
                 return -1
             self._readers = True
-        b0, b1 = binding(token, digest, request_id)
+        try:
+            b0, b1 = self._binding(token, digest, request_id)
+        except ValueError:  # a request id with no UTF-8: no loader finds it either
+            return -1
         n, used = self.num_slots, self.used
         for k in range(PROBES):
             i = (b0 + k) % n
@@ -310,12 +327,11 @@ class ExporterSlots:
                 continue
             base = HEADER + i * SLOT
             g = gens[i]
-            marks = []
-            for d, v in enumerate(mv[base + S_DONE : base + S_DONE + MAX_DONE].tolist()):
-                if v and v // DONE_TP == g:
-                    tp = v % DONE_TP
-                    if d < tp <= MAX_TP_SIZE:
-                        marks.append((d, tp))
+            marks = [
+                (d, v % DONE_TP)
+                for d, v in enumerate(mv[base + S_DONE : base + S_DONE + MAX_DONE].tolist())
+                if v and v // DONE_TP == g and d < v % DONE_TP <= MAX_TP_SIZE
+            ]
             if marks:
                 out.append((rid, marks))
         return out
