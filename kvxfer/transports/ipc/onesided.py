@@ -46,8 +46,8 @@ from ...engine_types import LoadItem, Remote, describe_error, loaded_twice
 from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
+from . import slots
 from .read import launch
-from .slots import binder
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...rank import Rank
@@ -95,7 +95,7 @@ class _Target:
         self.epoch = epoch
         self.sources = sources
         self.marks = marks  # per exporter rank this rank notifies: (its slot view, index in sources or -1)
-        self.bind = binder()  # slots.binding, native when the module is in use
+        self.bind = slots.binder()  # slots.binding, native when the module is in use
 
 
 class _Flight:
