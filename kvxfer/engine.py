@@ -281,10 +281,10 @@ class TransferEngine:
         """Stop the threads, close sockets and shared memory. Idempotent.
 
         Returns within ``CLOSE_TIMEOUT_S`` (5 s): pair groups are aborted first, so a thread
-        blocked in a transfer wakes up, and the ``pg`` store is stopped, so a pair join a peer
-        never completed fails; notifications still unacknowledged get until then; a thread
-        still stuck after the bound is left behind (a daemon) and logged, and the process's
-        exit waits for it until its own bound (``2 * timeout_s``) instead of aborting. One-sided CUDA
+        blocked in a transfer wakes up; notifications still unacknowledged get until then; a
+        thread still stuck after the bound (a pair join a peer never completed) is left behind
+        (a daemon) and logged, and the process's exit waits for it until its own bound
+        (``2 * timeout_s``) instead of aborting. One-sided CUDA
         copies still reading an exporter's memory get up to 2 s more before it is unmapped.
         """
         self._open = False

@@ -152,15 +152,10 @@ class PgTransport:
 
     # ------------------------------------------------------------------ both
     def abort(self, why: str) -> None:
-        """Abort every pair group, and stop the store (the engine is closing): a pair thread still
-        waiting in the store for a loader that never joins (a stranger's pairing, a loader that
-        died) fails at once instead of at its timeout, so close() can join it; a thread left in
-        that native wait would be ended by the interpreter's exit and abort the process."""
         self.senders.discard_all(why)
         for rem, pairs in list(self._pairs.values()):
             for s in list(pairs):
                 self.drop_pair(rem, s, why)
-        self.store = None  # the last reference: the store server stops, its waiting clients fail
 
     def threads(self) -> list:
         return self.senders.threads()
