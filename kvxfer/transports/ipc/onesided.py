@@ -213,12 +213,6 @@ class OneSided:
         if not ORDERED_CPU:
             return self._no("weakly ordered CPU")
         p = item.params
-        key = (p.engine_id, p.request_id)
-        if key in self._active or key in self.loader.incoming_keys:
-            # the same params already in this batch (here or queued for the messaged path)
-            if self.rank.loads.fail(item.request_id, loaded_twice(p.request_id)):
-                self.rank.metrics.add("failures")
-            return True
         rem = self.loader.remotes.get(p.engine_id)
         if rem is None or not rem.serves(p):
             return self._no("not handshaken")
@@ -232,6 +226,14 @@ class OneSided:
         ids = item.src_ids
         if ids.size != rem.spec.num_blocks_for(p.num_tokens) or idops.max_id(ids) >= rem.num_blocks:
             return self._no("bad params")  # the messaged path names the problem
+        key = (p.engine_id, p.request_id)
+        if key in self._active or key in self.loader.incoming_keys:
+            # The same params already in this batch (read here, or queued for the messaged path,
+            # whose batch check refuses a repeat the same way); a load that would not be read
+            # here anyway was handed to the messaged path above, which checks its own batch.
+            if self.rank.loads.fail(item.request_id, loaded_twice(p.request_id)):
+                self.rank.metrics.add("failures")
+            return True
         try:
             b0, b1 = b = t.bind(p.token, p.digest(), p.request_id)
         except ValueError:
