@@ -15,10 +15,9 @@ in the worker thread), which names every refusal. The one refusal this path make
 the messaged path's own check of a batch: params another load already reads (launched or held
 here and not reported yet, or queued for the loader's next batch) fail as "loaded twice in one
 batch". Every word it reads from the table is untrusted (``slots``): a bad one is no slot.
-Inside a batch
-(:meth:`OneSided.hold`, ``TransferEngine.batched_loads()``) the copy waits for the batch's end,
-where the held loads of each remote are launched together through the messaged path's batch
-planner (:func:`kvxfer.transports.ipc.read.launch`), with one event.
+Inside a batch (:meth:`OneSided.hold`, ``TransferEngine.batched_loads()``) the copy waits for
+the batch's end, where the held loads of each remote are launched together through the
+messaged path's batch planner (:func:`kvxfer.transports.ipc.read.launch`), with one event.
 
 ``poll()`` (:meth:`OneSided.complete`) queries the events itself. A load whose copy completed is
 checked as the messaged path checks it: the slot still at the same generation and the blocks'
