@@ -91,7 +91,7 @@ __all__ = [
 ]
 
 MAGIC = 0x6B7678736C6F7431  # "kvxslot1"
-VERSION = 1
+VERSION = 2  # 2: the binding hashes token, digest and request id; table words are checked
 RING = 56  # done-mark ring entries (slot * 2**32 + generation)
 HEADER = 8 + RING
 H_MAGIC, H_VERSION, H_NUM, H_BEAT, H_OPEN, H_INCARNATION, H_DONE, H_READERS = range(8)
