@@ -22,9 +22,11 @@ finished or expired. Every thread is bounded and stopped by :meth:`close`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -55,6 +57,37 @@ from .transports.pg.transport import PgTransport
 _LOG = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0  # close() returns within this, even with a thread stuck in a transfer
+
+# Threads close() left behind (still in a native call its aborts could not end: a pair join a
+# peer left half-done) with the time their own bound ends. At interpreter exit they are waited
+# for until then: CPython ends a daemon thread that wakes during finalization by unwinding its
+# stack (pthread_exit), and a C++ frame on that stack (Gloo, the TCPStore) aborts the whole
+# process then ("terminate called without an active exception").
+_LEFT: list[tuple[threading.Thread, float]] = []
+_LEFT_LOCK = threading.Lock()
+_LEFT_HOOK: list[bool] = []  # one entry once _join_left is registered with atexit
+
+
+def _leave(threads: list[threading.Thread], until: float) -> None:
+    """Have the interpreter's exit wait for ``threads`` until ``until`` (``time.monotonic``)."""
+    with _LEFT_LOCK:
+        if not _LEFT_HOOK:
+            atexit.register(_join_left)
+            _LEFT_HOOK.append(True)
+        _LEFT[:] = [(t, u) for t, u in _LEFT if t.is_alive()]
+        _LEFT.extend((t, until) for t in threads)
+
+
+def _join_left() -> None:
+    """At exit: join the threads close() left behind, each until its bound (see ``_LEFT``)."""
+    with _LEFT_LOCK:
+        left, _LEFT[:] = list(_LEFT), []
+    for t, until in left:
+        t.join(max(0.0, until - time.monotonic()))
+    stuck = [t.name for t, _ in left if t.is_alive()]
+    if stuck:
+        _LOG.warning("kvxfer: threads still in a native call at exit (past their bound): %s", stuck)
+
 
 __all__ = ["HandshakeError", "TransferEngine"]
 
@@ -249,7 +282,9 @@ class TransferEngine:
 
         Returns within ``CLOSE_TIMEOUT_S`` (5 s): pair groups are aborted first, so a thread
         blocked in a transfer wakes up; notifications still unacknowledged get until then; a
-        thread still stuck after the bound is left behind (a daemon) and logged. One-sided CUDA
+        thread still stuck after the bound (a pair join a peer never completed) is left behind
+        (a daemon) and logged, and the process's exit waits for it until its own bound
+        (``2 * timeout_s``) instead of aborting. One-sided CUDA
         copies still reading an exporter's memory get up to 2 s more before it is unmapped.
         """
         self._open = False
@@ -270,14 +305,19 @@ class TransferEngine:
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in threads if t.is_alive()]
+        stuck = [t for t in threads if t.is_alive()]
         if stuck:
             _LOG.warning(
-                "kvxfer engine %s rank %d: close() left threads still in a transport call: %s",
+                "kvxfer engine %s rank %d: close() left threads still in a transport call: %s; "
+                "the process's exit waits for them (at most %.0f s more)",
                 self.engine_id,
                 self.tp_rank,
-                stuck,
+                [t.name for t in stuck],
+                2 * self.timeout_s,
             )
+            # each such call is bounded by timeout_s (a pair join: connecting to the store, then
+            # waiting in it), both parts at most
+            _leave(stuck, time.monotonic() + 2 * self.timeout_s)
         self._release_parts(busy=bool(stuck))
 
     def _release_parts(self, busy: bool = False) -> None:

@@ -64,6 +64,12 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" + ("".join(f"; {n}" for n in notes) if notes else "")
 
 
+def loaded_twice(request_id: str) -> str:
+    """Why a load fails whose params (the remote's ``request_id``) another load of the same
+    batch already reads: the messaged path's words, which the one-sided path uses too."""
+    return f"params.request_id: {request_id!r} is loaded twice in one batch"
+
+
 def disjoint_blocks(loads: list[LoadItem], block_size: int) -> bool:
     """Whether no local block that ``loads`` write is named by two of them (each load's own ids
     were checked for repeats at ``load()``; the blocks of a prefix this engine already holds,

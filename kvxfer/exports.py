@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from . import idops
 from .auth import UNAUTHORIZED
 from .completion import PollResult
 from .ordering import event_done
+
+_LOG = logging.getLogger(__name__)
 
 UNKNOWN = "unknown: not exported here (yet)"
 _INT64 = np.dtype(np.int64)
@@ -87,11 +90,16 @@ class _Export:
 
 def _counted(e: _Export, sender, expected: int) -> bool:
     """Count one notification (or done mark) of loader rank ``sender`` for export ``e``, whose
-    plan expects ``expected`` of them; True once all have arrived. A sender counts once."""
+    plan expects ``expected`` of them; True when this one completed the count. A sender counts
+    once: its repeats (a retried message, one message naming the request twice) return False,
+    so an export is released, and reported, once whatever arrives."""
     if e.expected is None:
         e.expected = expected
-    e.notified_by.add(sender)
-    return len(e.notified_by) >= e.expected
+    seen = e.notified_by
+    if sender in seen:
+        return False
+    seen.add(sender)
+    return len(seen) >= e.expected
 
 
 class ExportTracker:
@@ -232,22 +240,47 @@ class ExportTracker:
     def _release(self, request_id: str) -> None:
         self._release_many((request_id,))
 
-    def _release_many(self, request_ids) -> None:
+    def _release_many(self, request_ids) -> list[str]:
         """Drop live exports (under :attr:`lock`): their blocks one holder less each, the
-        epochs of blocks no export holds now bumped; remembered as gone (bounded)."""
+        epochs of blocks no export holds now bumped; remembered as gone (bounded). An id not
+        live (named twice, or released meanwhile) is skipped. Returns the ids released."""
         live, gone, rc, ep, release = self._live, self._gone, self._rc, self._ep, idops.release
         slots = self.slots
+        out = []
         for rid in request_ids:
-            e = live.pop(rid)
+            e = live.pop(rid, None)
+            if e is None:
+                continue
+            out.append(rid)
             if e.slot >= 0:  # closed before the epochs move (kvxfer.transports.ipc.slots)
-                slots.close(e.slot)
                 if self.unready:
                     self.unready.pop(rid, None)
+                try:
+                    slots.close(e.slot)
+                except Exception as ex:  # the release still completes and is reported
+                    self._unpublished(rid, ex)
             release(rc, ep, e.block_ids)
             gone.pop(rid, None)  # re-inserted last: the newest release is forgotten last
             gone[rid] = (e.gen, e.token)
         while len(gone) > GONE_KEPT:
             del gone[next(iter(gone))]
+        return out
+
+    def _unpublished(self, request_id: str, error: Exception) -> None:
+        """Closing ``request_id``'s lease slot failed: shut the whole table (no loader reads
+        one-sided from it any more, and a one-sided copy in flight fails its check), so the
+        release may go on and move the epochs. Logged."""
+        _LOG.warning(
+            "kvxfer exports: the lease slot of %r could not be closed (%s: %s); one-sided reads "
+            "from this rank are shut off, the release goes on",
+            request_id, type(error).__name__, error,
+        )  # fmt: skip
+        try:
+            self.slots.shut()
+        except Exception as e:  # nothing a loader could map is left: nothing to shut
+            _LOG.warning(
+                "kvxfer exports: shutting the lease-slot table failed too (%s: %s)", type(e).__name__, e
+            )
 
     def grant(
         self,
@@ -416,7 +449,7 @@ class ExportTracker:
                 if _counted(e, sender, want):
                     done.append(rid)
             if done:
-                self._release_many(done)
+                done = self._release_many(done)
                 self._report_many(done, "finished")
         return len(done)
 
@@ -443,7 +476,7 @@ class ExportTracker:
                 if landed:
                     done.append(rid)
             if done:
-                self._release_many(done)
+                done = self._release_many(done)
                 self._report_many(done, "finished")
         return len(done)
 

@@ -39,6 +39,7 @@ from .engine_types import (
     ReleaseItem,
     Remote,
     describe_error,
+    loaded_twice,
     mask_layers,
     time_left,
 )
@@ -77,6 +78,9 @@ class Loader:
         self.client: control.ControlClient | None = None
         self.lock = threading.Lock()
         self.incoming: list[LoadItem] = []  # load() since the last poll()
+        # (engine id, request id) of the params in ``incoming``: the one-sided path refuses a
+        # load of params the next batch already holds, as the batch itself refuses a repeat
+        self.incoming_keys: set[tuple[str, str]] = set()
         self.releases: list[ReleaseItem] = []  # release() since the last poll(), run as their own batch
         self.fenced: list = []  # loads held until their timed-out GPU work completed
         self._work: queue.Queue = queue.Queue()
@@ -94,8 +98,10 @@ class Loader:
 
     def queue_load(self, item: LoadItem) -> None:
         """Queue a load; it starts at the next :meth:`dispatch`."""
+        p = item.params
         with self.lock:
             self.incoming.append(item)
+            self.incoming_keys.add((p.engine_id, p.request_id))
 
     def queue_releases(self, items: list[ReleaseItem]) -> None:
         with self.lock:
@@ -108,6 +114,7 @@ class Loader:
             return
         with self.lock:
             batch, self.incoming = self.incoming, []
+            self.incoming_keys.clear()
             releases, self.releases = self.releases, []
         deadline = time.monotonic() + timeout_s  # the loads' one deadline
         for b in (releases, batch):  # releases as their own batch: they move nothing
@@ -263,7 +270,7 @@ class Loader:
             elif idops.max_id(it.src_ids) >= num_blocks:  # read as unsigned: bounds both ends
                 self._fail([it], f"params.block_ids: out of the exporter's range [0, {num_blocks})")
             elif p.request_id in seen:
-                self._fail([it], f"params.request_id: {p.request_id!r} is loaded twice in one batch")
+                self._fail([it], loaded_twice(p.request_id))
             else:
                 seen.add(p.request_id)
                 good.append(it)

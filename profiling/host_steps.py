@@ -45,7 +45,7 @@ STEPS = (
     (completion.LoadTracker, "add", "D"),
     (onesided.OneSided, "try_load", "D"),
     (params.KVTransferParams, "digest", "D"),
-    (onesided, "binding", "D"),
+    (slots, "binder", "P+D"),  # what it returns (the binding's hash), taken once, called per request
     (slots.SlotView, "read", "D"),
     (ops.PreparedCopy, "__call__", "D"),
     (engine.TransferEngine, "_poll_into", "P+D"),
@@ -63,6 +63,9 @@ STEPS = (
 
 
 WARMUP = 20  # bench_engine.host_cost's untimed requests
+# Factories: the engine takes a function from them once and calls it per request; the function
+# they return is timed, labelled "<factory>()".
+MADE = {(slots, "binder")}
 
 
 def _wrap(owner, name: str, calls: list[float], exports: list[int]):
@@ -87,8 +90,32 @@ def _wrap(owner, name: str, calls: list[float], exports: list[int]):
     return raw
 
 
+def _wrap_made(owner, name: str, calls: list[float], exports: list[int]):
+    """Replace the factory ``owner.name`` by one whose functions are timed as :func:`_wrap`
+    times a step; returns what to put back."""
+    raw = getattr(owner, name)
+    perf = time.perf_counter
+
+    def made(*a, **k):
+        fn = raw(*a, **k)
+
+        def timed(*args, **kwargs):
+            t0 = perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if exports[0] > WARMUP:
+                    calls.append(perf() - t0)
+
+        return timed
+
+    setattr(owner, name, made)
+    return raw
+
+
 def _label(owner, name: str) -> str:
-    return f"{owner.__name__.removeprefix('kvxfer.')}.{name}"
+    made = "()" if (owner, name) in MADE else ""
+    return f"{owner.__name__.removeprefix('kvxfer.')}.{name}{made}"
 
 
 def measure(path: str, iters: int, idle_s: float) -> dict[str, list[float]]:
@@ -99,7 +126,8 @@ def measure(path: str, iters: int, idle_s: float) -> dict[str, list[float]]:
     exports = [0]
     for owner, name, _ in STEPS:
         calls[_label(owner, name)] = got = []
-        saved.append((owner, name, _wrap(owner, name, got, exports)))
+        wrap = _wrap_made if (owner, name) in MADE else _wrap
+        saved.append((owner, name, wrap(owner, name, got, exports)))
     try:
         bench_engine.host_cost(iters, 1, 4096, onesided=path == "onesided", idle_s=idle_s)
     finally:

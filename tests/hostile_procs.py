@@ -10,11 +10,16 @@
   report against its deadline.
 * :func:`hostile_client` — a stranger on P's side channel: random, truncated, oversized and
   deeply nested frames, forged tokens, replayed grants and heartbeats of real params, and
-  loads of tampered params through an engine of its own.
+  loads of tampered params through an engine of its own; with ``replay_notify`` (per second),
+  replayed notifications of real params too (one id twice in a message, or from a loader rank that
+  notifies nothing).
+* :func:`table_stranger` — a process of P's user writing random words into P's lease-slot
+  table (:func:`table_writer`), following P across its restart (the one-sided phase).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -33,7 +38,7 @@ def _rss_mb() -> float:
     return 0.0  # pragma: no cover - not Linux
 
 
-def hostile_exporter(sc: dict, q_d, q_h) -> dict:
+def hostile_exporter(sc: dict, q_d, q_h, q_w=None) -> dict:
     from kvxfer import TransferEngine
     from kvxfer.transports.ipc.shm import alloc_shm_caches
 
@@ -43,10 +48,14 @@ def hostile_exporter(sc: dict, q_d, q_h) -> dict:
     shm = alloc_shm_caches(spec, nb, 1)
 
     def start():
-        return TransferEngine(
+        e = TransferEngine(
             spec, shm.caches, 0, 1, "P", transport=sc["transport"], lease_s=sc["lease_s"],
             port=sc["port"], timeout_s=sc["timeout_s"],
         ).start()  # fmt: skip
+        ipc = e._transports["ipc"]
+        if q_w is not None and ipc.slot_segment is not None:  # the stranger finds it in /dev/shm
+            q_w.put((ipc.slot_segment.name, ipc.entry["slot_words"]))
+        return e
 
     eng = start()
     free = list(range(nb))
@@ -113,6 +122,8 @@ def hostile_exporter(sc: dict, q_d, q_h) -> dict:
         time.sleep(0.001)
     q_d.put(None)
     q_h.put(None)
+    if q_w is not None:
+        q_w.put(None)
     rss1 = _rss_mb()
     stats = eng.stats()
     eng.close()
@@ -183,6 +194,8 @@ def hostile_loader(sc: dict, q_in) -> dict:
         "reports": reports,
         "wrong": wrong,
         "notify_failures": stats.get("notify_failures", 0),
+        "onesided": stats["onesided"].get("loads", 0),
+        "fallbacks": stats["onesided"].get("fallbacks", {}),
     }
 
 
@@ -255,7 +268,8 @@ def hostile_client(sc: dict, q_params, q_stop) -> dict:
     an engine of its own. Counts what was sent and how the tampered loads ended."""
     import zmq
 
-    from kvxfer import TransferEngine
+    from kvxfer import KVTransferParams, TransferEngine
+    from kvxfer import control as C
 
     rng = random.Random(sc["seed"] + 1)
     spec = _spec(sc["spec"])
@@ -311,6 +325,17 @@ def hostile_client(sc: dict, q_params, q_stop) -> dict:
             big.close(0)
             oversized += 1
             sent["oversized"] = sent.get("oversized", 0) + 1
+        due = int((time.monotonic() - t_start) * sc.get("replay_notify", 0)) - sent.get("notify", 0)
+        for _ in range(min(due, 8) if params else 0):  # paced: replay_notify per second
+            # a replayed notification of real params (a token holder releasing them early):
+            # the same id twice in one message, or from a loader rank that notifies nothing
+            p = KVTransferParams.from_dict(rng.choice(params[-5:]))
+            k, (tp, rank) = rng.choice([1, 2]), rng.choice([(1, 0), (1, 0), (4, 3)])
+            msg = C.Notify("H", rank, tp, [p.request_id] * k, [], [p.token] * k)
+            mid += 1
+            with contextlib.suppress(zmq.Again):
+                s.send_multipart([mid.to_bytes(8, "little"), C.encode(msg)], zmq.NOBLOCK)
+            sent["notify"] = sent.get("notify", 0) + 1
         if params and rng.random() < 0.3 and len(tampered) < 40:
             p = dict(rng.choice(params[-20:]))
             how = rng.choice(["block_ids", "num_tokens", "token"])
@@ -345,3 +370,96 @@ def hostile_client(sc: dict, q_params, q_stop) -> dict:
     s.close(0)
     ctx.term()
     return {"sent": sent, "tampered": tampered, "written": written}
+
+
+def table_writer(name: str, words: int, seed: int, seconds: float, q_stop=None) -> dict:
+    """A stranger of the exporter's user: maps its lease-slot table by name (what any such
+    process can find in ``/dev/shm``) and writes random words into every field, in bursts
+    (30 ms on, 30 ms off) for ``seconds`` or until ``q_stop`` holds an item: header words,
+    ring entries and every word of the slots (live ones half the time), each an extreme
+    (0, +-1, int64's ends, ...), a random int64, a small int, or, into a live slot, a done
+    mark forged for its current generation with its ring entry (which frees that export
+    early). Returns how many words it wrote, by field."""
+    import numpy as np
+
+    from kvxfer.transports.ipc import slots as S
+    from kvxfer.transports.ipc.shm import attach_array, detach
+
+    table, h = attach_array(name, words)
+    t = table.numpy()
+    n = (words - S.HEADER) // S.SLOT
+    rows = t[S.HEADER :].reshape(n, S.SLOT)
+    rng = random.Random(seed)
+    extremes = [0, 1, -1, 2, 3, -9, -57, 511, 512, 2**31, 2**62, 2**63 - 1, -(2**62), -(2**63)]
+    wrote: dict[str, int] = {}
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end and (q_stop is None or q_stop.empty()):
+            burst = time.monotonic() + 0.03
+            while time.monotonic() < burst:
+                live = np.flatnonzero(rows[:, S.S_FLAGS] & S.LIVE)
+                for _ in range(32):
+                    r = rng.random()
+                    kind = rng.random()
+                    if kind < 0.4:
+                        v = rng.choice(extremes)
+                    elif kind < 0.7:
+                        v = rng.getrandbits(64) - (1 << 63)
+                    else:
+                        v = rng.randint(-1000, 1000)
+                    if r < 0.2:
+                        k = rng.randrange(8)
+                        field = f"header{k}"
+                        t[k] = v
+                    elif r < 0.3:
+                        field = "ring"
+                        t[S.H_RING + rng.randrange(S.RING)] = v
+                    else:
+                        i = int(rng.choice(live)) if live.size and rng.random() < 0.5 else rng.randrange(n)
+                        w = rng.randrange(S.SLOT)
+                        if w >= S.S_DONE and rng.random() < 0.3:  # a done mark forged for this export
+                            g = int(rows[i, S.S_GEN])
+                            if 0 <= g < 2**54:  # a mark of it fits int64
+                                v = g * S.DONE_TP + 1
+                                c = int(t[S.H_DONE])
+                                if 0 <= c < 2**62:
+                                    t[S.H_RING + c % S.RING] = i
+                                    t[S.H_DONE] = c + 1
+                            w = S.S_DONE
+                        field = f"slot{w}" if w < S.S_DONE else "slot.done"
+                        rows[i, w] = v
+                    wrote[field] = wrote.get(field, 0) + 1
+                time.sleep(0.0002)
+            time.sleep(0.03)
+    finally:
+        del t, rows, table
+        detach(h)
+    return wrote
+
+
+def table_stranger(sc: dict, q_w) -> dict:
+    """The table writer of the soak's one-sided phase: writes P's current lease-slot table
+    (:func:`table_writer`, in slices of 0.3 s) and moves to the new one when P restarts, until P
+    says it ended (None) or the deadline. Returns the words written by field."""
+    total: dict[str, int] = {}
+    current = None
+    end = time.monotonic() + sc["deadline_s"]
+    while time.monotonic() < end:
+        try:
+            while True:  # the newest table P published, or P's end
+                got = q_w.get(timeout=0.05) if current is None else q_w.get_nowait()
+                if got is None:
+                    return total
+                current = got
+        except Exception:
+            pass
+        if current is None:
+            continue
+        try:
+            wrote = table_writer(current[0], current[1], sc["seed"] * 1000 + sum(total.values()), 0.3)
+        except FileNotFoundError:  # that start of P closed (its table unlinked): wait for the next
+            current = None
+            continue
+        for k, v in wrote.items():
+            total[k] = total.get(k, 0) + v
+    return total

@@ -3,10 +3,15 @@ aborted at a random moment, a tenth released unloaded and one close()/restart of
 stranger floods P's side channel with random, truncated, oversized, deeply nested, forged and
 replayed messages and loads tampered params through an engine of its own.
 
+The one-sided phase (``ipc-onesided``): the same over ``ipc``, D's loads read one-sided, while
+another stranger process writes random words into P's lease-slot table (following P across its
+restart) and the first one also replays notifications of real params (the same id twice in
+one message, or from a loader rank that notifies nothing).
+
 Printed and asserted: no load reported finished with wrong bytes (P overwrites every block the
-moment it frees it), none lost, none reported twice, none stale (finished although P had
-released it before D asked), every load reported within its deadline, no tampered load
-finished or wrote a byte, P's RSS grew less than 50 MB, P's tracker ends empty.
+moment it frees it), none lost, none reported twice by D nor by P, none stale (finished
+although P had released it before D asked), every load reported within its deadline, no
+tampered load finished or wrote a byte, P's RSS grew less than 50 MB, P's tracker ends empty.
 """
 
 from __future__ import annotations
@@ -19,15 +24,18 @@ import torch
 from kvxfer import KVCacheSpec
 
 from .engine_procs import _context, _entry, free_port_base
-from .hostile_procs import hostile_client, hostile_exporter, hostile_loader
+from .hostile_procs import hostile_client, hostile_exporter, hostile_loader, table_stranger
 
 
-@pytest.mark.parametrize("transport", ["ipc", "pg"])
-def test_hostile_client_soak(transport, capsys):
+@pytest.mark.parametrize("phase", ["ipc", "pg", "ipc-onesided"])
+def test_hostile_client_soak(phase, capsys):
     spec = KVCacheSpec(2, 2, 16, 8, torch.float16)
+    onesided = phase == "ipc-onesided"
+    transport = "ipc" if onesided else phase
     sc = {
         "spec": spec.to_dict(),
         "transport": transport,
+        "replay_notify": 20 if onesided else 0,  # replayed notifications per second
         "seed": 5,
         "num": 200,
         "restart_at": 100,
@@ -46,11 +54,14 @@ def test_hostile_client_soak(transport, capsys):
     ctx = _context()
     out_q = ctx.Queue()
     q_d, q_h, q_stop = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    q_w = ctx.Queue() if onesided else None
     specs = {
-        "P": (hostile_exporter, (sc, q_d, q_h)),
+        "P": (hostile_exporter, (sc, q_d, q_h, q_w)),
         "D": (hostile_loader, (sc, q_d)),
         "H": (hostile_client, (sc, q_h, q_stop)),
     }
+    if onesided:
+        specs["W"] = (table_stranger, (sc, q_w))
     t0 = time.monotonic()
     procs = {
         n: ctx.Process(target=_entry, args=(fn, a, out_q, n), daemon=True) for n, (fn, a) in specs.items()
@@ -89,13 +100,16 @@ def test_hostile_client_soak(transport, capsys):
     restart = P["restart_t"]
     across = {rid for rid, r in reports.items() if P["exported_at"][rid] < restart <= r[0][1]}
     reasons = ("released", "restarted", "handshake", "not delivered", "expired", "pair group")
+    if onesided:  # what a writer of the table can do: stop the heartbeat, close the table
+        reasons += ("no heartbeat", "exporting engine closed")
     unexplained = {
         rid: why
         for rid, why in failed.items()
         if rid not in P["aborted"] and rid not in across and not any(k in why for k in reasons)
     }
+    p_twice = sorted(rid for rid, c in P["reports"].items() if c > 1)
     figures = {
-        "transport": transport,
+        "phase": phase,
         "requests": P["exported"],
         "loads": len(loads),
         "finished": len(done),
@@ -105,6 +119,10 @@ def test_hostile_client_soak(transport, capsys):
         "wrong_bytes": len(D["wrong"]),
         "lost": len(lost),
         "reported_twice": len(twice),
+        "P_reported_twice": len(p_twice),
+        "onesided_loads": D["onesided"],
+        "onesided_fallbacks": D["fallbacks"],
+        "table_words_written": sum(res["W"].values()) if onesided else 0,
         "stale": len(stale),
         "late": len(late),
         "unexplained_failures": len(unexplained),
@@ -124,6 +142,7 @@ def test_hostile_client_soak(transport, capsys):
     assert P["exported"] == sc["num"]
     assert not D["wrong"], D["wrong"]
     assert not lost and not twice and not stale and not late, (lost, twice, stale, late)
+    assert not p_twice, p_twice
     assert not unexplained, unexplained
     assert len(done) >= 0.5 * len(loads), figures
     assert sum(H["sent"].values()) > 500, H["sent"]
@@ -131,3 +150,6 @@ def test_hostile_client_soak(transport, capsys):
     assert not H["written"]
     assert P["rss_growth_mb"] < 50, figures
     assert P["exports_live"] == 0 and P["blocks_held"] == 0 and not P["held"], figures
+    if onesided:
+        assert D["onesided"] >= 0.15 * len(loads), figures
+        assert sum(res["W"].values()) > 1000 and H["sent"].get("notify", 0) > 10, figures

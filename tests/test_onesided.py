@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from kvxfer import KVCacheSpec, TransferEngine, ops
+from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, ops
 from kvxfer.transports.ipc import onesided as onesided_mod
 from kvxfer.transports.ipc import slots as slots_mod
 from kvxfer.transports.ipc.shm import alloc_shm_caches
@@ -463,6 +463,64 @@ def test_forged_and_altered_params_are_never_read_onesided():
         assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 4)
 
 
+def test_params_altered_to_reach_another_exports_slot_are_refused_by_name():
+    """A D that holds only B's params loads (a) block ids B never exported, with the token
+    re-derived so that the old binding (token MAC XOR content digest) equals B's slot's, and
+    (b) B's params under another request id. The one-sided path used to read both, report
+    them done and free B; now neither finds a slot, and each fails naming ``unauthorized``, as
+    the messaged path refuses it: D's blocks keep their poison, B stays exported, and B's own
+    params then load one-sided."""
+    with warmed() as (p, d):
+        prm = p.export("B", [3, 4], 12, seed=3)
+        fill(p.caches(0), F16, 0, 1, [9, 10], 12, seed=66)  # blocks no export holds
+        alt = dict(prm, block_ids=[9, 10])
+        dg_b = KVTransferParams.from_dict(prm).digest()
+        dg_x = KVTransferParams.from_dict(alt).digest()
+        mac = int(prm["token"][-32:], 16) ^ int.from_bytes(dg_b, "little") ^ int.from_bytes(dg_x, "little")
+        alt["token"] = prm["token"][:16] + f"{mac:032x}"
+        d[0].load("alt", alt, [5, 6])
+        d[0].load("renamed", dict(prm, request_id="B-other"), [7, 8])
+        got = poll_until(d.engines, {"alt", "renamed"}, "recv")
+        for rid in ("alt", "renamed"):
+            assert got[rid].startswith("failed:") and "unauthorized" in got[rid], got
+        assert d.onesided() == [0]
+        assert untouched(d.caches(0), F16, {0}, {0: 1})
+        assert poll_until(p.engines, {"B"}, "send", timeout=0.5) == {}  # B was not freed
+        assert p[0].stats()["exports_live"] == 1
+        d[0].load("B", prm, [5, 6])
+        assert poll_until(d.engines, {"B"}, "recv") == {"B": "done"} and d.onesided() == [1]
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
+        assert poll_until(p.engines, {"B"}, "send") == {"B": "done"}
+
+
+@pytest.mark.parametrize("how", ["each", "batched", "messaged-first"])
+def test_the_same_params_twice_in_one_batch_are_refused_as_the_messaged_path_refuses_them(how):
+    """The same params loaded under two local ids before a poll: the first lands, the second
+    fails naming it ("loaded twice in one batch", the messaged path's words), writes nothing,
+    and P releases and reports the export once. (The one-sided path read both, and their done
+    marks and the notification naming the id twice made P release it without reporting it.)
+    ``messaged-first``: the first load is queued for the messaged path (its export not ready
+    yet), the second would have been one-sided."""
+    with warmed() as (p, d):
+        gate = Gate() if how == "messaged-first" else None
+        prm = p.export("x", [3, 4], 12, seed=3, ready=gate)
+        with d[0].batched_loads() if how == "batched" else contextlib.nullcontext():
+            d[0].load("x1", prm, [5, 6])
+            if gate is not None:
+                gate.done = True
+                p[0].poll()  # the slot's ready flag is set: a second load could go one-sided
+            d[0].load("x2", prm, [7, 8])
+        got = poll_until(d.engines, {"x1", "x2"}, "recv")
+        assert got["x1"] == "done", got
+        assert got["x2"].startswith("failed:") and "'x' is loaded twice in one batch" in got["x2"], got
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
+        assert untouched(d.caches(0), F16, {0, 5, 6}, {0: 1, 6: 4})
+        assert poll_until(p.engines, {"x"}, "send") == {"x": "done"}
+        assert poll_until(p.engines, {"other"}, "send", timeout=0.3) == {}  # not reported again
+        assert p[0].stats()["blocks_held"] == 0
+        assert d.onesided() == [0 if how == "messaged-first" else 1]
+
+
 def test_done_mark_frees_without_the_notification_and_the_notification_without_the_mark(monkeypatch):
     """P frees from the done mark alone (the notification lost), and from the notification alone
     (the mark lost): either record is enough, and neither frees twice."""
@@ -601,3 +659,55 @@ def test_exporter_closing_after_the_copy_fails_the_load_as_released():
         p[0].close()
         got = poll_until(d.engines, {"a"}, "recv")
         assert got["a"].startswith("failed:") and "released before or during the copy" in got["a"], got
+
+
+# ------------------------------------------------------------- words a stranger wrote in the table
+def table_of(p: Ranks, r: int = 0):
+    """Exporter rank ``r``'s lease-slot table as it maps it: the memory any process of the same
+    user can map (``/dev/shm/kvx_ls_*``) and write."""
+    return p[r]._transports["ipc"].slots.t
+
+
+def python_slot_reads(d: Ranks) -> None:
+    """D's slot views take the Python steps (as with ``KVXFER_NATIVE_CTL=0``)."""
+    for e in d.engines:
+        for _, views, _ in e._transports["ipc"].views.values():
+            for v in views:
+                if v is not None:
+                    v.ctl = None
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_table_words_a_stranger_wrote_never_crash_d_nor_leak_p(native):
+    """Done counts a stranger wrote into P's table (negative: D's native mark wrote outside the
+    mapping, SIGSEGV; at int64's end: D's Python mark raised out of poll()) and generations
+    near 2**63 in every slot (P read them back, raised on release and leaked the blocks): D's
+    loads land exactly and its poll() raises nothing; P releases and reports every export once
+    and holds no block after."""
+    with warmed() as (p, d):
+        if not native:
+            python_slot_reads(d)
+        t = table_of(p)
+        for k, count in enumerate([-(2**62), 2**63 - 1, -1, -(2**63)]):
+            t[slots_mod.H_DONE] = count
+            rid = f"c{k}"
+            prm = p.export(rid, [3, 4], 12, seed=10 + k)
+            d[0].load(rid, prm, [5, 6])
+            assert poll_until(d.engines, {rid}, "recv") == {rid: "done"}
+            assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 10 + k)
+            assert poll_until(p.engines, {rid}, "send") == {rid: "done"}
+        assert d.onesided() == [4]
+        t[slots_mod.H_DONE] = 0
+        prms = {f"g{k}": p.export(f"g{k}", [7 + 2 * k, 8 + 2 * k], 12, seed=20 + k) for k in range(3)}
+        rows = t[slots_mod.HEADER :].reshape(-1, slots_mod.SLOT)
+        rows[:, slots_mod.S_GEN] = 2**63 - 2  # even: a stable slot's, but out of range
+        assert p[0].abort_export("g0")
+        for k in (1, 2):  # their slots' generations are out of range: the messaged path loads them
+            d[0].load(f"g{k}", prms[f"g{k}"], [20 + 2 * k, 21 + 2 * k])
+        assert poll_until(d.engines, {"g1", "g2"}, "recv") == {"g1": "done", "g2": "done"}
+        for k in (1, 2):
+            assert check(d.caches(0), F16, 0, 1, [20 + 2 * k, 21 + 2 * k], 12, 20 + k)
+        assert poll_until(p.engines, set(prms), "send") == dict.fromkeys(prms, "done")
+        assert p[0].stats()["blocks_held"] == 0 and p[0].stats()["exports_live"] == 0
+        fallbacks = d[0].stats()["onesided"]["fallbacks"]
+        assert fallbacks.get("table word out of range") == 2, fallbacks

@@ -56,14 +56,52 @@ def _token(k: int) -> str:
     return TOKEN[:16] + f"{k:016x}" + f"{k * 7919:016x}"
 
 
-def test_binding_tells_exports_and_contents_apart():
-    b = binding(TOKEN, DIGEST)
-    assert binding(TOKEN, DIGEST) == b
-    assert binding(_token(1), DIGEST) != b  # another export's token
-    assert binding(TOKEN, bytes([1]) + DIGEST[1:]) != b  # other ids or token count
+def test_binding_tells_exports_contents_and_request_ids_apart():
+    b = binding(TOKEN, DIGEST, "r")
+    assert binding(TOKEN, DIGEST, "r") == b
+    assert binding(_token(1), DIGEST, "r") != b  # another export's token
+    assert binding(TOKEN, bytes([1]) + DIGEST[1:], "r") != b  # other ids or token count
+    assert binding(TOKEN, DIGEST, "r2") != b  # another request id
     assert all(0 <= w < 1 << 63 for w in b)
     with pytest.raises(ValueError):
-        binding("z" * 48, DIGEST)
+        binding("\u00e9" * 48, DIGEST, "r")  # not a token export() made (not ASCII)
+
+
+def test_native_and_python_bindings_are_blake2b_of_the_same_bytes():
+    """The native binding (csrc/ctl/kvx_ctl.cpp's own BLAKE2b) and hashlib's give the same words
+    for every input length (one block and several, an empty request id, non-ASCII ones); both
+    refuse a token that is not ASCII and a request id without UTF-8 (ValueError)."""
+    import hashlib
+    import random
+
+    assert idops.ensure(), idops.status()
+    native = idops.native().binding
+    rng = random.Random(3)
+    rids = ["", "r", "cmpl-0", "é" * 40, "请求-" * 30, "x" * 63, "x" * 64, "x" * 65, "y" * 400]
+    rids += [
+        "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(0, 300))) for _ in range(200)
+    ]
+    for k, rid in enumerate(rids):
+        token = f"{rng.getrandbits(192):048x}"
+        digest = rng.randbytes(16)
+        h = hashlib.blake2b(digest + token.encode() + rid.encode(), digest_size=16).digest()
+        x = int.from_bytes(h, "little")
+        want = (x >> 64 & (2**63 - 1), x & (2**63 - 1))
+        assert native(token, digest, rid) == slots._py_binding(token, digest, rid) == want, (k, rid)
+    for bad in (("é" * 48, DIGEST, "r"), (TOKEN, DIGEST, "\ud800")):
+        for f in (native, slots._py_binding):
+            with pytest.raises(ValueError):
+                f(*bad)
+
+
+def test_a_binding_cannot_be_reached_from_other_params():
+    """The binding is a hash of the token, the digest and the request id together, not a
+    combination of them one can solve for: the token that bound the old XOR (token MAC XOR
+    digest) of another export's slot to altered ids finds nothing now."""
+    dg_x = bytes(range(16, 32))
+    mac = int(TOKEN[-32:], 16) ^ int.from_bytes(DIGEST, "little") ^ int.from_bytes(dg_x, "little")
+    forged = TOKEN[:16] + f"{mac:032x}"
+    assert binding(forged, dg_x, "r") != binding(TOKEN, DIGEST, "r")
 
 
 def test_no_slot_until_a_loader_reads_one_sided():
@@ -77,7 +115,7 @@ def test_no_slot_until_a_loader_reads_one_sided():
 
 def test_a_loader_finds_a_live_ready_slot_and_nothing_else():
     ex, view = _table()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     now = time.monotonic_ns()
     assert view.lookup(*b, now, 10**9, now) == (-1, 0, "no live slot")
     i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, False, False)
@@ -86,7 +124,7 @@ def test_a_loader_finds_a_live_ready_slot_and_nothing_else():
     j, g, why = view.lookup(*b, now, 10**9, now)
     assert (j, why) == (i, "") and g % 2 == 0 and g > 0
     assert view.lookup(*b, now, 10**9, FAR)[2] == "lease too short"
-    assert view.lookup(*binding(_token(9), DIGEST), now, 10**9, now)[2] == "no live slot"
+    assert view.lookup(*binding(_token(9), DIGEST, "r"), now, 10**9, now)[2] == "no live slot"
     ex.close(i)
     assert view.lookup(*b, now, 10**9, now)[2] == "no live slot"
     assert not view.same(i, g)  # the generation moved on close
@@ -94,7 +132,7 @@ def test_a_loader_finds_a_live_ready_slot_and_nothing_else():
 
 def test_a_slot_being_rewritten_is_not_read():
     ex, view = _table()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, False)
     ex.rows[i, S_GEN] += 1  # odd: the exporter is in the middle of a rewrite
     assert view.find(*b) == (-1, 0)
@@ -104,7 +142,7 @@ def test_a_slot_being_rewritten_is_not_read():
 
 def test_layerwise_closed_and_silent_exporters_are_refused():
     ex, view = _table()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     now = time.monotonic_ns()
     ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, True)
     assert view.lookup(*b, now, 10**9, now)[2] == "layer-wise export"
@@ -128,7 +166,7 @@ def test_full_probe_window_gives_no_slot():
 def test_done_marks_count_once_for_the_current_export_only():
     ex, view = _table()
     i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
-    _, g, _ = view.lookup(*binding(TOKEN, DIGEST), time.monotonic_ns(), 10**9, 0)
+    _, g, _ = view.lookup(*binding(TOKEN, DIGEST, "a"), time.monotonic_ns(), 10**9, 0)
     assert not ex.marked() and ex.take_done() == []
     view.mark_done(i, g, 1, 2)
     assert ex.marked()
@@ -136,7 +174,7 @@ def test_done_marks_count_once_for_the_current_export_only():
     assert ex.take_done() == []  # taken
     # a mark of the slot's previous export (an older generation) counts nothing
     ex.close(i)
-    k = ex.open("b", TOKEN, DIGEST, 100.0, True, False)
+    k = ex.open("a", TOKEN, DIGEST, 100.0, True, False)  # a later export of "a" (same binding here)
     assert k == i
     view.mark_done(i, g, 0, 2)
     assert ex.take_done() == []
@@ -187,7 +225,7 @@ def _epochs(num_blocks: int = 40) -> tuple[np.ndarray, np.ndarray]:
 def test_read_snapshots_the_epochs_of_a_live_slot_and_check_sees_every_change():
     ex, view = _table()
     epochs, ids = _epochs()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     now = time.monotonic_ns()
     assert view.read(*b, now, 10**9, now, epochs, ids) == "no live slot"
     i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, False, False)
@@ -204,21 +242,21 @@ def test_read_snapshots_the_epochs_of_a_live_slot_and_check_sees_every_change():
     assert view.check(i, g, epochs, ids, snap, now + 5 * 10**9, 10**9) == 2  # silent since
     ex.close(i)
     assert view.check(i, g, epochs, ids, snap, now, 10**9) == 1  # the slot moved on
-    k = ex.open("r2", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    k = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, False)
     assert k == i and view.check(i, g, epochs, ids, snap, now, 10**9) == 1  # reused: a newer generation
 
 
 def test_read_refuses_rewritten_layerwise_closed_and_silent():
     ex, view = _table()
     epochs, ids = _epochs()
-    b = binding(TOKEN, DIGEST)
+    b = binding(TOKEN, DIGEST, "r")
     now = time.monotonic_ns()
     i = ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, False)
     ex.rows[i, S_GEN] += 1  # odd: mid-rewrite
     assert view.read(*b, now, 10**9, now, epochs, ids) == "no live slot"
     ex.rows[i, S_GEN] += 1
     assert view.read(*b, now, 10**9, now, epochs, ids)[0] == i
-    assert view.read(*binding(_token(3), DIGEST), now, 10**9, now, epochs, ids) == "no live slot"
+    assert view.read(*binding(_token(3), DIGEST, "r"), now, 10**9, now, epochs, ids) == "no live slot"
     assert view.read(*b, now + 5 * 10**9, 10**9, now, epochs, ids) == "exporter closed or silent"
     ex.close(i)
     ex.open("r", TOKEN, DIGEST, time.monotonic() + 30, True, True)
@@ -238,7 +276,7 @@ class TestNative:
     def test_native_and_python_marks_write_the_same_words(self):
         tables = []
         for native in (True, False):
-            t = np.zeros(HEADER + 64 * SLOT, dtype=np.int64)
+            t = np.zeros(HEADER + 1024 * SLOT, dtype=np.int64)
             ex, view = ExporterSlots(t, "inc"), SlotView(t)
             if not native:
                 view.ctl = None
@@ -282,3 +320,140 @@ class TestNative:
         assert "the slot reads run in Python" in caplog.text
         monkeypatch.setattr(idops, "native", lambda: None)
         assert _NATIVE() is None
+
+
+# --------------------------------------------------------- every table word is untrusted input
+BAD_COUNTS = [-1, -9, -56, -57, -(2**62), -(2**63), 2**63 - 1]
+
+
+def _guarded(n: int = 64, guard: int = 4096) -> tuple[np.ndarray, ExporterSlots, SlotView]:
+    """A table inside a larger array: ``guard`` words before and after it that nothing may
+    write (a write outside the table lands there instead of outside the mapping)."""
+    big = np.zeros(guard + HEADER + n * SLOT + guard, dtype=np.int64)
+    t = big[guard : guard + HEADER + n * SLOT]
+    return big, ExporterSlots(t, "inc"), SlotView(t)
+
+
+def _outside(big: np.ndarray, guard: int = 4096) -> bool:
+    return bool(big[:guard].any() or big[-guard:].any())
+
+
+@pytest.mark.parametrize("count", BAD_COUNTS)
+def test_a_bad_done_count_is_no_ring_entry_never_a_write_outside(count, caplog):
+    """A done count a stranger wrote (negative, or at int64's end) is not used as a ring index
+    nor incremented past int64: the loader's mark lands in its slot only, nothing is written
+    outside the table, nothing raises (the native path wrote before the ring, the Python one
+    raised on the count's increment); it is logged once, and the exporter still counts the
+    mark (it looks at every live slot when the count is not one it can follow)."""
+    big, ex, view = _guarded()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    g = int(ex.rows[i, S_GEN])
+    ex.t[H_DONE] = count
+    with caplog.at_level("WARNING", logger="kvxfer.transports.ipc.slots"):
+        view.mark_done(i, g, 0, 1)
+        view.mark_done(i, g, 0, 1)
+    assert not _outside(big), "a table word was used as an index outside the table"
+    assert ex.t[H_DONE] == count and not ex.t[H_RING : H_RING + RING].any()
+    assert caplog.text.count("done count") == 1, caplog.text
+    assert ex.take_done() == [("a", [(0, 1)])]
+
+
+def test_a_done_count_reaching_int64s_end_stops_there():
+    """A count one below int64's end takes one more ring entry; the next mark leaves it there."""
+    big, ex, view = _guarded()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    ex.t[H_DONE] = 2**63 - 2
+    view.mark_done(i, ex.gens[i], 0, 1)
+    assert ex.t[H_DONE] == 2**63 - 1 and ex.t[H_RING + (2**63 - 2) % RING] == i
+    view.mark_done(i, ex.gens[i], 1, 2)
+    assert ex.t[H_DONE] == 2**63 - 1 and not _outside(big)
+    assert ex.take_done() == [("a", [(0, 1), (1, 2)])]
+
+
+@pytest.mark.parametrize("gen", [2**62, 2**63 - 2, -2, -(2**63)])
+def test_a_generation_out_of_range_is_no_slot(gen, caplog):
+    """A slot whose generation word a stranger set out of range (a done mark of it would not fit
+    int64) is no slot: the read falls back by name, logged once; a mark naming such a
+    generation writes nothing and raises nothing."""
+    big, ex, view = _guarded()
+    epochs, ids = _epochs()
+    b = binding(TOKEN, DIGEST, "a")
+    now = time.monotonic_ns()
+    i = ex.open("a", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    ex.rows[i, S_GEN] = gen
+    with caplog.at_level("WARNING", logger="kvxfer.transports.ipc.slots"):
+        assert view.read(*b, now, 10**9, now, epochs, ids) == "table word out of range"
+        assert view.find(*b) == (-1, 0)
+        view.mark_done(i, gen, 0, 1)
+        view.mark_done(i, gen, 0, 1)
+    assert caplog.text.count("generation out of range") == 1, caplog.text  # logged once per view
+    assert not _outside(big) and not ex.rows[i, 8:].any() and ex.t[H_DONE] == 0
+
+
+def test_a_heartbeat_word_at_int64s_end_is_silence_not_an_overflow():
+    _, ex, view = _guarded()
+    epochs, ids = _epochs()
+    b = binding(TOKEN, DIGEST, "a")
+    now = time.monotonic_ns()
+    ex.open("a", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    ex.t[3] = -(2**63)  # H_BEAT
+    assert view.read(*b, now, 10**9, now, epochs, ids) == "exporter closed or silent"
+    assert view.alive(10**9, now)
+
+
+def test_the_exporter_keeps_its_state_private_and_only_publishes():
+    """Generations (seqlock words) a stranger wrote near int64's end, or anywhere, do not reach
+    the exporter: it opens, closes and counts marks from its own copy (which it publishes), so
+    nothing raises and a loader's snapshot under the generation it found still fails its check
+    once the slot closed."""
+    ex, view = _table()
+    epochs, ids = _epochs()
+    b = binding(TOKEN, DIGEST, "a")
+    now = time.monotonic_ns()
+    i = ex.open("a", TOKEN, DIGEST, time.monotonic() + 30, True, False)
+    j, g, snap = view.read(*b, now, 10**9, now, epochs, ids)
+    assert j == i
+    for k in range(ex.num_slots):
+        ex.rows[k, S_GEN] = 2**63 - 1 - k % 2
+    ex.close(i)  # raised OverflowError when the exporter read its word back
+    assert int(ex.rows[i, S_GEN]) == ex.gens[i] == g + 2
+    assert view.check(i, g, epochs, ids, snap, now, 10**9) == 1
+    k = ex.open("b", _token(2), DIGEST, time.monotonic() + 30, True, False)
+    assert int(ex.rows[k, S_GEN]) == ex.gens[k] and ex.gens[k] % 2 == 0
+    ex.rows[k, S_GEN] = 123456  # a stranger's value: marks naming it count nothing
+    view.mark_done(k, 123456, 0, 1)
+    assert ex.take_done() == []
+    view.mark_done(k, ex.gens[k], 0, 1)  # a mark naming the exporter's own generation counts
+    assert ex.take_done() == [("b", [(0, 1)])]
+
+
+def test_done_marks_naming_an_impossible_loader_count_nothing():
+    """A mark whose loader tp size is 0, past MAX_TP_SIZE, or not above its rank counts nothing
+    (the exporter would plan for that size)."""
+    ex, _ = _table()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    g = ex.gens[i]
+    for d, tp in ((0, 0), (1, 1), (2, 300)):
+        ex.rows[i, 8 + d] = g * DONE_TP + tp
+    w = int(ex.t[H_DONE])
+    ex.t[H_RING + w % RING] = i
+    ex.t[H_DONE] = w + 1
+    assert ex.take_done() == []
+
+
+def test_the_exporters_header_words_come_back_with_its_beat():
+    """Header words a stranger overwrote (magic, version, slot count, incarnation, open) hold
+    until the exporter's next beat only; a shut table stays shut; ``readers``, once a loader
+    set it, is the exporter's to remember (a stranger clearing it does not stop the slots)."""
+    ex, view = _table()
+    words = ex.t[:8].copy()
+    ex.t[[0, 1, 2, 4, 5]] = [-1, 2**63 - 1, 0, 0, 17]
+    assert not view.of("inc-1") and view.alive(10**9, time.monotonic_ns())
+    ex.beat()
+    assert (ex.t[[0, 1, 2, 4, 5]] == words[[0, 1, 2, 4, 5]]).all() and view.of("inc-1")
+    assert view.alive(10**9, time.monotonic_ns()) == ""
+    ex.t[H_READERS] = 0
+    assert ex.open("r", TOKEN, DIGEST, 100.0, True, False) >= 0
+    ex.shut()
+    ex.beat()
+    assert ex.t[H_OPEN] == 0 and view.alive(10**9, time.monotonic_ns()) == "the exporting engine closed"

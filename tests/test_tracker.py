@@ -251,3 +251,59 @@ def test_a_released_request_id_exported_again_gets_the_next_generation():
     t.add("r", np.array([1]), 4, token="t1", gen=1)
     t.abort("r")
     assert t.generation("r") == 2
+
+
+def test_a_notification_naming_a_request_twice_releases_and_reports_it_once():
+    """One notification naming the same request twice (a raw ``["V", "V"]``, or an honest loader
+    that loaded the same params under two local ids) counts its sender once: the export is
+    released once and reported in finished_sending once, nothing raises, no block stays held."""
+    t = ExportTracker(8, 30.0)
+    t.add("V", torch.tensor([1, 2]), 20)
+    t.add("W", torch.tensor([3]), 4)
+    assert t.notify_many(["V", "V", "W", "V"], ("D", 0), 1) == 2
+    assert t.notify_many(["V", "V"], ("D", 0), 1) == 0  # already released: nothing more
+    out = PollResult()
+    t.drain(out)
+    assert out.finished_sending == {"V", "W"} and t.held_blocks() == 0 and t.num_live() == 0
+    assert t.epochs[[1, 2, 3]].tolist() == [1, 1, 1]  # each block released once
+    # a request that needs two ranks: the same rank twice in one message is still one of two
+    t.add("X", torch.tensor([4]), 4)
+    assert t.notify_many(["X", "X"], ("D", 0), 2) == 0 and t.num_live() == 1
+    assert t.notify_many(["X"], ("D", 1), 2) == 1
+
+
+def test_a_release_of_an_id_no_longer_live_is_skipped_not_raised():
+    """Releasing ids one of which is no longer live (released by a racing path) releases the
+    others and raises nothing."""
+    t = ExportTracker(8, 30.0)
+    t.add("a", torch.tensor([1]), 4)
+    t.add("b", torch.tensor([2]), 4)
+    with t.lock:
+        t._release_many(["a", "a", "zzz", "b"])
+    assert t.num_live() == 0 and t.held_blocks() == 0
+    assert t.epochs[[1, 2]].tolist() == [1, 1]
+
+
+def test_a_release_completes_and_is_reported_when_its_slot_cannot_be_published(caplog):
+    """The lease slot of an export cannot be closed (publishing to the table raised): the release
+    still completes (blocks freed, epochs moved, reported once), and the table is shut so no
+    loader reads one-sided from it any more; logged."""
+    from kvxfer.transports.ipc.slots import H_OPEN, H_READERS, HEADER, SLOT, ExporterSlots
+
+    table = np.zeros(HEADER + 64 * SLOT, dtype=np.int64)
+    t = ExportTracker(8, 30.0)
+    t.slots = ExporterSlots(table, "inc")
+    table[H_READERS] = 1
+    t.add("a", np.array([1, 2]), 20, token="00" * 24, digest=bytes(16))
+    assert t._live["a"].slot >= 0
+
+    def broken(i):
+        raise OSError("the table is gone")
+
+    t.slots.close = broken
+    with caplog.at_level("WARNING", logger="kvxfer.exports"):
+        assert t.abort("a")
+    out = PollResult()
+    t.drain(out)
+    assert out.finished_sending == {"a"} and t.held_blocks() == 0 and t.epochs[[1, 2]].tolist() == [1, 1]
+    assert table[H_OPEN] == 0 and "could not be closed" in caplog.text

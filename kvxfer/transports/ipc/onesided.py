@@ -4,16 +4,20 @@ copy and none on the critical path after it.
 When a loader rank has already mapped the exporter ranks of a remote engine (an earlier load
 handshook and mapped them, :mod:`kvxfer.transports.ipc.transport`), ``load()`` looks up the
 request in each source rank's lease-slot table (:mod:`kvxfer.transports.ipc.slots`): a live
-slot bound to the params' token and digest, whose ready flag is set (the exporter's compute
-wrote the blocks), not a layer-wise export, leased for longer than the load's timeout, on an
-exporter that is open and beat recently. If every source rank has one, the loader snapshots
-the blocks' epochs between two reads of the slot's generation, and issues the copy on its load
-stream right there (:func:`kvxfer.transports.ipc.read.launch`; CUDA: an event from a pool is
-recorded after it). Anything else returns False, and the load takes the messaged path (lease
-grant, then the copy in the worker thread), which names every refusal. Inside a batch
-(:meth:`OneSided.hold`, ``TransferEngine.batched_loads()``) the copy waits for the batch's end,
-where the held loads of each remote are launched together through the messaged path's batch
-planner (:func:`kvxfer.transports.ipc.read.launch`), with one event.
+slot bound to the params (a hash of their token, content digest and request id: only the
+export's own params find it), whose ready flag is set (the exporter's compute wrote the blocks),
+not a layer-wise export, leased for longer than the load's timeout, on an exporter that is open
+and beat recently. If every source rank has one, the loader snapshots the blocks' epochs
+between two reads of the slot's generation, and issues the copy on its load stream right there
+(:func:`kvxfer.transports.ipc.read.launch`; CUDA: an event from a pool is recorded after it).
+Anything else returns False, and the load takes the messaged path (lease grant, then the copy
+in the worker thread), which names every refusal. The one refusal this path makes itself is
+the messaged path's own check of a batch: params another load already reads (launched or held
+here and not reported yet, or queued for the loader's next batch) fail as "loaded twice in one
+batch". Every word it reads from the table is untrusted (``slots``): a bad one is no slot.
+Inside a batch (:meth:`OneSided.hold`, ``TransferEngine.batched_loads()``) the copy waits for
+the batch's end, where the held loads of each remote are launched together through the
+messaged path's batch planner (:func:`kvxfer.transports.ipc.read.launch`), with one event.
 
 ``poll()`` (:meth:`OneSided.complete`) queries the events itself. A load whose copy completed is
 checked as the messaged path checks it: the slot still at the same generation and the blocks'
@@ -37,12 +41,12 @@ import time
 from typing import TYPE_CHECKING
 
 from ... import idops, ops
-from ...engine_types import LoadItem, Remote, describe_error
+from ...engine_types import LoadItem, Remote, describe_error, loaded_twice
 from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
+from . import slots
 from .read import launch
-from .slots import binding
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...rank import Rank
@@ -83,13 +87,14 @@ class _Target:
     transport's count of forgotten remotes when it was made (a change means a mapping may be
     gone)."""
 
-    __slots__ = ("epoch", "marks", "rem", "sources")
+    __slots__ = ("bind", "epoch", "marks", "rem", "sources")
 
     def __init__(self, rem: Remote, epoch: int, sources: list, marks: list) -> None:
         self.rem = rem
         self.epoch = epoch
         self.sources = sources
         self.marks = marks  # per exporter rank this rank notifies: (its slot view, index in sources or -1)
+        self.bind = slots.binder()  # slots.binding, native when the module is in use
 
 
 class _Flight:
@@ -97,10 +102,13 @@ class _Flight:
     slot view, slot, generation, mapping, the epochs' snapshot, reads), and the event after its
     copy."""
 
-    __slots__ = ("b", "calls", "checks", "event", "item", "late", "moved", "t0", "target")
+    __slots__ = ("b", "calls", "checks", "event", "item", "key", "late", "moved", "t0", "target")
 
-    def __init__(self, item: LoadItem, target: _Target, checks: list, b: tuple[int, int], t0: float) -> None:
+    def __init__(
+        self, item: LoadItem, target: _Target, checks: list, b: tuple[int, int], t0: float, key: tuple
+    ) -> None:
         self.item = item
+        self.key = key  # (engine id, request id) of the params
         self.target = target
         self.checks = checks
         self.b = b
@@ -138,6 +146,9 @@ class OneSided:
         self.fallbacks: dict[str, int] = {}
         self._pool: list = []
         self._targets: dict[str, _Target] = {}
+        # (engine id, request id) of the params of every load launched or held here and not
+        # reported yet: a second load of them is refused as the messaged path refuses a repeat
+        self._active: set[tuple[str, str]] = set()
         # CPU caches: bytes per token this rank copies (load() copies them itself: bounded)
         spec = rank.spec
         self._cpu_bpt = (
@@ -214,10 +225,18 @@ class OneSided:
         ids = item.src_ids
         if ids.size != rem.spec.num_blocks_for(p.num_tokens) or idops.max_id(ids) >= rem.num_blocks:
             return self._no("bad params")  # the messaged path names the problem
+        key = (p.engine_id, p.request_id)
+        if key in self._active or key in self.loader.incoming_keys:
+            # The same params already in this batch (read here, or queued for the messaged path,
+            # whose batch check refuses a repeat the same way); a load that would not be read
+            # here anyway was handed to the messaged path above, which checks its own batch.
+            if self.rank.loads.fail(item.request_id, loaded_twice(p.request_id)):
+                self.rank.metrics.add("failures")
+            return True
         try:
-            b0, b1 = b = binding(p.token, p.digest())
+            b0, b1 = b = t.bind(p.token, p.digest(), p.request_id)
         except ValueError:
-            return self._no("bad params")  # a token that is not hex: the messaged path refuses it
+            return self._no("bad params")  # a token not ASCII: the messaged path refuses it
         now_ns = time.monotonic_ns()
         need_ns = now_ns + int(timeout_s * 1e9)
         checks = []
@@ -226,7 +245,7 @@ class OneSided:
             if type(got) is str:
                 return self._no(got)
             checks.append((s, v, got[0], got[1], m, got[2], reads, whole))
-        f = _Flight(item, t, checks, b, now())
+        f = _Flight(item, t, checks, b, now(), key)
         item.deadline = now_ns * 1e-9 + timeout_s  # time.monotonic's clock
         held = getattr(self._local, "held", None) if self._batches else None
         if held is not None:  # launched with the batch's other loads when it closes
@@ -237,6 +256,7 @@ class OneSided:
                     held = self._local.held
                 held[1] += size
             held[0].append(f)
+            self._active.add(f.key)
             self.loads += 1
             return True
         rank, ipc = self.rank, self.ipc
@@ -261,6 +281,7 @@ class OneSided:
             self._report(f, f"one-sided ipc copy: {describe_error(e)}")
             return True
         self.loads += 1
+        self._active.add(f.key)
         with self.lock:
             self.flights.append(f)
         return True
@@ -398,6 +419,7 @@ class OneSided:
         """Report ``f`` once: landed (``why`` empty: done marks in the slots) or failed for
         ``why``; its notification goes into ``notes`` (remote -> loads), or now."""
         rank, item, rem = self.rank, f.item, f.target.rem
+        self._active.discard(f.key)
         t = now()
         if why:
             rank.metrics.record_load(f.t0, t, 0, f.calls, [])

@@ -8,8 +8,8 @@ caches). The exporter writes every word except these, which loaders write: their
 marks, and in the header the done ring, its count and ``readers``.
 
 Header (``HEADER`` words): ``MAGIC``, ``VERSION``, the number of slots, the exporter's heartbeat
-(``time.monotonic_ns()``, written every side-channel tick, 20 ms), ``open`` (1 until the engine
-closes), a hash of the exporter's incarnation, ``done``: how many entries loaders have appended
+(``time.monotonic_ns()``, written every side-channel tick, 20 ms, with the exporter's other
+header words again), ``open`` (1 until the engine closes), a hash of the exporter's incarnation, ``done``: how many entries loaders have appended
 to the done ring (the ``RING`` words after the first eight), and ``readers``: set by the first
 loader that maps the table to read one-sided. Until then the exporter gives its exports no slot
 (an engine no one reads one-sided pays one load per export for the table).
@@ -18,10 +18,13 @@ Slot (``SLOT`` words), one per live export:
 
 * ``gen``: a seqlock generation. Even when stable; the exporter makes it odd while it rewrites
   the slot (open or close) and even again after, so a reader that sees the same even value
-  before and after reading the slot read one consistent state. It only grows.
-* ``bind`` (two words): the export's token MAC XOR its content digest (:func:`binding`,
-  :mod:`kvxfer.auth`). A loader finds the slot of its params by this value: params of another
-  export, or altered ones, find none (and take the path the exporter checks by name).
+  before and after reading the slot read one consistent state. It only grows. The exporter
+  keeps it privately (``ExporterSlots.gens``) and publishes it; a loader takes a generation
+  outside ``[0, GEN_MAX]`` (its done mark would not fit int64) as no slot.
+* ``bind`` (two words): a hash of the export's token, content digest and request id
+  (:func:`binding`, :mod:`kvxfer.auth`). A loader finds the slot of its params by this value:
+  params of another export, or altered ones (ids, token count, token or request id), find none
+  and take the messaged path, where the exporter refuses them by name.
 * ``deadline``: the lease's end (``monotonic_ns``), renewed with the lease.
 * ``ready``: 1 once the compute that wrote the blocks completed (the exporter's ready gate).
 * ``flags``: ``LIVE``, ``LAYERWISE`` (a streaming export: never read one-sided).
@@ -47,6 +50,19 @@ snapshot, generation again), its check after the copy and its done mark are one 
 (``slot_read``, ``slot_check``, ``slot_mark`` of ``csrc/ctl/kvx_ctl.cpp``: acquire loads and
 release stores, so the compiler keeps that order too) when the control module is loaded
 (:mod:`kvxfer.idops`), else the same steps through the memoryview.
+
+Trust: the table is a file in ``/dev/shm`` (``kvx_ls_*``) that any process of the exporter's
+user can find, map and write. So every word either side reads from it is untrusted input. The
+exporter keeps what it relies on in private memory (generations, which slots are used and by
+whom, the ring entries taken) and only publishes; from the table it reads the loaders' words
+alone (done marks, the ring and its count, ``readers``), each checked (a ring entry names a
+used slot, a mark names the slot's current generation and a possible loader tp size). A loader
+uses no table word as an index or in arithmetic that could overflow before it is checked: a
+generation out of range is no slot (the load takes the messaged path), a done count that is
+negative or at int64's end is no ring entry (the notification frees the export), each logged
+once. What a writer of the table can still do is what it could do by writing the cache: free
+unread exports early (forged done marks), have unready data read (a ready flag), or keep
+loaders off the one-sided path (``open``, the heartbeat, the bindings).
 """
 
 from __future__ import annotations
@@ -54,11 +70,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from ... import idops
+from ...limits import MAX_TP_SIZE
 
 __all__ = [
     "HEADER",
@@ -67,11 +86,12 @@ __all__ = [
     "SLOT",
     "ExporterSlots",
     "SlotView",
+    "binder",
     "binding",
 ]
 
 MAGIC = 0x6B7678736C6F7431  # "kvxslot1"
-VERSION = 1
+VERSION = 2  # 2: the binding hashes token, digest and request id; table words are checked
 RING = 56  # done-mark ring entries (slot * 2**32 + generation)
 HEADER = 8 + RING
 H_MAGIC, H_VERSION, H_NUM, H_BEAT, H_OPEN, H_INCARNATION, H_DONE, H_READERS = range(8)
@@ -88,6 +108,11 @@ DEFAULT_SLOTS = 4096  # twice the exports a rank is expected to hold live at onc
 
 _LOG = logging.getLogger(__name__)
 _M63 = (1 << 63) - 1
+_blake2b = hashlib.blake2b
+# The largest generation a loader takes from the table: its done mark gen * DONE_TP + tp must
+# fit int64. The exporter's own generations grow by 2 per export of a slot and never get near.
+GEN_MAX = (_M63 - (DONE_TP - 1)) // DONE_TP
+BAD_WORD = "table word out of range"
 _FIELDS = struct.Struct("=5q")  # bind0, bind1, deadline, ready, flags: written between gen steps
 _CLEARED = bytes(_FIELDS.size)
 # SlotView.read's refusals by the native slot_read's code (csrc/ctl/kvx_ctl.cpp)
@@ -97,7 +122,10 @@ _REFUSALS = {
     3: "layer-wise export",
     4: "not ready",
     5: "lease too short",
+    6: BAD_WORD,
 }
+# SlotView.mark_done's outcomes by the native slot_mark's code: 0 marked and appended to the ring
+_MARK_BAD_COUNT, _MARK_BAD_GEN = 1, 2
 _logged_layout = False
 
 
@@ -120,14 +148,33 @@ def _native():
     return mod
 
 
-def binding(token: str, digest: bytes) -> tuple[int, int]:
-    """The two words binding a slot to one export: the token's MAC (its last 32 hex digits, 16
-    bytes keyed by the engine's secret over the request id, nonce and digest: kvxfer.auth) XOR
-    the content digest (BLAKE2b-128 of the ids and token count), as 128-bit ints, 63 bits of
-    each half. Params of another export differ in the MAC, altered ids or token count in the
-    digest. ValueError when the token is not hex. (0.2 us; hashing them again cost 0.8.)"""
-    x = int(token[-32:], 16) ^ int.from_bytes(digest[:16], "little")
+def _py_binding(token: str, digest: bytes, request_id: str) -> tuple[int, int]:
+    """:func:`binding` through hashlib (the native module not loaded)."""
+    h = _blake2b(b"".join((digest, token.encode("ascii"), request_id.encode())), digest_size=16).digest()
+    x = int.from_bytes(h, "little")
     return x >> 64 & _M63, x & _M63
+
+
+def binder() -> Callable[[str, bytes, str], tuple[int, int]]:
+    """The :func:`binding` function to call: the native module's (``binding`` of
+    ``csrc/ctl/kvx_ctl.cpp``, ~0.2 us) when it is in use, else hashlib's (~1 us more). Both give
+    the same words (tests/test_slots.py). Callers on the hot path take it once."""
+    mod = idops.native()
+    return mod.binding if mod is not None else _py_binding
+
+
+def binding(token: str, digest: bytes, request_id: str) -> tuple[int, int]:
+    """The two words binding a slot to one export: BLAKE2b-128 of the content digest (16 bytes),
+    the token (its 48 ASCII characters) and the request id (UTF-8), as two 63-bit ints. A hash
+    of the three together, not a combination of them: the token's MAC is the export's
+    secret-keyed proof of exactly its request id and digest (kvxfer.auth), so a slot's binding
+    is found only by the params that export handed out; params with another token, other ids
+    or token count, or another request id find no slot (and take the messaged path, which
+    refuses them by name), and none can be solved for from one export's params. ``ValueError``
+    when the token is not ASCII or the request id has no UTF-8 (a lone surrogate): such params
+    get no slot. (The XOR of MAC and digest it replaced let a holder of one export's params
+    reach its slot with other ids or another request id.)"""
+    return binder()(token, digest, request_id)
 
 
 def incarnation_word(incarnation: str) -> int:
@@ -144,7 +191,15 @@ class ExporterSlots:
     ``HEADER + num_slots * SLOT`` words). Its methods are called under the export tracker's
     lock (``open``, ``close``, ``renew``, ``set_ready``, ``take_done``), or from any thread
     (``beat``, ``shut``). Single words are read and written through a memoryview (~50 ns each;
-    a numpy scalar access costs ~150 ns)."""
+    a numpy scalar access costs ~150 ns).
+
+    What the exporter relies on is private (``gens``: each slot's generation, ``used``,
+    ``owner``, the ring entries taken, its header words and whether it is open): it only
+    *publishes* it to the table (the header again with every beat), and never reads a word back
+    but those loaders write (the done marks, the ring and its count, ``readers``), each taken as
+    untrusted input. So a process that writes the table cannot make the exporter raise, leak an
+    export or count a mark of anything but a live slot's current generation, and what it
+    overwrote of the header holds until the next beat."""
 
     def __init__(self, table: np.ndarray, incarnation: str) -> None:
         n = _num_slots(table.size)
@@ -156,33 +211,49 @@ class ExporterSlots:
         self.num_slots = n
         self.rows = table[HEADER:].reshape(n, SLOT)
         table[:HEADER] = 0
-        table[H_NUM] = n
-        table[H_INCARNATION] = incarnation_word(incarnation)
-        table[H_VERSION] = VERSION
-        table[H_OPEN] = 1
-        table[H_MAGIC] = MAGIC
+        # the header words the exporter owns, republished with every beat (a process that
+        # overwrote one keeps loaders off the one-sided path for a tick, not for good)
+        self._header = (MAGIC, VERSION, n, incarnation_word(incarnation))
+        self._open = True
+        self._readers = False  # a loader set ``readers`` once (kept here: the word is anyone's)
+        self._lock = threading.Lock()  # beat() and shut() run on different threads
         self.beat()
+        self._binding = binder()
         self.used = bytearray(n)
+        self.gens = [0] * n  # the slots' generations (published to the table, never read back)
         self.owner: dict[int, str] = {}  # slot -> request id
         self._seen = 0  # ring entries taken so far
         self._full_logged = False
 
     def beat(self) -> None:
-        """The heartbeat: this rank is alive now."""
-        self.mv[H_BEAT] = time.monotonic_ns()
+        """The heartbeat: this rank is alive now; the header words it owns are published again."""
+        mv = self.mv
+        if not self._readers and mv[H_READERS]:
+            self._readers = True
+        with self._lock:
+            mv[H_MAGIC], mv[H_VERSION], mv[H_NUM], mv[H_INCARNATION] = self._header
+            mv[H_OPEN] = 1 if self._open else 0
+            mv[H_BEAT] = time.monotonic_ns()
 
     def shut(self) -> None:
         """The engine is closing: no loader reads one-sided from here any more."""
-        self.mv[H_OPEN] = 0
+        with self._lock:
+            self._open = False
+            self.mv[H_OPEN] = 0
 
     def open(
         self, request_id: str, token: str, digest: bytes, deadline: float, ready: bool, layerwise: bool
     ) -> int:
         """Give a live export a slot; its index, or -1 when no loader reads one-sided from here
         yet or the probed slots are all taken."""
-        if not self.mv[H_READERS]:
+        if not self._readers:
+            if not self.mv[H_READERS]:
+                return -1
+            self._readers = True
+        try:
+            b0, b1 = self._binding(token, digest, request_id)
+        except ValueError:  # a request id with no UTF-8: no loader finds it either
             return -1
-        b0, b1 = binding(token, digest)
         n, used = self.num_slots, self.used
         for k in range(PROBES):
             i = (b0 + k) % n
@@ -198,12 +269,14 @@ class ExporterSlots:
                 )  # fmt: skip
             return -1
         mv, base = self.mv, HEADER + i * SLOT
-        mv[base + S_GEN] += 1  # odd: being written
+        g = self.gens[i] + 1
+        mv[base + S_GEN] = g  # odd: being written
         _FIELDS.pack_into(
             self.raw, 8 * (base + S_BIND0), b0, b1, int(deadline * 1e9), 1 if ready else 0,
             LIVE | LAYERWISE if layerwise else LIVE,
         )  # fmt: skip
-        mv[base + S_GEN] += 1  # even: stable
+        mv[base + S_GEN] = g + 1  # even: stable
+        self.gens[i] = g + 1
         used[i] = 1
         self.owner[i] = request_id
         return i
@@ -211,11 +284,13 @@ class ExporterSlots:
     def close(self, i: int) -> None:
         """End slot ``i``'s export (before the released blocks' epochs move)."""
         mv, base = self.mv, HEADER + i * SLOT
-        mv[base + S_GEN] += 1
-        self.raw[8 * (base + S_BIND0) : 8 * (base + S_BIND0) + _FIELDS.size] = _CLEARED
-        mv[base + S_GEN] += 1
+        g = self.gens[i] + 1
+        self.gens[i] = g + 1
         self.used[i] = 0
-        del self.owner[i]
+        self.owner.pop(i, None)
+        mv[base + S_GEN] = g
+        self.raw[8 * (base + S_BIND0) : 8 * (base + S_BIND0) + _FIELDS.size] = _CLEARED
+        mv[base + S_GEN] = g + 1
 
     def renew(self, i: int, deadline: float) -> None:
         self.mv[HEADER + i * SLOT + S_DEADLINE] = int(deadline * 1e9)
@@ -230,7 +305,10 @@ class ExporterSlots:
     def take_done(self) -> list[tuple[str, list[tuple[int, int]]]]:
         """The done marks loaders wrote since the last call, of live exports:
         ``[(request id, [(loader rank, loader tp_size), ...])]``. One read when none was written;
-        else the slots the ring names (every live slot if more were written than it holds)."""
+        else the slots the ring names (every live slot if more were written than it holds, or the
+        count moved in a way no loader moves it). A mark counts only when it names the slot's
+        current generation (the exporter's own) and a loader tp size a plan can have
+        (``1..MAX_TP_SIZE``, above its rank)."""
         mv = self.mv
         w = mv[H_DONE]
         seen = self._seen
@@ -242,16 +320,17 @@ class ExporterSlots:
         else:  # the ring overflowed (or was written by a confused peer): look at every live slot
             slots = self.owner.keys()
         out = []
+        gens, owner, n = self.gens, self.owner, self.num_slots
         for i in list(slots):
-            rid = self.owner.get(i) if type(i) is int and 0 <= i < self.num_slots else None
+            rid = owner.get(i) if type(i) is int and 0 <= i < n else None
             if rid is None:
                 continue
             base = HEADER + i * SLOT
-            g = mv[base + S_GEN]
+            g = gens[i]
             marks = [
                 (d, v % DONE_TP)
                 for d, v in enumerate(mv[base + S_DONE : base + S_DONE + MAX_DONE].tolist())
-                if v and v // DONE_TP == g
+                if v and v // DONE_TP == g and d < v % DONE_TP <= MAX_TP_SIZE
             ]
             if marks:
                 out.append((rid, marks))
@@ -260,17 +339,35 @@ class ExporterSlots:
 
 class SlotView:
     """A loader's view of an exporter rank's table (mapped read-write: the loader writes its
-    done marks and the ring)."""
+    done marks and the ring). Every word it reads is untrusted input (any process of the same
+    user can write the table): a generation or a done count out of range is no slot, or no ring
+    entry, logged once per view; never an index, never a value that overflows."""
 
-    def __init__(self, table: np.ndarray) -> None:
+    def __init__(self, table: np.ndarray, wait_s: float = 0.1) -> None:
         n = _num_slots(table.size)
-        if table[H_MAGIC] != MAGIC or table[H_VERSION] != VERSION or table[H_NUM] != n:
-            raise ValueError("slots: not a lease-slot table of this kvxfer version")
+        end = time.monotonic() + wait_s
+        while table[H_MAGIC] != MAGIC or table[H_VERSION] != VERSION or table[H_NUM] != n:
+            if time.monotonic() >= end:
+                raise ValueError("slots: not a lease-slot table of this kvxfer version")
+            # a word another process overwrote comes back with the exporter's next beat (20 ms)
+            time.sleep(0.005)
         self.t = table
         self.mv = memoryview(table)
         self.num_slots = n
         self.mv[H_READERS] = 1  # the exporter gives its exports slots from now on
         self.ctl = _native()  # read, check and mark_done in one native call each when set
+        self._logged: set[str] = set()
+
+    def _bad(self, what: str) -> None:
+        """Log once per view that a word of the table was out of range (and not used)."""
+        if what not in self._logged:
+            self._logged.add(what)
+            _LOG.warning(
+                "kvxfer lease slots: %s in the exporter's table (written by another process?); "
+                "not used: that load takes the messaged path, or its done mark is left to the "
+                "notification (logged once)",
+                what,
+            )
 
     def of(self, incarnation: str) -> bool:
         """Whether the table is that of the exporter's start ``incarnation`` (its handshake's)."""
@@ -287,18 +384,31 @@ class SlotView:
             return f"no heartbeat from the exporter for {age / 1e9:.2f} s (stopped or hung)"
         return ""
 
-    def find(self, b0: int, b1: int) -> tuple[int, int]:
-        """(slot, its even generation) of the live export bound to ``(b0, b1)``; (-1, 0) when none
-        is (not exported yet, released, or the slot was being rewritten)."""
+    def _find(self, b0: int, b1: int) -> tuple[int, int, bool]:
+        """:meth:`find`, and whether a probed slot bound to ``(b0, b1)`` had a generation out of
+        range."""
         n, mv = self.num_slots, self.mv
+        bad = False
         for k in range(PROBES):
             base = HEADER + (b0 + k) % n * SLOT
             g = mv[base + S_GEN]
             if g & 1 or mv[base + S_BIND0] != b0 or mv[base + S_BIND1] != b1 or not mv[base + S_FLAGS] & LIVE:
                 continue
+            if not 0 <= g <= GEN_MAX:
+                bad = True
+                continue
             if mv[base + S_GEN] == g:
-                return (b0 + k) % n, g
-        return -1, 0
+                return (b0 + k) % n, g, bad
+        return -1, 0, bad
+
+    def find(self, b0: int, b1: int) -> tuple[int, int]:
+        """(slot, its even generation) of the live export bound to ``(b0, b1)``; (-1, 0) when none
+        is (not exported yet, released, the slot was being rewritten, or its generation is out of
+        range)."""
+        i, g, bad = self._find(b0, b1)
+        if bad and i < 0:
+            self._bad("a slot's generation out of range")
+        return i, g
 
     def lookup(self, b0: int, b1: int, now_ns: int, stale_ns: int, need_ns: int) -> tuple[int, int, str]:
         """(slot, its even generation, "") of the live export bound to ``(b0, b1)`` when it may be
@@ -306,9 +416,9 @@ class SlotView:
         not layer-wise, leased past ``need_ns``; else (-1, 0, why not)."""
         if self.alive(stale_ns, now_ns):
             return -1, 0, "exporter closed or silent"
-        i, g = self.find(b0, b1)
+        i, g, bad = self._find(b0, b1)
         if i < 0:
-            return -1, 0, "no live slot"
+            return -1, 0, BAD_WORD if bad else "no live slot"
         mv, base = self.mv, HEADER + i * SLOT
         if mv[base + S_FLAGS] & LAYERWISE:
             return -1, 0, "layer-wise export"
@@ -331,9 +441,16 @@ class SlotView:
         ctl = self.ctl
         if ctl is not None:
             got = ctl.slot_read(self.t, epochs, ids, b0, b1, now_ns, stale_ns, need_ns)
-            return _REFUSALS[got] if type(got) is int else got
+            if type(got) is int:
+                why = _REFUSALS[got]
+                if why is BAD_WORD:
+                    self._bad("a slot's generation out of range")
+                return why
+            return got
         i, g, why = self.lookup(b0, b1, now_ns, stale_ns, need_ns)
         if why:
+            if why is BAD_WORD:
+                self._bad("a slot's generation out of range")
             return why
         snap = idops.snapshot(epochs, ids)
         return (i, g, snap) if self.same(i, g) else "no live slot"
@@ -354,16 +471,32 @@ class SlotView:
 
     def mark_done(self, i: int, g: int, loader_rank: int, loader_tp: int) -> None:
         """Loader rank ``loader_rank`` of a ``loader_tp``-rank engine landed slot ``i``'s export
-        (generation ``g``); the slot goes into the ring for the exporter to look at. Two loaders
-        writing the ring at once may lose an entry: that export is then freed by the
-        notification that follows."""
+        (generation ``g``, as read from the table); the slot goes into the ring for the exporter
+        to look at. A generation out of range writes nothing; a ring count out of range (negative,
+        or at int64's end) leaves the ring alone after the mark: the exporter then finds the
+        mark by looking at every live slot, or the notification that follows frees the export.
+        Two loaders writing the ring at once may lose an entry: the notification frees that
+        export too."""
         if loader_rank >= MAX_DONE:
             return
         if self.ctl is not None:  # the same stores, in this order
-            self.ctl.slot_mark(self.t, i, g, loader_rank, loader_tp)
-            return
+            got = self.ctl.slot_mark(self.t, i, g, loader_rank, loader_tp)
+        else:
+            got = self._mark(i, g, loader_rank, loader_tp)
+        if got == _MARK_BAD_GEN:
+            self._bad("a slot's generation out of range")
+        elif got == _MARK_BAD_COUNT:
+            self._bad("a done count out of range")
+
+    def _mark(self, i: int, g: int, loader_rank: int, loader_tp: int) -> int:
+        """:meth:`mark_done` through the memoryview (what the native ``slot_mark`` does)."""
+        if not 0 <= g <= GEN_MAX:
+            return _MARK_BAD_GEN
         mv = self.mv
         mv[HEADER + i * SLOT + S_DONE + loader_rank] = g * DONE_TP + loader_tp
         w = mv[H_DONE]
+        if not 0 <= w < _M63:
+            return _MARK_BAD_COUNT
         mv[H_RING + w % RING] = i
         mv[H_DONE] = w + 1
+        return 0
