@@ -92,10 +92,12 @@ def hostile_exporter(sc: dict, q_d, q_h, q_w=None) -> dict:
             if rid in held and eng.abort_export(rid):
                 aborted.add(rid)
         if not restarted and i >= sc["restart_at"]:
+            # the restart begins with close(): its side channel goes first, so a load that
+            # fails while close() still runs (a connection lost) is one the restart explains
+            restart_t = time.monotonic()
             eng.close()  # every live export ends: released now, blocks reused
             for rid in list(held):
                 free_now(rid)
-            restart_t = time.monotonic()
             eng = start()
             restarted = True
         while i < sc["num"] and len(held) < sc["in_flight"]:

@@ -420,10 +420,13 @@ def test_params_naming_absurd_tp_sizes_cost_nothing_lasting(engines):
     assert not [
         a for a in d._loader.client._socks if a.endswith(tuple(f":{p.port + r}" for r in range(1, 200)))
     ]
-    end = time.monotonic() + 3.0  # zmq closes sockets on its I/O thread, soon after
-    while len(os.listdir("/proc/self/fd")) > fds + 4 and time.monotonic() < end:
+    # zmq closes sockets on its I/O thread, soon after. A leak would be one descriptor per
+    # rank that does not exist (199); the margin is for other threads of this process (a pg
+    # pairing an earlier test left behind opens and closes its own), which made +4 flaky
+    end = time.monotonic() + 10.0
+    while len(os.listdir("/proc/self/fd")) > fds + 16 and time.monotonic() < end:
         time.sleep(0.05)
-    assert len(os.listdir("/proc/self/fd")) <= fds + 4
+    assert len(os.listdir("/proc/self/fd")) <= fds + 16
     assert _sent(p, {"x"}, timeout=5.0) == {"x": "finished"}  # told at once, not at lease end
     assert untouched(ds.caches, SPEC, set(), {})
     fill(ps.caches, SPEC, 0, 1, [7, 8], 12, seed=2)
