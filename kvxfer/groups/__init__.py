@@ -1,0 +1,29 @@
+"""KV cache groups of hybrid models beyond full attention: state groups (Mamba1, Mamba2, Gated
+DeltaNet, short conv) and the in-window blocks of sliding-window groups.
+
+* :mod:`kvxfer.groups.state`: :class:`StateSpec` (a state group's shapes, TP sharding, page
+  layout) and its canonical wire;
+* :mod:`kvxfer.groups.state_plan`: :func:`plan_state_reads` (which source rank's unit slices
+  each destination rank reads);
+* :mod:`kvxfer.groups.state_ops`: :func:`gather_state`, :func:`scatter_state`,
+  :func:`copy_state`;
+* :mod:`kvxfer.groups.blocks`: :func:`select_window_blocks` (a sliding-window group's in-window
+  blocks on both sides, and their token slots), :func:`state_block`.
+
+See docs/DESIGN.md, "Hybrid models: state groups".
+"""
+
+from __future__ import annotations
+
+from .state import WIRE_ALIGN, ConvLayout, ConvPart, Section, StateKind, StateSpec, UnitRun, WireLayout
+
+__all__ = [
+    "WIRE_ALIGN",
+    "ConvLayout",
+    "ConvPart",
+    "Section",
+    "StateKind",
+    "StateSpec",
+    "UnitRun",
+    "WireLayout",
+]
