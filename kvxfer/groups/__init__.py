@@ -16,6 +16,7 @@ See docs/DESIGN.md, "Hybrid models: state groups".
 from __future__ import annotations
 
 from .state import WIRE_ALIGN, ConvLayout, ConvPart, Section, StateKind, StateSpec, UnitRun, WireLayout
+from .state_plan import StatePlan, StateRead, plan_state_reads
 
 __all__ = [
     "WIRE_ALIGN",
@@ -23,7 +24,10 @@ __all__ = [
     "ConvPart",
     "Section",
     "StateKind",
+    "StatePlan",
+    "StateRead",
     "StateSpec",
     "UnitRun",
     "WireLayout",
+    "plan_state_reads",
 ]
