@@ -16,6 +16,7 @@ See docs/DESIGN.md, "Hybrid models: state groups".
 from __future__ import annotations
 
 from .state import WIRE_ALIGN, ConvLayout, ConvPart, Section, StateKind, StateSpec, UnitRun, WireLayout
+from .state_ops import copy_state, gather_state, scatter_state
 from .state_plan import StatePlan, StateRead, plan_state_reads
 
 __all__ = [
@@ -29,5 +30,8 @@ __all__ = [
     "StateSpec",
     "UnitRun",
     "WireLayout",
+    "copy_state",
+    "gather_state",
     "plan_state_reads",
+    "scatter_state",
 ]
