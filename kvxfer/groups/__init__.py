@@ -15,11 +15,13 @@ See docs/DESIGN.md, "Hybrid models: state groups".
 
 from __future__ import annotations
 
+from .blocks import NULL_BLOCK, WindowBlocks, select_window_blocks, state_block, window_tokens
 from .state import WIRE_ALIGN, ConvLayout, ConvPart, Section, StateKind, StateSpec, UnitRun, WireLayout
 from .state_ops import copy_state, gather_state, scatter_state
 from .state_plan import StatePlan, StateRead, plan_state_reads
 
 __all__ = [
+    "NULL_BLOCK",
     "WIRE_ALIGN",
     "ConvLayout",
     "ConvPart",
@@ -29,9 +31,13 @@ __all__ = [
     "StateRead",
     "StateSpec",
     "UnitRun",
+    "WindowBlocks",
     "WireLayout",
     "copy_state",
     "gather_state",
     "plan_state_reads",
     "scatter_state",
+    "select_window_blocks",
+    "state_block",
+    "window_tokens",
 ]
