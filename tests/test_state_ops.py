@@ -230,6 +230,13 @@ def test_gather_wire_is_canonical_and_tp_independent():
         counts = [two.local_units(i) for i in range(two.num_sections)]
         halves.append(sd.wire_sections(two, w, counts, 3, 2))
         assert torch.equal(w, gather_state(pages, two, ids, out=torch.full_like(w, 7)))  # gaps zeroed
+        odd = torch.empty(w.numel() + 1, dtype=torch.uint8)[1:]  # a misaligned wire: byte words
+        assert torch.equal(w, gather_state(pages, two, ids, out=odd))
+        back = [p.clone() for p in pages]
+        for p in back:
+            p[ids] = 0
+        scatter_state(odd, back, two, ids)
+        assert all(torch.equal(a, b) for a, b in zip(back, pages))
     for name in full_secs:
         assert torch.equal(torch.cat([halves[0][name], halves[1][name]]), full_secs[name]), name
     # typed views of the canonical wire: the SSM is [V, K] whatever the source's order

@@ -19,11 +19,13 @@ on the way, dtypes when ``convert_dtype`` asks (else differing dtypes are refuse
 written unless every argument is valid; each problem raises ``ValueError`` naming it.
 
 Every section is one ``index_select`` into (or ``index_copy_`` out of) a view of the memory
-spanning all selected layers (:mod:`kvxfer.backends.addrspace`), so a call costs a few torch
-ops per section whatever the number of layers and states: no per-layer or per-block Python
-loop. Rows are the longest runs contiguous on the cache side (SD conv: a unit's channels of one
-row; DS conv: single elements; SSM in canonical order: a head's last dim; transposed: single
-elements). CUDA tensors need CuPy to view their memory, as the torch backend does.
+spanning all selected layers (:mod:`kvxfer.backends.addrspace`), plus one permuting copy where
+the page's order is not the wire's, so a call costs a few torch ops per section whatever the
+number of layers and states: no per-layer or per-block Python loop. Rows are the longest runs
+contiguous in the page (SD conv: a unit's channels of one conv row; DS conv: a whole unit; the
+SSM: a whole head, in either order); DS units and transposed SSM heads are then permuted into
+wire order (``[state_len, width]``, ``[V, K]``) by torch. CUDA tensors need CuPy to view their
+memory, as the torch backend does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -269,21 +272,50 @@ def _geometry(spec: StateSpec, section: int) -> tuple[int, int, list[int], list[
     return spec.conv_bytes, math.prod(shape), shape, strides, es
 
 
-def _rows(side: _Side, section: int, start: int, count: int) -> tuple[torch.Tensor, int, int]:
-    """Byte offsets from ``side.base`` of every row of ``count`` units from rank-local ``start``,
-    in wire order ``[units, layers, states, ...]``; the row length in bytes; a unit (bytes)
-    dividing every offset and the row length."""
+class _Rows(NamedTuple):
+    """One section's run on one side, addressed: byte ``offsets`` (from ``side.base``) of every
+    row in page order ``[units, layers, states, *outer]``, ``row_bytes`` each, ``unit`` bytes
+    dividing every offset and the row length; ``page_shape`` the run's elements in page order
+    (``[units, layers, states, *unit dims in page order]``) and ``to_wire`` the permutation of
+    those dims into wire order (None: already the wire's)."""
+
+    offsets: torch.Tensor
+    row_bytes: int
+    unit: int
+    page_shape: tuple[int, ...]
+    to_wire: tuple[int, ...] | None
+    element_size: int
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _elements(t: torch.Tensor, es: int) -> torch.Tensor:
+    """Contiguous uint8 ``t`` as one word per ``es``-byte element where aligned (a permutation
+    then moves words, not bytes), else as bytes."""
+    if es in _WORDS and t.data_ptr() % es == 0:
+        return t.view(_WORDS[es])
+    return t
+
+
+def _rows(side: _Side, section: int, start: int, count: int) -> _Rows:
+    """Address ``count`` units of ``section`` from rank-local ``start``. The unit's dims are
+    read in the page's order (descending strides) and the trailing ones contiguous there fold
+    into one row: SD conv a unit's channels of one row, DS conv a whole unit, the SSM a whole
+    head in either order; a permutation then puts them in wire order."""
     page_off, ustride, sizes, strides, es = _geometry(side.spec, section)
-    row = 1  # fold the trailing dims contiguous in the page into one row
-    while sizes and strides[-1] == row:
-        row *= sizes.pop()
-        strides.pop()
+    order = sorted(range(len(sizes)), key=lambda k: -strides[k])  # page order, outer to inner
+    p_sizes, p_strides = [sizes[k] for k in order], [strides[k] for k in order]
+    outer, row = len(p_sizes), 1
+    while outer and p_strides[outer - 1] == row:  # fold the trailing contiguous dims into a row
+        outer -= 1
+        row *= p_sizes[outer]
     row_bytes = row * es
     first = page_off + start * ustride * es
     layer = torch.tensor(side.layer_ptrs, dtype=torch.int64) - side.base
     units = torch.arange(count, dtype=torch.int64) * (ustride * es) + first
     off = units.view(-1, 1, 1) + layer.view(1, -1, 1) + (side.ids * side.block_stride).view(1, 1, -1)
-    for size, stride in zip(sizes, strides):
+    for size, stride in zip(p_sizes[:outer], p_strides[:outer]):
         off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * (stride * es)
     unit = math.gcd(
         row_bytes,
@@ -291,31 +323,49 @@ def _rows(side: _Side, section: int, start: int, count: int) -> tuple[torch.Tens
         ustride * es,
         side.block_stride,
         *(p - side.base for p in side.layer_ptrs),
-        *(s * es for s in strides),
+        *(s * es for s in p_strides[:outer]),
     )
-    return off.reshape(-1), row_bytes, unit
+    lead = (count, side.num_layers, side.num_states)
+    to_wire = None
+    if order != sorted(order):
+        to_wire = (0, 1, 2, *(3 + order.index(k) for k in range(len(order))))
+    return _Rows(off.reshape(-1), row_bytes, unit, (*lead, *p_sizes), to_wire, es)
 
 
-def _read(side: _Side, offsets: torch.Tensor, row_bytes: int, unit: int, out: torch.Tensor) -> None:
-    """Rows at ``offsets`` into contiguous uint8 ``out`` (on the side's device), in order. An
-    overlapping view (row i starts at word i) makes each row one index entry."""
-    dtype = addrspace.word_for(unit, side.base, out.data_ptr())
+def _read(side: _Side, rows: _Rows, out: torch.Tensor) -> None:
+    """The run's elements into contiguous uint8 ``out`` (on the side's device), in wire order.
+    Rows come through an overlapping view (row i starts at word i): one index entry each."""
+    offsets, row_bytes = rows.offsets, rows.row_bytes
+    stage = out if rows.to_wire is None else torch.empty_like(out)
+    dtype = addrspace.word_for(rows.unit, side.base, stage.data_ptr())
     word = torch.empty((), dtype=dtype).element_size()
     flat = addrspace.unit_rows(side.base, side.end, word, dtype, side.device).view(-1)
     rw = row_bytes // word
-    rows = flat.as_strided((flat.numel() - rw + 1, rw), (1, 1))
+    view = flat.as_strided((flat.numel() - rw + 1, rw), (1, 1))
     idx = (offsets // word).to(side.device, non_blocking=True)
-    torch.index_select(rows, 0, idx, out=out.view(dtype).view(-1, rw))
+    torch.index_select(view, 0, idx, out=stage.view(dtype).view(-1, rw))
+    if rows.to_wire is not None:
+        es = rows.element_size if out.data_ptr() % rows.element_size == 0 else 1  # stage is aligned
+        paged = _elements(stage, es).view(*rows.page_shape, -1)  # an element's bytes (or word) last
+        wired = paged.permute(*rows.to_wire, len(rows.page_shape))
+        _elements(out, es).view(wired.shape).copy_(wired)
 
 
-def _write(side: _Side, offsets: torch.Tensor, row_bytes: int, unit: int, src: torch.Tensor) -> None:
-    """Contiguous uint8 ``src`` (on the side's device) into the rows at ``offsets``, in order."""
+def _write(side: _Side, rows: _Rows, src: torch.Tensor) -> None:
+    """Contiguous uint8 ``src`` (wire order, on the side's device) into the run's rows."""
+    if rows.to_wire is not None:  # wire order -> page order
+        n = len(rows.page_shape)
+        wire_shape = [rows.page_shape[k] for k in rows.to_wire]
+        back = [rows.to_wire.index(k) for k in range(n)]
+        src = _elements(src, rows.element_size).view(*wire_shape, -1).permute(*back, n).contiguous()
+        src = src.view(torch.uint8).view(-1)
+    offsets, row_bytes, unit = rows.offsets, rows.row_bytes, rows.unit
     dtype = addrspace.word_for(unit, side.base, src.data_ptr())
     word = torch.empty((), dtype=dtype).element_size()
-    rows = addrspace.unit_rows(side.base, side.end, unit, dtype, side.device)
+    view = addrspace.unit_rows(side.base, side.end, unit, dtype, side.device)
     per = torch.arange(row_bytes // unit, dtype=torch.int64)
     idx = (offsets.view(-1, 1) // unit + per).reshape(-1).to(side.device, non_blocking=True)
-    rows.index_copy_(0, idx, src.view(dtype).view(-1, unit // word))
+    view.index_copy_(0, idx, src.view(dtype).view(-1, unit // word))
 
 
 def _convert(data: torch.Tensor, src: torch.dtype, dst: torch.dtype) -> torch.Tensor:
@@ -367,9 +417,9 @@ def gather_state(
     for i, r in enumerate(runs):
         if not r.num_units or not side.num_states:
             continue
-        offsets, row_bytes, unit = _rows(side, i, r.src_start, r.num_units)
-        n = offsets.numel() * row_bytes
-        _read(side, offsets, row_bytes, unit, stage[lay.offsets[i] : lay.offsets[i] + n])
+        rows = _rows(side, i, r.src_start, r.num_units)
+        n = rows.offsets.numel() * rows.row_bytes
+        _read(side, rows, stage[lay.offsets[i] : lay.offsets[i] + n])
     if stage is not out:
         out.copy_(stage)
     return out
@@ -409,10 +459,10 @@ def scatter_state(
     for i, (r, sec) in enumerate(zip(runs, spec.sections)):
         if not r.num_units or not side.num_states:
             continue
-        offsets, row_bytes, unit = _rows(side, i, r.dst_start, r.num_units)
-        n = offsets.numel() * row_bytes * wire_spec.sections[i].dtype.itemsize // sec.dtype.itemsize
+        rows = _rows(side, i, r.dst_start, r.num_units)
+        n = rows.offsets.numel() * rows.row_bytes * wire_spec.sections[i].dtype.itemsize // sec.dtype.itemsize
         data = _convert(wire[lay.offsets[i] : lay.offsets[i] + n], wire_spec.sections[i].dtype, sec.dtype)
-        _write(side, offsets, row_bytes, unit, data)
+        _write(side, rows, data)
 
 
 def copy_state(
@@ -449,9 +499,8 @@ def copy_state(
     for i, (r, ssec, dsec) in enumerate(zip(runs, src_spec.sections, dst_spec.sections)):
         if not r.num_units or not src.num_states:
             continue
-        offsets, row_bytes, unit = _rows(src, i, r.src_start, r.num_units)
-        vals = torch.empty(offsets.numel() * row_bytes, dtype=torch.uint8, device=src.device)
-        _read(src, offsets, row_bytes, unit, vals)
+        rows = _rows(src, i, r.src_start, r.num_units)
+        vals = torch.empty(rows.offsets.numel() * rows.row_bytes, dtype=torch.uint8, device=src.device)
+        _read(src, rows, vals)
         vals = _convert(vals, ssec.dtype, dsec.dtype)
-        offsets, row_bytes, unit = _rows(dst, i, r.dst_start, r.num_units)
-        _write(dst, offsets, row_bytes, unit, vals)
+        _write(dst, _rows(dst, i, r.dst_start, r.num_units), vals)
