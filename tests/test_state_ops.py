@@ -86,7 +86,7 @@ def dst_ids_of(num_states):
 
 
 def run_transfer(src, dst, num_states=2, mode="copy", layers=None, src_pad=0, dst_pad=0, values=False,
-                 convert=False):  # fmt: skip
+                 convert=False, backend=None):  # fmt: skip
     """Every destination rank loads ``num_states`` states by the plan; returns (got, want) per
     destination rank and layer: the whole page tensors, poison included."""
     nb_src, nb_dst = 2 * num_states + 3, 3 * num_states + 2
@@ -157,6 +157,33 @@ def test_transfer_across_tp_and_conv_layout(kind, tps, mode):
     dst = make(tp=d_tp, layout=dst_layout, **kw_dst)
     got, want = run_transfer(src, dst, num_states=2, mode=mode)
     assert_pages_equal(got, want)
+
+
+TRITON_CASES = [("mamba2_replicated", (2, 1)), ("gdn", (1, 2)), ("gdn_transposed_dst", (2, 3)), ("mamba1", (4, 1)),
+                ("short_conv", (1, 4))]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["copy", "wire"])
+@pytest.mark.parametrize("kind,tps", TRITON_CASES, ids=[f"{k}-{a}to{b}" for k, (a, b) in TRITON_CASES])
+def test_triton_backend_moves_the_same_bytes(kind, tps, mode):
+    """The Triton row-table kernel (on CPU under the interpreter), SD on P, DS on D, with a
+    dtype conversion in the copy: byte-equal like the reference."""
+    from kvxfer.groups.state_kernels import unavailable_reason
+
+    why = unavailable_reason(torch.device("cpu"))
+    if why:
+        pytest.skip(why)
+    make = KINDS[kind]
+    kw_dst = {"transposed": True} if kind == "gdn_transposed_dst" else {}
+    src, dst = make(tp=tps[0], layout="SD"), make(tp=tps[1], layout="DS", **kw_dst)
+    got, want = run_transfer(src, dst, num_states=2, mode=mode, backend="triton")
+    assert_pages_equal(got, want)
+
+
+def test_backend_named_is_checked():
+    src, dst, sp, dp, read = _setup()
+    with pytest.raises(ValueError, match="backend: must be None, 'torch' or 'triton'"):
+        copy_state(sp, src, [3], dp, dst, [1], read.runs, backend="cuda")
 
 
 @pytest.mark.parametrize(

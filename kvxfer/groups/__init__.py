@@ -6,7 +6,8 @@ DeltaNet, short conv) and the in-window blocks of sliding-window groups.
 * :mod:`kvxfer.groups.state_plan`: :func:`plan_state_reads` (which source rank's unit slices
   each destination rank reads);
 * :mod:`kvxfer.groups.state_ops`: :func:`gather_state`, :func:`scatter_state`,
-  :func:`copy_state`;
+  :func:`copy_state` (torch reference; :mod:`kvxfer.groups.state_kernels`: their Triton
+  row-table kernel);
 * :mod:`kvxfer.groups.blocks`: :func:`select_window_blocks` (a sliding-window group's in-window
   blocks on both sides, and their token slots), :func:`state_block`.
 

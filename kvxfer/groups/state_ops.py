@@ -25,7 +25,8 @@ number of layers and states: no per-layer or per-block Python loop. Rows are the
 contiguous in the page (SD conv: a unit's channels of one conv row; DS conv: a whole unit; the
 SSM: a whole head, in either order); DS units and transposed SSM heads are then permuted into
 wire order (``[state_len, width]``, ``[V, K]``) by torch. CUDA tensors need CuPy to view their
-memory, as the torch backend does.
+memory, as the torch backend does; ``backend="triton"`` moves the same rows with one launch per
+section over an address table instead (:mod:`kvxfer.groups.state_kernels`).
 """
 
 from __future__ import annotations
@@ -251,6 +252,20 @@ def _check_wire(wire, nbytes: int, device: torch.device, name: str) -> None:
             )
 
 
+def _check_backend(backend, device: torch.device) -> str:
+    """``backend`` checked: None or "torch" (the reference), or "triton" where it runs."""
+    if backend is None or backend == "torch":
+        return "torch"
+    if backend != "triton":
+        raise ValueError(f"backend: must be None, 'torch' or 'triton', got {backend!r}")
+    from .state_kernels import unavailable_reason
+
+    why = unavailable_reason(device)
+    if why:
+        raise ValueError(f"backend: triton cannot run on {device} here: {why}")
+    return backend
+
+
 # --------------------------------------------------------------------------- addressing
 def _geometry(spec: StateSpec, section: int) -> tuple[int, int, list[int], list[int], int]:
     """Section ``section`` in a rank's page: (byte offset of its unit 0, unit stride, the unit's
@@ -332,18 +347,25 @@ def _rows(side: _Side, section: int, start: int, count: int) -> _Rows:
     return _Rows(off.reshape(-1), row_bytes, unit, (*lead, *p_sizes), to_wire, es)
 
 
-def _read(side: _Side, rows: _Rows, out: torch.Tensor) -> None:
+def _read(side: _Side, rows: _Rows, out: torch.Tensor, backend: str) -> None:
     """The run's elements into contiguous uint8 ``out`` (on the side's device), in wire order.
-    Rows come through an overlapping view (row i starts at word i): one index entry each."""
+    torch: rows through an overlapping view (row i starts at word i), one index entry each;
+    triton: one launch over an address table."""
     offsets, row_bytes = rows.offsets, rows.row_bytes
     stage = out if rows.to_wire is None else torch.empty_like(out)
     dtype = addrspace.word_for(rows.unit, side.base, stage.data_ptr())
     word = torch.empty((), dtype=dtype).element_size()
-    flat = addrspace.unit_rows(side.base, side.end, word, dtype, side.device).view(-1)
-    rw = row_bytes // word
-    view = flat.as_strided((flat.numel() - rw + 1, rw), (1, 1))
-    idx = (offsets // word).to(side.device, non_blocking=True)
-    torch.index_select(view, 0, idx, out=stage.view(dtype).view(-1, rw))
+    if backend == "triton":
+        from .state_kernels import copy_rows
+
+        dst = stage.data_ptr() + torch.arange(offsets.numel(), dtype=torch.int64) * row_bytes
+        copy_rows(offsets + side.base, dst, row_bytes, word, side.device)
+    else:
+        flat = addrspace.unit_rows(side.base, side.end, word, dtype, side.device).view(-1)
+        rw = row_bytes // word
+        view = flat.as_strided((flat.numel() - rw + 1, rw), (1, 1))
+        idx = (offsets // word).to(side.device, non_blocking=True)
+        torch.index_select(view, 0, idx, out=stage.view(dtype).view(-1, rw))
     if rows.to_wire is not None:
         es = rows.element_size if out.data_ptr() % rows.element_size == 0 else 1  # stage is aligned
         paged = _elements(stage, es).view(*rows.page_shape, -1)  # an element's bytes (or word) last
@@ -351,7 +373,7 @@ def _read(side: _Side, rows: _Rows, out: torch.Tensor) -> None:
         _elements(out, es).view(wired.shape).copy_(wired)
 
 
-def _write(side: _Side, rows: _Rows, src: torch.Tensor) -> None:
+def _write(side: _Side, rows: _Rows, src: torch.Tensor, backend: str) -> None:
     """Contiguous uint8 ``src`` (wire order, on the side's device) into the run's rows."""
     if rows.to_wire is not None:  # wire order -> page order
         n = len(rows.page_shape)
@@ -362,6 +384,12 @@ def _write(side: _Side, rows: _Rows, src: torch.Tensor) -> None:
     offsets, row_bytes, unit = rows.offsets, rows.row_bytes, rows.unit
     dtype = addrspace.word_for(unit, side.base, src.data_ptr())
     word = torch.empty((), dtype=dtype).element_size()
+    if backend == "triton":
+        from .state_kernels import copy_rows
+
+        addr = src.data_ptr() + torch.arange(offsets.numel(), dtype=torch.int64) * row_bytes
+        copy_rows(addr, offsets + side.base, row_bytes, word, side.device)
+        return
     view = addrspace.unit_rows(side.base, side.end, unit, dtype, side.device)
     per = torch.arange(row_bytes // unit, dtype=torch.int64)
     idx = (offsets.view(-1, 1) // unit + per).reshape(-1).to(side.device, non_blocking=True)
@@ -387,6 +415,7 @@ def gather_state(
     runs: Sequence[UnitRun] | None = None,
     layers=None,
     out: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Gather states out of one rank's pages into a wire.
 
@@ -398,6 +427,8 @@ def gather_state(
         layers: layers to move, in wire order (default all).
         out: optional destination: a contiguous uint8 ``[wire_nbytes]`` tensor on the caches'
             device (CUDA caches: or pinned host memory).
+        backend: None or ``"torch"`` (the reference), or ``"triton"``
+            (:mod:`kvxfer.groups.state_kernels`; ``ValueError`` where it cannot run).
 
     Returns:
         The wire (uint8 ``[spec.wire_nbytes(counts, num_layers, num_states)]``, ``counts`` the
@@ -405,6 +436,7 @@ def gather_state(
     """
     side = _make_side(caches, spec, state_ids, layers, False, "caches")
     runs = _check_runs(runs, spec, None)
+    backend = _check_backend(backend, side.device)
     lay = spec.wire_layout([r.num_units for r in runs], side.num_layers, side.num_states)
     if out is None:
         out = torch.empty(lay.nbytes, dtype=torch.uint8, device=side.device)
@@ -419,7 +451,7 @@ def gather_state(
             continue
         rows = _rows(side, i, r.src_start, r.num_units)
         n = rows.offsets.numel() * rows.row_bytes
-        _read(side, rows, stage[lay.offsets[i] : lay.offsets[i] + n])
+        _read(side, rows, stage[lay.offsets[i] : lay.offsets[i] + n], backend)
     if stage is not out:
         out.copy_(stage)
     return out
@@ -434,6 +466,7 @@ def scatter_state(
     layers=None,
     wire_spec: StateSpec | None = None,
     convert_dtype: bool = False,
+    backend: str | None = None,
 ) -> None:
     """Scatter a wire into one rank's pages (the inverse of :func:`gather_state`).
 
@@ -442,7 +475,7 @@ def scatter_state(
     the layers ``layers`` (default all, in wire order) of the blocks ``state_ids`` (repeats
     refused). ``convert_dtype``: convert ``wire_spec``'s dtypes to ``spec``'s (else a differing
     dtype is refused). Only the addressed units' bytes are written: the rest of each page, its
-    padding and every other block stay untouched.
+    padding and every other block stay untouched. ``backend`` as for :func:`gather_state`.
     """
     wire_spec = spec if wire_spec is None else wire_spec
     if not isinstance(wire_spec, StateSpec):
@@ -452,6 +485,7 @@ def scatter_state(
     _check_pair(wire_spec, spec, convert_dtype)
     side = _make_side(caches, spec, state_ids, layers, True, "caches")
     runs = _check_runs(runs, None, spec)
+    backend = _check_backend(backend, side.device)
     lay = wire_spec.wire_layout([r.num_units for r in runs], side.num_layers, side.num_states)
     _check_wire(wire, lay.nbytes, side.device, "wire")
     if wire.device != side.device:
@@ -462,7 +496,7 @@ def scatter_state(
         rows = _rows(side, i, r.dst_start, r.num_units)
         n = rows.offsets.numel() * rows.row_bytes * wire_spec.sections[i].dtype.itemsize // sec.dtype.itemsize
         data = _convert(wire[lay.offsets[i] : lay.offsets[i] + n], wire_spec.sections[i].dtype, sec.dtype)
-        _write(side, rows, data)
+        _write(side, rows, data, backend)
 
 
 def copy_state(
@@ -475,13 +509,15 @@ def copy_state(
     runs: Sequence[UnitRun] | None = None,
     layers=None,
     convert_dtype: bool = False,
+    backend: str | None = None,
 ) -> None:
     """Copy states from one rank's pages straight into another's (no wire): per section, the
     units ``runs[i]`` (source-local ``src_start`` to destination-local ``dst_start``; default:
     every unit, when both ranks hold the same units) of the layers ``layers`` (default all)
     of block ``src_state_ids[j]`` into block ``dst_state_ids[j]``. The two sides may differ in
     TP size, conv layout, SSM order and page size (and dtypes with ``convert_dtype``); both on
-    one device (the source may be another process's memory mapped into this one).
+    one device (the source may be another process's memory mapped into this one). ``backend``
+    as for :func:`gather_state`.
     """
     for what, s in (("src_spec", src_spec), ("dst_spec", dst_spec)):
         if not isinstance(s, StateSpec):
@@ -496,11 +532,12 @@ def copy_state(
     if src.device != dst.device:
         raise ValueError(f"dst_caches: on {dst.device}, src_caches on {src.device}; copy needs one device")
     runs = _check_runs(runs, src_spec, dst_spec)
+    backend = _check_backend(backend, src.device)
     for i, (r, ssec, dsec) in enumerate(zip(runs, src_spec.sections, dst_spec.sections)):
         if not r.num_units or not src.num_states:
             continue
         rows = _rows(src, i, r.src_start, r.num_units)
         vals = torch.empty(rows.offsets.numel() * rows.row_bytes, dtype=torch.uint8, device=src.device)
-        _read(src, rows, vals)
+        _read(src, rows, vals, backend)
         vals = _convert(vals, ssec.dtype, dsec.dtype)
-        _write(dst, _rows(dst, i, r.dst_start, r.num_units), vals)
+        _write(dst, _rows(dst, i, r.dst_start, r.num_units), vals, backend)
