@@ -1,0 +1,44 @@
+"""KV cache groups of hybrid models beyond full attention: state groups (Mamba1, Mamba2, Gated
+DeltaNet, short conv) and the in-window blocks of sliding-window groups.
+
+* :mod:`kvxfer.groups.state`: :class:`StateSpec` (a state group's shapes, TP sharding, page
+  layout) and its canonical wire;
+* :mod:`kvxfer.groups.state_plan`: :func:`plan_state_reads` (which source rank's unit slices
+  each destination rank reads);
+* :mod:`kvxfer.groups.state_ops`: :func:`gather_state`, :func:`scatter_state`,
+  :func:`copy_state` (torch reference; :mod:`kvxfer.groups.state_kernels`: their Triton
+  row-table kernel);
+* :mod:`kvxfer.groups.blocks`: :func:`select_window_blocks` (a sliding-window group's in-window
+  blocks on both sides, and their token slots), :func:`state_block`.
+
+See docs/DESIGN.md, "Hybrid models: state groups".
+"""
+
+from __future__ import annotations
+
+from .blocks import NULL_BLOCK, WindowBlocks, select_window_blocks, state_block, window_tokens
+from .state import WIRE_ALIGN, ConvLayout, ConvPart, Section, StateKind, StateSpec, UnitRun, WireLayout
+from .state_ops import copy_state, gather_state, scatter_state
+from .state_plan import StatePlan, StateRead, plan_state_reads
+
+__all__ = [
+    "NULL_BLOCK",
+    "WIRE_ALIGN",
+    "ConvLayout",
+    "ConvPart",
+    "Section",
+    "StateKind",
+    "StatePlan",
+    "StateRead",
+    "StateSpec",
+    "UnitRun",
+    "WindowBlocks",
+    "WireLayout",
+    "copy_state",
+    "gather_state",
+    "plan_state_reads",
+    "scatter_state",
+    "select_window_blocks",
+    "state_block",
+    "window_tokens",
+]
