@@ -45,7 +45,7 @@ from .notifier import Notifier
 from .params import KVTransferParams, params_dict
 from .rank import Rank
 from .spec import KVCacheSpec
-from .transports import TRANSPORTS, cache_views
+from .transports import TRANSPORTS
 from .transports.ipc.cuda_ipc import host_id
 from .transports.ipc.onesided import OneSided
 from .transports.ipc.transport import IpcTransport
@@ -53,6 +53,7 @@ from .transports.nixl.agent import require_nixl
 from .transports.nixl.transport import NixlTransport
 from .transports.pg.pipeline import StagedPipeline
 from .transports.pg.transport import PgTransport
+from .views import CacheViews
 
 _LOG = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class TransferEngine:
         self._auth_key = auth_key
         # Registered once (ops skip per-layer checks); whole blocks, and token slots if possible.
         # max_sms: the SM budget of every op on these caches (kvxfer.ops.register_caches)
-        views = cache_views(self.caches, spec, max_sms)
+        views = CacheViews(self.caches, spec, max_sms)
         rank = self._rank = Rank(
             spec, self.caches, tp_rank, tp_size, engine_id, host, transport, self.lease_s, self.timeout_s,
             self.pipeline, views, self.num_blocks, self.device, host_id(),
@@ -244,7 +245,7 @@ class TransferEngine:
         rank.incarnation = secrets.token_hex(8)
         idops.ensure()  # the native bookkeeping helpers, built now if missing (not on a request)
         if self.device.type == "cuda":  # compile/load the kernels now, not on the first request
-            for v in rank.views:
+            for v in rank.views.views:
                 try:
                     ops.warmup(v.caches, v.spec)
                 except Exception as e:
@@ -605,7 +606,7 @@ class TransferEngine:
         s["not_ready_grants"] = rank.order.num_not_ready
         s["bookkeeping"] = idops.status()  # "native: <path>" or "numpy (<why>)"
         s["nvtx"] = tracing.status()  # "on: ..." or "off: <why>" (no tool attached, KVXFER_NVTX=0, ...)
-        s["copy_path"] = ops.path_stats(rank.views[0].caches)  # SM budget, kernel/DMA calls and why
+        s["copy_path"] = ops.path_stats(rank.views.whole.caches)  # SM budget, kernel/DMA calls and why
         s["engine_id"] = self.engine_id
         s["tp_rank"] = self.tp_rank
         return s

@@ -25,6 +25,7 @@ from .exports import ExportTracker
 from .metrics import Metrics
 from .ordering import StreamOrder
 from .spec import KVCacheSpec
+from .views import CacheViews
 
 __all__ = ["Rank"]
 
@@ -53,7 +54,7 @@ class Rank:
         lease_s: float,
         timeout_s: float,
         pipeline,
-        views: tuple,
+        views: CacheViews,
         num_blocks: int,
         device: torch.device,
         identity: str,
@@ -69,9 +70,8 @@ class Rank:
         self.timeout_s = timeout_s
         self.pipeline = pipeline
         self.views = views
-        self.by_unit: dict = {v.unit: v for v in views}
-        self.units: list[int] = [v.unit for v in views]  # coarsest first
-        self.offset_views: dict = {}  # (unit, offset) -> view: partial loads starting mid-block
+        self.by_unit: dict = views.by_unit
+        self.units: list[int] = views.units  # coarsest first
         self.num_blocks = num_blocks
         self.device = device
         self.metrics = Metrics()

@@ -24,7 +24,7 @@ from ..engine_types import Remote, time_left
 from ..plan import Read
 from ..tracing import batch_tag
 from .base import LoaderLink, StreamJob
-from .batching import BatchPlan, view_at
+from .batching import BatchPlan
 from .staging import Stream
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +52,7 @@ def stream_gathers(rank: Rank, job: StreamJob) -> tuple[Stream, Callable, Callab
     exports = rank.exports
 
     def gather(c, out: torch.Tensor) -> None:
-        view = view_at(rank.by_unit, c.unit, c.offset, rank.offset_views)
+        view = rank.views.at(c.unit, c.offset)
         with exports.lock:
             for k, rid in enumerate(rids):
                 if live[k] and exports.lookup(rid) is not checked[k]:
@@ -88,7 +88,7 @@ def stream_scatters(
     disjoint = bp.distinct
 
     def scatter(c, wire: torch.Tensor) -> None:
-        dv = view_at(rank.by_unit, c.unit, c.offset, rank.offset_views)
+        dv = rank.views.at(c.unit, c.offset)
         bound = rank.num_blocks * (rank.spec.block_size // c.unit)
         ids = ops.CheckedIds(c.units, bound, True) if disjoint else c.units
         ops.scatter_blocks(wire, dv.caches, dv.spec, ids, c.num_tokens, r.dst_head_start, layers)

@@ -193,8 +193,8 @@ class OneSided:
         its ids: both sides' id bounds, and per read an :class:`~kvxfer.ops.PreparedCopy` between
         the whole-block views and its wire bytes per token. Made once per target."""
         rank = self.rank
-        su, du = m.units[0], rank.units[0]
-        sv, dv = m.views[su], rank.by_unit[du]
+        sv, dv = m.views.whole, rank.views.whole
+        su, du = sv.unit, dv.unit
         copies = [
             (
                 ops.PreparedCopy(sv.caches, dv.caches, r.src_head_start, r.dst_head_start, r.num_heads),
