@@ -23,7 +23,7 @@ with the reason).
 
 from __future__ import annotations
 
-from .base import LoaderLink, StreamJob, Transport
+from .base import LoaderLink, StreamJob, Transport, offered
 from .batching import BatchPlan, Call, Item, plan_batch
 from .ipc.mappers import mapper, register_mapper
 
@@ -38,6 +38,7 @@ __all__ = [
     "StreamJob",
     "Transport",
     "mapper",
+    "offered",
     "plan_batch",
     "register_mapper",
 ]

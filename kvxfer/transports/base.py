@@ -15,9 +15,9 @@ from .. import control
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine_types import Remote
     from ..plan import Read
-    from ..rank import Rank
+    from ..rank import Rank, Runtime
 
-__all__ = ["LoaderLink", "StreamJob", "Transport"]
+__all__ = ["LoaderLink", "StreamJob", "Transport", "offered"]
 
 
 class StreamJob(NamedTuple):
@@ -30,12 +30,14 @@ class StreamJob(NamedTuple):
 
 
 class LoaderLink(Protocol):
-    """What a transport uses of the loader (:class:`kvxfer.loader.Loader`): the rank, the worker
+    """What a transport uses of the loader (:class:`kvxfer.loader.Loader`): the rank and its
+    runtime, the worker
     thread's side-channel client, :meth:`forget` of a remote that stopped answering (the next
     load handshakes anew); and for the one-sided ``ipc`` path, the handshaken ``remotes`` by
     engine id and :meth:`notify` of loads it reported."""
 
     rank: Rank
+    rt: Runtime
     client: control.ControlClient
     remotes: dict[str, Remote]
 
@@ -99,3 +101,8 @@ class Transport(Protocol):
 
     def stats(self) -> dict:
         """Its part of ``TransferEngine.stats()``."""
+
+
+def offered(transports: dict[str, Transport]) -> list[str]:
+    """The names of the transports a rank offers now (those whose ``why`` is empty)."""
+    return [name for name, t in transports.items() if not t.why]

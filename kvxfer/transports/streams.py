@@ -28,14 +28,14 @@ from .batching import BatchPlan
 from .staging import Stream
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..rank import Rank
+    from ..rank import Rank, Runtime
 
 __all__ = ["RELEASED_MID_STREAM", "ask_stream", "stream_gathers", "stream_scatters", "take_status"]
 
 RELEASED_MID_STREAM = "released during the stream (lease ended or aborted); not delivered"
 
 
-def stream_gathers(rank: Rank, job: StreamJob) -> tuple[Stream, Callable, Callable[[], bytes]]:
+def stream_gathers(rank: Rank, rt: Runtime, job: StreamJob) -> tuple[Stream, Callable, Callable[[], bytes]]:
     """The exporter's end of a checked send request: its :class:`Stream` (source unit ids as
     tensors), the gather the staged pipeline runs per chunk, and ``status()``: one byte per
     request of ``job``, 1 when the export checked for it (``job.exports``) was still live at
@@ -49,7 +49,7 @@ def stream_gathers(rank: Rank, job: StreamJob) -> tuple[Stream, Callable, Callab
     layers = list(msg.layers) or None
     rids = msg.request_ids
     live = bytearray(b"\x01" * len(rids))
-    exports = rank.exports
+    exports = rt.exports
 
     def gather(c, out: torch.Tensor) -> None:
         view = rank.views.at(c.unit, c.offset)

@@ -18,7 +18,7 @@ from ..epochs import stale_loads
 from . import offer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...rank import Rank
+    from ...rank import Rank, Runtime
 
 __all__ = ["IpcMap", "launch", "map_rank", "read"]
 
@@ -86,6 +86,7 @@ def launch(
 
 def read(
     rank: Rank,
+    rt: Runtime,
     mapped: IpcMap,
     rem: Remote,
     s: int,
@@ -100,18 +101,18 @@ def read(
     block epochs against the grant's (``granted``: local id -> int64 epochs, native bytes).
     Returns (wire bytes moved, the local ids that landed: copied, the copy completed and their
     epochs unchanged; local id -> why for the loads whose blocks were released meanwhile)."""
-    hook = rank.hooks.get("before_ipc_copy")
+    hook = rt.hooks.get("before_ipc_copy")
     if hook:
         hook()
     moved, saved, calls = launch(rank, mapped, rem, reads, loads, layers)
-    rank.order.wait_done(time_left(deadline))  # CUDA: the copy ran before the epochs are re-read
-    hook = rank.hooks.get("after_ipc_copy")
+    rt.order.wait_done(time_left(deadline))  # CUDA: the copy ran before the epochs are re-read
+    hook = rt.hooks.get("after_ipc_copy")
     if hook:
         hook(mapped.epochs)
     # One epoch check, after the copy: epochs only grow, so it also catches blocks released
     # between the grant and the copy (a separate check before the copy cost ~15 us per batch
     # and only spared copying data that is then never delivered).
     bad = stale_loads(mapped.epochs_np, loads, granted, s)
-    rank.metrics.record_ops(calls, saved)
+    rt.metrics.record_ops(calls, saved)
     landed = {it.request_id for it in loads if it.request_id not in bad}
     return moved, landed, bad

@@ -26,7 +26,7 @@ from .read import IpcMap, map_rank, read
 from .slots import DEFAULT_SLOTS, HEADER, SLOT, ExporterSlots, SlotView
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...rank import Rank
+    from ...rank import Rank, Runtime
 
 __all__ = ["IpcTransport"]
 
@@ -43,8 +43,9 @@ class IpcTransport:
 
     name = "ipc"
 
-    def __init__(self, rank: Rank) -> None:
+    def __init__(self, rank: Rank, rt: Runtime) -> None:
         self.rank = rank
+        self.rt = rt
         self.why = "not started"
         self.epochs = None
         self._entry: dict | None = None
@@ -59,7 +60,7 @@ class IpcTransport:
         self.epoch = 0  # remotes forgotten so far (a one-sided target made before is stale)
 
     def start(self) -> None:
-        rank = self.rank
+        rank, rt = self.rank, self.rt
         made = offer.offer_ipc(
             rank.caches, rank.device, rank.num_blocks, rank.engine_id, rank.transport in ("auto", "ipc")
         )
@@ -68,7 +69,7 @@ class IpcTransport:
         if made.offered:
             n = min(DEFAULT_SLOTS, max(64, 2 * rank.num_blocks))
             table, self.slot_segment = mapper("shm").alloc_shm_array(HEADER + n * SLOT, "ls")
-            self.slots = ExporterSlots(table.numpy(), rank.incarnation)
+            self.slots = ExporterSlots(table.numpy(), rt.incarnation)
             self._entry["slots"] = self.slot_segment.name
             self._entry["slot_words"] = HEADER + n * SLOT
 
@@ -132,7 +133,7 @@ class IpcTransport:
             with self.lock:
                 mapped = got[1][s] = map_rank(rem, s, self.rank.device)
         with trace("copy", items_tag, loads):
-            return read(self.rank, mapped, rem, s, reads, loads, granted, deadline, layers)
+            return read(self.rank, self.rt, mapped, rem, s, reads, loads, granted, deadline, layers)
 
     def mapped(self, rem: Remote, s: int) -> IpcMap | None:
         """Source rank ``s`` of ``rem`` as mapped by an earlier read (None if not yet)."""
