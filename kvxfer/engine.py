@@ -261,7 +261,7 @@ class TransferEngine:
         ipc = self._transports["ipc"]
         ipc.start()  # the epochs the export tracker keeps, in shared memory when ipc is offered
         rt.exports = ExportTracker(self.num_blocks, self.lease_s, ipc.epochs)
-        rt.exports.slots = ipc.slots  # one-sided reads by loaders on this host (ipc.onesided)
+        ipc.follow(rt.exports)  # the lease-slot table one-sided loaders on this host read
         for name in ("pg", "nixl"):  # nixl registers the tracker's epochs with its agent
             self._transports[name].start()
         self._loader.start(self._ctx)

@@ -111,26 +111,15 @@ class Exporter:
                 )
 
     def tick(self, beat: bool = True) -> None:
-        """What the lease-slot table needs often (:mod:`kvxfer.transports.ipc.slots`): the
-        heartbeat, the ready flags of exports whose compute completed, the done marks of
-        one-sided reads (counted as notifications). Called by the server thread every tick and
-        by ``poll()`` (``beat=False``: the server thread's beat suffices); one load when there is
-        nothing to do."""
-        exports = self.rt.exports
-        slots = exports.slots
-        if slots is None:
-            return
-        if beat:
-            slots.beat()
-        if exports.unready:
-            exports.refresh_ready(self._not_ready)
-        if slots.marked():
-            n = exports.collect_done(self.expected_from)
-            if n:
-                self.rt.metrics.add("finished_exports", n)
-
-    def _not_ready(self, request_ids: list[str]) -> list[str]:
-        return self.rt.order.not_ready(request_ids, count=False)
+        """What the transports do often (:meth:`~kvxfer.transports.Transport.tick`: the ``ipc``
+        lease-slot table's heartbeat, ready flags and the done marks of one-sided reads, counted
+        as notifications). Called by the server thread every tick and by ``poll()``
+        (``beat=False``: the server thread's beat suffices)."""
+        n = 0
+        for t in self.transports.values():
+            n += t.tick(beat, self.expected_from)
+        if n:
+            self.rt.metrics.add("finished_exports", n)
 
     def handle(self, msg):
         """The reply to one side-channel message (or a :class:`~kvxfer.control.Deferred`)."""

@@ -7,6 +7,7 @@ staged transport."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from threading import Thread
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -64,6 +65,11 @@ class Transport(Protocol):
     def serves(self) -> dict:
         """Exporter: ``{message type: handler}`` of the side-channel messages this transport
         answers itself (pair requests)."""
+
+    def tick(self, beat: bool, expected: Callable[[int, int], int | str]) -> int:
+        """Exporter, every side-channel tick and ``poll()``: what the transport keeps up to date
+        (``beat``: the tick's heartbeat is due; ``expected``: the exporter's
+        ``expected_from``); returns the exports it finished (``ipc``: by done marks)."""
 
     def serve_stream(self, job: StreamJob) -> control.SendReply:
         """Exporter: run a checked send request's stream (staged transports), or refuse it."""

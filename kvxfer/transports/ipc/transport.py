@@ -2,8 +2,9 @@
 
 Exporter: at start it describes the rank's caches for loaders on this host and allocates the
 block-epoch array and the lease-slot table in shared memory (:mod:`~kvxfer.transports.ipc.offer`,
-:mod:`~kvxfer.transports.ipc.slots`); both are the export tracker's, so a loader that maps them
-sees every export and release. Loader: it maps each source rank on first use and copies straight
+:mod:`~kvxfer.transports.ipc.slots`); the epochs are the export tracker's, and the table follows
+the tracker's leases (:meth:`IpcTransport.follow`), so a loader that maps them sees every export
+and release. Loader: it maps each source rank on first use and copies straight
 from it (:mod:`~kvxfer.transports.ipc.read`); once mapped, :mod:`~kvxfer.transports.ipc.onesided`
 reads without a message."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ... import control
@@ -21,11 +23,13 @@ from ...plan import Read
 from ...tracing import items_tag, trace
 from ..base import LoaderLink, StreamJob
 from . import offer
+from .leases import LeaseSlots
 from .mappers import mapper
 from .read import IpcMap, map_rank, read
 from .slots import DEFAULT_SLOTS, HEADER, SLOT, ExporterSlots, SlotView
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ...exports import ExportTracker
     from ...rank import Rank, Runtime
 
 __all__ = ["IpcTransport"]
@@ -38,7 +42,8 @@ CLOSE_WAIT_S = 2.0  # close() waits this long for one-sided copies still reading
 class IpcTransport:
     """See the module doc; ``epochs`` is the shared epoch array once offered (else None),
     ``segment`` its shared-memory segment, ``slots`` the lease-slot table
-    (:class:`~kvxfer.transports.ipc.slots.ExporterSlots`, else None). ``lock`` is held while a
+    (:class:`~kvxfer.transports.ipc.slots.ExporterSlots`, else None), ``leases`` the listener
+    that keeps it following the export tracker (:meth:`follow`). ``lock`` is held while a
     mapping is used or dropped from two threads (the one-sided path runs in the caller's)."""
 
     name = "ipc"
@@ -51,6 +56,7 @@ class IpcTransport:
         self._entry: dict | None = None
         self.segment = None
         self.slots: ExporterSlots | None = None
+        self.leases: LeaseSlots | None = None
         self.slot_segment = None
         self._maps: dict[int, tuple[Remote, dict[int, IpcMap]]] = {}  # id(remote) -> its maps
         # id(remote) -> (remote, [each exporter rank's SlotView or None], their shm handles)
@@ -72,6 +78,18 @@ class IpcTransport:
             self.slots = ExporterSlots(table.numpy(), rt.incarnation)
             self._entry["slots"] = self.slot_segment.name
             self._entry["slot_words"] = HEADER + n * SLOT
+
+    def follow(self, exports: ExportTracker) -> None:
+        """Publish the leases of ``exports`` (the rank's tracker, over this transport's epochs) in
+        the lease-slot table, when there is one."""
+        if self.slots is not None:
+            self.leases = LeaseSlots(
+                self.slots, exports, lambda rids: self.rt.order.not_ready(rids, count=False)
+            )
+
+    def tick(self, beat: bool, expected: Callable[[int, int], int | str]) -> int:
+        """The lease-slot table's tick (:meth:`LeaseSlots.tick`); exports it finished."""
+        return self.leases.tick(beat, expected) if self.leases is not None else 0
 
     @property
     def entry(self) -> dict:

@@ -207,6 +207,9 @@ class NixlTransport:
         self.peers[name] = float(msg.timeout_s)
         return control.SendReply(ok=True, failed={})
 
+    def tick(self, beat: bool, expected) -> int:
+        return 0
+
     def serve_stream(self, job: StreamJob) -> control.SendReply:
         """Queue a checked staged stream for the sender thread (its key names a paired loader
         agent: ``<agent>#<hex>``)."""

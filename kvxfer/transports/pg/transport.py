@@ -82,6 +82,9 @@ class PgTransport:
         why = self.senders.open(msg.key, backend)
         return control.SendReply(ok=not why, failed={"*": why} if why else {})
 
+    def tick(self, beat: bool, expected) -> int:
+        return 0
+
     def serve_stream(self, job: StreamJob) -> control.SendReply:
         key = job.msg.key
         if self.senders.backend(key) is None:
