@@ -2,8 +2,8 @@
 
 It plays both roles: it *exports* requests whose KV it holds (prefill, or decode for
 multi-turn reuse) and *loads* requests from remote engines. The class is the public API and
-the lifecycle, a facade over objects that each do one job, all handed the rank's shared state
-(:class:`~kvxfer.rank.Rank`):
+the lifecycle, a facade over objects that each do one job, all handed the rank's configuration
+(:class:`~kvxfer.rank.Rank`) and what they share while it runs (:class:`~kvxfer.rank.Runtime`):
 
 * :class:`~kvxfer.exporter.Exporter` — the side-channel server thread: handshakes, lease
   grants, send requests, notifications, heartbeats, lease expiry;
@@ -43,9 +43,9 @@ from .loader import Loader
 from .metrics import now
 from .notifier import Notifier
 from .params import KVTransferParams, params_dict
-from .rank import Rank
+from .rank import Rank, Runtime
 from .spec import KVCacheSpec
-from .transports import TRANSPORTS, cache_views
+from .transports import TRANSPORTS
 from .transports.ipc.cuda_ipc import host_id
 from .transports.ipc.onesided import OneSided
 from .transports.ipc.transport import IpcTransport
@@ -53,6 +53,7 @@ from .transports.nixl.agent import require_nixl
 from .transports.nixl.transport import NixlTransport
 from .transports.pg.pipeline import StagedPipeline
 from .transports.pg.transport import PgTransport
+from .views import CacheViews
 
 _LOG = logging.getLogger(__name__)
 
@@ -190,22 +191,27 @@ class TransferEngine:
         self.pipeline = pipeline if pipeline is not None else StagedPipeline()
         self.num_blocks = side.num_blocks
         self.device = side.device
-        self._base_port = port
+        self.port = port  # the bound base port once started
         self._auth_key = auth_key
         # Registered once (ops skip per-layer checks); whole blocks, and token slots if possible.
         # max_sms: the SM budget of every op on these caches (kvxfer.ops.register_caches)
-        views = cache_views(self.caches, spec, max_sms)
+        views = CacheViews(self.caches, spec, max_sms)
         rank = self._rank = Rank(
-            spec, self.caches, tp_rank, tp_size, engine_id, host, transport, self.lease_s, self.timeout_s,
-            self.pipeline, views, self.num_blocks, self.device, host_id(),
+            spec, tuple(self.caches), views, tp_rank, tp_size, engine_id, host, port, transport,
+            self.lease_s, self.timeout_s, self.pipeline, self.device, host_id(), onesided,
         )  # fmt: skip
-        self._transports = {"ipc": IpcTransport(rank), "pg": PgTransport(rank), "nixl": NixlTransport(rank)}
-        self._notifier = Notifier(engine_id, rank.stop, rank.metrics)
-        self._loader = Loader(rank, self._transports, self._notifier)
-        self._exporter = Exporter(rank, self._transports)
-        self._onesided = OneSided(rank, self._loader, self._transports["ipc"]) if onesided else None
-        rank.onesided = onesided
-        self._hooks = rank.hooks  # test hooks, by name (each read where it is called)
+        rt = self._rt = Runtime(self.device)
+        self._transports = {
+            "ipc": IpcTransport(rank, rt),
+            "pg": PgTransport(rank, rt),
+            "nixl": NixlTransport(rank, rt),
+        }
+        self._notifier = Notifier(engine_id, rt.stop, rt.metrics)
+        self._loader = Loader(rank, rt, self._transports, self._notifier)
+        self._exporter = Exporter(rank, rt, self._transports)
+        self._onesided = OneSided(rank, rt, self._loader, self._transports["ipc"]) if onesided else None
+        self._hooks = rt.hooks  # test hooks, by name (each read where it is called)
+        self._ctx = None  # the zmq context, made by start()
         self._started = False
         self._closed = False
         self._open = False  # started and not closed: what every API call checks first
@@ -223,7 +229,7 @@ class TransferEngine:
             raise RuntimeError("start: already started")
         if self._closed:
             raise RuntimeError("start: the engine was closed; make a new one")
-        self._rank.ctx = zmq.Context()
+        self._ctx = zmq.Context()
         try:
             self._start_parts()
         except BaseException:
@@ -234,17 +240,13 @@ class TransferEngine:
         return self
 
     def _start_parts(self) -> None:
-        rank = self._rank
-        rank.port = self._base_port
-        self._exporter.bind()
-        self.port = rank.port
-        rank.secret = EngineSecret(
-            self.engine_id, self._base_port, self.tp_rank, self._auth_key, self.timeout_s
-        )
-        rank.incarnation = secrets.token_hex(8)
+        rank, rt = self._rank, self._rt
+        self.port = self._exporter.bind(self._ctx)
+        rt.secret = EngineSecret(self.engine_id, rank.port, self.tp_rank, self._auth_key, self.timeout_s)
+        rt.incarnation = secrets.token_hex(8)
         idops.ensure()  # the native bookkeeping helpers, built now if missing (not on a request)
         if self.device.type == "cuda":  # compile/load the kernels now, not on the first request
-            for v in rank.views:
+            for v in rank.views.views:
                 try:
                     ops.warmup(v.caches, v.spec)
                 except Exception as e:
@@ -258,16 +260,12 @@ class TransferEngine:
                     )
         ipc = self._transports["ipc"]
         ipc.start()  # the epochs the export tracker keeps, in shared memory when ipc is offered
-        rank.exports = ExportTracker(self.num_blocks, self.lease_s, ipc.epochs)
-        rank.exports.slots = ipc.slots  # one-sided reads by loaders on this host (ipc.onesided)
-        rank.offers = ["ipc"] if not ipc.why else []
+        rt.exports = ExportTracker(self.num_blocks, self.lease_s, ipc.epochs)
+        ipc.follow(rt.exports)  # the lease-slot table one-sided loaders on this host read
         for name in ("pg", "nixl"):  # nixl registers the tracker's epochs with its agent
-            t = self._transports[name]
-            t.start()
-            if not t.why:
-                rank.offers.append(name)
-        self._loader.start()
-        self._notifier.start(rank.ctx, f"kvxfer-notifier-{self.engine_id}-{self.tp_rank}")
+            self._transports[name].start()
+        self._loader.start(self._ctx)
+        self._notifier.start(self._ctx, f"kvxfer-notifier-{self.engine_id}-{self.tp_rank}")
         self._exporter.start()
 
     def _threads(self) -> list:
@@ -292,12 +290,12 @@ class TransferEngine:
             self._closed = True
             return
         self._closed = True
-        rank = self._rank
+        rt = self._rt
         # End every live export first: its blocks' epochs move, so a loader that granted one
         # and copies it after this (ipc, nixl direct) fails the load instead of delivering
         # bytes the runner may already be reusing; a stream stops sending it.
-        rank.exports.release_all("the exporting engine closed")
-        rank.stop.set()
+        rt.exports.release_all("the exporting engine closed")
+        rt.stop.set()
         self._loader.stop()
         threads = self._threads()
         for t in self._transports.values():
@@ -323,15 +321,15 @@ class TransferEngine:
     def _release_parts(self, busy: bool = False) -> None:
         """Free what :meth:`start` made (whatever part of it was made); ``busy``: a thread is
         still inside a transport call."""
-        rank = self._rank
+        rt = self._rt
         self._loader.close()
         for t in self._transports.values():
             t.close(busy)
         self._exporter.close()
-        if rank.secret is not None:
-            rank.secret.close()
-        if rank.ctx is not None:
-            rank.ctx.destroy(linger=0)  # closes any socket still open: term() would wait on it
+        if rt.secret is not None:
+            rt.secret.close()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)  # closes any socket still open: term() would wait on it
 
     def __enter__(self) -> TransferEngine:
         return self.start() if not self._started else self
@@ -384,12 +382,12 @@ class TransferEngine:
             block_ids = block_ids[:need]
         ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
         token, digest, gen = self._export_token(request_id, ids, num_tokens, token)
-        rank = self._rank
+        rt = self._rt
         if not streaming:
-            rank.order.mark(request_id, ready)
+            rt.order.mark(request_id, ready)
         layers = self.spec.num_layers if streaming else 0
-        gated = rank.order.gated(request_id)
-        rank.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated)
+        gated = rt.order.gated(request_id)
+        rt.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated)
         # plain ints: that list is the params' (JSON-safe); else the checked array's values
         listed = block_ids if type(block_ids) is list and idops.exact_ints(block_ids) else ids.tolist()
         return params_dict(
@@ -416,8 +414,8 @@ class TransferEngine:
             raise ValueError(f"layers: repeated layer index in {idx}")
         mask = np.zeros(L, dtype=bool)
         mask[idx] = True
-        events = [] if ready is None else self._rank.order.events(ready)
-        self._rank.exports.mark_layers(request_id, mask, events)
+        events = [] if ready is None else self._rt.order.events(ready)
+        self._rt.exports.mark_layers(request_id, mask, events)
 
     def params_for(self, request_id: str, block_ids, num_tokens: int) -> dict:
         """The params :meth:`export` will return for these arguments, without exporting: for a
@@ -445,9 +443,9 @@ class TransferEngine:
         """(token, content digest, generation) of an export of ``request_id`` (:mod:`kvxfer.auth`):
         the generation's token, the same on every rank; or ``token`` checked to be one this
         engine's secret made for these ids and ``num_tokens``."""
-        secret = self._rank.secret
+        secret = self._rt.secret
         digest = content_digest(num_tokens, ids)
-        gen = self._rank.exports.generation(request_id)
+        gen = self._rt.exports.generation(request_id)
         if token is None:
             return secret.token(request_id, gen.to_bytes(8, "big"), digest), digest, gen
         if not secret.verify(request_id, token, digest):
@@ -460,7 +458,7 @@ class TransferEngine:
     def set_compute_stream(self, stream) -> None:
         """Exports made after this wait for the work issued on ``stream`` before each export
         (a CUDA event recorded at export; polled, never synchronised). ``None`` stops it."""
-        self._rank.order.set_compute_stream(stream)
+        self._rt.order.set_compute_stream(stream)
 
     def abort_export(self, request_id: str) -> bool:
         """Release an exported request now (e.g. the client went away); reported as finished_sending.
@@ -468,7 +466,7 @@ class TransferEngine:
         A loader still reading it gets it reported failed, never delivered.
         """
         self._check_started()
-        return self._rank.exports.abort(request_id)
+        return self._rt.exports.abort(request_id)
 
     def release(self, params: dict | list | KVTransferParams) -> None:
         """Tell the exporter of ``params`` that this engine will never load them (the request was
@@ -515,7 +513,7 @@ class TransferEngine:
             raise ValueError(
                 f"num_computed_tokens: {k} is not a multiple of the block size {self.spec.block_size}"
             )
-        self._rank.loads.add(request_id, ids, now())
+        self._rt.loads.add(request_id, ids, now())
         item = LoadItem(request_id, p, ids, 0.0, k)
         if self._onesided is not None and self._onesided.try_load(item, self.timeout_s):
             return  # launched here, reported by a later poll()
@@ -557,9 +555,9 @@ class TransferEngine:
         if self._onesided is not None:
             self._onesided.complete()
         self._exporter.tick(beat=False)  # ready flags, done marks of one-sided reads
-        rank = self._rank
-        rank.exports.drain(out)
-        rank.loads.drain(out)
+        rt = self._rt
+        rt.exports.drain(out)
+        rt.loads.drain(out)
         return out
 
     def wait(self, request_ids, timeout_s: float) -> PollResult:
@@ -591,21 +589,21 @@ class TransferEngine:
     def stats(self) -> dict:
         """Counters, bytes, p50/p90/p99 transfer time (of the last 100 000 loads), busy-time
         throughput, transports."""
-        rank = self._rank
-        s = rank.metrics.snapshot()
+        rank, rt = self._rank, self._rt
+        s = rt.metrics.snapshot()
         if self._started:
-            s["exports_live"] = rank.exports.num_live()
-            s["blocks_held"] = rank.exports.held_blocks()
-        s["loads_pending"] = rank.loads.pending()
+            s["exports_live"] = rt.exports.num_live()
+            s["blocks_held"] = rt.exports.held_blocks()
+        s["loads_pending"] = rt.loads.pending()
         s["transport_reasons"] = dict(self._loader.transport_reasons)
         s["onesided"] = self._onesided.stats() if self._onesided is not None else {"off": True}
         s.update(self.pipeline.stats())
         for t in self._transports.values():
             s.update(t.stats())
-        s["not_ready_grants"] = rank.order.num_not_ready
+        s["not_ready_grants"] = rt.order.num_not_ready
         s["bookkeeping"] = idops.status()  # "native: <path>" or "numpy (<why>)"
         s["nvtx"] = tracing.status()  # "on: ..." or "off: <why>" (no tool attached, KVXFER_NVTX=0, ...)
-        s["copy_path"] = ops.path_stats(rank.views[0].caches)  # SM budget, kernel/DMA calls and why
+        s["copy_path"] = ops.path_stats(rank.views.whole.caches)  # SM budget, kernel/DMA calls and why
         s["engine_id"] = self.engine_id
         s["tp_rank"] = self.tp_rank
         return s

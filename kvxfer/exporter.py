@@ -24,8 +24,8 @@ from .entitlement import allowed_prefixes, call_refusal
 from .exports import UNKNOWN
 from .ordering import NOT_READY
 from .plan import plan_reads
-from .rank import Rank
-from .transports import Transport
+from .rank import Rank, Runtime
+from .transports import Transport, offered
 from .transports.streams import StreamJob
 
 _LOG = logging.getLogger(__name__)
@@ -39,12 +39,14 @@ class Exporter:
     """Serves remote loaders from one engine rank (see the module doc).
 
     Args:
-        rank: the rank's shared state.
+        rank: the rank's configuration.
+        rt: what the rank's parts share while it runs (its export tracker, secret, counters).
         transports: the rank's transports by name.
     """
 
-    def __init__(self, rank: Rank, transports: dict[str, Transport]) -> None:
+    def __init__(self, rank: Rank, rt: Runtime, transports: dict[str, Transport]) -> None:
         self.rank = rank
+        self.rt = rt
         self.transports = transports
         self.server: control.ControlServer | None = None
         # loader tp size -> (notifications per request, loader ranks that notify this rank), or
@@ -54,12 +56,13 @@ class Exporter:
         self._handlers: dict[type, object] = {}
 
     # -------------------------------------------------------------------------- lifecycle
-    def bind(self) -> None:
-        """Bind the side channel (rank 0's port + this rank, or a free port); sets ``rank.port``."""
+    def bind(self, ctx) -> int:
+        """Bind the side channel in zmq context ``ctx`` (rank 0's port + this rank, or a free
+        port); returns the engine's base port (what rank 0 binds)."""
         rank = self.rank
         port = rank.port + rank.tp_rank if rank.port else 0
-        self.server = control.ControlServer(rank.ctx, rank.host, port)
-        rank.port = self.server.port - rank.tp_rank
+        self.server = control.ControlServer(ctx, rank.host, port)
+        return self.server.port - rank.tp_rank
 
     def start(self) -> None:
         """Start serving (after the transports started: their handlers are looked up now)."""
@@ -88,16 +91,16 @@ class Exporter:
 
     # -------------------------------------------------------------------------- server
     def _serve(self) -> None:
-        rank = self.rank
-        while not rank.stop.is_set():
+        rank, rt = self.rank, self.rt
+        while not rt.stop.is_set():
             try:
                 self.server.serve_once(self.handle, TICK_MS)
                 self.tick()
-                n = rank.exports.expire()
+                n = rt.exports.expire()
                 if n:
-                    rank.metrics.add("expirations", n)
+                    rt.metrics.add("expirations", n)
             except Exception as e:  # keep serving; the peer sees a timeout
-                if rank.stop.is_set():
+                if rt.stop.is_set():
                     return
                 _LOG.warning(
                     "kvxfer exporter %s rank %d: side channel error (%s: %s); still serving",
@@ -108,26 +111,15 @@ class Exporter:
                 )
 
     def tick(self, beat: bool = True) -> None:
-        """What the lease-slot table needs often (:mod:`kvxfer.transports.ipc.slots`): the
-        heartbeat, the ready flags of exports whose compute completed, the done marks of
-        one-sided reads (counted as notifications). Called by the server thread every tick and
-        by ``poll()`` (``beat=False``: the server thread's beat suffices); one load when there is
-        nothing to do."""
-        exports = self.rank.exports
-        slots = exports.slots
-        if slots is None:
-            return
-        if beat:
-            slots.beat()
-        if exports.unready:
-            exports.refresh_ready(self._not_ready)
-        if slots.marked():
-            n = exports.collect_done(self.expected_from)
-            if n:
-                self.rank.metrics.add("finished_exports", n)
-
-    def _not_ready(self, request_ids: list[str]) -> list[str]:
-        return self.rank.order.not_ready(request_ids, count=False)
+        """What the transports do often (:meth:`~kvxfer.transports.Transport.tick`: the ``ipc``
+        lease-slot table's heartbeat, ready flags and the done marks of one-sided reads, counted
+        as notifications). Called by the server thread every tick and by ``poll()``
+        (``beat=False``: the server thread's beat suffices)."""
+        n = 0
+        for t in self.transports.values():
+            n += t.tick(beat, self.expected_from)
+        if n:
+            self.rt.metrics.add("finished_exports", n)
 
     def handle(self, msg):
         """The reply to one side-channel message (or a :class:`~kvxfer.control.Deferred`)."""
@@ -144,7 +136,7 @@ class Exporter:
         miscounted = self._miscounted(request_ids, tokens, digests)
         if miscounted is not None:
             return miscounted
-        return self.rank.exports.unauthorized(request_ids, tokens, self.rank.secret.verify, digests)
+        return self.rt.exports.unauthorized(request_ids, tokens, self.rt.secret.verify, digests)
 
     @staticmethod
     def _miscounted(request_ids: list[str], tokens, digests=None) -> dict[str, str] | None:
@@ -172,20 +164,20 @@ class Exporter:
         bad = self.authorized([msg.request_id], [msg.token], [msg.digest])
         if bad:
             return control.ErrorReply(f"{control.HELLO_REFUSED}: {next(iter(bad.values()))}")
-        rank = self.rank
+        rank, rt = self.rank, self.rt
         entries = {name: t.hello_entry(msg) for name, t in self.transports.items()}
         return control.HelloReply(
-            **rank.identity_fields(),
+            **rank.identity_fields(offered(self.transports)),
             num_blocks=rank.num_blocks,
             ipc=entries["ipc"],
             pg=entries["pg"],
-            incarnation=rank.incarnation,
+            incarnation=rt.incarnation,
             nixl=entries["nixl"],
         )
 
     def _handle_heartbeat(self, msg: control.Heartbeat) -> control.Ack:
         bad = self.authorized(msg.request_ids, msg.tokens)
-        self.rank.exports.heartbeat([r for r in msg.request_ids if r not in bad])
+        self.rt.exports.heartbeat([r for r in msg.request_ids if r not in bad])
         return control.Ack(failed=bad)
 
     # -------------------------------------------------------------------------- grants
@@ -203,16 +195,16 @@ class Exporter:
         layers ready of layer-wise exports (``layers``: one entry per granted request, ``b""``
         for a whole one; empty when none is layer-wise). None (not ``final``) when nothing the
         loader wants is ready yet."""
-        rank = self.rank
+        rt = self.rt
         miscounted = self._miscounted(msg.request_ids, msg.tokens, msg.digests)
         if miscounted is not None:
             ok, failed, masks = {}, miscounted, {}
         else:
-            with rank.exports.lock:
-                ok, failed, masks = rank.exports.grant(
-                    msg.request_ids, msg.tokens, rank.secret.verify, msg.digests
+            with rt.exports.lock:
+                ok, failed, masks = rt.exports.grant(
+                    msg.request_ids, msg.tokens, rt.secret.verify, msg.digests
                 )
-        for rid in rank.order.not_ready(list(ok)):  # compute still writing: ask again
+        for rid in rt.order.not_ready(list(ok)):  # compute still writing: ask again
             del ok[rid]
             failed[rid] = NOT_READY
         layers: list[bytes] = []
@@ -240,7 +232,7 @@ class Exporter:
         ):
             return None
         return control.ReadReply(
-            ok=list(ok), epochs=list(ok.values()), failed=failed, incarnation=rank.incarnation, layers=layers
+            ok=list(ok), epochs=list(ok.values()), failed=failed, incarnation=rt.incarnation, layers=layers
         )
 
     # -------------------------------------------------------------------------- notifications
@@ -248,22 +240,22 @@ class Exporter:
         """Count a loader rank's notifications (idempotent: a retried one counts once). The
         plan that says how many to expect is made only once a token verified, for a loader rank
         the plan has notify this rank (another one counts nothing)."""
-        rank = self.rank
+        rt = self.rt
         ids = [*msg.request_ids, *msg.failed] if msg.failed else msg.request_ids
         bad = self._miscounted(ids, msg.tokens)
         if bad is not None:
             return control.Ack(failed=bad)
         bad = {}
-        released = rank.exports.notify_many(
+        released = rt.exports.notify_many(
             ids,
             msg.tp_rank,  # one key per loader rank, shared with its done marks (ipc.slots)
             lambda: self.expected_from(msg.tp_size, msg.tp_rank),
             msg.tokens,
-            rank.secret.verify,
+            rt.secret.verify,
             bad,
         )
         if released:
-            rank.metrics.add("finished_exports", released)
+            rt.metrics.add("finished_exports", released)
         return control.Ack(failed=bad)
 
     def expected_from(self, loader_tp: int, loader_rank: int) -> int | str:
@@ -306,13 +298,11 @@ class Exporter:
     def stream_job(self, msg: control.SendReq) -> StreamJob | control.SendReply:
         """The stream of a send request (its tokens verified), its requests' leases renewed; or
         why it cannot be streamed, as the reply."""
-        rank = self.rank
+        rank, rt = self.rank, self.rt
         units = sorted({msg.unit, *(c[3] for c in msg.calls if c[3])})  # the calls' own units, if any
         for u in units:
-            if u not in rank.by_unit:
-                return control.SendReply(
-                    ok=False, failed={"*": f"unit {u}: not one of {sorted(rank.by_unit)}"}
-                )
+            if u not in rank.units:
+                return control.SendReply(ok=False, failed={"*": f"unit {u}: not one of {sorted(rank.units)}"})
         if msg.layers and (
             len(set(msg.layers)) != len(msg.layers)
             or not all(0 <= x < rank.spec.num_layers for x in msg.layers)
@@ -328,7 +318,7 @@ class Exporter:
             why = rank.pipeline.check_chunk(rank.spec, msg.num_heads, msg.chunk_tokens, u, nl)
             if why:
                 return control.SendReply(ok=False, failed={"*": f"staging: {why}"})
-        exports = rank.exports
+        exports = rt.exports
         with exports.lock:
             live = [(rid, exports.lookup(rid)) for rid in msg.request_ids]
             gone = {

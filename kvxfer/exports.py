@@ -7,7 +7,8 @@ size), or until its lease expires. Blocks shared by several held requests (n>1 p
 refcounted; when a block's refcount drops to zero its *epoch* is bumped, so a loader that copies
 straight out of this rank's memory (``ipc``) can tell, after the copy, whether the blocks were
 released while it read them. What it finishes or expires goes out through ``poll()``
-(:class:`~kvxfer.completion.PollResult`).
+(:class:`~kvxfer.completion.PollResult`). A :class:`LeaseListener` subscribed to the tracker
+(the ``ipc`` transport's lease-slot table) follows every lease it opens, renews and ends.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -45,7 +47,24 @@ def _NONES(request_ids: list) -> itertools.repeat:
     return itertools.repeat(None, len(request_ids))
 
 
-__all__ = ["ALTERED", "OTHER_EXPORT", "RELEASED", "UNKNOWN", "ExportTracker"]
+__all__ = ["ALTERED", "OTHER_EXPORT", "RELEASED", "UNKNOWN", "ExportTracker", "LeaseListener"]
+
+
+class LeaseListener(Protocol):
+    """What follows the tracker's leases (:meth:`ExportTracker.subscribe`; the ``ipc``
+    transport's lease-slot table, :class:`kvxfer.transports.ipc.leases.LeaseSlots`). Called
+    under the tracker's lock; none of them may raise."""
+
+    def opened(
+        self, request_id: str, token: str, digest: bytes, deadline: float, ready: bool, layerwise: bool
+    ) -> None:
+        """A lease was opened (``ready``: the compute that wrote its blocks completed)."""
+
+    def renewed(self, request_id: str, deadline: float) -> None:
+        """A lease now ends at ``deadline`` (monotonic)."""
+
+    def closed(self, request_id: str) -> None:
+        """A lease ended; its blocks' epochs move right after."""
 
 
 class _Export:
@@ -62,7 +81,6 @@ class _Export:
         "marked",
         "notified_by",
         "num_tokens",
-        "slot",
         "token",
     )
 
@@ -85,7 +103,6 @@ class _Export:
         self.token = token  # the export's auth token (kvxfer.auth), kept to verify messages cheaply
         self.digest = digest  # kvxfer.auth.content_digest of (num_tokens, block_ids)
         self.gen = gen  # the export's generation of its request id (kvxfer.auth: the token's nonce)
-        self.slot = -1  # its lease slot (kvxfer.transports.ipc.slots), -1 for none
 
 
 def _counted(e: _Export, sender, expected: int) -> bool:
@@ -133,10 +150,12 @@ class ExportTracker:
         # so the caller cannot reuse the blocks before the gather read them.
         self._inflight: dict[str, list] = {}
         self._deferred: list[tuple[str, str, list]] = []  # (request id, "finished"|"expired", events)
-        # the lease-slot table loaders on this host read one-sided (kvxfer.transports.ipc.slots),
-        # set by the ipc transport when it offers one; None: no slots
-        self.slots = None
-        self.unready: dict[str, int] = {}  # request id -> slot whose ready flag is not set yet
+        self._listeners: tuple[LeaseListener, ...] = ()  # subscribe()
+
+    def subscribe(self, listener: LeaseListener) -> None:
+        """Have ``listener`` follow every lease opened, renewed and ended from now on."""
+        with self.lock:
+            self._listeners = (*self._listeners, listener)
 
     # ------------------------------------------------------------------ export
     def add(
@@ -154,8 +173,7 @@ class ExportTracker:
         ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`.
         ``token``, ``digest``, ``gen``: the export's auth token, content digest and generation
         (:mod:`kvxfer.auth`), checked by :meth:`grant` and the like while it is live.
-        ``ready``: the compute that wrote the blocks has completed (else :meth:`refresh_ready`
-        sets the lease slot's ready flag once it has)."""
+        ``ready``: the compute that wrote the blocks has completed (told to the listeners)."""
         ids = block_ids
         if type(ids) is not np.ndarray or ids.dtype is not _INT64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(block_ids, dtype=np.int64)
@@ -175,23 +193,8 @@ class ExportTracker:
             if num_layers:
                 e.marked = np.zeros(num_layers, dtype=bool)
             self._live[request_id] = e
-            slots = self.slots
-            if slots is not None and token:
-                e.slot = slots.open(request_id, token, digest, e.deadline, ready, bool(num_layers))
-                if e.slot >= 0 and not ready:
-                    self.unready[request_id] = e.slot
-
-    def refresh_ready(self, not_ready: Callable[[list[str]], list[str]]) -> None:
-        """Set the ready flag of the lease slots whose exports' compute has completed now
-        (``not_ready``: :meth:`kvxfer.ordering.StreamOrder.not_ready`)."""
-        if not self.unready:
-            return
-        with self.lock:
-            rids = list(self.unready)
-            still = set(not_ready(rids))
-            for rid in rids:
-                if rid not in still:
-                    self.slots.set_ready(self.unready.pop(rid))
+            for listener in self._listeners:
+                listener.opened(request_id, token, digest, e.deadline, ready, bool(num_layers))
 
     def generation(self, request_id: str) -> int:
         """The generation the next export of ``request_id`` gets: 0, or one more than the last
@@ -245,42 +248,21 @@ class ExportTracker:
         epochs of blocks no export holds now bumped; remembered as gone (bounded). An id not
         live (named twice, or released meanwhile) is skipped. Returns the ids released."""
         live, gone, rc, ep, release = self._live, self._gone, self._rc, self._ep, idops.release
-        slots = self.slots
+        listeners = self._listeners
         out = []
         for rid in request_ids:
             e = live.pop(rid, None)
             if e is None:
                 continue
             out.append(rid)
-            if e.slot >= 0:  # closed before the epochs move (kvxfer.transports.ipc.slots)
-                if self.unready:
-                    self.unready.pop(rid, None)
-                try:
-                    slots.close(e.slot)
-                except Exception as ex:  # the release still completes and is reported
-                    self._unpublished(rid, ex)
+            for listener in listeners:  # before the epochs move (kvxfer.transports.ipc.slots)
+                listener.closed(rid)
             release(rc, ep, e.block_ids)
             gone.pop(rid, None)  # re-inserted last: the newest release is forgotten last
             gone[rid] = (e.gen, e.token)
         while len(gone) > GONE_KEPT:
             del gone[next(iter(gone))]
         return out
-
-    def _unpublished(self, request_id: str, error: Exception) -> None:
-        """Closing ``request_id``'s lease slot failed: shut the whole table (no loader reads
-        one-sided from it any more, and a one-sided copy in flight fails its check), so the
-        release may go on and move the epochs. Logged."""
-        _LOG.warning(
-            "kvxfer exports: the lease slot of %r could not be closed (%s: %s); one-sided reads "
-            "from this rank are shut off, the release goes on",
-            request_id, type(error).__name__, error,
-        )  # fmt: skip
-        try:
-            self.slots.shut()
-        except Exception as e:  # nothing a loader could map is left: nothing to shut
-            _LOG.warning(
-                "kvxfer exports: shutting the lease-slot table failed too (%s: %s)", type(e).__name__, e
-            )
 
     def grant(
         self,
@@ -308,8 +290,8 @@ class ExportTracker:
                     continue
                 if e.deadline < deadline:
                     e.deadline = deadline
-                    if e.slot >= 0:
-                        self.slots.renew(e.slot, deadline)
+                    for listener in self._listeners:
+                        listener.renewed(rid, deadline)
                 ok[rid] = snapshot(ep, e.block_ids)
                 if e.marked is not None:
                     masks[rid] = self.layers_ready(rid)
@@ -381,8 +363,8 @@ class ExportTracker:
                 e = self._live.get(rid)
                 if e is not None and e.deadline < deadline:
                     e.deadline = deadline
-                    if e.slot >= 0:
-                        self.slots.renew(e.slot, deadline)
+                    for listener in self._listeners:
+                        listener.renewed(rid, deadline)
 
     def track_gather(self, request_ids: list[str], event) -> None:
         """A CUDA gather reading these requests' blocks was enqueued; ``event`` (``query()``)
@@ -453,23 +435,22 @@ class ExportTracker:
                 self._report_many(done, "finished")
         return len(done)
 
-    def collect_done(self, expected: Callable[[int, int], int | str]) -> int:
-        """Count the done marks loaders wrote in the lease slots (one-sided reads that landed,
-        :mod:`kvxfer.transports.ipc.slots`) as the notifications of those loader ranks
-        (``expected(loader_tp, loader_rank)``: :meth:`kvxfer.exporter.Exporter.expected_from`,
-        a count or why that rank may not notify here: then the mark counts nothing). Returns how
-        many exports were released."""
-        slots = self.slots
-        if slots is None:
-            return 0
+    def count_marks(
+        self, marks: list[tuple[str, list[tuple[int, int]]]], expected: Callable[[int, int], int | str]
+    ) -> int:
+        """Count done marks (``[(request id, [(loader rank, loader tp size), ...])]``: one-sided
+        reads that landed, :mod:`kvxfer.transports.ipc.slots`) as the notifications of those
+        loader ranks (``expected(loader_tp, loader_rank)``:
+        :meth:`kvxfer.exporter.Exporter.expected_from`, a count or why that rank may not notify
+        here: then the mark counts nothing). Returns how many exports were released."""
         done = []
         with self.lock:
-            for rid, marks in slots.take_done():
+            for rid, marks_of in marks:
                 e = self._live.get(rid)
                 if e is None:
                     continue
                 landed = False
-                for d, loader_tp in marks:
+                for d, loader_tp in marks_of:
                     want = expected(loader_tp, d)
                     if type(want) is not str:
                         landed = _counted(e, d, want) or landed

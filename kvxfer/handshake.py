@@ -31,7 +31,7 @@ from .engine_types import (
 from .metrics import now
 from .plan import plan_reads
 from .spec import KVCacheSpec
-from .transports import Transport, choice
+from .transports import Transport, choice, offered
 from .transports.base import LoaderLink
 from .transports.pg import groups as pg_groups
 
@@ -74,7 +74,7 @@ def remote(loader: HandshakeLink, it: LoadItem, deadline: float) -> Remote:
     t0 = now()
     addrs = [f"tcp://{p.host}:{p.port + r}" for r in range(p.tp_size)]
     hello = control.Hello(
-        **loader.rank.identity_fields(),
+        **loader.rank.identity_fields(offered(loader.transports)),
         request_id=p.request_id,
         token=p.token,
         transport=loader.rank.transport,
@@ -154,7 +154,7 @@ def _remote_of(loader: HandshakeLink, p, addrs: list[str], replies: list, t0: fl
     if note:
         loader.transport_reasons[rem.engine_id] += f"; {note}"
     loader.remotes[p.engine_id] = rem
-    rank.metrics.record_handshake(p.engine_id, now() - t0, transport)
+    loader.rt.metrics.record_handshake(p.engine_id, now() - t0, transport)
     return rem
 
 

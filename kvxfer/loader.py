@@ -47,7 +47,7 @@ from .exports import UNKNOWN
 from .metrics import now
 from .notifier import Notifier
 from .ordering import NOT_READY, FenceTimeout, event_done
-from .rank import Rank
+from .rank import Rank, Runtime
 from .tracing import items_tag, trace
 from .transports import Transport
 
@@ -61,7 +61,8 @@ class Loader:
     """Loads from remote exporters for one engine rank (see the module doc).
 
     Args:
-        rank: the rank's shared state.
+        rank: the rank's configuration.
+        rt: what the rank's parts share while it runs (the loads in flight, counters, hooks).
         transports: the rank's transports by name (a remote's transport reads for it).
         notifier: where notifications and heartbeats go.
 
@@ -69,8 +70,9 @@ class Loader:
     client (transports send their requests through it); ``transport_reasons``: why each
     remote's transport was chosen."""
 
-    def __init__(self, rank: Rank, transports: dict[str, Transport], notifier: Notifier) -> None:
+    def __init__(self, rank: Rank, rt: Runtime, transports: dict[str, Transport], notifier: Notifier) -> None:
         self.rank = rank
+        self.rt = rt
         self.transports = transports
         self.notifier = notifier
         self.remotes: dict[str, Remote] = {}
@@ -88,9 +90,10 @@ class Loader:
         self._topo = None  # topology(): probed only when two different GPUs handshake
 
     # -------------------------------------------------------------------------- lifecycle
-    def start(self) -> None:
+    def start(self, ctx) -> None:
+        """Start the worker thread; its side-channel client lives in zmq context ``ctx``."""
         rank = self.rank
-        self.client = control.ControlClient(rank.ctx)
+        self.client = control.ControlClient(ctx)
         self._thread = threading.Thread(
             target=self._work_loop, name=f"kvxfer-worker-{rank.engine_id}-{rank.tp_rank}", daemon=True
         )
@@ -142,12 +145,12 @@ class Loader:
     def _work_loop(self) -> None:
         last_beat = time.monotonic()
         beat_every = self.rank.lease_s / 3
-        while not self.rank.stop.is_set():
+        while not self.rt.stop.is_set():
             try:
                 batch = self._work.get(timeout=min(0.05, beat_every))
             except queue.Empty:
                 batch = None
-            if batch is None and self.rank.stop.is_set():
+            if batch is None and self.rt.stop.is_set():
                 return
             if self.fenced:
                 self._release_fenced()
@@ -190,8 +193,8 @@ class Loader:
 
     def _fail(self, items, reason: str) -> None:
         for it in items:
-            if self.rank.loads.fail(it.request_id, reason):
-                self.rank.metrics.add("failures")
+            if self.rt.loads.fail(it.request_id, reason):
+                self.rt.metrics.add("failures")
 
     def _run_batch(self, batch: list[LoadItem] | list[ReleaseItem]) -> None:
         """Run one batch that ``poll()`` handed over: loads, or releases (TransferEngine.release:
@@ -506,7 +509,7 @@ class Loader:
         t0 = now()
         moved, landed, bad = 0, set(), {}
         try:
-            with self.rank.order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
+            with self.rt.order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
                 moved, landed, bad = self.transports[rem.transport].read(
                     self, rem, s, reads, loads, granted, deadline, layers
                 )
@@ -519,7 +522,7 @@ class Loader:
         except Exception as e:
             landed = set()
             bad = {it.request_id: f"{rem.transport} read from rank {s}: {describe_error(e)}" for it in loads}
-        self.rank.metrics.record_batch(t0, now(), moved, 0)
+        self.rt.metrics.record_batch(t0, now(), moved, 0)
         if len(landed) != len(alive) or bad:
             landed = {rid for rid in landed if rid in alive and rid not in bad}
             for rid in alive:
@@ -533,10 +536,10 @@ class Loader:
         """Report each load once, ``done`` finished and ``failed`` failed with its reason in
         ``reasons``, and notify the exporter of both (one message)."""
         if done:
-            self.rank.metrics.record_done(self.rank.loads.finish_many([it.request_id for it in done], now()))
+            self.rt.metrics.record_done(self.rt.loads.finish_many([it.request_id for it in done], now()))
         for it in failed:
-            if self.rank.loads.fail(it.request_id, reasons[it.request_id]):
-                self.rank.metrics.add("failures")
+            if self.rt.loads.fail(it.request_id, reasons[it.request_id]):
+                self.rt.metrics.add("failures")
         self.notify(rem, done, failed)
 
     def _fail_all(self, rem: Remote, items: list[LoadItem], why: str) -> None:
@@ -586,7 +589,7 @@ class Loader:
             toks.append(p.token)
         msg = control.Notify(self.rank.engine_id, self.rank.tp_rank, self.rank.tp_size, rids, bad, toks)
         deadline = time.monotonic() + self.rank.lease_s
-        direct = self.rank.hooks.get("notify")  # benchmarks: deliver in this thread
+        direct = self.rt.hooks.get("notify")  # benchmarks: deliver in this thread
         for s in rem.notify_to:
             if direct is not None:
                 direct(rem.addrs[s], msg)

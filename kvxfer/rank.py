@@ -1,102 +1,106 @@
-"""One engine rank's shared state: what its exporter, loader, notifier and transports all read.
+"""One engine rank: its configuration (:class:`Rank`, immutable) and what its parts share while
+it runs (:class:`Runtime`).
 
 A :class:`~kvxfer.engine.TransferEngine` is a facade over role objects (an
 :class:`~kvxfer.exporter.Exporter`, a :class:`~kvxfer.loader.Loader`, a
-:class:`~kvxfer.notifier.Notifier`) and one object per transport
-(:mod:`kvxfer.transports`). Each of them is handed this :class:`Rank`: the configuration
-(spec, caches and their registered views, TP rank, address, bounds), the parts every role
-shares (metrics, test hooks, stream ordering, the stop event, the completion trackers, the
-engine secret and incarnation, the transports offered), and the arithmetic both sides of a
-transfer use to find their caches (``views``, ``by_unit``, ``offset_views``: what
-:func:`kvxfer.transports.batching.view_at` and :func:`~kvxfer.transports.batching.plan_loads`
-take). It owns no thread and no socket, and imports nothing of the transports.
+:class:`~kvxfer.notifier.Notifier`) and one object per transport (:mod:`kvxfer.transports`).
+Each of them is handed the :class:`Rank` (spec, caches and their registered views, TP rank,
+address, bounds: fixed when the engine is made) and, where it needs them, the :class:`Runtime`
+(counters, test hooks, stream ordering, the stop event, the trackers of loads and exports, the
+engine secret and incarnation). Neither owns a thread or a socket, and neither imports anything
+of the transports.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .completion import LoadTracker
 from .engine_types import compat_hash
-from .exports import ExportTracker
 from .metrics import Metrics
 from .ordering import StreamOrder
 from .spec import KVCacheSpec
+from .views import CacheViews
 
-__all__ = ["Rank"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .auth import EngineSecret
+    from .exports import ExportTracker
+
+__all__ = ["Rank", "Runtime"]
 
 
+@dataclass(frozen=True, eq=False)
 class Rank:
-    """One engine rank as its parts see it (see the module doc).
+    """One engine rank's configuration, fixed when the engine is made.
 
-    Set at construction: the configuration below (``pipeline``: the
-    :class:`~kvxfer.transports.pg.pipeline.StagedPipeline`; ``views``: the registered
-    :class:`~kvxfer.transports.batching.CacheView` s of ``caches``, whole blocks and token slots
-    where the layout has them; ``identity``: this host, for the transport choice), ``metrics``,
-    ``hooks`` (test hooks by name, each read where it is called), ``order`` (CUDA stream
-    ordering), ``stop`` (set by ``close()``) and ``loads`` (the loads in flight). Set by ``start()``: ``ctx`` (the zmq context),
-    ``port`` (rank 0's side-channel port), ``secret``, ``incarnation``, ``offers`` (the
-    transports offered) and ``exports`` (the export tracker)."""
+    ``caches``: the rank's per-layer caches; ``views``: the same caches registered in each unit
+    an ops call may name (:class:`~kvxfer.views.CacheViews`: whole blocks, and token slots where
+    the layout has them); ``port``: the side channel's configured base port (0: a free one);
+    ``pipeline``: the :class:`~kvxfer.transports.pg.pipeline.StagedPipeline` of the staged
+    transports; ``identity``: this host, for the transport choice; ``onesided``: loads read
+    one-sided over ``ipc`` when they can."""
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        caches: Sequence[torch.Tensor],
-        tp_rank: int,
-        tp_size: int,
-        engine_id: str,
-        host: str,
-        transport: str,
-        lease_s: float,
-        timeout_s: float,
-        pipeline,
-        views: tuple,
-        num_blocks: int,
-        device: torch.device,
-        identity: str,
-    ) -> None:
-        self.spec = spec
-        self.caches = list(caches)
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.engine_id = engine_id
-        self.host = host
-        self.transport = transport
-        self.lease_s = lease_s
-        self.timeout_s = timeout_s
-        self.pipeline = pipeline
-        self.views = views
-        self.by_unit: dict = {v.unit: v for v in views}
-        self.units: list[int] = [v.unit for v in views]  # coarsest first
-        self.offset_views: dict = {}  # (unit, offset) -> view: partial loads starting mid-block
-        self.num_blocks = num_blocks
-        self.device = device
-        self.metrics = Metrics()
-        self.hooks: dict[str, object] = {}
-        self.order = StreamOrder(device)
-        self.stop = threading.Event()
-        self.identity = identity
-        self.loads = LoadTracker()
-        self.ctx = None
-        self.port = 0
-        self.secret = None
-        self.incarnation = ""
-        self.offers: list[str] = []
-        self.exports: ExportTracker | None = None
-        self.onesided = False  # loads read one-sided over ipc when they can (set by the engine)
+    spec: KVCacheSpec
+    caches: tuple[torch.Tensor, ...]
+    views: CacheViews
+    tp_rank: int
+    tp_size: int
+    engine_id: str
+    host: str
+    port: int
+    transport: str
+    lease_s: float
+    timeout_s: float
+    pipeline: Any
+    device: torch.device
+    identity: str
+    onesided: bool
 
-    def identity_fields(self) -> dict:
-        """Who this rank is and what it speaks: the fields shared by ``Hello`` (as loader) and
-        ``HelloReply`` (as exporter)."""
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of each layer's cache."""
+        return self.views.num_blocks
+
+    @property
+    def units(self) -> list[int]:
+        """The units an ops call may name this rank's caches in, coarsest first."""
+        return self.views.units
+
+    def identity_fields(self, offers: Sequence[str] = ()) -> dict:
+        """Who this rank is and what it speaks (``offers``: the transports it offers now): the
+        fields shared by ``Hello`` (as loader) and ``HelloReply`` (as exporter)."""
         return {
             "engine_id": self.engine_id,
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
             "spec": self.spec.to_dict(),
             "compat": compat_hash(self.spec),
-            "transports": list(self.offers),
+            "transports": list(offers),
             "hostname": self.identity,
         }
+
+
+class Runtime:
+    """What an engine rank's parts share while it runs.
+
+    Made with the engine: ``metrics``; ``hooks`` (test hooks by name, each read where it is
+    called); ``order`` (CUDA stream ordering); ``stop`` (set by ``close()``); ``loads`` (the
+    loads in flight). Set once by ``start()``: ``incarnation`` (this start's id), ``secret``
+    (the engine secret) and ``exports`` (the export tracker)."""
+
+    __slots__ = ("exports", "hooks", "incarnation", "loads", "metrics", "order", "secret", "stop")
+
+    def __init__(self, device: torch.device) -> None:
+        self.metrics = Metrics()
+        self.hooks: dict[str, object] = {}
+        self.order = StreamOrder(device)
+        self.stop = threading.Event()
+        self.loads = LoadTracker()
+        self.incarnation = ""
+        self.secret: EngineSecret | None = None
+        self.exports: ExportTracker | None = None

@@ -183,7 +183,7 @@ def test_a_send_request_reads_only_the_tokens_its_tokens_open(engines, layout):
     slot addressing (``token_slots``)."""
     spec = dataclasses.replace(SPEC, layout=Layout(layout))
     p, _d, _ps, _ds = engines("pg", p_kw={"timeout_s": 2.0}, spec=spec)
-    assert sorted(p._rank.by_unit) == [1, 8]
+    assert sorted(p._rank.views.by_unit) == [1, 8]
     a = p.export("A", [2, 3], 12)  # block 3 holds tokens 8..11: 4 of its 8 slots
     p.export("B", [20, 21], 16)
     key = "x/0/k"
@@ -234,7 +234,7 @@ def test_export_refuses_repeated_ids_and_a_token_not_made_for_it(engines):
         p.export("r", [3, 3], 12)
     with pytest.raises(ValueError, match="token"):
         p.export("r", [3, 4], 12, token="0" * 48)
-    made = p._rank.secret.new_token("r", 12, [3, 4])
+    made = p._rt.secret.new_token("r", 12, [3, 4])
     with pytest.raises(ValueError, match="token"):
         p.export("r", [3, 5], 12, token=made)  # made for other blocks
     assert p.export("r", [3, 4], 12, token=made)["token"] == made

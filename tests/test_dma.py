@@ -440,7 +440,7 @@ def test_registered_budget_chooses_per_call_and_stats_and_nvtx_say_why(fake, mon
 
 
 def test_engine_views_share_one_record_and_carry_the_budget():
-    from kvxfer.transports.batching import cache_views, view_at
+    from kvxfer.views import cache_views, view_at
 
     spec = _spec("NHD", heads=2, bs=4, layers=2)
     views = cache_views(_caches(spec, 8, "poison"), spec, 12)

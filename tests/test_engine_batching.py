@@ -8,14 +8,8 @@ import pytest
 import torch
 
 from kvxfer import KVCacheSpec, ops
-from kvxfer.transports.batching import (
-    Item,
-    cache_views,
-    pack_calls,
-    plan_batch,
-    shared_prefixes,
-    unit_view,
-)
+from kvxfer.transports.batching import Item, pack_calls, plan_batch, shared_prefixes
+from kvxfer.views import cache_views, unit_view
 
 from .engine_procs import payload, poison
 

@@ -144,7 +144,7 @@ def test_failed_start_leaks_nothing(monkeypatch):
     try:
         with pytest.raises(OSError, match="simulated"):
             eng.start()
-        assert eng._rank.ctx.closed
+        assert eng._ctx.closed
         assert threading.active_count() == threads_before
         mine = {n for n in set(os.listdir("/dev/shm")) - segs_before if f"_{os.getpid()}_" in n}
         assert mine == set()  # no epoch segment (other jobs on the machine may make theirs)
@@ -166,7 +166,7 @@ def test_port_in_use_fails_start_cleanly():
         )
         with pytest.raises(zmq.ZMQError):
             eng.start()
-        assert eng._rank.ctx.closed
+        assert eng._ctx.closed
 
 
 # --------------------------------------------------------------------------- 5: lost messages
@@ -256,18 +256,18 @@ def test_a_failing_handler_is_logged_and_the_channel_keeps_serving(caplog):
     addr = f"tcp://127.0.0.1:{p.port}"
     try:
         prm = p.export("r", [1], 4)
-        real = p._rank.exports.notify_many
+        real = p._rt.exports.notify_many
 
         def broken(*args, **kwargs):
             raise RuntimeError("a bug in the notification path")
 
-        p._rank.exports.notify_many = broken
+        p._rt.exports.notify_many = broken
         bad = C.Notify("D", 0, 1, ["r"], [], [prm["token"]])
         with caplog.at_level(logging.WARNING, logger="kvxfer.control"):
             rep = client.call(addr, bad, 5.0)
         assert isinstance(rep, C.ErrorReply) and "a bug in the notification path" in rep.error
         assert any("handler failed on Notify" in r.getMessage() for r in caplog.records)
-        p._rank.exports.notify_many = real
+        p._rt.exports.notify_many = real
         dg = KVTransferParams.from_dict(prm).digest()
         ok = client.call(addr, C.ReadReq("D", 0, 1, ["r"], [prm["token"]], digests=[dg]), 5.0)
         assert isinstance(ok, C.ReadReply) and ok.ok == ["r"]

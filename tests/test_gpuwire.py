@@ -467,7 +467,7 @@ def test_timed_out_copy_is_reported_only_after_it_completed():
     def stuck(timeout_s, role="load"):
         raise FenceTimeout(f"transfer stream: CUDA work not complete within {timeout_s}s", ev)
 
-    d._rank.order.wait_done = stuck  # the copy is "still running" on the GPU
+    d._rt.order.wait_done = stuck  # the copy is "still running" on the GPU
     try:
         d.load("x", p.export("x", [2, 3], 12), [4, 5])
         end = time.monotonic() + 0.5

@@ -8,7 +8,7 @@ import torch
 
 from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine
 from kvxfer import control as C
-from kvxfer.transports import choice
+from kvxfer.transports import choice, offered
 from kvxfer.transports.nixl import agent as nixl_mod
 
 SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)
@@ -100,7 +100,7 @@ def test_auto_engine_without_nixl_does_not_offer_it(no_nixl):
     caches = [torch.zeros(SPEC.cache_shape(4, 1), dtype=SPEC.dtype) for _ in range(2)]
     eng = TransferEngine(SPEC, caches, 0, 1, "P").start()
     try:
-        assert "nixl" not in eng._rank.offers and eng._transports["nixl"].agent is None
+        assert "nixl" not in offered(eng._transports) and eng._transports["nixl"].agent is None
         assert "not installed" in eng._transports["nixl"].why
         prm = eng.export("r", [1], 4)
         tok, dg = prm["token"], KVTransferParams.from_dict(prm).digest()

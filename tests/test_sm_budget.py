@@ -271,7 +271,7 @@ def test_engine_refuses_a_bad_budget_and_reports_its_own():
     with pytest.raises(ValueError, match="max_sms"):
         TransferEngine(SPEC, _caches(SPEC), 0, 1, "e", max_sms=0)
     eng = TransferEngine(SPEC, _caches(SPEC), 0, 1, "e", max_sms=24)
-    assert all(v.caches.max_sms == 24 for v in eng._rank.views)
+    assert all(v.caches.max_sms == 24 for v in eng._rank.views.views)
     stats = eng.stats()["copy_path"]
     assert stats["max_sms"] == 24 and stats["dma"] == 0 and stats["kernel"] == 0
 

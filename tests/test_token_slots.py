@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvxfer import KVCacheSpec, Layout, ops
-from kvxfer.transports.batching import cache_views
+from kvxfer.views import cache_views
 from tests.kvdata import POISON, first_difference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
@@ -267,7 +267,7 @@ def test_too_many_slots_are_refused_and_the_views_go_without(monkeypatch, caplog
     caches = _filled(spec, 18)
     with pytest.raises(ValueError, match="token_slots: 45 slots in caches, more than 44"):
         ops.register_caches(caches, spec, token_slots=True)
-    with caplog.at_level(logging.WARNING, logger="kvxfer.transports.batching"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.views"):
         views = cache_views(caches, spec)
     assert [v.unit for v in views] == [spec.block_size]
     assert "token_slots: 45 slots in caches, more than 44" in caplog.text and "a call each" in caplog.text

@@ -288,20 +288,22 @@ def test_a_release_completes_and_is_reported_when_its_slot_cannot_be_published(c
     """The lease slot of an export cannot be closed (publishing to the table raised): the release
     still completes (blocks freed, epochs moved, reported once), and the table is shut so no
     loader reads one-sided from it any more; logged."""
+    from kvxfer.transports.ipc.leases import LeaseSlots
     from kvxfer.transports.ipc.slots import H_OPEN, H_READERS, HEADER, SLOT, ExporterSlots
 
     table = np.zeros(HEADER + 64 * SLOT, dtype=np.int64)
     t = ExportTracker(8, 30.0)
-    t.slots = ExporterSlots(table, "inc")
+    slots = ExporterSlots(table, "inc")
+    LeaseSlots(slots, t, lambda rids: [])  # subscribes itself to the tracker's leases
     table[H_READERS] = 1
     t.add("a", np.array([1, 2]), 20, token="00" * 24, digest=bytes(16))
-    assert t._live["a"].slot >= 0
+    assert list(slots.owner.values()) == ["a"]  # "a" has a slot
 
     def broken(i):
         raise OSError("the table is gone")
 
-    t.slots.close = broken
-    with caplog.at_level("WARNING", logger="kvxfer.exports"):
+    slots.close = broken
+    with caplog.at_level("WARNING", logger="kvxfer.transports.ipc.leases"):
         assert t.abort("a")
     out = PollResult()
     t.drain(out)

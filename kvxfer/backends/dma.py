@@ -376,7 +376,7 @@ def known_status() -> str:
 # --------------------------------------------------------------------------- stats
 class PathStats:
     """What the ops on one engine's caches chose: per (op, path, reason) a count, the last choice
-    and the SM budget. Shared by the views of one :func:`kvxfer.transports.batching.cache_views`."""
+    and the SM budget. Shared by the views of one :func:`kvxfer.views.cache_views`."""
 
     __slots__ = ("counts", "last", "max_sms")
 

@@ -7,6 +7,7 @@ staged transport."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from threading import Thread
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -15,9 +16,9 @@ from .. import control
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine_types import Remote
     from ..plan import Read
-    from ..rank import Rank
+    from ..rank import Rank, Runtime
 
-__all__ = ["LoaderLink", "StreamJob", "Transport"]
+__all__ = ["LoaderLink", "StreamJob", "Transport", "offered"]
 
 
 class StreamJob(NamedTuple):
@@ -30,12 +31,14 @@ class StreamJob(NamedTuple):
 
 
 class LoaderLink(Protocol):
-    """What a transport uses of the loader (:class:`kvxfer.loader.Loader`): the rank, the worker
+    """What a transport uses of the loader (:class:`kvxfer.loader.Loader`): the rank and its
+    runtime, the worker
     thread's side-channel client, :meth:`forget` of a remote that stopped answering (the next
     load handshakes anew); and for the one-sided ``ipc`` path, the handshaken ``remotes`` by
     engine id and :meth:`notify` of loads it reported."""
 
     rank: Rank
+    rt: Runtime
     client: control.ControlClient
     remotes: dict[str, Remote]
 
@@ -62,6 +65,11 @@ class Transport(Protocol):
     def serves(self) -> dict:
         """Exporter: ``{message type: handler}`` of the side-channel messages this transport
         answers itself (pair requests)."""
+
+    def tick(self, beat: bool, expected: Callable[[int, int], int | str]) -> int:
+        """Exporter, every side-channel tick and ``poll()``: what the transport keeps up to date
+        (``beat``: the tick's heartbeat is due; ``expected``: the exporter's
+        ``expected_from``); returns the exports it finished (``ipc``: by done marks)."""
 
     def serve_stream(self, job: StreamJob) -> control.SendReply:
         """Exporter: run a checked send request's stream (staged transports), or refuse it."""
@@ -99,3 +107,8 @@ class Transport(Protocol):
 
     def stats(self) -> dict:
         """Its part of ``TransferEngine.stats()``."""
+
+
+def offered(transports: dict[str, Transport]) -> list[str]:
+    """The names of the transports a rank offers now (those whose ``why`` is empty)."""
+    return [name for name, t in transports.items() if not t.why]

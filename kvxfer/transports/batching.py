@@ -1,14 +1,11 @@
-"""Batching arithmetic of every transport: the views an ops call may address a cache through
-(:func:`cache_views`: whole blocks, and token slots for NHD/MLA), the choice of units per batch
-and the packing of several requests into as few ops calls as exactness allows
-(:func:`plan_batch`, :func:`pack_calls`). Requests travel as block lists; per-token slot arrays
+"""Batching arithmetic of every transport: the choice of units per batch (the units each side's
+caches can be addressed in: :class:`kvxfer.views.CacheViews`) and the packing of several
+requests into as few ops calls as exactness allows (:func:`plan_batch`, :func:`pack_calls`). Requests travel as block lists; per-token slot arrays
 are built (one numpy op each) only when requests with partial last blocks share a call."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,124 +13,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..spec import KVCacheSpec, Layout
-
-_LOG = logging.getLogger(__name__)
+from ..spec import KVCacheSpec
 
 __all__ = [
     "BatchPlan",
-    "CacheView",
     "Call",
     "Item",
-    "cache_views",
-    "offset_view",
     "pack_calls",
     "plan_batch",
     "plan_loads",
     "shared_prefixes",
-    "unit_view",
-    "view_at",
     "wire_bytes",
 ]
-
-
-@dataclass(frozen=True)
-class CacheView:
-    """One way to address a rank's caches in an ops call: ``unit`` tokens per id.
-
-    ``caches`` is an :class:`kvxfer.ops.PagedCache` (validated once, so ops calls skip the
-    per-layer checks: ~30 us per 32-layer call measured), ``spec`` its spec.
-    """
-
-    caches: Sequence[torch.Tensor]
-    spec: KVCacheSpec
-    unit: int
-
-
-def cache_views(
-    caches: Sequence[torch.Tensor], spec: KVCacheSpec, max_sms: int | None = None
-) -> tuple[CacheView, ...]:
-    """The views an ops call may address ``caches`` through, coarsest first.
-
-    Always the caches themselves (unit = ``block_size``: ids are block ids) and, when blocks
-    hold more than one token, a token-slot view (unit = 1: ids are token slots), which lets
-    requests with a partial last block share one ops call: for NHD and MLA caches whose blocks
-    are not padded apart the block-size-1 tensor view of :func:`unit_view` (plain strides, so
-    the copy engines can still take its whole-token runs); for HND caches and padded blocks,
-    which no tensor view re-blocks, the caches registered with ``token_slots`` (the kernels
-    split each slot into block and offset). Every view carries the SM budget ``max_sms`` (the
-    engine's) and one shared record of the paths its ops chose (:func:`kvxfer.ops.path_stats`).
-    """
-    from .. import ops
-    from ..backends.dma import PathStats, check_max_sms
-
-    stats = PathStats(check_max_sms(max_sms))
-    reg = ops.register_caches(caches, spec, max_sms, path_stats=stats)
-    out = [CacheView(reg, spec, spec.block_size)]
-    if spec.block_size == 1:
-        return tuple(out)
-    views, vspec, unit = unit_view(caches, spec)
-    if unit == 1:
-        slots = ops.register_caches(views, vspec, max_sms, path_stats=stats)
-    else:
-        try:  # the caches passed as blocks just now: only the slot count can be refused
-            slots = ops.register_caches(caches, spec, max_sms, path_stats=stats, token_slots=True)
-        except ValueError as e:
-            _LOG.warning(
-                "kvxfer: %s caches without token slots (%s); requests that end inside a block "
-                "take a call each",
-                spec.layout.value,
-                e,
-            )
-            return tuple(out)
-    out.append(CacheView(slots, slots.spec, 1))
-    return tuple(out)
-
-
-def view_at(by_unit: dict[int, CacheView], unit: int, offset: int, memo: dict) -> CacheView:
-    """The view an ops call with ``unit`` and ``offset`` (see :class:`Call`) addresses: the unit's
-    own view, or the block view offset by ``offset`` tokens (made once, kept in ``memo``)."""
-    if offset == 0:
-        return by_unit[unit]
-    got = memo.get((unit, offset))
-    if got is None:
-        from .. import ops
-
-        base = by_unit[unit]
-        views, vspec = offset_view(base.caches, base.spec, offset)
-        # the base's budget and path record (an offset view is the same engine's caches)
-        budget, stats = getattr(base.caches, "max_sms", None), getattr(base.caches, "path_stats", None)
-        reg = ops.register_caches(views, vspec, budget, path_stats=stats)
-        got = memo[(unit, offset)] = CacheView(reg, vspec, unit)
-    return got
-
-
-def unit_view(
-    caches: Sequence[torch.Tensor], spec: KVCacheSpec
-) -> tuple[list[torch.Tensor], KVCacheSpec, int]:
-    """View a cache so several requests can share one ops call.
-
-    NHD ``[2, nb, bs, h, d]`` and MLA ``[nb, bs, d]`` caches are viewed with block size 1
-    (``[2, nb*bs, 1, h, d]``, ``[nb*bs, 1, d]``): a "block" is then one token slot, so
-    any concatenation of requests is exact. HND ``[2, nb, h, bs, d]`` cannot be re-blocked (its
-    token stride is inside a block), nor can caches whose blocks are padded apart; they keep
-    their blocks here (:func:`cache_views` addresses their tokens through ``token_slots``
-    instead). Returns (views, spec of the views, unit = tokens per unit).
-    """
-    c0 = caches[0]
-    if spec.use_mla:
-        mergeable = c0.stride(0) == c0.shape[1] * c0.stride(1)
-        if mergeable:
-            views = [c.view(-1, 1, c.shape[-1]) for c in caches]
-    elif spec.layout is Layout.NHD:
-        mergeable = c0.stride(1) == c0.shape[2] * c0.stride(2)
-        if mergeable:
-            views = [c.view(2, -1, 1, c.shape[3], c.shape[4]) for c in caches]
-    else:
-        mergeable = False
-    if not mergeable:  # HND, or blocks padded apart: keep whole blocks as units
-        return list(caches), spec, spec.block_size
-    return views, dataclasses.replace(spec, block_size=1), 1
 
 
 _OFFSETS: dict[int, np.ndarray] = {}
@@ -183,7 +74,8 @@ class Item:
 class Call:
     """One ops call: concatenated unit ids of the requests it carries. ``src_offset`` /
     ``dst_offset`` (token offset inside the first unit; only in the short calls that start a
-    partial load off a block boundary) address the side through :func:`offset_view`.
+    partial load off a block boundary) address the side through an offset view
+    (:meth:`kvxfer.views.CacheViews.at`).
     ``src_unit`` / ``dst_unit``: the call's own units where they differ from its plan's (the
     token-slot call of a plan with ``split_tails``); 0 means the plan's
     (:meth:`BatchPlan.units`)."""
@@ -196,21 +88,6 @@ class Call:
     dst_offset: int = 0
     src_unit: int = 0
     dst_unit: int = 0
-
-
-def offset_view(caches: Sequence[torch.Tensor], spec: KVCacheSpec, offset: int):
-    """``caches`` seen with every block starting ``offset`` tokens in (block size
-    ``block_size - offset``): block ``b`` of the view is tokens ``[offset, block_size)`` of block
-    ``b``, so an ops call can start a request in the middle of a block. Views, no copies."""
-    bs = spec.block_size
-    if not 0 <= offset < bs:
-        raise ValueError(f"offset: must be in [0, {bs}), got {offset}")
-    if offset == 0:
-        return list(caches), spec
-    dim = 1 if spec.use_mla else (2 if spec.layout is Layout.NHD else 3)
-    return [c.narrow(dim, offset, bs - offset) for c in caches], dataclasses.replace(
-        spec, block_size=bs - offset
-    )
 
 
 def _common_units(a, b) -> int:

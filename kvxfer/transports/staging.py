@@ -208,7 +208,7 @@ class Chunk:
     """``num_tokens`` tokens of one ops call, at this side's unit ids ``units`` (a slice of the
     call's unit list: a view for tensors; ``unit`` tokens per id), sent as the ``index``-th
     chunk of a stream. ``offset``: the call starts that many tokens into its first unit (a
-    partial load's head; :func:`kvxfer.transports.batching.offset_view`)."""
+    partial load's head; :func:`kvxfer.views.offset_view`)."""
 
     index: int
     units: Any

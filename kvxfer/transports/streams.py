@@ -24,18 +24,18 @@ from ..engine_types import Remote, time_left
 from ..plan import Read
 from ..tracing import batch_tag
 from .base import LoaderLink, StreamJob
-from .batching import BatchPlan, view_at
+from .batching import BatchPlan
 from .staging import Stream
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..rank import Rank
+    from ..rank import Rank, Runtime
 
 __all__ = ["RELEASED_MID_STREAM", "ask_stream", "stream_gathers", "stream_scatters", "take_status"]
 
 RELEASED_MID_STREAM = "released during the stream (lease ended or aborted); not delivered"
 
 
-def stream_gathers(rank: Rank, job: StreamJob) -> tuple[Stream, Callable, Callable[[], bytes]]:
+def stream_gathers(rank: Rank, rt: Runtime, job: StreamJob) -> tuple[Stream, Callable, Callable[[], bytes]]:
     """The exporter's end of a checked send request: its :class:`Stream` (source unit ids as
     tensors), the gather the staged pipeline runs per chunk, and ``status()``: one byte per
     request of ``job``, 1 when the export checked for it (``job.exports``) was still live at
@@ -49,10 +49,10 @@ def stream_gathers(rank: Rank, job: StreamJob) -> tuple[Stream, Callable, Callab
     layers = list(msg.layers) or None
     rids = msg.request_ids
     live = bytearray(b"\x01" * len(rids))
-    exports = rank.exports
+    exports = rt.exports
 
     def gather(c, out: torch.Tensor) -> None:
-        view = view_at(rank.by_unit, c.unit, c.offset, rank.offset_views)
+        view = rank.views.at(c.unit, c.offset)
         with exports.lock:
             for k, rid in enumerate(rids):
                 if live[k] and exports.lookup(rid) is not checked[k]:
@@ -88,7 +88,7 @@ def stream_scatters(
     disjoint = bp.distinct
 
     def scatter(c, wire: torch.Tensor) -> None:
-        dv = view_at(rank.by_unit, c.unit, c.offset, rank.offset_views)
+        dv = rank.views.at(c.unit, c.offset)
         bound = rank.num_blocks * (rank.spec.block_size // c.unit)
         ids = ops.CheckedIds(c.units, bound, True) if disjoint else c.units
         ops.scatter_blocks(wire, dv.caches, dv.spec, ids, c.num_tokens, r.dst_head_start, layers)

@@ -49,7 +49,7 @@ from . import slots
 from .read import launch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...rank import Rank
+    from ...rank import Rank, Runtime
     from ..base import LoaderLink
     from .transport import IpcTransport
 
@@ -131,8 +131,9 @@ class OneSided:
     ``loads``: loads read one-sided so far; ``fallbacks``: why a load took the messaged path,
     counted by reason (both in ``stats()["onesided"]``)."""
 
-    def __init__(self, rank: Rank, loader: LoaderLink, ipc: IpcTransport) -> None:
+    def __init__(self, rank: Rank, rt: Runtime, loader: LoaderLink, ipc: IpcTransport) -> None:
         self.rank = rank
+        self.rt = rt
         self.loader = loader
         self.ipc = ipc
         if not ORDERED_CPU:
@@ -193,8 +194,8 @@ class OneSided:
         its ids: both sides' id bounds, and per read an :class:`~kvxfer.ops.PreparedCopy` between
         the whole-block views and its wire bytes per token. Made once per target."""
         rank = self.rank
-        su, du = m.units[0], rank.units[0]
-        sv, dv = m.views[su], rank.by_unit[du]
+        sv, dv = m.views.whole, rank.views.whole
+        su, du = sv.unit, dv.unit
         copies = [
             (
                 ops.PreparedCopy(sv.caches, dv.caches, r.src_head_start, r.dst_head_start, r.num_heads),
@@ -209,6 +210,7 @@ class OneSided:
     def try_load(self, item: LoadItem, timeout_s: float) -> bool:
         """Launch ``item`` one-sided if it can be (see the module doc); False: queue it for the
         messaged path (nothing was written)."""
+        rt = self.rt
         if not ORDERED_CPU:
             return self._no("weakly ordered CPU")
         p = item.params
@@ -230,8 +232,8 @@ class OneSided:
             # The same params already in this batch (read here, or queued for the messaged path,
             # whose batch check refuses a repeat the same way); a load that would not be read
             # here anyway was handed to the messaged path above, which checks its own batch.
-            if self.rank.loads.fail(item.request_id, loaded_twice(p.request_id)):
-                self.rank.metrics.add("failures")
+            if self.rt.loads.fail(item.request_id, loaded_twice(p.request_id)):
+                self.rt.metrics.add("failures")
             return True
         try:
             b0, b1 = b = t.bind(p.token, p.digest(), p.request_id)
@@ -264,17 +266,17 @@ class OneSided:
             with ipc.lock, trace("copy", items_tag, [item]):
                 if t.epoch != ipc.epoch:  # a remote was forgotten meanwhile: its mapping may be gone
                     return self._no("not mapped")
-                hook = rank.hooks.get("before_ipc_copy")
+                hook = rt.hooks.get("before_ipc_copy")
                 if hook:
                     hook()
-                with rank.order.on_stream():
+                with rt.order.on_stream():
                     for c in checks:
                         if item.first:  # a partial load: planned as the messaged path plans it
                             mv, _, n = launch(rank, c[4], rem, c[6], [item])
                         else:
                             mv, n = _copy_whole(c[7], item)
                         f.moved, f.calls = f.moved + mv, f.calls + n
-                    if rank.order.cuda:
+                    if rt.order.cuda:
                         f.event = self._done_event(rem)
         except Exception as e:  # the copy may have written part of the blocks: fail the load
             self.loads += 1
@@ -322,6 +324,7 @@ class OneSided:
             self._launch_group(group)
 
     def _launch_group(self, group: list[_Flight]) -> None:
+        rt = self.rt
         t = group[0].target
         rem, rank, ipc = t.rem, self.rank, self.ipc
         items = [f.item for f in group]
@@ -329,14 +332,14 @@ class OneSided:
             with ipc.lock, trace("copy", items_tag, items):
                 if t.epoch != ipc.epoch:  # a remote was forgotten since the loads were looked up
                     raise RuntimeError("the exporter's mapping was dropped before the launch")
-                hook = rank.hooks.get("before_ipc_copy")
+                hook = rt.hooks.get("before_ipc_copy")
                 if hook:
                     hook()
                 calls = 0
-                with rank.order.on_stream():
+                with rt.order.on_stream():
                     for c in group[0].checks:
                         calls += launch(rank, c[4], rem, c[6], items)[2]
-                    ev = self._done_event(rem) if rank.order.cuda else None
+                    ev = self._done_event(rem) if rt.order.cuda else None
         except Exception as e:  # the copy may have written part of the blocks: fail the loads
             for f in group:
                 self._report(f, f"one-sided ipc copy: {describe_error(e)}")
@@ -356,7 +359,7 @@ class OneSided:
         import torch
 
         ev = self._pool.pop() if self._pool else torch.cuda.Event()
-        ev.record(self.rank.order.stream("load"))
+        ev.record(self.rt.order.stream("load"))
         busy = self.ipc.busy.setdefault(id(rem), [])
         if len(busy) >= 16:
             busy[:] = [e for e in busy if not event_done(e)]
@@ -400,7 +403,7 @@ class OneSided:
 
     def _check(self, f: _Flight, now_ns: int) -> str:
         """The check after a completed copy: "" when the load landed, else why not."""
-        hook = self.rank.hooks.get("after_ipc_copy")
+        hook = self.rt.hooks.get("after_ipc_copy")
         ids = f.item.src_ids
         for s, v, i, g, m, snap, *_ in f.checks:
             if hook:
@@ -418,15 +421,16 @@ class OneSided:
     def _report(self, f: _Flight, why: str, notes: dict | None = None) -> None:
         """Report ``f`` once: landed (``why`` empty: done marks in the slots) or failed for
         ``why``; its notification goes into ``notes`` (remote -> loads), or now."""
+        rt = self.rt
         rank, item, rem = self.rank, f.item, f.target.rem
         self._active.discard(f.key)
         t = now()
         if why:
-            rank.metrics.record_load(f.t0, t, 0, f.calls, [])
-            if rank.loads.fail(item.request_id, why):
-                rank.metrics.add("failures")
+            rt.metrics.record_load(f.t0, t, 0, f.calls, [])
+            if rt.loads.fail(item.request_id, why):
+                rt.metrics.add("failures")
         else:
-            rank.metrics.record_load(f.t0, t, f.moved, f.calls, rank.loads.finish_many([item.request_id], t))
+            rt.metrics.record_load(f.t0, t, f.moved, f.calls, rt.loads.finish_many([item.request_id], t))
             checks = f.checks
             for v, k in f.target.marks:
                 i, g = (checks[k][2], checks[k][3]) if k >= 0 else v.find(*f.b)

@@ -12,12 +12,13 @@ import torch
 from ... import ops
 from ...engine_types import Remote, time_left
 from ...plan import Read
-from ..batching import cache_views, plan_loads, view_at, wire_bytes
+from ...views import CacheViews
+from ..batching import plan_loads, wire_bytes
 from ..epochs import stale_loads
 from . import offer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...rank import Rank
+    from ...rank import Rank, Runtime
 
 __all__ = ["IpcMap", "launch", "map_rank", "read"]
 
@@ -25,19 +26,16 @@ __all__ = ["IpcMap", "launch", "map_rank", "read"]
 class IpcMap(NamedTuple):
     """An exporter rank's caches and epoch array, mapped in this process."""
 
-    views: dict  # unit -> cache view (kvxfer.transports.cache_views)
-    units: list[int]  # the units of ``views``, coarsest first
+    views: CacheViews  # the exporter's caches, registered in each unit
     epochs: torch.Tensor  # int64 [num_blocks], the exporter's, shared
-    epochs_np: np.ndarray  # a numpy view of it (made once: ~10 us per read cold)
+    epochs_np: np.ndarray  # a numpy view of it (made once, not per read)
     handles: list  # for offer.detach
-    memo: dict  # offset views made so far (kvxfer.transports.batching.view_at)
 
 
 def map_rank(rem: Remote, s: int, device: torch.device) -> IpcMap:
     """Map source rank ``s`` of ``rem`` (its handshake's ``ipc`` entry) in this process."""
     caches, ep, handles = offer.attach(rem.replies[s].ipc, device)
-    views = {v.unit: v for v in cache_views(caches, rem.spec)}
-    return IpcMap(views, list(views), ep, ep.numpy(), handles, {})
+    return IpcMap(CacheViews(caches, rem.spec), ep, ep.numpy(), handles)
 
 
 def launch(
@@ -51,9 +49,9 @@ def launch(
     """Issue the copies of the plan's ``reads`` (``layers``, default all) for ``loads`` straight
     from ``mapped`` caches, one ops call per batch call and read, on the current stream (CUDA:
     queued, not waited for). Returns (wire bytes moved, bytes a repeated block saved, ops calls)."""
-    src_by_unit, memo = mapped.views, mapped.memo
+    src, dst = mapped.views, rank.views
     src_bs, dst_bs = rem.spec.block_size, rank.spec.block_size
-    bp = plan_loads(rank, loads, src_bs, mapped.units)
+    bp = plan_loads(rank, loads, src_bs, src.units)
     moved = saved = 0
     # The ids were checked already (source: against the exporter's block count, on the
     # grant; destination: range and repeats, at load()): ops skips its own checks, and
@@ -62,8 +60,8 @@ def launch(
     distinct = bp.distinct
     for c in bp.calls:
         su, du = bp.units(c)
-        sv = view_at(src_by_unit, su, c.src_offset, memo)
-        dv = view_at(rank.by_unit, du, c.dst_offset, rank.offset_views)
+        sv = src.at(su, c.src_offset)
+        dv = dst.at(du, c.dst_offset)
         src_ids = ops.CheckedIds(c.src, rem.num_blocks * (src_bs // su), False)
         dst_ids = ops.CheckedIds(c.dst, rank.num_blocks * (dst_bs // du), distinct or len(c.request_ids) == 1)
         for r in reads:
@@ -88,6 +86,7 @@ def launch(
 
 def read(
     rank: Rank,
+    rt: Runtime,
     mapped: IpcMap,
     rem: Remote,
     s: int,
@@ -102,18 +101,18 @@ def read(
     block epochs against the grant's (``granted``: local id -> int64 epochs, native bytes).
     Returns (wire bytes moved, the local ids that landed: copied, the copy completed and their
     epochs unchanged; local id -> why for the loads whose blocks were released meanwhile)."""
-    hook = rank.hooks.get("before_ipc_copy")
+    hook = rt.hooks.get("before_ipc_copy")
     if hook:
         hook()
     moved, saved, calls = launch(rank, mapped, rem, reads, loads, layers)
-    rank.order.wait_done(time_left(deadline))  # CUDA: the copy ran before the epochs are re-read
-    hook = rank.hooks.get("after_ipc_copy")
+    rt.order.wait_done(time_left(deadline))  # CUDA: the copy ran before the epochs are re-read
+    hook = rt.hooks.get("after_ipc_copy")
     if hook:
         hook(mapped.epochs)
     # One epoch check, after the copy: epochs only grow, so it also catches blocks released
     # between the grant and the copy (a separate check before the copy cost ~15 us per batch
     # and only spared copying data that is then never delivered).
     bad = stale_loads(mapped.epochs_np, loads, granted, s)
-    rank.metrics.record_ops(calls, saved)
+    rt.metrics.record_ops(calls, saved)
     landed = {it.request_id for it in loads if it.request_id not in bad}
     return moved, landed, bad

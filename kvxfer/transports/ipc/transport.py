@@ -2,8 +2,9 @@
 
 Exporter: at start it describes the rank's caches for loaders on this host and allocates the
 block-epoch array and the lease-slot table in shared memory (:mod:`~kvxfer.transports.ipc.offer`,
-:mod:`~kvxfer.transports.ipc.slots`); both are the export tracker's, so a loader that maps them
-sees every export and release. Loader: it maps each source rank on first use and copies straight
+:mod:`~kvxfer.transports.ipc.slots`); the epochs are the export tracker's, and the table follows
+the tracker's leases (:meth:`IpcTransport.follow`), so a loader that maps them sees every export
+and release. Loader: it maps each source rank on first use and copies straight
 from it (:mod:`~kvxfer.transports.ipc.read`); once mapped, :mod:`~kvxfer.transports.ipc.onesided`
 reads without a message."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ... import control
@@ -21,12 +23,14 @@ from ...plan import Read
 from ...tracing import items_tag, trace
 from ..base import LoaderLink, StreamJob
 from . import offer
+from .leases import LeaseSlots
 from .mappers import mapper
 from .read import IpcMap, map_rank, read
 from .slots import DEFAULT_SLOTS, HEADER, SLOT, ExporterSlots, SlotView
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...rank import Rank
+    from ...exports import ExportTracker
+    from ...rank import Rank, Runtime
 
 __all__ = ["IpcTransport"]
 
@@ -38,18 +42,21 @@ CLOSE_WAIT_S = 2.0  # close() waits this long for one-sided copies still reading
 class IpcTransport:
     """See the module doc; ``epochs`` is the shared epoch array once offered (else None),
     ``segment`` its shared-memory segment, ``slots`` the lease-slot table
-    (:class:`~kvxfer.transports.ipc.slots.ExporterSlots`, else None). ``lock`` is held while a
+    (:class:`~kvxfer.transports.ipc.slots.ExporterSlots`, else None), ``leases`` the listener
+    that keeps it following the export tracker (:meth:`follow`). ``lock`` is held while a
     mapping is used or dropped from two threads (the one-sided path runs in the caller's)."""
 
     name = "ipc"
 
-    def __init__(self, rank: Rank) -> None:
+    def __init__(self, rank: Rank, rt: Runtime) -> None:
         self.rank = rank
+        self.rt = rt
         self.why = "not started"
         self.epochs = None
         self._entry: dict | None = None
         self.segment = None
         self.slots: ExporterSlots | None = None
+        self.leases: LeaseSlots | None = None
         self.slot_segment = None
         self._maps: dict[int, tuple[Remote, dict[int, IpcMap]]] = {}  # id(remote) -> its maps
         # id(remote) -> (remote, [each exporter rank's SlotView or None], their shm handles)
@@ -59,7 +66,7 @@ class IpcTransport:
         self.epoch = 0  # remotes forgotten so far (a one-sided target made before is stale)
 
     def start(self) -> None:
-        rank = self.rank
+        rank, rt = self.rank, self.rt
         made = offer.offer_ipc(
             rank.caches, rank.device, rank.num_blocks, rank.engine_id, rank.transport in ("auto", "ipc")
         )
@@ -68,9 +75,21 @@ class IpcTransport:
         if made.offered:
             n = min(DEFAULT_SLOTS, max(64, 2 * rank.num_blocks))
             table, self.slot_segment = mapper("shm").alloc_shm_array(HEADER + n * SLOT, "ls")
-            self.slots = ExporterSlots(table.numpy(), rank.incarnation)
+            self.slots = ExporterSlots(table.numpy(), rt.incarnation)
             self._entry["slots"] = self.slot_segment.name
             self._entry["slot_words"] = HEADER + n * SLOT
+
+    def follow(self, exports: ExportTracker) -> None:
+        """Publish the leases of ``exports`` (the rank's tracker, over this transport's epochs) in
+        the lease-slot table, when there is one."""
+        if self.slots is not None:
+            self.leases = LeaseSlots(
+                self.slots, exports, lambda rids: self.rt.order.not_ready(rids, count=False)
+            )
+
+    def tick(self, beat: bool, expected: Callable[[int, int], int | str]) -> int:
+        """The lease-slot table's tick (:meth:`LeaseSlots.tick`); exports it finished."""
+        return self.leases.tick(beat, expected) if self.leases is not None else 0
 
     @property
     def entry(self) -> dict:
@@ -132,7 +151,7 @@ class IpcTransport:
             with self.lock:
                 mapped = got[1][s] = map_rank(rem, s, self.rank.device)
         with trace("copy", items_tag, loads):
-            return read(self.rank, mapped, rem, s, reads, loads, granted, deadline, layers)
+            return read(self.rank, self.rt, mapped, rem, s, reads, loads, granted, deadline, layers)
 
     def mapped(self, rem: Remote, s: int) -> IpcMap | None:
         """Source rank ``s`` of ``rem`` as mapped by an earlier read (None if not yet)."""

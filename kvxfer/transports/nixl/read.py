@@ -35,7 +35,7 @@ from .descs import CacheGeometry, descs, direct_runs, epoch_runs
 from .staged import NixlStaging, recv_stream
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...rank import Rank
+    from ...rank import Rank, Runtime
 
 __all__ = ["NixlSide", "SrcRank", "direct", "read_key", "src_rank", "staged"]
 
@@ -45,6 +45,7 @@ class NixlSide(Protocol):
     (:class:`~kvxfer.transports.nixl.transport.NixlTransport`)."""
 
     rank: Rank
+    rt: Runtime
     agent: NixlAgent
     geometry: CacheGeometry
 
@@ -108,7 +109,7 @@ def direct(
 ) -> tuple[int, set[str], dict[str, str]]:
     """One direct READ of ``reads`` for ``loads``, then the epoch READ and check; (bytes, the
     local ids that landed: READ completed, epochs unchanged; local id -> why)."""
-    rank, agent = nixl.rank, nixl.agent
+    rank, rt, agent = nixl.rank, nixl.rt, nixl.agent
     sbs, dbs = rem.spec.block_size, rank.spec.block_size
     # block units on both sides (n>1 prefixes once; a partial load starting inside a block
     # gets a short head call at the same offset on both sides: equal block sizes)
@@ -120,7 +121,7 @@ def direct(
         moved, saved = moved + m, saved + sk
     mem, dev = mem_of(rank.caches[0])
     tag = batch_tag([it.request_id for it in loads])
-    hook = rank.hooks.get("before_nixl_read")
+    hook = rt.hooks.get("before_nixl_read")
     if hook:
         hook()
     if sa.size:
@@ -129,7 +130,7 @@ def direct(
                 descs(da, ln, dev), mem, st.agent, descs(sa, ln, st.dev), st.mem, deadline,
                 f"READ of {sa.size} runs from {st.agent}",
             )  # fmt: skip
-    hook = rank.hooks.get("after_nixl_read")
+    hook = rt.hooks.get("after_nixl_read")
     if hook:
         hook()
     # The epoch check, after the READ (as ipc does): epochs only grow, so a block released
@@ -140,7 +141,7 @@ def direct(
         descs(ed, el, 0), "DRAM", st.agent, descs(es, el, 0), "DRAM", deadline, f"epoch READ from {st.agent}"
     )
     bad = stale_loads(st.mirror.numpy(), loads, granted, s)
-    rank.metrics.add("dedup_bytes", saved)
+    rt.metrics.add("dedup_bytes", saved)
     return moved, {it.request_id for it in loads if it.request_id not in bad}, bad
 
 
@@ -192,7 +193,7 @@ def staged(
     """One staged read (head slice ``r``, ``layers``) from source rank ``s``; (bytes, the local
     ids the exporter's status says landed, id -> why). A refused load leaves the batch and the
     rest is asked again."""
-    rank, agent = nixl.rank, nixl.agent
+    rank, rt, agent = nixl.rank, nixl.rt, nixl.agent
     try:
         _pair(nixl, loader, rem, s, st, loads[0], deadline)
     except Exception as e:
@@ -225,7 +226,7 @@ def staged(
                 why = f"exporter rank {s} refused the send request: {refused}"
                 bad.update({it.request_id: why for it in loads})
             continue  # each refusal drops at least one load: bounded
-        hook = rank.hooks.get("before_recv")
+        hook = rt.hooks.get("before_recv")
         if hook:
             try:
                 hook()
@@ -236,11 +237,11 @@ def staged(
         n, flags = recv_stream(
             agent, st.agent, key, st.staging, receive, stream, scatter, deadline, len(loads)
         )
-        rank.order.wait_done(time_left(deadline))  # CUDA: the scatters ran
-        rank.metrics.add("ops_calls", n)
+        rt.order.wait_done(time_left(deadline))  # CUDA: the scatters ran
+        rt.metrics.add("ops_calls", n)
         take_status(loads, flags, s, landed, bad)
         m, sk = wire_bytes(rank.spec, bp, r.num_heads, layers)
         moved, saved = moved + m, saved + sk
         break
-    rank.metrics.add("dedup_bytes", saved)
+    rt.metrics.add("dedup_bytes", saved)
     return moved, landed, bad

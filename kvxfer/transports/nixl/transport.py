@@ -40,7 +40,7 @@ from .read import SrcRank, read_key
 from .staged import NixlStaging, send_stream, stream_error
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...rank import Rank
+    from ...rank import Rank, Runtime
 
 _LOG = logging.getLogger(__name__)
 
@@ -53,8 +53,9 @@ class NixlTransport:
 
     name = "nixl"
 
-    def __init__(self, rank: Rank) -> None:
+    def __init__(self, rank: Rank, rt: Runtime) -> None:
         self.rank = rank
+        self.rt = rt
         self.why = "not started"
         self.agent: NixlAgent | None = None
         self.peers: dict[str, float] = {}
@@ -95,13 +96,13 @@ class NixlTransport:
             return self._build(raise_errors)
 
     def _build(self, raise_errors: bool) -> NixlAgent | None:
-        rank = self.rank
+        rank, rt = self.rank, self.rt
         t0 = time.monotonic()
         agent = None
         try:
-            agent = NixlAgent(f"kvxfer/{rank.engine_id}/{rank.tp_rank}/{rank.incarnation}", stop=rank.stop)
+            agent = NixlAgent(f"kvxfer/{rank.engine_id}/{rank.tp_rank}/{rt.incarnation}", stop=rt.stop)
             agent.register(rank.caches, "caches")
-            agent.register([rank.exports.epochs], "lease epochs")
+            agent.register([rt.exports.epochs], "lease epochs")
             pipe = rank.pipeline
             send = NixlStaging(
                 agent, pipe.depth, pipe.buffer_bytes, rank.device, pipe.pin_memory, "send staging"
@@ -114,7 +115,7 @@ class NixlTransport:
                 "mem": mem,
                 "dev": dev,
                 "geometry": geo.to_dict(),
-                "epochs": {"addr": int(rank.exports.epochs.data_ptr()), "num_blocks": rank.num_blocks},
+                "epochs": {"addr": int(rt.exports.epochs.data_ptr()), "num_blocks": rank.num_blocks},
                 "staging": send.describe(),
                 "staging_bytes": pipe.buffer_bytes,
                 "units": list(rank.units),
@@ -130,9 +131,7 @@ class NixlTransport:
             _LOG.warning(
                 "kvxfer engine %s rank %d: %s; nixl is not offered", rank.engine_id, rank.tp_rank, why
             )
-            self.why = why
-            if "nixl" in rank.offers:
-                rank.offers.remove("nixl")
+            self.why = why  # no longer offered
             return None
         self.send_staging, self.geometry = send, geo
         self.agent = agent
@@ -208,6 +207,9 @@ class NixlTransport:
         self.peers[name] = float(msg.timeout_s)
         return control.SendReply(ok=True, failed={})
 
+    def tick(self, beat: bool, expected) -> int:
+        return 0
+
     def serve_stream(self, job: StreamJob) -> control.SendReply:
         """Queue a checked staged stream for the sender thread (its key names a paired loader
         agent: ``<agent>#<hex>``)."""
@@ -220,7 +222,7 @@ class NixlTransport:
 
     def _send_loop(self) -> None:
         """The sender thread: staged streams, one after another."""
-        while not self.rank.stop.is_set():
+        while not self.rt.stop.is_set():
             try:
                 job = self._jobs.get(timeout=0.1)
             except queue.Empty:
@@ -233,15 +235,16 @@ class NixlTransport:
         """Gather a stream's chunks (under the tracker lock: a request released mid-stream is
         marked not landed in the stream's status) and let the loader READ them; logs its own
         failures."""
+        rt = self.rt
         rank, agent = self.rank, self.agent
         msg = job.msg
         peer = msg.key.rpartition("#")[0]
-        stream, gather, status = stream_gathers(rank, job)
+        stream, gather, status = stream_gathers(rank, self.rt, job)
         try:
-            hook = rank.hooks.get("before_send")
+            hook = rt.hooks.get("before_send")
             if hook:
                 hook()
-            with rank.order.on_stream("send"):
+            with rt.order.on_stream("send"):
                 sent = send_stream(
                     agent,
                     peer,
@@ -266,7 +269,7 @@ class NixlTransport:
                 agent.remove_remote(peer)
                 self.peers.pop(peer, None)
             return
-        rank.metrics.add("bytes_sent", sent)
+        rt.metrics.add("bytes_sent", sent)
 
     # ------------------------------------------------------------------ loader
     def setup(self, rem: Remote) -> str:

@@ -50,7 +50,7 @@ def read(
     failed stream may leave a receive posted). Returns (bytes moved, the local ids that landed:
     every read's stream carried them and the exporter's status says so; local id -> why for
     the others). A refused load leaves the batch, and the rest is asked again."""
-    rank = loader.rank
+    rank, rt = loader.rank, loader.rt
     group, key = pair
     bad: dict[str, str] = {}
     landed: set[str] = set()
@@ -77,7 +77,9 @@ def read(
                     bad.update({it.request_id: why for it in loads})
                 continue  # each refusal drops at least one load: bounded
             try:
-                flags = _recv(rank, group, rem.pg_backends[s], r, loads, bp, chunk_tokens, deadline, layers)
+                flags = _recv(
+                    rank, rt, group, rem.pg_backends[s], r, loads, bp, chunk_tokens, deadline, layers
+                )
             except Exception:
                 drop("a stream failed")  # a failed stream may leave a receive posted
                 raise
@@ -85,23 +87,23 @@ def read(
             m, sk = wire_bytes(rank.spec, bp, r.num_heads, layers)
             moved, saved = moved + m, saved + sk
             break
-    rank.metrics.add("dedup_bytes", saved)
+    rt.metrics.add("dedup_bytes", saved)
     return moved, landed - bad.keys(), bad
 
 
 def _recv(
-    rank, group, backend: str, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float, layers
+    rank, rt, group, backend: str, r: Read, loads, bp: BatchPlan, chunk_tokens: int, deadline: float, layers
 ):
     """Receive and scatter one stream; the exporter's status of it (one byte per load of
     ``loads``, 1: landed)."""
-    hook = rank.hooks.get("before_recv")
+    hook = rt.hooks.get("before_recv")
     if hook:
         hook()
     stream, scatter = stream_scatters(rank, r, bp, chunk_tokens, loads, layers)
     n, flags = rank.pipeline.recv_stream(
         group, 0, backend, rank.device, stream, scatter, time_left(deadline), len(loads)
     )
-    rank.metrics.record_ops(n, 0)
+    rt.metrics.record_ops(n, 0)
     return flags
 
 

@@ -27,7 +27,7 @@ from ..base import StreamJob
 from ..streams import stream_gathers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...rank import Rank
+    from ...rank import Rank, Runtime
 
 _LOG = logging.getLogger(__name__)
 
@@ -176,16 +176,16 @@ class PairSenders:
             return [p.thread for p in self._pairs.values() if p.thread is not None]
 
 
-def stream_send(rank: Rank, group, backend: str, job: StreamJob) -> None:
+def stream_send(rank: Rank, rt: Runtime, group, backend: str, job: StreamJob) -> None:
     """Gather and send one checked send request's stream over pair ``group`` (``backend``) on
     the rank's send stream, then its status (one byte per request: landed or released
     meanwhile). A failure raises (the pair's thread discards the pair)."""
-    hook = rank.hooks.get("before_send")
+    hook = rt.hooks.get("before_send")
     if hook:
         hook()
-    stream, gather, status = stream_gathers(rank, job)
-    with rank.order.on_stream("send"):
+    stream, gather, status = stream_gathers(rank, rt, job)
+    with rt.order.on_stream("send"):
         sent = rank.pipeline.send_stream(
             group, 1, backend, rank.device, stream, gather, rank.timeout_s, status
         )
-    rank.metrics.add("bytes_sent", sent)
+    rt.metrics.add("bytes_sent", sent)

@@ -19,7 +19,7 @@ from . import read as pg_read
 from .send import PairSenders, stream_send
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...rank import Rank
+    from ...rank import Rank, Runtime
 
 __all__ = ["PgTransport"]
 
@@ -29,8 +29,9 @@ class PgTransport:
 
     name = "pg"
 
-    def __init__(self, rank: Rank) -> None:
+    def __init__(self, rank: Rank, rt: Runtime) -> None:
         self.rank = rank
+        self.rt = rt
         self.why = "not started"
         self.store = None
         self.backend = ""  # the backend this rank prefers for its caches
@@ -40,7 +41,7 @@ class PgTransport:
             self._join,
             self._stream,
             groups.discard_pair,
-            rank.stop,
+            rt.stop,
         )
         self._pairs: dict[int, tuple[Remote, dict[int, tuple]]] = {}  # id(remote) -> {rank: (group, key)}
 
@@ -81,6 +82,9 @@ class PgTransport:
         why = self.senders.open(msg.key, backend)
         return control.SendReply(ok=not why, failed={"*": why} if why else {})
 
+    def tick(self, beat: bool, expected) -> int:
+        return 0
+
     def serve_stream(self, job: StreamJob) -> control.SendReply:
         key = job.msg.key
         if self.senders.backend(key) is None:
@@ -97,7 +101,7 @@ class PgTransport:
         return groups.new_pair(store, key, 0, rank.host, rank.timeout_s, backend)
 
     def _stream(self, group, backend: str, job: StreamJob) -> None:
-        stream_send(self.rank, group, backend, job)
+        stream_send(self.rank, self.rt, group, backend, job)
 
     # ------------------------------------------------------------------ loader
     def setup(self, rem: Remote) -> str:
@@ -122,7 +126,7 @@ class PgTransport:
             loader, pair, lambda why: self.drop_pair(rem, s, why), rem, s, reads, loads, deadline, layers
         )
         if landed:  # finished only once the scatters ran
-            self.rank.order.wait_done(time_left(deadline))
+            self.rt.order.wait_done(time_left(deadline))
         return moved, landed, bad
 
     def _pair(self, loader: LoaderLink, rem: Remote, s: int, token_of: LoadItem, deadline: float) -> tuple:
