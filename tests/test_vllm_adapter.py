@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from kvxfer import TransferEngine
 from kvxfer.ports import free_port_base
 from kvxfer.vllm.config import ConnectorConfig, default_host
 from kvxfer.vllm.layout import KVLayout, KVLayoutMismatch, caches_from_vllm, check_pair, kvxfer_view
@@ -116,6 +117,9 @@ def test_config_default_host(monkeypatch, caplog):
         ({"extra": {"lease_s": 0}}, "lease_s"),
         ({"extra": {"reuse_min_gain": 0.5}}, "reuse_min_gain"),
         ({"extra": {"host": ""}}, "kv_connector_extra_config.host"),
+        ({"extra": {"max_sms": 0}}, "kv_connector_extra_config.max_sms"),
+        ({"extra": {"max_sms": 8.5}}, "kv_connector_extra_config.max_sms"),
+        ({"extra": {"onesided": "yes"}}, "kv_connector_extra_config.onesided"),
     ],
 )
 def test_config_rejects_naming_the_setting(kw, needle):
@@ -1090,6 +1094,38 @@ def test_engine_threads_are_not_bound_to_the_workers_pinned_core():
     t.join(60)
     assert out["caller"] == pinned
     assert out["engine"] and all(a == wide for a in out["engine"]), (out, wide)
+
+
+def test_extra_config_reaches_the_engine():
+    """``max_sms``, ``onesided`` and ``transport`` in kv_connector_extra_config are what the
+    worker's engine is built with (the only way a vLLM deployment sets the SM budget)."""
+    make, backend, _, bs = _KINDS["fa16"]
+    seen: dict = {}
+
+    def factory(*a, **kw):
+        seen.update(kw)
+        return TransferEngine(*a, **kw)
+
+    for extra, want in (
+        ({}, (None, True, "auto")),
+        ({"max_sms": 12, "onesided": False, "transport": "pg"}, (12, False, "pg")),
+    ):
+        cfg = ConnectorConfig.from_vllm(
+            vllm_config(
+                role="kv_producer",
+                block_size=bs,
+                port=free_port_base(1),
+                extra={"host": "127.0.0.1", **extra},
+            )
+        )
+        assert (cfg.max_sms, cfg.onesided, cfg.transport) == want
+        w = WorkerSide(cfg, 0, engine_factory=factory)
+        try:
+            w.register({"l0": make(4, 4)}, backend=backend, head_size=HD, total_kv_heads=HEADS, use_mla=False)
+            assert (seen["max_sms"], seen["onesided"], seen["transport"]) == want
+            assert w.engine.stats()["onesided"].get("off", False) is (not want[1])
+        finally:
+            w.close()
 
 
 def test_port_in_use_is_named_when_vllm_first_loads_the_connector_class():

@@ -26,6 +26,11 @@ Where things come from:
   ``timeout_s``                10          bound of every wait (a load whose export has not
                                            appeared by then fails)
   ``verify_prompt``            true        D checks a hash of P's prompt tokens before loading
+  ``max_sms``                  none        SM budget of every transfer kernel (a positive int;
+                                           none: no budget, see ``TransferEngine(max_sms=)``)
+  ``onesided``                 true        D reads an ``ipc`` export straight from P's lease-slot
+                                           table, no message before the copy (false: every
+                                           load takes the messaged path)
   ``reuse_link_GBps``          10          D->P reuse: link bandwidth before one is measured
   ``reuse_prefill_tokens_per_s`` 20000     D->P reuse: this engine's prefill speed
   ``reuse_fixed_pull_s``       0.002       D->P reuse: fixed cost of one pull
@@ -54,6 +59,8 @@ _EXTRA_DEFAULTS: dict[str, object] = {
     "lease_s": 30.0,
     "timeout_s": 10.0,
     "verify_prompt": True,
+    "max_sms": None,
+    "onesided": True,
     "reuse_link_GBps": 10.0,
     "reuse_prefill_tokens_per_s": 20000.0,
     "reuse_fixed_pull_s": 0.002,
@@ -130,7 +137,8 @@ class ConnectorConfig:
             ``kv_consumer``, whose ranks bind free ports (nobody dials them).
         tp_size: tensor-parallel size of this server.
         block_size: vLLM's (KV cache manager's) block size in tokens.
-        transport, lease_s, timeout_s: passed to :class:`kvxfer.TransferEngine`.
+        transport, lease_s, timeout_s, max_sms, onesided: passed to
+            :class:`kvxfer.TransferEngine`.
         verify_prompt: compare the prompt-token hash in P's params before loading.
         reuse_*: the D->P reuse cost model (:func:`kvxfer.reuse.decide_reuse`).
     """
@@ -145,6 +153,8 @@ class ConnectorConfig:
     lease_s: float = 30.0
     timeout_s: float = 10.0
     verify_prompt: bool = True
+    max_sms: int | None = None
+    onesided: bool = True
     reuse_link_Bps: float = 10e9
     reuse_prefill_tokens_per_s: float = 20000.0
     reuse_fixed_pull_s: float = 0.002
@@ -178,6 +188,13 @@ class ConnectorConfig:
             raise ValueError(
                 f"kv_connector_extra_config.verify_prompt: must be a bool, got {self.verify_prompt!r}"
             )
+        ms = self.max_sms
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int) or ms < 1):
+            raise ValueError(
+                f"kv_connector_extra_config.max_sms: must be a positive int (SMs) or null, got {ms!r}"
+            )
+        if not isinstance(self.onesided, bool):
+            raise ValueError(f"kv_connector_extra_config.onesided: must be a bool, got {self.onesided!r}")
         if not self.reuse_fixed_pull_s >= 0:
             raise ValueError(
                 f"kv_connector_extra_config.reuse_fixed_pull_s: must be >= 0, got {self.reuse_fixed_pull_s!r}"
@@ -242,6 +259,8 @@ class ConnectorConfig:
             lease_s=_positive("lease_s", opt["lease_s"]),
             timeout_s=_positive("timeout_s", opt["timeout_s"]),
             verify_prompt=opt["verify_prompt"],
+            max_sms=opt["max_sms"],
+            onesided=opt["onesided"],
             reuse_link_Bps=_positive("reuse_link_GBps", opt["reuse_link_GBps"]) * 1e9,
             reuse_prefill_tokens_per_s=_positive(
                 "reuse_prefill_tokens_per_s", opt["reuse_prefill_tokens_per_s"]

@@ -201,6 +201,8 @@ class WorkerSide:
             "transport": cfg.transport,
             "lease_s": cfg.lease_s,
             "timeout_s": cfg.timeout_s,
+            "max_sms": cfg.max_sms,
+            "onesided": cfg.onesided,
         }
         if cfg.base_port == 0:  # kv_consumer
             if cfg.tp_size == 1:
