@@ -6,8 +6,8 @@ SM, so the model's kernels beside it keep every SM. This module
 
 * builds those runs (:func:`plan_runs`, vectorised with numpy: one address per block and head
   group, adjacent blocks coalesced into one run) or says why a transfer is not such a list
-  (host time on the 2-core dev VM, 4K tokens of Llama-3-8B: 40-95 us for an ipc copy's 16384
-  block runs, 1.7 ms for an HND gather's 131072 one-head runs);
+  (its host time grows with the number of runs, so they are built only once a call is to take
+  the copy engines);
 * chooses per call between them and a kernel (:func:`choose`, the rule below);
 * keeps per registered cache what was chosen and why (:class:`PathStats`).
 
