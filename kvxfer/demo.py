@@ -75,8 +75,7 @@ def _prefill_rank(rank: int, args: dict, q_params, q_result) -> None:
     for i, (blocks, n) in enumerate(zip(ids, lengths)):
         scatter_blocks(_truth(p_spec, i, heads, n, device), caches, p_spec, blocks, n)  # "prefill"
         params.append(eng.export(f"req-{i}", blocks, n))
-    if rank == 0:
-        q_params.put(params)
+    q_params.put(params)  # every rank: D starts once all of P's ranks listen and hold the exports
     done: set[str] = set()
     deadline = time.monotonic() + args["deadline_s"]
     while len(done) < len(lengths) and time.monotonic() < deadline:
@@ -101,7 +100,9 @@ def _decode_rank(args: dict, q_params, q_result) -> None:
         for _ in range(d_spec.num_layers)
     ]
     eng = TransferEngine(d_spec, caches, 0, TP_D, "decode", transport=args["transport"]).start()
-    params = q_params.get(timeout=args["deadline_s"])
+    # the params are the same on every P rank; D waits for all (a server answers only once
+    # every one of its ranks is up: a rank not listening yet refuses the handshake at once)
+    params = [q_params.get(timeout=args["deadline_s"]) for _ in range(TP_P)][0]
     start = time.perf_counter()
     for i, (p, blocks) in enumerate(zip(params, ids)):
         eng.load(f"req-{i}", p, blocks)
