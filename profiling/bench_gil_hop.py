@@ -7,8 +7,9 @@ steps; kvxfer's engine threads answer and send messages beside it. This reproduc
 thread spins in Python, another answers a zmq REQ/REP round trip from a second process; the
 round trip's median and p90 per GIL switch interval (``sys.setswitchinterval``), the intervals
 alternating round by round so that the machine's drift hits them alike. Also without the
-spinning thread, the floor. The vLLM connector's ``gil_switch_interval_ms`` takes its default
-from this.
+spinning thread, the floor. In isolation a shorter interval cuts the hop several-fold; served
+behind vLLM it did not shorten kvxfer's per-request transfer
+(``profiling/results/2026-11-28-cpu-vllm-gil/README.md``).
 """
 
 from __future__ import annotations

@@ -120,8 +120,6 @@ def test_config_default_host(monkeypatch, caplog):
         ({"extra": {"max_sms": 0}}, "kv_connector_extra_config.max_sms"),
         ({"extra": {"max_sms": 8.5}}, "kv_connector_extra_config.max_sms"),
         ({"extra": {"onesided": "yes"}}, "kv_connector_extra_config.onesided"),
-        ({"extra": {"gil_switch_interval_ms": 0}}, "gil_switch_interval_ms"),
-        ({"extra": {"gil_switch_interval_ms": "fast"}}, "gil_switch_interval_ms"),
     ],
 )
 def test_config_rejects_naming_the_setting(kw, needle):
@@ -1128,35 +1126,6 @@ def test_extra_config_reaches_the_engine():
             assert w.engine.stats()["onesided"].get("off", False) is (not want[1])
         finally:
             w.close()
-
-
-@pytest.mark.parametrize(
-    ("start_ms", "extra", "want_ms"),
-    [(5.0, {}, 0.5), (5.0, {"gil_switch_interval_ms": None}, 5.0), (0.2, {}, 0.2)],
-)
-def test_worker_lowers_the_gil_switch_interval(start_ms, extra, want_ms):
-    """The worker lowers its process's GIL switch interval to gil_switch_interval_ms (0.5 by
-    default), never raises it, and null leaves it."""
-    make, backend, _, bs = _KINDS["fa16"]
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(start_ms / 1000)
-    try:
-        cfg = ConnectorConfig.from_vllm(
-            vllm_config(
-                role="kv_producer",
-                block_size=bs,
-                port=free_port_base(1),
-                extra={"host": "127.0.0.1", **extra},
-            )
-        )
-        w = WorkerSide(cfg, 0)
-        try:
-            w.register({"l0": make(4, 4)}, backend=backend, head_size=HD, total_kv_heads=HEADS, use_mla=False)
-            assert sys.getswitchinterval() == pytest.approx(want_ms / 1000)
-        finally:
-            w.close()
-    finally:
-        sys.setswitchinterval(old)
 
 
 def test_port_in_use_is_named_when_vllm_first_loads_the_connector_class():

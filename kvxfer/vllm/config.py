@@ -31,10 +31,6 @@ Where things come from:
   ``onesided``                 true        D reads an ``ipc`` export straight from P's lease-slot
                                            table, no message before the copy (false: every
                                            load takes the messaged path)
-  ``gil_switch_interval_ms``   0.5         the worker process's ``sys.setswitchinterval`` (only
-                                           ever lowered; null: Python's, 5): how long the
-                                           engine's threads can wait for the GIL behind vLLM's
-                                           busy worker thread, per message hop
   ``reuse_link_GBps``          10          D->P reuse: link bandwidth before one is measured
   ``reuse_prefill_tokens_per_s`` 20000     D->P reuse: this engine's prefill speed
   ``reuse_fixed_pull_s``       0.002       D->P reuse: fixed cost of one pull
@@ -65,7 +61,6 @@ _EXTRA_DEFAULTS: dict[str, object] = {
     "verify_prompt": True,
     "max_sms": None,
     "onesided": True,
-    "gil_switch_interval_ms": 0.5,
     "reuse_link_GBps": 10.0,
     "reuse_prefill_tokens_per_s": 20000.0,
     "reuse_fixed_pull_s": 0.002,
@@ -144,7 +139,6 @@ class ConnectorConfig:
         block_size: vLLM's (KV cache manager's) block size in tokens.
         transport, lease_s, timeout_s, max_sms, onesided: passed to
             :class:`kvxfer.TransferEngine`.
-        gil_switch_interval_ms: the worker's GIL switch interval (None: leave Python's).
         verify_prompt: compare the prompt-token hash in P's params before loading.
         reuse_*: the D->P reuse cost model (:func:`kvxfer.reuse.decide_reuse`).
     """
@@ -161,7 +155,6 @@ class ConnectorConfig:
     verify_prompt: bool = True
     max_sms: int | None = None
     onesided: bool = True
-    gil_switch_interval_ms: float | None = 0.5
     reuse_link_Bps: float = 10e9
     reuse_prefill_tokens_per_s: float = 20000.0
     reuse_fixed_pull_s: float = 0.002
@@ -202,13 +195,6 @@ class ConnectorConfig:
             )
         if not isinstance(self.onesided, bool):
             raise ValueError(f"kv_connector_extra_config.onesided: must be a bool, got {self.onesided!r}")
-        gi = self.gil_switch_interval_ms
-        if gi is not None and (
-            isinstance(gi, bool) or not isinstance(gi, (int, float)) or not 0.05 <= gi <= 100
-        ):
-            raise ValueError(
-                f"kv_connector_extra_config.gil_switch_interval_ms: must be a number in [0.05, 100] or null, got {gi!r}"
-            )
         if not self.reuse_fixed_pull_s >= 0:
             raise ValueError(
                 f"kv_connector_extra_config.reuse_fixed_pull_s: must be >= 0, got {self.reuse_fixed_pull_s!r}"
@@ -275,7 +261,6 @@ class ConnectorConfig:
             verify_prompt=opt["verify_prompt"],
             max_sms=opt["max_sms"],
             onesided=opt["onesided"],
-            gil_switch_interval_ms=opt["gil_switch_interval_ms"],
             reuse_link_Bps=_positive("reuse_link_GBps", opt["reuse_link_GBps"]) * 1e9,
             reuse_prefill_tokens_per_s=_positive(
                 "reuse_prefill_tokens_per_s", opt["reuse_prefill_tokens_per_s"]

@@ -16,7 +16,6 @@ import errno
 import logging
 import os
 import secrets
-import sys
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -160,7 +159,6 @@ class WorkerSide:
         # engine's threads run on every CPU of the process instead.
         cpus = process_cpus()
         own = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-        self._lower_switch_interval()
         with threads_on(cpus):
             self.engine = self._start_engine(spec, views)
         if cpus and own and cpus != own:
@@ -192,26 +190,6 @@ class WorkerSide:
             spec.dtype,
             layout.describe(),
         )
-
-    def _lower_switch_interval(self) -> None:
-        """Lower this process's GIL switch interval to ``gil_switch_interval_ms``. vLLM's worker
-        (and, at TP 1, its engine core) runs a Python loop that holds the GIL between steps; a
-        thread of the engine waking for a message (a lease grant, a notification, a stream) waits
-        for it up to the switch interval at every hop, and a request takes several hops on each
-        side. A loop like it delays a zmq round trip through a second thread by about one interval
-        (``profiling/bench_gil_hop.py`` measures it). Only ever lowered."""
-        want = self.cfg.gil_switch_interval_ms
-        if want is None:
-            return
-        now = sys.getswitchinterval()
-        if want / 1000.0 < now:
-            sys.setswitchinterval(want / 1000.0)
-            _LOG.info(
-                "kvxfer connector: GIL switch interval %.2f -> %.2f ms (kv_connector_extra_config."
-                "gil_switch_interval_ms; null leaves it)",
-                now * 1000.0,
-                want,
-            )
 
     def _start_engine(self, spec, views) -> TransferEngine:
         """Start this rank's engine on its side-channel port: ``kv_port + rank`` (exporting
