@@ -144,7 +144,7 @@ class Remote:
 
 class LoadItem:
     """One queued load (a plain slotted class: made per ``load()``). It is also the
-    :class:`~kvxfer.transports.batching.Item` the batch planner reads (``src``, ``dst``,
+    :class:`~kvxfer.batching.Item` the batch planner reads (``src``, ``dst``,
     ``num_tokens``, ``skip``, ``first``; read only): no per-load copy to plan a batch."""
 
     __slots__ = (

@@ -15,7 +15,7 @@ transport by its name in a dict, never by a string switch):
 * ``nixl/`` — one-sided READs through a NIXL agent per rank (UCX; optional, ``kvxfer[nixl]``):
   *direct* when layouts, block sizes and head slices line up, else *staged*.
 
-Shared by them: ``batching`` (the packing of a batch into ops calls), ``staging`` (staging pools and the chunked pipeline),
+Shared by them: ``staging`` (staging pools and the chunked pipeline),
 ``streams`` (the engine's two ends of a staged stream, pg and staged nixl), ``epochs`` (the
 check after a one-sided read, ipc and nixl direct), ``choice`` (which transport a loader picks,
 with the reason).
@@ -24,21 +24,16 @@ with the reason).
 from __future__ import annotations
 
 from .base import LoaderLink, StreamJob, Transport, offered
-from .batching import BatchPlan, Call, Item, plan_batch
 from .ipc.mappers import mapper, register_mapper
 
 TRANSPORTS = ("ipc", "pg", "nixl")
 
 __all__ = [
     "TRANSPORTS",
-    "BatchPlan",
-    "Call",
-    "Item",
     "LoaderLink",
     "StreamJob",
     "Transport",
     "mapper",
     "offered",
-    "plan_batch",
     "register_mapper",
 ]

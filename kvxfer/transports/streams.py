@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from .. import control, ops
+from ..batching import BatchPlan
 from ..engine_types import Remote, time_left
 from ..plan import Read
 from ..tracing import batch_tag
 from .base import LoaderLink, StreamJob
-from .batching import BatchPlan
 from .staging import Stream
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from ... import ops
+from ...batching import plan_loads, wire_bytes
 from ...engine_types import Remote, time_left
 from ...plan import Read
 from ...views import CacheViews
-from ..batching import plan_loads, wire_bytes
 from ..epochs import stale_loads
 from . import offer
 

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from ... import control
+from ...batching import plan_batch, plan_loads, wire_bytes
 from ...engine_types import HandshakeError, LoadItem, Remote, describe_error, time_left
 from ...plan import Read
 from ...tracing import batch_tag, trace
 from ..base import LoaderLink
-from ..batching import plan_batch, plan_loads, wire_bytes
 from ..epochs import stale_loads
 from ..streams import ask_stream, stream_scatters, take_status
 from .agent import NixlAgent, mem_of

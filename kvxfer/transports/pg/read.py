@@ -7,10 +7,10 @@ from __future__ import annotations
 import secrets
 
 from ... import control
+from ...batching import BatchPlan, plan_loads, wire_bytes
 from ...engine_types import LoadItem, Remote, describe_error, time_left
 from ...plan import Read
 from ..base import LoaderLink
-from ..batching import BatchPlan, plan_loads, wire_bytes
 from ..streams import StreamRefused, ask_stream, stream_scatters, take_status
 from . import groups
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..spec import KVCacheSpec
+from .spec import KVCacheSpec
 
 __all__ = [
     "BatchPlan",
@@ -417,7 +417,7 @@ def plan_loads(rank, loads: list, src_block_size: int, src_units: Sequence[int])
     and units) from one source rank: block lists in; token slots only for the tails of requests
     that end inside a block; each call names its units. ``distinct`` when no local block is
     written by two of them (:func:`kvxfer.engine_types.disjoint_blocks`)."""
-    from ..engine_types import disjoint_blocks
+    from .engine_types import disjoint_blocks
 
     bs = rank.spec.block_size
     distinct = len(loads) == 1 or disjoint_blocks(loads, bs)
