@@ -209,7 +209,7 @@ class TransferEngine:
         self._notifier = Notifier(engine_id, rt.stop, rt.metrics)
         self._loader = Loader(rank, rt, self._transports, self._notifier)
         self._exporter = Exporter(rank, rt, self._transports)
-        self._onesided = OneSided(rank, rt, self._loader, self._transports["ipc"]) if onesided else None
+        self._onesided = OneSided(rank, rt, self._loader) if onesided else None
         self._hooks = rt.hooks  # test hooks, by name (each read where it is called)
         self._ctx = None  # the zmq context, made by start()
         self._started = False
@@ -595,7 +595,7 @@ class TransferEngine:
             s["exports_live"] = rt.exports.num_live()
             s["blocks_held"] = rt.exports.held_blocks()
         s["loads_pending"] = rt.loads.pending()
-        s["transport_reasons"] = dict(self._loader.transport_reasons)
+        s["transport_reasons"] = dict(self._loader.peers.reasons)
         s["onesided"] = self._onesided.stats() if self._onesided is not None else {"off": True}
         s.update(self.pipeline.stats())
         for t in self._transports.values():

@@ -1,14 +1,14 @@
-"""Types shared by the engine's roles: handshaken remotes, queued loads, block-id checks."""
+"""Types shared by the engine's roles: queued loads and releases, block-id checks."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import control, idops
+from . import idops
 from .params import KVTransferParams
 from .spec import KVCacheSpec
 
@@ -115,36 +115,9 @@ def check_block_ids(x, need: int, num_blocks: int, what: str, unique: bool = Fal
     return a.view(np.int64)
 
 
-@dataclass
-class Remote:
-    """A handshaken remote engine, cached by engine id."""
-
-    engine_id: str
-    spec: KVCacheSpec
-    tp_size: int
-    addrs: list[str]
-    transport: str
-    replies: list[control.HelloReply]
-    num_blocks: int
-    plan: object = None  # TransferPlan of (remote -> this engine)
-    reads: list = field(default_factory=list)  # plan.reads(this rank)
-    notify_to: list = field(default_factory=list)  # plan.notify_targets(this rank)
-    src_ranks: list = field(default_factory=list)  # the source ranks of ``reads``, ascending
-    reads_by_rank: dict = field(default_factory=dict)  # source rank -> its reads
-    pg_backends: list = field(default_factory=list)  # src rank -> pair backend ("nccl"/"gloo")
-    host: str = ""  # where the params said the remote listens (a change means a new remote)
-    port: int = 0
-    full_mask: int = 0  # every layer of the remote's spec as a layer mask (full_layer_mask)
-
-    def serves(self, p: KVTransferParams) -> bool:
-        """Whether params ``p`` name this remote where it was handshaken (a change of address or
-        TP size means a new remote: restarted, or another engine under the same id)."""
-        return (self.host, self.port, self.tp_size) == (p.host, p.port, p.tp_size)
-
-
 class LoadItem:
     """One queued load (a plain slotted class: made per ``load()``). It is also the
-    :class:`~kvxfer.transports.batching.Item` the batch planner reads (``src``, ``dst``,
+    :class:`~kvxfer.batching.Item` the batch planner reads (``src``, ``dst``,
     ``num_tokens``, ``skip``, ``first``; read only): no per-load copy to plan a batch."""
 
     __slots__ = (

@@ -9,7 +9,7 @@ exported (another tenant's old KV) or the unused tail of a partial last block.
 
 Every export readable from a block starts at the block's first token, so what may be read of
 a block is a prefix ``[0, n)``: the longest of the opened exports holding it. A call reads
-through one of the exporter's views (:mod:`kvxfer.transports.batching`): whole blocks (unit =
+through one of the exporter's views (:mod:`kvxfer.batching`): whole blocks (unit =
 block size, optionally every block seen from ``offset`` on), or token slots (unit 1,
 ``block * block_size + token``). One vectorised pass per call, no per-block Python.
 """

@@ -1,76 +1,51 @@
-"""The loader's handshake: what it knows of a remote engine before its first load from it.
+"""The loader's handshake: what it learns of a remote engine before its first load from it.
 
-:func:`remote` returns the :class:`~kvxfer.engine_types.Remote` that a load's params name,
-cached by engine id in ``loader.remotes`` while the params name the same address. A new one is
-made from one ``Hello`` round trip to every exporter rank of the params (each checks the
-request's token and content digest before it says anything of itself), whose replies must agree
-on the engine, its ranks and a model this engine can load (:meth:`KVCacheSpec.model_mismatch`);
-then the plan of reads between the two TP layouts is made (:func:`kvxfer.plan.plan_reads`), the
-transport chosen (:mod:`kvxfer.transports.choice`, the reason kept in
-``loader.transport_reasons``) and set up for the remote (``Transport.setup``: nixl's metadata,
-ipc's mappings). Every refusal is a :class:`~kvxfer.engine_types.HandshakeError` naming it,
-with the ranks that accepted the token (they are told the loads failed) and whether an exporter
-refused the request's params rather than the engine.
+:func:`handshake` makes the :class:`~kvxfer.peer.Peer` that a load's params name, from one
+``Hello`` round trip to every exporter rank of the params (each checks the request's token and
+content digest before it says anything of itself), whose replies must agree on the engine, its
+ranks and a model this engine can load (:meth:`KVCacheSpec.model_mismatch`); then the plan of
+reads between the two TP layouts is made (:func:`kvxfer.plan.plan_reads`), the transport chosen
+(:mod:`kvxfer.transports.choice`, with the reason) and its session with the peer opened
+(``Transport.open``: ipc's lease-slot tables, nixl's agents and descriptors). Every refusal is a
+:class:`~kvxfer.engine_types.HandshakeError` naming it, with the ranks that accepted the token
+(they are told the loads failed) and whether an exporter refused the request's params rather
+than the engine. The loader keeps the peers (:class:`~kvxfer.peer.Peers`).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 from . import control
-from .engine_types import (
-    Expired,
-    HandshakeError,
-    LoadItem,
-    Remote,
-    describe_error,
-    full_layer_mask,
-    time_left,
-)
+from .engine_types import Expired, HandshakeError, LoadItem, describe_error, full_layer_mask, time_left
 from .metrics import now
+from .peer import Peer
 from .plan import plan_reads
+from .rank import Rank, Runtime
 from .spec import KVCacheSpec
 from .transports import Transport, choice, offered
 from .transports.base import LoaderLink
 from .transports.pg import groups as pg_groups
 
-__all__ = ["HandshakeLink", "remote"]
+__all__ = ["HandshakeLink", "handshake"]
 
 
 class HandshakeLink(LoaderLink, Protocol):
     """What a handshake uses of the loader (:class:`kvxfer.loader.Loader`) besides what a
-    transport does: its transports by name, why each remote's transport was chosen, and the
-    host's GPU topology (probed on the first call)."""
+    session does: the rank and its runtime, its transports by name, and the host's GPU topology
+    (probed on the first call)."""
 
+    rank: Rank
+    rt: Runtime
     transports: dict[str, Transport]
-    transport_reasons: dict[str, str]
 
     def topology(self): ...
 
 
-_LOG = logging.getLogger(__name__)
-
-
-def remote(loader: HandshakeLink, it: LoadItem, deadline: float) -> Remote:
-    """The handshaken remote of ``it``'s params (cached while its address is the same): a remote
-    that moved (restarted?) is forgotten with what its transport made for it, and handshaken
-    anew. ``HandshakeError`` or ``Expired`` when it cannot be (see the module doc)."""
+def handshake(loader: HandshakeLink, it: LoadItem, deadline: float) -> Peer:
+    """The peer ``it``'s params name, handshaken now, its transport's session open.
+    ``HandshakeError`` or ``Expired`` when it cannot be (see the module doc)."""
     p = it.params
-    rem = loader.remotes.get(p.engine_id)
-    if rem is not None:
-        if rem.serves(p):
-            return rem
-        _LOG.info(
-            "kvxfer loader %s: engine %s moved from %s:%d to %s:%d (restarted?): handshaking anew",
-            loader.rank.engine_id,
-            p.engine_id,
-            rem.host,
-            rem.port,
-            p.host,
-            p.port,
-        )
-        loader.forget(rem, "the remote moved to a new address")
     t0 = now()
     addrs = [f"tcp://{p.host}:{p.port + r}" for r in range(p.tp_size)]
     hello = control.Hello(
@@ -81,19 +56,19 @@ def remote(loader: HandshakeLink, it: LoadItem, deadline: float) -> Remote:
         digest=p.digest(),
     )
     try:
-        return _ask(loader, p, addrs, hello, deadline, t0)
+        peer = _ask(loader, p, addrs, hello, deadline)
     except Exception as e:
         for a in addrs:  # a failed handshake keeps no socket open (params may name 256 ranks)
             loader.client.drop(a)
         if isinstance(e, (HandshakeError, Expired)):
             raise
         raise HandshakeError(describe_error(e)) from None
+    loader.rt.metrics.record_handshake(p.engine_id, now() - t0, peer.transport)
+    return peer
 
 
-def _ask(
-    loader: HandshakeLink, p, addrs: list[str], hello: control.Hello, deadline: float, t0: float
-) -> Remote:
-    """Send ``hello`` to every exporter rank of ``p`` and make the :class:`Remote` of their
+def _ask(loader: HandshakeLink, p, addrs: list[str], hello: control.Hello, deadline: float) -> Peer:
+    """Send ``hello`` to every exporter rank of ``p`` and make the :class:`Peer` of their
     replies. A :class:`HandshakeError` names why not, with ``answered``: the ranks that
     accepted the request's token (they are told of the failed loads: ``Loader._run_batch``)."""
     replies = loader.client.call_many([(a, hello) for a in addrs], time_left(deadline), partial=True)
@@ -111,15 +86,14 @@ def _ask(
             gone = loader.client.gone
             named = [f"{a} ({gone[a]})" if a in gone else a for a in silent[:4]]
             raise HandshakeError(f"no reply from {', '.join(named)}{' ...' if len(silent) > 4 else ''}")
-        return _remote_of(loader, p, addrs, replies, t0)
+        return _peer_of(loader, p, addrs, replies)
     except HandshakeError as e:
         e.answered = tuple(answered)
         raise
 
 
-def _remote_of(loader: HandshakeLink, p, addrs: list[str], replies: list, t0: float) -> Remote:
-    """The :class:`Remote` of the exporter ranks' handshake ``replies`` (cached in
-    ``loader.remotes``)."""
+def _peer_of(loader: HandshakeLink, p, addrs: list[str], replies: list) -> Peer:
+    """The :class:`Peer` of the exporter ranks' handshake ``replies``, its session open."""
     rank = loader.rank
     for r, rep in enumerate(replies):
         if not isinstance(rep, control.HelloReply):
@@ -141,26 +115,17 @@ def _remote_of(loader: HandshakeLink, p, addrs: list[str], replies: list, t0: fl
         plan = plan_reads(spec, p.tp_size, rank.spec, rank.tp_size)
     except ValueError as e:
         raise HandshakeError(f"incompatible peer: TP {p.tp_size} -> {rank.tp_size}: {e}") from None
-    transport, pg_backends = _choose_transport(loader, replies)
-    rem = Remote(
-        p.engine_id, spec, p.tp_size, addrs, transport, replies, min(r.num_blocks for r in replies), plan
-    )
-    rem.pg_backends, rem.host, rem.port = pg_backends, p.host, p.port
-    rem.full_mask = full_layer_mask(spec.num_layers)
-    rem.reads, rem.notify_to = plan.reads(rank.tp_rank), plan.notify_targets(rank.tp_rank)
-    rem.src_ranks = sorted({r.src_rank for r in rem.reads})
-    rem.reads_by_rank = {s: [r for r in rem.reads if r.src_rank == s] for s in rem.src_ranks}
-    note = loader.transports[transport].setup(rem)  # nixl: metadata, direct/staged per read
-    if note:
-        loader.transport_reasons[rem.engine_id] += f"; {note}"
-    loader.remotes[p.engine_id] = rem
-    loader.rt.metrics.record_handshake(p.engine_id, now() - t0, transport)
-    return rem
+    transport, why, pg_backends = _choose_transport(loader, replies)
+    peer = Peer(
+        p.engine_id, spec, addrs, replies, plan, rank.tp_rank, transport, why,
+        p.host, p.port, pg_backends, full_layer_mask(spec.num_layers),
+    )  # fmt: skip
+    peer.session = loader.transports[transport].open(peer, loader)  # nixl: metadata, direct/staged per read
+    return peer
 
 
-def _choose_transport(loader: HandshakeLink, replies: list[control.HelloReply]) -> tuple[str, list[str]]:
-    """Pick the transport and, for pg, each source rank's pair backend
-    (kvxfer.transports.choice); the reasons go to stats()["transport_reasons"]."""
+def _choose_transport(loader: HandshakeLink, replies: list[control.HelloReply]) -> tuple[str, str, list[str]]:
+    """The transport, why, and for pg each source rank's pair backend (kvxfer.transports.choice)."""
     rank = loader.rank
     info = loader.transports["ipc"].entry["info"]
     backends: list[str] = []
@@ -184,5 +149,4 @@ def _choose_transport(loader: HandshakeLink, replies: list[control.HelloReply]) 
             why = f"{why}; {bwhy}" if bwhy else why
     except ValueError as e:
         raise HandshakeError(str(e)) from None
-    loader.transport_reasons[replies[0].engine_id] = why
-    return transport, backends
+    return transport, why, backends

@@ -6,16 +6,15 @@ One load, from ``poll()`` to the notification:
 1. ``poll()`` hands the loads queued since the last poll to the worker thread as one batch
    (:meth:`Loader.dispatch`); each load gets its deadline then (``timeout_s`` from now): every
    wait below ends by it.
-2. :meth:`Loader._run_batch` groups the batch by remote engine and handshakes with each new one
-   (:func:`kvxfer.handshake.remote`, cached; a remote whose address changed, or whose rank
-   restarted, is dropped with what its transport made for it and handshaken anew); the
-   transport is chosen there (:mod:`kvxfer.transports.choice`).
-3. :meth:`Loader._run_remote` checks the params against the remote, asks every source rank the
+2. :meth:`Loader._run_batch` groups the batch by remote engine and finds each one's
+   :class:`~kvxfer.peer.Peer` (:meth:`Loader.peer_of`: kept while the params name its address;
+   a new one, or one whose address changed or whose rank restarted, is handshaken anew,
+   :func:`kvxfer.handshake.handshake`, which chooses the transport and opens its session).
+3. :meth:`Loader._run_peer` checks the params against the peer, asks every source rank the
    plan reads for a lease grant (renews the leases, returns block epochs; retried while a rank
-   does not know a request yet or its compute is not done), then has the remote's transport
-   read from each source rank (:meth:`Loader._read_rank` -> ``transports[name].read``:
-   :mod:`kvxfer.transports.ipc`, :mod:`~kvxfer.transports.pg` or
-   :mod:`~kvxfer.transports.nixl`), and reports every load once, finished only by the
+   does not know a request yet or its compute is not done), then has the load planner move
+   them from each source rank through the peer's session (:meth:`Loader._read_rank` ->
+   :meth:`kvxfer.planner.Planner.read`), and reports every load once, finished only by the
    transport's record that its bytes arrived.
 4. The exporter ranks the plan names are notified (landed, or failed) through the notifier
    (:mod:`kvxfer.notifier`), which retries until acknowledged or the lease is over.
@@ -31,24 +30,28 @@ import queue
 import threading
 import time
 
-from . import control, handshake, idops, releases
+from . import control, idops, releases
+from .batching import BatchPlan
 from .engine_types import (
     Expired,
     HandshakeError,
     LoadItem,
     ReleaseItem,
-    Remote,
     describe_error,
     loaded_twice,
     mask_layers,
     time_left,
 )
 from .exports import UNKNOWN
+from .handshake import handshake
 from .metrics import now
 from .notifier import Notifier
 from .ordering import NOT_READY, FenceTimeout, event_done
+from .peer import Peer, Peers
+from .planner import Planner
 from .rank import Rank, Runtime
 from .tracing import items_tag, trace
+from .transfer import Route
 from .transports import Transport
 
 _LOG = logging.getLogger(__name__)
@@ -66,23 +69,23 @@ class Loader:
         transports: the rank's transports by name (a remote's transport reads for it).
         notifier: where notifications and heartbeats go.
 
-    ``remotes``: handshaken remote engines by id; ``client``: the worker thread's side-channel
-    client (transports send their requests through it); ``transport_reasons``: why each
-    remote's transport was chosen."""
+    ``peers``: the handshaken remote engines (:class:`~kvxfer.peer.Peers`, with why each one's
+    transport was chosen); ``client``: the worker thread's side-channel client (sessions send
+    their requests through it); ``planner``: the load planner."""
 
     def __init__(self, rank: Rank, rt: Runtime, transports: dict[str, Transport], notifier: Notifier) -> None:
         self.rank = rank
         self.rt = rt
         self.transports = transports
         self.notifier = notifier
-        self.remotes: dict[str, Remote] = {}
-        self.transport_reasons: dict[str, str] = {}  # remote engine -> why this transport
+        self.peers = Peers()
+        self.planner = Planner(rank, rt)
         self.client: control.ControlClient | None = None
         self.lock = threading.Lock()
         self.incoming: list[LoadItem] = []  # load() since the last poll()
         # (engine id, request id) of the params in ``incoming``: the one-sided path refuses a
         # load of params the next batch already holds, as the batch itself refuses a repeat
-        self.incoming_keys: set[tuple[str, str]] = set()
+        self._incoming_keys: set[tuple[str, str]] = set()
         self.releases: list[ReleaseItem] = []  # release() since the last poll(), run as their own batch
         self.fenced: list = []  # loads held until their timed-out GPU work completed
         self._work: queue.Queue = queue.Queue()
@@ -104,7 +107,11 @@ class Loader:
         p = item.params
         with self.lock:
             self.incoming.append(item)
-            self.incoming_keys.add((p.engine_id, p.request_id))
+            self._incoming_keys.add((p.engine_id, p.request_id))
+
+    def queued(self, key: tuple[str, str]) -> bool:
+        """Whether a load of the params ``key`` (engine id, request id) waits for the next batch."""
+        return key in self._incoming_keys
 
     def queue_releases(self, items: list[ReleaseItem]) -> None:
         with self.lock:
@@ -117,7 +124,7 @@ class Loader:
             return
         with self.lock:
             batch, self.incoming = self.incoming, []
-            self.incoming_keys.clear()
+            self._incoming_keys.clear()
             releases, self.releases = self.releases, []
         deadline = time.monotonic() + timeout_s  # the loads' one deadline
         for b in (releases, batch):  # releases as their own batch: they move nothing
@@ -133,11 +140,8 @@ class Loader:
         return [self._thread] if self._thread is not None else []
 
     def close(self) -> None:
-        """Forget every remote (mappings, pair groups), close the client."""
-        for rem in list(self.remotes.values()):
-            for t in self.transports.values():
-                t.forget(rem)
-        self.remotes.clear()
+        """Forget every peer (their sessions: mappings, pair groups, agents), close the client."""
+        self.peers.close()
         if self.client is not None:
             self.client.close()
 
@@ -207,11 +211,10 @@ class Loader:
             groups.setdefault(it.params.engine_id, []).append(it)
         for engine_id, items in groups.items():
             with trace("load", items_tag, items):
-                rem = self.remotes.get(engine_id)
-                while items and (rem is None or not rem.serves(items[0].params)):
+                peer = self.peers.get(engine_id)
+                while items and (peer is None or not peer.serves(items[0].params)):
                     try:  # new, or moved to another address (restarted?): handshake
-                        with trace("handshake", engine_id):
-                            rem = handshake.remote(self, items[0], items[0].deadline)
+                        peer = self.peer_of(items[0], items[0].deadline)
                     except (HandshakeError, Expired) as e:
                         if getattr(e, "refused", False) and len(items) > 1:
                             # the exporter refused this load's params (another export's token,
@@ -223,7 +226,7 @@ class Loader:
                         self._notify_answered(getattr(e, "answered", ()), items)
                         items = []
                 if items:
-                    self._run_remote(rem, items)
+                    self._run_peer(peer, items)
 
     def _notify_answered(self, addrs, items: list[LoadItem]) -> None:
         """Tell exporter ranks that accepted a handshake that then failed (an incompatible
@@ -244,6 +247,34 @@ class Loader:
         for a in addrs:
             self.notifier.put(a, msg, deadline)
 
+    def peer(self, engine_id: str) -> Peer | None:
+        """The peer kept for ``engine_id`` (None if none; any thread)."""
+        return self.peers.get(engine_id)
+
+    def plan(self, route: Route, src_block_size: int, loads: list, distinct: bool) -> BatchPlan:
+        """The load planner's ops calls of ``loads`` along ``route`` (:meth:`Planner.plan`)."""
+        return self.planner.plan(route, src_block_size, loads, distinct)
+
+    def peer_of(self, it: LoadItem | ReleaseItem, deadline: float) -> Peer:
+        """The peer ``it``'s params name: kept while they name its address; else (new, or moved:
+        restarted?) the one kept is forgotten and the params' engine handshaken anew
+        (:func:`kvxfer.handshake.handshake`). ``HandshakeError`` or ``Expired`` when it cannot
+        be."""
+        p = it.params
+        peer = self.peers.get(p.engine_id)
+        if peer is not None:
+            if peer.serves(p):
+                return peer
+            _LOG.info(
+                "kvxfer loader %s: engine %s moved from %s:%d to %s:%d (restarted?): handshaking anew",
+                self.rank.engine_id, p.engine_id, peer.host, peer.port, p.host, p.port,
+            )  # fmt: skip
+            self.forget(peer, "the remote moved to a new address")
+        with trace("handshake", p.engine_id):
+            peer = handshake(self, it, deadline)
+        self.peers.add(peer)
+        return peer
+
     def topology(self):
         """This host's GPU topology (:func:`kvxfer.topology.probe`), probed on the first call: a
         handshake between two different GPUs asks for it (:mod:`kvxfer.handshake`)."""
@@ -255,7 +286,7 @@ class Loader:
 
     # ------------------------------------------------------------------------ transfers
     def _checked(
-        self, rem: Remote, items: list[LoadItem]
+        self, peer: Peer, items: list[LoadItem]
     ) -> tuple[list[LoadItem], list[str], list[str], list[bytes]]:
         """The loads whose params fit the remote (the others fail, named), with their remote
         request ids, tokens and content digests (what a lease request carries)."""
@@ -264,10 +295,10 @@ class Loader:
         toks: list[str] = []
         digests: list[bytes] = []
         seen: set[str] = set()
-        num_blocks = rem.num_blocks
+        num_blocks = peer.num_blocks
         for it in items:
             p = it.params
-            need = rem.spec.num_blocks_for(p.num_tokens)
+            need = peer.spec.num_blocks_for(p.num_tokens)
             if it.src_ids.size != need:
                 self._fail([it], f"params.block_ids: has {it.src_ids.size} ids, num_tokens needs {need}")
             elif idops.max_id(it.src_ids) >= num_blocks:  # read as unsigned: bounds both ends
@@ -282,7 +313,7 @@ class Loader:
                 digests.append(p.digest())
         return good, rids, toks, digests
 
-    def _run_remote(self, rem: Remote, items: list[LoadItem], retried: bool = False) -> None:
+    def _run_peer(self, peer: Peer, items: list[LoadItem], retried: bool = False) -> None:
         """Move ``items`` (loads of one remote) and report each once, finished or failed.
 
         The first round asks every source rank the plan reads for the leases of all of them. When
@@ -290,34 +321,34 @@ class Loader:
         are read rank by rank and reported (:meth:`_read_whole`); anything else, a layer-wise
         export, a load not known or not ready yet, a refusal or a restarted remote, continues in
         :meth:`_run_rounds` from the replies of that round."""
-        good, rids, toks, digests = self._checked(rem, items)
+        good, rids, toks, digests = self._checked(peer, items)
         if not good:
             return
         deadline = good[0].deadline if len(good) == 1 else min(it.deadline for it in good)
-        src_ranks = rem.src_ranks
+        src_ranks = peer.src_ranks
         # every layer of every load, from every source rank: one message
         msg = control.ReadReq(
             self.rank.engine_id, self.rank.tp_rank, self.rank.tp_size, rids, toks, digests=digests
         )
         try:
-            replies = self._ask_grants(rem, [(rem.addrs[s], msg) for s in src_ranks], good, deadline)
+            replies = self._ask_grants(peer, [(peer.addrs[s], msg) for s in src_ranks], good, deadline)
         except (control.ControlTimeout, Expired) as e:
-            self.forget(rem, f"lease grant: {e}")
-            self._fail_all(rem, good, f"lease grant: {e}")
+            self.forget(peer, f"lease grant: {e}")
+            self._fail_all(peer, good, f"lease grant: {e}")
             return
         for s, g in zip(src_ranks, replies):
             if (
                 type(g) is not control.ReadReply
                 or g.ok != rids
-                or g.incarnation != rem.replies[s].incarnation
+                or g.incarnation != peer.replies[s].incarnation
                 or any(g.layers)
             ):
-                self._run_rounds(rem, good, src_ranks, replies, deadline, retried)
+                self._run_rounds(peer, good, src_ranks, replies, deadline, retried)
                 return
-        self._read_whole(rem, good, src_ranks, replies, deadline)
+        self._read_whole(peer, good, src_ranks, replies, deadline)
 
     def _read_whole(
-        self, rem: Remote, good: list[LoadItem], src_ranks: list[int], replies: list, deadline: float
+        self, peer: Peer, good: list[LoadItem], src_ranks: list[int], replies: list, deadline: float
     ) -> None:
         """Read every layer of ``good`` from each source rank, whose grant (``replies``, in rank
         order) holds all of them in request order; report each load once."""
@@ -328,17 +359,17 @@ class Loader:
             if not alive:
                 break
             granted = dict(zip(local_ids, g.epochs))  # local id -> its blocks' epochs (int64 bytes)
-            landed, bad = self._read_rank(rem, s, alive, granted, deadline)
+            landed, bad = self._read_rank(peer, s, alive, granted, deadline)
             if len(landed) != len(alive):
                 for rid in [rid for rid in alive if rid not in landed]:
                     del alive[rid]
                     reasons[rid] = bad[rid]
         failed = [it for it in good if it.request_id in reasons] if reasons else []
-        self._complete(rem, list(alive.values()), failed, reasons)
+        self._complete(peer, list(alive.values()), failed, reasons)
 
     def _run_rounds(
         self,
-        rem: Remote,
+        peer: Peer,
         good: list[LoadItem],
         src_ranks: list[int],
         replies: list,
@@ -351,44 +382,44 @@ class Loader:
         its reason."""
         alive = {it.request_id: it for it in good}
         reasons: dict[str, str] = {}
-        full = rem.full_mask
+        full = peer.full_mask
         need = {s: dict.fromkeys(alive, full) for s in src_ranks}  # layers still wanted, as ints
         while alive:
             if replies is None:
                 ranks = [s for s in src_ranks if any(need[s][rid] for rid in alive)]
                 try:
                     replies = self._ask_grants(
-                        rem, self._wanted(rem, ranks, alive, need), alive.values(), deadline
+                        peer, self._wanted(peer, ranks, alive, need), alive.values(), deadline
                     )
                 except (control.ControlTimeout, Expired) as e:
-                    self.forget(rem, f"lease grant: {e}")
+                    self.forget(peer, f"lease grant: {e}")
                     reasons.update(dict.fromkeys(alive, f"lease grant: {e}"))
                     alive.clear()
                     break
             else:
                 ranks = src_ranks
-            granted = self._take_grants(rem, ranks, replies, alive, reasons, deadline)
+            granted = self._take_grants(peer, ranks, replies, alive, reasons, deadline)
             replies = None
             if not retried and reasons and not alive and all(RESTARTED in why for why in reasons.values()):
                 # The remote restarted at its address: handshake with the new incarnation at once
                 # (new mappings, new pair groups) and run the batch again; params of the previous
                 # start are unknown there and fail by the deadline.
                 try:
-                    fresh = handshake.remote(self, good[0], deadline)
+                    fresh = self.peer_of(good[0], deadline)
                 except (HandshakeError, Expired) as e:
-                    self._fail_all(rem, good, f"handshake after a restart: {e}")
+                    self._fail_all(peer, good, f"handshake after a restart: {e}")
                     return
-                self._run_remote(fresh, good, retried=True)
+                self._run_peer(fresh, good, retried=True)
                 return
             for s in ranks:
-                self._read_granted(rem, s, alive, reasons, need, granted.get(s, {}), deadline)
+                self._read_granted(peer, s, alive, reasons, need, granted.get(s, {}), deadline)
             done = [rid for rid in alive if not any(need[s][rid] for s in src_ranks)]
             if done:
-                self._complete(rem, [alive.pop(rid) for rid in done], [], {})
+                self._complete(peer, [alive.pop(rid) for rid in done], [], {})
         if reasons:
-            self._complete(rem, [], [it for it in good if it.request_id in reasons], reasons)
+            self._complete(peer, [], [it for it in good if it.request_id in reasons], reasons)
 
-    def _ask_grants(self, rem: Remote, calls: list, loads, deadline: float) -> list:
+    def _ask_grants(self, peer: Peer, calls: list, loads, deadline: float) -> list:
         """Send lease requests (``calls``: (address, ReadReq) pairs, each renewing the leases it
         names) and return the replies in order. A grant is held by the exporter (long poll)
         until some wanted layer is ready, at most ``wait_s`` (set here from the deadline)."""
@@ -399,11 +430,11 @@ class Loader:
         with trace("grant", items_tag, loads):
             return self.client.call_many(calls, left)
 
-    def _wanted(self, rem: Remote, ranks: list[int], alive: dict, need: dict) -> list:
+    def _wanted(self, peer: Peer, ranks: list[int], alive: dict, need: dict) -> list:
         """The lease requests of a later round: to each of ``ranks``, the loads that still want
         layers from it, with those layers (``b""``: all)."""
-        full = rem.full_mask
-        nbytes = (rem.spec.num_layers + 7) // 8
+        full = peer.full_mask
+        nbytes = (peer.spec.num_layers + 7) // 8
         calls = []
         for s in ranks:
             its = [it for rid, it in alive.items() if need[s][rid]]
@@ -419,11 +450,11 @@ class Loader:
                 ],
                 digests=[it.params.digest() for it in its],
             )
-            calls.append((rem.addrs[s], msg))
+            calls.append((peer.addrs[s], msg))
         return calls
 
     def _take_grants(
-        self, rem: Remote, ranks: list[int], replies: list, alive: dict, reasons: dict, deadline: float
+        self, peer: Peer, ranks: list[int], replies: list, alive: dict, reasons: dict, deadline: float
     ) -> dict:
         """What one round of grants (``replies`` of ``ranks``) allows to read:
         ``{rank: {local id: (epochs as native int64 bytes, layers ready mask)}}``. A rank that does not know a request
@@ -432,13 +463,13 @@ class Loader:
         cannot be read."""
         local_of = {it.params.request_id: rid for rid, it in alive.items()}
         out: dict[int, dict] = {s: {} for s in ranks}
-        full = rem.full_mask
+        full = peer.full_mask
         for s, g in zip(ranks, replies):
             if not isinstance(g, control.ReadReply):
                 why = f"rank {s}: {getattr(g, 'error', g)}"
-            elif g.incarnation != rem.replies[s].incarnation:
+            elif g.incarnation != peer.replies[s].incarnation:
                 why = f"exporter rank {s} {RESTARTED}"
-                self.forget(rem, why)
+                self.forget(peer, why)
             else:
                 why = ""
             if why:
@@ -459,7 +490,7 @@ class Loader:
         return out
 
     def _read_granted(
-        self, rem: Remote, s: int, alive: dict, reasons: dict, need: dict, granted: dict, deadline: float
+        self, peer: Peer, s: int, alive: dict, reasons: dict, need: dict, granted: dict, deadline: float
     ) -> None:
         """Read from rank ``s`` the layers it granted that the loads still need, one read per
         distinct layer set (all layers of a whole export: one read)."""
@@ -469,15 +500,15 @@ class Loader:
                 todo = need[s][rid] & mask
                 if todo:
                     groups.setdefault(todo, []).append(rid)
-        L = rem.spec.num_layers
-        full = rem.full_mask
+        L = peer.spec.num_layers
+        full = peer.full_mask
         for layers_mask, rids in groups.items():
             layers = None if layers_mask == full else mask_layers(layers_mask, L)
             sub = {rid: alive[rid] for rid in rids if rid in alive}
             if not sub:
                 continue
             landed, bad = self._read_rank(
-                rem, s, sub, {rid: granted[rid][0] for rid in sub}, deadline, layers
+                peer, s, sub, {rid: granted[rid][0] for rid in sub}, deadline, layers
             )
             for rid in rids:
                 if rid in landed:
@@ -490,7 +521,7 @@ class Loader:
 
     def _read_rank(
         self,
-        rem: Remote,
+        peer: Peer,
         s: int,
         alive: dict,
         granted: dict,
@@ -504,34 +535,31 @@ class Loader:
         move; ``pg`` and ``nixl`` staged: the exporter's status of every stream); one with no
         such record fails, whatever else happened. Timed-out GPU work is fenced: its loads
         leave ``alive`` and are reported once it completed."""
-        reads = rem.reads_by_rank[s]
         loads = list(alive.values())
         t0 = now()
         moved, landed, bad = 0, set(), {}
         try:
             with self.rt.order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
-                moved, landed, bad = self.transports[rem.transport].read(
-                    self, rem, s, reads, loads, granted, deadline, layers
-                )
+                moved, landed, bad = self.planner.read(peer, s, loads, granted, deadline, layers)
         except FenceTimeout as e:
-            why = f"{rem.transport} read from rank {s}: {e}; reported once the GPU work completed"
-            self._defer(e, rem, [it for it in loads if it.request_id not in bad], why)
+            why = f"{peer.transport} read from rank {s}: {e}; reported once the GPU work completed"
+            self._defer(e, peer, [it for it in loads if it.request_id not in bad], why)
             for it in loads:
                 alive.pop(it.request_id, None)
             moved, landed = 0, set()
         except Exception as e:
             landed = set()
-            bad = {it.request_id: f"{rem.transport} read from rank {s}: {describe_error(e)}" for it in loads}
+            bad = {it.request_id: f"{peer.transport} read from rank {s}: {describe_error(e)}" for it in loads}
         self.rt.metrics.record_batch(t0, now(), moved, 0)
         if len(landed) != len(alive) or bad:
             landed = {rid for rid in landed if rid in alive and rid not in bad}
             for rid in alive:
                 if rid not in landed and rid not in bad:
-                    bad[rid] = f"{rem.transport} read from rank {s}: no record that its bytes arrived"
+                    bad[rid] = f"{peer.transport} read from rank {s}: no record that its bytes arrived"
         return landed, bad
 
     def _complete(
-        self, rem: Remote, done: list[LoadItem], failed: list[LoadItem], reasons: dict[str, str]
+        self, peer: Peer, done: list[LoadItem], failed: list[LoadItem], reasons: dict[str, str]
     ) -> None:
         """Report each load once, ``done`` finished and ``failed`` failed with its reason in
         ``reasons``, and notify the exporter of both (one message)."""
@@ -540,13 +568,13 @@ class Loader:
         for it in failed:
             if self.rt.loads.fail(it.request_id, reasons[it.request_id]):
                 self.rt.metrics.add("failures")
-        self.notify(rem, done, failed)
+        self.notify(peer, done, failed)
 
-    def _fail_all(self, rem: Remote, items: list[LoadItem], why: str) -> None:
+    def _fail_all(self, peer: Peer, items: list[LoadItem], why: str) -> None:
         """:meth:`_complete` with every one of ``items`` failed for ``why``."""
-        self._complete(rem, [], items, dict.fromkeys([it.request_id for it in items], why))
+        self._complete(peer, [], items, dict.fromkeys([it.request_id for it in items], why))
 
-    def _defer(self, fence: FenceTimeout, rem: Remote, items: list[LoadItem], why: str) -> None:
+    def _defer(self, fence: FenceTimeout, peer: Peer, items: list[LoadItem], why: str) -> None:
         """Hold ``items`` until ``fence.event`` completed (polled by the worker), then fail them
         and notify the exporter: their blocks are never reported while GPU work touches them."""
         _LOG.warning(
@@ -556,21 +584,21 @@ class Loader:
             why,
             len(items),
         )
-        self.fenced.append((fence, rem, items, why))
+        self.fenced.append((fence, peer, items, why))
 
     def _release_fenced(self) -> None:
         """Fail (and notify) the held loads whose GPU work has completed."""
         still = []
-        for fence, rem, items, why in self.fenced:
+        for fence, peer, items, why in self.fenced:
             if not event_done(fence.event):
-                still.append((fence, rem, items, why))
+                still.append((fence, peer, items, why))
                 continue
-            self._fail_all(rem, items, why)
+            self._fail_all(peer, items, why)
         self.fenced = still
 
     # -------------------------------------------------------------------- notifications
-    def notify(self, rem: Remote, done: list[LoadItem], failed: list[LoadItem]) -> None:
-        """Queue the notification of ``done`` and ``failed`` loads of ``rem`` to every exporter
+    def notify(self, peer: Peer, done: list[LoadItem], failed: list[LoadItem]) -> None:
+        """Queue the notification of ``done`` and ``failed`` loads of ``peer`` to every exporter
         rank the plan names (acknowledged and retried by the notifier thread until the
         exporter's lease would end anyway): this worker's, the releases' and the one-sided
         path's, after its done marks."""
@@ -590,19 +618,16 @@ class Loader:
         msg = control.Notify(self.rank.engine_id, self.rank.tp_rank, self.rank.tp_size, rids, bad, toks)
         deadline = time.monotonic() + self.rank.lease_s
         direct = self.rt.hooks.get("notify")  # benchmarks: deliver in this thread
-        for s in rem.notify_to:
+        for s in peer.notify_to:
             if direct is not None:
-                direct(rem.addrs[s], msg)
+                direct(peer.addrs[s], msg)
             else:
-                self.notifier.put(rem.addrs[s], msg, deadline)
+                self.notifier.put(peer.addrs[s], msg, deadline)
 
-    # ----------------------------------------------------------------------- remotes
-    def forget(self, rem: Remote, why: str = "the remote stopped answering") -> None:
-        """Drop a remote with what its transport made for it (pair groups, mappings, agents);
-        the next load handshakes again."""
-        if self.remotes.get(rem.engine_id) is rem:
-            del self.remotes[rem.engine_id]
-        for t in self.transports.values():
-            t.forget(rem)
-        for a in rem.addrs:
+    # ------------------------------------------------------------------------- peers
+    def forget(self, peer: Peer, why: str = "the remote stopped answering") -> None:
+        """Drop a peer with its transport's session (pair groups, mappings, agents); the next
+        load handshakes again."""
+        self.peers.forget(peer)
+        for a in peer.addrs:
             self.client.drop(a)

@@ -7,17 +7,35 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
-from . import control, handshake
-from .engine_types import Expired, HandshakeError, ReleaseItem
+from . import control
+from .engine_types import Expired, HandshakeError, LoadItem, ReleaseItem
 from .exports import UNKNOWN
+from .peer import Peer, Peers
+from .rank import Rank
 
-__all__ = ["run"]
+__all__ = ["ReleaseLink", "run"]
+
+
+class ReleaseLink(Protocol):
+    """What the releases use of the loader (:class:`kvxfer.loader.Loader`)."""
+
+    rank: Rank
+    client: control.ControlClient
+    peers: Peers
+
+    def peer_of(self, it: LoadItem | ReleaseItem, deadline: float) -> Peer: ...
+
+    def forget(self, peer: Peer, why: str = ...) -> None: ...
+
+    def notify(self, peer: Peer, done: list, failed: list) -> None: ...
+
 
 _LOG = logging.getLogger(__name__)
 
 
-def run(loader: handshake.HandshakeLink, items: list[ReleaseItem]) -> None:
+def run(loader: ReleaseLink, items: list[ReleaseItem]) -> None:
     """Tell exporters that these requests will never be loaded here (TransferEngine.release).
 
     Each exporter rank the plan names gets the notification a failed load would send, so
@@ -33,7 +51,7 @@ def run(loader: handshake.HandshakeLink, items: list[ReleaseItem]) -> None:
         rids = [it.params.request_id for it in its]
         deadline = min(it.deadline for it in its)
         try:
-            rem = handshake.remote(loader, its[0], deadline)
+            peer = loader.peer_of(its[0], deadline)
         except (HandshakeError, Expired) as e:
             _LOG.warning(
                 "kvxfer %s rank %d: release of %s: handshake with %s failed (%s); the exporter "
@@ -43,12 +61,12 @@ def run(loader: handshake.HandshakeLink, items: list[ReleaseItem]) -> None:
             continue
         tok = {it.params.request_id: it.params.token for it in its}
         dig = {it.params.request_id: it.params.digest() for it in its}
-        todo = {s: list(rids) for s in rem.notify_to}
+        todo = {s: list(rids) for s in peer.notify_to}
         while any(todo.values()) and time.monotonic() < deadline:
-            ranks = [s for s in rem.notify_to if todo[s]]
+            ranks = [s for s in peer.notify_to if todo[s]]
             calls = [
                 (
-                    rem.addrs[s],
+                    peer.addrs[s],
                     control.ReadReq(
                         loader.rank.engine_id,
                         loader.rank.tp_rank,
@@ -63,7 +81,7 @@ def run(loader: handshake.HandshakeLink, items: list[ReleaseItem]) -> None:
             try:
                 replies = loader.client.call_many(calls, max(0.01, deadline - time.monotonic()))
             except control.ControlTimeout as e:
-                loader.forget(rem, str(e))
+                loader.forget(peer, str(e))
                 _LOG.warning(
                     "kvxfer %s rank %d: release of %s: %s; the exporter frees them when their lease ends",
                     loader.rank.engine_id, loader.rank.tp_rank, rids, e,
@@ -84,5 +102,5 @@ def run(loader: handshake.HandshakeLink, items: list[ReleaseItem]) -> None:
                 "frees them when their lease ends",
                 loader.rank.engine_id, loader.rank.tp_rank, sorted({r for v in todo.values() for r in v}), engine_id,
             )  # fmt: skip
-        if loader.remotes.get(engine_id) is rem:
-            loader.notify(rem, [], its)
+        if loader.peers.get(engine_id) is peer:
+            loader.notify(peer, [], its)

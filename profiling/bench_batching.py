@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from kvxfer import KVCacheSpec, ops
-from kvxfer.transports.batching import BatchPlan, Item, plan_batch
+from kvxfer.batching import BatchPlan, Item, plan_batch
 from kvxfer.views import cache_views
 from profiling import common, verify
 from profiling.bench_ops import usable_backends

@@ -128,9 +128,9 @@ def test_a_load_without_a_record_fails_whatever_else_happened(engines):
     p, d, ps, _ds = engines("ipc")
     fill(ps.caches, SPEC, 0, 1, [3, 4], 12, seed=1)
     prm = p.export("a", [3, 4], 12)
-    ipc = d._transports["ipc"]
-    real = ipc.read
-    ipc.read = lambda *a, **k: (lambda m, landed, bad: (m, set(), bad))(*real(*a, **k))
+    planner = d._loader.planner
+    real = planner.read
+    planner.read = lambda *a, **k: (lambda m, landed, bad: (m, set(), bad))(*real(*a, **k))
     d.load("a", prm, [5, 6])
     got = _recv(d, {"a"})
     assert got["a"].startswith("failed:") and "no record that its bytes arrived" in got["a"], got

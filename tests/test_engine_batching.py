@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvxfer import KVCacheSpec, ops
-from kvxfer.transports.batching import Item, pack_calls, plan_batch, shared_prefixes
+from kvxfer.batching import Item, pack_calls, plan_batch, shared_prefixes
 from kvxfer.views import cache_views, unit_view
 
 from .engine_procs import payload, poison

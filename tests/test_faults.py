@@ -115,7 +115,7 @@ def test_pair_keys_never_repeat_across_reconnections():
             fill(pc, SPEC, 0, 1, [i + 1], 5, seed=i)
             d.load(f"r{i}", p.export(f"r{i}", [i + 1], 5), [i + 10])
             assert _wait(d, {f"r{i}"}) == {f"r{i}": "done"}
-            d._loader.forget(d._loader.remotes["P"], "simulated timeout")  # as a timed-out load does
+            d._loader.forget(d._loader.peers.get("P"), "simulated timeout")  # as a timed-out load does
         assert len(keys) == 3 and len(set(keys)) == 3, keys
     finally:
         d.close()

@@ -194,9 +194,9 @@ def test_onesided_lands_exactly_and_frees_by_done_marks(case, batched):
         assert d.onesided() == [len(reqs)] * dst_tp, [e.stats()["onesided"] for e in d.engines]
         calls = [e.stats()["ops_calls"] - c0 for e, c0 in zip(d.engines, calls0)]
         for e, c in zip(d.engines, calls):
-            rem = e._loader.remotes["P"]
+            peer = e._loader.peers.get("P")
             each = len(reqs) * sum(
-                len(rem.reads_by_rank[s]) for s in rem.src_ranks
+                len(peer.reads_by_rank[s]) for s in peer.src_ranks
             )  # a call per load and read
             if batched:  # the batch planner's calls for the six loads together: fewer
                 assert 0 < c < each, (c, each)
@@ -349,7 +349,7 @@ def test_a_batch_whose_mapping_was_dropped_fails_its_loads_by_name():
         before = torch.cat([c.view(torch.uint8).flatten() for c in d.caches(0)])
         with d[0].batched_loads():
             d[0].load("x", prm, [6, 7])
-            d[0]._onesided.ipc.epoch += 1  # what forgetting a remote does
+            d[0]._loader.peers.get("P").session.close()  # what forgetting a remote does
         got = poll_until(d.engines, {"x"}, "recv")
         assert got["x"].startswith("failed") and "mapping was dropped before the launch" in got["x"], got
         assert torch.equal(torch.cat([c.view(torch.uint8).flatten() for c in d.caches(0)]), before)
@@ -671,8 +671,8 @@ def table_of(p: Ranks, r: int = 0):
 def python_slot_reads(d: Ranks) -> None:
     """D's slot views take the Python steps (as with ``KVXFER_NATIVE_CTL=0``)."""
     for e in d.engines:
-        for _, views, _ in e._transports["ipc"].views.values():
-            for v in views:
+        for peer in e._loader.peers.all():
+            for v in peer.session.slot_views:
                 if v is not None:
                     v.ctl = None
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvxfer import KVCacheSpec, Layout, ops
-from kvxfer.transports.batching import Item, plan_batch
+from kvxfer.batching import Item, plan_batch
 from kvxfer.views import cache_views, view_at
 
 from .test_staging import bytes_equal, expected_dst, make_cache, poisoned

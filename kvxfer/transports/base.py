@@ -1,9 +1,11 @@
 """The interfaces between an engine rank's roles and its transports.
 
 :class:`Transport` is what the exporter and the loader ask of each transport object (one per
-kind per rank, found by name in a dict); :class:`LoaderLink` is what a transport's read may use
-of the loader that calls it; :class:`StreamJob` is a checked send request the exporter hands a
-staged transport."""
+kind per rank, found by name in a dict): the exporter its handshake entry, the messages it
+answers and the streams it runs; the loader a :class:`~kvxfer.transfer.Session` with each peer
+(:meth:`Transport.open`), which moves the bytes the load planner hands it. :class:`LoaderLink`
+is what a session may use of the loader that opened it; :class:`StreamJob` is a checked send
+request the exporter hands a staged transport."""
 
 from __future__ import annotations
 
@@ -14,9 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from .. import control
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine_types import Remote
-    from ..plan import Read
-    from ..rank import Rank, Runtime
+    from ..peer import Peer
+    from ..transfer import Session
 
 __all__ = ["LoaderLink", "StreamJob", "Transport", "offered"]
 
@@ -31,25 +32,18 @@ class StreamJob(NamedTuple):
 
 
 class LoaderLink(Protocol):
-    """What a transport uses of the loader (:class:`kvxfer.loader.Loader`): the rank and its
-    runtime, the worker
-    thread's side-channel client, :meth:`forget` of a remote that stopped answering (the next
-    load handshakes anew); and for the one-sided ``ipc`` path, the handshaken ``remotes`` by
-    engine id and :meth:`notify` of loads it reported."""
+    """What a transport's session uses of the loader (:class:`kvxfer.loader.Loader`): the worker
+    thread's side-channel client (pair and send requests), and :meth:`forget` of a peer that
+    stopped answering (the next load handshakes anew)."""
 
-    rank: Rank
-    rt: Runtime
     client: control.ControlClient
-    remotes: dict[str, Remote]
 
-    def forget(self, rem: Remote, why: str = ...) -> None: ...
-
-    def notify(self, rem: Remote, done: list, failed: list) -> None: ...
+    def forget(self, peer: Peer, why: str = ...) -> None: ...
 
 
 class Transport(Protocol):
     """What an engine rank's roles ask of one transport (one object per kind, built with the
-    rank's :class:`~kvxfer.rank.Rank`).
+    rank's :class:`~kvxfer.rank.Rank` and :class:`~kvxfer.rank.Runtime`).
 
     ``name``; ``why``: "" when this rank offers it, else the reason (after :meth:`start`)."""
 
@@ -74,26 +68,9 @@ class Transport(Protocol):
     def serve_stream(self, job: StreamJob) -> control.SendReply:
         """Exporter: run a checked send request's stream (staged transports), or refuse it."""
 
-    def setup(self, rem: Remote) -> str:
-        """Loader: after a handshake chose this transport for ``rem``; what to add to the
-        transport's reason ("" for nothing; ``HandshakeError`` when it cannot be used)."""
-
-    def read(
-        self,
-        loader: LoaderLink,
-        rem: Remote,
-        s: int,
-        reads: list[Read],
-        loads: list,
-        granted: dict,
-        deadline: float,
-        layers: list[int] | None,
-    ) -> tuple[int, set[str], dict[str, str]]:
-        """Loader: move ``reads`` of source rank ``s`` for ``loads``: (wire bytes moved, the
-        local ids that landed by this transport's own record, local id -> why for failures)."""
-
-    def forget(self, rem: Remote) -> None:
-        """Loader: drop what was made for ``rem`` (mappings, pair groups, agents)."""
+    def open(self, peer: Peer, link: LoaderLink) -> Session:
+        """Loader: a session with ``peer``, after a handshake chose this transport for it; what
+        it adds to the peer's reason goes there (``HandshakeError`` when it cannot be used)."""
 
     def abort(self, why: str) -> None:
         """Tear down what a thread may be blocked in (pair groups), so ``close()`` is bounded."""

@@ -8,7 +8,9 @@ open) and hands the transport a :class:`StreamJob`; the transport runs the chunk
 (:mod:`kvxfer.transports.staging`) with the gathers of :func:`stream_gathers`, and sends the
 stream's *status* last: one byte per request, 1 when the export checked for it was live at
 every chunk's gather. The loader reports a load landed only from a 1 there
-(:func:`take_status`).
+(:func:`take_status`). The loader's side of it lives in the transports' sessions (``pg``,
+``nixl`` staged), under the load planner, which asks again without the loads an exporter
+refused (:mod:`kvxfer.planner`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import numpy as np
 import torch
 
 from .. import control, ops
-from ..engine_types import Remote, time_left
+from ..batching import BatchPlan
+from ..engine_types import time_left
 from ..plan import Read
 from ..tracing import batch_tag
 from .base import LoaderLink, StreamJob
-from .batching import BatchPlan
 from .staging import Stream
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..peer import Peer
     from ..rank import Rank, Runtime
 
 __all__ = ["RELEASED_MID_STREAM", "ask_stream", "stream_gathers", "stream_scatters", "take_status"]
@@ -106,9 +109,10 @@ def stream_scatters(
 
 
 def ask_stream(
-    loader: LoaderLink,
+    link: LoaderLink,
+    rank: Rank,
     transport: str,
-    rem: Remote,
+    peer: Peer,
     s: int,
     key: str,
     r: Read,
@@ -120,9 +124,8 @@ def ask_stream(
 ) -> dict[str, str]:
     """Ask source rank ``s`` to stream ``bp``'s calls (head slice ``r``, ``layers``) over
     ``transport``'s pair or mailbox ``key``; local id -> why for the loads it refused (empty:
-    accepted). A refusal of the whole request (``"*"``) raises ``RuntimeError`` naming it; a
-    timeout forgets the remote and raises :class:`~kvxfer.control.ControlTimeout`."""
-    rank = loader.rank
+    accepted). A refusal of the whole request (``"*"``) raises :class:`StreamRefused` naming
+    it; a timeout forgets the peer and raises :class:`~kvxfer.control.ControlTimeout`."""
     req = control.SendReq(
         rank.engine_id,
         rank.tp_rank,
@@ -138,9 +141,9 @@ def ask_stream(
         transport,
     )
     try:
-        rep = loader.client.call(rem.addrs[s], req, time_left(deadline))
+        rep = link.client.call(peer.addrs[s], req, time_left(deadline))
     except control.ControlTimeout:
-        loader.forget(rem, "a send request timed out")
+        link.forget(peer, "a send request timed out")
         raise
     if not isinstance(rep, control.SendReply):
         raise RuntimeError(f"send request refused: {getattr(rep, 'error', rep)}")
@@ -156,12 +159,15 @@ class StreamRefused(RuntimeError):
     """The exporter refused a send request as a whole (the message says why)."""
 
 
-def take_status(loads: list, flags: bytes, s: int, landed: set, bad: dict) -> None:
-    """File each of ``loads`` under ``landed`` (its byte of the stream's status ``flags`` is 1)
-    or ``bad`` (0: released during the stream, never delivered)."""
+def take_status(loads: list, flags: bytes, s: int) -> tuple[set[str], dict[str, str]]:
+    """The stream's record: the local ids of ``loads`` whose byte of the status ``flags`` is 1
+    (landed), and why each other one failed (0: released during the stream, never delivered)."""
     why = f"exporter rank {s}: {RELEASED_MID_STREAM}"
+    landed: set[str] = set()
+    failed: dict[str, str] = {}
     for it, flag in zip(loads, flags):
         if flag == 1:
             landed.add(it.request_id)
         else:
-            bad[it.request_id] = why
+            failed[it.request_id] = why
+    return landed, failed

@@ -1,23 +1,23 @@
-"""One-sided ``ipc`` reads: a load launched in the caller's thread, with no message before the
-copy and none on the critical path after it.
+"""One-sided ``ipc`` reads: a mode of the ipc session in which a load is launched in the
+caller's thread, with no message before the copy and none on the critical path after it.
 
-When a loader rank has already mapped the exporter ranks of a remote engine (an earlier load
-handshook and mapped them, :mod:`kvxfer.transports.ipc.transport`), ``load()`` looks up the
-request in each source rank's lease-slot table (:mod:`kvxfer.transports.ipc.slots`): a live
-slot bound to the params (a hash of their token, content digest and request id: only the
-export's own params find it), whose ready flag is set (the exporter's compute wrote the blocks),
-not a layer-wise export, leased for longer than the load's timeout, on an exporter that is open
-and beat recently. If every source rank has one, the loader snapshots the blocks' epochs
-between two reads of the slot's generation, and issues the copy on its load stream right there
-(:func:`kvxfer.transports.ipc.read.launch`; CUDA: an event from a pool is recorded after it).
-Anything else returns False, and the load takes the messaged path (lease grant, then the copy
-in the worker thread), which names every refusal. The one refusal this path makes itself is
-the messaged path's own check of a batch: params another load already reads (launched or held
-here and not reported yet, or queued for the loader's next batch) fail as "loaded twice in one
-batch". Every word it reads from the table is untrusted (``slots``): a bad one is no slot.
-Inside a batch (:meth:`OneSided.hold`, ``TransferEngine.batched_loads()``) the copy waits for
-the batch's end, where the held loads of each remote are launched together through the
-messaged path's batch planner (:func:`kvxfer.transports.ipc.read.launch`), with one event.
+When a loader rank's ipc session with a peer has mapped every source rank
+(:mod:`kvxfer.transports.ipc.session`), ``load()`` looks up the request in each source rank's
+lease-slot table (:mod:`kvxfer.transports.ipc.slots`): a live slot bound to the params (a hash
+of their token, content digest and request id: only the export's own params find it), whose
+ready flag is set (the exporter's compute wrote the blocks), not a layer-wise export, leased for
+longer than the load's timeout, on an exporter that is open and beat recently. If every source
+rank has one, the loader snapshots the blocks' epochs between two reads of the slot's
+generation, and the session issues the copy on the load stream right there
+(:meth:`~kvxfer.transports.ipc.session.IpcSession.copy`; CUDA: an event from the session's pool
+is recorded after it). Anything else returns False, and the load takes the messaged path (lease
+grant, then the copy in the worker thread), which names every refusal. The one refusal this
+path makes itself is the messaged path's own check of a batch: params another load already
+reads (launched or held here and not reported yet, or queued for the loader's next batch) fail
+as "loaded twice in one batch". Every word it reads from the table is untrusted (``slots``): a
+bad one is no slot. Inside a batch (:meth:`OneSided.hold`, ``TransferEngine.batched_loads()``)
+the copy waits for the batch's end, where the held loads of each peer are planned together by
+the load planner (:meth:`kvxfer.planner.Planner.plan`) and launched with one event.
 
 ``poll()`` (:meth:`OneSided.complete`) queries the events itself. A load whose copy completed is
 checked as the messaged path checks it: the slot still at the same generation and the blocks'
@@ -38,22 +38,25 @@ import logging
 import platform
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from ... import idops, ops
-from ...engine_types import LoadItem, Remote, describe_error, loaded_twice
+from ...engine_types import LoadItem, describe_error, disjoint_blocks, loaded_twice
 from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
+from ...transfer import Route, Transfer
 from . import slots
-from .read import launch
+from .session import IpcMap, IpcSession
+from .slots import SlotView
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ...batching import BatchPlan
+    from ...peer import Peer
+    from ...plan import Read
     from ...rank import Rank, Runtime
-    from ..base import LoaderLink
-    from .transport import IpcTransport
 
-__all__ = ["CPU_COPY_MAX_BYTES", "ORDERED_CPU", "STALE_S", "OneSided"]
+__all__ = ["CPU_COPY_MAX_BYTES", "ORDERED_CPU", "STALE_S", "OneSided", "OneSidedLink"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -61,57 +64,83 @@ _LOG = logging.getLogger(__name__)
 # (kvxfer.transports.ipc.slots): x86-64 (TSO) keeps them; elsewhere loads take the messaged path.
 ORDERED_CPU = platform.machine().lower() in ("x86_64", "amd64")
 # On CPU caches the copy runs in the caller's thread (there is nothing to launch): a larger one
-# would hold load() for more than ~1 ms (~20 GB/s here), so it goes to the worker thread instead.
+# would hold load() for more than about a millisecond, so it goes to the worker thread instead.
 CPU_COPY_MAX_BYTES = 16 << 20
 STALE_S = 2.0  # an exporter that has not beat for this long is not read one-sided (it beats every 20 ms)
 _STALE_NS = int(STALE_S * 1e9)
-_POOL_MAX = 64  # completion events kept for reuse
 
 
-def _copy_whole(whole: tuple, item: LoadItem) -> tuple[int, int]:
-    """Issue the copies of a whole load (:meth:`OneSided._whole`'s arguments): (wire bytes, calls)."""
-    src_bound, dst_bound, copies = whole
-    n = item.num_tokens
-    src_ids = ops.CheckedIds(item.src, src_bound, False)
-    dst_ids = ops.CheckedIds(item.dst, dst_bound, True)
-    moved = 0
-    for copy, per_token in copies:
-        copy(src_ids, dst_ids, n)
-        moved += n * per_token
-    return moved, len(copies)
+class OneSidedLink(Protocol):
+    """What the one-sided mode uses of the loader (:class:`kvxfer.loader.Loader`): the peers it
+    handshook, whether params wait in its next batch, the load planner, the notifications."""
+
+    def peer(self, engine_id: str) -> Peer | None: ...
+
+    def queued(self, key: tuple[str, str]) -> bool: ...
+
+    def plan(self, route: Route, src_block_size: int, loads: list, distinct: bool) -> BatchPlan: ...
+
+    def notify(self, peer: Peer, done: list, failed: list) -> None: ...
 
 
-class _Target:
-    """A mapped remote as the one-sided path reads it: per source rank (rank, its slot view, its
-    mapping, the plan's reads of it), and where a landed load marks done; ``epoch``: the ipc
-    transport's count of forgotten remotes when it was made (a change means a mapping may be
-    gone)."""
+class Source(NamedTuple):
+    """One source rank as the one-sided mode reads it: its rank, lease-slot table, mapping, the
+    plan's reads of it and their route; and for a whole load (no tokens held here) per read a
+    :class:`~kvxfer.ops.PreparedCopy` between the whole-block views with its wire bytes per
+    token, and both sides' id bounds."""
 
-    __slots__ = ("bind", "epoch", "marks", "rem", "sources")
+    rank: int
+    view: SlotView
+    mapping: IpcMap
+    reads: list[Read]
+    route: Route
+    whole: list[tuple[ops.PreparedCopy, int]]
+    src_bound: int
+    dst_bound: int
 
-    def __init__(self, rem: Remote, epoch: int, sources: list, marks: list) -> None:
-        self.rem = rem
-        self.epoch = epoch
+
+class Target:
+    """A peer as the one-sided mode reads it, made once per session (when every source rank is
+    mapped): its :class:`Source` s, where a landed load marks done (per exporter rank this rank
+    notifies: its slot table and the index of its source, or -1 when it is only notified), the
+    binding function, and the wire bytes of one token over every read."""
+
+    __slots__ = ("bind", "marks", "peer", "per_token", "session", "sources")
+
+    def __init__(self, peer: Peer, session: IpcSession, sources: list[Source], marks: list) -> None:
+        self.peer = peer
+        self.session = session
         self.sources = sources
-        self.marks = marks  # per exporter rank this rank notifies: (its slot view, index in sources or -1)
+        self.marks = marks
         self.bind = slots.binder()  # slots.binding, native when the module is in use
+        self.per_token = sum(pt for src in sources for _, pt in src.whole)
 
 
-class _Flight:
-    """One one-sided load in flight: the load, its target (remote), per source rank (rank, its
-    slot view, slot, generation, mapping, the epochs' snapshot, reads), and the event after its
-    copy."""
+class SlotRead(NamedTuple):
+    """What a lookup read in one source rank's table: the slot, its generation and the blocks'
+    epochs snapshotted while it stayed at that generation."""
 
-    __slots__ = ("b", "calls", "checks", "event", "item", "key", "late", "moved", "t0", "target")
+    source: Source
+    slot: int
+    gen: int
+    snapshot: bytes
+
+
+class Flight:
+    """One one-sided load in flight: the load, the params' key (engine id, request id), its
+    target, what its lookup read per source rank, the binding, when it started, the event after
+    its copy (CUDA), its wire bytes and ops calls, and whether its deadline passed unfinished."""
+
+    __slots__ = ("binding", "calls", "event", "item", "key", "late", "moved", "reads", "t0", "target")
 
     def __init__(
-        self, item: LoadItem, target: _Target, checks: list, b: tuple[int, int], t0: float, key: tuple
+        self, item: LoadItem, key: tuple, target: Target, reads: list[SlotRead], binding: tuple, t0: float
     ) -> None:
         self.item = item
-        self.key = key  # (engine id, request id) of the params
+        self.key = key
         self.target = target
-        self.checks = checks
-        self.b = b
+        self.reads = reads
+        self.binding = binding
         self.t0 = t0
         self.event = None
         self.moved = 0
@@ -120,33 +149,28 @@ class _Flight:
 
 
 class OneSided:
-    """The one-sided path of one loader rank (see the module doc).
+    """The one-sided mode of one loader rank (see the module doc).
 
     Args:
-        rank: the rank's shared state.
-        loader: the rank's loader (:class:`~kvxfer.transports.LoaderLink`: its handshaken
-            remotes, its notifications).
-        ipc: the rank's :class:`~kvxfer.transports.ipc.transport.IpcTransport` (its mappings).
+        rank, rt: the rank's configuration and runtime.
+        link: the rank's loader (:class:`OneSidedLink`).
 
     ``loads``: loads read one-sided so far; ``fallbacks``: why a load took the messaged path,
     counted by reason (both in ``stats()["onesided"]``)."""
 
-    def __init__(self, rank: Rank, rt: Runtime, loader: LoaderLink, ipc: IpcTransport) -> None:
+    def __init__(self, rank: Rank, rt: Runtime, link: OneSidedLink) -> None:
         self.rank = rank
         self.rt = rt
-        self.loader = loader
-        self.ipc = ipc
+        self.link = link
         if not ORDERED_CPU:
             _LOG.warning(
                 "kvxfer engine %s rank %d: one-sided reads off on %s (the lease-slot protocol needs "
                 "x86-64's store order); ipc loads take the messaged path",
                 rank.engine_id, rank.tp_rank, platform.machine(),
             )  # fmt: skip
-        self.flights: list[_Flight] = []
+        self.flights: list[Flight] = []
         self.loads = 0
         self.fallbacks: dict[str, int] = {}
-        self._pool: list = []
-        self._targets: dict[str, _Target] = {}
         # (engine id, request id) of the params of every load launched or held here and not
         # reported yet: a second load of them is refused as the messaged path refuses a repeat
         self._active: set[tuple[str, str]] = set()
@@ -164,71 +188,66 @@ class OneSided:
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         return False
 
-    def _target(self, rem: Remote) -> _Target | None:
-        """What a one-sided read of ``rem`` needs per source rank, made once per mapping of it
-        (None while a source rank is not mapped yet)."""
-        t = self._targets.get(rem.engine_id)
-        ipc = self.ipc
-        if t is not None and t.rem is rem and t.epoch == ipc.epoch:
-            return t
-        views = ipc.slot_views(rem)
-        if views is None:
+    def _target(self, peer: Peer) -> Target | None:
+        """What a one-sided read of ``peer`` needs, made once per session (None while a source
+        rank is not mapped yet, or its table is of another start of that rank)."""
+        session = peer.session
+        if type(session) is not IpcSession or session.closed:
             return None
+        t = session.onesided
+        if t is not None:
+            return t
+        views = session.slot_views
+        rank = self.rank
+        dst = rank.views.whole
         sources = []
-        for s in rem.src_ranks:
-            v, m = views[s], ipc.mapped(rem, s)
-            if v is None or m is None or not v.of(rem.replies[s].incarnation):
-                return None  # not mapped yet, or a table of another start of that rank
-            sources.append((s, v, m, rem.reads_by_rank[s], self._whole(rem, m, rem.reads_by_rank[s])))
-        ranks = [src[0] for src in sources]
+        for s in peer.src_ranks:
+            v, m = views[s], session.mapped(s)
+            if v is None or m is None or not v.of(peer.replies[s].incarnation):
+                return None
+            reads = peer.reads_by_rank[s]
+            src = m.views.whole
+            whole = [
+                (
+                    ops.PreparedCopy(src.caches, dst.caches, r.src_head_start, r.dst_head_start, r.num_heads),
+                    rank.spec.bytes_per_token(num_heads=r.num_heads),
+                )
+                for r in reads
+            ]
+            src_bound = peer.num_blocks * (peer.spec.block_size // src.unit)
+            dst_bound = rank.num_blocks * (rank.spec.block_size // dst.unit)
+            route = Route(reads, m.views.units, rank.units)
+            sources.append(Source(s, v, m, reads, route, whole, src_bound, dst_bound))
+        ranks = [src.rank for src in sources]
         marks = [
             (views[s], ranks.index(s) if s in ranks else -1)
-            for s in rem.notify_to
+            for s in peer.notify_to
             if s < len(views) and views[s] is not None
         ]
-        t = self._targets[rem.engine_id] = _Target(rem, ipc.epoch, sources, marks)
+        t = session.onesided = Target(peer, session, sources, marks)
         return t
-
-    def _whole(self, rem: Remote, m, reads: list) -> tuple:
-        """What the copy of a whole load (no tokens held here) from mapping ``m`` needs besides
-        its ids: both sides' id bounds, and per read an :class:`~kvxfer.ops.PreparedCopy` between
-        the whole-block views and its wire bytes per token. Made once per target."""
-        rank = self.rank
-        sv, dv = m.views.whole, rank.views.whole
-        su, du = sv.unit, dv.unit
-        copies = [
-            (
-                ops.PreparedCopy(sv.caches, dv.caches, r.src_head_start, r.dst_head_start, r.num_heads),
-                rank.spec.bytes_per_token(num_heads=r.num_heads),
-            )
-            for r in reads
-        ]
-        src_bound = rem.num_blocks * (rem.spec.block_size // su)
-        dst_bound = rank.num_blocks * (rank.spec.block_size // du)
-        return src_bound, dst_bound, copies
 
     def try_load(self, item: LoadItem, timeout_s: float) -> bool:
         """Launch ``item`` one-sided if it can be (see the module doc); False: queue it for the
         messaged path (nothing was written)."""
-        rt = self.rt
         if not ORDERED_CPU:
             return self._no("weakly ordered CPU")
         p = item.params
-        rem = self.loader.remotes.get(p.engine_id)
-        if rem is None or not rem.serves(p):
+        peer = self.link.peer(p.engine_id)
+        if peer is None or not peer.serves(p):
             return self._no("not handshaken")
-        if rem.transport != "ipc":
-            return self._no(f"transport {rem.transport}")
-        t = self._target(rem)
+        if peer.transport != "ipc":
+            return self._no(f"transport {peer.transport}")
+        t = self._target(peer)
         if t is None:
             return self._no("not mapped")
         if self._cpu_bpt and (p.num_tokens - item.first) * self._cpu_bpt > CPU_COPY_MAX_BYTES:
             return self._no("CPU copy too large for the caller")
         ids = item.src_ids
-        if ids.size != rem.spec.num_blocks_for(p.num_tokens) or idops.max_id(ids) >= rem.num_blocks:
+        if ids.size != peer.spec.num_blocks_for(p.num_tokens) or idops.max_id(ids) >= peer.num_blocks:
             return self._no("bad params")  # the messaged path names the problem
         key = (p.engine_id, p.request_id)
-        if key in self._active or key in self.loader.incoming_keys:
+        if key in self._active or self.link.queued(key):
             # The same params already in this batch (read here, or queued for the messaged path,
             # whose batch check refuses a repeat the same way); a load that would not be read
             # here anyway was handed to the messaged path above, which checks its own batch.
@@ -241,13 +260,13 @@ class OneSided:
             return self._no("bad params")  # a token not ASCII: the messaged path refuses it
         now_ns = time.monotonic_ns()
         need_ns = now_ns + int(timeout_s * 1e9)
-        checks = []
-        for s, v, m, reads, whole in t.sources:
-            got = v.read(b0, b1, now_ns, _STALE_NS, need_ns, m.epochs_np, ids)
+        reads = []
+        for src in t.sources:
+            got = src.view.read(b0, b1, now_ns, _STALE_NS, need_ns, src.mapping.epochs_np, ids)
             if type(got) is str:
                 return self._no(got)
-            checks.append((s, v, got[0], got[1], m, got[2], reads, whole))
-        f = _Flight(item, t, checks, b, now(), key)
+            reads.append(SlotRead(src, got[0], got[1], got[2]))
+        f = Flight(item, key, t, reads, b, now())
         item.deadline = now_ns * 1e-9 + timeout_s  # time.monotonic's clock
         held = getattr(self._local, "held", None) if self._batches else None
         if held is not None:  # launched with the batch's other loads when it closes
@@ -258,34 +277,50 @@ class OneSided:
                     held = self._local.held
                 held[1] += size
             held[0].append(f)
-            self._active.add(f.key)
+            self._active.add(key)
             self.loads += 1
-            return True
-        rank, ipc = self.rank, self.ipc
-        try:
-            with ipc.lock, trace("copy", items_tag, [item]):
-                if t.epoch != ipc.epoch:  # a remote was forgotten meanwhile: its mapping may be gone
-                    return self._no("not mapped")
-                hook = rt.hooks.get("before_ipc_copy")
-                if hook:
-                    hook()
-                with rt.order.on_stream():
-                    for c in checks:
-                        if item.first:  # a partial load: planned as the messaged path plans it
-                            mv, _, n = launch(rank, c[4], rem, c[6], [item])
-                        else:
-                            mv, n = _copy_whole(c[7], item)
-                        f.moved, f.calls = f.moved + mv, f.calls + n
-                    if rt.order.cuda:
-                        f.event = self._done_event(rem)
-        except Exception as e:  # the copy may have written part of the blocks: fail the load
-            self.loads += 1
-            self._report(f, f"one-sided ipc copy: {describe_error(e)}")
             return True
         self.loads += 1
-        self._active.add(f.key)
+        try:
+            if not self._launch(t, [f]):
+                self.loads -= 1
+                return self._no("not mapped")
+        except Exception as e:  # the copy may have written part of the blocks: fail the load
+            self._report(f, f"one-sided ipc copy: {describe_error(e)}")
+            return True
+        self._active.add(key)
         with self.lock:
             self.flights.append(f)
+        return True
+
+    def _launch(self, t: Target, group: list[Flight]) -> bool:
+        """Issue the copies of ``group`` (flights of target ``t``) on the load stream, one event
+        after them (CUDA); False when the session closed since their lookup (nothing written).
+        A lone whole load takes the prepared copies; anything else is planned as the messaged
+        path plans a batch."""
+        session, rank, rt = t.session, self.rank, self.rt
+        items = [f.item for f in group]
+        with session.lock, trace("copy", items_tag, items):
+            if session.closed:  # the peer was forgotten since the lookup: its mapping may be gone
+                return False
+            hook = rt.hooks.get("before_ipc_copy")
+            if hook:
+                hook()
+            calls = 0
+            with rt.order.on_stream():
+                if len(group) == 1 and not items[0].first:
+                    calls = _copy_whole(t, items[0])
+                else:
+                    distinct = len(items) == 1 or disjoint_blocks(items, rank.spec.block_size)
+                    sbs = t.peer.spec.block_size
+                    for src in t.sources:
+                        bp = self.link.plan(src.route, sbs, items, distinct)
+                        xfer = Transfer(src.rank, src.reads, bp, items, None, items[0].deadline)
+                        calls += session.copy(src.mapping, xfer)
+                ev = session.done_event() if rt.order.cuda else None
+        for k, f in enumerate(group):
+            f.event, f.calls = ev, calls if k == 0 else 0  # a batch's calls counted once
+            f.moved = (f.item.num_tokens - f.item.first) * t.per_token
         return True
 
     # -------------------------------------------------------------------------- batch
@@ -312,72 +347,36 @@ class OneSided:
                     self._batches -= 1
 
     def _launch_held(self) -> None:
-        """Launch the loads held so far: per remote one launch of the plan's reads per source
-        rank (:func:`kvxfer.transports.ipc.read.launch`, the messaged path's batch planner), one
-        event for all; a load whose launch failed is reported failed."""
+        """Launch the loads held so far: per peer one launch (:meth:`_launch`); a load whose
+        launch failed, or whose peer was forgotten since its lookup, is reported failed."""
         held = self._local.held
         flights, self._local.held = held[0], [[], 0]
-        by_target: dict[int, list[_Flight]] = {}
+        by_target: dict[int, list[Flight]] = {}
         for f in flights:
             by_target.setdefault(id(f.target), []).append(f)
         for group in by_target.values():
-            self._launch_group(group)
-
-    def _launch_group(self, group: list[_Flight]) -> None:
-        rt = self.rt
-        t = group[0].target
-        rem, rank, ipc = t.rem, self.rank, self.ipc
-        items = [f.item for f in group]
-        try:
-            with ipc.lock, trace("copy", items_tag, items):
-                if t.epoch != ipc.epoch:  # a remote was forgotten since the loads were looked up
+            try:
+                if not self._launch(group[0].target, group):
                     raise RuntimeError("the exporter's mapping was dropped before the launch")
-                hook = rt.hooks.get("before_ipc_copy")
-                if hook:
-                    hook()
-                calls = 0
-                with rt.order.on_stream():
-                    for c in group[0].checks:
-                        calls += launch(rank, c[4], rem, c[6], items)[2]
-                    ev = self._done_event(rem) if rt.order.cuda else None
-        except Exception as e:  # the copy may have written part of the blocks: fail the loads
-            for f in group:
-                self._report(f, f"one-sided ipc copy: {describe_error(e)}")
-            return
-        # wire bytes per token of every read of every source rank (_whole keeps them per read)
-        per_token = sum(pt for c in group[0].checks for _, pt in c[7][2])
-        for k, f in enumerate(group):
-            f.event, f.calls = ev, calls if k == 0 else 0  # the batch's calls counted once
-            f.moved = (f.item.num_tokens - f.item.first) * per_token
-        with self.lock:
-            self.flights.extend(group)
-
-    def _done_event(self, rem: Remote):
-        """An event (pooled) recorded on the load stream after the copies just queued from
-        ``rem``, also in the ipc transport's busy list of ``rem`` (a close of the mapping waits
-        for it; completed ones are pruned once it holds 16)."""
-        import torch
-
-        ev = self._pool.pop() if self._pool else torch.cuda.Event()
-        ev.record(self.rt.order.stream("load"))
-        busy = self.ipc.busy.setdefault(id(rem), [])
-        if len(busy) >= 16:
-            busy[:] = [e for e in busy if not event_done(e)]
-        busy.append(ev)
-        return ev
+            except Exception as e:  # the copy may have written part of the blocks: fail the loads
+                for f in group:
+                    self._report(f, f"one-sided ipc copy: {describe_error(e)}")
+                continue
+            with self.lock:
+                self.flights.extend(group)
 
     # ----------------------------------------------------------------------- complete
     def complete(self) -> None:
         """Check and report every one-sided load whose copy completed (``poll()`` calls it); one
-        notification per remote for all of them."""
+        notification per peer for all of them."""
         if not self.flights:
             return
         with self.lock:
             flights, self.flights = self.flights, []
         still = []
-        notes: dict[int, tuple[Remote, list, list]] = {}
+        notes: dict[int, tuple[Peer, list, list]] = {}
         now_ns = time.monotonic_ns()
-        pooled: set[int] = set()  # a batch's loads share one event: back to the pool once
+        recycled: set[int] = set()  # a batch's loads share one event: back to the pool once
         for f in flights:
             ev = f.event
             if ev is not None and not event_done(ev):
@@ -392,37 +391,40 @@ class OneSided:
                 still.append(f)
                 continue
             self._report(f, self._check(f, now_ns), notes)
-            if ev is not None and len(self._pool) < _POOL_MAX and id(ev) not in pooled:
-                pooled.add(id(ev))
-                self._pool.append(ev)
-        for rem, done, failed in notes.values():
-            self.loader.notify(rem, done, failed)
+            if ev is not None and id(ev) not in recycled:
+                recycled.add(id(ev))
+                f.target.session.recycle(ev)
+        for peer, done, failed in notes.values():
+            self.link.notify(peer, done, failed)
         if still:
             with self.lock:
                 self.flights[:0] = still
 
-    def _check(self, f: _Flight, now_ns: int) -> str:
+    def _check(self, f: Flight, now_ns: int) -> str:
         """The check after a completed copy: "" when the load landed, else why not."""
         hook = self.rt.hooks.get("after_ipc_copy")
         ids = f.item.src_ids
-        for s, v, i, g, m, snap, *_ in f.checks:
+        for r in f.reads:
+            src = r.source
             if hook:
-                hook(m.epochs)
+                hook(src.mapping.epochs)
                 now_ns = time.monotonic_ns()
             # released first: an exporter that closed released every export before it shut,
             # so that is what happened to the blocks (the messaged path says the same)
-            got = v.check(i, g, m.epochs_np, ids, snap, now_ns, _STALE_NS)
+            got = src.view.check(r.slot, r.gen, src.mapping.epochs_np, ids, r.snapshot, now_ns, _STALE_NS)
             if got == 1:
-                return f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
+                return (
+                    f"exporter rank {src.rank}: blocks released before or during the copy (lease ended); "
+                    "not delivered"
+                )
             if got:  # nothing released, but the exporter stopped beating (killed, hung)
-                return f"exporter rank {s}: {v.alive(_STALE_NS, now_ns) or 'stopped'}"
+                return f"exporter rank {src.rank}: {src.view.alive(_STALE_NS, now_ns) or 'stopped'}"
         return ""
 
-    def _report(self, f: _Flight, why: str, notes: dict | None = None) -> None:
+    def _report(self, f: Flight, why: str, notes: dict | None = None) -> None:
         """Report ``f`` once: landed (``why`` empty: done marks in the slots) or failed for
-        ``why``; its notification goes into ``notes`` (remote -> loads), or now."""
-        rt = self.rt
-        rank, item, rem = self.rank, f.item, f.target.rem
+        ``why``; its notification goes into ``notes`` (peer -> loads), or now."""
+        rt, item, peer = self.rt, f.item, f.target.peer
         self._active.discard(f.key)
         t = now()
         if why:
@@ -431,17 +433,17 @@ class OneSided:
                 rt.metrics.add("failures")
         else:
             rt.metrics.record_load(f.t0, t, f.moved, f.calls, rt.loads.finish_many([item.request_id], t))
-            checks = f.checks
-            for v, k in f.target.marks:
-                i, g = (checks[k][2], checks[k][3]) if k >= 0 else v.find(*f.b)
+            rank, reads = self.rank, f.reads
+            for view, k in f.target.marks:
+                i, g = (reads[k].slot, reads[k].gen) if k >= 0 else view.find(*f.binding)
                 if i >= 0:
-                    v.mark_done(i, g, rank.tp_rank, rank.tp_size)
+                    view.mark_done(i, g, rank.tp_rank, rank.tp_size)
         if notes is None:
-            self.loader.notify(rem, [] if why else [item], [item] if why else [])
+            self.link.notify(peer, [] if why else [item], [item] if why else [])
             return
-        note = notes.get(id(rem))
+        note = notes.get(id(peer))
         if note is None:
-            note = notes[id(rem)] = (rem, [], [])
+            note = notes[id(peer)] = (peer, [], [])
         note[2 if why else 1].append(item)
 
     # --------------------------------------------------------------------------- wait
@@ -460,3 +462,17 @@ class OneSided:
 
     def stats(self) -> dict:
         return {"loads": self.loads, "in_flight": len(self.flights), "fallbacks": dict(self.fallbacks)}
+
+
+def _copy_whole(t: Target, item: LoadItem) -> int:
+    """The copies of a whole load (every block, no tokens held here) through each source's
+    prepared copies; returns the ops calls."""
+    n = item.num_tokens
+    calls = 0
+    for src in t.sources:
+        src_ids = ops.CheckedIds(item.src, src.src_bound, False)
+        dst_ids = ops.CheckedIds(item.dst, src.dst_bound, True)
+        for copy, _ in src.whole:
+            copy(src_ids, dst_ids, n)
+        calls += len(src.whole)
+    return calls

@@ -237,7 +237,7 @@ def direct_runs(
     layers: list[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The coalesced ``(src addresses, dst addresses, lengths)`` of a direct read: ``calls``
-    (:class:`kvxfer.transports.batching.Call` of a plan with block units on both sides, equal
+    (:class:`kvxfer.batching.Call` of a plan with block units on both sides, equal
     block sizes) for each of ``reads`` ``(src head start, dst head start, heads)``, in
     ``layers`` (default all). A call is whole blocks then at most one partial last block, or a
     partial load's head (``src_offset == dst_offset``, inside one block)."""

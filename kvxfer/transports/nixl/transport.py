@@ -11,7 +11,7 @@ Handshake: the exporter's ``HelloReply.nixl`` entry (given only to a loader that
 request's token, like every cache description) carries its agent metadata, cache geometry
 (:class:`~kvxfer.transports.nixl.descs.CacheGeometry`), epoch array and staging buffers.
 The loader loads the metadata and decides per read (source rank, head slice) between the
-*direct* path and the *staged* one (:mod:`~kvxfer.transports.nixl.read`). The exporter's side
+*direct* path and the *staged* one (:mod:`~kvxfer.transports.nixl.session`). The exporter's side
 of a staged stream runs on this transport's own sender thread, one stream after another
 (:func:`~kvxfer.transports.nixl.staged.send_stream`).
 
@@ -28,18 +28,16 @@ import time
 from typing import TYPE_CHECKING
 
 from ... import control
-from ...engine_types import HandshakeError, Remote
-from ...ordering import FenceTimeout
-from ...plan import Read
+from ...engine_types import HandshakeError
 from ..base import LoaderLink, StreamJob
 from ..streams import stream_gathers
-from . import read as nixl_read
-from .agent import NixlAgent, NixlError, XferTimeout, mem_of, nixl_status
+from .agent import NixlAgent, NixlError, mem_of, nixl_status
 from .descs import CacheGeometry, direct_why
-from .read import SrcRank, read_key
+from .session import NixlSession, SrcRank, drop_ranks, read_key, src_rank
 from .staged import NixlStaging, send_stream, stream_error
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ...peer import Peer
     from ...rank import Rank, Runtime
 
 _LOG = logging.getLogger(__name__)
@@ -64,7 +62,6 @@ class NixlTransport:
         self.send_staging: NixlStaging | None = None
         self.recv_staging: NixlStaging | None = None
         self._build_lock = threading.Lock()
-        self._remotes: dict[str, tuple[Remote, dict[int, SrcRank]]] = {}
         self._jobs: queue.Queue = queue.Queue()
         self._sender: threading.Thread | None = None
 
@@ -272,93 +269,33 @@ class NixlTransport:
         rt.metrics.add("bytes_sent", sent)
 
     # ------------------------------------------------------------------ loader
-    def setup(self, rem: Remote) -> str:
-        """At the handshake with ``rem``: load every source rank's metadata and decide each
-        read's path; returns what to add to the transport's reason (the paths)."""
+    def open(self, peer: Peer, link: LoaderLink) -> NixlSession:
+        """At the handshake with ``peer``: load every source rank's metadata, connect, register
+        its epoch mirror and decide each read's path (added to the peer's reason)."""
         agent = self.side()
         if agent is None:
             raise HandshakeError(f"nixl: {self.why}")
-        old = self._remotes.pop(rem.engine_id, None)
-        if old is not None:
-            self._drop(old[1])
         ranks: dict[int, SrcRank] = {}
         try:
-            for s in sorted({r.src_rank for r in rem.reads}):
-                ranks[s] = st = nixl_read.src_rank(rem, s)
+            for s in peer.src_ranks:
+                ranks[s] = st = src_rank(peer, s)
                 st.mirror_reg = agent.register([st.mirror], "epoch mirror")
-                agent.add_remote(bytes(rem.replies[s].nixl["md"]), expect=st.agent)
+                agent.add_remote(bytes(peer.replies[s].nixl["md"]), expect=st.agent)
                 agent.connect(st.agent)
         except NixlError as x:
-            self._drop(ranks)
+            drop_ranks(agent, ranks)
             raise HandshakeError(f"nixl: {x}") from None
         except BaseException:
-            self._drop(ranks)
+            drop_ranks(agent, ranks)
             raise
         notes = []
-        for r in rem.reads:
+        for r in peer.reads:
             st = ranks[r.src_rank]
             why = direct_why(st.geometry, self.geometry, r.src_head_start, r.dst_head_start, r.num_heads)
             st.paths[read_key(r)] = why
             notes.append(f"rank {r.src_rank} " + ("direct" if not why else f"staged ({why})"))
-        self._remotes[rem.engine_id] = (rem, ranks)
-        return "paths: " + ", ".join(notes)
-
-    def _drop(self, ranks: dict[int, SrcRank]) -> None:
-        agent = self.agent
-        if agent is None:
-            return
-        for st in ranks.values():
-            agent.remove_remote(st.agent)
-            agent.deregister(st.mirror_reg)
-
-    def forget(self, rem: Remote) -> None:
-        """Drop the NIXL state of a forgotten remote (its agents are removed: disconnected)."""
-        got = self._remotes.get(rem.engine_id)
-        if got is not None and got[0] is rem:
-            del self._remotes[rem.engine_id]
-            self._drop(got[1])
-
-    def read(
-        self,
-        loader: LoaderLink,
-        rem: Remote,
-        s: int,
-        reads: list[Read],
-        loads: list,
-        granted: dict,
-        deadline: float,
-        layers: list[int] | None,
-    ) -> tuple[int, set[str], dict[str, str]]:
-        """Read the plan's heads (and ``layers``, default all) of source rank ``s`` over NIXL:
-        direct reads first (one READ, then the epoch check), then staged ones; (bytes moved,
-        the local ids that landed in every read, local id -> why for failures)."""
-        got = self._remotes.get(rem.engine_id)
-        if got is None or got[0] is not rem or s not in got[1]:
-            raise RuntimeError(f"nixl: no state for exporter rank {s} (handshake not done)")
-        st = got[1][s]
-        direct = [r for r in reads if not st.paths.get(read_key(r), "?")]
-        staged = [r for r in reads if st.paths.get(read_key(r), "?")]
-        moved, bad = 0, {}
-        landed = {it.request_id for it in loads}
-        try:
-            if direct:
-                moved, ids, bad = nixl_read.direct(self, rem, s, st, direct, loads, granted, deadline, layers)
-                landed &= ids
-            for r in staged:
-                todo = [it for it in loads if it.request_id not in bad]
-                if not todo:
-                    break
-                m, ids, b = nixl_read.staged(self, loader, rem, s, st, r, todo, deadline, layers)
-                moved += m
-                bad.update(b)
-                landed &= ids
-        except XferTimeout as e:  # the READ may still write our blocks: fenced until it ended
-            raise FenceTimeout(str(e), e.fence) from None
-        except NixlError as e:
-            if not self.agent.stopping():
-                loader.forget(rem, f"nixl: {e}")  # the next load handshakes (and connects) anew
-            raise
-        return moved, landed - bad.keys(), bad
+        peer.reason += "; paths: " + ", ".join(notes)
+        return NixlSession(self, peer, link, ranks)
 
     def receive_staging(self) -> NixlStaging:
         """The loader's registered receive staging pool (made on its first staged read)."""

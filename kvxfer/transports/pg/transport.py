@@ -3,22 +3,22 @@
 Exporter: a TCPStore the loaders' pair groups meet at, the backends it serves
 (:mod:`~kvxfer.transports.pg.groups`), and the pair groups loaders asked for, each joined and
 served by a thread of its own (:mod:`~kvxfer.transports.pg.send`). Loader: a pair group with
-each source rank, joined on first use, and the staged receive
-(:mod:`~kvxfer.transports.pg.read`)."""
+each source rank of a peer, joined on first use, and the staged receive
+(:mod:`~kvxfer.transports.pg.session`)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from ... import control
-from ...engine_types import LoadItem, Remote, time_left
-from ...plan import Read
 from ..base import LoaderLink, StreamJob
 from . import groups
-from . import read as pg_read
 from .send import PairSenders, stream_send
+from .session import PgSession
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ...peer import Peer
     from ...rank import Rank, Runtime
 
 __all__ = ["PgTransport"]
@@ -43,7 +43,7 @@ class PgTransport:
             groups.discard_pair,
             rt.stop,
         )
-        self._pairs: dict[int, tuple[Remote, dict[int, tuple]]] = {}  # id(remote) -> {rank: (group, key)}
+        self._sessions: weakref.WeakSet[PgSession] = weakref.WeakSet()  # the loader's, open
 
     # ------------------------------------------------------------------ exporter
     def start(self) -> None:
@@ -104,69 +104,24 @@ class PgTransport:
         stream_send(self.rank, self.rt, group, backend, job)
 
     # ------------------------------------------------------------------ loader
-    def setup(self, rem: Remote) -> str:
-        return ""
-
-    def read(
-        self,
-        loader: LoaderLink,
-        rem: Remote,
-        s: int,
-        reads: list[Read],
-        loads: list,
-        granted: dict,
-        deadline: float,
-        layers: list[int] | None,
-    ) -> tuple[int, set[str], dict[str, str]]:
-        try:
-            pair = self._pair(loader, rem, s, loads[0], deadline)
-        except Exception as e:
-            return 0, set(), pg_read.pair_error(s, e, loads)
-        moved, landed, bad = pg_read.read(
-            loader, pair, lambda why: self.drop_pair(rem, s, why), rem, s, reads, loads, deadline, layers
-        )
-        if landed:  # finished only once the scatters ran
-            self.rt.order.wait_done(time_left(deadline))
-        return moved, landed, bad
-
-    def _pair(self, loader: LoaderLink, rem: Remote, s: int, token_of: LoadItem, deadline: float) -> tuple:
-        got = self._pairs.get(id(rem))
-        if got is None or got[0] is not rem:
-            got = self._pairs[id(rem)] = (rem, {})
-        pair = got[1].get(s)
-        if pair is None:
-            pair = got[1][s] = pg_read.join_pair(loader, rem, s, token_of, deadline)
-        return pair
-
-    def drop_pair(self, rem: Remote, s: int, why: str = "an op failed or timed out") -> None:
-        """Abort and forget the pair group with source rank ``s`` of ``rem`` (the next read
-        re-pairs)."""
-        got = self._pairs.get(id(rem))
-        if got is not None and got[0] is rem:
-            pair = got[1].pop(s, None)
-            if pair is not None:
-                groups.discard_pair(pair[0], why)
-
-    def forget(self, rem: Remote) -> None:
-        got = self._pairs.get(id(rem))
-        if got is not None and got[0] is rem:
-            for s in list(got[1]):
-                self.drop_pair(rem, s, "the remote is forgotten")
-            del self._pairs[id(rem)]
+    def open(self, peer: Peer, link: LoaderLink) -> PgSession:
+        """A session with ``peer``: its pair groups are joined on first use."""
+        session = PgSession(self.rank, self.rt, peer, link)
+        self._sessions.add(session)
+        return session
 
     # ------------------------------------------------------------------ both
     def abort(self, why: str) -> None:
         self.senders.discard_all(why)
-        for rem, pairs in list(self._pairs.values()):
-            for s in list(pairs):
-                self.drop_pair(rem, s, why)
+        for session in list(self._sessions):
+            session.close(why)
 
     def threads(self) -> list:
         return self.senders.threads()
 
     def close(self, busy: bool = False) -> None:
         self.abort("engine closed")
-        self._pairs.clear()
+        self._sessions.clear()
         self.store = None
 
     def stats(self) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..spec import KVCacheSpec
+from .spec import KVCacheSpec
 
 __all__ = [
     "BatchPlan",
@@ -21,7 +21,6 @@ __all__ = [
     "Item",
     "pack_calls",
     "plan_batch",
-    "plan_loads",
     "shared_prefixes",
     "wire_bytes",
 ]
@@ -410,18 +409,6 @@ def plan_batch(
         unit_items.append(Item(it.request_id, src, dst, n - skip))
     calls = head_calls + pack_calls(unit_items, su, du)
     return BatchPlan(su, du, calls, skipped, one)
-
-
-def plan_loads(rank, loads: list, src_block_size: int, src_units: Sequence[int]) -> BatchPlan:
-    """:func:`plan_batch` of a loader rank's ``loads`` (a :class:`~kvxfer.rank.Rank`: its spec
-    and units) from one source rank: block lists in; token slots only for the tails of requests
-    that end inside a block; each call names its units. ``distinct`` when no local block is
-    written by two of them (:func:`kvxfer.engine_types.disjoint_blocks`)."""
-    from ..engine_types import disjoint_blocks
-
-    bs = rank.spec.block_size
-    distinct = len(loads) == 1 or disjoint_blocks(loads, bs)
-    return plan_batch(loads, src_block_size, src_units, bs, rank.units, distinct=distinct)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,0 +1,127 @@
+"""The load planner: how a batch of loads moves from one source rank, and which of them landed.
+
+One planner serves every transport (:meth:`Planner.read`). For each
+:class:`~kvxfer.transfer.Route` a peer's session names for the source rank, it plans the batch
+into ops calls once (:func:`kvxfer.batching.plan_batch`, in the units the route allows), hands
+them to the session as a :class:`~kvxfer.transfer.Transfer` and waits for its completion. A
+stream the exporter refused for some loads is asked again without them (each refusal drops at
+least one: bounded). Then the transport's record decides: after a one-sided read (``ipc``,
+``nixl`` direct) the source's block epochs against the lease grant's snapshot
+(:func:`stale_loads`: a block released before or during the copy fails its load, never
+delivered); after a stream (``pg``, ``nixl`` staged) the exporter's status. A load lands only
+by that record, in every route.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import idops
+from .batching import BatchPlan, plan_batch, wire_bytes
+from .engine_types import LoadItem, disjoint_blocks
+from .peer import Peer
+from .rank import Rank, Runtime
+from .transfer import Route, Transfer
+
+__all__ = ["Planner", "stale_loads"]
+
+
+class Planner:
+    """Plans and checks the loads of one loader rank (see the module doc)."""
+
+    def __init__(self, rank: Rank, rt: Runtime) -> None:
+        self.rank = rank
+        self.rt = rt
+
+    def plan(self, route: Route, src_block_size: int, loads: list[LoadItem], distinct: bool) -> BatchPlan:
+        """The ops calls of ``loads`` along ``route`` (source blocks of ``src_block_size``
+        tokens); ``distinct``: no local block is written by two of them
+        (:func:`kvxfer.engine_types.disjoint_blocks`)."""
+        bs = self.rank.spec.block_size
+        return plan_batch(loads, src_block_size, route.src_units, bs, route.dst_units, distinct=distinct)
+
+    def read(
+        self,
+        peer: Peer,
+        s: int,
+        loads: list[LoadItem],
+        granted: dict[str, bytes],
+        deadline: float,
+        layers: list[int] | None = None,
+    ) -> tuple[int, set[str], dict[str, str]]:
+        """Move the plan's reads of source rank ``s`` (``layers``, default all) for ``loads``
+        through ``peer``'s session (``granted``: local id -> the grant's epochs, native int64
+        bytes). Returns (wire bytes moved, the local ids that landed by the transport's record in
+        every route, local id -> why for the loads that did not); errors raise."""
+        rank = self.rank
+        session = peer.session
+        if session is None:
+            raise RuntimeError(f"{peer.transport}: no session with {peer.engine_id} (forgotten meanwhile)")
+        sbs = peer.spec.block_size
+        distinct = len(loads) == 1 or disjoint_blocks(loads, rank.spec.block_size)
+        bad: dict[str, str] = {}
+        landed: set[str] | None = None
+        moved = saved = calls = 0
+        for route in session.routes(s, peer.reads_by_rank[s]):
+            todo = [it for it in loads if it.request_id not in bad] if bad else loads
+            while todo:
+                bp = self.plan(route, sbs, todo, distinct)
+                out = session.start(Transfer(s, route.reads, bp, todo, layers, deadline)).wait(deadline)
+                if out.refused:
+                    before = len(bad)
+                    bad.update(out.refused)
+                    if len(bad) == before:  # a refusal that names none of them: no progress
+                        why = f"exporter rank {s} refused the send request: {out.refused}"
+                        bad.update(dict.fromkeys([it.request_id for it in todo], why))
+                    todo = [it for it in todo if it.request_id not in bad]
+                    continue  # each refusal drops at least one load: bounded
+                calls += out.calls
+                if out.calls or out.landed:  # else nothing moved (a pair that could not be made)
+                    for r in route.reads:
+                        m, sk = wire_bytes(rank.spec, bp, r.num_heads, layers)
+                        moved, saved = moved + m, saved + sk
+                if out.failed:
+                    bad.update(out.failed)
+                if out.epochs is not None:
+                    stale = stale_loads(out.epochs, todo, granted, s)
+                    if stale:
+                        bad.update(stale)
+                landed = set(out.landed) if landed is None else landed & out.landed
+                break
+            else:
+                landed = set()  # every load of this route was refused
+        self.rt.metrics.record_ops(calls, saved)
+        if landed is None:
+            return moved, set(), bad
+        return moved, landed - bad.keys() if bad else landed, bad
+
+
+def stale_loads(ep: np.ndarray, loads, granted: dict[str, bytes], s: int) -> dict[str, str]:
+    """The check after a one-sided read: loads whose source blocks' epochs in ``ep`` (read after
+    the copy) moved since the grant's snapshot (``granted``: local id -> the grant's epochs,
+    native int64 bytes) -> why (source rank ``s``).
+
+    An exporter bumps a block's epoch when no live export holds it any more (released,
+    aborted, lease ended, engine closed), and epochs only grow: a block released before or
+    during the read shows a moved epoch, and its load is failed, never delivered (one check
+    after the copy also catches a release between the grant and the copy)."""
+    why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
+    if len(loads) == 1:  # one load: one compare, no lists
+        it = loads[0]
+        g = granted[it.request_id]
+        if len(g) == 8 * it.src_ids.size and idops.unchanged(ep, it.src_ids, g):
+            return {}
+    out: dict[str, str] = {}
+    ids_list, snaps, checked = [], [], []
+    for it in loads:
+        ids = it.src_ids
+        g = granted[it.request_id]
+        if len(g) != 8 * ids.size:  # the exporter grants only params naming its export's ids
+            out[it.request_id] = f"exporter rank {s}: the grant covers other blocks than the params'"
+            continue
+        ids_list.append(ids)
+        snaps.append(g)
+        checked.append(it.request_id)
+    for i in idops.moved(ep, ids_list, snaps) if checked else ():
+        out[checked[i]] = why
+    return out

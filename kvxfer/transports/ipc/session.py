@@ -1,0 +1,218 @@
+"""The ``ipc`` transport's session with one peer: the exporter ranks' caches and epochs mapped in
+this process (shared memory on CPU, CUDA IPC on a GPU), their lease-slot tables, and the
+copies straight out of them.
+
+A transfer (:class:`~kvxfer.transfer.Transfer`) is one fused ``copy_blocks`` per ops call of its
+plan and head slice, from the mapped caches into this rank's, on the current stream (CUDA:
+queued, not waited for); its completion's outcome carries the exporter's epochs read after the
+copy, which the planner checks against the grant (:func:`kvxfer.planner.stale_loads`). The same
+copies serve the one-sided mode (:mod:`kvxfer.transports.ipc.onesided`), which reads the lease
+slots instead of asking for a grant. A source rank is mapped on its first transfer.
+
+Closing the session (its peer was forgotten) unmaps everything, unless a one-sided copy may
+still read a mapping: then the mappings stay until those copies completed
+(:meth:`IpcSession.idle`; the transport unmaps it later, :mod:`kvxfer.transports.ipc.transport`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+from ... import ops
+from ...engine_types import time_left
+from ...ordering import event_done
+from ...tracing import items_tag, trace
+from ...transfer import Outcome, Route, Transfer
+from ...views import CacheViews
+from . import offer
+from .mappers import mapper
+from .slots import SlotView
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...peer import Peer
+    from ...rank import Rank, Runtime
+
+__all__ = ["IpcCompletion", "IpcMap", "IpcSession", "map_rank"]
+
+_POOL_MAX = 64  # completion events kept for reuse
+_BUSY_PRUNE = 16  # events kept before the completed ones are dropped
+
+
+class IpcMap(NamedTuple):
+    """An exporter rank's caches and epoch array, mapped in this process."""
+
+    views: CacheViews  # the exporter's caches, registered in each unit
+    epochs: torch.Tensor  # int64 [num_blocks], the exporter's, shared
+    epochs_np: np.ndarray  # a numpy view of it (made once, not per read)
+    handles: list  # for offer.detach
+
+
+def map_rank(peer: Peer, s: int, device: torch.device) -> IpcMap:
+    """Map source rank ``s`` of ``peer`` (its handshake's ``ipc`` entry) in this process."""
+    caches, ep, handles = offer.attach(peer.replies[s].ipc, device)
+    return IpcMap(CacheViews(caches, peer.spec), ep, ep.numpy(), handles)
+
+
+class IpcSession:
+    """The ``ipc`` session with ``peer`` (see the module doc). ``slot_views``: each exporter
+    rank's lease-slot table as mapped at the handshake (None where not: that rank is read
+    through grants only); ``lock``: held while a mapping is used or dropped from two threads
+    (the one-sided mode runs in the caller's); ``closed``: the peer was forgotten; ``linger``:
+    takes the session when it closed while copies may still read a mapping (the transport
+    unmaps it once they completed)."""
+
+    def __init__(
+        self,
+        rank: Rank,
+        rt: Runtime,
+        peer: Peer,
+        slot_views: list[SlotView | None],
+        slot_handles: list,
+        linger: Callable[[IpcSession], None],
+    ) -> None:
+        self.rank = rank
+        self.rt = rt
+        self.peer = peer
+        self.slot_views = slot_views
+        self._slot_handles = slot_handles
+        self.lock = threading.RLock()
+        self.closed = False
+        self._maps: dict[int, IpcMap] = {}
+        self._busy: list = []  # events of one-sided copies that may still read a mapping
+        self._pool: list = []  # completion events to reuse
+        self.onesided = None  # the one-sided mode's view of this peer (kvxfer.transports.ipc.onesided)
+        self._linger = linger  # called when closed while copies may still read a mapping
+
+    # ------------------------------------------------------------------ mappings
+    def mapping(self, s: int) -> IpcMap:
+        """Source rank ``s`` mapped (on first use); ``RuntimeError`` once the session closed."""
+        m = self._maps.get(s)
+        if m is None:
+            with self.lock:
+                if self.closed:
+                    raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
+                m = self._maps.get(s)
+                if m is None:
+                    m = self._maps[s] = map_rank(self.peer, s, self.rank.device)
+        return m
+
+    def mapped(self, s: int) -> IpcMap | None:
+        """Source rank ``s`` as mapped so far (None if not yet)."""
+        return self._maps.get(s)
+
+    # ------------------------------------------------------------------ transfers
+    def routes(self, source: int, reads: list) -> list[Route]:
+        m = self.mapping(source)
+        return [Route(reads, m.views.units, self.rank.units)]
+
+    def start(self, transfer: Transfer) -> IpcCompletion:
+        """Issue ``transfer``'s copies (see the module doc); its completion waits for the load
+        stream and reads the exporter's epochs after the copy."""
+        m = self.mapping(transfer.source)
+        hook = self.rt.hooks.get("before_ipc_copy")
+        if hook:
+            hook()
+        with self.lock, trace("copy", items_tag, transfer.loads):
+            if self.closed:
+                raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
+            calls = self.copy(m, transfer)
+        return IpcCompletion(self, m, transfer, calls)
+
+    def copy(self, m: IpcMap, transfer: Transfer) -> int:
+        """The ops calls of ``transfer`` from mapping ``m`` into this rank's caches, on the
+        current stream (call under :attr:`lock`); returns how many. The ids were checked
+        already (source: against the exporter's block count, on the grant or the slot lookup;
+        destination: range and repeats, at ``load()``): ops skips its own checks, and still
+        checks a call that carries several loads for repeats among them unless their blocks are
+        disjoint (the plan's ``distinct``)."""
+        bp = transfer.plan
+        src, dst = m.views, self.rank.views
+        sbs, dbs = self.peer.spec.block_size, self.rank.spec.block_size
+        nsrc, ndst = self.peer.num_blocks, self.rank.num_blocks
+        distinct = bp.distinct
+        layers = transfer.layers
+        for c in bp.calls:
+            su, du = bp.units(c)
+            sv = src.at(su, c.src_offset)
+            dv = dst.at(du, c.dst_offset)
+            src_ids = ops.CheckedIds(c.src, nsrc * (sbs // su), False)
+            dst_ids = ops.CheckedIds(c.dst, ndst * (dbs // du), distinct or len(c.request_ids) == 1)
+            for r in transfer.reads:
+                ops.copy_blocks(
+                    sv.caches, sv.spec, src_ids, dv.caches, dv.spec, dst_ids, c.num_tokens,
+                    r.src_head_start, r.dst_head_start, r.num_heads, layers=layers,
+                )  # fmt: skip
+        return len(bp.calls) * len(transfer.reads)
+
+    # ------------------------------------------------------------------ events
+    def done_event(self):
+        """An event (pooled) recorded on the load stream after the copies just queued, kept
+        among this session's busy events (its mappings outlive a close until they completed)."""
+        ev = self._pool.pop() if self._pool else torch.cuda.Event()
+        ev.record(self.rt.order.stream("load"))
+        busy = self._busy
+        if len(busy) >= _BUSY_PRUNE:
+            busy[:] = [e for e in busy if not event_done(e)]
+        busy.append(ev)
+        return ev
+
+    def recycle(self, ev) -> None:
+        """``ev`` (completed) may be recorded again."""
+        if len(self._pool) < _POOL_MAX:
+            self._pool.append(ev)
+
+    def idle(self) -> bool:
+        """Whether no copy that may still read a mapping is running."""
+        self._busy[:] = [e for e in self._busy if not event_done(e)]
+        return not self._busy
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """The peer was forgotten: no transfer starts any more; the mappings are dropped now,
+        or by :meth:`unmap` once the one-sided copies still reading them completed."""
+        with self.lock:
+            self.closed = True
+            if self.idle():
+                self.unmap()
+            else:
+                self._linger(self)
+
+    def unmap(self) -> None:
+        """Drop every mapping and lease-slot table of this session."""
+        with self.lock:
+            maps, self._maps = self._maps, {}
+            for m in maps.values():
+                offer.detach(m.handles)
+            handles, self._slot_handles = self._slot_handles, []
+            for h in handles:
+                mapper("shm").detach(h)
+
+    def holds_mappings(self) -> bool:
+        return bool(self._maps or self._slot_handles)
+
+
+class IpcCompletion:
+    """A messaged ``ipc`` transfer in flight: it completed once the load stream ran past it."""
+
+    __slots__ = ("_calls", "_map", "_session", "_transfer")
+
+    def __init__(self, session: IpcSession, m: IpcMap, transfer: Transfer, calls: int) -> None:
+        self._session, self._map, self._transfer, self._calls = session, m, transfer, calls
+
+    def done(self) -> bool:
+        order = self._session.rt.order
+        return not order.cuda or order.stream("load").query()
+
+    def wait(self, deadline: float) -> Outcome:
+        rt = self._session.rt
+        rt.order.wait_done(time_left(deadline))  # CUDA: the copy ran before the epochs are re-read
+        hook = rt.hooks.get("after_ipc_copy")
+        if hook:
+            hook(self._map.epochs)
+        landed = {it.request_id for it in self._transfer.loads}
+        return Outcome(landed, {}, {}, self._map.epochs_np, self._calls)
