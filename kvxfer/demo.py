@@ -102,7 +102,8 @@ def _decode_rank(args: dict, q_params, q_result) -> None:
     eng = TransferEngine(d_spec, caches, 0, TP_D, "decode", transport=args["transport"]).start()
     # the params are the same on every P rank; D waits for all (a server answers only once
     # every one of its ranks is up: a rank not listening yet refuses the handshake at once)
-    params = [q_params.get(timeout=args["deadline_s"]) for _ in range(TP_P)][0]
+    per_rank = [q_params.get(timeout=args["deadline_s"]) for _ in range(TP_P)]
+    params = per_rank[0]
     start = time.perf_counter()
     for i, (p, blocks) in enumerate(zip(params, ids)):
         eng.load(f"req-{i}", p, blocks)
