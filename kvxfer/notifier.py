@@ -36,8 +36,8 @@ class Notifier:
 
     ``queue``: ``(address, Notify | Heartbeat, deadline)`` tuples. A ``SimpleQueue``: its put is
     one C call, where ``queue.Queue``'s takes a Python lock and condition (``poll()`` queues
-    the one-sided path's notification: 3 us against 24 us for the first put after 10 ms idle
-    on the 2-core dev VM, ~0.3 against ~1 us back to back)."""
+    the one-sided path's notification; a put after an idle pause costs several times less:
+    profiling/results/2026-11-26-cpu-idle/README.md)."""
 
     def __init__(self, engine_id: str, stop: threading.Event, metrics: Metrics) -> None:
         self.engine_id = engine_id

@@ -178,8 +178,8 @@ def _move(
     else on the backend's kernel under the budget; record the choice on the registered caches
     involved (``budget``: the call's, already on the sides). CPU tensors skip this (no SM to
     spare, no copy engine, nothing to choose) and record nothing: choosing and recording there
-    cost an engine-path copy call 1.2 us in a warm loop on the 2-core dev VM (9.0 -> 10.2 us,
-    ``ops.copy_blocks`` of one token with checked ids), ~13 %."""
+    would add about an eighth to an engine-path copy call's host time (profiling/results/README.md,
+    "Figures recorded without a run folder")."""
     if backend is not None and dma is None:
         choice = _dma.Choice("kernel", "backend named", backend)
     else:
@@ -390,8 +390,9 @@ class PreparedCopy:
     compatible, both caches on one device, the two sides' templates) checked once here. A call
     passes ids and a token count only: ``copy(src_ids, dst_ids, num_tokens)``, ids as
     :func:`copy_blocks` takes them (:class:`CheckedIds` skip their checks as there; other ids are
-    checked). What a call costs less than :func:`copy_blocks` (type checks, memo keys): ~1 us on
-    the 2-core dev VM, of ~4 with a no-op kernel; the one-sided ipc load makes one per remote.
+    checked). A call skips what :func:`copy_blocks` checks per call (type checks, memo keys),
+    about a quarter of its host cost with a no-op kernel (profiling/results/README.md, "Figures
+    recorded without a run folder"); the one-sided ipc load makes one per remote.
 
     Args:
         src_caches, dst_caches: registered caches (:class:`PagedCache`).
