@@ -48,9 +48,9 @@ from .backends.registry import run as _run
 from .paged import (  # the validation every op makes (re-exported: the ops' public names)
     CheckedIds,
     PagedCache,
-    _as_block_ids,
-    _check_caches,
-    _check_wire,
+    as_block_ids,
+    check_caches,
+    check_wire,
     make_side,
     path_stats,
     register_caches,
@@ -192,7 +192,7 @@ def _move(
                 choice.runs, device, src_host=host and op == "scatter", dst_host=host and op == "gather"
             )
         if done:
-            _registry._local.backend = "dma"
+            _registry.note_backend("dma")
             _record(op, choice, caches_a, caches_b)
             return
         choice = _dma.Choice("kernel", "dma call failed", _dma.known_status())
@@ -249,7 +249,7 @@ def gather_blocks(
             spec.wire_shape(num_tokens, side.num_heads, side.num_layers), dtype=side.dtype, device=device
         )
     else:
-        _check_wire(out, side, spec, "out")
+        check_wire(out, side, spec, "out")
     if num_tokens:
         wire = out.view(side.wire_view_shape())
         budget = _wire_cap(_cap(max_sms, side, None, caches), side, wire)
@@ -291,7 +291,7 @@ def scatter_blocks(
     else:
         raise ValueError(f"wire: expected a 5-D wire tensor, got shape {tuple(wire.shape)}")
     side = make_side(caches, spec, block_ids, num_tokens, head_start, num_heads, layers, unique_blocks=True)
-    _check_wire(wire, side, spec, "wire")
+    check_wire(wire, side, spec, "wire")
     if num_tokens:
         device = side.device
         w = wire.view(side.wire_view_shape())
@@ -539,15 +539,15 @@ def _copy_sides(
     st: PagedSide, dt: PagedSide, src_ids, dst_ids, num_tokens: int
 ) -> tuple[PagedSide, PagedSide]:
     """A copy's two sides from their templates (:func:`_template`) and ids, the ids checked as
-    :func:`_as_block_ids` checks them (the destination's for repeats too)."""
+    :func:`as_block_ids` checks them (the destination's for repeats too)."""
     src = _with_ids(
         st,
-        _as_block_ids(src_ids, st.num_blocks, -(-num_tokens // st.block_size), "src_block_ids", False),
+        as_block_ids(src_ids, st.num_blocks, -(-num_tokens // st.block_size), "src_block_ids", False),
         num_tokens,
     )
     dst = _with_ids(
         dt,
-        _as_block_ids(dst_ids, dt.num_blocks, -(-num_tokens // dt.block_size), "dst_block_ids", True),
+        as_block_ids(dst_ids, dt.num_blocks, -(-num_tokens // dt.block_size), "dst_block_ids", True),
         num_tokens,
     )
     return src, dst
@@ -563,7 +563,7 @@ def warmup(
     Returns the backend prepared; an engine's ``start()`` calls it so the first request does
     not pay for compilation."""
     budget = _budget(max_sms, caches)
-    info = caches.info if isinstance(caches, PagedCache) else _check_caches(caches, spec, "caches")
+    info = caches.info if isinstance(caches, PagedCache) else check_caches(caches, spec, "caches")
     name = resolve_backend(info.device, backend)
     fn = getattr(_module(name), "warmup", None)
     if fn is None:

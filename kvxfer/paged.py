@@ -20,7 +20,17 @@ from .backends import dma as _dma
 from .backends.base import PagedSide
 from .spec import KVCacheSpec, Layout
 
-__all__ = ["MAX_SLOTS", "CheckedIds", "PagedCache", "make_side", "path_stats", "register_caches"]
+__all__ = [
+    "MAX_SLOTS",
+    "CheckedIds",
+    "PagedCache",
+    "as_block_ids",
+    "check_caches",
+    "check_wire",
+    "make_side",
+    "path_stats",
+    "register_caches",
+]
 
 MAX_SLOTS = (1 << 31) - 1  # token slots of one registration: the kernels divide a slot in 32 bits
 
@@ -46,7 +56,7 @@ class CheckedIds:
 _INT64 = np.dtype(np.int64)
 
 
-def _as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bool) -> np.ndarray:
+def as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bool) -> np.ndarray:
     """Validated C-contiguous int64 array of the first ``needed`` block ids (~5 us for 256)."""
     if type(block_ids) is CheckedIds:
         c = block_ids
@@ -154,7 +164,7 @@ class PagedCache(tuple):
             raise ValueError(f"path_stats: expected a PathStats or None, got {type(path_stats).__name__}")
         if type(token_slots) is not bool:
             raise ValueError(f"token_slots: must be True or False, got {token_slots!r}")
-        info = _check_caches(caches, spec, name)
+        info = check_caches(caches, spec, name)
         if token_slots and spec.block_size > 1:
             num_slots = info.num_blocks * spec.block_size
             if num_slots > MAX_SLOTS:
@@ -202,7 +212,7 @@ def path_stats(caches: PagedCache) -> dict:
     return caches.path_stats.snapshot()
 
 
-def _check_caches(caches: Sequence[torch.Tensor], spec: KVCacheSpec, name: str) -> _CacheInfo:
+def check_caches(caches: Sequence[torch.Tensor], spec: KVCacheSpec, name: str) -> _CacheInfo:
     if not isinstance(spec, KVCacheSpec):
         raise ValueError(f"spec: expected a KVCacheSpec, got {type(spec).__name__}")
     if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence):
@@ -281,7 +291,7 @@ def make_side(
             f"registration's spec (block_size 1), not one of block_size {spec.block_size}"
         )
     else:
-        info = _check_caches(caches, spec, name)
+        info = check_caches(caches, spec, name)
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens: must be a non-negative int, got {num_tokens!r}")
     heads_local = info.heads_local
@@ -302,7 +312,7 @@ def make_side(
         selected, memo_key = tuple(caches[i] for i in picked), (head_start, num_heads, tuple(picked))
     memo = _memo_of(caches, memo_key) if registered else None
     ids_name = name.replace("caches", "block_ids")
-    ids = _as_block_ids(block_ids, info.num_blocks, spec.num_blocks_for(num_tokens), ids_name, unique_blocks)
+    ids = as_block_ids(block_ids, info.num_blocks, spec.num_blocks_for(num_tokens), ids_name, unique_blocks)
     return PagedSide(
         caches=selected,
         block_ids=ids,
@@ -334,7 +344,7 @@ def _memo_of(caches: PagedCache, key: tuple) -> dict:
     return got
 
 
-def _check_wire(wire: torch.Tensor, side: PagedSide, spec: KVCacheSpec, name: str) -> None:
+def check_wire(wire: torch.Tensor, side: PagedSide, spec: KVCacheSpec, name: str) -> None:
     if not isinstance(wire, torch.Tensor):
         raise ValueError(f"{name}: must be a tensor, got {type(wire).__name__}")
     want = spec.wire_shape(side.num_tokens, side.num_heads, side.num_layers)

@@ -178,6 +178,11 @@ def last_backend() -> str | None:
     return getattr(_local, "backend", None)
 
 
+def note_backend(name: str) -> None:
+    """Record ``name`` as what ran this thread's latest op (the copy engines: ``"dma"``)."""
+    _local.backend = name
+
+
 def run(backend: str | None, device: torch.device, fn: str, *args) -> None:
     """Run backend function ``fn`` (``gather``/``scatter``/``copy``) of ``backend`` (None: the
     default for ``device``) on validated arguments, and remember its name for :func:`last_backend`."""

@@ -130,6 +130,11 @@ class StagingPool:
         self.num_leases = 0
 
     @property
+    def storage(self) -> torch.Tensor:
+        """The pool's one allocation (every buffer lies in it): what a transport registers."""
+        return self._storage
+
+    @property
     def num_buffers(self) -> int:
         return len(self.buffers)
 

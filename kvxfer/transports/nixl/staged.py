@@ -69,7 +69,7 @@ class NixlStaging:
             "cpu" if host else cache_device,
             pin_memory=host and cache_device.type == "cuda",
         )
-        agent.register([self.pool._storage], what)
+        agent.register([self.pool.storage], what)
         self.mem, self.dev = mem_of(self.pool.buffers[0])
         self.addrs = [int(b.data_ptr()) for b in self.pool.buffers]
         self._slot = {a: i for i, a in enumerate(self.addrs)}
