@@ -27,6 +27,7 @@ __all__ = [
     "as_block_ids",
     "check_caches",
     "check_wire",
+    "layer_list",
     "make_side",
     "path_stats",
     "register_caches",
@@ -106,7 +107,8 @@ def as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: boo
     return np.ascontiguousarray(arr)
 
 
-def _layer_list(layers, num_layers: int) -> list[int]:
+def layer_list(layers, num_layers: int) -> list[int]:
+    """``layers`` (None: all) as a checked list of distinct indices in ``[0, num_layers)``."""
     if layers is None:
         return list(range(num_layers))
     try:
@@ -308,7 +310,7 @@ def make_side(
     if layers is None:
         selected, memo_key = tuple(caches), (head_start, num_heads, None)
     else:
-        picked = _layer_list(layers, spec.num_layers)
+        picked = layer_list(layers, spec.num_layers)
         selected, memo_key = tuple(caches[i] for i in picked), (head_start, num_heads, tuple(picked))
     memo = _memo_of(caches, memo_key) if registered else None
     ids_name = name.replace("caches", "block_ids")

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ..backends import addrspace
+from ..paged import as_block_ids, layer_list
 from .state import ConvLayout, StateSpec, UnitRun
 
 __all__ = ["copy_state", "gather_state", "scatter_state"]
@@ -113,54 +114,18 @@ def _check_pages(caches, spec: StateSpec, name: str) -> tuple[int, int, torch.de
 
 
 def _state_ids(state_ids, num_blocks: int, unique: bool, what: str) -> torch.Tensor:
-    if isinstance(state_ids, torch.Tensor):
-        if state_ids.dtype.is_floating_point or state_ids.dtype.is_complex or state_ids.dtype == torch.bool:
-            raise ValueError(f"{what}: must hold integers, got {state_ids.dtype}")
-        arr = state_ids.detach().to("cpu", torch.int64).numpy()
-    else:
-        try:
-            arr = np.array(state_ids, copy=True)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{what}: must be a sequence of block ids ({e})") from None
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{what}: must hold integers, got {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"{what}: must be 1-D (one block id per state), got shape {tuple(arr.shape)}")
-    arr = arr.astype(np.int64)
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= num_blocks:
-            raise ValueError(f"{what}: block id {lo if lo < 0 else hi} out of range [0, {num_blocks})")
-        if unique:
-            srt = np.sort(arr)
-            dup = srt[1:] == srt[:-1]
-            if dup.any():
-                raise ValueError(f"{what}: repeated block id {int(srt[1:][dup][0])} in a destination")
-    return torch.from_numpy(arr)
-
-
-def _layer_list(layers, num_layers: int) -> list[int]:
-    if layers is None:
-        return list(range(num_layers))
+    """Every id of ``state_ids`` (one state block per state), checked as the paged ops check
+    block ids (:func:`kvxfer.paged.as_block_ids`)."""
     try:
-        out = [int(x) for x in layers]
-    except (TypeError, ValueError):
-        raise ValueError(f"layers: must be a sequence of layer indices, got {layers!r}") from None
-    if not out:
-        raise ValueError("layers: must not be empty")
-    for x in out:
-        if not 0 <= x < num_layers:
-            raise ValueError(f"layers: layer {x} out of range [0, {num_layers})")
-    if len(set(out)) != len(out):
-        raise ValueError("layers: repeated layer index")
-    return out
+        n = state_ids.numel() if isinstance(state_ids, torch.Tensor) else len(state_ids)
+    except TypeError:
+        raise ValueError(f"{what}: must be a sequence of block ids, got {type(state_ids).__name__}") from None
+    return torch.from_numpy(as_block_ids(state_ids, num_blocks, n, what, unique))
 
 
 def _make_side(caches, spec: StateSpec, state_ids, layers, unique: bool, name: str) -> _Side:
     num_blocks, block_stride, device = _check_pages(caches, spec, name)
-    picked = _layer_list(layers, spec.num_layers)
+    picked = layer_list(layers, spec.num_layers)
     ids = _state_ids(state_ids, num_blocks, unique, name.replace("caches", "state_ids"))
     selected = [caches[i] for i in picked]
     extents = [addrspace.tensor_extent(c) for c in selected]
