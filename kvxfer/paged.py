@@ -26,6 +26,7 @@ __all__ = [
     "PagedCache",
     "as_block_ids",
     "check_caches",
+    "check_layers_alike",
     "check_wire",
     "layer_list",
     "make_side",
@@ -105,6 +106,24 @@ def as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: boo
             if dup.any():
                 raise ValueError(f"{what}: repeated block id {int(srt[1:][dup][0])} in a destination")
     return np.ascontiguousarray(arr)
+
+
+def check_layers_alike(caches, name: str) -> None:
+    """Every layer of ``caches`` a tensor of layer 0's shape, strides, dtype and device."""
+    first = caches[0]
+    shape, stride = first.shape, first.stride()
+    for i, c in enumerate(caches[1:], 1):
+        if not isinstance(c, torch.Tensor):
+            raise ValueError(f"{name}[{i}]: must be a tensor, got {type(c).__name__}")
+        if c.shape != shape or c.stride() != stride:
+            raise ValueError(
+                f"{name}[{i}]: shape/strides {tuple(c.shape)}/{c.stride()} differ from layer 0's "
+                f"{tuple(shape)}/{stride}"
+            )
+        if c.dtype != first.dtype:
+            raise ValueError(f"{name}[{i}]: dtype {c.dtype} differs from layer 0's {first.dtype}")
+        if c.device != first.device:
+            raise ValueError(f"{name}[{i}]: device {c.device} differs from layer 0's {first.device}")
 
 
 def layer_list(layers, num_layers: int) -> list[int]:
@@ -247,19 +266,8 @@ def check_caches(caches: Sequence[torch.Tensor], spec: KVCacheSpec, name: str) -
         raise ValueError(f"{name}[0]: head_dim {d} does not match spec head_dim {spec.head_dim}")
     if first.stride(-1) != 1:
         raise ValueError(f"{name}[0]: head_dim must be contiguous (stride 1), got {first.stride()}")
-    shape, stride = first.shape, first.stride()
-    for i, c in enumerate(caches[1:], 1):
-        if not isinstance(c, torch.Tensor):
-            raise ValueError(f"{name}[{i}]: must be a tensor, got {type(c).__name__}")
-        if c.shape != shape or c.stride() != stride:
-            raise ValueError(
-                f"{name}[{i}]: shape/strides {tuple(c.shape)}/{c.stride()} differ from layer 0's "
-                f"{tuple(shape)}/{stride}"
-            )
-        if c.dtype != first.dtype:
-            raise ValueError(f"{name}[{i}]: dtype {c.dtype} differs from layer 0's {first.dtype}")
-        if c.device != first.device:
-            raise ValueError(f"{name}[{i}]: device {c.device} differs from layer 0's {first.device}")
+    check_layers_alike(caches, name)
+    stride = first.stride()
     if spec.use_mla:
         strides = (0, stride[0], stride[1], 0)
     elif layout == "NHD":

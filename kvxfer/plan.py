@@ -24,6 +24,7 @@ import torch
 from .spec import KVCacheSpec
 
 __all__ = [
+    "RankPlan",
     "Read",
     "TransferPlan",
     "plan_reads",
@@ -42,19 +43,13 @@ class Read(NamedTuple):
     num_heads: int
 
 
-@dataclass(frozen=True)
-class TransferPlan:
-    """Who reads what from whom between a source and a destination engine (see module doc)."""
+class RankPlan:
+    """What every plan of reads between a source and a destination engine answers. A subclass
+    (a frozen dataclass) holds ``src_tp``, ``dst_tp``, ``_reads`` (per destination rank, reads
+    with a ``src_rank``), ``_notify`` (per destination rank) and ``_expected`` (per source rank)."""
 
-    src_tp: int
-    dst_tp: int
-    use_mla: bool
-    _reads: tuple[tuple[Read, ...], ...]
-    _notify: tuple[tuple[int, ...], ...]
-    _expected: tuple[int, ...]
-
-    def reads(self, dst_rank: int) -> list[Read]:
-        """The reads destination rank ``dst_rank`` issues, ordered by destination head."""
+    def reads(self, dst_rank: int) -> list:
+        """The reads destination rank ``dst_rank`` issues, in the plan's order."""
         self._check(dst_rank, self.dst_tp, "dst_rank")
         return list(self._reads[dst_rank])
 
@@ -77,6 +72,19 @@ class TransferPlan:
     def _check(rank: int, size: int, name: str) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
             raise ValueError(f"{name}: must be in [0, {size}), got {rank!r}")
+
+
+@dataclass(frozen=True)
+class TransferPlan(RankPlan):
+    """Who reads what from whom between a source and a destination engine (see module doc);
+    its reads are ordered by destination head."""
+
+    src_tp: int
+    dst_tp: int
+    use_mla: bool
+    _reads: tuple[tuple[Read, ...], ...]
+    _notify: tuple[tuple[int, ...], ...]
+    _expected: tuple[int, ...]
 
 
 def plan_reads(src_spec: KVCacheSpec, src_tp: int, dst_spec: KVCacheSpec, dst_tp: int) -> TransferPlan:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..backends import addrspace
-from ..paged import as_block_ids, layer_list
+from ..paged import as_block_ids, check_layers_alike, layer_list
 from .state import ConvLayout, StateSpec, UnitRun
 
 __all__ = ["copy_state", "gather_state", "scatter_state"]
@@ -97,19 +97,7 @@ def _check_pages(caches, spec: StateSpec, name: str) -> tuple[int, int, torch.de
     block_stride = first.stride(0) * es
     if first.shape[0] > 1 and block_stride < need:
         raise ValueError(f"{name}[0]: blocks {block_stride} bytes apart overlap the {need}-byte state")
-    shape, stride = first.shape, first.stride()
-    for i, c in enumerate(caches[1:], 1):
-        if not isinstance(c, torch.Tensor):
-            raise ValueError(f"{name}[{i}]: must be a tensor, got {type(c).__name__}")
-        if c.shape != shape or c.stride() != stride:
-            raise ValueError(
-                f"{name}[{i}]: shape/strides {tuple(c.shape)}/{c.stride()} differ from layer 0's "
-                f"{tuple(shape)}/{stride}"
-            )
-        if c.dtype != first.dtype:
-            raise ValueError(f"{name}[{i}]: dtype {c.dtype} differs from layer 0's {first.dtype}")
-        if c.device != first.device:
-            raise ValueError(f"{name}[{i}]: device {c.device} differs from layer 0's {first.device}")
+    check_layers_alike(caches, name)
     return first.shape[0], block_stride, first.device
 
 

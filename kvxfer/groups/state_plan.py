@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..plan import RankPlan
 from .state import StateSpec, UnitRun
 
 __all__ = ["StatePlan", "StateRead", "plan_state_reads"]
@@ -40,39 +41,15 @@ class StateRead(NamedTuple):
 
 
 @dataclass(frozen=True)
-class StatePlan:
-    """Who reads which units of a state group from whom (see the module doc)."""
+class StatePlan(RankPlan):
+    """Who reads which units of a state group from whom (see the module doc); its reads are
+    ordered by source rank."""
 
     src_tp: int
     dst_tp: int
     _reads: tuple[tuple[StateRead, ...], ...]
     _notify: tuple[tuple[int, ...], ...]
     _expected: tuple[int, ...]
-
-    def reads(self, dst_rank: int) -> list[StateRead]:
-        """The reads destination rank ``dst_rank`` issues, ordered by source rank."""
-        self._check(dst_rank, self.dst_tp, "dst_rank")
-        return list(self._reads[dst_rank])
-
-    def notify_targets(self, dst_rank: int) -> list[int]:
-        """Source ranks that ``dst_rank`` notifies once a request's state has landed on it."""
-        self._check(dst_rank, self.dst_tp, "dst_rank")
-        return list(self._notify[dst_rank])
-
-    def expected_notifications(self, src_rank: int) -> int:
-        """Notifications source rank ``src_rank`` must receive before freeing a request's state."""
-        self._check(src_rank, self.src_tp, "src_rank")
-        return self._expected[src_rank]
-
-    def readers_of(self, src_rank: int) -> list[int]:
-        """Destination ranks that read data from ``src_rank``."""
-        self._check(src_rank, self.src_tp, "src_rank")
-        return [d for d in range(self.dst_tp) if any(r.src_rank == src_rank for r in self._reads[d])]
-
-    @staticmethod
-    def _check(rank: int, size: int, name: str) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-            raise ValueError(f"{name}: must be in [0, {size}), got {rank!r}")
 
 
 def plan_state_reads(src_spec: StateSpec, dst_spec: StateSpec) -> StatePlan:
