@@ -128,6 +128,9 @@ def hostile_exporter(sc: dict, q_d, q_h, q_w=None) -> dict:
         q_w.put(None)
     rss1 = _rss_mb()
     stats = eng.stats()
+    exports = eng._rt.exports
+    with exports.lock:  # what is still live, and how long its lease still runs (seconds)
+        live = {rid: round(e.deadline - time.monotonic(), 2) for rid, e in exports._live.items()}
     eng.close()
     shm.close()
     return {
@@ -139,6 +142,8 @@ def hostile_exporter(sc: dict, q_d, q_h, q_w=None) -> dict:
         "exported_at": exported_at,
         "restart_t": restart_t,
         "exports_live": stats["exports_live"],
+        "live_at_end": live,
+        "timed_out": bool(held) or i < sc["num"],
         "blocks_held": stats["blocks_held"],
         "rss_growth_mb": rss1 - (rss0 or rss1),
     }

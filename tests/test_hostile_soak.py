@@ -135,10 +135,13 @@ def test_hostile_client_soak(phase, capsys):
         "P_exports_live": P["exports_live"],
         "P_blocks_held": P["blocks_held"],
         "P_held_at_end": len(P["held"]),
+        "P_live_at_end": P["live_at_end"],  # request -> seconds its lease still ran
+        "P_timed_out": P["timed_out"],
         "seconds": round(time.monotonic() - t0, 1),
     }
     with capsys.disabled():
         print(f"\nhostile soak: {figures}")
+    figures = str(figures)  # a string: pytest prints it whole when an assertion fails
     assert P["exported"] == sc["num"]
     assert not D["wrong"], D["wrong"]
     assert not lost and not twice and not stale and not late, (lost, twice, stale, late)
