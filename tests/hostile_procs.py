@@ -38,7 +38,7 @@ def _rss_mb() -> float:
     return 0.0  # pragma: no cover - not Linux
 
 
-def hostile_exporter(sc: dict, q_d, q_h, q_w=None) -> dict:
+def hostile_exporter(sc: dict, q_d, q_h, q_w=None, q_ready=None) -> dict:
     from kvxfer import TransferEngine
     from kvxfer.transports.ipc.shm import alloc_shm_caches
 
@@ -58,6 +58,8 @@ def hostile_exporter(sc: dict, q_d, q_h, q_w=None) -> dict:
         return e
 
     eng = start()
+    if q_ready is not None:  # the soak starts when D's engine is up (not during its imports)
+        q_ready.get(timeout=sc["deadline_s"])
     free = list(range(nb))
     held: dict[str, list[int]] = {}
     released: dict[str, float] = {}  # request -> when P released it (monotonic)
@@ -149,7 +151,7 @@ def hostile_exporter(sc: dict, q_d, q_h, q_w=None) -> dict:
     }
 
 
-def hostile_loader(sc: dict, q_in) -> dict:
+def hostile_loader(sc: dict, q_in, q_ready=None) -> dict:
     from kvxfer import TransferEngine
 
     spec = _spec(sc["spec"])
@@ -160,6 +162,8 @@ def hostile_loader(sc: dict, q_in) -> dict:
     eng = TransferEngine(
         spec, caches, 0, 1, "D", transport=sc["transport"], lease_s=sc["lease_s"], timeout_s=sc["timeout_s"]
     ).start()
+    if q_ready is not None:
+        q_ready.put(True)
     loads: dict[str, tuple] = {}  # rid -> (dst ids, n, seed, load time)
     reports: dict[str, list] = {}  # rid -> [("done" | reason, when), ...]
     wrong: list[str] = []

@@ -55,9 +55,10 @@ def test_hostile_client_soak(phase, capsys):
     out_q = ctx.Queue()
     q_d, q_h, q_stop = ctx.Queue(), ctx.Queue(), ctx.Queue()
     q_w = ctx.Queue() if onesided else None
+    q_ready = ctx.Queue()  # D -> P: D's engine is up
     specs = {
-        "P": (hostile_exporter, (sc, q_d, q_h, q_w)),
-        "D": (hostile_loader, (sc, q_d)),
+        "P": (hostile_exporter, (sc, q_d, q_h, q_w, q_ready)),
+        "D": (hostile_loader, (sc, q_d, q_ready)),
         "H": (hostile_client, (sc, q_h, q_stop)),
     }
     if onesided:
@@ -69,7 +70,7 @@ def test_hostile_client_soak(phase, capsys):
     for p in procs.values():
         p.start()
     res: dict = {}
-    end = time.monotonic() + sc["deadline_s"] + 20
+    end = time.monotonic() + 2 * sc["deadline_s"] + 20  # P waits for D to start, then runs its own deadline
     try:
         while len(res) < len(procs) and time.monotonic() < end:
             try:

@@ -614,7 +614,7 @@ class _Servers:
         p_kind="fa16",
         d_kind="fa32",
         lease_s=30.0,
-        timeout_s=5.0,
+        timeout_s=15.0,  # a bound, not a speed check: pairing a pg group on a loaded 2-core CI host took over 5 s
         nb=16,
         shm=False,
         workers_first=False,
@@ -709,7 +709,7 @@ class _Servers:
             release_segment(seg)
 
 
-def _run_until(srv, side, pred, timeout=10.0, first=None):
+def _run_until(srv, side, pred, timeout=30.0, first=None):
     """Step ``side`` until ``pred(acc)`` holds; acc accumulates per-request worker reports
     (``first``: the reports of a step already taken, counted first)."""
     acc = {"send": {}, "recv": {}, "bad": set()}
