@@ -48,6 +48,7 @@ PHASES = (
     "scatter",
     "copy",
     "wait",
+    "status",
     "notify",
     "serve",
 )
@@ -60,7 +61,8 @@ _COLORS = {
     "recv": "cyan",
     "scatter": "orange",
     "copy": "red",
-    "wait": "pink",  # waiting for the transfer stream's work (CUDA event polls)
+    "wait": "pink",  # waiting for the transfer stream's work (CUDA event polls) or a chunk's receive
+    "status": "teal",  # a stream's status (which loads landed), sent after its last chunk
     "notify": "olive",  # the notifier's round trip that frees the exporter's blocks
     "serve": "brown",  # the exporter handling one side-channel message (its type)
 }

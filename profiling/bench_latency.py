@@ -150,6 +150,23 @@ class Recorder:
         return out
 
 
+def _busy(switch_ms: float | None, busy: bool) -> None:
+    """What a serving engine's process adds (``--busy-thread``): a thread that runs Python
+    without pause, as vLLM's engine loop does while a request waits for its KV, so each of the
+    engine's threads waits for the GIL whenever it wakes; ``switch_ms``: the interpreter's
+    switch interval (``sys.setswitchinterval``) in this process."""
+    if switch_ms is not None:
+        sys.setswitchinterval(switch_ms / 1e3)
+    if busy:
+
+        def spin() -> None:
+            x = 0
+            while True:
+                x = (x + sum(range(50))) & 0xFFFF
+
+        threading.Thread(target=spin, name="busy-engine-loop", daemon=True).start()
+
+
 def _record() -> Recorder:
     rec = Recorder()
     os.environ.pop("KVXFER_NVTX", None)
@@ -169,6 +186,7 @@ def exporter(args: dict, conn) -> None:
 
 def _exporter(args: dict, conn) -> None:
     rec = _record()
+    _busy(args["switch_ms"], args["busy"])
     p_spec, _ = transfer_specs(args["layers"])
     device = torch.device(args["device"])
     nb = p_spec.num_blocks_for(args["tokens"])
@@ -232,8 +250,10 @@ STAGES = (  # (side, phase, label), in path order; a phase absent on a transport
     ("P", "send", "send                 P sender: wire -> D"),
     ("D", "recv", "recv                 D worker: wire from P"),
     ("D", "scatter", "scatter              D worker: wire -> cache"),
+    ("P", "status", "status               P sender: stream status to D (after every send completed)"),
+    ("D", "status", "status               D worker: stream status from P"),
     ("D", "copy", "copy                 D caller (one-sided) or worker: P's cache -> D's"),
-    ("D", "wait", "wait                 D worker: CUDA event polls"),
+    ("D", "wait", "wait                 D worker: CUDA event polls, chunk receives"),
     ("D", "done", "done                 D caller: poll() reports it finished"),
     ("D", "notify", "notify               D notifier: round trip to P"),
     ("P", "serve Notify", "serve Notify         P side channel: count, release"),
@@ -274,6 +294,7 @@ def _pct(v: list[float], q: float) -> float:
 def run(a: argparse.Namespace) -> int:
     device = common.pick_device(a.device)
     rec = _record()
+    _busy(a.switch_ms, a.busy_thread)
     p_spec, d_spec = transfer_specs(a.layers)
     meta = common.run_metadata(device)
     write = common.table_writer()
@@ -289,6 +310,8 @@ def run(a: argparse.Namespace) -> int:
             "tokens": tokens,
             "port": free_port_base(1),
             "transport": a.transport,
+            "busy": a.busy_thread,
+            "switch_ms": a.switch_ms,
         }
         proc = ctx.Process(target=exporter, args=(args, there), daemon=True)
         proc.start()
@@ -429,6 +452,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     ap.add_argument("--corrupt", action="store_true", help="flip a landed byte (tests the #wrong check)")
+    ap.add_argument(
+        "--busy-thread",
+        action="store_true",
+        help="in P and D, a thread running Python without pause (a serving engine's loop)",
+    )
+    ap.add_argument("--switch-ms", type=float, default=None, help="sys.setswitchinterval in P and D (ms)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     a = ap.parse_args(argv)
     if a.transport not in ("ipc", "pg"):

@@ -38,6 +38,7 @@ import torch
 
 from ..ordering import event_done, record_done, wait_event
 from ..spec import KVCacheSpec
+from ..tracing import trace
 
 __all__ = [
     "Chunk",
@@ -435,7 +436,8 @@ def pipelined_recv(
             s = i % depth
             work, pending[s] = pending[s], None
             if work is not None:
-                work.wait()
+                with trace("wait"):
+                    work.wait()
             scatter(chunks[i], bufs[s])
             if fences is not None:
                 fences[s].record()

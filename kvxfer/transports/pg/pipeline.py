@@ -212,8 +212,9 @@ class StagedPipeline:
         with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
             n = pipelined_send(chunks, slots, view, do_gather, do_send, fences)
         if status is not None:
-            flags = torch.frombuffer(bytearray(status()), dtype=torch.uint8).to(pool.device)
-            _Timed(pg.send([flags], peer, n), timeout_s).wait()
+            with trace("status", tag):
+                flags = torch.frombuffer(bytearray(status()), dtype=torch.uint8).to(pool.device)
+                _Timed(pg.send([flags], peer, n), timeout_s).wait()
         self.num_streams += 1
         self.num_chunks_sent += n
         return sent
@@ -253,7 +254,8 @@ class StagedPipeline:
         flags = b""
         if num_requests:
             got = torch.empty(num_requests, dtype=torch.uint8, device=pool.device)
-            _Timed(pg.recv([got], peer, n), timeout_s).wait()
+            with trace("status", tag):
+                _Timed(pg.recv([got], peer, n), timeout_s).wait()
             flags = got.cpu().numpy().tobytes()
         self.num_streams += 1
         self.num_chunks_recv += n
