@@ -474,8 +474,8 @@ class ControlServer:
 # TCP connections in its kernel). A dropped connection is retried every RECONNECT_IVL_MS (zmq
 # adds up to as much again at random); a request for a peer whose connection dropped and has not
 # come back first checks it with one TCP connect (PROBE_S at most): refused, it fails at once. PEER_TIMEOUT_MS ($KVXFER_PEER_TIMEOUT_MS, default
-# 1000) is a trade: a peer whose I/O thread gets no CPU for that long is taken for gone, and
-# 150 ms did that on a 2-core host running two vLLM servers and other work (load average 10).
+# 1000) is a trade: a peer whose I/O thread gets no CPU for that long is taken for gone; 150 ms
+# took live peers for gone on a loaded host (profiling/results/2026-11-28-cpu-vllm-pd/README.md).
 def _peer_timeout_ms() -> int:
     raw = os.environ.get("KVXFER_PEER_TIMEOUT_MS", "1000")
     try:

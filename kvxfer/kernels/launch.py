@@ -38,9 +38,8 @@ _WORDS = {
     1: (torch.uint8, tl.uint8),
 }
 
-# Tile shape. Interpreter: a program's cost is per Triton op, not per element (measured on the
-# shared 2-core dev machine: ~4-6 ms per program for 16- and for 512-token tiles alike, 8 layers
-# x 8 heads x 64 bf16), so one tile spans up to 1024 tokens of a row group.
+# Tile shape. Interpreter: a program's cost is per Triton op, not per element (16- and 512-token
+# tiles cost alike per program), so one tile spans up to 1024 tokens of a row group.
 # GPU: BLOCK_T*BLOCK_W words per program (8 KiB), 8 warps: the best of the tiles and warps
 # profiling/sweep_triton_tiles.py tried, by about a point over 16 KiB / 4 warps
 # (profiling/results/2026-11-26-H200/README.md, "Triton tile sweep": run6, run8).

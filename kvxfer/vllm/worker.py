@@ -40,7 +40,7 @@ _COUNTERS = ("transfers", "bytes", "failures", "expirations", "finished_exports"
 def process_cpus() -> set[int]:
     """The CPUs this process may run on: the union of its threads' affinities. vLLM's CPU
     worker binds its OpenMP threads (``GOMP_CPU_AFFINITY``: the main thread to the first core of
-    its list, here core 0 on a 2-core machine, for every server on the host); its other threads
+    its list, with ``auto`` binding the same core for every server on the host); its other threads
     keep the process's own set. Empty where the platform has no affinity calls."""
     if not hasattr(os, "sched_getaffinity"):
         return set()
