@@ -213,7 +213,8 @@ def exporter_rank(sc: dict, tp_rank: int, q_out, q_ctl, q_go=None) -> dict:
     spec = _spec(sc["src_spec"])
     tp = sc["src_tp"]
     device = sc.get("device", "cpu")
-    caches, shm = _caches(spec, sc["src_blocks"], tp, device, shared=True)
+    # plain_src: plain CPU tensors, which ipc reads with cross-memory attach
+    caches, shm = _caches(spec, sc["src_blocks"], tp, device, shared=not sc.get("plain_src"))
     poison(caches)
     eng = TransferEngine(
         spec,

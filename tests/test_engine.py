@@ -181,7 +181,8 @@ def test_incompatible_peer_fails_naming_mismatch(dst, needle):
         _close(p, d, shm, dshm)
 
 
-def test_explicit_ipc_unavailable_is_an_error_not_a_fallback():
+def test_explicit_ipc_unavailable_is_an_error_not_a_fallback(monkeypatch):
+    monkeypatch.setenv("KVXFER_IPC_CMA", "0")  # plain CPU caches cannot be read with ipc then
     src_caches = [torch.zeros(SPEC.cache_shape(16, 1), dtype=SPEC.dtype) for _ in range(2)]  # not shm
     p = TransferEngine(SPEC, src_caches, 0, 1, "P", transport="auto").start()
     dc = [torch.zeros(SPEC.cache_shape(16, 1), dtype=SPEC.dtype) for _ in range(2)]
@@ -194,7 +195,12 @@ def test_explicit_ipc_unavailable_is_an_error_not_a_fallback():
         _close(p, d)
 
 
-def test_auto_picks_pg_when_exporter_not_mappable():
+@pytest.mark.parametrize("cma", [True, False])
+def test_auto_on_plain_cpu_caches(cma, monkeypatch):
+    """Plain CPU caches (not in shm): ``auto`` reads them with ipc through cross-memory attach,
+    or takes pg when that is turned off (``KVXFER_IPC_CMA=0``), saying why."""
+    if not cma:
+        monkeypatch.setenv("KVXFER_IPC_CMA", "0")
     src_caches = [torch.zeros(SPEC.cache_shape(16, 1), dtype=SPEC.dtype) for _ in range(2)]
     p = TransferEngine(SPEC, src_caches, 0, 1, "P").start()
     dc = [torch.zeros(SPEC.cache_shape(16, 1), dtype=SPEC.dtype) for _ in range(2)]
@@ -204,7 +210,11 @@ def test_auto_picks_pg_when_exporter_not_mappable():
         d.load("x", p.export("x", [3], 6), [9])
         assert _wait(d, {"x"}, "recv") == {"x": "done"}
         assert check(dc, SPEC, 0, 1, [9], 6, seed=2)
-        assert d.stats()["transports"] == {"P": "pg"}
+        s = d.stats()
+        assert s["transports"] == {"P": "ipc" if cma else "pg"}
+        assert ("cross-memory attach on one host" if cma else "KVXFER_IPC_CMA=0") in s["transport_reasons"][
+            "P"
+        ]
     finally:
         _close(p, d)
 

@@ -85,13 +85,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("transport", ["ipc", "pg"])
+@pytest.mark.parametrize("transport", ["ipc", "pg", "ipc-cma"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_transfer_between_processes(case, transport):
+    """``ipc-cma``: P's caches are plain tensors, which ipc reads with cross-memory attach."""
     src, src_tp, dst, dst_tp = CASES[case]
     lengths = [1, 7, 8, 16, 37, 64, 100]
     hold = dst_tp == 2  # D rank 1 loads only after P checked it freed nothing early
-    sc = _scenario(src, src_tp, dst, dst_tp, transport, lengths, hold=hold, hold_s=0.4)
+    cma = transport == "ipc-cma"
+    transport = "ipc" if cma else transport
+    sc = _scenario(src, src_tp, dst, dst_tp, transport, lengths, hold=hold, hold_s=0.4, plain_src=cma)
     res = _run(sc)
     want = {r[0] for r in sc["requests"]}
     params = [res[f"P{r}"]["params"] for r in range(src_tp)]
@@ -102,6 +105,9 @@ def test_transfer_between_processes(case, transport):
         assert d["untouched"], f"D{r} wrote outside the requests' token slots"
         assert d["stats"]["transfers"] == len(want) and d["stats"]["failures"] == 0
         assert d["stats"]["transports"] == {"P": transport}
+        if transport == "ipc":
+            how = "cross-memory attach" if cma else "shared memory"
+            assert d["stats"]["transport_reasons"]["P"] == f"ipc: {how} on one host"
         assert d["stats"]["loads_pending"] == 0
     for r in range(src_tp):
         p = res[f"P{r}"]

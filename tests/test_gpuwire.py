@@ -4,6 +4,7 @@ adapter (fake driver), the staged double-buffered pg pipeline over Gloo, stream-
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -186,7 +187,7 @@ def test_pair_request_for_a_backend_not_served_is_refused():
         p.close()
 
 
-def test_offer_ipc_cpu():
+def test_offer_ipc_cpu(monkeypatch):
     shm = alloc_shm_caches(SPEC, 8, 1)
     try:
         o = ipc_offer.offer_ipc(shm.caches, torch.device("cpu"), 8, "P")
@@ -197,8 +198,15 @@ def test_offer_ipc_cpu():
     finally:
         shm.close()
     plain = [torch.zeros(SPEC.cache_shape(8, 1), dtype=SPEC.dtype) for _ in range(2)]
+    o = ipc_offer.offer_ipc(plain, torch.device("cpu"), 8, "P")  # read with cross-memory attach
+    assert o.offered and o.desc["mapper"] == "cma" and o.desc["caches"]["pid"] == os.getpid()
+    assert o.desc["caches"]["addrs"] == [c.data_ptr() for c in plain]
+    o.epoch_shm.close()
+    o.epoch_shm.unlink()
+    monkeypatch.setenv("KVXFER_IPC_CMA", "0")
     o = ipc_offer.offer_ipc(plain, torch.device("cpu"), 8, "P")
-    assert not o.offered and "not mappable" in o.desc["why"] and o.epochs is None
+    assert not o.offered and "not mappable" in o.desc["why"] and "KVXFER_IPC_CMA=0" in o.desc["why"]
+    assert o.epochs is None
     o = ipc_offer.offer_ipc(plain, torch.device("cpu"), 8, "P", enabled=False)
     assert not o.offered and "pg only" in o.desc["why"]
     desc, why = cuda_mapper.offer(plain, "P")
@@ -493,24 +501,30 @@ def test_timed_out_copy_is_reported_only_after_it_completed():
 
 
 # --------------------------------------------------------------------------- reasons and NVTX
-def test_stats_report_transport_reason():
+def test_stats_report_transport_reason(monkeypatch):
     shm, dshm = alloc_shm_caches(SPEC, 16, 1), alloc_shm_caches(SPEC, 16, 1)
     plain = [torch.zeros(SPEC.cache_shape(16, 1), dtype=SPEC.dtype) for _ in range(2)]
     p1 = TransferEngine(SPEC, shm.caches, 0, 1, "P1").start()
+    monkeypatch.setenv("KVXFER_IPC_CMA", "0")  # P2 offers no cross-memory attach
     p2 = TransferEngine(SPEC, plain, 0, 1, "P2").start()
+    monkeypatch.delenv("KVXFER_IPC_CMA")
+    p3 = TransferEngine(SPEC, plain, 0, 1, "P3").start()
     d = TransferEngine(SPEC, dshm.caches, 0, 1, "D").start()
     try:
         d.load("a", p1.export("a", [1], 4), [1])
         d.load("b", p2.export("b", [1], 4), [2])
-        assert set(_wait(d, {"a", "b"}).values()) == {"done"}
+        d.load("c", p3.export("c", [3], 4), [3])
+        assert set(_wait(d, {"a", "b", "c"}).values()) == {"done"}
         s = d.stats()
-        assert s["transports"] == {"P1": "ipc", "P2": "pg"}
+        assert s["transports"] == {"P1": "ipc", "P2": "pg", "P3": "ipc"}
         assert s["transport_reasons"] == {
             "P1": "ipc: shared memory on one host",
-            "P2": "pg: ipc cannot be used: the exporter's caches are not mappable (not in shm)",
+            "P2": "pg: ipc cannot be used: the exporter's caches are not mappable (not in shm; "
+            "cross-memory attach turned off (KVXFER_IPC_CMA=0))",
+            "P3": "ipc: cross-memory attach on one host",
         }
     finally:
-        for e in (d, p1, p2):
+        for e in (d, p1, p2, p3):
             e.close()
         shm.close()
         dshm.close()

@@ -618,8 +618,9 @@ class _Servers:
         nb=16,
         shm=False,
         workers_first=False,
+        transport="auto",
     ):
-        extra = {"lease_s": lease_s, "timeout_s": timeout_s}
+        extra = {"lease_s": lease_s, "timeout_s": timeout_s, "transport": transport}
         self.kinds = (p_kind, d_kind)
         self.pc = ConnectorConfig.from_vllm(
             vllm_config(
@@ -786,14 +787,18 @@ def _check_d(srv, rows, d_blocks, n, hit=0, written=()):
         (1, 2, "cpu32", "cpu32"),
     ],
 )
-def test_p_to_d_through_engines_exact_bytes_and_p_frees(tp_p, tp_d, p_kind, d_kind):
-    srv = _Servers(tp_p, tp_d, p_kind, d_kind)
+@pytest.mark.parametrize("transport", ["auto", "pg"])
+def test_p_to_d_through_engines_exact_bytes_and_p_frees(tp_p, tp_d, p_kind, d_kind, transport):
+    """``auto`` reads P's plain CPU caches with ipc (cross-memory attach); ``pg`` streams them."""
+    srv = _Servers(tp_p, tp_d, p_kind, d_kind, transport=transport)
     try:
         n = 45  # a partial last block on both sides (P 16: 2 + 13 tokens / 32: 1 + 13; D 32: 1 + 13)
         p_blocks = [3, 9, 4] if p_kind == "fa16" else [3, 9]
         rows, acc = _hand_over(srv, n, p_blocks, [11, 2])
         assert not acc["bad"]
         _check_d(srv, rows, [11, 2], n)
+        used = "ipc" if transport == "auto" else "pg"
+        assert all(w.engine.stats()["transports"] == {"P": used} for w in srv.dw)
         _run_until(srv, "P", lambda a: a["send"].get("p-1") == tp_p)
         assert all(w.engine.stats()["blocks_held"] == 0 for w in srv.pw)
         assert all(w.pending() == 0 for w in srv.pw + srv.dw)

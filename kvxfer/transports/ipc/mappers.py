@@ -1,6 +1,7 @@
 """Cache mappers of the ``ipc`` transport: how an exporter describes its cache memory and how
-a loader maps it. ``"shm"`` (:mod:`kvxfer.transports.ipc.shm`, CPU caches in POSIX shared memory)
-and ``"cuda"`` (:mod:`kvxfer.transports.ipc.cuda_mapper`, CUDA IPC handles) are registered; a
+a loader maps it. ``"shm"`` (:mod:`kvxfer.transports.ipc.shm`, CPU caches in POSIX shared memory),
+``"cma"`` (:mod:`kvxfer.transports.ipc.cma`, other CPU caches, read with Linux's cross-memory
+attach) and ``"cuda"`` (:mod:`kvxfer.transports.ipc.cuda_mapper`, CUDA IPC handles) are registered; a
 mapper module exposing ``describe(caches) -> dict | None``, ``attach(desc) -> (caches,
 handle)``, ``detach(handle)`` (and ``attach_array``/``alloc_shm_array`` for the lease epochs)
 plugs in under another name with :func:`register_mapper` and the engine uses it unchanged."""
@@ -13,6 +14,7 @@ __all__ = ["mapper", "register_mapper"]
 
 _MAPPERS: dict[str, str | ModuleType] = {
     "shm": "kvxfer.transports.ipc.shm",
+    "cma": "kvxfer.transports.ipc.cma",
     "cuda": "kvxfer.transports.ipc.cuda_mapper",
 }
 

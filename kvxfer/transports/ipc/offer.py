@@ -1,7 +1,8 @@
 """The ``ipc`` transport's handshake: what an exporter rank offers and a loader maps.
 
 Exporter side, at start-up: :func:`offer_ipc` describes the rank's caches through the cache
-mapper of their device (``"shm"`` for CPU caches in shared memory, ``"cuda"`` —
+mapper of their device (``"shm"`` for CPU caches in shared memory, ``"cma"`` for other CPU
+caches, :mod:`kvxfer.transports.ipc.cma`, ``"cuda"`` —
 :mod:`kvxfer.transports.ipc.cuda_mapper` — for CUDA caches), allocates the shared
 block-epoch array (host shared memory on both), and builds the ``ipc`` entry of the handshake
 reply:
@@ -61,8 +62,16 @@ def offer_ipc(
     if name == "cuda":
         desc, why = m.offer(caches, engine_id)
     else:
-        desc = m.describe(caches)
-        why = "" if desc is not None else "the exporter's caches are not mappable (not in shm)"
+        desc, why = m.describe(caches), ""
+        if desc is None:  # plain CPU caches: read with cross-memory attach where the OS allows
+            cma = mapper("cma")
+            name, desc = "cma", cma.describe(caches)
+            if desc is None:
+                why = (
+                    "the exporter's caches are not mappable (not in shm; "
+                    + (cma.available() or "cross-memory attach: caches of different shapes")
+                    + ")"
+                )
     if desc is None:
         return IpcOffer({"mapper": None, "info": info, "why": why})
     epochs, seg = mapper("shm").alloc_shm_array(num_blocks)
@@ -94,6 +103,12 @@ def ipc_usable(
         entry = r.ipc or {}
         if "ipc" not in r.transports or entry.get("mapper") is None:
             return False, entry.get("why") or f"exporter rank {r.tp_rank} does not offer ipc"
+        if entry["mapper"] == "cma" and want == "shm":
+            why = _cma_usable(local_info, entry.get("info"))
+            if why:
+                return False, f"exporter rank {r.tp_rank}: {why}"
+            why_ok = why_ok or "cross-memory attach on one host"
+            continue
         if entry["mapper"] != want:
             return False, (
                 f"exporter rank {r.tp_rank}'s caches are mapped with {entry['mapper']!r}, this rank's "
@@ -114,6 +129,19 @@ def ipc_usable(
             return False, f"exporter rank {r.tp_rank}: {why}"
         why_ok = why
     return True, why_ok
+
+
+def _cma_usable(local: dict, peer) -> str:
+    """Why this process cannot read an exporter's caches with cross-memory attach ("" if it can
+    try: :func:`kvxfer.transports.ipc.cma.attach` still checks that the kernel allows it)."""
+    why = mapper("cma").available()
+    if why:
+        return why
+    if not isinstance(peer, dict) or not isinstance(peer.get("pid"), int):
+        return "cross-memory attach: the exporter sent no process info"
+    if peer.get("host_id") != local.get("host_id") or peer.get("pid_ns") != local.get("pid_ns"):
+        return "cross-memory attach needs one host and one PID namespace"
+    return ""
 
 
 def attach(entry: dict, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor, list]:

@@ -34,6 +34,7 @@ exporter counts each loader rank once whether it marks done or notifies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import threading
@@ -47,7 +48,7 @@ from ...ordering import event_done
 from ...tracing import items_tag, trace
 from ...transfer import Route, Transfer
 from . import slots
-from .session import IpcMap, IpcSession
+from .session import IpcMap, IpcSession, fetched
 from .slots import SlotView
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -307,7 +308,10 @@ class OneSided:
             if hook:
                 hook()
             calls = 0
-            with rt.order.on_stream():
+            with rt.order.on_stream(), contextlib.ExitStack() as fetch:
+                for src in t.sources:  # cross-memory attach: the blocks read into the mirrors
+                    if src.mapping.remote is not None:
+                        fetch.enter_context(fetched(src.mapping, items))
                 if len(group) == 1 and not items[0].first:
                     calls = _copy_whole(t, items[0])
                 else:

@@ -16,8 +16,9 @@ still read a mapping: then the mappings stay until those copies completed
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -30,6 +31,7 @@ from ...tracing import items_tag, trace
 from ...transfer import Outcome, Route, Transfer
 from ...views import CacheViews
 from . import offer
+from .cma import Remote
 from .mappers import mapper
 from .slots import SlotView
 
@@ -37,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...peer import Peer
     from ...rank import Rank, Runtime
 
-__all__ = ["IpcCompletion", "IpcMap", "IpcSession", "map_rank"]
+__all__ = ["IpcCompletion", "IpcMap", "IpcSession", "fetched", "map_rank"]
 
 _POOL_MAX = 64  # completion events kept for reuse
 _BUSY_PRUNE = 16  # events kept before the completed ones are dropped
@@ -50,12 +52,31 @@ class IpcMap(NamedTuple):
     epochs: torch.Tensor  # int64 [num_blocks], the exporter's, shared
     epochs_np: np.ndarray  # a numpy view of it (made once, not per read)
     handles: list  # for offer.detach
+    remote: Remote | None = None  # "cma": the caches are mirrors, filled before each copy
 
 
 def map_rank(peer: Peer, s: int, device: torch.device) -> IpcMap:
     """Map source rank ``s`` of ``peer`` (its handshake's ``ipc`` entry) in this process."""
     caches, ep, handles = offer.attach(peer.replies[s].ipc, device)
-    return IpcMap(CacheViews(caches, peer.spec), ep, ep.numpy(), handles)
+    remote = handles[0][1] if isinstance(handles[0][1], Remote) else None
+    return IpcMap(CacheViews(caches, peer.spec), ep, ep.numpy(), handles, remote)
+
+
+@contextlib.contextmanager
+def fetched(m: IpcMap, loads, layers=None) -> Iterator[None]:
+    """Around the copies of ``loads`` from mapping ``m``: for cross-memory attach, their source
+    blocks read into the mirrors first and the mirrors emptied after (the copies run on the CPU,
+    synchronously); nothing for a real mapping."""
+    remote = m.remote
+    if remote is None:
+        yield
+        return
+    ids = loads[0].src_ids if len(loads) == 1 else np.concatenate([it.src_ids for it in loads])
+    remote.fetch(ids, layers)
+    try:
+        yield
+    finally:
+        remote.drop()
 
 
 class IpcSession:
@@ -120,7 +141,8 @@ class IpcSession:
         with self.lock, trace("copy", items_tag, transfer.loads):
             if self.closed:
                 raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
-            calls = self.copy(m, transfer)
+            with fetched(m, transfer.loads, transfer.layers):
+                calls = self.copy(m, transfer)
         return IpcCompletion(self, m, transfer, calls)
 
     def copy(self, m: IpcMap, transfer: Transfer) -> int:

@@ -1,0 +1,286 @@
+"""Cross-memory attach: an exporter's plain CPU caches read by a loader on the same host.
+
+CPU caches that are not in shared memory (vLLM's CPU worker allocates its KV cache with plain
+``torch.zeros``) cannot be mapped, but Linux lets a process read another's memory with
+``process_vm_readv`` when it may ptrace it (same user; Yama's ``ptrace_scope`` 0, or the
+exporter allowing it). That is as much access as a shared-memory mapping gives, with the kernel
+as the judge. This module is the ``"cma"`` mapper of the ``ipc`` transport
+(:mod:`kvxfer.transports.ipc.mappers`):
+
+* exporter: :func:`describe` publishes its pid, each layer's address, the caches' shape, strides
+  and dtype, and a probe: the address and value of 16 random bytes of its own;
+* loader: :func:`attach` opens a pidfd on that pid, reads the probe through
+  ``process_vm_readv`` and checks the value (so the pid is the exporter's, not another process
+  of this PID namespace), then returns *mirrors*: per layer, an anonymous mapping of the
+  layer's extent (``MAP_NORESERVE``: untouched pages cost nothing) viewed with the exporter's
+  shape and strides. :meth:`Remote.fetch` copies the blocks a transfer reads from the exporter
+  into the same offsets of the mirrors (one ``process_vm_readv`` per 1024 ranges), after which
+  the engine's copies run from the mirrors as from a mapping; :meth:`Remote.drop` gives the
+  pages back (``MADV_DONTNEED``). A fetch succeeds only if the exporter's pidfd still shows it
+  alive afterwards: a pid reused by another process cannot be read from unnoticed.
+
+The lease epochs and the lease-slot table stay in shared memory (:mod:`kvxfer.transports.ipc.shm`),
+so the grant, the epoch check after the copy and the one-sided mode work as with a mapping.
+``KVXFER_IPC_CMA=0`` turns it off (an exporter then offers ``ipc`` only for caches in shm).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import select
+import sys
+import threading
+
+import numpy as np
+import torch
+
+from ...spec import dtype_from_name, dtype_name
+from . import shm
+
+__all__ = ["Remote", "attach", "attach_array", "available", "describe", "detach"]
+
+IOV_MAX = 1024  # ranges per process_vm_readv call (Linux's UIO_MAXIOV)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks the name
+_PROBE_BYTES = 16
+
+_lock = threading.Lock()
+_probe: dict = {}  # this process's probe: {"buf": ctypes buffer, "addr": int, "hex": str}
+_libc: dict = {}
+
+
+def _readv():
+    """libc's ``process_vm_readv`` (ctypes), or None where there is none."""
+    if "fn" not in _libc:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                fn = libc.process_vm_readv
+                fn.restype = ctypes.c_ssize_t
+                fn.argtypes = [
+                    ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong,
+                ]  # fmt: skip
+            except (OSError, AttributeError):
+                fn = None
+        _libc["fn"] = fn
+    return _libc["fn"]
+
+
+def available() -> str:
+    """Why cross-memory attach cannot be offered or used here ("" when it can)."""
+    if os.environ.get("KVXFER_IPC_CMA", "1").strip().lower() in ("0", "false", "off", "no"):
+        return "cross-memory attach turned off (KVXFER_IPC_CMA=0)"
+    if not sys.platform.startswith("linux"):
+        return "cross-memory attach needs Linux"
+    if not hasattr(os, "pidfd_open"):
+        return "cross-memory attach needs os.pidfd_open (Linux 5.3)"
+    if _readv() is None:
+        return "cross-memory attach: libc has no process_vm_readv"
+    return ""
+
+
+def _own_probe() -> dict:
+    with _lock:
+        if not _probe:
+            value = os.urandom(_PROBE_BYTES)
+            buf = ctypes.create_string_buffer(value, _PROBE_BYTES)
+            _probe.update(buf=buf, addr=ctypes.addressof(buf), hex=value.hex())
+        return _probe
+
+
+def _extent(shape, stride, element_size: int) -> int:
+    """Bytes from a tensor's first element to one past its last (positive strides)."""
+    return (sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * element_size
+
+
+def describe(caches: list[torch.Tensor]) -> dict | None:
+    """What a loader needs to read ``caches`` (CPU, one shape, strides and dtype) from this
+    process; None when cross-memory attach is not available or the caches do not fit it."""
+    if available() or not caches:
+        return None
+    first = caches[0]
+    if first.device.type != "cpu" or any(
+        c.device.type != "cpu"
+        or c.shape != first.shape
+        or c.stride() != first.stride()
+        or c.dtype != first.dtype
+        for c in caches
+    ):
+        return None
+    if any(s <= 0 for s in first.stride()) or first.dim() < 3:
+        return None
+    probe = _own_probe()
+    return {
+        "pid": os.getpid(),
+        "addrs": [c.data_ptr() for c in caches],
+        "shape": list(first.shape),
+        "stride": list(first.stride()),
+        "dtype": dtype_name(first.dtype),
+        "probe_addr": probe["addr"],
+        "probe": probe["hex"],
+    }
+
+
+class Remote:
+    """An exporter's caches as this process reads them (see the module doc): ``caches`` are the
+    mirrors (the exporter's shape and strides), :meth:`fetch` fills the blocks a copy reads,
+    :meth:`drop` empties them again, :meth:`close` releases everything."""
+
+    def __init__(self, desc: dict) -> None:
+        why = available()
+        if why:
+            raise OSError(why)
+        self.pid = int(desc["pid"])
+        self.dtype = dtype_from_name(desc["dtype"])
+        es = torch.empty((), dtype=self.dtype).element_size()
+        shape, stride = tuple(int(x) for x in desc["shape"]), tuple(int(x) for x in desc["stride"])
+        if (
+            len(shape) != len(stride)
+            or len(shape) < 3
+            or any(s <= 0 for s in stride)
+            or any(n <= 0 for n in shape)
+        ):
+            raise ValueError(f"cma: a cache shape {shape} with strides {stride} cannot be read")
+        self.addrs = np.asarray([int(a) for a in desc["addrs"]], dtype=np.uint64)
+        self.extent = _extent(shape, stride, es)
+        # block dim: 0 for MLA ([nb, bs, d]), else 1 ([2, nb, ...]); the dims after it are one block
+        mla = len(shape) == 3
+        self._bdim = 0 if mla else 1
+        self._kv_offsets = (
+            np.zeros(1, dtype=np.int64) if mla else np.arange(shape[0], dtype=np.int64) * (stride[0] * es)
+        )
+        self._block_stride = stride[self._bdim] * es
+        self._span = _extent(shape[self._bdim + 1 :], stride[self._bdim + 1 :], es)
+        self.num_blocks = shape[self._bdim]
+        self._fd = os.pidfd_open(self.pid)
+        self._maps: list[mmap.mmap] = []
+        try:
+            self._check_probe(int(desc["probe_addr"]), str(desc["probe"]))
+            self.caches = []
+            for _ in range(len(self.addrs)):
+                m = mmap.mmap(-1, self.extent, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+                self._maps.append(m)
+                raw = torch.frombuffer(m, dtype=torch.uint8)
+                self.caches.append(raw.view(self.dtype).as_strided(shape, stride))
+            self._bases = np.asarray([c.data_ptr() for c in self.caches], dtype=np.uint64)
+        except BaseException:
+            self.close()
+            raise
+        self.num_fetches = 0
+        self.bytes_fetched = 0
+
+    # ------------------------------------------------------------------ reading
+    def _alive(self) -> bool:
+        p = select.poll()
+        p.register(self._fd, select.POLLIN)
+        return not p.poll(0)  # the pidfd turns readable when the process exited
+
+    def _readv(self, local: np.ndarray, remote: np.ndarray) -> int:
+        """``process_vm_readv`` of ``[n, 2]`` uint64 (address, length) arrays, IOV_MAX at a time;
+        returns the bytes read, ``OSError`` naming the errno when a call fails."""
+        fn = _readv()
+        got = 0
+        for i in range(0, len(local), IOV_MAX):
+            lo, re = local[i : i + IOV_MAX], remote[i : i + IOV_MAX]
+            n = fn(self.pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0)
+            if n < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cma: process_vm_readv from pid {self.pid}: {os.strerror(err)}")
+            got += n
+        return got
+
+    def _check_probe(self, addr: int, want: str) -> None:
+        buf = ctypes.create_string_buffer(_PROBE_BYTES)
+        local = np.array([[ctypes.addressof(buf), _PROBE_BYTES]], dtype=np.uint64)
+        remote = np.array([[addr, _PROBE_BYTES]], dtype=np.uint64)
+        try:
+            n = self._readv(local, remote)
+        except OSError as e:
+            raise OSError(
+                f"{e.strerror or e} (the kernel does not let this process read the exporter's)"
+            ) from None
+        if n != _PROBE_BYTES or buf.raw.hex() != want or not self._alive():
+            raise OSError(f"cma: pid {self.pid} is not the exporter that described these caches")
+
+    def fetch(self, block_ids: np.ndarray, layers=None) -> None:
+        """Copy blocks ``block_ids`` (int64, in range; repeats allowed) of ``layers`` (default
+        all) from the exporter into the mirrors; ``OSError`` when a read falls short or the
+        exporter exited meanwhile (what the mirrors hold is then not to be used)."""
+        ids = np.unique(np.asarray(block_ids, dtype=np.int64))
+        if ids.size == 0:
+            return
+        if ids[0] < 0 or ids[-1] >= self.num_blocks:
+            raise ValueError(f"cma: block ids out of [0, {self.num_blocks})")
+        rel = (self._kv_offsets[:, None] + ids[None, :] * self._block_stride).reshape(-1)
+        rel = _merge(rel, self._span)
+        lay = np.arange(len(self.addrs)) if layers is None else np.asarray(layers, dtype=np.int64)
+        starts, lens = rel
+        n = len(starts)
+        local = np.empty((len(lay) * n, 2), dtype=np.uint64)
+        remote = np.empty((len(lay) * n, 2), dtype=np.uint64)
+        off = starts.astype(np.uint64)
+        local[:, 0] = (self._bases[lay][:, None] + off[None, :]).reshape(-1)
+        remote[:, 0] = (self.addrs[lay][:, None] + off[None, :]).reshape(-1)
+        local[:, 1] = remote[:, 1] = np.tile(lens.astype(np.uint64), len(lay))
+        want = int(remote[:, 1].sum())
+        got = self._readv(local, remote)
+        if got != want:
+            raise OSError(f"cma: read {got} of {want} bytes from pid {self.pid} (its memory changed?)")
+        if not self._alive():
+            raise OSError(f"cma: the exporter (pid {self.pid}) exited during the read")
+        self.num_fetches += 1
+        self.bytes_fetched += want
+
+    def drop(self) -> None:
+        """Give back the mirrors' pages (what they held is not needed once the copies ran)."""
+        for m in self._maps:
+            m.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        self.caches = []
+        for m in self._maps:
+            with contextlib.suppress(BufferError):  # a view of it is still alive: unmapped when it goes
+                m.close()
+        self._maps = []
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _merge(starts: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``[start, start + span)`` merged where they touch or overlap: (starts, lengths)."""
+    s = np.sort(starts)
+    ends = s + span
+    # a range opens a new run unless it starts at or before the running end of the runs before
+    run_end = np.maximum.accumulate(ends)
+    new = np.empty(len(s), dtype=bool)
+    new[0] = True
+    new[1:] = s[1:] > run_end[:-1]
+    idx = np.flatnonzero(new)
+    out_starts = s[idx]
+    last = np.append(idx[1:], len(s)) - 1
+    out_ends = run_end[last]
+    return out_starts, out_ends - out_starts
+
+
+def attach(desc: dict) -> tuple[list[torch.Tensor], Remote]:
+    """Loader: the exporter's caches as mirrors, and the :class:`Remote` that fills them (raises
+    ``OSError`` when they cannot be read from here, naming why)."""
+    r = Remote(desc)
+    return r.caches, r
+
+
+def attach_array(name: str, n: int):
+    """The lease epochs stay in shared memory (:func:`kvxfer.transports.ipc.shm.attach_array`)."""
+    return shm.attach_array(name, n)
+
+
+def detach(handle) -> None:
+    """Release what :func:`attach` or :func:`attach_array` returned."""
+    if isinstance(handle, Remote):
+        handle.close()
+    else:
+        shm.detach(handle)
