@@ -257,3 +257,11 @@ def test_exporter_gone_before_the_read_fails_the_load_by_name():
     for why in d["failed"].values():
         assert any(k in why for k in ("cma", "exited", "refused", "gone", "heartbeat", "closed")), why
     assert d["untouched"]
+
+
+def test_an_absurd_description_is_refused_before_any_mirror():
+    desc = cma.describe(_caches(SPEC, 4))
+    with pytest.raises(ValueError, match="bytes"):
+        cma.Remote({**desc, "shape": [2, 1 << 40, 16, 4, 24]})
+    with pytest.raises(ValueError, match="layers"):
+        cma.Remote({**desc, "addrs": desc["addrs"] * 2000})

@@ -43,6 +43,8 @@ from . import shm
 __all__ = ["Remote", "attach", "attach_array", "available", "describe", "detach"]
 
 IOV_MAX = 1024  # ranges per process_vm_readv call (Linux's UIO_MAXIOV)
+MAX_LAYERS = 4096  # an exporter's description is checked before any mirror is made
+MAX_EXTENT = 1 << 40  # bytes of one layer's mirror (address space, reserved lazily)
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks the name
 _PROBE_BYTES = 16
 
@@ -144,8 +146,12 @@ class Remote:
             or any(n <= 0 for n in shape)
         ):
             raise ValueError(f"cma: a cache shape {shape} with strides {stride} cannot be read")
+        if not 0 < len(desc["addrs"]) <= MAX_LAYERS:
+            raise ValueError(f"cma: {len(desc['addrs'])} layers (1 to {MAX_LAYERS})")
         self.addrs = np.asarray([int(a) for a in desc["addrs"]], dtype=np.uint64)
         self.extent = _extent(shape, stride, es)
+        if self.extent > MAX_EXTENT:  # mirrors are address space only, still bounded
+            raise ValueError(f"cma: a layer of {self.extent} bytes (at most {MAX_EXTENT})")
         # block dim: 0 for MLA ([nb, bs, d]), else 1 ([2, nb, ...]); the dims after it are one block
         mla = len(shape) == 3
         self._bdim = 0 if mla else 1
