@@ -295,9 +295,10 @@ class BlockTable:
         return np.concatenate([a for a, _ in out]), np.concatenate([ln for _, ln in out])
 
     def index(self, k: int, blocks: np.ndarray, layers: list[int] | None, side: str) -> np.ndarray:
-        """Indices (int64) of whole ``blocks`` of slice ``k`` in ``layers`` (default all), in
-        the order ``[layer, kv, blocks]`` of :func:`block_runs`; ``ValueError`` naming ``side``
-        when a block id is out of range (it would name another slice's descriptor)."""
+        """Indices (int32, as NIXL takes them) of whole ``blocks`` of slice ``k`` in ``layers``
+        (default all), in the order ``[layer, kv, blocks]`` of :func:`block_runs`;
+        ``ValueError`` naming ``side`` when a block id is out of range (it would name another
+        slice's descriptor)."""
         if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks):
             raise ValueError(
                 f"nixl direct: {side} block id out of range [0, {self.num_blocks}): "
@@ -305,8 +306,9 @@ class BlockTable:
             )
         kv = self.geometry.num_kv
         lay = np.arange(len(self.geometry.layer_addrs)) if layers is None else np.asarray(layers, np.int64)
-        planes = (k * self.plane + lay[:, None] * kv + np.arange(kv)[None, :]).reshape(-1, 1)
-        return (planes * self.num_blocks + blocks[None, :]).reshape(-1)
+        planes = (k * self.plane + lay[:, None] * kv + np.arange(kv)[None, :]) * self.num_blocks
+        out = planes.astype(np.int32).reshape(-1, 1) + blocks.astype(np.int32)[None, :]
+        return out.reshape(-1)
 
 
 class DirectReads(NamedTuple):
@@ -366,7 +368,7 @@ class DirectTables:
         tails = coalesce(np.concatenate(ts), np.concatenate(td), np.concatenate(tl)) if ts else (z, z, z)
         if len(si) == 1:
             return DirectReads(si[0], di[0], *tails)
-        none = np.zeros(0, np.int64)
+        none = np.zeros(0, np.int32)
         return DirectReads(np.concatenate(si) if si else none, np.concatenate(di) if di else none, *tails)
 
 
