@@ -21,6 +21,7 @@ from kvxfer.transports.nixl.descs import (
     coalesce,
     descs,
     direct_why,
+    epoch_index,
     epoch_runs,
     storages,
 )
@@ -167,6 +168,12 @@ def test_geometry_round_trips_and_rejects_garbage():
 def test_epoch_runs_one_word_per_block():
     a, ln = epoch_runs(1000, 4)
     assert a.tolist() == [1000, 1008, 1016, 1024] and ln.tolist() == [8] * 4
+    got = epoch_index([np.array([5, 6, 7, 2]), np.array([2, 6, 0])], 8)
+    assert got.tolist() == [0, 2, 5, 6, 7] and got.dtype == np.int32  # each block once, ascending
+    assert epoch_index([np.zeros(0, np.int64)], 8).size == 0
+    for bad in (8, -1):
+        with pytest.raises(ValueError, match="out of range"):
+            epoch_index([np.array([1, bad])], 8)
 
 
 def test_runs_for_a_4k_token_request_are_vectorised():

@@ -52,6 +52,7 @@ __all__ = [
     "coalesce",
     "descs",
     "direct_why",
+    "epoch_index",
     "epoch_runs",
     "storages",
 ]
@@ -284,6 +285,14 @@ class BlockTable:
         self.size = len(self.slices) * self.plane * g.num_blocks
         if self.size >= 2**31:
             raise ValueError(f"nixl: {self.size} block descriptors exceed NIXL's int32 indices")
+        # each slice's first index of every (layer, kv) plane, as a column (all layers)
+        self._starts = [self._plane_starts(k, None) for k in range(len(self.slices))]
+
+    def _plane_starts(self, k: int, layers: list[int] | None) -> np.ndarray:
+        kv = self.geometry.num_kv
+        lay = np.arange(len(self.geometry.layer_addrs)) if layers is None else np.asarray(layers, np.int64)
+        planes = (k * self.plane + lay[:, None] * kv + np.arange(kv)[None, :]) * self.num_blocks
+        return planes.astype(np.int32).reshape(-1, 1)
 
     def runs(self) -> tuple[np.ndarray, np.ndarray]:
         """``(addresses, lengths)`` of every descriptor, in index order."""
@@ -304,11 +313,8 @@ class BlockTable:
                 f"nixl direct: {side} block id out of range [0, {self.num_blocks}): "
                 f"{int(blocks.min())}..{int(blocks.max())}"
             )
-        kv = self.geometry.num_kv
-        lay = np.arange(len(self.geometry.layer_addrs)) if layers is None else np.asarray(layers, np.int64)
-        planes = (k * self.plane + lay[:, None] * kv + np.arange(kv)[None, :]) * self.num_blocks
-        out = planes.astype(np.int32).reshape(-1, 1) + blocks.astype(np.int32)[None, :]
-        return out.reshape(-1)
+        starts = self._starts[k] if layers is None else self._plane_starts(k, layers)
+        return (starts + blocks.astype(np.int32)[None, :]).reshape(-1)
 
 
 class DirectReads(NamedTuple):
@@ -388,8 +394,20 @@ def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.nda
 
 def epoch_runs(base: int, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """``(addresses, lengths)`` of one 8-byte descriptor per block of an int64 epoch array at
-    ``base`` (prepared once per peer; a READ names block ids as indices)."""
+    ``base`` (prepared once per peer; a READ names block ids as indices: :func:`epoch_index`)."""
     return _U64(base) + np.arange(num_blocks, dtype=_U64) * _U64(8), np.full(num_blocks, 8, dtype=_U64)
+
+
+def epoch_index(block_ids: Sequence[np.ndarray], num_blocks: int) -> np.ndarray:
+    """The epoch descriptors (int32 indices) of ``block_ids``: each block once, ascending (so
+    NIXL merges adjacent ones); ``ValueError`` when one is out of range."""
+    ids = np.sort(np.concatenate(block_ids))
+    if ids.size and (int(ids[0]) < 0 or int(ids[-1]) >= num_blocks):
+        raise ValueError(f"nixl direct: source block id out of range [0, {num_blocks})")
+    first = np.empty(ids.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ids[1:], ids[:-1], out=first[1:])
+    return ids[first].astype(np.int32)
 
 
 def descs(addrs: np.ndarray, lens: np.ndarray, device_id: int) -> np.ndarray:

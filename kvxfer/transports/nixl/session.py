@@ -28,7 +28,6 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import torch
 
 from ... import control
@@ -40,7 +39,7 @@ from ...transfer import Done, Outcome, Route, Transfer
 from ..base import LoaderLink
 from ..streams import ask_stream, stream_scatters, take_status
 from .agent import NixlAgent, NixlError, Prepped, XferFence, XferTimeout, mem_of
-from .descs import CacheGeometry, DirectTables, descs
+from .descs import CacheGeometry, DirectTables, descs, epoch_index
 from .staged import NixlStaging, recv_stream
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -196,9 +195,7 @@ class NixlSession:
             hook()
         # The epochs, after the READ (as ipc reads them): epochs only grow, so a block released
         # before or during the READ shows a moved epoch; the planner fails its load.
-        ids = np.unique(np.concatenate([it.src_ids for it in loads]))
-        if ids.size and (int(ids[0]) < 0 or int(ids[-1]) >= st.remote_epochs.size):
-            raise ValueError(f"nixl direct: source block id out of range [0, {st.remote_epochs.size})")
+        ids = epoch_index([it.src_ids for it in loads], st.remote_epochs.size)
         h = agent.start_prepped(st.local_epochs, ids, st.remote_epochs, ids)
         agent.finish([h], transfer.deadline, f"epoch READ from {st.agent}")
         return Outcome({it.request_id for it in loads}, {}, {}, st.mirror.numpy(), 0)
