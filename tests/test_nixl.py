@@ -164,6 +164,61 @@ def test_descriptors_prepared_once_per_peer_and_released(ucx):
     assert s["nixl_dlists"] == 0 and s["nixl_dlists_swept"] == 0, s
 
 
+def test_agent_reads_by_index_refuses_released_lists_sweeps_at_close(ucx, caplog):
+    """Two agents on loopback: a READ by indices into prepared lists moves exactly the indexed
+    blocks, beside a transfer by address in the same finish (the rest keeps its poison); a
+    released list is refused by name; a list its owner never released is swept at close,
+    counted and logged."""
+    import numpy as np
+
+    from kvxfer.transports.nixl.agent import NixlAgent, NixlError
+    from kvxfer.transports.nixl.descs import descs
+
+    blk, nb = 512, 64
+    src = torch.randint(0, 256, (nb * blk,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    dst = torch.full((nb * blk,), 0x5A, dtype=torch.uint8)
+    a, b = NixlAgent("t/a"), NixlAgent("t/b")
+    try:
+        b.start_pump("t-b-pump")
+        a.register([dst], "dst")
+        b.register([src], "src")
+        a.add_remote(b.metadata(), expect="t/b")
+        lens = np.full(nb, blk, dtype=np.uint64)
+
+        def blocks(t):
+            return np.uint64(t.data_ptr()) + np.arange(nb, dtype=np.uint64) * np.uint64(blk)
+
+        local = a.prep(descs(blocks(dst), lens, 0), "DRAM", "dst blocks")
+        remote = a.prep(descs(blocks(src), lens, 0), "DRAM", "src blocks", agent="t/b")
+        s_idx, d_idx = np.array([5, 6, 40], np.int32), np.array([0, 1, 63], np.int32)
+        one = np.array([100], dtype=np.uint64)
+        by_addr = a.start_read(
+            descs(np.array([dst.data_ptr() + 10 * blk + 3], np.uint64), one, 0), "DRAM", "t/b",
+            descs(np.array([src.data_ptr() + 20 * blk + 7], np.uint64), one, 0), "DRAM",
+        )  # fmt: skip
+        a.finish([a.start_prepped(local, d_idx, remote, s_idx), by_addr], time.monotonic() + 10, "test READ")
+        want = torch.full_like(dst, 0x5A)
+        for s, d in zip(s_idx.tolist(), d_idx.tolist()):
+            want[d * blk : (d + 1) * blk] = src[s * blk : (s + 1) * blk]
+        want[10 * blk + 3 : 10 * blk + 103] = src[20 * blk + 7 : 20 * blk + 107]
+        assert torch.equal(dst, want)
+        st = a.stats()
+        assert st["nixl_dlists"] == 2 and st["nixl_reads"] == 2 and st["nixl_descs"] == 3 + 1, st
+        a.release_prep(remote)
+        a.release_prep(remote)  # idempotent
+        with pytest.raises(NixlError, match="released"):
+            a.start_prepped(local, d_idx, remote, s_idx)
+        assert a.stats()["nixl_dlists"] == 1
+        with caplog.at_level("WARNING", logger="kvxfer.transports.nixl.agent"):
+            a.close()
+        assert "not released by their owner (dst blocks)" in caplog.text
+        st = a.stats()
+        assert st["nixl_dlists"] == 0 and st["nixl_dlists_swept"] == 1, st
+    finally:
+        a.close()
+        b.close()
+
+
 def test_n3_children_share_prefix_once(ucx):
     p_c, d_c = _caches(NHD16, 64), _caches(NHD16, 64)
     p = TransferEngine(NHD16, p_c, 0, 1, "P", transport="nixl").start()
