@@ -296,8 +296,8 @@ def drop_ranks(agent: NixlAgent | None, ranks: dict[int, SrcRank]) -> None:
     if agent is None:
         return
     for st in ranks.values():
+        # released, not dropped: a READ racing the close finds them released (a NixlError)
         for p in (st.remote_blocks, st.remote_epochs, st.local_epochs):
             agent.release_prep(p)
-        st.remote_blocks = st.remote_epochs = st.local_epochs = st.local_blocks = None
         agent.remove_remote(st.agent)
         agent.deregister(st.mirror_reg)
