@@ -116,16 +116,107 @@ def test_untouched_around_partial_blocks_direct(ucx):
     d = TransferEngine(NHD16, dc, 0, 1, "D", transport="nixl").start()
     try:
         fill(pc, NHD16, 0, 1, [8, 9, 10], 35, seed=4)
-        d.load("x", p.export("x", [8, 9, 10], 35), [0, 1, 2])  # 0, 1, 2 adjacent: coalesced
+        d.load("x", p.export("x", [8, 9, 10], 35), [0, 1, 2])
         assert _wait(d, {"x"}) == {"x": "done"}
         assert check(dc, NHD16, 0, 1, [0, 1, 2], 35, seed=4)
         assert untouched(dc, NHD16, {0, 1, 2}, _tail(NHD16, [0, 1, 2], 35))
-        # one run per (layer, kv) plane (blocks and the partial tail adjacent on both sides),
-        # and one for the epochs of blocks 8..10
-        assert d.stats()["nixl_descs"] == 2 * 2 + 1
+        # whole blocks by index (2 per layer and kv: NIXL merges adjacent ones), the partial
+        # block by address (one run per layer and kv), the epochs of blocks 8..10 by index
+        s = d.stats()
+        assert s["nixl_descs"] == 2 * 2 * 2 + 2 * 2 + 3 and s["nixl_reads"] == 3
     finally:
         d.close()
         p.close()
+
+
+def test_descriptors_prepared_once_per_peer_and_released(ucx):
+    """Direct reads index lists NIXL prepared at the handshake: loads reuse them (none
+    prepared per READ); a restarted exporter (a new peer) gets its own while the old peer's go
+    back; close releases the rest, none left to sweep."""
+    pc, dc = _caches(NHD16), _caches(NHD16)
+    p = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl").start()
+    d = TransferEngine(NHD16, dc, 0, 1, "D", transport="nixl").start()
+    agent = d._transports["nixl"].agent
+    p2 = None
+    try:
+        for i, (src, dst, n) in enumerate([([3, 4], [5, 6], 20), ([7], [9], 16), ([1, 2, 3], [0, 1, 2], 40)]):
+            fill(pc, NHD16, 0, 1, src, n, seed=i)
+            d.load(f"r{i}", p.export(f"r{i}", src, n), dst)
+            assert _wait(d, {f"r{i}"}) == {f"r{i}": "done"}
+            assert check(dc, NHD16, 0, 1, dst, n, seed=i)
+            s = d.stats()
+            # the exporter's blocks and epochs, the mirror's words, this rank's blocks (shared)
+            assert s["nixl_dlists"] == 4 and s["nixl_dlists_prepared"] == 4, s
+        p.close()
+        p2 = TransferEngine(NHD16, pc, 0, 1, "P", transport="nixl").start()  # P restarted
+        fill(pc, NHD16, 0, 1, [6, 7], 30, seed=7)
+        d.load("again", p2.export("again", [6, 7], 30), [10, 11])
+        assert _wait(d, {"again"}) == {"again": "done"}
+        assert check(dc, NHD16, 0, 1, [10, 11], 30, seed=7)
+        s = d.stats()
+        assert s["nixl_dlists"] == 4 and s["nixl_dlists_prepared"] == 4 + 3, s  # this rank's kept
+    finally:
+        d.close()
+        for e in (p, p2):
+            if e is not None:
+                e.close()
+    s = agent.stats()
+    assert s["nixl_dlists"] == 0 and s["nixl_dlists_swept"] == 0, s
+
+
+def test_agent_reads_by_index_refuses_released_lists_sweeps_at_close(ucx, caplog):
+    """Two agents on loopback: a READ by indices into prepared lists moves exactly the indexed
+    blocks, beside a transfer by address in the same finish (the rest keeps its poison); a
+    released list is refused by name; a list its owner never released is swept at close,
+    counted and logged."""
+    import numpy as np
+
+    from kvxfer.transports.nixl.agent import NixlAgent, NixlError
+    from kvxfer.transports.nixl.descs import descs
+
+    blk, nb = 512, 64
+    src = torch.randint(0, 256, (nb * blk,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    dst = torch.full((nb * blk,), 0x5A, dtype=torch.uint8)
+    a, b = NixlAgent("t/a"), NixlAgent("t/b")
+    try:
+        b.start_pump("t-b-pump")
+        a.register([dst], "dst")
+        b.register([src], "src")
+        a.add_remote(b.metadata(), expect="t/b")
+        lens = np.full(nb, blk, dtype=np.uint64)
+
+        def blocks(t):
+            return np.uint64(t.data_ptr()) + np.arange(nb, dtype=np.uint64) * np.uint64(blk)
+
+        local = a.prep(descs(blocks(dst), lens, 0), "DRAM", "dst blocks")
+        remote = a.prep(descs(blocks(src), lens, 0), "DRAM", "src blocks", agent="t/b")
+        s_idx, d_idx = np.array([5, 6, 40], np.int32), np.array([0, 1, 63], np.int32)
+        one = np.array([100], dtype=np.uint64)
+        by_addr = a.start_read(
+            descs(np.array([dst.data_ptr() + 10 * blk + 3], np.uint64), one, 0), "DRAM", "t/b",
+            descs(np.array([src.data_ptr() + 20 * blk + 7], np.uint64), one, 0), "DRAM",
+        )  # fmt: skip
+        a.finish([a.start_prepped(local, d_idx, remote, s_idx), by_addr], time.monotonic() + 10, "test READ")
+        want = torch.full_like(dst, 0x5A)
+        for s, d in zip(s_idx.tolist(), d_idx.tolist()):
+            want[d * blk : (d + 1) * blk] = src[s * blk : (s + 1) * blk]
+        want[10 * blk + 3 : 10 * blk + 103] = src[20 * blk + 7 : 20 * blk + 107]
+        assert torch.equal(dst, want)
+        st = a.stats()
+        assert st["nixl_dlists"] == 2 and st["nixl_reads"] == 2 and st["nixl_descs"] == 3 + 1, st
+        a.release_prep(remote)
+        a.release_prep(remote)  # idempotent
+        with pytest.raises(NixlError, match="released"):
+            a.start_prepped(local, d_idx, remote, s_idx)
+        assert a.stats()["nixl_dlists"] == 1
+        with caplog.at_level("WARNING", logger="kvxfer.transports.nixl.agent"):
+            a.close()
+        assert "not released by their owner (dst blocks)" in caplog.text
+        st = a.stats()
+        assert st["nixl_dlists"] == 0 and st["nixl_dlists_swept"] == 1, st
+    finally:
+        a.close()
+        b.close()
 
 
 def test_n3_children_share_prefix_once(ucx):

@@ -1,6 +1,7 @@
-"""Descriptor lists of the nixl direct path, without NIXL: the runs a READ would move are
-replayed with memmove on real caches and compared byte for byte with ``copy_blocks`` (poison
-everywhere else, partial last blocks included); when the direct path is refused, and why."""
+"""Descriptor lists of the nixl direct path, without NIXL: the runs a READ would move (by
+address, or by index into the tables prepared once per peer) are replayed with memmove on real
+caches and compared byte for byte with ``copy_blocks`` (poison everywhere else, partial last
+blocks included); when the direct path is refused, and why."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from kvxfer import KVCacheSpec, Layout
 from kvxfer.ops import copy_blocks
 from kvxfer.transports.nixl.descs import (
     CacheGeometry,
+    DirectTables,
     block_runs,
     coalesce,
     descs,
-    direct_runs,
     direct_why,
+    epoch_index,
     epoch_runs,
     storages,
 )
@@ -163,9 +165,15 @@ def test_geometry_round_trips_and_rejects_garbage():
         CacheGeometry.from_dict(g.to_dict() | {"block_stride": -1})
 
 
-def test_epoch_runs_cover_each_block_once():
-    sa, da, ln = epoch_runs(1000, 5000, np.array([5, 6, 7, 2, 2, 6], dtype=np.int64))
-    assert sa.tolist() == [1016, 1040] and da.tolist() == [5016, 5040] and ln.tolist() == [8, 24]
+def test_epoch_runs_one_word_per_block():
+    a, ln = epoch_runs(1000, 4)
+    assert a.tolist() == [1000, 1008, 1016, 1024] and ln.tolist() == [8] * 4
+    got = epoch_index([np.array([5, 6, 7, 2]), np.array([2, 6, 0])], 8)
+    assert got.tolist() == [0, 2, 5, 6, 7] and got.dtype == np.int32  # each block once, ascending
+    assert epoch_index([np.zeros(0, np.int64)], 8).size == 0
+    for bad in (8, -1):
+        with pytest.raises(ValueError, match="out of range"):
+            epoch_index([np.array([1, bad])], 8)
 
 
 def test_runs_for_a_4k_token_request_are_vectorised():
@@ -209,8 +217,103 @@ def test_direct_runs_of_partial_loads_and_layer_groups(kind, first, layers):
         Item("b", np.array(s2), np.array(d2), n2, first=first),
     ]
     bp = plan_batch(items, 16, [16], 16, [16])
-    g = CacheGeometry.of(src, spec), CacheGeometry.of(dst, spec)
-    sa, da, ln = direct_runs(g[0], g[1], bp.calls, [(0, 0, heads)], layers)
-    for s, t, k in zip(sa.tolist(), da.tolist(), ln.tolist()):
-        ctypes.memmove(t, s, k)
+    tables = DirectTables(CacheGeometry.of(src, spec), CacheGeometry.of(dst, spec), [(0, 0, heads)])
+    moved = _replay_tables(tables, bp.calls, [(0, 0, heads)], layers)
     assert bytes_equal(dst, want), [(c.num_tokens, c.src_offset) for c in bp.calls]
+    assert moved > 0
+
+
+def _replay_tables(tables: DirectTables, calls, keys, layers=None) -> int:
+    """What one direct READ of ``calls`` moves through the prepared tables (indices into every
+    block's descriptors, then the partial blocks' runs), replayed with memmove; returns the
+    bytes moved. Each indexed pair must have equal lengths (NIXL refuses others)."""
+    sa, sl = tables.src.runs()
+    da, dl = tables.dst.runs()
+    assert sa.size == tables.src.size and da.size == tables.dst.size
+    sel = tables.select(calls, keys, layers)
+    assert sel.src.shape == sel.dst.shape
+    assert np.array_equal(sl[sel.src], dl[sel.dst])
+    pairs = list(zip(sa[sel.src].tolist(), da[sel.dst].tolist(), sl[sel.src].tolist()))
+    pairs += list(zip(sel.tail_src.tolist(), sel.tail_dst.tolist(), sel.tail_lens.tolist()))
+    for s, t, k in pairs:
+        ctypes.memmove(t, s, k)
+    return sum(k for _, _, k in pairs)
+
+
+class _Call:
+    """A stand-in for :class:`kvxfer.batching.Call` (block units, no offset)."""
+
+    def __init__(self, src, dst, num_tokens, src_offset=0, dst_offset=0) -> None:
+        self.src, self.dst, self.num_tokens = np.asarray(src), np.asarray(dst), num_tokens
+        self.src_offset, self.dst_offset, self.src_unit, self.dst_unit = src_offset, dst_offset, 0, 0
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_tokens", [1, 16, 37])
+def test_prepared_tables_move_exactly_what_copy_blocks_moves(case, dtype, num_tokens):
+    """Indices into the per-peer tables (and the tails by address) move the same bytes as
+    ``copy_blocks``, for head slices of HND and for MLA; nothing else changes."""
+    kind, bs, sh, dh, s0, d0, n = CASES[case]
+    spec = _spec(kind, bs, dtype)
+    truth = truth_bytes(spec, num_tokens, seed=5)
+    need = spec.num_blocks_for(num_tokens)
+    s_ids = [9, 3, 4, 5, 0][:need]
+    d_ids = [1, 6, 7, 8, 11][:need]
+    src = empty_cache(spec, 12, sh, fill=0x3C)
+    global_src = range(s0, s0 + n) if kind != "MLA" else range(1)
+    place(src, spec, truth, global_src, s_ids, local_head_start=s0 if kind != "MLA" else 0)
+    got, want = empty_cache(spec, 12, dh), empty_cache(spec, 12, dh)
+    key = (s0, d0, n)
+    other = (0, 0, 1) if kind == "HND" and key != (0, 0, 1) else None  # a second slice in the tables
+    tables = DirectTables(
+        CacheGeometry.of(src, spec), CacheGeometry.of(got, spec), [k for k in (other, key) if k is not None]
+    )
+    moved = _replay_tables(tables, [_Call(s_ids, d_ids, num_tokens)], [key])
+    copy_blocks(src, spec, s_ids, want, spec, d_ids, num_tokens, s0, d0, n)
+    assert torch.equal(as_bytes(got), as_bytes(want)), first_difference(as_bytes(got), as_bytes(want))
+    heads_bytes = (
+        n * spec.head_dim * spec.dtype.itemsize if kind != "MLA" else spec.head_dim * spec.dtype.itemsize
+    )
+    assert moved == spec.num_layers * (1 if kind == "MLA" else 2) * num_tokens * heads_bytes
+
+
+def test_tables_index_order_and_refusals():
+    """Indices follow ``[layer, kv, blocks]`` of the slice's range, one per whole block; a block
+    id out of range, a read not prepared, or a call in token units are refused by name."""
+    spec = _spec("HND", 16, heads=4)
+    caches = empty_cache(spec, 10, 4)
+    g = CacheGeometry.of(caches, spec)
+    t = DirectTables(g, g, [(0, 0, 2), (2, 2, 2)])
+    assert t.src.size == 2 * 3 * 2 * 10  # slices x layers x kv x blocks
+    sel = t.select([_Call([4, 5], [7, 8], 32)], [(2, 2, 2)], layers=[1])
+    base = 1 * 3 * 2 * 10  # slice 1
+    assert sel.src.tolist() == [base + 2 * 10 + 4, base + 2 * 10 + 5, base + 3 * 10 + 4, base + 3 * 10 + 5]
+    assert sel.dst.tolist() == [base + 2 * 10 + 7, base + 2 * 10 + 8, base + 3 * 10 + 7, base + 3 * 10 + 8]
+    assert sel.tail_src.size == 0
+    with pytest.raises(ValueError, match="source block id out of range"):
+        t.select([_Call([10], [0], 16)], [(0, 0, 2)])
+    with pytest.raises(ValueError, match="destination block id out of range"):
+        t.select([_Call([0, 1], [0, 10], 20)], [(0, 0, 2)])
+    with pytest.raises(ValueError, match="not prepared"):
+        t.select([_Call([0], [0], 16)], [(1, 1, 2)])
+    c = _Call([0], [0], 16)
+    c.src_unit = 1
+    with pytest.raises(ValueError, match="token units"):
+        t.select([c], [(0, 0, 2)])
+    nhd = _spec("NHD", 16, heads=4)
+    gn = CacheGeometry.of(empty_cache(nhd, 4, 4), nhd)
+    with pytest.raises(ValueError, match="not direct"):
+        DirectTables(gn, gn, [(0, 0, 2)])  # NHD: half of a token row is not one run
+
+
+def test_index_of_a_4k_token_batch_is_vectorised_and_small():
+    """1 x 4096 tokens over 32 layers: 32 x 2 x 256 indices per side and 32 x 2 tail runs."""
+    spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
+    g = CacheGeometry.of([torch.empty(spec.cache_shape(300, 1), dtype=spec.dtype)] * 32, spec)
+    t = DirectTables(g, g, [(0, 0, 8)])
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(300)[:257]
+    sel = t.select([_Call(ids, ids[::-1].copy(), 4096 + 5)], [(0, 0, 8)])
+    assert sel.src.size == sel.dst.size == 32 * 2 * 256
+    assert sel.tail_src.size == 32 * 2 and set(sel.tail_lens.tolist()) == {5 * 8 * 128 * 2}

@@ -10,11 +10,18 @@ This module wraps one ``nixl_agent`` per engine rank (:class:`NixlAgent`):
 
 * memory is registered once per allocation (caches, lease epochs, staging pools), never per
   request;
-* ``read()`` prepares both descriptor lists (``N x 3`` numpy arrays from
-  :mod:`kvxfer.transports.nixl.descs`), posts one READ and polls it, every wait bounded by
-  the caller's deadline (and by the engine's stop event); a READ that outlives its deadline
-  is cancelled, or, when NIXL cannot cancel it, handed back as a :class:`XferFence` whose
-  ``query()`` turns true once it ended — the caller must not reuse its memory before;
+* descriptor lists a peer's READs index are prepared once (:meth:`NixlAgent.prep`, NIXL's
+  ``prep_xfer_dlist``; ``N x 3`` numpy arrays from :mod:`kvxfer.transports.nixl.descs`) and
+  released by their owner (:meth:`NixlAgent.release_prep`; ``stats()["nixl_dlists"]`` counts
+  the live ones); a READ then names descriptors by index (:meth:`NixlAgent.start_prepped`,
+  ``make_prepped_xfer``). A READ of descriptors no list holds (a partial block's runs, a
+  staging chunk) goes through NIXL's combined call (:meth:`NixlAgent.start_read`,
+  ``initialize_xfer``), which leaves no list behind;
+* :meth:`NixlAgent.finish` polls a READ's transfers, every wait bounded by the caller's
+  deadline (and by the engine's stop event); a READ that outlives its deadline is cancelled,
+  or, when NIXL cannot cancel it, handed back as a :class:`XferFence` whose ``query()`` turns
+  true once it ended — the caller must not reuse its memory before (a transfer keeps its own
+  copy of the descriptors it was made from: releasing a list does not touch it);
 * notifications are drained by whichever thread calls :meth:`NixlAgent.poll` (a pump thread
   does it every ``pump_s`` so the passive side of a transfer keeps making progress; with
   NIXL's own progress thread off, a peer that never calls into NIXL stalls the first
@@ -58,6 +65,7 @@ __all__ = [
     "NixlAgent",
     "NixlError",
     "NixlUnavailable",
+    "Prepped",
     "XferFence",
     "XferTimeout",
     "load_nixl",
@@ -169,20 +177,30 @@ def encode_notif(kind: str, key: str, a: int = 0, b: int = 0, c: int = 0, data: 
 
 
 class XferFence:
-    """A READ (and the descriptor lists it uses) kept alive until it ended: ``query()`` is true
-    once NIXL reports it done or failed, or it could be released (cancelled)."""
+    """A READ's transfers kept alive until they ended: ``query()`` is true once NIXL reports
+    each done or failed, or it could be released (cancelled)."""
 
-    def __init__(self, agent: NixlAgent, handle, dlists: Sequence) -> None:
-        self._agent, self._handle, self._dlists = agent, handle, list(dlists)
-        self._ended = False
+    def __init__(self, agent: NixlAgent, handles: Sequence) -> None:
+        self._agent, self._handles = agent, list(handles)
 
     def query(self) -> bool:
-        if not self._ended and self._agent._closed:
-            self._ended = True  # the agent (and its transfers) are gone
-        if not self._ended:
-            # done or failed: released; still running: ended only if NIXL could cancel it
-            self._ended = self._agent.release_read(self._handle, self._dlists, quiet=True)
-        return self._ended
+        if self._handles and self._agent._closed:
+            self._handles = []  # the agent (and its transfers) are gone
+        # done or failed: released; still running: ended only if NIXL could cancel it
+        self._handles = [h for h in self._handles if not self._agent.release_read(h, quiet=True)]
+        return not self._handles
+
+
+class Prepped:
+    """A descriptor list NIXL prepared (:meth:`NixlAgent.prep`): ``size`` descriptors of
+    ``agent`` (``""``: this agent's memory), indexed by a READ until
+    :meth:`NixlAgent.release_prep`."""
+
+    __slots__ = ("agent", "handle", "released", "size", "what")
+
+    def __init__(self, handle: Any, size: int, agent: str, what: str) -> None:
+        self.handle, self.size, self.agent, self.what = handle, size, agent, what
+        self.released = False
 
 
 class NixlAgent:
@@ -234,9 +252,12 @@ class NixlAgent:
         self._cond = threading.Condition(threading.Lock())
         self._pump: threading.Thread | None = None
         self._closed = False
+        self._preps: dict[int, Prepped] = {}  # id -> a prepared list not yet released
         self.num_reads = 0
         self.num_descs = 0
         self.num_notifs = 0
+        self.num_preps = 0
+        self.num_swept = 0  # lists their owner had not released when the agent closed
 
     def stopping(self) -> bool:
         """The engine or this agent is closing: every wait ends."""
@@ -337,21 +358,77 @@ class NixlAgent:
         except NixlError:
             return "ERR"
 
-    def release_read(self, handle, dlists: Sequence, quiet: bool = False) -> bool:
-        """Release a transfer handle (cancels an active one) and its descriptor lists; False
-        when NIXL cannot (the transfer still runs: keep everything)."""
-        try:
-            self._call("release_xfer_handle", handle.release)
-        except NixlError as e:
-            if not quiet:
-                _LOG.warning("kvxfer nixl %s: %s; the transfer is fenced until it ends", self.name, e)
-            return False
-        for d in dlists:
+    def prep(self, descs: np.ndarray, mem: str, what: str, agent: str = "") -> Prepped:
+        """Prepare ``descs`` (``N x 3``) once, in ``agent``'s memory (``""``: this agent's;
+        else a loaded peer's), for :meth:`start_prepped`; the caller releases it
+        (:meth:`release_prep`), or :meth:`close` does."""
+        h = self._call(f"prep_xfer_dlist({what})", self.agent.prep_xfer_dlist, agent, descs, mem)
+        p = Prepped(h, int(descs.shape[0]), agent, what)
+        with self._lock:
+            self._preps[id(p)] = p
+        self.num_preps += 1
+        return p
+
+    def release_prep(self, p: Prepped | None) -> None:
+        """Release a prepared list (idempotent; never raises). Transfers made from it keep
+        their own descriptors; a later :meth:`start_prepped` naming it is refused."""
+        if p is None:
+            return
+        with self._lock:
+            if p.released:
+                return
+            p.released = True
+            self._preps.pop(id(p), None)
+            if self._closed:
+                return
             try:
-                self._call("release_dlist_handle", d.release)
-            except NixlError as e:  # pragma: no cover - NIXL refused to free a list
-                _LOG.debug("kvxfer nixl %s: %s", self.name, e)
-        return True
+                p.handle.release()
+            except Exception as e:  # pragma: no cover - NIXL refused to free a list
+                _LOG.debug("kvxfer nixl %s: release of %s: %s", self.name, p.what, e)
+
+    def _post(self, what: str, make, n: int) -> Any:
+        """Make a transfer (``make()``, under the lock) and post it; returns its handle."""
+
+        def run():
+            h = make()
+            try:
+                st = self.agent.transfer(h)
+            except BaseException:
+                with contextlib.suppress(BaseException):
+                    h.release()
+                raise
+            return h, st
+
+        h, st = self._call(what, run)
+        self.num_reads += 1
+        self.num_descs += n
+        if st == "ERR":
+            self.release_read(h, quiet=True)
+            raise NixlError(f"NIXL {what} failed when posted")
+        return h
+
+    def start_prepped(
+        self,
+        local: Prepped,
+        local_idx: np.ndarray,
+        remote: Prepped,
+        remote_idx: np.ndarray,
+        notif: bytes = b"",
+    ) -> Any:
+        """Post one READ of descriptors ``remote_idx`` of ``remote`` into ``local_idx`` of
+        ``local`` (pairwise; NIXL refuses an index out of range or a pair of unequal lengths,
+        and merges pairs adjacent on both sides); returns its handle for :meth:`finish`."""
+        if local_idx.shape != remote_idx.shape:
+            raise ValueError("nixl read: local and remote indices must pair one to one")
+
+        def make():
+            if local.released or remote.released:  # checked under the lock the release takes
+                raise NixlError(f"NIXL READ from {remote.agent}: its descriptor lists were released")
+            return self.agent.make_prepped_xfer(
+                "READ", local.handle, local_idx, remote.handle, remote_idx, notif
+            )
+
+        return self._post(f"READ from {remote.agent} (prepared)", make, int(local_idx.size))
 
     def start_read(
         self,
@@ -361,82 +438,77 @@ class NixlAgent:
         remote: np.ndarray,
         remote_mem: str,
         notif: bytes = b"",
-    ) -> tuple[Any, list]:
+    ) -> Any:
         """Post one READ of ``remote`` descriptors (``N x 3``, in the peer's memory) into
-        ``local`` ones (pairwise, equal lengths); returns ``(handle, dlists)`` for
-        :meth:`finish` or :meth:`poll_read`."""
+        ``local`` ones (pairwise, equal lengths) through NIXL's combined call (no list is left
+        to release); returns its handle for :meth:`finish` or :meth:`poll_read`."""
         if local.shape != remote.shape or not np.array_equal(local[:, 1], remote[:, 1]):
             raise ValueError("nixl read: local and remote descriptors must pair with equal lengths")
-        n = local.shape[0]
-        lh = self._call("prep_xfer_dlist(local)", self.agent.prep_xfer_dlist, "", local, local_mem)
+        ag = self.agent
+
+        def make():
+            lo, re = ag.get_xfer_descs(local, local_mem), ag.get_xfer_descs(remote, remote_mem)
+            return ag.initialize_xfer("READ", lo, re, remote_agent, notif)
+
+        return self._post(f"READ from {remote_agent}", make, int(local.shape[0]))
+
+    def release_read(self, handle, quiet: bool = False) -> bool:
+        """Release a transfer handle (cancels an active one); False when NIXL cannot (the
+        transfer still runs: keep its memory)."""
         try:
-            rh = self._call(
-                "prep_xfer_dlist(remote)", self.agent.prep_xfer_dlist, remote_agent, remote, remote_mem
-            )
-        except NixlError:
-            self._call("release_dlist_handle", lh.release)
-            raise
-        idx = np.arange(n, dtype=np.int32)
-        try:
-            h = self._call("make_prepped_xfer", self.agent.make_prepped_xfer, "READ", lh, idx, rh, idx, notif)
-            st = self._call("transfer", self.agent.transfer, h)
-        except NixlError:
-            for d in (lh, rh):
-                with contextlib.suppress(NixlError):
-                    self._call("release_dlist_handle", d.release)
-            raise
-        self.num_reads += 1
-        self.num_descs += n
-        if st == "ERR":
-            self.release_read(h, [lh, rh], quiet=True)
-            raise NixlError(f"NIXL READ from {remote_agent} failed when posted")
-        return h, [lh, rh]
+            self._call("release_xfer_handle", handle.release)
+        except NixlError as e:
+            if not quiet:
+                _LOG.warning("kvxfer nixl %s: %s; the transfer is fenced until it ends", self.name, e)
+            return False
+        return True
+
+    def cancel(self, handles: Sequence) -> list:
+        """Release (cancel) ``handles``; returns those NIXL could not cancel (still running)."""
+        return [h for h in handles if not self.release_read(h, quiet=True)]
 
     def poll_read(self, handle) -> str:
         """``"DONE"``, ``"PROC"`` or ``"ERR"`` (progresses the transfer)."""
         return self._state(handle)
 
-    def finish(self, handle, dlists: list, deadline: float, what: str) -> None:
-        """Wait until the READ ``handle`` is done (polling, :func:`~kvxfer.ordering.poll_pause`
-        between polls), then release it. Raises :class:`NixlError` when it failed or the engine
-        stops, and :class:`XferTimeout` (with a fence) when the deadline passed and it cannot be
-        cancelled."""
+    def finish(self, handles: Sequence, deadline: float, what: str) -> None:
+        """Wait until every transfer of ``handles`` (one READ) is done (polling,
+        :func:`~kvxfer.ordering.poll_pause` between polls), releasing each. Raises
+        :class:`NixlError` when one failed or the engine stops (the others cancelled), and
+        :class:`XferTimeout` (with a fence) when the deadline passed, or one failed, and some
+        cannot be cancelled."""
+        pending = list(handles)
         start = time.monotonic()
         first = True
-        while True:
-            st = self._state(handle)
-            if st == "DONE":
-                self.release_read(handle, dlists)
+        while pending:
+            failed = False
+            for h in list(pending):
+                st = self._state(h)
+                if st == "DONE":
+                    self.release_read(h)
+                    pending.remove(h)
+                elif st == "ERR":
+                    failed = True
+            if not pending:
                 return
-            if st == "ERR":
-                self.release_read(handle, dlists, quiet=True)
-                raise NixlError(f"NIXL {what}: the transfer failed (peer gone or memory not registered)")
-            if self.stopping() or time.monotonic() >= deadline:
-                why = "the engine is closing" if self.stopping() else "the deadline passed"
-                if self.release_read(handle, dlists, quiet=True):
-                    raise NixlError(f"NIXL {what}: {why}; the transfer was cancelled")
+            ended = self.stopping() or time.monotonic() >= deadline
+            if failed or ended:
+                if failed:
+                    why = "a transfer failed (peer gone or memory not registered)"
+                else:
+                    why = "the engine is closing" if self.stopping() else "the deadline passed"
+                left = self.cancel(pending)
+                if not left:
+                    raise NixlError(
+                        f"NIXL {what}: {why}" + ("" if failed else "; the transfer was cancelled")
+                    )
                 raise XferTimeout(
                     f"NIXL {what}: {why} and the transfer cannot be cancelled; fenced until it ends",
-                    XferFence(self, handle, dlists),
+                    XferFence(self, left),
                 )
             if not first:  # the first re-poll comes at once
                 time.sleep(poll_pause(time.monotonic() - start))
             first = False
-
-    def read(
-        self,
-        local: np.ndarray,
-        local_mem: str,
-        remote_agent: str,
-        remote: np.ndarray,
-        remote_mem: str,
-        deadline: float,
-        what: str,
-        notif: bytes = b"",
-    ) -> None:
-        """:meth:`start_read` then :meth:`finish`."""
-        h, dl = self.start_read(local, local_mem, remote_agent, remote, remote_mem, notif)
-        self.finish(h, dl, deadline, what)
 
     # ----------------------------------------------------------------------- notifications
     def send_notif(self, peer: str, msg: bytes) -> None:
@@ -533,6 +605,18 @@ class NixlAgent:
         self._halt.set()
         if self._pump is not None:
             self._pump.join(timeout_s)
+        with self._lock:
+            left = list(self._preps.values())
+        if left:
+            self.num_swept += len(left)
+            _LOG.warning(
+                "kvxfer nixl %s: %d prepared descriptor list(s) not released by their owner (%s); released at close",
+                self.name,
+                len(left),
+                ", ".join(sorted({p.what for p in left})),
+            )
+        for p in left:  # before their peers are removed
+            self.release_prep(p)
         for name in list(self._remotes):
             self.remove_remote(name)
         for handle in list(self._regs):
@@ -546,5 +630,8 @@ class NixlAgent:
             "nixl_reads": self.num_reads,
             "nixl_descs": self.num_descs,
             "nixl_notifs": self.num_notifs,
+            "nixl_dlists": len(self._preps),
+            "nixl_dlists_prepared": self.num_preps,
+            "nixl_dlists_swept": self.num_swept,
             "nixl_registered_bytes": sum(self._registered.values()),
         }

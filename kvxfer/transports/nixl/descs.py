@@ -16,10 +16,17 @@ Pure numpy, no NIXL: everything here is testable (and tested) on any machine.
   request's last one, or a partial load's first one, which starts inside the block; a layer
   group of a layer-wise export selects layers); the two sides of a direct read produce
   equal-length lists that pair one to one.
-* :func:`direct_runs` — both sides' runs of a batch's ops calls (block units), coalesced.
+* :class:`BlockTable` — one side's descriptors of every whole block (one per layer, kv, block
+  and head slice), which NIXL prepares once per peer; a READ names them by index
+  (:meth:`BlockTable.index`), as NIXL's prepared transfers intend.
+* :class:`DirectTables` — both sides' tables for the direct reads of one source rank, and
+  :meth:`DirectTables.select`: a batch's ops calls (block units) as indices of whole blocks
+  plus the runs of its partial blocks (:class:`DirectReads`), which no per-block table holds.
 * :func:`coalesce` — merges consecutive pairs that continue contiguously on both sides (adjacent
-  blocks), so a read is one descriptor per contiguous run.
-* :func:`epoch_runs` — the runs of an exporter's lease-epoch array that cover a set of blocks.
+  blocks), so the partial blocks' list is one descriptor per contiguous run (NIXL merges
+  adjacent indexed descriptors itself).
+* :func:`epoch_runs` — one descriptor per block of an exporter's lease-epoch array (prepared
+  once per peer, indexed by block id).
 
 No per-block or per-layer Python loop: each list is one broadcast numpy expression.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,12 +44,15 @@ import torch
 from ...spec import KVCacheSpec, Layout
 
 __all__ = [
+    "BlockTable",
     "CacheGeometry",
+    "DirectReads",
+    "DirectTables",
     "block_runs",
     "coalesce",
     "descs",
-    "direct_runs",
     "direct_why",
+    "epoch_index",
     "epoch_runs",
     "storages",
 ]
@@ -229,21 +240,14 @@ def block_runs(
     return addrs, lens
 
 
-def direct_runs(
-    src: CacheGeometry,
-    dst: CacheGeometry,
-    calls: Sequence,
-    reads: Sequence[tuple[int, int, int]],
-    layers: list[int] | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The coalesced ``(src addresses, dst addresses, lengths)`` of a direct read: ``calls``
-    (:class:`kvxfer.batching.Call` of a plan with block units on both sides, equal
-    block sizes) for each of ``reads`` ``(src head start, dst head start, heads)``, in
-    ``layers`` (default all). A call is whole blocks then at most one partial last block, or a
-    partial load's head (``src_offset == dst_offset``, inside one block)."""
-    bs = src.block_size
+def _split_calls(calls: Sequence, bs: int) -> tuple[np.ndarray, ...]:
+    """A batch's ops calls (block units on both sides) as ``(src full, dst full, src parts, dst
+    parts, part tokens, part starts)``: each call's whole blocks, then at most one partial last
+    block, or a partial load's head (``src_offset == dst_offset``, inside one block)."""
     fs, fd, ps, pd, pt, po = [], [], [], [], [], []
     for c in calls:  # per call (a few per batch), never per block
+        if c.src_unit not in (0, bs) or c.dst_unit not in (0, bs):
+            raise ValueError("nixl direct: a call in token units is not a direct read")
         if c.src_offset or c.dst_offset:
             if c.src_offset != c.dst_offset or c.src_offset + c.num_tokens > bs:
                 raise ValueError("nixl direct: a partial load's head call does not line up on both sides")
@@ -264,21 +268,114 @@ def direct_runs(
     def cat(xs: list) -> np.ndarray:
         return np.concatenate([np.asarray(x, dtype=np.int64) for x in xs]) if xs else np.zeros(0, np.int64)
 
-    fs_a, fd_a, ps_a, pd_a = cat(fs), cat(fd), cat(ps), cat(pd)
-    pt_a, po_a = np.asarray(pt, dtype=np.int64), np.asarray(po, dtype=np.int64)
-    sa, da, ln = [], [], []
-    for h_src, h_dst, n in reads:
-        a, la = block_runs(src, h_src, n, fs_a, ps_a, pt_a, po_a, layers)
-        b, lb = block_runs(dst, h_dst, n, fd_a, pd_a, pt_a, po_a, layers)
-        if not np.array_equal(la, lb):
-            raise ValueError("nixl direct: source and destination runs differ (not a direct read)")
-        sa.append(a)
-        da.append(b)
-        ln.append(la)
-    if not sa:
+    return cat(fs), cat(fd), cat(ps), cat(pd), np.asarray(pt, dtype=np.int64), np.asarray(po, dtype=np.int64)
+
+
+class BlockTable:
+    """One side's descriptors of whole blocks, prepared once per peer: for each head slice
+    ``slices[k] = (head_start, num_heads)``, one run per (layer, kv, block) of every block
+    (:func:`block_runs` of all blocks), in the order ``[slice, layer, kv, block]``. A READ then
+    names descriptors by index (:meth:`index`) instead of listing addresses."""
+
+    def __init__(self, g: CacheGeometry, slices: Sequence[tuple[int, int]]) -> None:
+        self.geometry = g
+        self.slices = tuple((int(h), int(n)) for h, n in slices)
+        self.num_blocks = g.num_blocks
+        self.plane = len(g.layer_addrs) * g.num_kv  # runs of one block in one slice
+        self.size = len(self.slices) * self.plane * g.num_blocks
+        if self.size >= 2**31:
+            raise ValueError(f"nixl: {self.size} block descriptors exceed NIXL's int32 indices")
+        # each slice's first index of every (layer, kv) plane, as a column (all layers)
+        self._starts = [self._plane_starts(k, None) for k in range(len(self.slices))]
+
+    def _plane_starts(self, k: int, layers: list[int] | None) -> np.ndarray:
+        kv = self.geometry.num_kv
+        lay = np.arange(len(self.geometry.layer_addrs)) if layers is None else np.asarray(layers, np.int64)
+        planes = (k * self.plane + lay[:, None] * kv + np.arange(kv)[None, :]) * self.num_blocks
+        return planes.astype(np.int32).reshape(-1, 1)
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(addresses, lengths)`` of every descriptor, in index order."""
+        every = np.arange(self.num_blocks, dtype=np.int64)
+        none = np.zeros(0, np.int64)
+        out = [block_runs(self.geometry, h, n, every, none, none) for h, n in self.slices]
+        if not out:
+            return np.zeros(0, _U64), np.zeros(0, _U64)
+        return np.concatenate([a for a, _ in out]), np.concatenate([ln for _, ln in out])
+
+    def index(self, k: int, blocks: np.ndarray, layers: list[int] | None, side: str) -> np.ndarray:
+        """Indices (int32, as NIXL takes them) of whole ``blocks`` of slice ``k`` in ``layers``
+        (default all), in the order ``[layer, kv, blocks]`` of :func:`block_runs`;
+        ``ValueError`` naming ``side`` when a block id is out of range (it would name another
+        slice's descriptor)."""
+        if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks):
+            raise ValueError(
+                f"nixl direct: {side} block id out of range [0, {self.num_blocks}): "
+                f"{int(blocks.min())}..{int(blocks.max())}"
+            )
+        starts = self._starts[k] if layers is None else self._plane_starts(k, layers)
+        return (starts + blocks.astype(np.int32)[None, :]).reshape(-1)
+
+
+class DirectReads(NamedTuple):
+    """What one direct READ moves: whole blocks by index into the prepared tables (``src``,
+    ``dst``, pairwise), and the partial blocks' runs, coalesced (``tail_src``, ``tail_dst``
+    addresses, ``tail_lens``), which a READ lists by address."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    tail_src: np.ndarray
+    tail_dst: np.ndarray
+    tail_lens: np.ndarray
+
+
+class DirectTables:
+    """Both sides' :class:`BlockTable` for the direct reads ``keys`` ``(src head start, dst
+    head start, heads)`` of one source rank (slice ``k`` of each table is ``keys[k]``);
+    ``ValueError`` when a key is not a direct read (:func:`direct_why`)."""
+
+    def __init__(self, src: CacheGeometry, dst: CacheGeometry, keys: Sequence[tuple[int, int, int]]) -> None:
+        for sh, dh, n in keys:
+            why = direct_why(src, dst, sh, dh, n)
+            if why:
+                raise ValueError(f"nixl direct: read {(sh, dh, n)} is not direct: {why}")
+        self.keys = [tuple(k) for k in keys]
+        self.pos = {k: i for i, k in enumerate(self.keys)}
+        self.src = BlockTable(src, [(sh, n) for sh, _, n in self.keys])
+        self.dst = BlockTable(dst, [(dh, n) for _, dh, n in self.keys])
+
+    def select(
+        self, calls: Sequence, keys: Sequence[tuple[int, int, int]], layers: list[int] | None = None
+    ) -> DirectReads:
+        """The READ of ``calls`` (:class:`kvxfer.batching.Call` with block units on both
+        sides, equal block sizes) for each of ``keys``, in ``layers`` (default all)."""
+        src, dst = self.src.geometry, self.dst.geometry
+        fs, fd, ps, pd, pt, po = _split_calls(calls, src.block_size)
+        for b, t, side in ((ps, self.src, "source"), (pd, self.dst, "destination")):
+            if b.size and (int(b.min()) < 0 or int(b.max()) >= t.num_blocks):
+                raise ValueError(f"nixl direct: {side} block id out of range [0, {t.num_blocks})")
+        si, di, ts, td, tl = [], [], [], [], []
+        for key in keys:  # per head slice (one in practice), never per block
+            k = self.pos.get(tuple(key))
+            if k is None:
+                raise ValueError(f"nixl direct: read {tuple(key)} was not prepared for this peer")
+            si.append(self.src.index(k, fs, layers, "source"))
+            di.append(self.dst.index(k, fd, layers, "destination"))
+            if ps.size:
+                sh, dh, n = key
+                a, la = block_runs(src, sh, n, fs[:0], ps, pt, po, layers)
+                b, lb = block_runs(dst, dh, n, fd[:0], pd, pt, po, layers)
+                if not np.array_equal(la, lb):
+                    raise ValueError("nixl direct: source and destination runs differ (not a direct read)")
+                ts.append(a)
+                td.append(b)
+                tl.append(la)
         z = np.zeros(0, _U64)
-        return z, z, z
-    return coalesce(np.concatenate(sa), np.concatenate(da), np.concatenate(ln))
+        tails = coalesce(np.concatenate(ts), np.concatenate(td), np.concatenate(tl)) if ts else (z, z, z)
+        if len(si) == 1:
+            return DirectReads(si[0], di[0], *tails)
+        none = np.zeros(0, np.int32)
+        return DirectReads(np.concatenate(si) if si else none, np.concatenate(di) if di else none, *tails)
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -295,14 +392,22 @@ def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.nda
     return src[starts], dst[starts], np.add.reduceat(lens, starts)
 
 
-def epoch_runs(
-    src_base: int, dst_base: int, block_ids: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs copying the int64 epochs of ``block_ids`` from an array at ``src_base`` to the same
-    offsets of an array at ``dst_base`` (each block once, adjacent ids merged)."""
-    ids = np.unique(np.asarray(block_ids, dtype=np.int64)).astype(_U64)
-    off = ids * _U64(8)
-    return coalesce(_U64(src_base) + off, _U64(dst_base) + off, np.full(ids.size, 8, dtype=_U64))
+def epoch_runs(base: int, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(addresses, lengths)`` of one 8-byte descriptor per block of an int64 epoch array at
+    ``base`` (prepared once per peer; a READ names block ids as indices: :func:`epoch_index`)."""
+    return _U64(base) + np.arange(num_blocks, dtype=_U64) * _U64(8), np.full(num_blocks, 8, dtype=_U64)
+
+
+def epoch_index(block_ids: Sequence[np.ndarray], num_blocks: int) -> np.ndarray:
+    """The epoch descriptors (int32 indices) of ``block_ids``: each block once, ascending (so
+    NIXL merges adjacent ones); ``ValueError`` when one is out of range."""
+    ids = np.sort(np.concatenate(block_ids))
+    if ids.size and (int(ids[0]) < 0 or int(ids[-1]) >= num_blocks):
+        raise ValueError(f"nixl direct: source block id out of range [0, {num_blocks})")
+    first = np.empty(ids.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ids[1:], ids[:-1], out=first[1:])
+    return ids[first].astype(np.int32)
 
 
 def descs(addrs: np.ndarray, lens: np.ndarray, device_id: int) -> np.ndarray:

@@ -6,10 +6,15 @@ head slice), on the path chosen then:
 
 * **direct** — layouts, block sizes and head slices line up
   (:func:`~kvxfer.transports.nixl.descs.direct_why`): one READ per (batch, source rank) of
-  the exporter's blocks straight into the loader's, one descriptor per contiguous run; then a
-  READ of the exporter's epochs of those blocks, compared with the lease grant's snapshot as
-  ``ipc`` does (the outcome carries them to the load planner, :func:`kvxfer.planner.stale_loads`:
-  a block released before or during the READ is never delivered);
+  the exporter's blocks straight into the loader's. Its descriptors were prepared at the
+  open, one per (head slice, layer, kv, block) on each side
+  (:class:`~kvxfer.transports.nixl.descs.DirectTables`; this rank's side shared by the peers
+  that read the same head slices), so a READ computes indices into them; the partial blocks'
+  runs (a request's last block, a partial load's first) go in a second transfer of the same
+  READ, listed by address. Then a READ of the exporter's epochs of those blocks (one prepared
+  descriptor per block), compared with the lease grant's snapshot as ``ipc`` does (the
+  outcome carries them to the load planner, :func:`kvxfer.planner.stale_loads`: a block
+  released before or during the READ is never delivered);
 * **staged** — otherwise: the chunked pipeline of :mod:`~kvxfer.transports.nixl.staged`
   (a ``SendReq`` on the side channel with the tokens, :func:`kvxfer.transports.streams.ask_stream`;
   the exporter gathers under its lease lock and its stream's status says which requests
@@ -23,7 +28,6 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import torch
 
 from ... import control
@@ -34,8 +38,8 @@ from ...tracing import batch_tag, trace
 from ...transfer import Done, Outcome, Route, Transfer
 from ..base import LoaderLink
 from ..streams import ask_stream, stream_scatters, take_status
-from .agent import NixlAgent, NixlError, XferTimeout, mem_of
-from .descs import CacheGeometry, descs, direct_runs, epoch_runs
+from .agent import NixlAgent, NixlError, Prepped, XferFence, XferTimeout, mem_of
+from .descs import CacheGeometry, DirectTables, descs, epoch_index
 from .staged import NixlStaging, recv_stream
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,6 +77,13 @@ class SrcRank:
     mirror_reg: object = None
     paired: bool = False  # the exporter loaded our connection info (staged reads)
     paths: dict = field(default_factory=dict)  # (src head start, dst head start, heads) -> "" | why staged
+    # The direct reads' descriptors, prepared at the open (None: no direct read): the tables,
+    # the exporter's blocks and epochs and the mirror's (owned), this rank's blocks (shared).
+    tables: DirectTables | None = None
+    remote_blocks: Prepped | None = None
+    local_blocks: Prepped | None = None
+    remote_epochs: Prepped | None = None
+    local_epochs: Prepped | None = None
 
 
 def read_key(r: Read) -> tuple[int, int, int]:
@@ -146,35 +157,47 @@ class NixlSession:
             raise
 
     def _direct(self, st: SrcRank, transfer: Transfer) -> Outcome:
-        """One READ of the transfer's blocks, one descriptor per contiguous run, then one READ
-        of the exporter's epochs of them (into the registered mirror)."""
+        """One READ of the transfer's blocks (indices into the prepared lists; the partial
+        blocks' runs by address), then one READ of the exporter's epochs of them (into the
+        registered mirror)."""
         nixl = self.nixl
         rank, rt, agent = nixl.rank, nixl.rt, nixl.agent
         loads = transfer.loads
+        if st.tables is None:
+            raise RuntimeError(f"nixl: no direct descriptors prepared for exporter rank {transfer.source}")
         keys = [read_key(r) for r in transfer.reads]
-        sa, da, ln = direct_runs(st.geometry, nixl.geometry, transfer.plan.calls, keys, transfer.layers)
+        sel = st.tables.select(transfer.plan.calls, keys, transfer.layers)
         mem, dev = mem_of(rank.caches[0])
         tag = batch_tag([it.request_id for it in loads])
         hook = rt.hooks.get("before_nixl_read")
         if hook:
             hook()
-        if sa.size:
+        n = sel.src.size + sel.tail_src.size
+        if n:
+            what = f"READ of {sel.src.size} blocks and {sel.tail_src.size} runs from {st.agent}"
             with trace("copy", tag):
-                agent.read(
-                    descs(da, ln, dev), mem, st.agent, descs(sa, ln, st.dev), st.mem, transfer.deadline,
-                    f"READ of {sa.size} runs from {st.agent}",
-                )  # fmt: skip
+                handles = []
+                try:
+                    if sel.src.size:
+                        handles.append(
+                            agent.start_prepped(st.local_blocks, sel.dst, st.remote_blocks, sel.src)
+                        )
+                    if sel.tail_src.size:
+                        local = descs(sel.tail_dst, sel.tail_lens, dev)
+                        remote = descs(sel.tail_src, sel.tail_lens, st.dev)
+                        handles.append(agent.start_read(local, mem, st.agent, remote, st.mem))
+                except BaseException:
+                    _abandon(agent, handles, what)
+                    raise
+                agent.finish(handles, transfer.deadline, what)
         hook = rt.hooks.get("after_nixl_read")
         if hook:
             hook()
         # The epochs, after the READ (as ipc reads them): epochs only grow, so a block released
         # before or during the READ shows a moved epoch; the planner fails its load.
-        ids = np.concatenate([it.src_ids for it in loads])
-        es, ed, el = epoch_runs(st.epochs_addr, int(st.mirror.data_ptr()), ids)
-        agent.read(
-            descs(ed, el, 0), "DRAM", st.agent, descs(es, el, 0), "DRAM", transfer.deadline,
-            f"epoch READ from {st.agent}",
-        )  # fmt: skip
+        ids = epoch_index([it.src_ids for it in loads], st.remote_epochs.size)
+        h = agent.start_prepped(st.local_epochs, ids, st.remote_epochs, ids)
+        agent.finish([h], transfer.deadline, f"epoch READ from {st.agent}")
         return Outcome({it.request_id for it in loads}, {}, {}, st.mirror.numpy(), 0)
 
     def _pair(self, s: int, st: SrcRank, token_of: LoadItem, deadline: float) -> None:
@@ -256,10 +279,25 @@ class NixlSession:
         drop_ranks(self.nixl.agent, ranks)
 
 
+def _abandon(agent: NixlAgent, handles: list, what: str) -> None:
+    """Cancel the transfers of a READ that could not be posted whole; raises
+    :class:`XferTimeout` (fenced) when one cannot be cancelled."""
+    left = agent.cancel(handles)
+    if left:
+        raise XferTimeout(
+            f"NIXL {what}: a part already posted cannot be cancelled; fenced until it ends",
+            XferFence(agent, left),
+        )
+
+
 def drop_ranks(agent: NixlAgent | None, ranks: dict[int, SrcRank]) -> None:
-    """Remove ``ranks``' agents from ``agent`` and deregister their epoch mirrors."""
+    """Release ``ranks``' prepared lists (not this rank's shared ones), remove their agents
+    from ``agent`` and deregister their epoch mirrors."""
     if agent is None:
         return
     for st in ranks.values():
+        # released, not dropped: a READ racing the close finds them released (a NixlError)
+        for p in (st.remote_blocks, st.remote_epochs, st.local_epochs):
+            agent.release_prep(p)
         agent.remove_remote(st.agent)
         agent.deregister(st.mirror_reg)

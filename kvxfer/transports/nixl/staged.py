@@ -237,7 +237,7 @@ class _Reads:
         self.staging, self.deadline, self.tag = staging, deadline, tag
         self.want: dict[int, torch.Tensor] = {}  # chunk -> posted buffer
         self.ready: dict[int, tuple[int, int]] = {}  # chunk -> (exporter slot, bytes)
-        self.active: dict[int, tuple] = {}  # chunk -> (handle, dlists, buffer)
+        self.active: dict[int, tuple] = {}  # chunk -> (handle, buffer)
         self.done: set[int] = set()
         self.failed: BaseException | None = None  # the first failure: later waits raise it at once
         self.status: bytes | None = None  # the exporter's E notification (module doc, step 5)
@@ -269,7 +269,7 @@ class _Reads:
             local = _one(buf.data_ptr(), nbytes, self.staging.dev)
             remote = _one(addrs[slot], nbytes, self.remote["dev"])
             with trace("recv", self.tag):
-                h, dl = self.agent.start_read(
+                h = self.agent.start_read(
                     local,
                     self.staging.mem,
                     self.peer,
@@ -277,7 +277,7 @@ class _Reads:
                     self.remote["mem"],
                     encode_notif("D", self.key, i),
                 )
-            self.active[i] = (h, dl, buf)
+            self.active[i] = (h, buf)
 
     def post(self, c: Chunk, buf: torch.Tensor) -> _ReadWork:
         self.want[c.index] = buf
@@ -305,10 +305,10 @@ class _Reads:
             n = len(self.done) + len(self.ready) + len(self.active)
             self._absorb()
             self._start()
-            for j, (h, dl, _) in list(self.active.items()):
+            for j, (h, _) in list(self.active.items()):
                 st = self.agent.poll_read(h)
                 if st == "DONE":
-                    self.agent.release_read(h, dl)
+                    self.agent.release_read(h)
                     del self.active[j]
                     self.done.add(j)
                 elif st == "ERR":
@@ -353,9 +353,9 @@ class _Reads:
         """Cancel every READ still running; those NIXL cannot cancel come back as (buffer,
         fence)."""
         held = []
-        for h, dl, buf in self.active.values():
-            if not self.agent.release_read(h, dl, quiet=True):
-                held.append((buf, XferFence(self.agent, h, dl)))
+        for h, buf in self.active.values():
+            if not self.agent.release_read(h, quiet=True):
+                held.append((buf, XferFence(self.agent, [h])))
         self.active.clear()
         return held
 

@@ -31,8 +31,8 @@ from ... import control
 from ...engine_types import HandshakeError
 from ..base import LoaderLink, StreamJob
 from ..streams import stream_gathers
-from .agent import NixlAgent, NixlError, mem_of, nixl_status
-from .descs import CacheGeometry, direct_why
+from .agent import NixlAgent, NixlError, Prepped, mem_of, nixl_status
+from .descs import CacheGeometry, DirectTables, descs, direct_why, epoch_runs
 from .session import NixlSession, SrcRank, drop_ranks, read_key, src_rank
 from .staged import NixlStaging, send_stream, stream_error
 
@@ -62,6 +62,10 @@ class NixlTransport:
         self.send_staging: NixlStaging | None = None
         self.recv_staging: NixlStaging | None = None
         self._build_lock = threading.Lock()
+        # this rank's block descriptors prepared for direct reads, by their head slices (shared
+        # by every peer read with the same slices; released at close)
+        self._local_blocks: dict[tuple, Prepped] = {}
+        self._local_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._sender: threading.Thread | None = None
 
@@ -163,6 +167,10 @@ class NixlTransport:
             )
             return
         self.agent = None
+        with self._local_lock:
+            shared, self._local_blocks = list(self._local_blocks.values()), {}
+        for p in shared:
+            agent.release_prep(p)
         agent.close()
 
     def stats(self) -> dict:
@@ -294,8 +302,48 @@ class NixlTransport:
             why = direct_why(st.geometry, self.geometry, r.src_head_start, r.dst_head_start, r.num_heads)
             st.paths[read_key(r)] = why
             notes.append(f"rank {r.src_rank} " + ("direct" if not why else f"staged ({why})"))
+        try:
+            for st in ranks.values():
+                self._prepare(agent, st)
+        except (NixlError, ValueError) as x:
+            drop_ranks(agent, ranks)
+            raise HandshakeError(f"nixl: preparing the direct reads' descriptors: {x}") from None
+        except BaseException:
+            drop_ranks(agent, ranks)
+            raise
         peer.reason += "; paths: " + ", ".join(notes)
         return NixlSession(self, peer, link, ranks)
+
+    def _prepare(self, agent: NixlAgent, st: SrcRank) -> None:
+        """Prepare, once per peer, the descriptor lists of ``st``'s direct reads: every block of
+        the exporter (per head slice, layer, kv) and one per block of its epoch array and of
+        our mirror of it; this rank's blocks come from the lists shared by head slices. A READ
+        then only computes indices into them."""
+        keys = [k for k, why in st.paths.items() if not why]
+        if not keys:
+            return
+        st.tables = tables = DirectTables(st.geometry, self.geometry, keys)
+        addrs, lens = tables.src.runs()
+        st.remote_blocks = agent.prep(descs(addrs, lens, st.dev), st.mem, "exporter blocks", st.agent)
+        st.local_blocks = self._local_list(agent, tables)
+        n = int(st.mirror.numel())
+        st.remote_epochs = agent.prep(
+            descs(*epoch_runs(st.epochs_addr, n), 0), "DRAM", "exporter epochs", st.agent
+        )
+        st.local_epochs = agent.prep(
+            descs(*epoch_runs(int(st.mirror.data_ptr()), n), 0), "DRAM", "epoch mirror"
+        )
+
+    def _local_list(self, agent: NixlAgent, tables: DirectTables) -> Prepped:
+        """This rank's prepared block list for the head slices of ``tables.dst`` (made once)."""
+        key = tables.dst.slices
+        with self._local_lock:
+            p = self._local_blocks.get(key)
+            if p is None:
+                mem, dev = mem_of(self.rank.caches[0])
+                addrs, lens = tables.dst.runs()
+                p = self._local_blocks[key] = agent.prep(descs(addrs, lens, dev), mem, "local blocks")
+            return p
 
     def receive_staging(self) -> NixlStaging:
         """The loader's registered receive staging pool (made on its first staged read)."""
