@@ -31,6 +31,7 @@ __all__ = [
     "check_args",
     "host_wire_budget",
     "launch",
+    "launch_of",
     "wire_cap",
 ]
 
@@ -53,6 +54,21 @@ class Launch(NamedTuple):
     engines: bool
     a: object
     b: object = None
+
+
+def launch_of(op: str, backend: str | None, caches, info) -> Launch:
+    """The :class:`Launch` of ``op`` with ``backend`` on one side's ``caches`` (``info``: what
+    checking them found, :class:`kvxfer.paged.PagedCache` ``.info`` when registered): kept on
+    registered caches per (op, backend), made anew for others (their checks cost far more)."""
+    if type(caches) is not PagedCache:
+        return Launch(op, backend, info.device, info.engines, caches)
+    memo = caches.__dict__.get("_launches")
+    if memo is None:
+        memo = caches.__dict__["_launches"] = {}
+    how = memo.get((op, backend))
+    if how is None:
+        how = memo[(op, backend)] = Launch(op, backend, info.device, info.engines, caches)
+    return how
 
 
 def launch(how: Launch, x, y, budget: int | None, dma: bool | None) -> None:

@@ -52,6 +52,7 @@ from .dispatch import (  # noqa: F401  (HOST_WIRE_ENV: the host-wire budget's va
     check_args,
     host_wire_budget,
     launch,
+    launch_of,
     wire_cap,
 )
 from .paged import (  # the validation every op makes (re-exported: the ops' public names)
@@ -140,7 +141,7 @@ def gather_blocks(
     if num_tokens:
         wire = out.view(side.wire_view_shape())
         got = wire_cap(cap(max_sms, side, None, caches), side, wire)
-        launch(Launch("gather", backend, device, info.engines, caches), side, wire, got, dma)
+        launch(launch_of("gather", backend, caches, info), side, wire, got, dma)
     return out
 
 
@@ -181,7 +182,7 @@ def scatter_blocks(
     if num_tokens:
         w = wire.view(side.wire_view_shape())
         got = wire_cap(cap(max_sms, None, side, caches), side, w)
-        launch(Launch("scatter", backend, info.device, info.engines, caches), w, side, got, dma)
+        launch(launch_of("scatter", backend, caches, info), w, side, got, dma)
 
 
 def copy_blocks(
