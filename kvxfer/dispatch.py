@@ -80,16 +80,15 @@ def launch(how: Launch, x, y, budget: int | None, dma: bool | None) -> None:
         _registry.run(how.backend, how.device, how.op, x, y)
         return
     op, device = how.op, how.device
+    wire = y if op == "gather" else x if op == "scatter" else None
     if how.backend is not None and dma is None:
         choice = _dma.Choice("kernel", "backend named", how.backend)
     else:
         src = x if op != "scatter" else None
         dst = y if op != "gather" else None
-        wire = y if op == "gather" else x if op == "scatter" else None
         wire_ptr = wire.data_ptr() if wire is not None else None
         choice = _dma.choose(op, src, dst, wire_ptr, budget, dma, device)
     if choice.path == "dma":
-        wire = y if op == "gather" else x if op == "scatter" else None
         host = wire is not None and wire.device.type != device.type  # a pinned host wire
         with tracing.trace(op, str, choice):
             done = _batch_copy.run(

@@ -2,9 +2,10 @@
 one device, both sides' templates for a head slice and layer set), then per call only ids and
 token counts, for one request or for a batch of them in CSR form.
 
-Every copy between registered caches runs through one :class:`PreparedCopy`: the one-sided ipc
-load keeps its own, :func:`kvxfer.ops.copy_blocks` finds the one its source keeps per
-destination (:func:`prepared_copy`). Each call dispatches through :func:`kvxfer.dispatch.launch`.
+Every copy the engine makes runs through a :class:`PreparedCopy`: the one-sided ipc load keeps
+its own; :func:`kvxfer.ops.copy_blocks` with producer-checked ids on registered caches finds the
+one its source keeps per destination (:func:`prepared_copy`). Each call dispatches through
+:func:`kvxfer.dispatch.launch`.
 """
 
 from __future__ import annotations
