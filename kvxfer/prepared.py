@@ -32,9 +32,8 @@ class PreparedCopy:
     ``copy(src_ids, dst_ids, num_tokens)`` moves one request, ids as :func:`copy_blocks` takes
     them (:class:`~kvxfer.paged.CheckedIds` skip their checks as there; other ids are checked);
     :meth:`batch` moves several, given in CSR form, checked once for the batch. A call skips
-    what :func:`copy_blocks` checks per call (type checks, memo keys), about a quarter of its
-    host cost with a no-op kernel (profiling/results/README.md, "Figures recorded without a run
-    folder").
+    what :func:`copy_blocks` adds per call before it reaches the same prepared copy (type
+    checks, the lookup of this object by its memo key).
 
     Args:
         src_caches, dst_caches: registered caches (:class:`~kvxfer.paged.PagedCache`).
