@@ -1,5 +1,10 @@
 """gather_blocks / scatter_blocks / copy_blocks: validate everything (:mod:`kvxfer.paged`), then
-dispatch.
+dispatch (:func:`kvxfer.dispatch.launch`, the one tail of every op).
+
+A copy between registered caches with producer-checked ids (:class:`CheckedIds`: the engine's
+call) runs through the :class:`PreparedCopy` its source keeps per destination, head slice and
+layer set (:mod:`kvxfer.prepared`), which also moves a batch of requests in CSR form
+(:meth:`PreparedCopy.batch`); any other call validates both sides per call.
 
 ``caches`` is always one rank's list of per-layer tensors (see :mod:`kvxfer.spec` for their
 shapes); head offsets are local to that rank. Nothing is written unless every argument is
@@ -24,16 +29,10 @@ names the call's NVTX range while a tool listens.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
-from . import tracing
-from .backends import batch_copy as _batch_copy
-from .backends import dma as _dma
-from .backends import registry as _registry
-from .backends.base import PagedSide
 from .backends.registry import (  # noqa: F401  (_MODULES: tests swap a backend module in)
     _MODULES,
     BACKENDS,
@@ -44,17 +43,29 @@ from .backends.registry import (  # noqa: F401  (_MODULES: tests swap a backend 
     resolve_backend,
 )
 from .backends.registry import module as _module
-from .backends.registry import run as _run
+from .dispatch import (  # noqa: F401  (HOST_WIRE_ENV: the host-wire budget's variable)
+    HOST_WIRE_ENV,
+    HOST_WIRE_MAX_SMS,
+    Launch,
+    call_budget,
+    cap,
+    check_args,
+    host_wire_budget,
+    launch,
+    launch_of,
+    wire_cap,
+)
 from .paged import (  # the validation every op makes (re-exported: the ops' public names)
     CheckedIds,
     PagedCache,
-    as_block_ids,
     check_caches,
     check_wire,
     make_side,
     path_stats,
     register_caches,
+    side_and_info,
 )
+from .prepared import PreparedCopy, prepared_copy
 from .spec import KVCacheSpec
 
 __all__ = [
@@ -76,129 +87,6 @@ __all__ = [
     "scatter_blocks",
     "warmup",
 ]
-
-
-# --------------------------------------------------------------------------- dispatch
-
-
-def _budget(max_sms, a, b=None) -> int | None:
-    """The call's SM budget: ``max_sms`` when given (validated), else the smaller of the budgets
-    registered caches ``a`` and ``b`` carry (None: no budget)."""
-    if max_sms is not None:
-        return _dma.check_max_sms(max_sms)
-    return _registered_budget(a, b)
-
-
-def _cap(max_sms, src: PagedSide | None, dst: PagedSide | None, a, b=None) -> int | None:
-    """Put the call's budget (:func:`_budget`, ``max_sms`` already checked) on its paged sides,
-    where the kernels read it (:class:`kvxfer.backends.base.PagedSide`); returns it."""
-    budget = max_sms if max_sms is not None else _registered_budget(a, b)
-    if budget is not None:
-        if src is not None:
-            src.max_sms = budget
-        if dst is not None:
-            dst.max_sms = budget
-    return budget
-
-
-# SM budget of a gather into (scatter from) a pinned host wire on a GPU when the call and its
-# caches set none. Such a call is bound by PCIe, not by SMs: on an H200 an uncapped gather of a
-# 4K-token Llama-3-8B request held every SM for its ~10 ms and a bf16 GEMM beside it took 8.6x as
-# long, while Triton capped at 16 SMs kept 93 % of a pinned copy_ and slowed the GEMM by 26 %
-# (profiling/results/2026-11-28-H200/, bench_interference). $KVXFER_HOST_WIRE_MAX_SMS overrides
-# it (0: no budget).
-HOST_WIRE_MAX_SMS = 16
-HOST_WIRE_ENV = "KVXFER_HOST_WIRE_MAX_SMS"
-
-
-def host_wire_budget() -> int | None:
-    """The SM budget a host-wire gather or scatter on a GPU takes when none is set
-    (:data:`HOST_WIRE_MAX_SMS`, or ``$KVXFER_HOST_WIRE_MAX_SMS``; None when that is 0)."""
-    raw = os.environ.get(HOST_WIRE_ENV, "").strip()
-    if not raw:
-        return HOST_WIRE_MAX_SMS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"${HOST_WIRE_ENV}={raw!r}: not an integer") from None
-    if value < 0:
-        raise ValueError(f"${HOST_WIRE_ENV}={value}: must be 0 (no budget) or a positive SM count")
-    return value or None
-
-
-def _wire_cap(budget: int | None, side: PagedSide, wire: torch.Tensor) -> int | None:
-    """``budget``, or for a GPU side with a host-memory wire and no budget set, the host-wire
-    budget (put on ``side``, where the kernels read it)."""
-    if budget is None and side.device.type == "cuda" and wire.device.type == "cpu":
-        budget = host_wire_budget()
-        side.max_sms = budget
-    return budget
-
-
-def _registered_budget(a, b=None) -> int | None:
-    x = a.max_sms if type(a) is PagedCache else None
-    y = b.max_sms if type(b) is PagedCache else None
-    if x is None:
-        return y
-    return x if y is None else min(x, y)
-
-
-def _check_args(max_sms, dma) -> None:
-    """``max_sms`` and ``dma`` of an op call, checked before anything is written."""
-    if max_sms is not None:
-        _dma.check_max_sms(max_sms)
-    if dma is not None and type(dma) is not bool:
-        raise ValueError(f"dma: must be None (the rule), True or False, got {dma!r}")
-
-
-def _record(op: str, choice: _dma.Choice, a, b=None) -> None:
-    sa = a.path_stats if type(a) is PagedCache else None
-    sb = b.path_stats if type(b) is PagedCache else None
-    if sa is not None:
-        sa.record(op, choice)
-    if sb is not None and sb is not sa:
-        sb.record(op, choice)
-
-
-def _move(
-    op: str,
-    backend: str | None,
-    device: torch.device,
-    args: tuple,
-    src: PagedSide | None,
-    dst: PagedSide | None,
-    wire: torch.Tensor | None,
-    budget: int | None,
-    dma: bool | None,
-    caches_a,
-    caches_b=None,
-) -> None:
-    """Run a validated op on CUDA tensors (or on CPU ones for a test's fake driver): on the copy
-    engines when :func:`kvxfer.backends.dma.choose` says so (``backend=None`` or ``dma=True``),
-    else on the backend's kernel under the budget; record the choice on the registered caches
-    involved (``budget``: the call's, already on the sides). CPU tensors skip this (no SM to
-    spare, no copy engine, nothing to choose) and record nothing: choosing and recording there
-    would add about an eighth to an engine-path copy call's host time (profiling/results/README.md,
-    "Figures recorded without a run folder")."""
-    if backend is not None and dma is None:
-        choice = _dma.Choice("kernel", "backend named", backend)
-    else:
-        wire_ptr = wire.data_ptr() if wire is not None else None
-        choice = _dma.choose(op, src, dst, wire_ptr, budget, dma, device)
-    if choice.path == "dma":
-        host = wire is not None and wire.device.type != device.type  # a pinned host wire
-        with tracing.trace(op, str, choice):
-            done = _batch_copy.run(
-                choice.runs, device, src_host=host and op == "scatter", dst_host=host and op == "gather"
-            )
-        if done:
-            _registry.note_backend("dma")
-            _record(op, choice, caches_a, caches_b)
-            return
-        choice = _dma.Choice("kernel", "dma call failed", _dma.known_status())
-    with tracing.trace(op, str, choice):
-        _run(backend, device, op, *args)
-    _record(op, choice, caches_a, caches_b)
 
 
 # --------------------------------------------------------------------------- public ops
@@ -241,9 +129,9 @@ def gather_blocks(
         The wire tensor ``[num_heads, L, 2, num_tokens, head_dim]`` (MLA: ``[L, num_tokens,
         latent_dim]``), ``out`` when given.
     """
-    _check_args(max_sms, dma)
-    side = make_side(caches, spec, block_ids, num_tokens, head_start, num_heads, layers)
-    device = side.device
+    check_args(max_sms, dma)
+    side, info = side_and_info(caches, spec, block_ids, num_tokens, head_start, num_heads, layers)
+    device = info.device
     if out is None:
         out = torch.empty(
             spec.wire_shape(num_tokens, side.num_heads, side.num_layers), dtype=side.dtype, device=device
@@ -252,11 +140,8 @@ def gather_blocks(
         check_wire(out, side, spec, "out")
     if num_tokens:
         wire = out.view(side.wire_view_shape())
-        budget = _wire_cap(_cap(max_sms, side, None, caches), side, wire)
-        if device.type == "cuda" or _batch_copy.serves_cpu():
-            _move("gather", backend, device, (side, wire), side, None, wire, budget, dma, caches)
-        else:
-            _run(backend, device, "gather", side, wire)
+        got = wire_cap(cap(max_sms, side, None, caches), side, wire)
+        launch(launch_of("gather", backend, caches, info), side, wire, got, dma)
     return out
 
 
@@ -281,7 +166,7 @@ def scatter_blocks(
     the rest of a partial last block and every other block stay untouched. ``max_sms`` and
     ``dma`` as for :func:`gather_blocks`.
     """
-    _check_args(max_sms, dma)
+    check_args(max_sms, dma)
     if not isinstance(wire, torch.Tensor):
         raise ValueError(f"wire: must be a tensor, got {type(wire).__name__}")
     if spec.use_mla:
@@ -290,16 +175,14 @@ def scatter_blocks(
         num_heads = wire.shape[0]
     else:
         raise ValueError(f"wire: expected a 5-D wire tensor, got shape {tuple(wire.shape)}")
-    side = make_side(caches, spec, block_ids, num_tokens, head_start, num_heads, layers, unique_blocks=True)
+    side, info = side_and_info(
+        caches, spec, block_ids, num_tokens, head_start, num_heads, layers, unique_blocks=True
+    )
     check_wire(wire, side, spec, "wire")
     if num_tokens:
-        device = side.device
         w = wire.view(side.wire_view_shape())
-        budget = _wire_cap(_cap(max_sms, None, side, caches), side, w)
-        if device.type == "cuda" or _batch_copy.serves_cpu():
-            _move("scatter", backend, device, (w, side), None, side, w, budget, dma, caches)
-        else:
-            _run(backend, device, "scatter", w, side)
+        got = wire_cap(cap(max_sms, None, side, caches), side, w)
+        launch(launch_of("scatter", backend, caches, info), w, side, got, dma)
 
 
 def copy_blocks(
@@ -327,7 +210,7 @@ def copy_blocks(
     source may be another process's memory mapped into this one). ``max_sms`` and ``dma`` as
     for :func:`gather_blocks` (the budget of two registered caches: the smaller).
     """
-    _check_args(max_sms, dma)
+    check_args(max_sms, dma)
     if (
         type(src_block_ids) is CheckedIds
         and type(dst_block_ids) is CheckedIds
@@ -338,28 +221,15 @@ def copy_blocks(
         and src_caches.spec is src_spec
         and dst_caches.spec is dst_spec
     ):  # the engine's path: caches registered, ids checked by their producer
-        src, dst, device = _checked_sides(
-            src_caches,
-            src_block_ids,
-            dst_caches,
-            dst_block_ids,
-            num_tokens,
-            src_head_start,
-            dst_head_start,
-            num_heads,
-            layers,
+        prepared_copy(src_caches, dst_caches, src_head_start, dst_head_start, num_heads, layers).run(
+            src_block_ids, dst_block_ids, num_tokens, max_sms, dma, backend
         )
-        budget = _cap(max_sms, src, dst, src_caches, dst_caches)
-        if src_caches.info.cuda or _batch_copy.serves_cpu():
-            _move("copy", backend, device, (src, dst), src, dst, None, budget, dma, src_caches, dst_caches)
-        else:
-            _run(backend, device, "copy", src, dst)
         return
     same = src_spec is dst_spec
     mismatch = src_spec.model_mismatch(dst_spec) if not same and isinstance(dst_spec, KVCacheSpec) else None
     if mismatch:
         raise ValueError(f"incompatible caches: {mismatch}")
-    src = make_side(
+    src, info = side_and_info(
         src_caches, src_spec, src_block_ids, num_tokens, src_head_start, num_heads, layers, name="src_caches"
     )
     dst = make_side(
@@ -373,184 +243,12 @@ def copy_blocks(
         unique_blocks=True,
         name="dst_caches",
     )
-    device = src.device
+    device = info.device
     if device != dst.device:
         raise ValueError(f"dst_caches: on {dst.device}, src_caches on {device}; copy needs one device")
     if num_tokens:
-        budget = _cap(max_sms, src, dst, src_caches, dst_caches)
-        if device.type == "cuda" or _batch_copy.serves_cpu():
-            _move("copy", backend, device, (src, dst), src, dst, None, budget, dma, src_caches, dst_caches)
-        else:
-            _run(backend, device, "copy", src, dst)
-
-
-class PreparedCopy:
-    """:func:`copy_blocks` between two registered caches (:func:`register_caches`) for one head
-    slice and layer set, with what that call checks per call on the engine's path (the specs
-    compatible, both caches on one device, the two sides' templates) checked once here. A call
-    passes ids and a token count only: ``copy(src_ids, dst_ids, num_tokens)``, ids as
-    :func:`copy_blocks` takes them (:class:`CheckedIds` skip their checks as there; other ids are
-    checked). A call skips what :func:`copy_blocks` checks per call (type checks, memo keys),
-    about a quarter of its host cost with a no-op kernel (profiling/results/README.md, "Figures
-    recorded without a run folder"); the one-sided ipc load makes one per remote.
-
-    Args:
-        src_caches, dst_caches: registered caches (:class:`PagedCache`).
-        src_head_start, dst_head_start, num_heads, layers: as for :func:`copy_blocks`.
-        backend: as for :func:`copy_blocks` (None: the device's default, or the copy engines
-            when the rule says so).
-
-    Raises ``ValueError`` as :func:`copy_blocks` would for these arguments.
-    """
-
-    __slots__ = ("_cuda", "_device", "_dst", "_dst_caches", "_src", "_src_caches", "backend")
-
-    def __init__(
-        self,
-        src_caches: PagedCache,
-        dst_caches: PagedCache,
-        src_head_start: int = 0,
-        dst_head_start: int = 0,
-        num_heads: int | None = None,
-        layers=None,
-        backend: str | None = None,
-    ) -> None:
-        if not isinstance(src_caches, PagedCache) or not isinstance(dst_caches, PagedCache):
-            raise ValueError(
-                "PreparedCopy: src_caches and dst_caches must be registered caches (register_caches)"
-            )
-        _, self._src, self._dst, self._device = _pair(
-            src_caches, dst_caches, src_head_start, dst_head_start, num_heads, layers
-        )
-        self._src_caches, self._dst_caches = src_caches, dst_caches
-        self._cuda = src_caches.info.cuda
-        self.backend = backend
-
-    def __call__(self, src_block_ids, dst_block_ids, num_tokens: int) -> None:
-        if type(num_tokens) is not int or num_tokens < 0:
-            raise ValueError(f"num_tokens: must be an int >= 0, got {num_tokens!r}")
-        if not num_tokens:
-            return
-        src, dst = _copy_sides(self._src, self._dst, src_block_ids, dst_block_ids, num_tokens)
-        a, b = self._src_caches, self._dst_caches
-        budget = _cap(None, src, dst, a, b)
-        if self._cuda or _batch_copy.serves_cpu():
-            _move("copy", self.backend, self._device, (src, dst), src, dst, None, budget, None, a, b)
-        else:
-            _run(self.backend, self._device, "copy", src, dst)
-
-
-def _template(caches: PagedCache, head_start: int, num_heads: int | None, layers, name: str) -> PagedSide:
-    """The side of registered ``caches`` for a head slice and layer set, validated once by
-    :func:`make_side` and kept on the caches object (without ids: :func:`_with_ids` adds them)."""
-    memo = caches.__dict__.get("_sides")
-    if memo is None:
-        memo = caches.__dict__["_sides"] = {}
-    key = (head_start, num_heads, None if layers is None else tuple(layers))
-    t = memo.get(key)
-    if t is None:
-        t = memo[key] = make_side(caches, caches.spec, [], 0, head_start, num_heads, layers, name=name)
-    return t
-
-
-def _with_ids(t: PagedSide, ids: torch.Tensor, num_tokens: int) -> PagedSide:
-    return PagedSide(
-        t.caches,
-        ids,
-        num_tokens,
-        t.block_size,
-        t.num_blocks,
-        t.head_start,
-        t.num_heads,
-        t.head_dim,
-        t.num_kv,
-        t.stride_kv,
-        t.stride_block,
-        t.stride_token,
-        t.stride_head,
-        t.layout,
-        t.memo,
-        t.max_sms,
-        t.slot_block,
-    )
-
-
-def _pair(
-    src_caches: PagedCache,
-    dst_caches: PagedCache,
-    src_head_start: int,
-    dst_head_start: int,
-    num_heads,
-    layers,
-) -> tuple[PagedCache, PagedSide, PagedSide, torch.device]:
-    """What :func:`_checked_sides` keeps per (destination, heads, layers) of a registered source:
-    the destination, both validated templates (:func:`_template`) and the device, once the specs
-    are found compatible and both sides on one device."""
-    ss, ds = src_caches.spec, dst_caches.spec
-    mismatch = None if ss is ds else ss.model_mismatch(ds)
-    if mismatch:
-        raise ValueError(f"incompatible caches: {mismatch}")
-    st = _template(src_caches, src_head_start, num_heads, layers, "src_caches")
-    dt = _template(dst_caches, dst_head_start, st.num_heads, layers, "dst_caches")
-    device, dst_device = st.device, dt.device  # a tensor's .device is a torch call: made once here
-    if dst_device != device:
-        raise ValueError(f"dst_caches: on {dst_device}, src_caches on {device}; copy needs one device")
-    return dst_caches, st, dt, device
-
-
-def _checked_sides(
-    src_caches: PagedCache,
-    src_ids: CheckedIds,
-    dst_caches: PagedCache,
-    dst_ids: CheckedIds,
-    num_tokens: int,
-    src_head_start: int,
-    dst_head_start: int,
-    num_heads: int | None,
-    layers,
-) -> tuple[PagedSide, PagedSide, torch.device]:
-    """:func:`copy_blocks`'s two sides (and their device) from memoised templates: the same checks as
-    :func:`make_side`, each made once per (destination, heads, layers) of a source (kept on the
-    source's ``PagedCache``), except the ids' (see :class:`CheckedIds`, still checked when their
-    promise does not cover the op). No torch call: the ids stay numpy and the device is kept
-    (``profiling/bench_engine.py``: the ops call of a 4K-token request ~18 us with a cold
-    cache, ~50-65 us with those torch calls)."""
-    pairs = src_caches.__dict__.get("_pairs")
-    if pairs is None:
-        pairs = src_caches.__dict__["_pairs"] = {}
-    key = (
-        id(dst_caches),
-        src_head_start,
-        dst_head_start,
-        num_heads,
-        None if layers is None else tuple(layers),
-    )
-    got = pairs.get(key)
-    if got is None or got[0] is not dst_caches:
-        if len(pairs) >= 256:  # destinations come and go (offset views of partial loads): bounded
-            pairs.clear()
-        got = pairs[key] = _pair(src_caches, dst_caches, src_head_start, dst_head_start, num_heads, layers)
-    _, st, dt, device = got
-    src, dst = _copy_sides(st, dt, src_ids, dst_ids, num_tokens)
-    return src, dst, device
-
-
-def _copy_sides(
-    st: PagedSide, dt: PagedSide, src_ids, dst_ids, num_tokens: int
-) -> tuple[PagedSide, PagedSide]:
-    """A copy's two sides from their templates (:func:`_template`) and ids, the ids checked as
-    :func:`as_block_ids` checks them (the destination's for repeats too)."""
-    src = _with_ids(
-        st,
-        as_block_ids(src_ids, st.num_blocks, -(-num_tokens // st.block_size), "src_block_ids", False),
-        num_tokens,
-    )
-    dst = _with_ids(
-        dt,
-        as_block_ids(dst_ids, dt.num_blocks, -(-num_tokens // dt.block_size), "dst_block_ids", True),
-        num_tokens,
-    )
-    return src, dst
+        got = cap(max_sms, src, dst, src_caches, dst_caches)
+        launch(Launch("copy", backend, device, info.engines, src_caches, dst_caches), src, dst, got, dma)
 
 
 def warmup(
@@ -562,7 +260,7 @@ def warmup(
     without running them or touching the caches, and without holding request-sized memory.
     Returns the backend prepared; an engine's ``start()`` calls it so the first request does
     not pay for compilation."""
-    budget = _budget(max_sms, caches)
+    budget = call_budget(max_sms, caches)
     info = caches.info if isinstance(caches, PagedCache) else check_caches(caches, spec, "caches")
     name = resolve_backend(info.device, backend)
     fn = getattr(_module(name), "warmup", None)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .backends import batch_copy as _batch_copy
 from .backends import dma as _dma
 from .backends.base import PagedSide
 from .spec import KVCacheSpec, Layout
@@ -32,6 +33,7 @@ __all__ = [
     "make_side",
     "path_stats",
     "register_caches",
+    "side_and_info",
 ]
 
 MAX_SLOTS = (1 << 31) - 1  # token slots of one registration: the kernels divide a slot in 32 bits
@@ -153,6 +155,10 @@ class _CacheInfo:
     device: torch.device
     dtype: torch.dtype
     cuda: bool  # device.type == "cuda", kept: a device's .type is a torch call per op otherwise
+    # The copy engines may move these tensors: CUDA ones, or others while a test's fake driver
+    # serves CPU memory (:func:`kvxfer.backends.batch_copy.install_copier`), as of this check;
+    # ops calls read it instead of asking per call.
+    engines: bool
     slot_block: int = 1  # tokens per physical block when ids are token slots (register_caches)
 
 
@@ -275,7 +281,9 @@ def check_caches(caches: Sequence[torch.Tensor], spec: KVCacheSpec, name: str) -
     else:
         strides = (stride[0], stride[1], stride[3], stride[2])
     device = first.device
-    return _CacheInfo(num_blocks, heads_local, layout, strides, device, first.dtype, device.type == "cuda")
+    cuda = device.type == "cuda"
+    engines = cuda or _batch_copy.serves_cpu()
+    return _CacheInfo(num_blocks, heads_local, layout, strides, device, first.dtype, cuda, engines)
 
 
 def make_side(
@@ -292,6 +300,24 @@ def make_side(
     """Validate one side of a transfer and describe it as a :class:`PagedSide`. A side of
     registered caches (:func:`register_caches`) carries the memo its backend keeps per head
     slice and layer set (:attr:`PagedSide.memo`)."""
+    return side_and_info(
+        caches, spec, block_ids, num_tokens, head_start, num_heads, layers, unique_blocks, name
+    )[0]
+
+
+def side_and_info(
+    caches: Sequence[torch.Tensor],
+    spec: KVCacheSpec,
+    block_ids,
+    num_tokens: int,
+    head_start: int = 0,
+    num_heads: int | None = None,
+    layers=None,
+    unique_blocks: bool = False,
+    name: str = "caches",
+) -> tuple[PagedSide, _CacheInfo]:
+    """:func:`make_side`, and what checking ``caches`` found (the registration's, when they are
+    registered), for the ops' dispatch (:attr:`_CacheInfo.engines`)."""
     registered = isinstance(caches, PagedCache) and (caches.spec is spec or caches.spec == spec)
     if registered:
         info = caches.info
@@ -340,7 +366,7 @@ def make_side(
         layout=info.layout,
         memo=memo,
         slot_block=info.slot_block,
-    )
+    ), info
 
 
 def _memo_of(caches: PagedCache, key: tuple) -> dict:

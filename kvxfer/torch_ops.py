@@ -1,7 +1,7 @@
 """kvxfer's paged ops as torch custom ops (``torch.ops.kvxfer.*``), so a model runner can call
 them inside a graph ``torch.compile`` captures (``fullgraph=True``) or a CUDA graph records.
 
-Importing this module registers three ops (importing :mod:`kvxfer` does not):
+Importing this module registers four ops (importing :mod:`kvxfer` does not):
 
 =================================  ==================================================  =========
 op                                 arguments                                           writes
@@ -14,11 +14,17 @@ op                                 arguments                                    
                                    dst_spec, dst_block_ids, num_tokens,
                                    src_head_start, dst_head_start, num_heads, layers,
                                    backend, max_sms
+``kvxfer::copy_blocks_batch``      src_caches, src_spec, src_ids, src_indptr,          dst_caches
+                                   dst_caches, dst_spec, dst_ids, dst_indptr,
+                                   num_tokens, src_head_start, dst_head_start,
+                                   num_heads, layers, backend, max_sms
 =================================  ==================================================  =========
 
 Each runs the function of the same name in :mod:`kvxfer.ops` (same checks, same kernels, same
-bytes); a spec travels as its JSON string (:func:`spec_arg`) because an op's schema takes no
-Python objects, and block ids as an int tensor. Each has a fake implementation: the gather's
+bytes; the batch runs :meth:`kvxfer.ops.PreparedCopy.batch`: request ``i`` moves
+``num_tokens[i]`` tokens from ``src_ids[src_indptr[i]:src_indptr[i + 1]]`` to the destination's
+segment ``i``); a spec travels as its JSON string (:func:`spec_arg`) because an op's schema
+takes no Python objects, and block ids as an int tensor. Each has a fake implementation: the gather's
 says the wire's shape and dtype, the others write nothing a tracer must see beyond the declared
 mutation. The Python wrappers below take a :class:`~kvxfer.spec.KVCacheSpec` and ids as
 :func:`kvxfer.ops.gather_blocks` does, and call the op.
@@ -40,7 +46,7 @@ import torch
 from . import ops
 from .spec import KVCacheSpec, Layout
 
-__all__ = ["copy_blocks", "gather_blocks", "scatter_blocks", "spec_arg"]
+__all__ = ["copy_blocks", "copy_blocks_batch", "gather_blocks", "scatter_blocks", "spec_arg"]
 
 
 @torch.compiler.assume_constant_result  # a tracer calls it once and keeps the string
@@ -249,6 +255,92 @@ def copy_blocks(
         spec_arg(dst_spec),
         _ids(dst_block_ids),
         num_tokens,
+        src_head_start,
+        dst_head_start,
+        num_heads,
+        None if layers is None else list(layers),
+        backend,
+        max_sms,
+    )
+
+
+# --------------------------------------------------------------------------- copy, a batch in CSR form
+@torch.library.custom_op("kvxfer::copy_blocks_batch", mutates_args=("dst_caches",))
+def _copy_batch_op(
+    src_caches: list[torch.Tensor],
+    src_spec: str,
+    src_ids: torch.Tensor,
+    src_indptr: torch.Tensor,
+    dst_caches: list[torch.Tensor],
+    dst_spec: str,
+    dst_ids: torch.Tensor,
+    dst_indptr: torch.Tensor,
+    num_tokens: torch.Tensor,
+    src_head_start: int,
+    dst_head_start: int,
+    num_heads: int | None,
+    layers: list[int] | None,
+    backend: str | None,
+    max_sms: int | None,
+) -> None:
+    src = ops.PagedCache(src_caches, _spec(src_spec), "src_caches")
+    dst = ops.PagedCache(dst_caches, _spec(dst_spec), "dst_caches")
+    copy = ops.PreparedCopy(src, dst, src_head_start, dst_head_start, num_heads, layers, backend)
+    copy.batch(src_ids, src_indptr, dst_ids, dst_indptr, num_tokens, max_sms)
+
+
+@_copy_batch_op.register_fake
+def _copy_batch_fake(
+    src_caches,
+    src_spec,
+    src_ids,
+    src_indptr,
+    dst_caches,
+    dst_spec,
+    dst_ids,
+    dst_indptr,
+    num_tokens,
+    src_head_start,
+    dst_head_start,
+    num_heads,
+    layers,
+    backend,
+    max_sms,
+) -> None:
+    return None
+
+
+def copy_blocks_batch(
+    src_caches: Sequence[torch.Tensor],
+    src_spec: KVCacheSpec,
+    src_ids,
+    src_indptr,
+    dst_caches: Sequence[torch.Tensor],
+    dst_spec: KVCacheSpec,
+    dst_ids,
+    dst_indptr,
+    num_tokens,
+    src_head_start: int = 0,
+    dst_head_start: int = 0,
+    num_heads: int | None = None,
+    layers: Sequence[int] | None = None,
+    backend: str | None = None,
+    max_sms: int | None = None,
+) -> None:
+    """A batch of copies in CSR form (:meth:`kvxfer.ops.PreparedCopy.batch`: request ``i``
+    moves its first ``num_tokens[i]`` tokens from ``src_ids[src_indptr[i]:src_indptr[i + 1]]``
+    to ``dst_ids[dst_indptr[i]:dst_indptr[i + 1]]``) through ``torch.ops.kvxfer.copy_blocks_batch``.
+    Shapes: ids ``[nnz]``, indptr ``[B + 1]``, ``num_tokens`` ``[B]`` (int tensors or sequences)."""
+    torch.ops.kvxfer.copy_blocks_batch(
+        list(src_caches),
+        spec_arg(src_spec),
+        _ids(src_ids),
+        _ids(src_indptr),
+        list(dst_caches),
+        spec_arg(dst_spec),
+        _ids(dst_ids),
+        _ids(dst_indptr),
+        _ids(num_tokens),
         src_head_start,
         dst_head_start,
         num_heads,

@@ -439,6 +439,47 @@ def test_registered_budget_chooses_per_call_and_stats_and_nvtx_say_why(fake, mon
         ops.path_stats([torch.zeros(1)])
 
 
+def test_a_prepared_batch_dispatches_each_call_as_a_copy_does(fake, monkeypatch):
+    """PreparedCopy.batch: each packed call takes the path a copy would (here dma=True: the copy
+    engines, one driver batch per call), the bytes those of a kernel copy per request, and the
+    registered caches record each choice."""
+    monkeypatch.setattr(dma, "MIN_RUN_BYTES", 0)
+    spec = _spec("HND", heads=4, bs=4, layers=2)
+    src = ops.register_caches(_caches(spec, 8, "random"), spec)
+    dst = ops.register_caches(_caches(spec, 8, "poison"), spec)
+    ref = _caches(spec, 8, "poison")
+    segs = [([0, 1], [4, 5], 8), ([2], [6], 4), ([7, 3], [0, 2], 8)]  # whole blocks: one call
+    for s_ids, d_ids, n in segs:
+        ops.copy_blocks(src, spec, s_ids, ref, spec, d_ids, n, backend="torch")
+    calls = ops.PreparedCopy(src, dst).batch(
+        [0, 1, 2, 7, 3], [0, 2, 3, 5], [4, 5, 6, 0, 2], [0, 2, 3, 5], [8, 4, 8], dma=True
+    )
+    assert calls == 1 and len(fake.calls) == 1 and ops.last_backend() == "dma"
+    assert torch.equal(_bytes(dst), _bytes(ref))
+    assert ops.path_stats(dst)["reasons"] == {"copy dma: dma=True": 1}
+
+
+def test_whether_the_copy_engines_are_considered_is_not_asked_per_call(fake, monkeypatch):
+    """The test's fake driver is looked for when caches are checked (registration), never in an
+    op call: a call on registered caches asks no hook."""
+    spec = _spec("HND", heads=4, bs=4, layers=2)
+    src = ops.register_caches(_caches(spec, 8, "random"), spec)
+    dst = ops.register_caches(_caches(spec, 8, "poison"), spec)
+    wire = ops.gather_blocks(src, spec, [0, 1], 8)
+
+    def asked():
+        raise AssertionError("serves_cpu asked in an op call")
+
+    monkeypatch.setattr(batch_copy, "serves_cpu", asked)
+    ids = ops.CheckedIds(np.array([2, 3], dtype=np.int64), 8, True)
+    ops.copy_blocks(src, spec, ids, dst, spec, ids, 8)
+    ops.PreparedCopy(src, dst)(ids, ids, 8)
+    ops.gather_blocks(src, spec, ids, 8, out=wire)
+    ops.scatter_blocks(wire, dst, spec, ids, 8)
+    # each call still chose its path and recorded it (a copy on both caches' records)
+    assert ops.path_stats(dst)["kernel"] == 3 and ops.path_stats(src)["kernel"] == 4
+
+
 def test_engine_views_share_one_record_and_carry_the_budget():
     from kvxfer.views import cache_views, view_at
 

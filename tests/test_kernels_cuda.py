@@ -27,6 +27,7 @@ import torch
 
 from kvxfer import ops
 from kvxfer.backends import cuda
+from kvxfer.prepared import prepared_copy
 from kvxfer.spec import KVCacheSpec, Layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -579,10 +580,9 @@ def test_plans_of_a_registered_cache_keep_its_layer_table_per_head_slice():
     head_bytes = 16 * 64 * 2
     for head_start in (0, 2, 0, 2):
         for ids in ([3, 1], [7, 0]):
-            side, _, _ = ops._checked_sides(
-                pc, ops.CheckedIds(np.array(ids), 8, True), pc, ops.CheckedIds(np.array(ids), 8, True),
-                20, head_start, head_start, 2, None,
-            )  # fmt: skip
+            side, _ = prepared_copy(pc, pc, head_start, head_start, 2, None).sides(
+                ops.CheckedIds(np.array(ids), 8, True), ops.CheckedIds(np.array(ids), 8, True), 20
+            )
             assert side.memo is not None
             launch = cuda.plan_gather(side, 1 << 30, max_blocks=4)
             assert launch.meta[:3].tolist() == [c.data_ptr() + head_start * head_bytes for c in pc]

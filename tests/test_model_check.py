@@ -45,17 +45,17 @@ def test_one_key_off_by_one_percent_fails_the_check():
 _NO_TAIL = """
 import sys
 sys.path.insert(0, "profiling")
-from kvxfer import ops
+from kvxfer import prepared
 import model_check
 
-real = ops._copy_sides
+real = prepared.copy_sides
 
 
 def no_tail(st, dt, src_ids, dst_ids, n):  # an engine that drops a partial last block's tokens
     return real(st, dt, src_ids, dst_ids, n - n % 16 if n > 16 else n)
 
 
-ops._copy_sides = no_tail
+prepared.copy_sides = no_tail
 if __name__ == "__main__":
     sys.exit(model_check.main(["--device", "cpu"]))
 """

@@ -30,7 +30,7 @@ if not torch.cuda.is_available():  # tests/conftest.py does the same; here for s
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path[:0] = [str(ROOT), str(SHIM)]
 
-from kvxfer import KVCacheSpec, Layout, ops  # noqa: E402
+from kvxfer import KVCacheSpec, Layout, dispatch, ops  # noqa: E402
 from kvxfer.backends import cuda  # noqa: E402
 
 # (op, budget, threads) the shim cases run under, and the cases: every dtype, layouts, head
@@ -216,7 +216,7 @@ def test_a_host_wire_on_a_gpu_takes_the_host_wire_budget_when_none_is_set(monkey
 
     def cap(budget, device, wire):
         side = types.SimpleNamespace(device=device, max_sms=budget)
-        return ops._wire_cap(budget, side, wire), side.max_sms
+        return dispatch.wire_cap(budget, side, wire), side.max_sms
 
     assert cap(None, gpu, host) == (ops.HOST_WIRE_MAX_SMS, ops.HOST_WIRE_MAX_SMS) == (16, 16)
     assert cap(40, gpu, host) == (40, 40)
@@ -337,7 +337,7 @@ def test_capped_triton_kernel_is_byte_exact(item, budget, monkeypatch, request):
     launch._cached_plan.cache_clear()  # plans made with the default tile are cached
     request.addfinalizer(launch._cached_plan.cache_clear)
     # the runners pass plain caches: every call gets the budget registered caches would carry
-    monkeypatch.setattr(ops, "_registered_budget", lambda a, b=None: budget)
+    monkeypatch.setattr(dispatch, "registered_budget", lambda a, b=None: budget)
     op, case = item
     RUNNERS[op](case, "cpu")
     assert spy.launches and all(g == budget and p for g, p in spy.launches), spy.launches
@@ -502,7 +502,7 @@ def test_capped_triton_kernel_on_the_gpu(op, budget, monkeypatch):
     from tests.triton_cases import RUNNERS, Case
 
     # the runners pass plain caches: every call gets the budget registered caches would carry
-    monkeypatch.setattr(ops, "_registered_budget", lambda a, b=None: budget)
+    monkeypatch.setattr(dispatch, "registered_budget", lambda a, b=None: budget)
     for case in (
         Case(layout="NHD", num_tokens=1000, dst_block_size=32),
         Case(layout="HND", dtype=torch.float8_e4m3fn, dst_layout="NHD"),

@@ -135,6 +135,35 @@ def test_a_compiled_graph_gathers_and_scatters_as_eager_code_does():
     assert not bool((_bytes(dst_comp[0][:, 2]) == POISON).all())
 
 
+def test_copy_batch_op_moves_each_requests_bytes_eager_compiled_and_under_opcheck():
+    """kvxfer::copy_blocks_batch (CSR: ids, indptr, tokens per request): the bytes of one
+    ops.copy_blocks per request, also inside a fullgraph-compiled function; opcheck passes."""
+    s_spec = KVCacheSpec(2, 4, 8, 4, torch.float32, "NHD")
+    d_spec = KVCacheSpec(2, 4, 8, 8, torch.float32, "HND")
+    src = [t.normal_() for t in _poisoned(s_spec, 10, 1)]  # finite values: opcheck compares them
+    segs = [([3, 1], [4], 6), ([7, 0, 2], [0, 9], 9), ([5], [6], 3)]
+    ref = _poisoned(d_spec, 10, 1)
+    for s_ids, d_ids, n in segs:
+        ops.copy_blocks(src, s_spec, s_ids, ref, d_spec, d_ids, n)
+    s_ids = torch.tensor([i for s, _, _ in segs for i in s])
+    d_ids = torch.tensor([i for _, d, _ in segs for i in d])
+    s_ptr, d_ptr, tokens = torch.tensor([0, 2, 5, 6]), torch.tensor([0, 1, 3, 4]), torch.tensor([6, 9, 3])
+
+    def step(src, dst, x):
+        T.copy_blocks_batch(src, s_spec, s_ids, s_ptr, dst, d_spec, d_ids, d_ptr, tokens)
+        return x + 1
+
+    eager, comp = _poisoned(d_spec, 10, 1), _poisoned(d_spec, 10, 1)
+    step(src, eager, torch.ones(2))
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(src, comp, torch.ones(2))
+    for a, b, c in zip(eager, comp, ref, strict=True):
+        assert torch.equal(_bytes(a), _bytes(c)) and torch.equal(_bytes(b), _bytes(c))
+    dst = [torch.zeros_like(t) for t in ref]
+    args = (src, T.spec_arg(s_spec), s_ids, s_ptr, dst, T.spec_arg(d_spec), d_ids, d_ptr, tokens)
+    torch.library.opcheck(torch.ops.kvxfer.copy_blocks_batch.default, (*args, 0, 0, None, None, None, None))
+
+
 def test_bad_arguments_are_named_before_anything_is_written():
     spec = KVCacheSpec(2, 4, 8, 4, torch.float16, "NHD")
     src = _caches(spec, 8, 1, seed=6)
