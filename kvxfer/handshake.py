@@ -111,6 +111,13 @@ def _peer_of(loader: HandshakeLink, p, addrs: list[str], replies: list) -> Peer:
     mismatch = spec.model_mismatch(rank.spec)
     if mismatch:
         raise HandshakeError(f"incompatible peer: {mismatch}")
+    theirs = getattr(replies[0], "groups", None)
+    if rank.groups is not None:
+        mismatch = rank.groups.mismatch(theirs)
+    elif theirs is not None:
+        mismatch = f"the peer has {len(theirs)} KV cache groups, this engine registered none"
+    if mismatch:
+        raise HandshakeError(f"incompatible peer: {mismatch}")
     try:
         plan = plan_reads(spec, p.tp_size, rank.spec, rank.tp_size)
     except ValueError as e:
@@ -137,7 +144,11 @@ def _choose_transport(loader: HandshakeLink, replies: list[control.HelloReply]) 
             rank.identity,
             replies,
             loader.topology,
-            local_nixl=loader.transports["nixl"].why,
+            local_nixl=(
+                "a request of several KV cache groups is not carried over nixl yet (use ipc or pg)"
+                if rank.groups is not None
+                else loader.transports["nixl"].why
+            ),
         )
         if transport == "pg":
             for r in replies:
