@@ -10,6 +10,7 @@ expectation: the live tokens of each group at D's positions of that group, poiso
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -63,12 +64,20 @@ def _place(caches, spec, truth, layers, heads: range, positions: list[int], toke
             v[:, blocks, offs, i] = truth[layer, :, h][:, t]
 
 
-def _caches(spec: KVCacheSpec, tp: int, shm: bool):
+ALIAS = [0, 0, 0, 1, 1, 1]  # vLLM: layer j of every group is one tensor (its groups' blocks differ)
+
+
+def _caches(spec: KVCacheSpec, tp: int, shm: bool, aliased: bool = False):
+    """One rank's caches: a tensor per layer, or (``aliased``) the j-th layers of all groups one
+    tensor, as vLLM's hybrid allocator lays them out."""
+    alloc = dataclasses.replace(spec, num_layers=2) if aliased else spec
     if shm:
-        out = alloc_shm_caches(spec, NB, tp)
-        return out, out.caches
-    shape = spec.cache_shape(NB, tp)
-    return None, [torch.empty(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
+        out = alloc_shm_caches(alloc, NB, tp)
+        caches = out.caches
+    else:
+        out = None
+        caches = [torch.empty(alloc.cache_shape(NB, tp), dtype=spec.dtype) for _ in range(alloc.num_layers)]
+    return out, [caches[i] for i in ALIAS] if aliased else caches
 
 
 def _fill(caches, byte: int) -> None:
@@ -97,10 +106,10 @@ GROUPS = [
 LAYER_GROUP = [0, 1, 2, 0, 1, 2]
 
 
-def _engines(spec, tp, name, transport, shm, port, **kw):
+def _engines(spec, tp, name, transport, shm, port, aliased=False, **kw):
     engs, stores = [], []
     for r in range(tp):
-        store, caches = _caches(spec, tp, shm)
+        store, caches = _caches(spec, tp, shm, aliased)
         _fill(caches, POISON)
         stores.append((store, caches))
         eng = TransferEngine(
@@ -152,8 +161,8 @@ def _run(
     rng = random.Random(seed)
     shm = transport == "ipc"
     base_p, base_d = free_port_base(tp_p), free_port_base(tp_d)
-    ps, pst = _engines(src, tp_p, "P", transport, shm, base_p)
-    ds, dst_st = _engines(dst, tp_d, "D", transport, shm, base_d)
+    ps, pst = _engines(src, tp_p, "P", transport, shm, base_p, aliased)
+    ds, dst_st = _engines(dst, tp_d, "D", transport, shm, base_d, aliased)
     try:
         truth = _truth(src, LAYER_GROUP, n, seed)
         plists = _lists(rng, GROUPS, n, src.block_size)
@@ -175,6 +184,8 @@ def _run(
         for r, (_, caches) in enumerate(dst_st):
             heads = dst.heads_of_rank(r, tp_d)
             want = [torch.full_like(c.view(torch.uint8), POISON).view(dst.dtype) for c in caches]
+            if aliased:
+                want = [want[ALIAS.index(j)] for j in ALIAS]
             for g, grp in enumerate(GROUPS):
                 lo = max(first, grp.live_first(n))
                 _place(want, dst, truth, grp.layers, heads, dlists[g], range(lo, n))
@@ -217,6 +228,13 @@ def test_groups_move_exactly(transport, src_layout, dst_layout, bs_p, bs_d, tp_p
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32])
 def test_groups_every_dtype(dtype):
     _run("ipc", _spec("NHD", 4, dtype), _spec("HND", 8, dtype), 1, 1, 27, seed=3)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "pg"])
+def test_groups_on_aliased_layers(transport):
+    """Caches laid out as vLLM's hybrid allocator does: the j-th layers of all groups one tensor
+    (each group's blocks its own), on both sides."""
+    _run(transport, _spec("NHD", 4), _spec("HND", 8), 1, 2, 39, seed=9, aliased=True)
 
 
 def test_groups_tp_1_to_4_and_short_prompt():
