@@ -96,6 +96,16 @@ def _join_left() -> None:
 __all__ = ["HandshakeError", "TransferEngine"]
 
 
+def _computed(computed_tokens: int | None, num_tokens: int) -> int:
+    """``computed_tokens`` checked to be in ``[1, num_tokens]`` (default ``num_tokens``)."""
+    if computed_tokens is None:
+        return num_tokens
+    c = computed_tokens
+    if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= num_tokens:
+        raise ValueError(f"computed_tokens: must be an int in [1, {num_tokens}], got {c!r}")
+    return c
+
+
 class TransferEngine:
     """Moves paged KV between engines; one instance per TP rank.
 
@@ -376,6 +386,7 @@ class TransferEngine:
         *,
         streaming: bool = False,
         token: str | None = None,
+        computed_tokens: int | None = None,
     ) -> dict:
         """Hold ``block_ids`` (token order, ``ceil(num_tokens / block_size)`` of them, none
         repeated) under a lease.
@@ -395,6 +406,12 @@ class TransferEngine:
         until :meth:`mark_ready` says so; loaders pull each group of layers as soon as it is
         (their grants are held, not spun, while none is), and a load finishes when its last
         layer landed. ``ready`` is then not used (each group brings its own).
+
+        An engine with ``groups``: ``block_ids`` is one positional list per group (vLLM's
+        ``tuple[list[int], ...]``); of each, the positions from the block holding the group's
+        window's first token on are held and moved (all for full attention), the others may
+        hold ``null_block``. ``computed_tokens``: where the windows end (default
+        ``num_tokens``; less when whole blocks are exported past the last computed token).
         """
         if not self._open:
             self._check_started()
@@ -404,7 +421,10 @@ class TransferEngine:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         sizes = None
         if self.groups is not None:
-            ids, sizes = export_ids(self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks)
+            end = _computed(computed_tokens, num_tokens)
+            ids, sizes = export_ids(
+                self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
+            )
             block_ids = None  # the params list the live ids
         else:
             need = self.spec.num_blocks_for(num_tokens)
@@ -448,14 +468,17 @@ class TransferEngine:
         events = [] if ready is None else self._rt.order.events(ready)
         self._rt.exports.mark_layers(request_id, mask, events)
 
-    def params_for(self, request_id: str, block_ids, num_tokens: int) -> dict:
+    def params_for(
+        self, request_id: str, block_ids, num_tokens: int, *, computed_tokens: int | None = None
+    ) -> dict:
         """The params :meth:`export` will return for these arguments, without exporting: for a
         caller that hands params out before the blocks are written (a loader's grant then waits,
         bounded, until the export appears). The token is that of the request id's next
         generation on this rank (:mod:`kvxfer.auth`), so ``export()`` gives the same params as
         long as no export of the id is released in between. A process without an engine (a
         scheduler) makes a token with :meth:`kvxfer.auth.EngineSecret.new_token` and hands it
-        to every rank's ``export(..., token=)``."""
+        to every rank's ``export(..., token=)``. ``block_ids`` and ``computed_tokens`` as for
+        :meth:`export`."""
         self._check_started()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
@@ -463,7 +486,10 @@ class TransferEngine:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         sizes = None
         if self.groups is not None:
-            ids, sizes = export_ids(self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks)
+            end = _computed(computed_tokens, num_tokens)
+            ids, sizes = export_ids(
+                self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
+            )
         else:
             need = self.spec.num_blocks_for(num_tokens)
             ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
@@ -521,7 +547,13 @@ class TransferEngine:
 
     # ---------------------------------------------------------------------------- load
     def load(
-        self, request_id: str, params: dict | KVTransferParams, block_ids, num_computed_tokens: int = 0
+        self,
+        request_id: str,
+        params: dict | KVTransferParams,
+        block_ids,
+        num_computed_tokens: int = 0,
+        *,
+        computed_tokens: int | None = None,
     ) -> None:
         """Queue a load of ``params`` into local ``block_ids``; it starts at the next :meth:`poll`.
 
@@ -532,6 +564,11 @@ class TransferEngine:
         the exporter's block size may differ. Malformed params, block ids or ``k`` raise
         ``ValueError`` (naming the field) here; every later problem is reported by
         :meth:`poll` as a failed request.
+
+        An engine with ``groups``: ``block_ids`` is one positional list per group; each group
+        is written from the block holding the first token it needs (``num_computed_tokens``,
+        or its window's first token measured at ``computed_tokens``, default the params'
+        ``num_tokens``) on; those positions may not hold ``null_block``.
         """
         if not self._open:
             self._check_started()
@@ -552,7 +589,8 @@ class TransferEngine:
                 f"num_computed_tokens: {k} is not a multiple of the block size {self.spec.block_size}"
             )
         if self.groups is not None:
-            ids, per = load_ids(self.groups, block_ids, n, k, self.spec.block_size, self.num_blocks)
+            end = _computed(computed_tokens, n)
+            ids, per = load_ids(self.groups, block_ids, n, k, self.spec.block_size, self.num_blocks, end)
         self._rt.loads.add(request_id, ids, now())
         if per is not None:
             self._loader.queue_load(LoadItem(request_id, p, ids, 0.0, 0, per))

@@ -87,28 +87,39 @@ def _live(
 
 
 def export_ids(
-    gs: GroupSet, block_ids, num_tokens: int, block_size: int, num_blocks: int
+    gs: GroupSet, block_ids, num_tokens: int, block_size: int, num_blocks: int, computed: int | None = None
 ) -> tuple[np.ndarray, list[int]]:
     """The export's block ids (int64, every group's live ids in group order) and the count per
     group, from one positional list per group; ``ValueError`` naming the group and position of
-    a missing, null, repeated or out-of-range id."""
+    a missing, null, repeated or out-of-range id. ``computed``: the tokens the windows end at
+    (default ``num_tokens``; less when whole blocks are moved past the last computed token)."""
     lists = _lists(gs, block_ids)
     need = -(-num_tokens // block_size)
-    firsts = [g.live_first(num_tokens) for g in gs.groups]
+    end = num_tokens if computed is None else computed
+    firsts = [g.live_first(end) for g in gs.groups]
     live, ids = _live(gs, lists, firsts, need, block_size, num_blocks)
     return ids, [int(p.size) for p in live]
 
 
 def load_ids(
-    gs: GroupSet, block_ids, num_tokens: int, first: int, block_size: int, num_blocks: int
+    gs: GroupSet,
+    block_ids,
+    num_tokens: int,
+    first: int,
+    block_size: int,
+    num_blocks: int,
+    computed: int | None = None,
 ) -> tuple[np.ndarray, list[tuple[np.ndarray, int]]]:
     """A load's destination blocks: (every group's written ids concatenated, int64; per group
     (its positional ids for the request's ``ceil(num_tokens / block_size)`` positions, the
-    first token moved into it)). A group moves tokens from ``max(first, its live first)`` on;
-    positions before are never written (their entries are zeroed here)."""
+    first token it needs)). A group needs tokens from ``max(first, its live first)`` on (the
+    window measured at ``computed``, default ``num_tokens``) and is written from the start of
+    that token's block (:func:`group_items`); positions before are never written (their
+    entries are zeroed here)."""
     lists = _lists(gs, block_ids)
     need = -(-num_tokens // block_size)
-    firsts = [max(first, g.live_first(num_tokens)) for g in gs.groups]
+    end = num_tokens if computed is None else computed
+    firsts = [max(first, g.live_first(end)) for g in gs.groups]
     _, ids = _live(gs, lists, firsts, need, block_size, num_blocks)
     per = []
     for arr, f in zip(lists, firsts):
@@ -126,11 +137,16 @@ def group_items(
     num_tokens: int,
     per_group: list[tuple[np.ndarray, int]],
     src_block_size: int,
+    dst_block_size: int,
 ) -> list[Item] | str:
     """One planner item per group of a load: the exporter's live ids (``src_ids`` split by the
-    params' ``sizes``) placed at their positions for ``src_block_size``, the destination's
-    positional ids and first token (``per_group``, :func:`load_ids`). Returns why not (a str)
-    when the params' groups do not fit this engine's and the exporter's block size."""
+    params' ``sizes``: a group's are its last positions) placed at their positions for
+    ``src_block_size``, the destination's positional ids (``per_group``, :func:`load_ids`).
+    A group moves from the start of the destination block holding the first token it needs
+    (whole blocks where a window starts inside one: their earlier tokens are the request's
+    own on both sides), or from the exporter's first live token if that is later. Returns why
+    not (a str) when the params' groups do not fit this engine's, or the exporter's live
+    blocks do not hold every token a group needs."""
     if sizes is None:
         return f"params.groups: missing; this engine has {len(gs)} KV cache groups"
     if len(sizes) != len(gs):
@@ -138,15 +154,18 @@ def group_items(
     need = -(-num_tokens // src_block_size)
     out: list[Item] = []
     at = 0
-    for g, (grp, n, (dst, first)) in enumerate(zip(gs.groups, sizes, per_group)):
-        fb = grp.live_first(num_tokens) // src_block_size
-        if n != need - fb:
+    for g, (grp, n, (dst, needed)) in enumerate(zip(gs.groups, sizes, per_group)):
+        if n > need:
+            return f"params.groups[{g}]: {n} block ids, {num_tokens} tokens fill {need} blocks of {src_block_size}"
+        start = (need - n) * src_block_size  # the exporter's first live token
+        if start > needed:
             return (
-                f"params.groups[{g}]: {n} block ids, {grp.describe()} of {num_tokens} tokens in blocks of "
-                f"{src_block_size} has {need - fb} live blocks"
+                f"params.groups[{g}]: the exporter holds tokens [{start}, {num_tokens}) of {grp.describe()}, "
+                f"this load needs them from token {needed}"
             )
+        first = max(start, needed // dst_block_size * dst_block_size)
         src = np.zeros(need, dtype=np.int64)
-        src[fb:] = src_ids[at : at + n]
+        src[need - n :] = src_ids[at : at + n]
         at += n
         out.append(Item(request_id, src, dst, num_tokens, 0, first))
     if at != src_ids.size:

@@ -187,7 +187,11 @@ def _run(
             if aliased:
                 want = [want[ALIAS.index(j)] for j in ALIAS]
             for g, grp in enumerate(GROUPS):
-                lo = max(first, grp.live_first(n))
+                # from the D block holding the first token needed, or P's first live token
+                lf = grp.live_first(n)
+                lo = max(
+                    max(first, lf) // dst.block_size * dst.block_size, lf // src.block_size * src.block_size
+                )
                 _place(want, dst, truth, grp.layers, heads, dlists[g], range(lo, n))
             for layer, (a, b) in enumerate(zip(caches, want)):
                 if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
@@ -390,7 +394,42 @@ def test_groups_layer_wise_export(transport):
         assert _poll_all([d], {"r"}, "recv") == {"r": "done"}
         want = [torch.full_like(c.view(torch.uint8), POISON).view(spec.dtype) for c in dc]
         for g, grp in enumerate(GROUPS):
-            _place(want, spec, truth, grp.layers, range(4), dl[g], range(grp.live_first(n), n))
+            _place(want, spec, truth, grp.layers, range(4), dl[g], range(grp.live_first(n) // 4 * 4, n))
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dc, want))
     finally:
         _close([p, d] + ([pst, dst_] if pst is not None else []))
+
+
+def test_windows_end_at_computed_tokens():
+    """Whole blocks exported past the last computed token (vLLM's CPU pages): the windows end
+    at ``computed_tokens``, so the blocks they need move even when ``num_tokens`` rounds up; a
+    loader that needs earlier tokens than the exporter holds fails, naming the group."""
+    p, d, st = _pair_1()
+    spec = _spec()
+    try:
+        n, c = 32, 27  # window 6 ends at 27: tokens [22, 27) needed, in blocks 5 and 6
+        truth = _truth(spec, LAYER_GROUP, n, 13)
+        pl = [list(range(1, 9)), [0] * 3 + [11, 12, 13, 14, 15], [0] * 5 + [21, 22, 23]]
+        dl = [list(range(30, 38)), [0] * 3 + [40, 41, 42, 43, 44], [0] * 5 + [45, 46, 47]]
+        for g, grp in enumerate(GROUPS):
+            lo = grp.live_first(c) // 4 * 4
+            _place(st[0].caches, spec, truth, grp.layers, range(4), pl[g], range(lo, n))
+        params = p.export("r", pl, n, computed_tokens=c)
+        assert params["groups"] == [8, 5, 3]
+        d.load("r", params, dl, computed_tokens=c)
+        assert _poll_all([d], {"r"}, "recv") == {"r": "done"}
+        want = [torch.full_like(x.view(torch.uint8), POISON).view(spec.dtype) for x in st[1].caches]
+        for g, grp in enumerate(GROUPS):
+            _place(want, spec, truth, grp.layers, range(4), dl[g], range(grp.live_first(c) // 4 * 4, n))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(st[1].caches, want))
+        # measured at 32, P holds window 13's blocks from token 20 on; a loader measuring at 27
+        # needs token 15 on
+        params = p.export("late", [list(range(1, 9)), [0] * 4 + [11, 12, 13, 14], [0] * 6 + [21, 22]], n)
+        d.load("late", params, dl, computed_tokens=c)
+        got = _poll_all([d], {"late"}, "recv")
+        assert "params.groups[1]: the exporter holds tokens [20, 32)" in got["late"], got
+        assert "this load needs them from token 15" in got["late"], got
+        with pytest.raises(ValueError, match="computed_tokens: must be an int in"):
+            p.export("bad", pl, n, computed_tokens=33)
+    finally:
+        _close([p, d, *st])
