@@ -198,12 +198,16 @@ class EngineSecret:
         generation, or random) and content ``digest`` (:func:`content_digest`)."""
         return nonce.hex() + self._keyed.mac(_mac_input(request_id, nonce, digest))[:_MAC_BYTES].hex()
 
-    def new_token(self, request_id: str, num_tokens: int, block_ids) -> str:
+    def new_token(
+        self, request_id: str, num_tokens: int, block_ids, groups: Sequence[int] | None = None
+    ) -> str:
         """A token for an export of ``request_id`` holding ``block_ids`` (ints, in token order)
         and ``num_tokens``, with a random nonce: what a process that hands params out before
-        the engine ranks export (vLLM's scheduler) gives every rank's ``export(..., token=)``."""
+        the engine ranks export (vLLM's scheduler) gives every rank's ``export(..., token=)``.
+        ``groups``: ids per KV cache group, for an engine with groups (:mod:`kvxfer.grouped`)."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        return self.token(request_id, secrets.token_bytes(_NONCE_BYTES), content_digest(num_tokens, ids))
+        digest = content_digest(num_tokens, ids, groups)
+        return self.token(request_id, secrets.token_bytes(_NONCE_BYTES), digest)
 
     def verify(self, request_id: str, token: object, digest: object) -> bool:
         """Whether ``token`` was made by this secret for ``request_id`` and content ``digest``
