@@ -433,3 +433,25 @@ def test_windows_end_at_computed_tokens():
             p.export("bad", pl, n, computed_tokens=33)
     finally:
         _close([p, d, *st])
+
+
+def test_one_lease_over_the_union_and_a_released_export_is_not_delivered():
+    """The export holds every group's live blocks (one count each: 8 + 4 + 2); an export
+    released before the load is never delivered, and nothing of D is written; one-sided reads
+    are off for an engine with groups (the messaged path)."""
+    p, d, st = _pair_1()
+    try:
+        pl = [list(range(1, 9)), [0] * 4 + [11, 12, 13, 14], [0] * 6 + [21, 22]]
+        params = p.export("r", pl, 30)
+        assert p.stats()["blocks_held"] == 14
+        assert p._rt.exports.refcount[[*range(1, 9), 11, 12, 13, 14, 21, 22]].tolist() == [1] * 14
+        assert int(p._rt.exports.refcount.sum()) == 14
+        assert p.abort_export("r")
+        assert p.stats()["blocks_held"] == 0
+        d.load("r", params, [list(range(30, 38)), [0] * 4 + [40, 41, 42, 43], [0] * 6 + [44, 45]])
+        got = _poll_all([d], {"r"}, "recv")
+        assert got["r"].startswith("failed"), got
+        assert all(torch.all(c.view(torch.uint8) == POISON) for c in st[1].caches)
+        assert d.stats()["onesided"] == {"off": True}
+    finally:
+        _close([p, d, *st])

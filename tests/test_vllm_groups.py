@@ -366,3 +366,30 @@ def test_groups_from_config_carries_attention_and_names_what_it_refuses():
 def test_expand_group_ids_keeps_the_null_block():
     assert expand_group_ids([0, 0, 5, 7], 2) == [0, 0, 0, 0, 10, 11, 14, 15]
     assert expand_group_ids([0, 3], 1) == [0, 3]
+
+
+def test_failed_grouped_load_is_reported_by_request_not_by_block(caplog):
+    """vLLM raises on block-level load failures of a model with several KV cache groups: a
+    grouped load that fails (here: P released its export first) is reported finished and failed
+    by request, with no block ids."""
+    p = Side("P", "kv_producer", 1, "fa16")
+    d = Side("D", "kv_consumer", 1, "fa32")
+    try:
+        _, _, dlists, hold, params = _hand_over(p, d, 75)
+        assert hold
+        p.step()  # exported
+        assert p.workers[0].engine.abort_export("p-1")
+        dreq = Request("d-1", list(range(75)), json.loads(json.dumps(params)))
+        assert d.sched.get_num_new_matched_tokens(dreq, 0) == (75, True)
+        d.sched.update_state_after_alloc(dreq, GroupBlocks(dlists), 75)
+        got, end = {}, time.monotonic() + 15
+        while not got and time.monotonic() < end:
+            got = d.step()
+            time.sleep(0.01)
+        w = d.workers[0]
+        assert got == {"d-1": 1}
+        assert w.take_failed_loads() == {"d-1"}
+        assert w.take_load_errors() == set()
+    finally:
+        p.close()
+        d.close()

@@ -178,7 +178,8 @@ def _connector(role: str, engine_id: str, port: int) -> dict:
         "kv_role": role,
         "kv_port": port,
         "engine_id": engine_id,
-        "kv_connector_extra_config": {"host": HOST},
+        # a lease outliving D's start on a busy 2-core host (the default 30 s expired there)
+        "kv_connector_extra_config": {"host": HOST, "lease_s": 120.0},
     }
 
 
@@ -258,7 +259,18 @@ def _decode(model_dir, ps, n, q_params, q_done, q, mutate):
         )
         last = {k: s[k] for k in last}
     q_done.put(True)
-    q.put(("d", {"results": results, "bytes_per_token": worker.engine.spec.bytes_per_token()}))
+    st = worker.engine.stats()
+    q.put(
+        (
+            "d",
+            {
+                "results": results,
+                "bytes_per_token": worker.engine.spec.bytes_per_token(),
+                "transports": st["transports"],
+                "latency_p50_s": st["p50_s"],
+            },
+        )
+    )
 
 
 def _sp(n, prm):

@@ -390,9 +390,11 @@ class WorkerSide:
         return sending, recving
 
     def take_load_errors(self) -> set[int]:
-        """Manager block ids of failed loads reported since the last call."""
+        """Manager block ids of failed loads reported since the last call; none with KV cache
+        groups (vLLM 0.32 raises on block-level failures of a model with several groups, its ids
+        being per group: those loads are reported by request, :meth:`take_failed_loads`)."""
         out, self._bad_blocks = self._bad_blocks, set()
-        return out
+        return set() if self.groups is not None else out
 
     def take_failed_loads(self) -> set[str]:
         """Request ids of loads that failed or were refused, reported (in ``finished``'s
