@@ -148,9 +148,8 @@ class TransferEngine:
             take one positional block list per group (:mod:`kvxfer.grouped`), a sliding group
             moves only its in-window blocks, and ``null_block`` (vLLM's 0) may not stand where
             a group still holds tokens. Both engines of a transfer must have the same groups
-            (the handshake checks). Carried over ``ipc`` and ``pg``, not ``nixl`` (refused by
-            name), and never one-sided (the messaged ``ipc`` path). None: one group of every
-            layer, block ids as one list.
+            (the handshake checks). Every transport carries them (``ipc`` by its messaged path,
+            never one-sided). None: one group of every layer, block ids as one list.
         null_block: the block id that stands for a position whose tokens a sliding window
             passed (vLLM's null block, 0; None: none); only with ``groups``.
 
@@ -207,11 +206,6 @@ class TransferEngine:
         if not isinstance(onesided, bool):
             raise ValueError(f"onesided: must be a bool, got {onesided!r}")
         gs = None if groups is None else GroupSet(groups, spec.num_layers, null_block)
-        if gs is not None and transport == "nixl":
-            raise ValueError(
-                "transport: 'nixl' does not carry requests of several KV cache groups yet; use 'ipc', "
-                "'pg' or 'auto'"
-            )
         self.groups = gs
         self.spec = spec
         self.caches = list(caches)

@@ -144,11 +144,7 @@ def _choose_transport(loader: HandshakeLink, replies: list[control.HelloReply]) 
             rank.identity,
             replies,
             loader.topology,
-            local_nixl=(
-                "a request of several KV cache groups is not carried over nixl yet (use ipc or pg)"
-                if rank.groups is not None
-                else loader.transports["nixl"].why
-            ),
+            local_nixl=loader.transports["nixl"].why,
         )
         if transport == "pg":
             for r in replies:

@@ -21,6 +21,7 @@ from kvxfer import KVCacheSpec, Layout, TransferEngine
 from kvxfer.groups.attention import AttentionGroup
 from kvxfer.ports import free_port_base
 from kvxfer.transports.ipc.shm import alloc_shm_caches
+from kvxfer.transports.nixl.agent import nixl_status
 
 POISON = 0xA5
 GARBAGE = 0x5A  # what P's null block and dead positions hold
@@ -181,6 +182,7 @@ def _run(
             e.load("req", params[0], dlists, num_computed_tokens=first)
         got = _poll_all(ds, {"req"}, "recv")
         assert got == {"req": "done"}, got
+        assert all(e.stats()["transports"] == {"P": transport} for e in ds)
         for r, (_, caches) in enumerate(dst_st):
             heads = dst.heads_of_rank(r, tp_d)
             want = [torch.full_like(c.view(torch.uint8), POISON).view(dst.dtype) for c in caches]
@@ -215,7 +217,18 @@ def _spec(layout="NHD", bs=4, dtype=torch.float16, heads=4):
     return KVCacheSpec(6, heads, 8, bs, dtype, layout=layout)
 
 
-@pytest.mark.parametrize("transport", ["ipc", "pg"])
+NIXL = pytest.param(
+    "nixl", marks=pytest.mark.skipif(bool(nixl_status()), reason=f"NIXL not importable here: {nixl_status()}")
+)
+
+
+@pytest.fixture(autouse=True)
+def _ucx_loopback(monkeypatch):
+    """UCX (the nixl transport) on loopback, as tests/test_nixl.py runs it."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
+
+@pytest.mark.parametrize("transport", ["ipc", "pg", NIXL])
 @pytest.mark.parametrize(
     "src_layout,dst_layout,bs_p,bs_d,tp_p,tp_d,n",
     [
@@ -234,10 +247,11 @@ def test_groups_every_dtype(dtype):
     _run("ipc", _spec("NHD", 4, dtype), _spec("HND", 8, dtype), 1, 1, 27, seed=3)
 
 
-@pytest.mark.parametrize("transport", ["ipc", "pg"])
+@pytest.mark.parametrize("transport", ["ipc", "pg", NIXL])
 def test_groups_on_aliased_layers(transport):
     """Caches laid out as vLLM's hybrid allocator does: the j-th layers of all groups one tensor
-    (each group's blocks its own), on both sides."""
+    (each group's blocks its own), on both sides. (Here a group's blocks read through another
+    group's layers land the same: the cases above, one tensor per layer, catch that mix-up.)"""
     _run(transport, _spec("NHD", 4), _spec("HND", 8), 1, 2, 39, seed=9, aliased=True)
 
 
@@ -246,7 +260,7 @@ def test_groups_tp_1_to_4_and_short_prompt():
     _run("ipc", _spec("NHD", 4), _spec("NHD", 8), 1, 4, 5, seed=5)
 
 
-@pytest.mark.parametrize("transport", ["ipc", "pg"])
+@pytest.mark.parametrize("transport", ["ipc", "pg", NIXL])
 def test_groups_prefix_hit_on_d(transport):
     """D holds the first 16 tokens: only [16, n) of the full group, the sliding groups' windows
     (all after 16 here) move."""
@@ -351,7 +365,7 @@ def test_ungrouped_loader_refuses_grouped_exporter():
         _close([p, d, pst, dst_])
 
 
-def test_group_set_checks_and_nixl_refused():
+def test_group_set_checks():
     spec = _spec()
     caches = [torch.zeros(spec.cache_shape(4, 1), dtype=spec.dtype) for _ in range(6)]
     with pytest.raises(ValueError, match="layer 3 is already in groups"):
@@ -364,8 +378,8 @@ def test_group_set_checks_and_nixl_refused():
         TransferEngine(spec, caches, 0, 1, "E", groups=[AttentionGroup(range(7))])
     with pytest.raises(ValueError, match="window"):
         AttentionGroup((0,), window=0)
-    with pytest.raises(ValueError, match="nixl' does not carry requests of several KV cache groups"):
-        TransferEngine(spec, caches, 0, 1, "E", transport="nixl", groups=GROUPS)
+    with pytest.raises(ValueError, match="extra_retained_tokens: only a sliding-window group"):
+        AttentionGroup((0,), extra_retained_tokens=1)
 
 
 @pytest.mark.parametrize("transport", ["ipc", "pg"])
