@@ -314,6 +314,11 @@ class SlidingWindowSpec:
 
 
 @dataclass
+class MLAAttentionSpec:
+    block_size: int = 16
+
+
+@dataclass
 class MambaSpec:
     block_size: int = 16
     shapes: tuple = ((3, 64), (4, 16, 16))
@@ -356,6 +361,12 @@ def test_groups_from_config_carries_attention_and_names_what_it_refuses():
     sizes = Config([Group(["a0"], FullAttentionSpec(16)), Group(["b0"], SlidingWindowSpec(32))])
     with pytest.raises(HybridModelUnsupported, match="different block sizes"):
         groups_from_config(sizes)
+    mla = Config([Group(["a0"], MLAAttentionSpec()), Group(["b0"], SlidingWindowSpec())])
+    with pytest.raises(HybridModelUnsupported, match="MLA in a model of several KV cache groups"):
+        groups_from_config(mla)
+    assert (
+        groups_from_config(Config([Group(["a0", "a1"], MLAAttentionSpec())])) is None
+    )  # MLA alone: as before
     off = Config(
         [Group(["a0"], FullAttentionSpec()), Group(["b0"], SlidingWindowSpec(), enable_kv_transfer=False)]
     )

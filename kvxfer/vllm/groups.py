@@ -104,10 +104,10 @@ def groups_from_config(kv_cache_config, model: str = "?") -> list[VllmGroup] | N
         )
     if len(out) == 1 and out[0].window is None and len(groups) == 1:
         return None  # one full-attention group: block ids as one list, as before
-    if any(g.window is None for g in out) and any(
-        _kind(getattr(g, "kv_cache_spec", None)) == "MLAAttentionSpec" for g in groups
-    ):
-        raise HybridModelUnsupported(f"model {model}: MLA next to sliding-window groups is not carried yet")
+    if any(_kind(getattr(g, "kv_cache_spec", None)) == "MLAAttentionSpec" for g in groups):
+        raise HybridModelUnsupported(
+            f"model {model}: MLA in a model of several KV cache groups is not carried yet"
+        )
     return out
 
 
