@@ -469,3 +469,53 @@ def test_one_lease_over_the_union_and_a_released_export_is_not_delivered():
         assert d.stats()["onesided"] == {"off": True}
     finally:
         _close([p, d, *st])
+
+
+@pytest.mark.parametrize("transport", ["ipc", "pg", NIXL])
+def test_several_grouped_loads_in_one_batch(transport):
+    """Three grouped requests of different lengths loaded before one poll (one batch: per
+    group, the planner packs all three), P blocks of 4 and D blocks of 8; params_for gives the
+    params export then returns."""
+    src, dst = _spec("NHD", 4), _spec("HND", 8)
+    shm = transport == "ipc"
+    pst, pc = _caches(src, 1, shm)
+    dst_, dc = _caches(dst, 1, shm)
+    _fill(pc, GARBAGE)
+    _fill(dc, POISON)
+    p = TransferEngine(src, pc, 0, 1, "P", transport=transport, groups=GROUPS).start()
+    d = TransferEngine(dst, dc, 0, 1, "D", transport=transport, groups=GROUPS).start()
+    rng = random.Random(4)
+    try:
+        reqs = []
+        pool_p, pool_d = list(range(1, NB)), list(range(1, NB))
+        rng.shuffle(pool_p)
+        rng.shuffle(pool_d)
+        for i, n in enumerate((29, 8, 21)):
+            truth = _truth(src, LAYER_GROUP, n, 20 + i)
+            pl, dl = [], []
+            for grp in GROUPS:
+                need_p, need_d = -(-n // 4), -(-n // 8)
+                dead_p, dead_d = grp.live_first(n) // 4, grp.live_first(n) // 8
+                pl.append([0] * dead_p + [pool_p.pop() for _ in range(need_p - dead_p)])
+                dl.append([0] * dead_d + [pool_d.pop() for _ in range(need_d - dead_d)])
+            for g, grp in enumerate(GROUPS):
+                _place(pc, src, truth, grp.layers, range(4), pl[g], range(grp.live_first(n) // 4 * 4, n))
+            before = p.params_for(f"r{i}", pl, n)
+            params = p.export(f"r{i}", pl, n)
+            assert params == before
+            reqs.append((f"r{i}", n, truth, params, dl))
+        for rid, _, _, params, dl in reqs:
+            d.load(rid, params, dl)
+        assert _poll_all([d], {r[0] for r in reqs}, "recv") == dict.fromkeys([r[0] for r in reqs], "done")
+        want = [torch.full_like(c.view(torch.uint8), POISON).view(dst.dtype) for c in dc]
+        for _, n, truth, _, dl in reqs:
+            for g, grp in enumerate(GROUPS):
+                lf = grp.live_first(n)
+                lo = max(lf // 8 * 8, lf // 4 * 4)
+                _place(want, dst, truth, grp.layers, range(4), dl[g], range(lo, n))
+        for layer, (a, b) in enumerate(zip(dc, want)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"layer {layer}"
+        assert _poll_all([p], {r[0] for r in reqs}, "send") == dict.fromkeys([r[0] for r in reqs], "done")
+        assert p.stats()["blocks_held"] == 0
+    finally:
+        _close([d, p] + [x for x in (pst, dst_) if x is not None])
