@@ -183,6 +183,16 @@ def _run(
         got = _poll_all(ds, {"req"}, "recv")
         assert got == {"req": "done"}, got
         assert all(e.stats()["transports"] == {"P": transport} for e in ds)
+        for e in ds:  # the wire bytes counted: each group's layers over the tokens it moved
+            per_layer = dst.bytes_per_token(num_heads=dst.heads_per_rank(tp_d)) // dst.num_layers
+            want = 0
+            for grp in GROUPS:
+                lf = grp.live_first(n)
+                lo = max(
+                    max(first, lf) // dst.block_size * dst.block_size, lf // src.block_size * src.block_size
+                )
+                want += (n - lo) * per_layer * len(grp.layers)
+            assert e.stats()["bytes"] == want
         for r, (_, caches) in enumerate(dst_st):
             heads = dst.heads_of_rank(r, tp_d)
             want = [torch.full_like(c.view(torch.uint8), POISON).view(dst.dtype) for c in caches]
