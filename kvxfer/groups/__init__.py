@@ -14,7 +14,7 @@ DeltaNet, short conv) and the in-window blocks of sliding-window groups.
 * :mod:`kvxfer.groups.blocks`: :func:`select_window_blocks` (a sliding-window group's in-window
   blocks on both sides, and their token slots), :func:`state_block`.
 
-See docs/DESIGN.md, "Hybrid models: state groups".
+See docs/DESIGN.md, "Hybrid models: attention and state groups".
 """
 
 from __future__ import annotations
