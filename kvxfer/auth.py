@@ -43,6 +43,7 @@ import re
 import secrets
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -75,12 +76,15 @@ _IDS_PER_UPDATE = 255
 TOKEN_CHARS = 2 * (_NONCE_BYTES + _MAC_BYTES)  # 48 hex characters
 
 
-def content_digest(num_tokens: int, block_ids: np.ndarray) -> bytes:
+def content_digest(num_tokens: int, block_ids: np.ndarray, groups: Sequence[int] | None = None) -> bytes:
     """What a token binds besides the request id: BLAKE2b-128 of ``num_tokens`` (8 bytes,
     little-endian) and the block ids as little-endian int64 (``block_ids``: an int64 or uint64
     array of non-negative ids, the exporter's checked array or the params' own). ~1 us for 256
-    ids."""
+    ids. ``groups``: a request of several KV cache groups (:mod:`kvxfer.grouped`), how many of
+    the ids belong to each group, bound too (after a marker no id count can equal)."""
     h = _blake2b(num_tokens.to_bytes(8, "little"), digest_size=DIGEST_BYTES)
+    if groups is not None:
+        h.update(b"\xffgroups" + np.asarray(groups, dtype="<i8").tobytes())
     dt = block_ids.dtype
     if not ((dt is _I64 or dt is _U64) and block_ids.flags.c_contiguous):
         block_ids = np.ascontiguousarray(
@@ -193,12 +197,16 @@ class EngineSecret:
         generation, or random) and content ``digest`` (:func:`content_digest`)."""
         return nonce.hex() + self._keyed.mac(_mac_input(request_id, nonce, digest))[:_MAC_BYTES].hex()
 
-    def new_token(self, request_id: str, num_tokens: int, block_ids) -> str:
+    def new_token(
+        self, request_id: str, num_tokens: int, block_ids, groups: Sequence[int] | None = None
+    ) -> str:
         """A token for an export of ``request_id`` holding ``block_ids`` (ints, in token order)
         and ``num_tokens``, with a random nonce: what a process that hands params out before
-        the engine ranks export (vLLM's scheduler) gives every rank's ``export(..., token=)``."""
+        the engine ranks export (vLLM's scheduler) gives every rank's ``export(..., token=)``.
+        ``groups``: ids per KV cache group, for an engine with groups (:mod:`kvxfer.grouped`)."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        return self.token(request_id, secrets.token_bytes(_NONCE_BYTES), content_digest(num_tokens, ids))
+        digest = content_digest(num_tokens, ids, groups)
+        return self.token(request_id, secrets.token_bytes(_NONCE_BYTES), digest)
 
     def verify(self, request_id: str, token: object, digest: object) -> bool:
         """Whether ``token`` was made by this secret for ``request_id`` and content ``digest``

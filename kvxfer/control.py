@@ -92,6 +92,15 @@ Name = Annotated[str, msgspec.Meta(max_length=64)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
 # a cache spec as KVCacheSpec.to_dict writes it: flat, a few scalar fields
+# KV cache groups ([window or 0, extra retained tokens, *layers] each: kvxfer.groups.attention)
+GroupsList = Annotated[
+    list[
+        Annotated[
+            list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]], msgspec.Meta(max_length=MAX_LAYERS + 2)
+        ]
+    ],
+    msgspec.Meta(max_length=MAX_LAYERS),
+]
 SpecDict = Annotated[
     dict[Name, Annotated[str, msgspec.Meta(max_length=64)] | int | bool], msgspec.Meta(max_length=32)
 ]
@@ -117,6 +126,7 @@ class Hello(msgspec.Struct, tag=True):
     version: int = PROTOCOL_VERSION
     transport: Name = ""  # the loader's configured transport ("auto", "ipc", "pg", "nixl")
     digest: Digest = b""  # kvxfer.auth.content_digest of the request's params
+    groups: GroupsList | None = None  # the engine's KV cache groups (None: one group)
 
 
 class HelloReply(msgspec.Struct, tag=True):
@@ -138,6 +148,7 @@ class HelloReply(msgspec.Struct, tag=True):
     # NIXL entry (kvxfer.transports.nixl.transport): {"agent", "md", "geometry", "epochs", "staging", "units", ...},
     # or {"why": <reason>}; None when the loader cannot use NIXL or did not ask for it
     nixl: dict | None = None
+    groups: list | None = None  # the engine's KV cache groups (None: one group): GroupSet.to_wire
 
 
 class ReadReq(msgspec.Struct, tag=True):

@@ -39,6 +39,9 @@ from .completion import PollResult
 from .engine_types import HandshakeError, LoadItem, ReleaseItem, check_block_ids
 from .exporter import Exporter
 from .exports import ExportTracker
+from .grouped import export_ids, load_ids
+from .groups.attention import AttentionGroup, GroupSet
+from .groups.blocks import NULL_BLOCK
 from .loader import Loader
 from .metrics import now
 from .notifier import Notifier
@@ -93,6 +96,16 @@ def _join_left() -> None:
 __all__ = ["HandshakeError", "TransferEngine"]
 
 
+def _computed(computed_tokens: int | None, num_tokens: int) -> int:
+    """``computed_tokens`` checked to be in ``[1, num_tokens]`` (default ``num_tokens``)."""
+    if computed_tokens is None:
+        return num_tokens
+    c = computed_tokens
+    if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= num_tokens:
+        raise ValueError(f"computed_tokens: must be an int in [1, {num_tokens}], got {c!r}")
+    return c
+
+
 class TransferEngine:
     """Moves paged KV between engines; one instance per TP rank.
 
@@ -128,6 +141,17 @@ class TransferEngine:
             message before the copy, when the exporter's lease-slot table says the export is
             live and ready (:mod:`kvxfer.transports.ipc.onesided`; ``stats()["onesided"]`` says
             how many did and why the others did not). False: every load takes the messaged path.
+        groups: the model's attention KV cache groups (vLLM's hybrid allocator: full-attention
+            and sliding-window groups, :class:`~kvxfer.groups.attention.AttentionGroup`), each
+            owning some of ``caches`` (layer indices; every layer in exactly one group). Then a
+            request is a set of groups: :meth:`export`, :meth:`params_for` and :meth:`load`
+            take one positional block list per group (:mod:`kvxfer.grouped`), a sliding group
+            moves only its in-window blocks, and ``null_block`` (vLLM's 0) may not stand where
+            a group still holds tokens. Both engines of a transfer must have the same groups
+            (the handshake checks). Every transport carries them (``ipc`` by its messaged path,
+            never one-sided). None: one group of every layer, block ids as one list.
+        null_block: the block id that stands for a position whose tokens a sliding window
+            passed (vLLM's null block, 0; None: none); only with ``groups``.
 
     Stream ordering on CUDA caches (:mod:`kvxfer.ordering`): ``export(..., ready=event)`` or
     :meth:`set_compute_stream` make the transfer wait for the compute that wrote the blocks;
@@ -151,6 +175,8 @@ class TransferEngine:
         auth_key: str | None = None,
         max_sms: int | None = None,
         onesided: bool = True,
+        groups: Sequence[AttentionGroup] | None = None,
+        null_block: int | None = NULL_BLOCK,
     ) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise ValueError(f"spec: expected a KVCacheSpec, got {type(spec).__name__}")
@@ -179,6 +205,8 @@ class TransferEngine:
             raise ValueError("auth_key: must be a non-empty string or None")
         if not isinstance(onesided, bool):
             raise ValueError(f"onesided: must be a bool, got {onesided!r}")
+        gs = None if groups is None else GroupSet(groups, spec.num_layers, null_block)
+        self.groups = gs
         self.spec = spec
         self.caches = list(caches)
         self.tp_rank = tp_rank
@@ -198,7 +226,7 @@ class TransferEngine:
         views = CacheViews(self.caches, spec, max_sms)
         rank = self._rank = Rank(
             spec, tuple(self.caches), views, tp_rank, tp_size, engine_id, host, port, transport,
-            self.lease_s, self.timeout_s, self.pipeline, self.device, host_id(), onesided,
+            self.lease_s, self.timeout_s, self.pipeline, self.device, host_id(), onesided, gs,
         )  # fmt: skip
         rt = self._rt = Runtime(self.device)
         self._transports = {
@@ -209,7 +237,8 @@ class TransferEngine:
         self._notifier = Notifier(engine_id, rt.stop, rt.metrics)
         self._loader = Loader(rank, rt, self._transports, self._notifier)
         self._exporter = Exporter(rank, rt, self._transports)
-        self._onesided = OneSided(rank, rt, self._loader) if onesided else None
+        # one-sided reads take one group's ids: a grouped engine's loads take the messaged path
+        self._onesided = OneSided(rank, rt, self._loader) if onesided and gs is None else None
         self._hooks = rt.hooks  # test hooks, by name (each read where it is called)
         self._ctx = None  # the zmq context, made by start()
         self._started = False
@@ -351,6 +380,7 @@ class TransferEngine:
         *,
         streaming: bool = False,
         token: str | None = None,
+        computed_tokens: int | None = None,
     ) -> dict:
         """Hold ``block_ids`` (token order, ``ceil(num_tokens / block_size)`` of them, none
         repeated) under a lease.
@@ -370,6 +400,12 @@ class TransferEngine:
         until :meth:`mark_ready` says so; loaders pull each group of layers as soon as it is
         (their grants are held, not spun, while none is), and a load finishes when its last
         layer landed. ``ready`` is then not used (each group brings its own).
+
+        An engine with ``groups``: ``block_ids`` is one positional list per group (vLLM's
+        ``tuple[list[int], ...]``); of each, the positions from the block holding the group's
+        window's first token on are held and moved (all for full attention), the others may
+        hold ``null_block``. ``computed_tokens``: where the windows end (default
+        ``num_tokens``; less when whole blocks are exported past the last computed token).
         """
         if not self._open:
             self._check_started()
@@ -377,22 +413,31 @@ class TransferEngine:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        need = self.spec.num_blocks_for(num_tokens)
-        if type(block_ids) is list:  # a copy: the params carry exactly the ids checked and held
-            block_ids = block_ids[:need]
-        ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
-        token, digest, gen = self._export_token(request_id, ids, num_tokens, token)
+        sizes = None
+        if self.groups is not None:
+            end = _computed(computed_tokens, num_tokens)
+            ids, sizes = export_ids(
+                self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
+            )
+            block_ids = None  # the params list the live ids
+        else:
+            need = self.spec.num_blocks_for(num_tokens)
+            if type(block_ids) is list:  # a copy: the params carry exactly the ids checked and held
+                block_ids = block_ids[:need]
+            ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
+        token, digest, gen = self._export_token(request_id, ids, num_tokens, token, sizes)
         rt = self._rt
         if not streaming:
             rt.order.mark(request_id, ready)
         layers = self.spec.num_layers if streaming else 0
         gated = rt.order.gated(request_id)
-        rt.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated)
+        rt.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated, sizes)
         # plain ints: that list is the params' (JSON-safe); else the checked array's values
         listed = block_ids if type(block_ids) is list and idops.exact_ints(block_ids) else ids.tolist()
         return params_dict(
-            request_id, self.engine_id, self.host, self.port, self.tp_size, listed, num_tokens, token
-        )
+            request_id, self.engine_id, self.host, self.port, self.tp_size, listed, num_tokens, token,
+            groups=sizes,
+        )  # fmt: skip
 
     def mark_ready(self, request_id: str, layers, ready=None) -> None:
         """Layers ``layers`` (an int, a range or a sequence of layer indices) of the layer-wise
@@ -417,34 +462,45 @@ class TransferEngine:
         events = [] if ready is None else self._rt.order.events(ready)
         self._rt.exports.mark_layers(request_id, mask, events)
 
-    def params_for(self, request_id: str, block_ids, num_tokens: int) -> dict:
+    def params_for(
+        self, request_id: str, block_ids, num_tokens: int, *, computed_tokens: int | None = None
+    ) -> dict:
         """The params :meth:`export` will return for these arguments, without exporting: for a
         caller that hands params out before the blocks are written (a loader's grant then waits,
         bounded, until the export appears). The token is that of the request id's next
         generation on this rank (:mod:`kvxfer.auth`), so ``export()`` gives the same params as
         long as no export of the id is released in between. A process without an engine (a
         scheduler) makes a token with :meth:`kvxfer.auth.EngineSecret.new_token` and hands it
-        to every rank's ``export(..., token=)``."""
+        to every rank's ``export(..., token=)``. ``block_ids`` and ``computed_tokens`` as for
+        :meth:`export`."""
         self._check_started()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        need = self.spec.num_blocks_for(num_tokens)
-        ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
-        token = self._export_token(request_id, ids, num_tokens, None)[0]
+        sizes = None
+        if self.groups is not None:
+            end = _computed(computed_tokens, num_tokens)
+            ids, sizes = export_ids(
+                self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
+            )
+        else:
+            need = self.spec.num_blocks_for(num_tokens)
+            ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
+        token = self._export_token(request_id, ids, num_tokens, None, sizes)[0]
         return params_dict(
-            request_id, self.engine_id, self.host, self.port, self.tp_size, ids.tolist(), num_tokens, token
-        )
+            request_id, self.engine_id, self.host, self.port, self.tp_size, ids.tolist(), num_tokens, token,
+            groups=sizes,
+        )  # fmt: skip
 
     def _export_token(
-        self, request_id: str, ids: np.ndarray, num_tokens: int, token: str | None
+        self, request_id: str, ids: np.ndarray, num_tokens: int, token: str | None, sizes=None
     ) -> tuple[str, bytes, int]:
         """(token, content digest, generation) of an export of ``request_id`` (:mod:`kvxfer.auth`):
         the generation's token, the same on every rank; or ``token`` checked to be one this
-        engine's secret made for these ids and ``num_tokens``."""
+        engine's secret made for these ids and ``num_tokens`` (and ``sizes``: ids per group)."""
         secret = self._rt.secret
-        digest = content_digest(num_tokens, ids)
+        digest = content_digest(num_tokens, ids, sizes)
         gen = self._rt.exports.generation(request_id)
         if token is None:
             return secret.token(request_id, gen.to_bytes(8, "big"), digest), digest, gen
@@ -485,7 +541,13 @@ class TransferEngine:
 
     # ---------------------------------------------------------------------------- load
     def load(
-        self, request_id: str, params: dict | KVTransferParams, block_ids, num_computed_tokens: int = 0
+        self,
+        request_id: str,
+        params: dict | KVTransferParams,
+        block_ids,
+        num_computed_tokens: int = 0,
+        *,
+        computed_tokens: int | None = None,
     ) -> None:
         """Queue a load of ``params`` into local ``block_ids``; it starts at the next :meth:`poll`.
 
@@ -496,6 +558,11 @@ class TransferEngine:
         the exporter's block size may differ. Malformed params, block ids or ``k`` raise
         ``ValueError`` (naming the field) here; every later problem is reported by
         :meth:`poll` as a failed request.
+
+        An engine with ``groups``: ``block_ids`` is one positional list per group; each group
+        is written from the block holding the first token it needs (``num_computed_tokens``,
+        or its window's first token measured at ``computed_tokens``, default the params'
+        ``num_tokens``) on; those positions may not hold ``null_block``.
         """
         if not self._open:
             self._check_started()
@@ -505,7 +572,9 @@ class TransferEngine:
         if type(p) is list:
             raise ValueError("params: load takes one child's params; call load once per n>1 child")
         n = p.num_tokens
-        ids = check_block_ids(block_ids, self.spec.num_blocks_for(n), self.num_blocks, n, unique=True)
+        per = None
+        if self.groups is None:
+            ids = check_block_ids(block_ids, self.spec.num_blocks_for(n), self.num_blocks, n, unique=True)
         k = num_computed_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
             raise ValueError(f"num_computed_tokens: must be an int in [0, {n}), got {k!r}")
@@ -513,7 +582,13 @@ class TransferEngine:
             raise ValueError(
                 f"num_computed_tokens: {k} is not a multiple of the block size {self.spec.block_size}"
             )
+        if self.groups is not None:
+            end = _computed(computed_tokens, n)
+            ids, per = load_ids(self.groups, block_ids, n, k, self.spec.block_size, self.num_blocks, end)
         self._rt.loads.add(request_id, ids, now())
+        if per is not None:
+            self._loader.queue_load(LoadItem(request_id, p, ids, 0.0, 0, per))
+            return
         item = LoadItem(request_id, p, ids, 0.0, k)
         if self._onesided is not None and self._onesided.try_load(item, self.timeout_s):
             return  # launched here, reported by a later poll()

@@ -125,6 +125,8 @@ class LoadItem:
         "deadline",
         "dst",
         "first",
+        "group_dst",
+        "groups",
         "num_tokens",
         "params",
         "request_id",
@@ -140,12 +142,19 @@ class LoadItem:
         block_ids: np.ndarray,
         deadline: float = 0.0,
         first: int = 0,
+        group_dst: list | None = None,
     ) -> None:
         self.request_id = request_id
         self.params = params
         self.block_ids = block_ids  # local int64, exactly ceil(T / block_size)
         self.deadline = deadline  # monotonic: every wait of this load ends by then (set at dispatch)
         self.first = first  # tokens already held here (a partial load): pull [first, num_tokens)
+        # An engine with KV cache groups (kvxfer.grouped): per group (positional local ids, first
+        # token moved), from load(); ``block_ids`` is then every group's written ids and
+        # ``first`` 0. ``groups``: the planner's items, one per group, made once the exporter's
+        # block size is known (the loader's checks).
+        self.group_dst = group_dst
+        self.groups: list | None = None
         # the params' read-only ids seen as int64, no copy: unsigned, they were bounded by one
         # max() (the loader bounds them by the exporter's block count before it plans)
         self.src_ids: np.ndarray = params.block_id_array().view(np.int64)

@@ -337,7 +337,7 @@ class Exporter:
         """Why ``msg``'s calls read a token no export of its requests holds ("" when they do
         not: :mod:`kvxfer.entitlement`)."""
         bs = self.rank.spec.block_size
-        blocks, lens = allowed_prefixes([(e.block_ids, e.num_tokens) for e in exports], bs)
+        blocks, lens = allowed_prefixes([sp for e in exports for sp in e.spans(bs)], bs)
         for k, (raw, num_tokens, offset, unit) in enumerate(msg.calls):
             if len(raw) % 8:
                 return f"call {k}: its ids are {len(raw)} bytes, not int64s"

@@ -34,9 +34,7 @@ _LOG = logging.getLogger(__name__)
 UNKNOWN = "unknown: not exported here (yet)"
 _INT64 = np.dtype(np.int64)
 RELEASED = "released: lease expired, aborted or already freed"
-ALTERED = (
-    "refused: the block ids or num_tokens of the params differ from the export's (altered or sliced params)"
-)
+ALTERED = "refused: the block ids, num_tokens or groups of the params differ from the export's (altered or sliced params)"
 OTHER_EXPORT = "refused: the params are of another export of this request id (an earlier, released one)"
 GONE_KEPT = 100_000  # released request ids remembered (generation, token), oldest forgotten first
 
@@ -78,6 +76,7 @@ class _Export:
         "expected",
         "gates",
         "gen",
+        "groups",
         "marked",
         "notified_by",
         "num_tokens",
@@ -92,8 +91,10 @@ class _Export:
         token: str = "",
         digest: bytes = b"",
         gen: int = 0,
+        groups: tuple[int, ...] | None = None,
     ) -> None:
         self.block_ids = block_ids  # int64 [n]
+        self.groups = groups  # ids per KV cache group (kvxfer.grouped), None: one group
         self.num_tokens = num_tokens
         self.deadline = deadline
         self.notified_by: set = set()
@@ -103,6 +104,22 @@ class _Export:
         self.token = token  # the export's auth token (kvxfer.auth), kept to verify messages cheaply
         self.digest = digest  # kvxfer.auth.content_digest of (num_tokens, block_ids)
         self.gen = gen  # the export's generation of its request id (kvxfer.auth: the token's nonce)
+
+    def spans(self, block_size: int) -> list[tuple[np.ndarray, int]]:
+        """``(block ids, num_tokens)`` whose blocks each start at a block's first token and whose
+        last block holds the export's partial tail (what :func:`kvxfer.entitlement.allowed_prefixes`
+        reads): the export itself, or for a request of several groups each group's live blocks
+        (which end at the same token as the request)."""
+        if self.groups is None:
+            return [(self.block_ids, self.num_tokens)]
+        out = []
+        at = 0
+        need = -(-self.num_tokens // block_size)
+        for n in self.groups:
+            # a group's live blocks are its last n positions: seen from position need - n
+            out.append((self.block_ids[at : at + n], self.num_tokens - (need - n) * block_size))
+            at += n
+        return out
 
 
 def _counted(e: _Export, sender, expected: int) -> bool:
@@ -168,12 +185,14 @@ class ExportTracker:
         digest: bytes = b"",
         gen: int = 0,
         ready: bool = True,
+        groups: tuple[int, ...] | None = None,
     ) -> None:
         """Hold ``block_ids`` (int, in range; the tracker keeps the array) for ``request_id``.
         ``num_layers > 0``: a layer-wise export, no layer ready until :meth:`mark_layers`.
         ``token``, ``digest``, ``gen``: the export's auth token, content digest and generation
         (:mod:`kvxfer.auth`), checked by :meth:`grant` and the like while it is live.
-        ``ready``: the compute that wrote the blocks has completed (told to the listeners)."""
+        ``ready``: the compute that wrote the blocks has completed (told to the listeners).
+        ``groups``: a request of several KV cache groups, ids per group (:mod:`kvxfer.grouped`)."""
         ids = block_ids
         if type(ids) is not np.ndarray or ids.dtype is not _INT64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(block_ids, dtype=np.int64)
@@ -189,7 +208,7 @@ class ExportTracker:
             # One count per live export holding a block (a block listed twice counts once,
             # and is released once).
             idops.hold(self._rc, ids)
-            e = _Export(ids, num_tokens, time.monotonic() + self.lease_s, token, digest, gen)
+            e = _Export(ids, num_tokens, time.monotonic() + self.lease_s, token, digest, gen, groups)
             if num_layers:
                 e.marked = np.zeros(num_layers, dtype=bool)
             self._live[request_id] = e

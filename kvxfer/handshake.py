@@ -111,6 +111,13 @@ def _peer_of(loader: HandshakeLink, p, addrs: list[str], replies: list) -> Peer:
     mismatch = spec.model_mismatch(rank.spec)
     if mismatch:
         raise HandshakeError(f"incompatible peer: {mismatch}")
+    theirs = getattr(replies[0], "groups", None)
+    if rank.groups is not None:
+        mismatch = rank.groups.mismatch(theirs)
+    elif theirs is not None:
+        mismatch = f"the peer has {len(theirs)} KV cache groups, this engine registered none"
+    if mismatch:
+        raise HandshakeError(f"incompatible peer: {mismatch}")
     try:
         plan = plan_reads(spec, p.tp_size, rank.spec, rank.tp_size)
     except ValueError as e:

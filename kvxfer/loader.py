@@ -43,6 +43,7 @@ from .engine_types import (
     time_left,
 )
 from .exports import UNKNOWN
+from .grouped import group_items
 from .handshake import handshake
 from .metrics import now
 from .notifier import Notifier
@@ -296,10 +297,14 @@ class Loader:
         digests: list[bytes] = []
         seen: set[str] = set()
         num_blocks = peer.num_blocks
+        gs = self.rank.groups
         for it in items:
             p = it.params
-            need = peer.spec.num_blocks_for(p.num_tokens)
-            if it.src_ids.size != need:
+            need = peer.spec.num_blocks_for(p.num_tokens) if gs is None else it.src_ids.size
+            why = "" if gs is None else self._group_items(peer, it)
+            if why:
+                self._fail([it], why)
+            elif it.src_ids.size != need:
                 self._fail([it], f"params.block_ids: has {it.src_ids.size} ids, num_tokens needs {need}")
             elif idops.max_id(it.src_ids) >= num_blocks:  # read as unsigned: bounds both ends
                 self._fail([it], f"params.block_ids: out of the exporter's range [0, {num_blocks})")
@@ -312,6 +317,19 @@ class Loader:
                 toks.append(p.token)
                 digests.append(p.digest())
         return good, rids, toks, digests
+
+    def _group_items(self, peer: Peer, it: LoadItem) -> str:
+        """Give a load of an engine with KV cache groups its planner items, one per group
+        (:func:`kvxfer.grouped.group_items`, with the exporter's block size); why not, or ""."""
+        p = it.params
+        got = group_items(
+            self.rank.groups, it.request_id, it.src_ids, p.groups, p.num_tokens, it.group_dst,
+            peer.spec.block_size, self.rank.spec.block_size,
+        )  # fmt: skip
+        if type(got) is str:
+            return got
+        it.groups = got
+        return ""
 
     def _run_peer(self, peer: Peer, items: list[LoadItem], retried: bool = False) -> None:
         """Move ``items`` (loads of one remote) and report each once, finished or failed.

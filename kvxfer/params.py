@@ -20,7 +20,7 @@ from . import idops
 from .auth import TOKEN_CHARS, content_digest
 from .limits import MAX_ID_CHARS, MAX_TOKENS, MAX_TP_SIZE
 
-__all__ = ["PARAMS_VERSION", "KVTransferParams", "block_id_array", "params_dict"]
+__all__ = ["PARAMS_VERSION", "KVTransferParams", "block_id_array", "group_sizes", "params_dict"]
 
 PARAMS_VERSION = 3  # 2: the request's auth token; 3: tokens bound to one export (kvxfer.auth)
 
@@ -78,6 +78,7 @@ class _Shape(msgspec.Struct):
     num_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     token: Annotated[str, msgspec.Meta(min_length=TOKEN_CHARS, max_length=TOKEN_CHARS)]
     version: int = PARAMS_VERSION
+    groups: Any = None  # checked after the convert (:func:`group_sizes`)
 
 
 def _str(d: dict, field: str) -> str:
@@ -87,6 +88,25 @@ def _str(d: dict, field: str) -> str:
     if len(v) > MAX_ID_CHARS:
         raise ValueError(f"{field}: must be at most {MAX_ID_CHARS} characters, got {len(v)}")
     return v
+
+
+def group_sizes(groups: object, num_ids: int) -> tuple[int, ...] | None:
+    """The params' ``groups`` field checked: None (a request of one group), or a non-empty list
+    of positive ints (block ids per KV cache group, :mod:`kvxfer.grouped`) summing to the
+    ``num_ids`` block ids; ``ValueError`` naming ``groups`` otherwise."""
+    if groups is None:
+        return None
+    if (
+        not isinstance(groups, (list, tuple))
+        or not groups
+        or not all(type(x) is int and x > 0 for x in groups)
+        or sum(groups) != num_ids
+    ):
+        raise ValueError(
+            f"groups: must be a non-empty list of positive ints summing to the {num_ids} block ids, "
+            f"got {groups!r:.80}"
+        )
+    return tuple(groups)
 
 
 def params_dict(
@@ -99,10 +119,12 @@ def params_dict(
     num_tokens: int,
     token: str,
     version: int = PARAMS_VERSION,
+    groups: list[int] | None = None,
 ) -> dict:
     """The params dict of :meth:`KVTransferParams.to_dict`, built without the dataclass (the
-    exporter's hot path; ``block_ids`` must already be a list of Python ints)."""
-    return {
+    exporter's hot path; ``block_ids`` must already be a list of Python ints). ``groups``
+    (block ids per KV cache group) appears only for a request of several groups."""
+    d = {
         "request_id": request_id,
         "engine_id": engine_id,
         "host": host,
@@ -113,6 +135,9 @@ def params_dict(
         "token": token,
         "version": version,
     }
+    if groups is not None:
+        d["groups"] = list(groups)
+    return d
 
 
 @dataclass(frozen=True)
@@ -129,8 +154,12 @@ class KVTransferParams:
             exactly ``ceil(num_tokens / block_size)`` of them.
         num_tokens: tokens to move (the last block may be partial).
         token: the capability of this one export (:mod:`kvxfer.auth`: bound to the request
-            id, ``block_ids`` and ``num_tokens``): presented with every message about it.
+            id, ``block_ids``, ``num_tokens`` and ``groups``): presented with every message
+            about it.
         version: params format version.
+        groups: for an exporter registered with KV cache groups (:mod:`kvxfer.grouped`), how
+            many of ``block_ids`` (each group's live blocks, in group order) belong to each
+            group; None for a request of one group.
     """
 
     request_id: str
@@ -142,6 +171,7 @@ class KVTransferParams:
     num_tokens: int
     token: str
     version: int = PARAMS_VERSION
+    groups: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict:
         """JSON-safe dict (lists and scalars only)."""
@@ -155,6 +185,7 @@ class KVTransferParams:
             self.num_tokens,
             self.token,
             self.version,
+            self.groups,
         )
 
     @classmethod
@@ -206,9 +237,10 @@ class KVTransferParams:
                 )
             ids = d.get("block_ids")
             arr = block_id_array(ids)
+            groups = group_sizes(d.get("groups"), arr.size)
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
-        out = cls(request_id, engine_id, host, port, tp_size, tuple(ids), num_tokens, token, version)
+        out = cls(request_id, engine_id, host, port, tp_size, tuple(ids), num_tokens, token, version, groups)
         object.__setattr__(out, "_ids", arr)  # cached; not a field (eq/repr unchanged)
         return out
 
@@ -232,7 +264,8 @@ class KVTransferParams:
             return None
         try:
             arr = idops.as_uint64(ids)
-        except (OverflowError, TypeError):  # a negative id: the field checks of _one say so
+            groups = group_sizes(f.groups, len(ids))
+        except (OverflowError, TypeError, ValueError):  # the field checks of _one say what
             return None
         arr.flags.writeable = False
         # The fields as __init__ would set them, without a frozen dataclass's object.__setattr__
@@ -248,6 +281,7 @@ class KVTransferParams:
             num_tokens=f.num_tokens,
             token=f.token,
             version=f.version,
+            groups=groups,
             _ids=arr,
         )
         return out
@@ -266,6 +300,6 @@ class KVTransferParams:
         count differ from its export's."""
         dg = self.__dict__.get("_digest")
         if dg is None:
-            dg = content_digest(self.num_tokens, self.block_id_array())
+            dg = content_digest(self.num_tokens, self.block_id_array(), self.groups)
             object.__setattr__(self, "_digest", dg)
         return dg

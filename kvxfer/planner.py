@@ -21,7 +21,7 @@ from .batching import BatchPlan, plan_batch, wire_bytes
 from .engine_types import LoadItem, disjoint_blocks
 from .peer import Peer
 from .rank import Rank, Runtime
-from .transfer import Route, Transfer
+from .transfer import Outcome, Route, Transfer
 
 __all__ = ["Planner", "stale_loads"]
 
@@ -65,8 +65,7 @@ class Planner:
         for route in session.routes(s, peer.reads_by_rank[s]):
             todo = [it for it in loads if it.request_id not in bad] if bad else loads
             while todo:
-                bp = self.plan(route, sbs, todo, distinct)
-                out = session.start(Transfer(s, route.reads, bp, todo, layers, deadline)).wait(deadline)
+                out, plans = self._start(session, route, s, sbs, todo, distinct, layers, deadline)
                 if out.refused:
                     before = len(bad)
                     bad.update(out.refused)
@@ -77,9 +76,10 @@ class Planner:
                     continue  # each refusal drops at least one load: bounded
                 calls += out.calls
                 if out.calls or out.landed:  # else nothing moved (a pair that could not be made)
-                    for r in route.reads:
-                        m, sk = wire_bytes(rank.spec, bp, r.num_heads, layers)
-                        moved, saved = moved + m, saved + sk
+                    for bp, lay in plans:
+                        for r in route.reads:
+                            m, sk = wire_bytes(rank.spec, bp, r.num_heads, lay)
+                            moved, saved = moved + m, saved + sk
                 if out.failed:
                     bad.update(out.failed)
                 if out.epochs is not None:
@@ -94,6 +94,51 @@ class Planner:
         if landed is None:
             return moved, set(), bad
         return moved, landed - bad.keys() if bad else landed, bad
+
+    def _start(
+        self,
+        session,
+        route: Route,
+        s: int,
+        sbs: int,
+        todo: list[LoadItem],
+        distinct: bool,
+        layers: list[int] | None,
+        deadline: float,
+    ) -> tuple[Outcome, list[tuple[BatchPlan, list[int] | None]]]:
+        """Move ``todo`` along ``route`` and wait: one transfer, or for an engine with KV cache
+        groups (:mod:`kvxfer.grouped`) one per group (its layers, its items), their outcomes
+        merged: a load landed only if it landed in every group, failed or refused if it was in
+        any; the epochs are the last group's (read after every earlier copy). Returns the
+        outcome and each transfer's (plan, layers)."""
+        if self.rank.groups is None:
+            bp = self.plan(route, sbs, todo, distinct)
+            out = session.start(Transfer(s, route.reads, bp, todo, layers, deadline)).wait(deadline)
+            return out, [(bp, layers)]
+        plans = []
+        landed: set[str] | None = None
+        failed: dict[str, str] = {}
+        refused: dict[str, str] = {}
+        epochs = None
+        calls = 0
+        want = None if layers is None else set(layers)
+        for g, grp in enumerate(self.rank.groups.groups):
+            lay = list(grp.layers) if want is None else [x for x in grp.layers if x in want]
+            if not lay:
+                continue
+            items = [it.groups[g] for it in todo]
+            bp = self.plan(route, sbs, items, distinct)
+            out = session.start(Transfer(s, route.reads, bp, todo, lay, deadline)).wait(deadline)
+            plans.append((bp, lay))
+            landed = set(out.landed) if landed is None else landed & out.landed
+            failed.update(out.failed)
+            refused.update(out.refused)
+            calls += out.calls
+            if out.epochs is not None:
+                epochs = out.epochs
+            if refused:
+                break  # planned again without the refused loads
+        return Outcome(landed or set(), failed, refused, epochs, calls), plans
 
 
 def stale_loads(ep: np.ndarray, loads, granted: dict[str, bytes], s: int) -> dict[str, str]:

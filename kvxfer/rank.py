@@ -30,6 +30,7 @@ from .views import CacheViews
 if TYPE_CHECKING:  # pragma: no cover
     from .auth import EngineSecret
     from .exports import ExportTracker
+    from .groups.attention import GroupSet
 
 __all__ = ["Rank", "Runtime"]
 
@@ -43,7 +44,8 @@ class Rank:
     the layout has them); ``port``: the side channel's configured base port (0: a free one);
     ``pipeline``: the :class:`~kvxfer.transports.pg.pipeline.StagedPipeline` of the staged
     transports; ``identity``: this host, for the transport choice; ``onesided``: loads read
-    one-sided over ``ipc`` when they can."""
+    one-sided over ``ipc`` when they can; ``groups``: the attention groups a request is a set of
+    (:mod:`kvxfer.grouped`), None for one group."""
 
     spec: KVCacheSpec
     caches: tuple[torch.Tensor, ...]
@@ -60,6 +62,7 @@ class Rank:
     device: torch.device
     identity: str
     onesided: bool
+    groups: GroupSet | None = None  # KV cache groups (kvxfer.grouped); None: one group
 
     @property
     def num_blocks(self) -> int:
@@ -82,6 +85,7 @@ class Rank:
             "compat": compat_hash(self.spec),
             "transports": list(offers),
             "hostname": self.identity,
+            "groups": None if self.groups is None else self.groups.to_wire(),
         }
 
 

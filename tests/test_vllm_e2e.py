@@ -47,3 +47,25 @@ def test_mutation_one_loaded_block_k_perturbed_fails_the_check():
     assert any(p.startswith(f"prompt 0 ({MUTATE_LEN} tokens): logprob differs") for p in res["problems"]), (
         res["problems"]
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "window", "lengths", "not_handed_off"),
+    [
+        ("gemma3", 0, (1, 31, 33, 70, 97, 111, 160), (111,)),  # 5 sliding (48) : 1 full, six groups
+        ("llama", 32, (1, 31, 33, 70, 95, 97, 160), (95,)),  # every layer sliding (32): one group
+    ],
+)
+def test_hybrid_allocator_groups_same_tokens_and_logprobs(kind, window, lengths, not_handed_off):
+    """vLLM's hybrid allocator on (the connector's SupportsHMA): every KV cache group carried,
+    sliding groups only their in-window blocks (the bytes checked per layer); a prompt whose
+    window needs a block vLLM freed (window start at a block's last token) is computed by D."""
+    from .vllm_e2e import run, summary
+
+    res = run(lengths, tokens=8, deadline_s=1200, sliding_window=window, kind=kind)
+    print(summary(res))
+    assert "error" not in res and "killed" not in res, res.get("error", res.get("killed"))
+    assert res["problems"] == [], summary(res)
+    off = [n for n, r in zip(res["lengths"], res["d"]["results"]) if not r["handed_off"]]
+    assert off == list(not_handed_off)
+    assert res["ok"]

@@ -163,7 +163,7 @@ def test_partial_last_block_moves_exactly_between_identical_layouts(ops, isa, dt
     ps, ds = SchedulerSide(pc), SchedulerSide(dc)
     pw, dw, pcache, dcache = [], [], [], []
     k, v = _kv(layers * tokens, heads, d, dtype, seed=7).view(2, layers, tokens, heads, d)
-    p_blocks, d_blocks = [5, 0, 6], [2, 7, 4]
+    p_blocks, d_blocks = [5, 1, 6], [2, 7, 4]  # never block 0: vLLM's null block
     try:
         for tp, workers, caches_out, cfg in ((tp_p, pw, pcache, pc), (tp_d, dw, dcache, dc)):
             hr = heads // tp

@@ -351,14 +351,16 @@ def test_get_finished_count_is_world_size(model_dir):
     assert KvxferConnector.get_finished_count(object.__new__(KvxferConnector)) is None
 
 
-def test_connector_api_points_and_hybrid_models_refused(model_dir):
+def test_connector_api_points_and_hybrid_models(model_dir):
     """requires_kv_delivery where the server exports; handle_preemptions is a no-op; a model
-    with several KV cache groups is refused with HybridModelUnsupported, naming the model."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    with full-attention and sliding-window groups is carried (each group registered), a state
+    group is refused with HybridModelUnsupported, naming the model, the group and why."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
@@ -372,6 +374,7 @@ def test_connector_api_points_and_hybrid_models_refused(model_dir):
         c = KvxferConnector(_vllm_config(model_dir, role, "E", 15000), KVConnectorRole.SCHEDULER, one)
         assert c.requires_kv_delivery is delivers
         assert c.handle_preemptions(KvxferConnectorMetadata()) is None
+        assert supports_hma(c) and c.groups is None
     swa = SlidingWindowSpec(
         block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32, sliding_window=64
     )
@@ -380,17 +383,25 @@ def test_connector_api_points_and_hybrid_models_refused(model_dir):
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)],
     )
+    c = KvxferConnector(_vllm_config(model_dir, "kv_consumer", "E", 15000), KVConnectorRole.SCHEDULER, two)
+    assert [(g.window, g.layer_names) for g in c.groups] == [(None, ("l0",)), (64, ("l1",))]
+    mamba = MambaSpec(block_size=BS, shapes=((3, 64), (4, 16, 16)), dtypes=(torch.float32, torch.float32))
+    hybrid = KVCacheConfig(
+        num_blocks=NB,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["m0"], mamba), KVCacheGroupSpec(["l1"], full)],
+    )
     with pytest.raises(
-        HybridModelUnsupported, match=r"model .*: 2 KV cache groups \(FullAttentionSpec, SlidingWindowSpec\)"
+        HybridModelUnsupported, match=r"model .*: KV cache group 0 \(MambaSpec.*a state group"
     ):
-        KvxferConnector(_vllm_config(model_dir, "kv_consumer", "E", 15000), KVConnectorRole.SCHEDULER, two)
+        KvxferConnector(_vllm_config(model_dir, "kv_consumer", "E", 15000), KVConnectorRole.SCHEDULER, hybrid)
 
 
 def test_what_vllm_does_with_hybrid_models_for_this_connector():
-    """What docs/INTEGRATION.md says happens (HybridModelUnsupported never fires with 0.32/0.33):
-    the connector does not declare SupportsHMA, so vLLM turns its hybrid KV cache manager off,
-    and then promotes a mixed model's sliding-window layers to full attention (one group), while
-    a uniform sliding-window model keeps its SlidingWindowSpec (one group: P's null blocks)."""
+    """What docs/INTEGRATION.md says happens: the connector declares SupportsHMA, so vLLM keeps
+    its hybrid KV cache manager on (per-group block lists). Without a connector's HMA support it
+    would promote a mixed model's sliding-window layers to full attention (one group), while a
+    uniform sliding-window model keeps its SlidingWindowSpec (one group: P's null blocks)."""
     import torch
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -400,7 +411,7 @@ def test_what_vllm_does_with_hybrid_models_for_this_connector():
     kvc = KVTransferConfig(
         kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both"
     )
-    assert KVConnectorFactory.supports_hma_config(kvc) is False
+    assert KVConnectorFactory.supports_hma_config(kvc) is True
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
     swa = SlidingWindowSpec(
         block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=32

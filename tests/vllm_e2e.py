@@ -58,15 +58,38 @@ DEFAULT_LENGTHS = (1, 31, 33, 70, 97, 160)
 MUTATE_LEN = 70  # the prompt whose last loaded block is perturbed by --mutate-k
 
 
-def write_model(model_dir: str, seed: int = 0, **overrides) -> str:
-    """Save the tiny Llama (transformers' random init under ``seed``) and a byte-level tokenizer."""
+GEMMA3_WINDOW = 48  # the tiny Gemma-3's sliding window (5 sliding layers : 1 full)
+
+
+def write_model(model_dir: str, seed: int = 0, kind: str = "llama", **overrides) -> str:
+    """Save the tiny model (transformers' random init under ``seed``) and a byte-level tokenizer:
+    ``kind`` "llama" (``overrides`` may make its layers sliding-window) or "gemma3" (6 layers,
+    5 sliding-window : 1 full attention: six KV cache groups with vLLM's hybrid allocator)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    cfg = LlamaConfig(**{**MODEL, **overrides})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    if kind == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        cfg = Gemma3TextConfig(
+            **{k: MODEL[k] for k in keep},
+            num_hidden_layers=6,
+            sliding_window=GEMMA3_WINDOW,
+            vocab_size=MODEL["vocab_size"],
+            max_position_embeddings=MODEL["max_position_embeddings"],
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            initializer_range=0.2,
+        )
+        cfg.architectures = ["Gemma3ForCausalLM"]
+        model = Gemma3ForCausalLM(cfg).to(torch.float32)
+    else:
+        cfg = LlamaConfig(**{**MODEL, **overrides})
+        model = LlamaForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(model_dir, safe_serialization=True)
     byte_symbols = pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
@@ -155,7 +178,8 @@ def _connector(role: str, engine_id: str, port: int) -> dict:
         "kv_role": role,
         "kv_port": port,
         "engine_id": engine_id,
-        "kv_connector_extra_config": {"host": HOST},
+        # a lease outliving D's start on a busy 2-core host (the default 30 s expired there)
+        "kv_connector_extra_config": {"host": HOST, "lease_s": 120.0},
     }
 
 
@@ -192,8 +216,9 @@ def _mutate_k_of_last_loaded_block(worker, target_rid: str) -> None:
     start, finished = worker.start, worker.finished
 
     def start_hook(meta):
-        for ld in meta.loads:
-            blocks[ld.request_id] = list(ld.block_ids)
+        for ld in meta.loads:  # KV cache groups: the last group's list (Gemma-3: full attention)
+            ids = ld.block_ids
+            blocks[ld.request_id] = list(ids[-1] if ids and isinstance(ids[0], list) else ids)
         return start(meta)
 
     def finished_hook():
@@ -215,7 +240,7 @@ def _decode(model_dir, ps, n, q_params, q_done, q, mutate):
     params = q_params.get(timeout=600)
     worker = get_kv_transfer_group().worker_side
     results = []
-    last = {"transfers": 0, "bytes": 0, "failures": 0}
+    last = {"transfers": 0, "bytes": 0, "failures": 0, "latency_sum_s": 0.0}
     for i, (p, prm) in enumerate(zip(ps, params)):
         if mutate and len(p) == MUTATE_LEN:
             out = _gen_mutated(llm, worker, p, n, prm, f"mutate-{i}")
@@ -234,7 +259,18 @@ def _decode(model_dir, ps, n, q_params, q_done, q, mutate):
         )
         last = {k: s[k] for k in last}
     q_done.put(True)
-    q.put(("d", {"results": results, "bytes_per_token": worker.engine.spec.bytes_per_token()}))
+    st = worker.engine.stats()
+    q.put(
+        (
+            "d",
+            {
+                "results": results,
+                "bytes_per_token": worker.engine.spec.bytes_per_token(),
+                "transports": st["transports"],
+                "latency_p50_s": st["p50_s"],
+            },
+        )
+    )
 
 
 def _sp(n, prm):
@@ -266,8 +302,36 @@ def _entry(fn, args, q):
         q.put(("error", f"{fn.__name__}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+def layer_windows(kind: str, sliding_window: int) -> list[int | None]:
+    """Each layer's sliding window (None: full attention) of the model ``write_model`` makes."""
+    if kind == "gemma3":
+        return [GEMMA3_WINDOW] * 5 + [None]
+    return [sliding_window or None] * MODEL["num_hidden_layers"]
+
+
+def handed_off(n: int, windows) -> bool:
+    """Whether P hands a prompt of ``n`` tokens off: not when a window's first token for the
+    last prompt token (which D computes again), ``n - w``, lies in a block vLLM already freed
+    (it frees the blocks before token ``n - w + 1``)."""
+    return all(w is None or (n - w + 1) % BLOCK or n - w + 1 < BLOCK for w in windows)
+
+
+def expected_bytes(n: int, hit: int, windows, bytes_per_token: int) -> int:
+    """Bytes a load of a prompt of ``n`` tokens moves into D holding ``hit`` tokens: per layer,
+    whole blocks (CPU_ATTN pages) from the block holding the first token it needs (a sliding
+    layer: ``n - w``, the window of the last prompt token, which D computes again)."""
+    per_layer = bytes_per_token // len(windows)
+    end = -(-n // BLOCK) * BLOCK
+    total = 0
+    for w in windows:
+        start = 0 if w is None else max(0, n - w) // BLOCK * BLOCK
+        total += (end - max(hit, start)) * per_layer
+    return total
+
+
 def check(ps, ref, d, pinfo, tokens_moved, atol: float) -> list[str]:
-    """What differs (empty when every check held)."""
+    """What differs (empty when every check held). ``tokens_moved``: per prompt, the bytes the
+    load must move, or the tokens of every layer it must move (when ``d`` has no ``windows``)."""
     bad = []
     for i, (p, (rt, rl), got) in enumerate(zip(ps, ref, d["results"])):
         tag = f"prompt {i} ({len(p)} tokens)"
@@ -281,7 +345,9 @@ def check(ps, ref, d, pinfo, tokens_moved, atol: float) -> list[str]:
         want_t = 1 if got.get("handed_off", True) else 0
         if got["transfers"] != want_t or got["failures"] != 0:
             bad.append(f"{tag}: {got['transfers']} transfers, {got['failures']} failures (want {want_t}, 0)")
-        want_bytes = tokens_moved[i] * d["bytes_per_token"] * want_t
+        want_bytes = (
+            tokens_moved[i] if d.get("windows") else tokens_moved[i] * d["bytes_per_token"]
+        ) * want_t
         if got["bytes"] != want_bytes:
             bad.append(f"{tag}: moved {got['bytes']} bytes, want {want_bytes}")
     if (
@@ -298,10 +364,12 @@ def run(
     mutate: bool = False,
     atol: float = 1e-5,
     sliding_window: int = 0,
+    kind: str = "llama",
 ) -> dict:
     """Run the three engines; returns the result dict (``ok``: every check held).
     ``sliding_window``: every layer attends to that many tokens (a uniform sliding-window model:
-    one ``SlidingWindowSpec`` KV cache group)."""
+    one ``SlidingWindowSpec`` KV cache group). ``kind``: "llama" or "gemma3" (sliding and full
+    attention groups)."""
     from kvxfer.ports import free_port_base
 
     ps = prompts(lengths)
@@ -310,7 +378,7 @@ def run(
     end = time.monotonic() + deadline_s
     got: dict = {}
     with tempfile.TemporaryDirectory() as model_dir:
-        write_model(model_dir, **sliding(sliding_window))
+        write_model(model_dir, kind=kind, **(sliding(sliding_window) if kind == "llama" else {}))
         procs = [ctx.Process(target=_entry, args=(_reference, (model_dir, ps, tokens, q), q), name="ref")]
         procs[0].start()
         procs[0].join(deadline_s / 2)  # one engine at a time on a small machine, then P and D
@@ -344,18 +412,24 @@ def run(
                 got.setdefault("killed", []).append(p.name)
     ref, d, pinfo = got.get("ref"), got.get("d"), got.get("p")
     problems = ["missing results"] if not (ref and d and pinfo) else []
-    if not problems:
+    windows = layer_windows(kind, sliding_window)
+    grouped = any(w is not None for w in windows)
+    if not problems and grouped:  # KV cache groups: bytes per layer from its window
+        d["windows"] = windows
+        moved = [
+            expected_bytes(len(p), r["num_cached_tokens"] or 0, windows, d["bytes_per_token"])
+            for p, r in zip(ps, d["results"])
+        ]
+        problems = check(ps, ref, d, pinfo, moved, atol)
+        for i, (p, r) in enumerate(zip(ps, d["results"])):
+            want = handed_off(len(p), windows)
+            if r["handed_off"] != want:
+                problems.append(f"prompt {i} ({len(p)} tokens): handed off {r['handed_off']}, want {want}")
+    elif not problems:
         hit = [2 * BLOCK if i == len(lengths) else 0 for i in range(len(ps))]  # the prefix-hit prompt
         moved = [-(-len(p) // BLOCK) * BLOCK - h for p, h in zip(ps, hit)]  # whole blocks (CPU_ATTN pages)
         problems = check(ps, ref, d, pinfo, moved, atol)
-        if sliding_window:  # P hands off exactly the prompts whose window never passed a block
-            for i, (p, r) in enumerate(zip(ps, d["results"])):
-                whole = len(p) - sliding_window + 1 < BLOCK  # vLLM frees no block of it
-                if r["handed_off"] != whole:
-                    problems.append(
-                        f"prompt {i} ({len(p)} tokens): handed off {r['handed_off']}, want {whole}"
-                    )
-        elif len(ps) > len(lengths) and (d["results"][-1]["num_cached_tokens"] or 0) < 2 * BLOCK:
+        if len(ps) > len(lengths) and (d["results"][-1]["num_cached_tokens"] or 0) < 2 * BLOCK:
             problems.append(
                 f"prefix-hit prompt: D cached {d['results'][-1]['num_cached_tokens']} tokens, want 64"
             )
@@ -364,6 +438,7 @@ def run(
         "ok": ok,
         "mutate_k": mutate,
         "sliding_window": sliding_window,
+        "model": kind,
         "lengths": [len(p) for p in ps],
         "problems": problems,
         **got,
@@ -381,6 +456,11 @@ def summary(res: dict) -> str:
                 f"first logprob D {(got['logprobs'] or [float('nan')])[0]:.6f} ref {rl[0]:.6f}, "
                 f"cached {got['num_cached_tokens']}, "
                 f"loaded {got['bytes']} bytes in {got['transfers']} transfer(s)"
+                + (
+                    f" ({got['latency_sum_s'] * 1e3:.1f} ms from load to landed)"
+                    if got.get("transfers")
+                    else ""
+                )
                 + ("" if got.get("handed_off", True) else " (not handed off: D computed it)")
             )
     lines += [f"PROBLEM: {p}" for p in res.get("problems", [])]
@@ -398,15 +478,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--atol", type=float, default=1e-5)
     ap.add_argument("--mutate-k", action="store_true", help="perturb one loaded block's K by 1%% on D")
     ap.add_argument("--sliding-window", type=int, default=0, help="every layer attends to this many tokens")
+    ap.add_argument("--model", choices=("llama", "gemma3"), default="llama", help="the tiny model's family")
     ap.add_argument("--write-model", metavar="DIR", help="only write the tiny model and tokenizer to DIR")
     a = ap.parse_args(argv)
     if a.write_model:
         os.makedirs(a.write_model, exist_ok=True)
-        print(write_model(a.write_model))
+        print(
+            write_model(
+                a.write_model, kind=a.model, **(sliding(a.sliding_window) if a.model == "llama" else {})
+            )
+        )
         return 0
     t0 = time.monotonic()
     lengths = tuple(int(x) for x in a.lengths.split(","))
-    res = run(lengths, a.tokens, a.deadline, a.mutate_k, a.atol, a.sliding_window)
+    res = run(lengths, a.tokens, a.deadline, a.mutate_k, a.atol, a.sliding_window, a.model)
     res["wall_s"] = round(time.monotonic() - t0, 1)
     print(summary(res), file=sys.stderr)
     print(json.dumps(res, default=str))

@@ -8,14 +8,18 @@ DeltaNet, short conv) and the in-window blocks of sliding-window groups.
 * :mod:`kvxfer.groups.state_ops`: :func:`gather_state`, :func:`scatter_state`,
   :func:`copy_state` (torch reference; :mod:`kvxfer.groups.state_kernels`: their Triton
   row-table kernel);
+* :mod:`kvxfer.groups.attention`: :class:`AttentionGroup` (a full-attention or sliding-window
+  group: its layers, its window) and :class:`GroupSet` (an engine's groups, checked), what
+  :class:`kvxfer.TransferEngine` is registered with (``groups=``);
 * :mod:`kvxfer.groups.blocks`: :func:`select_window_blocks` (a sliding-window group's in-window
   blocks on both sides, and their token slots), :func:`state_block`.
 
-See docs/DESIGN.md, "Hybrid models: state groups".
+See docs/DESIGN.md, "Hybrid models: attention and state groups".
 """
 
 from __future__ import annotations
 
+from .attention import AttentionGroup, GroupSet
 from .blocks import NULL_BLOCK, WindowBlocks, select_window_blocks, state_block, window_tokens
 from .state import WIRE_ALIGN, ConvLayout, ConvPart, Section, StateKind, StateSpec, UnitRun, WireLayout
 from .state_ops import copy_state, gather_state, scatter_state
@@ -24,8 +28,10 @@ from .state_plan import StatePlan, StateRead, plan_state_reads
 __all__ = [
     "NULL_BLOCK",
     "WIRE_ALIGN",
+    "AttentionGroup",
     "ConvLayout",
     "ConvPart",
+    "GroupSet",
     "Section",
     "StateKind",
     "StatePlan",

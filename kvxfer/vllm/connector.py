@@ -16,21 +16,16 @@ vLLM 0.32/0.33 connector API points this connector answers explicitly:
   keeps until ``get_finished`` reports them.
 * ``request_finished``'s block ids: the scheduler clips them to the computed tokens, partial
   tail block included; the export covers exactly those (whole, for CPU_ATTN pages).
-* Hybrid models: this connector does not declare ``SupportsHMA``, so vLLM 0.32/0.33 turn the
-  hybrid KV cache manager off for it ("Turning off hybrid kv cache manager because
-  `--kv-transfer-config` selects a KV connector that does not support it") and then:
-  a model mixing full-attention and sliding-window (or chunked local) layers has its local
-  layers promoted to full attention (``unify_hybrid_kv_cache_specs`` in
-  ``vllm/v1/core/kv_cache_utils.py``): one group, every layer's KV for every token, moved
-  like any model's; a model whose layers cannot be promoted to one type (Mamba/SSM hybrids)
-  stops at vLLM's startup ("Failed to promote local KV cache specs to one unified type"),
-  before any connector is built. :class:`HybridModelUnsupported` fires only for a vLLM that
-  hands the connector several groups anyway.
-* A uniform sliding-window model (every layer ``SlidingWindowSpec``: one group) runs, but
-  vLLM frees the blocks a request's window has passed and puts its null block in their place:
-  such a request's KV is not whole, so P does not export it (no ``kv_transfer_params``, a
-  warning) and D computes the prompt itself; a load whose blocks hold the null block is
-  refused and reported failed. Moving only the in-window blocks is not done yet.
+* Hybrid models: this connector declares ``SupportsHMA``, so vLLM 0.32/0.33 keep the hybrid
+  KV cache manager on and hand it one block list per KV cache group
+  (``request_finished_all_groups``, ``KVCacheBlocks.get_block_ids()``). Full-attention and
+  sliding-window groups (Gemma-2/3, gpt-oss, an all-sliding Mistral-style model) are carried:
+  every group registered with the engine (:mod:`kvxfer.vllm.groups`), a request is a set of
+  groups (:mod:`kvxfer.grouped`), a sliding group moves only the blocks its window still
+  needs (vLLM's null block stands for the others). A request whose window needs a block vLLM
+  already freed is not handed off (P answers without ``kv_transfer_params``, naming why; D
+  computes the prompt). Other group kinds (Mamba/GDN/short-conv state, chunked local
+  attention) are refused at start by :class:`HybridModelUnsupported`, naming the group and why.
 * Failed loads are reported by request too (``get_transfer_results``'s ``failed_recving``,
   vLLM 0.32+), not only as block ids: vLLM then fails (or recomputes) the request whatever its
   block table holds by then.
@@ -51,12 +46,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+try:  # vLLM 0.32+: the hybrid KV cache manager's per-group block ids
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - an older vLLM: one group only
+    SupportsHMA = object
+
 try:  # vLLM 0.32+: loads reported failed by request
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # pragma: no cover - an older vLLM: failures are reported as block ids only
     KVConnectorTransferResults = None
 
 from .config import ConnectorConfig
+from .groups import HybridModelUnsupported, groups_from_config
 from .scheduler import ExportSpec, LoadSpec, SchedulerSide, TransferMeta
 from .worker import WorkerSide
 
@@ -78,12 +79,6 @@ __all__ = [
     "KvxferHandshakeMetadata",
     "KvxferStats",
 ]
-
-
-class HybridModelUnsupported(ValueError):
-    """The model has several KV cache groups (hybrid attention with vLLM's hybrid KV cache
-    manager on): not supported by ``KvxferConnector`` yet. vLLM 0.32/0.33 turn that manager off
-    for this connector, so they never hand it several groups (see the module doc)."""
 
 
 @dataclass
@@ -211,7 +206,7 @@ def _backend_name(vllm_config) -> str:
     return names[0]
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     """Disaggregated prefill/decode (and D->P reuse) over kvxfer; see ``docs/INTEGRATION.md``."""
 
     def __init__(
@@ -219,30 +214,28 @@ class KvxferConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
-            kinds = [type(getattr(g, "kv_cache_spec", g)).__name__ for g in groups]
-            raise HybridModelUnsupported(
-                f"model {model}: {len(groups)} KV cache groups ({', '.join(kinds)}): hybrid models are not "
-                "supported by KvxferConnector yet (it moves one group: full attention or MLA)"
-            )
+        model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
+        # every KV cache group (HybridModelUnsupported names one that cannot be carried); None:
+        # one full-attention group, block ids as one list
+        self.groups = groups_from_config(kv_cache_config, model)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        if self.groups is not None:
+            _LOG.info(
+                "kvxfer connector: model %s, %d KV cache groups carried: %s",
+                model,
+                len(self.groups),
+                ", ".join(
+                    f"{'full' if g.window is None else f'sliding {g.window}'} x{len(g.layer_names)}"
+                    for g in self.groups
+                ),
+            )
         if role == KVConnectorRole.SCHEDULER:
+            groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
             window = _window(groups[0]) if groups else ""
-            if window:
-                model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
-                _LOG.warning(
-                    "kvxfer connector: model %s keeps only a %s per request: a request whose "
-                    "window has passed a block is not handed off (P answers without "
-                    "kv_transfer_params; D computes the prompt itself)",
-                    model,
-                    window,
-                )
-            self.scheduler_side = SchedulerSide(self.cfg, window)
+            self.scheduler_side = SchedulerSide(self.cfg, window, self.groups)
         else:
-            self.worker_side = WorkerSide(self.cfg, _tp_rank())
+            self.worker_side = WorkerSide(self.cfg, _tp_rank(), groups=self.groups)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(
@@ -266,6 +259,16 @@ class KvxferConnector(KVConnectorBase_V1):
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.groups is not None:  # a vLLM that kept one list: the groups need theirs
+            return self.scheduler_side.request_finished(request, (block_ids,))
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: the request's block ids, one list per KV cache group."""
+        if self.groups is None:  # one group: its list
+            return self.scheduler_side.request_finished(request, block_ids[0] if block_ids else [])
         return self.scheduler_side.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:

@@ -230,12 +230,15 @@ def caches_from_vllm(
     use_mla: bool,
     isa: str | None = None,
     cache_dtype: str = "auto",
+    scopes: Mapping[str, int] | None = None,
 ) -> tuple[KVCacheSpec, list[torch.Tensor], list[str], KVLayout]:
     """(spec, per-layer kvxfer views, layer names, layout) of one rank's registered caches.
 
     ``spec.block_size`` is the registered tensors' token dim (vLLM's kernel block size, which
     may divide the manager's block size); ``spec.num_kv_heads`` is the model's total. ``isa``:
-    the CPU attention ISA of ``CPU_ATTN`` caches (see the module doc).
+    the CPU attention ISA of ``CPU_ATTN`` caches (see the module doc). ``scopes``: layer name
+    -> KV cache group; layers share one view only within a group (vLLM's hybrid allocator
+    gives the j-th layers of all groups one tensor, each group its own blocks of it).
     """
     if not kv_caches:
         raise ValueError("kv_caches: no KV cache tensors were registered")
@@ -250,7 +253,7 @@ def caches_from_vllm(
     for name, t in kv_caches.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"kv_caches[{name!r}]: expected a tensor, got {type(t).__name__}")
-        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        key = (scopes.get(name) if scopes else None, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
         if key in seen:  # a layer that reuses another layer's cache: moved once
             continue
         seen[key] = name

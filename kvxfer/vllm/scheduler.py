@@ -42,9 +42,12 @@ from typing import Any
 import numpy as np
 
 from ..auth import EngineSecret
+from ..grouped import export_ids
+from ..groups.attention import GroupSet
 from ..params import KVTransferParams, params_dict
 from ..reuse import decide_reuse
 from .config import ConnectorConfig
+from .groups import VllmGroup, attention_groups, expand_group_ids
 from .layout import KVLayout, KVLayoutMismatch, check_pair
 
 _LOG = logging.getLogger(__name__)
@@ -89,14 +92,17 @@ def expand_block_ids(block_ids, ratio: int) -> list[int]:
 @dataclass
 class LoadSpec:
     """Load ``params`` (the exporter's, unmodified) into manager blocks ``block_ids`` of request
-    ``request_id``; ``block_ids`` cover the whole request, and the first
-    ``num_computed_tokens`` tokens (a local prefix-cache hit, a multiple of the block size) are
-    neither pulled nor written."""
+    ``request_id``; ``block_ids`` cover the whole request (a model of several KV cache groups:
+    one positional list per group), and the first ``num_computed_tokens`` tokens (a local
+    prefix-cache hit, a multiple of the block size) are neither pulled nor written.
+    ``computed_tokens``: where sliding windows end (the exporter's valid tokens; 0: the
+    params' ``num_tokens``)."""
 
     request_id: str
     params: dict
-    block_ids: list[int]
+    block_ids: list
     num_computed_tokens: int = 0
+    computed_tokens: int = 0
 
 
 @dataclass
@@ -105,9 +111,10 @@ class ExportSpec:
     (for a whole-block layout, ``num_tokens`` is rounded up to whole kernel blocks)."""
 
     request_id: str
-    block_ids: list[int]
+    block_ids: list  # manager ids; a model of several KV cache groups: one list per group
     num_tokens: int
     token: str = ""  # the params' token (kvxfer.auth): every worker's export is bound to it
+    computed_tokens: int = 0  # where sliding windows end (0: num_tokens)
 
 
 @dataclass
@@ -135,9 +142,17 @@ class _Source:
 class SchedulerSide:
     """The scheduler half of ``KvxferConnector``; see the module docstring for the lifecycle."""
 
-    def __init__(self, cfg: ConnectorConfig, window: str = "") -> None:
+    def __init__(self, cfg: ConnectorConfig, window: str = "", groups: list[VllmGroup] | None = None) -> None:
         self.cfg = cfg
         self.window = window  # the KV cache group's window, described ("": none known)
+        self.groups = groups  # KV cache groups a request is a set of (None: one group)
+        # the groups' windows as the engines apply them (their layers do not matter here)
+        self._gs = None
+        if groups is not None:
+            ag = attention_groups(
+                groups, {(g.index, n): i for i, g in enumerate(groups) for n in g.layer_names[:1]}
+            )
+            self._gs = GroupSet(ag, len(groups))
         self.num_not_handed_off = 0  # finished requests not exported (blocks out of the window)
         self._secret: EngineSecret | None = self._engine_secret() if cfg.exports else None
         self.kernel_block_size = cfg.block_size  # updated by set_handshake (worker's registered caches)
@@ -240,7 +255,12 @@ class SchedulerSide:
             bs = raw.get("block_size")
             if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
                 raise ValueError(f"block_size: must be a positive int, got {bs!r}")
-            if len(p.block_ids) != -(-p.num_tokens // bs):
+            if (p.groups is None) != (self.groups is None):
+                raise ValueError(
+                    f"groups: the exporter's request is of {len(p.groups or ()) or 1} KV cache groups, this "
+                    f"server's model has {len(self.groups or ()) or 1}"
+                )
+            if p.groups is None and len(p.block_ids) != -(-p.num_tokens // bs):
                 raise ValueError(f"block_ids: {len(p.block_ids)} ids do not hold num_tokens={p.num_tokens}")
             if "kv_layout" not in raw:
                 raise ValueError(
@@ -365,8 +385,25 @@ class SchedulerSide:
             return
         k = src.num_tokens - num_external_tokens
         bs = self.cfg.block_size
-        ids = list(blocks.get_block_ids()[0])
         need = -(-src.num_tokens // bs)
+        if self.groups is not None:
+            per = blocks.get_block_ids()
+            lists = [list(per[g.index])[:need] for g in self.groups]
+            if k < 0 or k % bs or min(len(x) for x in lists) < need:
+                _LOG.warning(
+                    "kvxfer: request %s: cannot place %d external tokens after %d local ones in the block "
+                    "lists of its KV cache groups; not loading",
+                    rid,
+                    num_external_tokens,
+                    k,
+                )
+                self._release(rid, src)
+                return
+            self._meta.loads.append(LoadSpec(rid, dict(src.raw), lists, k, src.num_tokens))
+            self._inflight[src.key] = rid
+            self._loading[rid] = src.key
+            return
+        ids = list(blocks.get_block_ids()[0])
         if k < 0 or k % bs or len(ids) < need:
             _LOG.warning(
                 "kvxfer: request %s: cannot place %d external tokens after %d local ones in %d blocks; "
@@ -397,9 +434,11 @@ class SchedulerSide:
             del self._consumed[next(iter(self._consumed))]
 
     # ------------------------------------------------------------------ exporting side
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a finished prefill (or of a decode kept for reuse) and return the
-        params the other server loads them with; release remote KV this request never loaded."""
+        params the other server loads them with; release remote KV this request never loaded.
+        ``block_ids``: the request's manager block ids; with KV cache groups, vLLM's tuple of
+        one list per group (``request_finished_all_groups``)."""
         rid = request.request_id
         if rid not in self._done and rid not in self._loading:  # never allocated: aborted or rejected
             # Parsed here at the latest, only for the release: a request vLLM rejected before
@@ -422,10 +461,16 @@ class SchedulerSide:
         if not (want_decode or want_reuse) or not self.cfg.exports:
             return False, None
         status = getattr(getattr(request, "status", None), "name", str(getattr(request, "status", "")))
-        if status not in _NORMAL_FINISH or not block_ids:
+        span = len(block_ids) if block_ids else 0  # manager blocks held
+        if self.groups is not None and span:  # the shortest of the groups' lists
+            try:
+                span = min(len(block_ids[g.index]) for g in self.groups)
+            except (IndexError, TypeError):
+                span = 0
+        if status not in _NORMAL_FINISH or not span:
             return False, None  # aborted or errored: nobody will read it
         bs, kbs = self.cfg.block_size, self.kernel_block_size
-        n = min(int(request.num_computed_tokens), len(block_ids) * bs)
+        n = min(int(request.num_computed_tokens), span * bs)
         if want_decode:
             n = min(n, int(getattr(request, "num_prompt_tokens", n)))
         if n < 1:
@@ -440,6 +485,8 @@ class SchedulerSide:
             return False, None
         nkb = -(-n // kbs)  # kernel blocks holding the n valid tokens (the last may be partial)
         moved = nkb * kbs if self.layout.whole_blocks else n  # whole pages: the partial block whole
+        if self.groups is not None:
+            return self._finish_grouped(request, block_ids, n, moved, want_decode)
         mgr = list(block_ids[: -(-n // bs)])
         if NULL_BLOCK_ID in mgr:
             self._not_handed_off(rid, mgr)
@@ -458,6 +505,51 @@ class SchedulerSide:
         if len(tokens) >= n:
             out["prompt_hash"] = prompt_hash(tokens, n)
         self._meta.exports.append(ExportSpec(rid, mgr, moved, token))
+        if want_decode:
+            return True, {**out, "do_remote_prefill": True, "do_remote_decode": False}
+        return True, {"reuse": out}
+
+    def _finish_grouped(self, request, block_ids, n: int, moved: int, want_decode: bool):
+        """:meth:`request_finished` for a model of several KV cache groups: each group's live
+        blocks (:func:`kvxfer.grouped.export_ids`, windows ending at the ``n`` valid tokens),
+        params carrying them with the count per group. A group whose window needs a block vLLM
+        already freed (its null block stands there) is not handed off, naming it."""
+        rid = request.request_id
+        bs, kbs = self.cfg.block_size, self.kernel_block_size
+        need = -(-n // bs)
+        try:
+            if not isinstance(block_ids, (list, tuple)) or len(block_ids) <= max(
+                g.index for g in self.groups
+            ):
+                raise ValueError("block_ids: expected vLLM's one list per KV cache group")
+            mgr = [list(block_ids[g.index])[:need] for g in self.groups]
+            kernel = [expand_group_ids(ids, self.ratio, NULL_BLOCK_ID) for ids in mgr]
+            ids, sizes = export_ids(self._gs, kernel, moved, kbs, 1 << 62, computed=n)
+        except ValueError as e:
+            self.num_not_handed_off += 1
+            _LOG.warning(
+                "kvxfer: request %s not handed off (%s); no kv_transfer_params (the decode server computes "
+                "the prompt itself). %d such requests so far",
+                rid,
+                e,
+                self.num_not_handed_off,
+            )
+            return False, None
+        tokens = getattr(request, "all_token_ids", None) or getattr(request, "prompt_token_ids", None) or []
+        if self._secret is None:  # pragma: no cover - made at construction where this exports
+            self._secret = self._engine_secret()
+        kids = ids.tolist()
+        token = self._secret.new_token(rid, moved, kids, sizes)  # every worker's export is bound to it
+        out = params_dict(
+            rid, self.cfg.engine_id, self.cfg.host, self.cfg.base_port, self.cfg.tp_size, kids, moved, token,
+            groups=sizes,
+        )  # fmt: skip
+        out["block_size"] = kbs
+        out["num_valid_tokens"] = n
+        out["kv_layout"] = self.layout.to_dict()
+        if len(tokens) >= n:
+            out["prompt_hash"] = prompt_hash(tokens, n)
+        self._meta.exports.append(ExportSpec(rid, mgr, moved, token, n))
         if want_decode:
             return True, {**out, "do_remote_prefill": True, "do_remote_decode": False}
         return True, {"reuse": out}

@@ -25,6 +25,7 @@ from ..engine import TransferEngine
 from ..params import KVTransferParams
 from ..ports import free_port_base
 from .config import ConnectorConfig, port_in_use_message
+from .groups import VllmGroup, attention_groups, expand_group_ids
 from .layout import KVLayout, caches_from_vllm, check_pair
 from .scheduler import NULL_BLOCK_ID, NULL_BLOCK_WHY, TransferMeta, expand_block_ids
 
@@ -86,6 +87,8 @@ class WorkerSide:
         cfg: the connector configuration.
         tp_rank: this worker's TP rank.
         engine_factory: builds the engine (tests inject one); default :class:`TransferEngine`.
+        groups: the KV cache groups a request is a set of (:mod:`kvxfer.vllm.groups`; the
+            metadata's block ids are then one list per group); None: one group.
     """
 
     def __init__(
@@ -93,13 +96,16 @@ class WorkerSide:
         cfg: ConnectorConfig,
         tp_rank: int,
         engine_factory: Callable[..., TransferEngine] = TransferEngine,
+        groups: list[VllmGroup] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.groups = groups
         self.tp_rank = tp_rank
         self._factory = engine_factory
         self.engine: TransferEngine | None = None
         self.layout: KVLayout | None = None
         self.ratio = 1  # manager block -> kernel blocks
+        self._attn_groups: list | None = None  # the engine's groups (register)
         self._loads: dict[str, list[int]] = {}  # loading request -> its manager block ids
         self._exported: set[str] = set()
         self._sending_done: set[str] = set()  # exports to report without the engine (refused)
@@ -128,6 +134,15 @@ class WorkerSide:
         """
         if self.engine is not None:
             raise RuntimeError("register: caches are already registered")
+        scopes = None
+        if self.groups is not None:  # the groups' layers, group by group (one may alias another's)
+            scopes = {n: g.index for g in self.groups for n in g.layer_names if n in kv_caches}
+            missing = [n for g in self.groups for n in g.layer_names if n not in kv_caches]
+            if missing:
+                raise ValueError(
+                    f"kv_caches: no tensor registered for layer {missing[0]!r} of a KV cache group"
+                )
+            kv_caches = {n: kv_caches[n] for g in self.groups for n in g.layer_names}
         spec, views, names, layout = caches_from_vllm(
             kv_caches,
             backend=backend,
@@ -137,7 +152,12 @@ class WorkerSide:
             use_mla=use_mla,
             isa=isa,
             cache_dtype=cache_dtype,
+            scopes=scopes,
         )
+        self._attn_groups = None
+        if self.groups is not None:
+            where = {(scopes[n], n): i for i, n in enumerate(names)}
+            self._attn_groups = attention_groups(self.groups, where)
         if layout.whole_blocks and layout.isa is None:
             _LOG.warning(
                 "kvxfer connector: the CPU attention ISA of backend %s is unknown: this server's KV "
@@ -204,6 +224,8 @@ class WorkerSide:
             "max_sms": cfg.max_sms,
             "onesided": cfg.onesided,
         }
+        if self._attn_groups is not None:
+            kw["groups"] = self._attn_groups
         if cfg.base_port == 0:  # kv_consumer
             if cfg.tp_size == 1:
                 return self._factory(spec, views, r, 1, cfg.engine_id, port=0, **kw).start()
@@ -246,9 +268,20 @@ class WorkerSide:
         return self.engine
 
     # ----------------------------------------------------------------- per step
+    def _group_lists(self, block_ids, num_tokens: int) -> list[list[int]]:
+        """One group's kernel block ids per group from the metadata's manager lists (null blocks
+        kept null), each clipped to ``num_tokens``."""
+        if not isinstance(block_ids, (list, tuple)) or len(block_ids) != len(self.groups or ()):
+            raise ValueError(f"block_ids: expected one list per KV cache group ({len(self.groups or ())})")
+        need = self._engine().spec.num_blocks_for(num_tokens)
+        return [expand_group_ids(ids, self.ratio, NULL_BLOCK_ID)[:need] for ids in block_ids]
+
     def start(self, meta: TransferMeta) -> None:
         """Queue this step's exports, loads and releases (they run at the next poll)."""
         eng = self._engine()
+        if self.groups is not None:
+            self._start_grouped(eng, meta)
+            return
         for ex in meta.exports:
             ids = expand_block_ids(ex.block_ids, self.ratio)[: eng.spec.num_blocks_for(ex.num_tokens)]
             try:
@@ -289,6 +322,46 @@ class WorkerSide:
         for prm in meta.releases:
             self._release_quietly(prm)
 
+    def _start_grouped(self, eng: TransferEngine, meta: TransferMeta) -> None:
+        """:meth:`start` for a model of several KV cache groups: per-group block lists, the null
+        block where a window passed (the engine refuses it where a group still needs tokens)."""
+        for ex in meta.exports:
+            try:
+                lists = self._group_lists(ex.block_ids, ex.num_tokens)
+                eng.export(
+                    ex.request_id, lists, ex.num_tokens, token=ex.token or None,
+                    computed_tokens=ex.computed_tokens or None,
+                )  # fmt: skip
+                self._exported.add(ex.request_id)
+            except ValueError as e:
+                _LOG.warning("kvxfer: export of %s refused (%s); its blocks are freed", ex.request_id, e)
+                self._sending_done.add(ex.request_id)
+                self._refused += 1
+        for ld in meta.loads:
+            mgr = [b for ids in ld.block_ids for b in ids if b != NULL_BLOCK_ID]
+            try:
+                check_pair(KVLayout.from_dict(ld.params.get("kv_layout")), self.layout)
+                prm = KVTransferParams.from_dict(ld.params)
+                if type(prm) is list:
+                    raise ValueError("params: a load takes one child's params, got a list")
+                lists = self._group_lists(ld.block_ids, prm.num_tokens)
+                eng.load(
+                    ld.request_id, prm, lists, num_computed_tokens=ld.num_computed_tokens,
+                    computed_tokens=ld.computed_tokens or None,
+                )  # fmt: skip
+                self._loads[ld.request_id] = mgr
+            except ValueError as e:  # KVLayoutMismatch included: nothing was written
+                _LOG.warning(
+                    "kvxfer: load of %s refused (%s: %s); reported failed", ld.request_id, type(e).__name__, e
+                )
+                self._recving_done.add(ld.request_id)
+                self._failed.add(ld.request_id)
+                self._refused += 1
+                self._bad_blocks.update(mgr)
+                self._release_quietly(ld.params)
+        for prm in meta.releases:
+            self._release_quietly(prm)
+
     def _release_quietly(self, params: dict) -> None:
         try:
             self._engine().release(params)
@@ -317,9 +390,11 @@ class WorkerSide:
         return sending, recving
 
     def take_load_errors(self) -> set[int]:
-        """Manager block ids of failed loads reported since the last call."""
+        """Manager block ids of failed loads reported since the last call; none with KV cache
+        groups (vLLM 0.32 raises on block-level failures of a model with several groups, its ids
+        being per group: those loads are reported by request, :meth:`take_failed_loads`)."""
         out, self._bad_blocks = self._bad_blocks, set()
-        return out
+        return set() if self.groups is not None else out
 
     def take_failed_loads(self) -> set[str]:
         """Request ids of loads that failed or were refused, reported (in ``finished``'s
