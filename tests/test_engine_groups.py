@@ -160,7 +160,9 @@ def _run(
     """P (tp_p ranks) exports one grouped request of ``n`` tokens, D (tp_d ranks) loads it
     (holding tokens ``[0, first)`` already); returns None after checking every byte of D."""
     rng = random.Random(seed)
-    shm = transport == "ipc"
+    cma = transport == "ipc-cma"  # plain CPU caches: ipc reads them with cross-memory attach
+    transport = "ipc" if cma else transport
+    shm = transport == "ipc" and not cma
     base_p, base_d = free_port_base(tp_p), free_port_base(tp_d)
     ps, pst = _engines(src, tp_p, "P", transport, shm, base_p, aliased)
     ds, dst_st = _engines(dst, tp_d, "D", transport, shm, base_d, aliased)
@@ -183,6 +185,9 @@ def _run(
         got = _poll_all(ds, {"req"}, "recv")
         assert got == {"req": "done"}, got
         assert all(e.stats()["transports"] == {"P": transport} for e in ds)
+        if transport == "ipc":
+            how = "cross-memory attach" if cma else "shared memory"
+            assert all(e.stats()["transport_reasons"]["P"] == f"ipc: {how} on one host" for e in ds)
         for e in ds:  # the wire bytes counted: each group's layers over the tokens it moved
             per_layer = dst.bytes_per_token(num_heads=dst.heads_per_rank(tp_d)) // dst.num_layers
             want = 0
@@ -238,7 +243,7 @@ def _ucx_loopback(monkeypatch):
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
 
 
-@pytest.mark.parametrize("transport", ["ipc", "pg", NIXL])
+@pytest.mark.parametrize("transport", ["ipc", "ipc-cma", "pg", NIXL])
 @pytest.mark.parametrize(
     "src_layout,dst_layout,bs_p,bs_d,tp_p,tp_d,n",
     [
@@ -257,7 +262,7 @@ def test_groups_every_dtype(dtype):
     _run("ipc", _spec("NHD", 4, dtype), _spec("HND", 8, dtype), 1, 1, 27, seed=3)
 
 
-@pytest.mark.parametrize("transport", ["ipc", "pg", NIXL])
+@pytest.mark.parametrize("transport", ["ipc", "ipc-cma", "pg", NIXL])
 def test_groups_on_aliased_layers(transport):
     """Caches laid out as vLLM's hybrid allocator does: the j-th layers of all groups one tensor
     (each group's blocks its own), on both sides. (Here a group's blocks read through another
