@@ -60,6 +60,31 @@ class CheckedIds:
 _INT64 = np.dtype(np.int64)
 
 
+def int_array(x, what: str, copy: bool = False) -> np.ndarray:
+    """``x`` (a tensor or a sequence of ints) as a 1-D int64 numpy array; ``ValueError`` naming
+    ``what`` when it holds no integers or has another number of dimensions. ``copy``: never a
+    view of the caller's tensor (a sequence is always copied)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise ValueError(f"{what}: must hold integers, got {x.dtype}")
+        arr = x.detach().to("cpu", torch.int64).numpy()
+        if copy:
+            arr = arr.copy()
+    else:
+        try:
+            arr = np.array(x, copy=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}: must be a sequence of ints ({e})") from None
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"{what}: must hold integers, got {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: must be 1-D, got shape {tuple(arr.shape)}")
+    return arr
+
+
 def as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bool) -> np.ndarray:
     """Validated C-contiguous int64 array of the first ``needed`` block ids (~5 us for 256)."""
     if type(block_ids) is CheckedIds:
@@ -74,22 +99,7 @@ def as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: boo
         ):
             return ids[:needed] if ids.size > needed else ids
         block_ids = ids  # not enough is known: checked (and made dense int64) like any other ids
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
-            raise ValueError(f"{what}: must hold integers, got {block_ids.dtype}")
-        arr = block_ids.detach().to("cpu", torch.int64).numpy()
-    else:
-        try:
-            arr = np.array(block_ids, copy=True)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{what}: must be a sequence of ints ({e})") from None
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{what}: must hold integers, got {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
-    if arr.ndim != 1:
-        raise ValueError(f"{what}: must be 1-D, got shape {tuple(arr.shape)}")
+    arr = int_array(block_ids, what)
     if arr.size < needed:
         raise ValueError(f"num_tokens: needs {needed} blocks, but {what} has {arr.size}")
     arr = arr[:needed]

@@ -13,11 +13,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from .backends.base import PagedSide
 from .dispatch import Launch, check_args, launch, registered_budget
-from .paged import PagedCache, as_block_ids, make_side
+from .paged import PagedCache, as_block_ids, int_array, make_side
 
 __all__ = ["PreparedCopy", "copy_sides", "prepared_copy"]
 
@@ -259,23 +258,7 @@ def _with_ids(t: PagedSide, ids: np.ndarray, num_tokens: int) -> PagedSide:
 
 def _int_array(x, what: str) -> np.ndarray:
     """``x`` as a 1-D C-contiguous int64 numpy array (a copy: the caller's array may change)."""
-    if isinstance(x, torch.Tensor):
-        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-            raise ValueError(f"{what}: must hold integers, got {x.dtype}")
-        arr = x.detach().to("cpu", torch.int64).numpy().copy()
-    else:
-        try:
-            arr = np.array(x, copy=True)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{what}: must be a sequence of ints ({e})") from None
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{what}: must hold integers, got {arr.dtype}")
-        arr = np.ascontiguousarray(arr, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"{what}: must be 1-D, got shape {tuple(arr.shape)}")
-    return arr
+    return np.ascontiguousarray(int_array(x, what, copy=True))
 
 
 def _segments(ids, indptr, need: np.ndarray, count: int, side: str) -> np.ndarray:
