@@ -195,12 +195,17 @@ def test_explicit_ipc_unavailable_is_an_error_not_a_fallback(monkeypatch):
         _close(p, d)
 
 
-@pytest.mark.parametrize("cma", [True, False])
+@pytest.mark.parametrize("cma", ["on", "off", "denied"])
 def test_auto_on_plain_cpu_caches(cma, monkeypatch):
     """Plain CPU caches (not in shm): ``auto`` reads them with ipc through cross-memory attach,
-    or takes pg when that is turned off (``KVXFER_IPC_CMA=0``), saying why."""
-    if not cma:
+    or takes pg when that is turned off (``KVXFER_IPC_CMA=0``) or the kernel does not let this
+    process read the exporter's (the probe at the handshake), saying why."""
+    from kvxfer.transports.ipc import cma as cma_mod
+
+    if cma == "off":
         monkeypatch.setenv("KVXFER_IPC_CMA", "0")
+    if cma == "denied":  # what Yama's ptrace_scope 1 answers: EPERM on the probe
+        monkeypatch.setattr(cma_mod, "probe", lambda desc: "cross-memory attach not permitted here (EPERM)")
     src_caches = [torch.zeros(SPEC.cache_shape(16, 1), dtype=SPEC.dtype) for _ in range(2)]
     p = TransferEngine(SPEC, src_caches, 0, 1, "P").start()
     dc = [torch.zeros(SPEC.cache_shape(16, 1), dtype=SPEC.dtype) for _ in range(2)]
@@ -211,10 +216,9 @@ def test_auto_on_plain_cpu_caches(cma, monkeypatch):
         assert _wait(d, {"x"}, "recv") == {"x": "done"}
         assert check(dc, SPEC, 0, 1, [9], 6, seed=2)
         s = d.stats()
-        assert s["transports"] == {"P": "ipc" if cma else "pg"}
-        assert ("cross-memory attach on one host" if cma else "KVXFER_IPC_CMA=0") in s["transport_reasons"][
-            "P"
-        ]
+        assert s["transports"] == {"P": "ipc" if cma == "on" else "pg"}
+        why = {"on": "cross-memory attach on one host", "off": "KVXFER_IPC_CMA=0", "denied": "not permitted"}
+        assert why[cma] in s["transport_reasons"]["P"], s["transport_reasons"]
     finally:
         _close(p, d)
 

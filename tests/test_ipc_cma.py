@@ -83,7 +83,9 @@ def test_merge_joins_touching_and_overlapping_ranges():
 
 def test_a_probe_that_does_not_match_is_refused():
     desc = cma.describe(_caches(SPEC, 4))
+    assert cma.probe(desc) == ""  # what the loader asks at the handshake: nothing kept open
     desc["probe"] = "00" * 16
+    assert "not the exporter" in cma.probe(desc)
     with pytest.raises(OSError, match="not the exporter"):
         cma.Remote(desc)
 

@@ -40,7 +40,7 @@ import torch
 from ...spec import dtype_from_name, dtype_name
 from . import shm
 
-__all__ = ["Remote", "attach", "attach_array", "available", "describe", "detach"]
+__all__ = ["Remote", "attach", "attach_array", "available", "describe", "detach", "probe"]
 
 IOV_MAX = 1024  # ranges per process_vm_readv call (Linux's UIO_MAXIOV)
 MAX_LAYERS = 4096  # an exporter's description is checked before any mirror is made
@@ -164,7 +164,9 @@ class Remote:
         self._fd = os.pidfd_open(self.pid)
         self._maps: list[mmap.mmap] = []
         try:
-            self._check_probe(int(desc["probe_addr"]), str(desc["probe"]))
+            why = _probe_through(self._fd, self.pid, int(desc["probe_addr"]), str(desc["probe"]))
+            if why:
+                raise OSError(why)
             self.caches = []
             for _ in range(len(self.addrs)):
                 m = mmap.mmap(-1, self.extent, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
@@ -180,9 +182,7 @@ class Remote:
 
     # ------------------------------------------------------------------ reading
     def _alive(self) -> bool:
-        p = select.poll()
-        p.register(self._fd, select.POLLIN)
-        return not p.poll(0)  # the pidfd turns readable when the process exited
+        return not _exited(self._fd)
 
     def _readv(self, local: np.ndarray, remote: np.ndarray) -> int:
         """``process_vm_readv`` of ``[n, 2]`` uint64 (address, length) arrays, IOV_MAX at a time;
@@ -197,19 +197,6 @@ class Remote:
                 raise OSError(err, f"cma: process_vm_readv from pid {self.pid}: {os.strerror(err)}")
             got += n
         return got
-
-    def _check_probe(self, addr: int, want: str) -> None:
-        buf = ctypes.create_string_buffer(_PROBE_BYTES)
-        local = np.array([[ctypes.addressof(buf), _PROBE_BYTES]], dtype=np.uint64)
-        remote = np.array([[addr, _PROBE_BYTES]], dtype=np.uint64)
-        try:
-            n = self._readv(local, remote)
-        except OSError as e:
-            raise OSError(
-                f"{e.strerror or e} (the kernel does not let this process read the exporter's)"
-            ) from None
-        if n != _PROBE_BYTES or buf.raw.hex() != want or not self._alive():
-            raise OSError(f"cma: pid {self.pid} is not the exporter that described these caches")
 
     def fetch(self, block_ids: np.ndarray, layers=None) -> None:
         """Copy blocks ``block_ids`` (int64, in range; repeats allowed) of ``layers`` (default
@@ -270,6 +257,43 @@ def _merge(starts: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
     last = np.append(idx[1:], len(s)) - 1
     out_ends = run_end[last]
     return out_starts, out_ends - out_starts
+
+
+def probe(desc: dict) -> str:
+    """Why this process cannot read the caches ``desc`` describes ("" when it can): the probe
+    read through a pidfd, nothing mapped, nothing kept open."""
+    why = available()
+    if why:
+        return why
+    try:
+        pid, addr, want = int(desc["pid"]), int(desc["probe_addr"]), str(desc["probe"])
+        fd = os.pidfd_open(pid)
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        return f"cross-memory attach: the exporter's process cannot be opened ({e})"
+    try:
+        return _probe_through(fd, pid, addr, want)
+    finally:
+        os.close(fd)
+
+
+def _exited(fd: int) -> bool:
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))  # a pidfd turns readable when its process exited
+
+
+def _probe_through(fd: int, pid: int, addr: int, want: str) -> str:
+    """Read the probe of ``pid`` (whose pidfd is ``fd``) and compare; why not usable, or ""."""
+    buf = ctypes.create_string_buffer(_PROBE_BYTES)
+    local = np.array([[ctypes.addressof(buf), _PROBE_BYTES]], dtype=np.uint64)
+    remote = np.array([[addr, _PROBE_BYTES]], dtype=np.uint64)
+    n = _readv()(pid, local.ctypes.data, 1, remote.ctypes.data, 1, 0)
+    if n < 0:
+        err = ctypes.get_errno()
+        return f"cross-memory attach not permitted here ({os.strerror(err)}: ptrace_scope, or a sandbox)"
+    if n != _PROBE_BYTES or buf.raw.hex() != want or _exited(fd):
+        return f"cross-memory attach: pid {pid} is not the exporter that described these caches"
+    return ""
 
 
 def attach(desc: dict) -> tuple[list[torch.Tensor], Remote]:

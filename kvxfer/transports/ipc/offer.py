@@ -104,7 +104,7 @@ def ipc_usable(
         if "ipc" not in r.transports or entry.get("mapper") is None:
             return False, entry.get("why") or f"exporter rank {r.tp_rank} does not offer ipc"
         if entry["mapper"] == "cma" and want == "shm":
-            why = _cma_usable(local_info, entry.get("info"))
+            why = _cma_usable(local_info, entry.get("info"), entry.get("caches"))
             if why:
                 return False, f"exporter rank {r.tp_rank}: {why}"
             why_ok = why_ok or "cross-memory attach on one host"
@@ -131,17 +131,22 @@ def ipc_usable(
     return True, why_ok
 
 
-def _cma_usable(local: dict, peer) -> str:
-    """Why this process cannot read an exporter's caches with cross-memory attach ("" if it can
-    try: :func:`kvxfer.transports.ipc.cma.attach` still checks that the kernel allows it)."""
-    why = mapper("cma").available()
+def _cma_usable(local: dict, peer, desc) -> str:
+    """Why this process cannot read an exporter's caches with cross-memory attach ("" if it
+    can): the same host and PID namespace, and the kernel letting this process read the
+    exporter's probe (Yama's ``ptrace_scope`` 1, Ubuntu's default, does not), so ``auto`` takes
+    another transport instead of failing every load."""
+    cma = mapper("cma")
+    why = cma.available()
     if why:
         return why
     if not isinstance(peer, dict) or not isinstance(peer.get("pid"), int):
         return "cross-memory attach: the exporter sent no process info"
     if peer.get("host_id") != local.get("host_id") or peer.get("pid_ns") != local.get("pid_ns"):
         return "cross-memory attach needs one host and one PID namespace"
-    return ""
+    if not isinstance(desc, dict) or desc.get("pid") != peer["pid"]:
+        return "cross-memory attach: the exporter's description names another process"
+    return cma.probe(desc)
 
 
 def attach(entry: dict, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor, list]:
