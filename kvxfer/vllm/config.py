@@ -23,8 +23,9 @@ Where things come from:
   ``transport``                ``"auto"``  ``"auto"``, ``"ipc"``, ``"pg"`` or ``"nixl"`` (kvxfer
                                            transports; nixl needs ``kvxfer[nixl]``)
   ``lease_s``                  30          how long P holds exported blocks without heartbeat
-  ``timeout_s``                10          bound of every wait (a load whose export has not
-                                           appeared by then fails)
+  ``timeout_s``                30          bound of every wait (a load whose export has not
+                                           appeared by then fails; a P that died is seen at
+                                           once or by its missing heartbeat, not by this)
   ``verify_prompt``            true        D checks a hash of P's prompt tokens before loading
   ``max_sms``                  none        SM budget of every transfer kernel (a positive int;
                                            none: no budget, see ``TransferEngine(max_sms=)``)
@@ -57,7 +58,7 @@ _EXTRA_DEFAULTS: dict[str, object] = {
     "host": None,
     "transport": "auto",
     "lease_s": 30.0,
-    "timeout_s": 10.0,
+    "timeout_s": 30.0,  # a stalled P is waited for (profiling/results/2026-11-28-cpu-vllm-pd-cma/, run 3)
     "verify_prompt": True,
     "max_sms": None,
     "onesided": True,
@@ -151,7 +152,7 @@ class ConnectorConfig:
     block_size: int
     transport: str = "auto"
     lease_s: float = 30.0
-    timeout_s: float = 10.0
+    timeout_s: float = 30.0
     verify_prompt: bool = True
     max_sms: int | None = None
     onesided: bool = True
