@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..paged import int_array
+
 __all__ = ["NULL_BLOCK", "WindowBlocks", "select_window_blocks", "state_block", "window_tokens"]
 
 NULL_BLOCK = 0  # vLLM's null block (BlockPool: the pool's first block, never a request's own)
@@ -40,24 +42,11 @@ def _check_int(field: str, value: object, low: int) -> int:
 
 
 def _ids(block_ids, what: str) -> np.ndarray:
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
-            raise ValueError(f"{what}: must hold integers, got {block_ids.dtype}")
-        arr = block_ids.detach().to("cpu", torch.int64).numpy()
-    else:
-        try:
-            arr = np.array(block_ids, copy=True)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{what}: must be a sequence of block ids ({e})") from None
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{what}: must hold integers, got {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"{what}: must be 1-D, got shape {tuple(arr.shape)}")
+    """Block ids as int64 (:func:`kvxfer.paged.int_array`), none negative (no cache bound here)."""
+    arr = int_array(block_ids, what)
     if arr.size and int(arr.min()) < 0:
         raise ValueError(f"{what}: negative block id {int(arr.min())}")
-    return arr.astype(np.int64)
+    return arr
 
 
 def window_tokens(num_tokens: int, window: int, extra_retained_tokens: int = 0) -> range:
