@@ -102,7 +102,9 @@ GroupsList = Annotated[
     msgspec.Meta(max_length=MAX_LAYERS),
 ]
 # state specs of the KV cache groups (canonical JSON per group, "" for attention: kvxfer.groups.state_group)
-StatesList = Annotated[list[Annotated[str, msgspec.Meta(max_length=2048)]], msgspec.Meta(max_length=MAX_LAYERS)]
+StatesList = Annotated[
+    list[Annotated[str, msgspec.Meta(max_length=2048)]], msgspec.Meta(max_length=MAX_LAYERS)
+]
 SpecDict = Annotated[
     dict[Name, Annotated[str, msgspec.Meta(max_length=64)] | int | bool], msgspec.Meta(max_length=32)
 ]
