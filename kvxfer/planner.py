@@ -65,7 +65,8 @@ class Planner:
         for route in session.routes(s, peer.reads_by_rank[s]):
             todo = [it for it in loads if it.request_id not in bad] if bad else loads
             while todo:
-                out, plans = self._start(session, route, s, sbs, todo, distinct, layers, deadline)
+                out, plans, extra = self._start(peer, route, s, sbs, todo, distinct, layers, deadline)
+                moved += extra
                 if out.refused:
                     before = len(bad)
                     bad.update(out.refused)
@@ -97,7 +98,7 @@ class Planner:
 
     def _start(
         self,
-        session,
+        peer: Peer,
         route: Route,
         s: int,
         sbs: int,
@@ -109,27 +110,37 @@ class Planner:
         """Move ``todo`` along ``route`` and wait: one transfer, or for an engine with KV cache
         groups (:mod:`kvxfer.grouped`) one per group (its layers, its items), their outcomes
         merged: a load landed only if it landed in every group, failed or refused if it was in
-        any; the epochs are the last group's (read after every earlier copy). Returns the
-        outcome and each transfer's (plan, layers)."""
+        any; the epochs are the last group's (read after every earlier copy). A state group
+        that re-shards (``peer.state_routes``) is one unit-wise copy of the session's
+        (``move_state``) instead of a planned transfer. Returns the outcome, each transfer's
+        (plan, layers) and the bytes of the unit-wise copies."""
+        session = peer.session
         if self.rank.groups is None:
             bp = self.plan(route, sbs, todo, distinct)
             out = session.start(Transfer(s, route.reads, bp, todo, layers, deadline)).wait(deadline)
-            return out, [(bp, layers)]
+            return out, [(bp, layers)], 0
         plans = []
         landed: set[str] | None = None
         failed: dict[str, str] = {}
         refused: dict[str, str] = {}
         epochs = None
-        calls = 0
+        calls = extra = 0
         want = None if layers is None else set(layers)
         for g, grp in enumerate(self.rank.groups.groups):
             lay = list(grp.layers) if want is None else [x for x in grp.layers if x in want]
             if not lay:
                 continue
             items = [it.groups[g] for it in todo]
-            bp = self.plan(route, sbs, items, distinct)
-            out = session.start(Transfer(s, route.reads, bp, todo, lay, deadline)).wait(deadline)
-            plans.append((bp, lay))
+            state = peer.state_routes.get(g)
+            if state is not None:
+                if s not in state.runs:
+                    continue  # this source rank holds none of this rank's units
+                out = session.move_state(s, grp, state, items, todo, lay, deadline).wait(deadline)
+                extra += state.nbytes(len(lay), len(items), s)
+            else:
+                bp = self.plan(route, sbs, items, distinct)
+                out = session.start(Transfer(s, route.reads, bp, todo, lay, deadline)).wait(deadline)
+                plans.append((bp, lay))
             landed = set(out.landed) if landed is None else landed & out.landed
             failed.update(out.failed)
             refused.update(out.refused)
@@ -138,7 +149,7 @@ class Planner:
                 epochs = out.epochs
             if refused:
                 break  # planned again without the refused loads
-        return Outcome(landed or set(), failed, refused, epochs, calls), plans
+        return Outcome(landed or set(), failed, refused, epochs, calls), plans, extra
 
 
 def stale_loads(ep: np.ndarray, loads, granted: dict[str, bytes], s: int) -> dict[str, str]:

@@ -20,10 +20,12 @@ import pytest
 import torch
 
 from kvxfer import AttentionGroup, KVCacheSpec, Layout, StateGroup, StateSpec, TransferEngine
+from kvxfer.groups.state_group import page_view
 from kvxfer.ports import free_port_base
 from kvxfer.transports.ipc.shm import alloc_shm_caches
 from kvxfer.transports.nixl.agent import nixl_status
 
+from . import statedata
 from .test_engine_groups import GARBAGE, KEY, POISON, _fill, _place, _poll_all, _truth
 
 NB = 40
@@ -286,10 +288,113 @@ def _refused(dst_spec: KVCacheSpec, dst_state: StateSpec, match: str, transport:
         d.close()
 
 
-def test_handshake_refuses_other_page_geometry():
+def test_pg_refuses_other_page_geometry_by_name():
     _refused(_spec("HND"), _state("gdn", _spec("HND"), 1), "equal layout")
     _refused(_spec(bs=8), _state("gdn", _spec(bs=8), 1), "equal block_size")
+    _refused(_spec(), _state("gdn", _spec(), 1, conv_layout="DS"), "the state specs differ in conv_layout")
 
 
-def test_handshake_refuses_another_state_spec():
-    _refused(_spec(), _state("gdn", _spec(), 1, conv_layout="DS"), "state spec field conv_layout differs")
+# ------------------------------------------------------------------ re-sharded over ipc
+def _run_resharded(src: KVCacheSpec, tp_p: int, dst: KVCacheSpec, tp_d: int, kind: str, n: int, seed: int = 0,
+                   src_kw: dict | None = None, dst_kw: dict | None = None, transport: str = "ipc"):  # fmt: skip
+    """P and D laid out otherwise (TP, block size, layout, conv layout, SSM order): the state
+    group's units are copied out of P's mapped pages into D's layout; every byte of D checked
+    against the naive model of :mod:`tests.statedata` (the state content at D's state block,
+    the page's padding and every other byte poison)."""
+    rng = random.Random(seed)
+    ps_state = _state(kind, src, tp_p, **(src_kw or {}))
+    ds_state = _state(kind, dst, tp_d, **(dst_kw or {}))
+    t = statedata.truth(ps_state, 1, seed)
+
+    def engines(spec, tp, name, st):
+        base = free_port_base(tp) if tp > 1 else 0
+        out, regions = [], []
+        for r in range(tp):
+            raws, caches = _regions(spec, tp)
+            _fill(caches, POISON)
+            regions.append((raws, caches))
+            eng = TransferEngine(spec, caches, r, tp, name, transport=transport, lease_s=10.0, port=base,
+                                 auth_key=KEY, groups=_groups(st))  # fmt: skip
+            out.append(eng.start())
+        return out, regions
+
+    ps, pst = engines(src, tp_p, "P", ps_state)
+    ds, dst_ = engines(dst, tp_d, "D", ds_state)
+    try:
+        groups = _groups(ps_state)
+        truth = _truth(src, LAYER_GROUP, n, seed)
+        plists = _lists(rng, groups, n, src.block_size)
+        dlists = _lists(rng, groups, n, dst.block_size)
+        for r, (_raws, caches) in enumerate(pst):
+            _fill(caches, GARBAGE)
+            heads = src.heads_of_rank(r, tp_p)
+            for g, grp in enumerate(groups[:2]):
+                lo = grp.live_first(n) // src.block_size * src.block_size
+                _place(caches, src, truth, grp.layers, heads, plists[g], range(lo, n))
+            pages = [page_view(caches[x]) for x in groups[2].layers]
+            statedata.place(pages, ps_state, r, t, [plists[2][-1]])
+        params = [e.export("req", plists, n) for e in ps]
+        for e in ds:
+            e.load("req", params[0], dlists)
+        got = _poll_all(ds, {"req"}, "recv")
+        if transport != "ipc":
+            return got
+        assert got == {"req": "done"}, got
+        for r, (_, dc) in enumerate(dst_):
+            heads = dst.heads_of_rank(r, tp_d)
+            regions = [dc[REGION.index(k)].clone() for k in (0, 1)]
+            for w in regions:
+                w.view(torch.uint8).fill_(POISON)
+            want = [regions[REGION[j]] for j in range(6)]
+            for g, grp in enumerate(groups[:2]):
+                lf = grp.live_first(n)
+                lo = max(lf // dst.block_size * dst.block_size, lf // src.block_size * src.block_size)
+                _place(want, dst, truth, grp.layers, heads, dlists[g], range(lo, n))
+            statedata.place([page_view(want[x]) for x in groups[2].layers], ds_state, r, t, [dlists[2][-1]])
+            for j in (0, 3):
+                a, b = dc[j].view(torch.uint8), want[j].view(torch.uint8)
+                if not torch.equal(a, b):
+                    diff = (a != b).nonzero()
+                    raise AssertionError(f"D rank {r} region {REGION[j]}: {diff.shape[0]} bytes differ, first {diff[0].tolist()}")  # fmt: skip
+        sent = _poll_all(ps, {"req"}, "send")
+        assert sent == {"req": "done"}, sent
+        assert all(e.stats()["blocks_held"] == 0 for e in ps)
+        return got
+    finally:
+        for e in ps + ds:
+            e.close()
+
+
+@pytest.mark.parametrize(
+    "kind,src_layout,bs_p,tp_p,dst_layout,bs_d,tp_d,src_kw,dst_kw",
+    [
+        ("gdn", "NHD", 4, 2, "NHD", 4, 1, {}, {}),  # TP 2 -> 1
+        (
+            "gdn",
+            "HND",
+            8,
+            1,
+            "NHD",
+            4,
+            2,
+            {},
+            {"conv_layout": "DS", "ssm_transposed": True},
+        ),  # 1 -> 2, every layout
+        ("mamba2", "NHD", 4, 1, "HND", 4, 2, {}, {"conv_layout": "DS"}),  # B and C replicated on D
+        ("mamba2", "HND", 4, 2, "NHD", 8, 1, {"conv_layout": "DS"}, {}),  # 2 -> 1, replicas read once
+        ("gdn", "NHD", 4, 1, "NHD", 4, 1, {}, {"conv_layout": "DS"}),  # same TP, another conv layout
+    ],
+)
+def test_state_group_resharded_over_ipc(kind, src_layout, bs_p, tp_p, dst_layout, bs_d, tp_d, src_kw, dst_kw):
+    _run_resharded(_spec(src_layout, bs_p), tp_p, _spec(dst_layout, bs_d), tp_d, kind, 33, 7, src_kw, dst_kw)
+
+
+def test_resharding_is_refused_over_pg_by_name():
+    got = _run_resharded(_spec(), 2, _spec(), 1, "gdn", 21, 8, transport="pg")
+    assert got["req"].startswith("failed") and "only the ipc transport does" in got["req"], got
+    assert "KV cache group 2 (gdn state" in got["req"], got
+
+
+def test_another_state_model_is_refused_by_name():
+    _refused(_spec(), StateSpec.gdn(2, 2, 4, 4, 4, 3, torch.float16, torch.float32, page_size_bytes=512),
+             "state_len differs", transport="ipc")  # fmt: skip

@@ -13,19 +13,73 @@ An engine sees a state layer through an attention-shaped view over its pages (th
 planner, transports and ops as attention groups. Whole pages are the identity on bytes only
 between engines whose pages are laid out alike: the same block size, attention layout, dtype
 and TP size, and equal state specs (:meth:`StateGroup.peer_mismatch`); other peers are refused
-at the handshake, by group, and the decode side computes the prompt. Re-sharding a state across
-TP sizes and converting its conv layout or SSM order are what :mod:`kvxfer.groups.state_ops`
-does on its own pages; the engine does not route through them yet.
+at the handshake, by group, unless the transport can re-shard.
+
+A peer laid out otherwise (another TP size, block size, attention layout or dtype, or a state
+spec with another conv layout, SSM order or page size, for the same model and state dtypes)
+gets a :class:`StateRoute`: the ``ipc`` transport, which maps the exporter's pages, copies the
+units each destination rank needs from each source rank with
+:func:`kvxfer.groups.state_ops.copy_state` (:func:`~kvxfer.groups.state_plan.plan_state_reads`),
+through :func:`page_view` of both sides' caches. Other transports refuse such a peer by name.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from .state import StateSpec
+import torch
 
-__all__ = ["StateGroup"]
+from .state import StateSpec, UnitRun
+
+__all__ = ["StateGroup", "StateRoute", "page_view"]
+
+
+class StateRoute(NamedTuple):
+    """How one state group moves from a peer laid out otherwise (see the module doc): the
+    peer's spec ``src``, this engine's ``dst``, the unit runs this rank reads from each source
+    rank (``runs``), and ``why`` pages cannot move whole."""
+
+    src: StateSpec
+    dst: StateSpec
+    runs: dict[int, tuple[UnitRun, ...]]
+    why: str
+
+    def nbytes(self, num_layers: int, num_states: int, s: int) -> int:
+        """Bytes read from source rank ``s`` for ``num_states`` states of ``num_layers`` layers."""
+        runs = self.runs.get(s, ())
+        per = 0
+        for run, sec in zip(runs, self.src.sections):
+            n = 1
+            for d in sec.unit_shape:
+                n *= d
+            per += run.num_units * n * sec.dtype.itemsize
+        return per * num_layers * num_states
+
+
+def page_view(cache: torch.Tensor) -> torch.Tensor:
+    """One layer's state pages, uint8 ``[num_blocks, page_bytes]``, from its attention-shaped
+    view (``[2, num_blocks, ...]`` or MLA ``[num_blocks, ...]``) whose every block is one
+    contiguous page (vLLM's hybrid layout); ``ValueError`` naming why not (K and V planes
+    apart, padded rows)."""
+    raw = cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+    bdim = 1 if raw.dim() == 5 else 0
+    blocks = raw.shape[bdim]
+    block = raw.select(bdim, 0)
+    page = block.numel()
+    dims = sorted(((st, n) for st, n in zip(block.stride(), block.shape) if n > 1), reverse=True)
+    want = 1
+    for st, n in reversed(dims):
+        if st != want:
+            raise ValueError(
+                f"caches: a block of shape {tuple(cache.shape)} strides {tuple(cache.stride())} is not one "
+                "contiguous page (its K and V planes lie apart): state pages need vLLM's hybrid layout"
+            )
+        want *= n
+    if blocks > 1 and raw.stride(bdim) < page:
+        raise ValueError(f"caches: blocks overlap (block stride {raw.stride(bdim)} bytes < page {page})")
+    return torch.as_strided(raw, (blocks, page), (raw.stride(bdim), 1), raw.storage_offset())
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ import torch
 
 from ... import ops
 from ...engine_types import time_left
+from ...groups.state_group import page_view
+from ...groups.state_ops import copy_state
 from ...ordering import event_done
 from ...tracing import items_tag, trace
 from ...transfer import Outcome, Route, Transfer
@@ -144,6 +146,29 @@ class IpcSession:
             with fetched(m, transfer.loads, transfer.layers):
                 calls = self.copy(m, transfer)
         return IpcCompletion(self, m, transfer, calls)
+
+    def move_state(
+        self, s: int, group, route, items, loads, layers: list[int], deadline: float
+    ) -> IpcCompletion:
+        """Copy a state group's units this rank needs from source rank ``s`` (``route``: a
+        :class:`~kvxfer.groups.state_group.StateRoute`; ``items``: each load's state block on
+        both sides) straight out of the mapped pages into this rank's, re-sharded and converted
+        (:func:`kvxfer.groups.state_ops.copy_state`) over ``layers`` (engine layer indices of
+        ``group``); the completion as for :meth:`start`."""
+        m = self.mapping(s)
+        src_caches = m.views.views[0].caches
+        index = [group.layers.index(x) for x in layers]
+        with self.lock, trace("copy", items_tag, loads):
+            if self.closed:
+                raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
+            with fetched(m, loads, layers):
+                copy_state(
+                    [page_view(src_caches[x]) for x in group.layers], route.src,
+                    [int(it.src[0]) for it in items],
+                    [page_view(self.rank.caches[x]) for x in group.layers], route.dst,
+                    [int(it.dst[0]) for it in items], route.runs[s], layers=index,
+                )  # fmt: skip
+        return IpcCompletion(self, m, Transfer(s, [], None, loads, layers, deadline), 1)
 
     def copy(self, m: IpcMap, transfer: Transfer) -> int:
         """The ops calls of ``transfer`` from mapping ``m`` into this rank's caches, on the
