@@ -132,13 +132,6 @@ def _peer_of(loader: HandshakeLink, p, addrs: list[str], replies: list) -> Peer:
         src_ranks = {r.src_rank for r in plan.reads(rank.tp_rank)}
         routes = _state_routes(rank, spec, p.tp_size, states, src_ranks)
     transport, why, pg_backends = _choose_transport(loader, replies)
-    if routes and transport != "ipc":
-        g, route = next(iter(routes.items()))
-        raise HandshakeError(
-            f"incompatible peer: KV cache group {g} ({rank.groups.groups[g].describe()}): {route.why}, so its "
-            f"state must be re-sharded, which only the ipc transport does (one host); this peer takes "
-            f"{transport}: {why}"
-        )
     peer = Peer(
         p.engine_id, spec, addrs, replies, plan, rank.tp_rank, transport, why,
         p.host, p.port, pg_backends, full_layer_mask(spec.num_layers),

@@ -17,9 +17,12 @@ from __future__ import annotations
 import numpy as np
 
 from . import idops
-from .batching import BatchPlan, plan_batch, wire_bytes
-from .engine_types import LoadItem, disjoint_blocks
+from .batching import BatchPlan, Item, plan_batch, wire_bytes
+from .engine_types import LoadItem, disjoint_blocks, time_left
+from .groups.state_group import StateLanding, page_view
+from .groups.state_ops import copy_state
 from .peer import Peer
+from .plan import Read
 from .rank import Rank, Runtime
 from .transfer import Outcome, Route, Transfer
 
@@ -135,8 +138,12 @@ class Planner:
             if state is not None:
                 if s not in state.runs:
                     continue  # this source rank holds none of this rank's units
-                out = session.move_state(s, grp, state, items, todo, lay, deadline).wait(deadline)
-                extra += state.nbytes(len(lay), len(items), s)
+                if hasattr(session, "move_state"):  # ipc: straight from the mapped pages
+                    out = session.move_state(s, grp, state, items, todo, lay, deadline).wait(deadline)
+                    extra += state.nbytes(len(lay), len(items), s)
+                else:
+                    out, nbytes = self._staged_state(peer, s, grp, state, items, todo, lay, deadline)
+                    extra += nbytes
             else:
                 bp = self.plan(route, sbs, items, distinct)
                 out = session.start(Transfer(s, route.reads, bp, todo, lay, deadline)).wait(deadline)
@@ -150,6 +157,32 @@ class Planner:
             if refused:
                 break  # planned again without the refused loads
         return Outcome(landed or set(), failed, refused, epochs, calls), plans, extra
+
+    def _staged_state(self, peer: Peer, s: int, grp, state, items, todo, lay: list[int], deadline: float):
+        """A re-sharded state group over a staged transport: source rank ``s``'s whole state
+        pages of ``items`` streamed into a :class:`~kvxfer.groups.state_group.StateLanding` laid
+        out as that rank's, then this rank's units copied out of it into its own pages
+        (:func:`~kvxfer.groups.state_ops.copy_state`) for the loads the stream's status says
+        landed. Returns the outcome and the bytes streamed."""
+        rank = self.rank
+        pspec, n = peer.spec, len(items)
+        pbs, heads = pspec.block_size, pspec.heads_per_rank(peer.tp_size)
+        landing = StateLanding(pspec, peer.tp_size, grp.layers, n, rank.device)
+        whole = [
+            Item(it.request_id, it.src, np.array([j], dtype=np.int64), pbs) for j, it in enumerate(items)
+        ]
+        bp = plan_batch(whole, pbs, [pbs], pbs, [pbs], distinct=True)
+        read = Read(s, 0, 0, heads)
+        out = peer.session.start(Transfer(s, [read], bp, todo, lay, deadline, landing)).wait(deadline)
+        got = [j for j, it in enumerate(items) if it.request_id in out.landed]
+        if got:
+            copy_state(
+                landing.pages(), state.src, got,
+                [page_view(rank.caches[x]) for x in grp.layers], state.dst, [int(items[j].dst[0]) for j in got],
+                state.runs[s], layers=[grp.layers.index(x) for x in lay],
+            )  # fmt: skip
+            self.rt.order.wait_done(time_left(deadline))  # CUDA: the copies ran
+        return out, pspec.bytes_per_token(heads, len(lay)) * pbs * n
 
 
 def stale_loads(ep: np.ndarray, loads, granted: dict[str, bytes], s: int) -> dict[str, str]:

@@ -263,10 +263,14 @@ def test_export_refuses_a_null_or_missing_state_block():
         p.close()
 
 
-def _refused(dst_spec: KVCacheSpec, dst_state: StateSpec, match: str, transport: str = "pg") -> None:
+def _refused(
+    dst_spec: KVCacheSpec, dst_state: StateSpec, match: str, transport: str = "pg", planes=False
+) -> None:
     src = _spec()
     _, pc = _regions(src, 1)
     _, dc = _regions(dst_spec, 1)
+    if planes:
+        dc = [torch.empty(dst_spec.cache_shape(NB, 1), dtype=dst_spec.dtype) for _ in range(6)]
     _fill(pc, GARBAGE)
     _fill(dc, POISON)
     p = TransferEngine(src, pc, 0, 1, "P", transport=transport, lease_s=5.0, auth_key=KEY,
@@ -288,10 +292,15 @@ def _refused(dst_spec: KVCacheSpec, dst_state: StateSpec, match: str, transport:
         d.close()
 
 
-def test_pg_refuses_other_page_geometry_by_name():
-    _refused(_spec("HND"), _state("gdn", _spec("HND"), 1), "equal layout")
-    _refused(_spec(bs=8), _state("gdn", _spec(bs=8), 1), "equal block_size")
-    _refused(_spec(), _state("gdn", _spec(), 1, conv_layout="DS"), "the state specs differ in conv_layout")
+def test_another_state_dtype_is_refused_by_name():
+    other = StateSpec.gdn(2, 2, 4, 4, 4, 4, torch.bfloat16, torch.float32, page_size_bytes=512)
+    _refused(_spec(), other, "conv_dtype differs")
+
+
+def test_resharding_needs_whole_pages():
+    """D's caches keep K and V planes apart (not vLLM's hybrid layout) and its layout differs
+    from P's: the state cannot be copied unit by unit into them, and the handshake says why."""
+    _refused(_spec("HND"), _state("gdn", _spec("HND"), 1), "not one contiguous page", planes=True)
 
 
 # ------------------------------------------------------------------ re-sharded over ipc
@@ -337,9 +346,8 @@ def _run_resharded(src: KVCacheSpec, tp_p: int, dst: KVCacheSpec, tp_d: int, kin
         for e in ds:
             e.load("req", params[0], dlists)
         got = _poll_all(ds, {"req"}, "recv")
-        if transport != "ipc":
-            return got
         assert got == {"req": "done"}, got
+        assert all(e.stats()["transports"] == {"P": transport} for e in ds)
         for r, (_, dc) in enumerate(dst_):
             heads = dst.heads_of_rank(r, tp_d)
             regions = [dc[REGION.index(k)].clone() for k in (0, 1)]
@@ -389,10 +397,22 @@ def test_state_group_resharded_over_ipc(kind, src_layout, bs_p, tp_p, dst_layout
     _run_resharded(_spec(src_layout, bs_p), tp_p, _spec(dst_layout, bs_d), tp_d, kind, 33, 7, src_kw, dst_kw)
 
 
-def test_resharding_is_refused_over_pg_by_name():
-    got = _run_resharded(_spec(), 2, _spec(), 1, "gdn", 21, 8, transport="pg")
-    assert got["req"].startswith("failed") and "only the ipc transport does" in got["req"], got
-    assert "KV cache group 2 (gdn state" in got["req"], got
+@pytest.mark.parametrize("transport", ["pg", NIXL])
+@pytest.mark.parametrize(
+    "kind,src_layout,bs_p,tp_p,dst_layout,bs_d,tp_d,src_kw,dst_kw",
+    [
+        ("gdn", "NHD", 4, 2, "HND", 8, 1, {}, {"conv_layout": "DS", "ssm_transposed": True}),  # 2 -> 1
+        ("mamba2", "HND", 8, 1, "NHD", 4, 2, {"conv_layout": "DS"}, {}),  # 1 -> 2, B and C replicated
+    ],
+)
+def test_state_group_resharded_over_a_staged_stream(
+    transport, kind, src_layout, bs_p, tp_p, dst_layout, bs_d, tp_d, src_kw, dst_kw
+):
+    """``pg`` and staged ``nixl``: each source rank streams its whole state pages into a landing
+    laid out as its own, and D's units are copied out of it."""
+    _run_resharded(
+        _spec(src_layout, bs_p), tp_p, _spec(dst_layout, bs_d), tp_d, kind, 29, 9, src_kw, dst_kw, transport
+    )
 
 
 def test_another_state_model_is_refused_by_name():

@@ -25,15 +25,18 @@ through :func:`page_view` of both sides' caches. Other transports refuse such a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from ..spec import KVCacheSpec, Layout
+from ..views import CacheViews
 from .state import StateSpec, UnitRun
 
-__all__ = ["StateGroup", "StateRoute", "page_view"]
+__all__ = ["StateGroup", "StateLanding", "StateRoute", "page_view"]
 
 
 class StateRoute(NamedTuple):
@@ -56,6 +59,45 @@ class StateRoute(NamedTuple):
                 n *= d
             per += run.num_units * n * sec.dtype.itemsize
         return per * num_layers * num_states
+
+
+class StateLanding:
+    """Where a staged transport (``pg``, ``nixl`` staged) lands a state group's pages from one
+    source rank before they are re-sharded: ``num_states`` pages per layer laid out as the
+    source rank's (its spec, block size and heads), for the group's ``layers`` (engine layer
+    indices; the other layers of the list alias the first, never written). Its ``views``,
+    ``spec`` and ``num_blocks`` are what a stream's scatter takes
+    (:func:`kvxfer.transports.streams.stream_scatters`); :meth:`pages` what
+    :func:`~kvxfer.groups.state_ops.copy_state` reads."""
+
+    __slots__ = ("caches", "layers", "num_blocks", "spec", "views")
+
+    def __init__(
+        self, spec: KVCacheSpec, tp_size: int, layers: tuple[int, ...], num_states: int, device: torch.device
+    ) -> None:
+        heads = spec.heads_per_rank(tp_size)
+        page = spec.bytes_per_token(heads, 1) * spec.block_size
+        if spec.use_mla:
+            inner = (spec.block_size, spec.head_dim)
+        elif spec.layout is Layout.NHD:
+            inner = (2, spec.block_size, heads, spec.head_dim)
+        else:
+            inner = (2, heads, spec.block_size, spec.head_dim)
+        own = {}
+        for x in layers:
+            raw = torch.empty(num_states, page, dtype=torch.uint8, device=device)
+            view = raw.view(spec.dtype).view(num_states, *inner)
+            own[x] = view if spec.use_mla else view.transpose(0, 1)
+        first = own[layers[0]]
+        self.caches = [own.get(x, first) for x in range(spec.num_layers)]
+        self.layers = layers
+        self.spec = spec
+        self.num_blocks = num_states
+        self.views = CacheViews(self.caches, dataclasses.replace(spec))
+
+    def pages(self) -> list[torch.Tensor]:
+        """The group's layers' pages (:func:`page_view`), in the group's order."""
+        return [page_view(self.caches[x]) for x in self.layers]
 
 
 def page_view(cache: torch.Tensor) -> torch.Tensor:
