@@ -244,8 +244,7 @@ class TransferEngine:
         self._notifier = Notifier(engine_id, rt.stop, rt.metrics)
         self._loader = Loader(rank, rt, self._transports, self._notifier)
         self._exporter = Exporter(rank, rt, self._transports)
-        # one-sided reads take one group's ids: a grouped engine's loads take the messaged path
-        self._onesided = OneSided(rank, rt, self._loader) if onesided and gs is None else None
+        self._onesided = OneSided(rank, rt, self._loader) if onesided else None
         self._hooks = rt.hooks  # test hooks, by name (each read where it is called)
         self._ctx = None  # the zmq context, made by start()
         self._started = False
@@ -593,10 +592,9 @@ class TransferEngine:
             end = _computed(computed_tokens, n)
             ids, per = load_ids(self.groups, block_ids, n, k, self.spec.block_size, self.num_blocks, end)
         self._rt.loads.add(request_id, ids, now())
-        if per is not None:
-            self._loader.queue_load(LoadItem(request_id, p, ids, 0.0, 0, per))
-            return
-        item = LoadItem(request_id, p, ids, 0.0, k)
+        item = (
+            LoadItem(request_id, p, ids, 0.0, k) if per is None else LoadItem(request_id, p, ids, 0.0, 0, per)
+        )
         if self._onesided is not None and self._onesided.try_load(item, self.timeout_s):
             return  # launched here, reported by a later poll()
         self._loader.queue_load(item)

@@ -56,10 +56,22 @@ def _groups(state: StateSpec, num_spec: int = 0) -> list:
     return [AttentionGroup((0, 3)), AttentionGroup((1, 4), window=9), StateGroup((2, 5), state, num_spec)]
 
 
-def _regions(spec: KVCacheSpec, tp: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Raw page regions (uint8 ``[NB, page]``) and each layer index's attention view over them."""
+def _regions(
+    spec: KVCacheSpec, tp: int, aliased: bool = True
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Raw page regions (uint8 ``[NB, page]``) and each layer index's attention view over them
+    (``aliased``: layer j of every group on region j, as vLLM; else a region per layer, so a
+    group read through another group's layers shows)."""
     page = _block_bytes(spec, tp)
     h = spec.heads_per_rank(tp)
+    if not aliased:
+        raws = [torch.empty(NB, page, dtype=torch.uint8) for _ in range(6)]
+        inner = (
+            (2, spec.block_size, h, spec.head_dim)
+            if spec.layout is Layout.NHD
+            else (2, h, spec.block_size, spec.head_dim)
+        )
+        return raws, [r.view(spec.dtype).view(NB, *inner).transpose(0, 1) for r in raws]
     raws = [torch.empty(NB, page, dtype=torch.uint8) for _ in range(2)]
     if spec.layout is Layout.NHD:
         inner = (2, spec.block_size, h, spec.head_dim)
@@ -304,25 +316,43 @@ def test_resharding_needs_whole_pages():
 
 
 # ------------------------------------------------------------------ re-sharded over ipc
+def _many_lists(rng: random.Random, groups, n: int, bs: int, count: int) -> list[list[list[int]]]:
+    """:func:`_lists` for ``count`` requests, from one pool: no block in two of them."""
+    need = -(-n // bs)
+    pool = iter(rng.sample(range(1, NB), (2 * need + 1) * count))
+    out = []
+    for _ in range(count):
+        ids = [next(pool) for _ in range(2 * need + 1)]
+        one = random.Random(0)
+        one.sample = lambda _range, k, ids=ids: ids[:k]  # draw this request's own ids in order
+        out.append(_lists(one, groups, n, bs))
+    return out
+
+
 def _run_resharded(src: KVCacheSpec, tp_p: int, dst: KVCacheSpec, tp_d: int, kind: str, n: int, seed: int = 0,
-                   src_kw: dict | None = None, dst_kw: dict | None = None, transport: str = "ipc"):  # fmt: skip
+                   src_kw: dict | None = None, dst_kw: dict | None = None, transport: str = "ipc",
+                   requests: int = 1, aliased: bool = True):  # fmt: skip
     """P and D laid out otherwise (TP, block size, layout, conv layout, SSM order): the state
     group's units are copied out of P's mapped pages into D's layout; every byte of D checked
     against the naive model of :mod:`tests.statedata` (the state content at D's state block,
-    the page's padding and every other byte poison)."""
+    the page's padding and every other byte poison; laid out alike, P's whole page). ``requests`` are exported and loaded one
+    after another (the second finds P mapped: one-sided over ``ipc``); returns D rank 0's
+    stats."""
     rng = random.Random(seed)
     ps_state = _state(kind, src, tp_p, **(src_kw or {}))
     ds_state = _state(kind, dst, tp_d, **(dst_kw or {}))
-    t = statedata.truth(ps_state, 1, seed)
+    t = statedata.truth(ps_state, requests, seed)
+    whole = (src, tp_p, ps_state.to_dict()) == (dst, tp_d, ds_state.to_dict())
+    rids = [f"req{k}" for k in range(requests)]
 
     def engines(spec, tp, name, st):
         base = free_port_base(tp) if tp > 1 else 0
         out, regions = [], []
         for r in range(tp):
-            raws, caches = _regions(spec, tp)
+            raws, caches = _regions(spec, tp, aliased)
             _fill(caches, POISON)
             regions.append((raws, caches))
-            eng = TransferEngine(spec, caches, r, tp, name, transport=transport, lease_s=10.0, port=base,
+            eng = TransferEngine(spec, caches, r, tp, name, transport=transport, lease_s=30.0, port=base,
                                  auth_key=KEY, groups=_groups(st))  # fmt: skip
             out.append(eng.start())
         return out, regions
@@ -331,43 +361,54 @@ def _run_resharded(src: KVCacheSpec, tp_p: int, dst: KVCacheSpec, tp_d: int, kin
     ds, dst_ = engines(dst, tp_d, "D", ds_state)
     try:
         groups = _groups(ps_state)
-        truth = _truth(src, LAYER_GROUP, n, seed)
-        plists = _lists(rng, groups, n, src.block_size)
-        dlists = _lists(rng, groups, n, dst.block_size)
+        truths = [_truth(src, LAYER_GROUP, n, seed + k) for k in range(requests)]
+        plists = _many_lists(rng, groups, n, src.block_size, requests)
+        dlists = _many_lists(rng, groups, n, dst.block_size, requests)
         for r, (_raws, caches) in enumerate(pst):
             _fill(caches, GARBAGE)
             heads = src.heads_of_rank(r, tp_p)
-            for g, grp in enumerate(groups[:2]):
-                lo = grp.live_first(n) // src.block_size * src.block_size
-                _place(caches, src, truth, grp.layers, heads, plists[g], range(lo, n))
+            for k in range(requests):
+                for g, grp in enumerate(groups[:2]):
+                    lo = grp.live_first(n) // src.block_size * src.block_size
+                    _place(caches, src, truths[k], grp.layers, heads, plists[k][g], range(lo, n))
             pages = [page_view(caches[x]) for x in groups[2].layers]
-            statedata.place(pages, ps_state, r, t, [plists[2][-1]])
-        params = [e.export("req", plists, n) for e in ps]
-        for e in ds:
-            e.load("req", params[0], dlists)
-        got = _poll_all(ds, {"req"}, "recv")
-        assert got == {"req": "done"}, got
+            statedata.place(pages, ps_state, r, t, [pl[2][-1] for pl in plists])
+        for k, rid in enumerate(rids):
+            params = [e.export(rid, plists[k], n) for e in ps]
+            for e in ds:
+                e.load(rid, params[0], dlists[k])
+            got = _poll_all(ds, {rid}, "recv")
+            assert got == {rid: "done"}, got
         assert all(e.stats()["transports"] == {"P": transport} for e in ds)
         for r, (_, dc) in enumerate(dst_):
             heads = dst.heads_of_rank(r, tp_d)
-            regions = [dc[REGION.index(k)].clone() for k in (0, 1)]
+            region = REGION if aliased else list(range(6))
+            regions = [dc[region.index(k)].clone() for k in sorted(set(region))]
             for w in regions:
                 w.view(torch.uint8).fill_(POISON)
-            want = [regions[REGION[j]] for j in range(6)]
-            for g, grp in enumerate(groups[:2]):
-                lf = grp.live_first(n)
-                lo = max(lf // dst.block_size * dst.block_size, lf // src.block_size * src.block_size)
-                _place(want, dst, truth, grp.layers, heads, dlists[g], range(lo, n))
-            statedata.place([page_view(want[x]) for x in groups[2].layers], ds_state, r, t, [dlists[2][-1]])
-            for j in (0, 3):
+            want = [regions[region[j]] for j in range(6)]
+            for k in range(requests):
+                for g, grp in enumerate(groups[:2]):
+                    lf = grp.live_first(n)
+                    lo = max(lf // dst.block_size * dst.block_size, lf // src.block_size * src.block_size)
+                    _place(want, dst, truths[k], grp.layers, heads, dlists[k][g], range(lo, n))
+            wpages = [page_view(want[x]) for x in groups[2].layers]
+            if whole:  # laid out alike: the page moves whole, P's padding included
+                ppages = [page_view(pst[r][1][x]) for x in groups[2].layers]
+                for wp, pp in zip(wpages, ppages):
+                    for pl, dl in zip(plists, dlists):
+                        wp[dl[2][-1]] = pp[pl[2][-1]]
+            else:
+                statedata.place(wpages, ds_state, r, t, [dl[2][-1] for dl in dlists])
+            for j in sorted({region.index(k) for k in region}):  # each region once
                 a, b = dc[j].view(torch.uint8), want[j].view(torch.uint8)
                 if not torch.equal(a, b):
                     diff = (a != b).nonzero()
-                    raise AssertionError(f"D rank {r} region {REGION[j]}: {diff.shape[0]} bytes differ, first {diff[0].tolist()}")  # fmt: skip
-        sent = _poll_all(ps, {"req"}, "send")
-        assert sent == {"req": "done"}, sent
+                    raise AssertionError(f"D rank {r} region {region[j]}: {diff.shape[0]} bytes differ, first {diff[0].tolist()}")  # fmt: skip
+        sent = _poll_all(ps, set(rids), "send")
+        assert sent == dict.fromkeys(rids, "done"), sent
         assert all(e.stats()["blocks_held"] == 0 for e in ps)
-        return got
+        return ds[0].stats()
     finally:
         for e in ps + ds:
             e.close()
@@ -418,3 +459,16 @@ def test_state_group_resharded_over_a_staged_stream(
 def test_another_state_model_is_refused_by_name():
     _refused(_spec(), StateSpec.gdn(2, 2, 4, 4, 4, 3, torch.float16, torch.float32, page_size_bytes=512),
              "state_len differs", transport="ipc")  # fmt: skip
+
+
+@pytest.mark.parametrize("resharded", [False, True])
+def test_grouped_loads_read_one_sided(resharded):
+    """The second of two hybrid requests finds P mapped and reads one-sided over ``ipc`` (no
+    message before the copy): every group planned as the messaged path plans it, a re-sharded
+    state's units copied from the mapped pages; every byte checked as above."""
+    if resharded:
+        st = _run_resharded(_spec("NHD"), 2, _spec("HND", bs=8), 1, "gdn", 27, 11, {}, {"conv_layout": "DS"},
+                            requests=2)  # fmt: skip
+    else:
+        st = _run_resharded(_spec("NHD"), 1, _spec("NHD"), 1, "mamba2", 27, 12, requests=2, aliased=False)
+    assert st["onesided"]["loads"] >= 1, st["onesided"]

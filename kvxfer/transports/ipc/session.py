@@ -156,19 +156,22 @@ class IpcSession:
         (:func:`kvxfer.groups.state_ops.copy_state`) over ``layers`` (engine layer indices of
         ``group``); the completion as for :meth:`start`."""
         m = self.mapping(s)
-        src_caches = m.views.views[0].caches
-        index = [group.layers.index(x) for x in layers]
         with self.lock, trace("copy", items_tag, loads):
             if self.closed:
                 raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
             with fetched(m, loads, layers):
-                copy_state(
-                    [page_view(src_caches[x]) for x in group.layers], route.src,
-                    [int(it.src[0]) for it in items],
-                    [page_view(self.rank.caches[x]) for x in group.layers], route.dst,
-                    [int(it.dst[0]) for it in items], route.runs[s], layers=index,
-                )  # fmt: skip
+                self.copy_units(m, s, group, route, items, layers)
         return IpcCompletion(self, m, Transfer(s, [], None, loads, layers, deadline), 1)
+
+    def copy_units(self, m: IpcMap, s: int, group, route, items, layers: list[int]) -> None:
+        """The copy of :meth:`move_state` from mapping ``m`` (call under :attr:`lock`, the
+        source blocks fetched)."""
+        src_caches = m.views.views[0].caches
+        copy_state(
+            [page_view(src_caches[x]) for x in group.layers], route.src, [int(it.src[0]) for it in items],
+            [page_view(self.rank.caches[x]) for x in group.layers], route.dst, [int(it.dst[0]) for it in items],
+            route.runs[s], layers=[group.layers.index(x) for x in layers],
+        )  # fmt: skip
 
     def copy(self, m: IpcMap, transfer: Transfer) -> int:
         """The ops calls of ``transfer`` from mapping ``m`` into this rank's caches, on the
