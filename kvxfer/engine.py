@@ -149,12 +149,11 @@ class TransferEngine:
             take one positional block list per group (:mod:`kvxfer.grouped`), a sliding group
             moves only its in-window blocks, and ``null_block`` (vLLM's 0) may not stand where
             a group still holds tokens. Both engines of a transfer must have the same groups
-            (the handshake checks). Every transport carries them (``ipc`` by its messaged path,
-            never one-sided). State groups (Mamba/GDN/short conv:
-            :class:`~kvxfer.groups.state_group.StateGroup`) own layers whose blocks are state
-            pages: their list's running state block moves whole, between engines of equal block
-            size, layout, dtype, TP size and state spec. None: one group of every layer, block
-            ids as one list.
+            (the handshake checks). Every transport carries them (``ipc`` one-sided too).
+            State groups (Mamba/GDN/short conv: :class:`~kvxfer.groups.state_group.StateGroup`)
+            own layers whose blocks are state pages: their list's running state block moves
+            whole between engines laid out alike, else re-sharded into this engine's layout.
+            None: one group of every layer, block ids as one list.
         null_block: the block id that stands for a position whose tokens a sliding window
             passed (vLLM's null block, 0; None: none); only with ``groups``.
 
