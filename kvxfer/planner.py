@@ -146,7 +146,10 @@ class Planner:
                     extra += nbytes
             else:
                 bp = self.plan(route, sbs, items, distinct)
-                out = session.start(Transfer(s, route.reads, bp, todo, lay, deadline)).wait(deadline)
+                blocks = np.concatenate([it.src for it in items])
+                out = session.start(Transfer(s, route.reads, bp, todo, lay, deadline, None, blocks)).wait(
+                    deadline
+                )
                 plans.append((bp, lay))
             landed = set(out.landed) if landed is None else landed & out.landed
             failed.update(out.failed)

@@ -40,7 +40,9 @@ class Transfer(NamedTuple):
     head slice of ``reads``, of ``layers`` (None: all), for ``loads``, from source rank
     ``source``; every wait ends by ``deadline`` (monotonic). ``landing``: where a staged
     transport scatters instead of this rank's caches (an object with ``views``, ``spec`` and
-    ``num_blocks``: :class:`kvxfer.groups.state_group.StateLanding`); it forces the staged way."""
+    ``num_blocks``: :class:`kvxfer.groups.state_group.StateLanding`); it forces the staged way.
+    ``blocks``: the source blocks the copies read, where fewer than the loads' ids (a group of
+    a request of several: what a transport that first fetches the source reads)."""
 
     source: int
     reads: list[Read]
@@ -49,6 +51,7 @@ class Transfer(NamedTuple):
     layers: list[int] | None
     deadline: float
     landing: Any = None
+    blocks: np.ndarray | None = None
 
 
 class Outcome(NamedTuple):

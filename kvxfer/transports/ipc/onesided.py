@@ -41,6 +41,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import numpy as np
+
 from ... import idops, ops
 from ...engine_types import LoadItem, describe_error, disjoint_blocks, loaded_twice
 from ...grouped import group_items
@@ -322,10 +324,11 @@ class OneSided:
                 hook()
             calls = 0
             with rt.order.on_stream(), contextlib.ExitStack() as fetch:
+                grouped = self.rank.groups is not None  # fetched per group (its blocks, its layers)
                 for src in t.sources:  # cross-memory attach: the blocks read into the mirrors
-                    if src.mapping.remote is not None:
+                    if src.mapping.remote is not None and not grouped:
                         fetch.enter_context(fetched(src.mapping, items))
-                if self.rank.groups is not None:
+                if grouped:
                     calls = self._copy_groups(t, items)
                 elif len(group) == 1 and not items[0].first:
                     calls = _copy_whole(t, items[0])
@@ -343,8 +346,8 @@ class OneSided:
         return True
 
     def _copy_groups(self, t: Target, items: list[LoadItem]) -> int:
-        """The copies of loads of an engine with KV cache groups (under the session's lock, the
-        source blocks fetched): per source rank and group, the group's items planned over its
+        """The copies of loads of an engine with KV cache groups (under the session's lock): per
+        source rank and group (cross-memory attach: its blocks of its layers fetched first), the group's items planned over its
         layers as the messaged path plans them, a re-sharded state group's units copied
         (:meth:`IpcSession.copy_units`); returns the ops calls."""
         session, gs = t.session, self.rank.groups
@@ -357,15 +360,16 @@ class OneSided:
                 sub = [it.groups[g] for it in items]
                 layers = list(grp.layers)
                 state = routes.get(g)
-                if state is not None:
-                    if src.rank in state.runs:
+                if state is not None and src.rank not in state.runs:
+                    continue
+                with fetched(src.mapping, items, layers, np.concatenate([it.src for it in sub])):
+                    if state is not None:
                         session.copy_units(src.mapping, src.rank, grp, state, sub, layers)
                         calls += 1
-                    continue
-                bp = self.link.plan(src.route, sbs, sub, distinct)
-                calls += session.copy(
-                    src.mapping, Transfer(src.rank, src.reads, bp, items, layers, items[0].deadline)
-                )
+                        continue
+                    bp = self.link.plan(src.route, sbs, sub, distinct)
+                    xfer = Transfer(src.rank, src.reads, bp, items, layers, items[0].deadline)
+                    calls += session.copy(src.mapping, xfer)
         return calls
 
     def _moved(self, t: Target, item: LoadItem) -> int:

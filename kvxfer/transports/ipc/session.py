@@ -65,15 +65,19 @@ def map_rank(peer: Peer, s: int, device: torch.device) -> IpcMap:
 
 
 @contextlib.contextmanager
-def fetched(m: IpcMap, loads, layers=None) -> Iterator[None]:
+def fetched(m: IpcMap, loads, layers=None, blocks: np.ndarray | None = None) -> Iterator[None]:
     """Around the copies of ``loads`` from mapping ``m``: for cross-memory attach, their source
-    blocks read into the mirrors first and the mirrors emptied after (the copies run on the CPU,
-    synchronously); nothing for a real mapping."""
+    blocks (``blocks``, default every id of the loads) of ``layers`` read into the mirrors first
+    and the mirrors emptied after (the copies run on the CPU, synchronously); nothing for a real
+    mapping."""
     remote = m.remote
     if remote is None:
         yield
         return
-    ids = loads[0].src_ids if len(loads) == 1 else np.concatenate([it.src_ids for it in loads])
+    if blocks is not None:
+        ids = blocks
+    else:
+        ids = loads[0].src_ids if len(loads) == 1 else np.concatenate([it.src_ids for it in loads])
     remote.fetch(ids, layers)
     try:
         yield
@@ -143,7 +147,7 @@ class IpcSession:
         with self.lock, trace("copy", items_tag, transfer.loads):
             if self.closed:
                 raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
-            with fetched(m, transfer.loads, transfer.layers):
+            with fetched(m, transfer.loads, transfer.layers, transfer.blocks):
                 calls = self.copy(m, transfer)
         return IpcCompletion(self, m, transfer, calls)
 
@@ -159,7 +163,7 @@ class IpcSession:
         with self.lock, trace("copy", items_tag, loads):
             if self.closed:
                 raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
-            with fetched(m, loads, layers):
+            with fetched(m, loads, layers, np.array([it.src[0] for it in items], dtype=np.int64)):
                 self.copy_units(m, s, group, route, items, layers)
         return IpcCompletion(self, m, Transfer(s, [], None, loads, layers, deadline), 1)
 
