@@ -55,21 +55,8 @@ def _engines(name: str, spec: KVCacheSpec, tp: int, nb: int, gdn: int, conv_layo
     page = spec.bytes_per_token(h, 1) * spec.block_size
     groups = [AttentionGroup((0,)), StateGroup(tuple(range(1, gdn + 1)), _state(gdn, tp, page, conv_layout))]
     base = free_port_base(tp) if tp > 1 else 0
-    return [
-        TransferEngine(
-            spec,
-            _caches(spec, tp, nb),
-            r,
-            tp,
-            name,
-            transport=transport,
-            lease_s=60.0,
-            port=base,
-            groups=groups,
-            onesided=False,
-        ).start()  # fmt: skip
-        for r in range(tp)
-    ]
+    kw = {"transport": transport, "lease_s": 60.0, "port": base, "groups": groups, "onesided": False}
+    return [TransferEngine(spec, _caches(spec, tp, nb), r, tp, name, **kw).start() for r in range(tp)]
 
 
 def _wait(engs, rid: str, key: str, timeout: float = 60.0) -> None:
