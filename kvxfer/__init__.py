@@ -15,11 +15,14 @@ from .spec import KVCacheSpec, Layout
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionGroup",
     "CompletionAggregator",
     "KVCacheSpec",
     "KVTransferParams",
     "Layout",
     "Read",
+    "StateGroup",
+    "StateSpec",
     "TransferEngine",
     "TransferPlan",
     "__version__",
@@ -33,11 +36,15 @@ _LAZY = {
     "KVTransferParams": "kvxfer.params",
     "CompletionAggregator": "kvxfer.completion",
     "alloc_shm_caches": "kvxfer.transports.ipc.shm",
+    "AttentionGroup": "kvxfer.groups",
+    "StateGroup": "kvxfer.groups",
+    "StateSpec": "kvxfer.groups",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .completion import CompletionAggregator
     from .engine import TransferEngine
+    from .groups import AttentionGroup, StateGroup, StateSpec
     from .params import KVTransferParams
     from .transports.ipc.shm import alloc_shm_caches
 

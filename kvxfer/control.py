@@ -101,6 +101,10 @@ GroupsList = Annotated[
     ],
     msgspec.Meta(max_length=MAX_LAYERS),
 ]
+# state specs of the KV cache groups (canonical JSON per group, "" for attention: kvxfer.groups.state_group)
+StatesList = Annotated[
+    list[Annotated[str, msgspec.Meta(max_length=2048)]], msgspec.Meta(max_length=MAX_LAYERS)
+]
 SpecDict = Annotated[
     dict[Name, Annotated[str, msgspec.Meta(max_length=64)] | int | bool], msgspec.Meta(max_length=32)
 ]
@@ -127,6 +131,7 @@ class Hello(msgspec.Struct, tag=True):
     transport: Name = ""  # the loader's configured transport ("auto", "ipc", "pg", "nixl")
     digest: Digest = b""  # kvxfer.auth.content_digest of the request's params
     groups: GroupsList | None = None  # the engine's KV cache groups (None: one group)
+    states: StatesList | None = None  # their state specs (None: no state group): GroupSet.states_wire
 
 
 class HelloReply(msgspec.Struct, tag=True):
@@ -149,6 +154,7 @@ class HelloReply(msgspec.Struct, tag=True):
     # or {"why": <reason>}; None when the loader cannot use NIXL or did not ask for it
     nixl: dict | None = None
     groups: list | None = None  # the engine's KV cache groups (None: one group): GroupSet.to_wire
+    states: list | None = None  # their state specs (None: no state group): GroupSet.states_wire
 
 
 class ReadReq(msgspec.Struct, tag=True):

@@ -42,6 +42,7 @@ from .exports import ExportTracker
 from .grouped import export_ids, load_ids
 from .groups.attention import AttentionGroup, GroupSet
 from .groups.blocks import NULL_BLOCK
+from .groups.state_group import StateGroup
 from .loader import Loader
 from .metrics import now
 from .notifier import Notifier
@@ -149,7 +150,11 @@ class TransferEngine:
             moves only its in-window blocks, and ``null_block`` (vLLM's 0) may not stand where
             a group still holds tokens. Both engines of a transfer must have the same groups
             (the handshake checks). Every transport carries them (``ipc`` by its messaged path,
-            never one-sided). None: one group of every layer, block ids as one list.
+            never one-sided). State groups (Mamba/GDN/short conv:
+            :class:`~kvxfer.groups.state_group.StateGroup`) own layers whose blocks are state
+            pages: their list's running state block moves whole, between engines of equal block
+            size, layout, dtype, TP size and state spec. None: one group of every layer, block
+            ids as one list.
         null_block: the block id that stands for a position whose tokens a sliding window
             passed (vLLM's null block, 0; None: none); only with ``groups``.
 
@@ -175,7 +180,7 @@ class TransferEngine:
         auth_key: str | None = None,
         max_sms: int | None = None,
         onesided: bool = True,
-        groups: Sequence[AttentionGroup] | None = None,
+        groups: Sequence[AttentionGroup | StateGroup] | None = None,
         null_block: int | None = NULL_BLOCK,
     ) -> None:
         if not isinstance(spec, KVCacheSpec):
@@ -206,6 +211,8 @@ class TransferEngine:
         if not isinstance(onesided, bool):
             raise ValueError(f"onesided: must be a bool, got {onesided!r}")
         gs = None if groups is None else GroupSet(groups, spec.num_layers, null_block)
+        for g in () if gs is None else gs.states:
+            g.check_pages(spec.bytes_per_token(spec.heads_per_rank(tp_size), 1) * spec.block_size, tp_size)
         self.groups = gs
         self.spec = spec
         self.caches = list(caches)

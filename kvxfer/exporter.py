@@ -337,7 +337,8 @@ class Exporter:
         """Why ``msg``'s calls read a token no export of its requests holds ("" when they do
         not: :mod:`kvxfer.entitlement`)."""
         bs = self.rank.spec.block_size
-        blocks, lens = allowed_prefixes([sp for e in exports for sp in e.spans(bs)], bs)
+        whole = () if self.rank.groups is None else self.rank.groups.whole
+        blocks, lens = allowed_prefixes([sp for e in exports for sp in e.spans(bs, whole)], bs)
         for k, (raw, num_tokens, offset, unit) in enumerate(msg.calls):
             if len(raw) % 8:
                 return f"call {k}: its ids are {len(raw)} bytes, not int64s"

@@ -105,17 +105,22 @@ class _Export:
         self.digest = digest  # kvxfer.auth.content_digest of (num_tokens, block_ids)
         self.gen = gen  # the export's generation of its request id (kvxfer.auth: the token's nonce)
 
-    def spans(self, block_size: int) -> list[tuple[np.ndarray, int]]:
+    def spans(self, block_size: int, whole: tuple[bool, ...] = ()) -> list[tuple[np.ndarray, int]]:
         """``(block ids, num_tokens)`` whose blocks each start at a block's first token and whose
         last block holds the export's partial tail (what :func:`kvxfer.entitlement.allowed_prefixes`
         reads): the export itself, or for a request of several groups each group's live blocks
-        (which end at the same token as the request)."""
+        (which end at the same token as the request); a group marked in ``whole`` (a state
+        group: :attr:`kvxfer.groups.attention.GroupSet.whole`) opens its blocks whole."""
         if self.groups is None:
             return [(self.block_ids, self.num_tokens)]
         out = []
         at = 0
         need = -(-self.num_tokens // block_size)
-        for n in self.groups:
+        for g, n in enumerate(self.groups):
+            if g < len(whole) and whole[g]:
+                out.append((self.block_ids[at : at + n], n * block_size))
+                at += n
+                continue
             # a group's live blocks are its last n positions: seen from position need - n
             out.append((self.block_ids[at : at + n], self.num_tokens - (need - n) * block_size))
             at += n

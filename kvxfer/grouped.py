@@ -1,12 +1,14 @@
-"""A request as a set of attention groups: its block ids per group, checked, and the per-group
-items the load planner plans.
+"""A request as a set of groups (attention and state): its block ids per group, checked, and the
+per-group items the load planner plans.
 
 An engine registered with groups (:class:`kvxfer.groups.attention.GroupSet`) takes, for every
 request, one positional block list per group (vLLM's ``tuple[list[int], ...]``: entry ``i``
 covers tokens ``[i*block_size, (i+1)*block_size)``). Of each list only the *live* positions
 move: all of a full-attention group's, a sliding group's from the block of its window's first
 token on (:meth:`~kvxfer.groups.attention.AttentionGroup.live_first`); the dead positions may
-hold the null block, the live ones may not.
+hold the null block, the live ones may not. A state group's list is vLLM's for that group: its
+one live id is the running state block (:func:`kvxfer.groups.blocks.state_block`), whose page
+moves whole (:mod:`kvxfer.groups.state_group`).
 
 On the exporter the live ids of every group, concatenated in group order, are the export's
 block ids (one lease, one refcount and epoch per block over the union: the groups draw from one
@@ -14,7 +16,8 @@ pool, so no id repeats across them), and the params carry how many belong to eac
 (``groups``); the token and digest bind both (:func:`kvxfer.auth.content_digest`). On the loader
 :func:`load_ids` checks the destination lists the same way and :func:`group_items` makes one
 :class:`~kvxfer.batching.Item` per group (positional ids on both sides, the leading dead
-positions never read: the item's ``first`` skips them).
+positions never read: the item's ``first`` skips them); a state group's item is its one block
+on each side, all ``block_size`` tokens of it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from .batching import Item
 from .engine_types import check_block_ids
 from .groups.attention import GroupSet
+from .groups.blocks import state_block
 
 __all__ = ["export_ids", "group_items", "load_ids"]
 
@@ -53,14 +57,29 @@ def _lists(gs: GroupSet, block_ids) -> list[np.ndarray]:
     return out
 
 
+def _state_id(gs: GroupSet, g: int, arr: np.ndarray) -> np.ndarray:
+    """A state group's running state block (:func:`kvxfer.groups.blocks.state_block`) as a
+    1-element array; ``ValueError`` naming the group."""
+    grp = gs.groups[g]
+    try:
+        b = state_block(arr, grp.num_speculative_blocks, gs.null_block)
+    except ValueError as e:
+        raise ValueError(f"block_ids[{g}] ({grp.describe()}): {str(e).removeprefix('block_ids: ')}") from None
+    return np.array([b], dtype=np.int64)
+
+
 def _live(
     gs: GroupSet, lists: list[np.ndarray], firsts: list[int], need: int, block_size: int, num_blocks: int
 ):
-    """Each group's ids at positions ``[firsts[g] // block_size, need)``, checked: enough of them,
-    no null block among them, and over all groups together in range with no id repeated.
-    Returns (the live arrays, their concatenation)."""
+    """Each attention group's ids at positions ``[firsts[g] // block_size, need)`` and each
+    state group's state block, checked: enough of them, no null block among them, and over all
+    groups together in range with no id repeated. Returns (the live arrays, their
+    concatenation)."""
     live = []
     for g, (arr, first) in enumerate(zip(lists, firsts)):
+        if gs.whole[g]:
+            live.append(_state_id(gs, g, arr))
+            continue
         if arr.size < need:
             raise ValueError(
                 f"block_ids[{g}]: {gs.groups[g].describe()} needs {need} blocks of {block_size} tokens, "
@@ -120,9 +139,12 @@ def load_ids(
     need = -(-num_tokens // block_size)
     end = num_tokens if computed is None else computed
     firsts = [max(first, g.live_first(end)) for g in gs.groups]
-    _, ids = _live(gs, lists, firsts, need, block_size, num_blocks)
+    live, ids = _live(gs, lists, firsts, need, block_size, num_blocks)
     per = []
-    for arr, f in zip(lists, firsts):
+    for g, (arr, f) in enumerate(zip(lists, firsts)):
+        if gs.whole[g]:
+            per.append((live[g], 0))  # the state block, written whole
+            continue
         pos = np.array(arr[:need], dtype=np.int64)
         pos[: f // block_size] = 0
         per.append((pos, f))
@@ -155,6 +177,17 @@ def group_items(
     out: list[Item] = []
     at = 0
     for g, (grp, n, (dst, needed)) in enumerate(zip(gs.groups, sizes, per_group)):
+        if gs.whole[g]:
+            if n != 1:
+                return f"params.groups[{g}]: {n} block ids, {grp.describe()} moves its one state block"
+            if src_block_size != dst_block_size:
+                return (
+                    f"{grp.describe()}: state pages move whole only between equal block sizes "
+                    f"(the exporter's {src_block_size}, this engine's {dst_block_size})"
+                )
+            out.append(Item(request_id, src_ids[at : at + 1].copy(), dst, dst_block_size, 0, 0))
+            at += 1
+            continue
         if n > need:
             return f"params.groups[{g}]: {n} block ids, {num_tokens} tokens fill {need} blocks of {src_block_size}"
         start = (need - n) * src_block_size  # the exporter's first live token

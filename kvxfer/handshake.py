@@ -18,6 +18,7 @@ from typing import Protocol
 
 from . import control
 from .engine_types import Expired, HandshakeError, LoadItem, describe_error, full_layer_mask, time_left
+from .groups.state_group import StateGroup
 from .metrics import now
 from .peer import Peer
 from .plan import plan_reads
@@ -113,7 +114,8 @@ def _peer_of(loader: HandshakeLink, p, addrs: list[str], replies: list) -> Peer:
         raise HandshakeError(f"incompatible peer: {mismatch}")
     theirs = getattr(replies[0], "groups", None)
     if rank.groups is not None:
-        mismatch = rank.groups.mismatch(theirs)
+        mismatch = _state_pages_mismatch(rank, spec, p.tp_size) if rank.groups.states else None
+        mismatch = mismatch or rank.groups.mismatch(theirs, getattr(replies[0], "states", None))
     elif theirs is not None:
         mismatch = f"the peer has {len(theirs)} KV cache groups, this engine registered none"
     if mismatch:
@@ -129,6 +131,19 @@ def _peer_of(loader: HandshakeLink, p, addrs: list[str], replies: list) -> Peer:
     )  # fmt: skip
     peer.session = loader.transports[transport].open(peer, loader)  # nixl: metadata, direct/staged per read
     return peer
+
+
+def _state_pages_mismatch(rank: Rank, spec: KVCacheSpec, tp_size: int) -> str | None:
+    """Why whole state pages cannot move between this rank's engine and a peer of ``spec`` at
+    ``tp_size`` (:meth:`kvxfer.groups.state_group.StateGroup.peer_mismatch`), naming the first
+    state group; None when they can."""
+    why = StateGroup.peer_mismatch(
+        {**rank.spec.to_dict(), "tp_size": rank.tp_size}, {**spec.to_dict(), "tp_size": tp_size}
+    )
+    if why is None:
+        return None
+    i = rank.groups.whole.index(True)
+    return f"KV cache group {i} ({rank.groups.groups[i].describe()}): {why}"
 
 
 def _choose_transport(loader: HandshakeLink, replies: list[control.HelloReply]) -> tuple[str, str, list[str]]:

@@ -86,6 +86,7 @@ class Rank:
             "transports": list(offers),
             "hostname": self.identity,
             "groups": None if self.groups is None else self.groups.to_wire(),
+            "states": None if self.groups is None else self.groups.states_wire(),
         }
 
 

@@ -12,11 +12,14 @@ import kvxfer
 from kvxfer import ops
 
 KVXFER = [
+    "AttentionGroup",
     "CompletionAggregator",
     "KVCacheSpec",
     "KVTransferParams",
     "Layout",
     "Read",
+    "StateGroup",
+    "StateSpec",
     "TransferEngine",
     "TransferPlan",
     "__version__",

@@ -11,6 +11,9 @@ DeltaNet, short conv) and the in-window blocks of sliding-window groups.
 * :mod:`kvxfer.groups.attention`: :class:`AttentionGroup` (a full-attention or sliding-window
   group: its layers, its window) and :class:`GroupSet` (an engine's groups, checked), what
   :class:`kvxfer.TransferEngine` is registered with (``groups=``);
+* :mod:`kvxfer.groups.state_group`: :class:`StateGroup` (a state group: its layers, its
+  :class:`StateSpec`), registered with an engine beside the attention groups; its pages move
+  whole between engines laid out alike;
 * :mod:`kvxfer.groups.blocks`: :func:`select_window_blocks` (a sliding-window group's in-window
   blocks on both sides, and their token slots), :func:`state_block`.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 from .attention import AttentionGroup, GroupSet
 from .blocks import NULL_BLOCK, WindowBlocks, select_window_blocks, state_block, window_tokens
 from .state import WIRE_ALIGN, ConvLayout, ConvPart, Section, StateKind, StateSpec, UnitRun, WireLayout
+from .state_group import StateGroup
 from .state_ops import copy_state, gather_state, scatter_state
 from .state_plan import StatePlan, StateRead, plan_state_reads
 
@@ -33,6 +37,7 @@ __all__ = [
     "ConvPart",
     "GroupSet",
     "Section",
+    "StateGroup",
     "StateKind",
     "StatePlan",
     "StateRead",

@@ -15,10 +15,12 @@ handshake compares.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .blocks import NULL_BLOCK, window_tokens
+from .state_group import StateGroup
 
 __all__ = ["AttentionGroup", "GroupSet"]
 
@@ -80,23 +82,48 @@ class AttentionGroup:
         return f"{self.kind} attention{w}, layers {list(self.layers)}"
 
 
+def _state_difference(theirs: str, mine: str) -> str:
+    """Which field of two state specs (:meth:`StateGroup.state_wire`, "" for none) differs."""
+    if not theirs or not mine:
+        kinds = ("a state" if theirs else "an attention", "a state" if mine else "an attention")
+        return f"the peer's is {kinds[0]} group, this engine's {kinds[1]} group"
+    try:
+        a, b = json.loads(theirs), json.loads(mine)
+    except ValueError:
+        return "the peer's state spec is not one this engine reads"
+    if not isinstance(a, dict):
+        return "the peer's state spec is not one this engine reads"
+    k = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
+    return f"state spec field {k} differs (the peer's {a.get(k)!r}, this engine's {b.get(k)!r})"
+
+
 class GroupSet:
-    """An engine's attention groups (see the module doc), checked against ``num_layers``: every
+    """An engine's groups (see the module doc): attention groups and state groups
+    (:class:`~kvxfer.groups.state_group.StateGroup`), checked against ``num_layers``: every
     layer index in ``[0, num_layers)`` in exactly one group.
 
     ``null_block``: the block id that stands for a dead position (vLLM's null block, 0); no
     group's moved blocks may name it. None: no such id."""
 
-    __slots__ = ("groups", "null_block", "num_layers")
+    __slots__ = ("groups", "null_block", "num_layers", "whole")
 
     def __init__(
-        self, groups: Sequence[AttentionGroup], num_layers: int, null_block: int | None = NULL_BLOCK
+        self,
+        groups: Sequence[AttentionGroup | StateGroup],
+        num_layers: int,
+        null_block: int | None = NULL_BLOCK,
     ) -> None:
-        if isinstance(groups, AttentionGroup) or not isinstance(groups, (list, tuple)) or not groups:
-            raise ValueError("groups: must be a non-empty list of AttentionGroup")
+        if (
+            isinstance(groups, (AttentionGroup, StateGroup))
+            or not isinstance(groups, (list, tuple))
+            or not groups
+        ):
+            raise ValueError("groups: must be a non-empty list of AttentionGroup or StateGroup")
         for i, g in enumerate(groups):
-            if not isinstance(g, AttentionGroup):
-                raise ValueError(f"groups[{i}]: expected an AttentionGroup, got {type(g).__name__}")
+            if not isinstance(g, (AttentionGroup, StateGroup)):
+                raise ValueError(
+                    f"groups[{i}]: expected an AttentionGroup or StateGroup, got {type(g).__name__}"
+                )
         owner: dict[int, int] = {}
         for i, g in enumerate(groups):
             for x in g.layers:
@@ -113,6 +140,20 @@ class GroupSet:
         self.groups = tuple(groups)
         self.num_layers = num_layers
         self.null_block = null_block
+        # per group: it moves whole blocks (a state group's page), not a token span
+        self.whole = tuple(isinstance(g, StateGroup) for g in self.groups)
+
+    @property
+    def states(self) -> tuple[StateGroup, ...]:
+        """The state groups, in order."""
+        return tuple(g for g in self.groups if isinstance(g, StateGroup))
+
+    def states_wire(self) -> list[str] | None:
+        """Per group its state spec (:meth:`StateGroup.state_wire`) or "" (attention); None
+        without state groups (a handshake field)."""
+        if not any(self.whole):
+            return None
+        return [g.state_wire() if isinstance(g, StateGroup) else "" for g in self.groups]
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -121,9 +162,20 @@ class GroupSet:
         """Every group's :meth:`AttentionGroup.to_wire`, in order (a handshake field)."""
         return [g.to_wire() for g in self.groups]
 
-    def mismatch(self, wire: list | None) -> str | None:
-        """Why a peer whose groups are ``wire`` (:meth:`to_wire`, None: not grouped) cannot
-        exchange requests with this engine; None when it can (the same groups, in order)."""
+    def mismatch(self, wire: list | None, states: list | None = None) -> str | None:
+        """Why a peer whose groups are ``wire`` (:meth:`to_wire`, None: not grouped) and state
+        specs ``states`` (:meth:`states_wire`) cannot exchange requests with this engine; None
+        when it can (the same groups, in order, the same state specs)."""
+        mine_states = self.states_wire()
+        if (states or None) != mine_states:
+            theirs = list(states or [""] * len(self.groups))
+            ours = mine_states or [""] * len(self.groups)
+            if len(theirs) != len(ours):
+                return f"the peer has {len(theirs)} KV cache groups, this engine {len(ours)}"
+            for i, (a, b) in enumerate(zip(theirs, ours)):
+                if a != b:
+                    what = self.groups[i].describe() if b else "an attention group here"
+                    return f"KV cache group {i} ({what}): {_state_difference(a, b)}"
         if wire is None:
             return "the peer registered no KV cache groups, this engine did"
         mine = self.to_wire()

@@ -1,0 +1,295 @@
+"""A hybrid request through real engines: attention groups (full + sliding) and a state group
+(GDN or Mamba2) whose running state page moves whole.
+
+The caches are laid out as vLLM's hybrid allocator does (docs/research/vllm-hybrid.md §1.4,
+§3.3): one raw byte region per layer index ``j``, shared by layer ``j`` of every group, one page
+per block; attention layers see it through an attention view ``[2, blocks, ...]`` whose block
+``b`` is page ``b``; a state layer's page holds its conv state, then its SSM state, then
+padding. P's state pages hold seeded noise stamped with (layer, block) written through the
+state's typed views (conv ``[state_len, conv_dim]``, SSM ``[heads, V, K]``); every other byte
+of P is garbage that must never arrive, every byte of D poison. After the load every byte of D
+must equal an independently built expectation: the attention groups' live tokens at D's
+positions, P's whole state page (padding included) at D's state block, poison elsewhere.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvxfer import AttentionGroup, KVCacheSpec, Layout, StateGroup, StateSpec, TransferEngine
+from kvxfer.ports import free_port_base
+from kvxfer.transports.ipc.shm import alloc_shm_caches
+from kvxfer.transports.nixl.agent import nixl_status
+
+from .test_engine_groups import GARBAGE, KEY, POISON, _fill, _place, _poll_all, _truth
+
+NB = 40
+REGION = [0, 0, 0, 1, 1, 1]  # layer j of every group shares region j (vLLM's KVCacheTensor)
+LAYER_GROUP = [0, 1, 2, 0, 1, 2]
+
+
+def _spec(layout="NHD", bs=4, heads=4, dtype=torch.float16) -> KVCacheSpec:
+    return KVCacheSpec(6, heads, 8, bs, dtype, layout=layout)
+
+
+def _block_bytes(spec: KVCacheSpec, tp: int) -> int:
+    return spec.bytes_per_token(spec.heads_per_rank(tp), 1) * spec.block_size
+
+
+def _state(kind: str, spec: KVCacheSpec, tp: int, **kw) -> StateSpec:
+    page = _block_bytes(spec, tp)
+    if kind == "gdn":
+        return StateSpec.gdn(
+            2, 2, 4, 4, 4, 4, torch.float16, torch.float32, tp_size=tp, page_size_bytes=page, **kw
+        )
+    return StateSpec.mamba2(
+        2, 4, 4, 1, 4, 4, torch.bfloat16, torch.float32, tp_size=tp, page_size_bytes=page, **kw
+    )
+
+
+def _groups(state: StateSpec, num_spec: int = 0) -> list:
+    return [AttentionGroup((0, 3)), AttentionGroup((1, 4), window=9), StateGroup((2, 5), state, num_spec)]
+
+
+def _regions(spec: KVCacheSpec, tp: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Raw page regions (uint8 ``[NB, page]``) and each layer index's attention view over them."""
+    page = _block_bytes(spec, tp)
+    h = spec.heads_per_rank(tp)
+    raws = [torch.empty(NB, page, dtype=torch.uint8) for _ in range(2)]
+    if spec.layout is Layout.NHD:
+        inner = (2, spec.block_size, h, spec.head_dim)
+    else:
+        inner = (2, h, spec.block_size, spec.head_dim)
+    views = [r.view(spec.dtype).view(NB, *inner).transpose(0, 1) for r in raws]
+    return raws, [views[REGION[j]] for j in range(6)]
+
+
+def _state_pages(st: StateSpec, raw: torch.Tensor, block: int, layer: int, seed: int) -> None:
+    """Write a state into ``raw``'s page ``block`` through the typed views, stamped with
+    (layer, block): conv in ``st.conv_shape`` (conv_dtype), then SSM in ``st.ssm_shape``."""
+    g = torch.Generator().manual_seed(seed * 1000 + layer * 100 + block)
+    conv = raw[block, : st.conv_bytes].view(st.conv_dtype).view(st.conv_shape)
+    ssm = raw[block, st.conv_bytes : st.content_bytes].view(st.ssm_dtype).view(st.ssm_shape)
+    conv.copy_(torch.randn(st.conv_shape, generator=g).to(st.conv_dtype))
+    ssm.copy_(torch.randn(st.ssm_shape, generator=g).to(st.ssm_dtype))
+    raw[block, :2] = torch.tensor([layer, block], dtype=torch.uint8)
+
+
+def _lists(
+    rng: random.Random, groups, n: int, bs: int, num_spec: int = 0, align: bool = False
+) -> list[list[int]]:
+    """Positional lists of the attention groups (a sliding group's dead positions null) and the
+    state group's ``[state, *scratch]`` (``align``: vLLM's prefix-caching mode, positional: null
+    entries, then the state in the last computed token's block), from one pool without block 0."""
+    need = -(-n // bs)
+    pool = rng.sample(range(1, NB), need * 2 + 1 + num_spec)
+    out = []
+    for i, g in enumerate(groups[:2]):
+        ids = pool[i * need : (i + 1) * need]
+        dead = g.live_first(n) // bs
+        out.append([0] * dead + ids[dead:])
+    out.append([0] * (need - 1) + pool[2 * need :] if align else pool[2 * need :])
+    return out
+
+
+def _engines(spec, tp, name, transport, kind, num_spec=0, shm=False, port=0):
+    engs, stores = [], []
+    for r in range(tp):
+        if shm:  # planes-outer caches in shared memory: a block's bytes are its K and V rows
+            two = KVCacheSpec(
+                2, spec.num_kv_heads, spec.head_dim, spec.block_size, spec.dtype, layout=spec.layout
+            )
+            store = alloc_shm_caches(two, NB, tp)
+            raws, caches = None, [store.caches[REGION[j]] for j in range(6)]
+        else:
+            store, (raws, caches) = None, _regions(spec, tp)
+        _fill(caches, POISON)
+        stores.append((store, raws, caches))
+        eng = TransferEngine(
+            spec, caches, r, tp, name, transport=transport, lease_s=10.0, port=port, auth_key=KEY,
+            groups=_groups(_state(kind, spec, tp), num_spec),
+        )  # fmt: skip
+        engs.append(eng.start())
+    return engs, stores
+
+
+def _run(transport: str, spec: KVCacheSpec, tp: int, n: int, kind: str = "gdn", first: int = 0, seed: int = 0,
+         num_spec: int = 0, shm: bool = False, align: bool = False):  # fmt: skip
+    rng = random.Random(seed)
+    cma = transport == "ipc-cma"
+    transport = "ipc" if cma else transport
+    ps, pst = _engines(spec, tp, "P", transport, kind, 0, shm, free_port_base(tp) if tp > 1 else 0)
+    ds, dst = _engines(spec, tp, "D", transport, kind, num_spec, shm, free_port_base(tp) if tp > 1 else 0)
+    try:
+        groups = _groups(_state(kind, spec, tp))
+        truth = _truth(spec, LAYER_GROUP, n, seed)
+        plists = _lists(rng, groups, n, spec.block_size, align=align)
+        dlists = _lists(rng, groups, n, spec.block_size, num_spec)
+        for r, (_, raws, caches) in enumerate(pst):
+            _fill(caches, GARBAGE)
+            heads = spec.heads_of_rank(r, tp)
+            for g, grp in enumerate(groups[:2]):
+                lo = grp.live_first(n) // spec.block_size * spec.block_size
+                _place(caches, spec, truth, grp.layers, heads, plists[g], range(lo, n))
+            st = groups[2].state
+            for i, layer in enumerate(groups[2].layers):
+                if raws is not None:
+                    _state_pages(st, raws[REGION[layer]], plists[2][-1], i, seed * 10 + r)
+                else:  # shm planes: the state block's K and V rows, stamped
+                    gen = torch.Generator().manual_seed(seed * 10 + r + i)
+                    blk = caches[layer].view(torch.uint8)[:, plists[2][-1]]
+                    blk.copy_(torch.randint(0, 256, blk.shape, generator=gen, dtype=torch.uint8))
+        params = [e.export("req", plists, n) for e in ps]
+        assert params[0]["groups"][-1] == 1
+        assert params[0]["block_ids"][-1] == plists[2][-1]
+        for e in ds:
+            e.load("req", params[0], dlists, num_computed_tokens=first)
+        got = _poll_all(ds, {"req"}, "recv")
+        assert got == {"req": "done"}, got
+        dstate = dlists[2][len(dlists[2]) - 1 - num_spec]
+        for r, ((_, _, pc), (_, _, dc)) in enumerate(zip(pst, dst)):
+            heads = spec.heads_of_rank(r, tp)
+            regions = [dc[REGION.index(k)].clone() for k in (0, 1)]  # the same strides as D's
+            for w in regions:
+                w.view(torch.uint8).fill_(POISON)
+            want = [regions[REGION[j]] for j in range(6)]
+            for g, grp in enumerate(groups[:2]):
+                lf = grp.live_first(n)
+                lo = max(
+                    max(first, lf) // spec.block_size * spec.block_size,
+                    lf // spec.block_size * spec.block_size,
+                )
+                _place(want, spec, truth, grp.layers, heads, dlists[g], range(lo, n))
+            for layer in groups[2].layers:  # the state page, whole, at D's state block
+                want[layer].view(torch.uint8)[:, dstate] = pc[layer].view(torch.uint8)[:, plists[2][-1]]
+            for j in (0, 3):  # each region once
+                a, b = dc[j].view(torch.uint8), want[j].view(torch.uint8)
+                if not torch.equal(a, b):
+                    diff = (a != b).nonzero()
+                    raise AssertionError(
+                        f"D rank {r} region {REGION[j]}: {diff.shape[0]} bytes differ, first {diff[0].tolist()}"
+                    )
+        sent = _poll_all(ps, {"req"}, "send")
+        assert sent == {"req": "done"}, sent
+        assert all(e.stats()["blocks_held"] == 0 for e in ps)
+    finally:
+        for e in ps + ds:
+            e.close()
+        for store, _, _ in pst + dst:
+            if store is not None:
+                store.close()
+
+
+NIXL = pytest.param(
+    "nixl", marks=pytest.mark.skipif(bool(nixl_status()), reason=f"NIXL not importable here: {nixl_status()}")
+)
+
+
+@pytest.fixture(autouse=True)
+def _ucx_loopback(monkeypatch):
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
+
+@pytest.mark.parametrize("transport", ["ipc-cma", "pg", NIXL])
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_state_group_moves_its_page_whole(transport, kind):
+    _run(transport, _spec("NHD"), 1, 29, kind, seed=1)
+
+
+@pytest.mark.parametrize("transport", ["ipc-cma", "pg"])
+def test_state_group_tp2_hnd(transport):
+    """Two ranks each: every rank's own state shard moves rank to rank (HND attention)."""
+    _run(transport, _spec("HND", bs=8), 2, 37, "mamba2", seed=2)
+
+
+def test_state_group_on_shared_memory_caches():
+    """``ipc`` over shared memory, K and V planes apart: a state block is its K and V rows."""
+    _run("ipc", _spec("NHD"), 1, 23, "gdn", seed=3, shm=True)
+
+
+def test_state_group_speculative_blocks_and_prefix_hit():
+    """D's list ends in a speculative scratch block (the state is the entry before it) and D
+    holds tokens [0, 8): the state moves whole all the same. P's list is positional (vLLM's
+    "align" mode: null entries, then the state)."""
+    _run("ipc-cma", _spec("NHD"), 1, 30, "gdn", first=8, seed=4, num_spec=1, align=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32])
+def test_state_group_every_kv_dtype(dtype):
+    _run("pg", _spec("NHD", heads=8, dtype=dtype), 1, 17, "gdn", seed=5)
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_state_group_checks_its_pages_and_layers():
+    spec = _spec()
+    _, caches = _regions(spec, 1)
+    with pytest.raises(ValueError, match="do not fit one block"):
+        TransferEngine(
+            spec, caches, 0, 1, "x", groups=_groups(StateSpec.gdn(2, 8, 8, 8, 8, 4, torch.float32))
+        )
+    with pytest.raises(ValueError, match="its tp_size is 2, the engine's 1"):
+        TransferEngine(spec, caches, 0, 1, "x", groups=_groups(_state("gdn", spec, 2)))
+    with pytest.raises(ValueError, match="describes 2 layers, the group has 1"):
+        StateGroup((2,), _state("gdn", spec, 1))
+    with pytest.raises(ValueError, match="layer 2 is already in groups"):
+        TransferEngine(spec, caches, 0, 1, "x", groups=[AttentionGroup((0, 1, 2, 3, 4, 5)),
+                                                          StateGroup((2, 5), _state("gdn", spec, 1))])  # fmt: skip
+
+
+def test_export_refuses_a_null_or_missing_state_block():
+    spec = _spec()
+    _, caches = _regions(spec, 1)
+    p = TransferEngine(spec, caches, 0, 1, "P", groups=_groups(_state("gdn", spec, 1), 1)).start()
+    try:
+        full, w9 = list(range(1, 9)), [0, 0, 0, 0, 0, 11, 12, 13]
+        with pytest.raises(
+            ValueError,
+            match=r"block_ids\[2\] \(gdn state, layers \[2, 5\]\): the state block .* is the null block",
+        ):
+            p.export("a", [full, w9, [0, 30]], 30)
+        with pytest.raises(ValueError, match=r"block_ids\[2\] \(gdn state.*1 entries"):
+            p.export("b", [full, w9, [30]], 30)
+        with pytest.raises(ValueError, match=r"repeated block id"):
+            p.export("c", [full, w9, [8, 31]], 30)
+        params = p.export("d", [full, w9, [30, 31]], 30)
+        assert params["block_ids"][-1] == 30 and params["groups"] == [8, 3, 1]
+        assert p.stats()["blocks_held"] == 12
+    finally:
+        p.close()
+
+
+def _refused(dst_spec: KVCacheSpec, dst_state: StateSpec, match: str, transport: str = "pg") -> None:
+    src = _spec()
+    _, pc = _regions(src, 1)
+    _, dc = _regions(dst_spec, 1)
+    _fill(pc, GARBAGE)
+    _fill(dc, POISON)
+    p = TransferEngine(src, pc, 0, 1, "P", transport=transport, lease_s=5.0, auth_key=KEY,
+                       groups=_groups(_state("gdn", src, 1))).start()  # fmt: skip
+    d = TransferEngine(dst_spec, dc, 0, 1, "D", transport=transport, lease_s=5.0, auth_key=KEY,
+                       groups=_groups(dst_state)).start()  # fmt: skip
+    try:
+        n = 20
+        params = p.export("r", [list(range(1, 6)), [0, 0, 0, 9, 10], [20]], n)
+        nb = -(-n // dst_spec.block_size)
+        d.load("r", params, [list(range(1, 1 + nb)), [0] * (nb - 2) + [21, 22], [30]])
+        got = _poll_all([d], {"r"}, "recv")
+        assert got["r"].startswith("failed") and "KV cache group" in got["r"], got
+        assert match in got["r"], got
+        for c in dc:
+            assert torch.equal(c.view(torch.uint8), torch.full_like(c.view(torch.uint8), POISON))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_handshake_refuses_other_page_geometry():
+    _refused(_spec("HND"), _state("gdn", _spec("HND"), 1), "equal layout")
+    _refused(_spec(bs=8), _state("gdn", _spec(bs=8), 1), "equal block_size")
+
+
+def test_handshake_refuses_another_state_spec():
+    _refused(_spec(), _state("gdn", _spec(), 1, conv_layout="DS"), "state spec field conv_layout differs")
