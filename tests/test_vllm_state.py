@@ -323,5 +323,6 @@ def test_null_state_block_is_not_exported(caplog):
     with caplog.at_level(logging.WARNING):
         assert p.request_finished(req, ([0], [10])) == (False, None)
     assert (
-        "KV cache group 0 (state): block_ids: the state block (position 0) is the null block" in caplog.text
+        "block_ids[0] (mamba2 state, layers [0, 1]): the state block (position 0) is the null block"
+        in caplog.text
     )

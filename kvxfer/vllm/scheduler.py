@@ -50,12 +50,11 @@ import numpy as np
 from ..auth import EngineSecret
 from ..grouped import export_ids
 from ..groups.attention import GroupSet
-from ..groups.blocks import state_block
 from ..params import KVTransferParams, params_dict
 from ..reuse import decide_reuse
 from .backoff import truncate_for_prefill, was_truncated
 from .config import ConnectorConfig
-from .groups import VllmGroup, attention_groups, expand_group_ids, has_state
+from .groups import VllmGroup, engine_groups, expand_group_ids, has_state
 from .layout import KVLayout, KVLayoutMismatch, check_pair
 
 _LOG = logging.getLogger(__name__)
@@ -157,12 +156,11 @@ class SchedulerSide:
         # the groups' windows as the engines apply them (their layers do not matter here)
         self._gs = None
         self.has_state = has_state(groups)  # the N−1 flow (kvxfer.vllm.backoff)
-        if groups is not None:
-            attn = [g for g in groups if not g.is_state]
-            ag = attention_groups(
-                attn, {(g.index, n): i for i, g in enumerate(attn) for n in g.layer_names[:1]}
-            )
-            self._gs = GroupSet(ag, len(attn))
+        if groups is not None:  # every layer numbered (a state group's spec counts its layers)
+            where = {
+                (g.index, n): i for i, (g, n) in enumerate((g, n) for g in groups for n in g.layer_names)
+            }
+            self._gs = GroupSet(engine_groups(groups, where), len(where))
         self.num_not_handed_off = 0  # finished requests not exported (blocks out of the window)
         self._secret: EngineSecret | None = self._engine_secret() if cfg.exports else None
         self.kernel_block_size = cfg.block_size  # updated by set_handshake (worker's registered caches)
@@ -568,7 +566,11 @@ class SchedulerSide:
                 list(block_ids[g.index]) if g.is_state else list(block_ids[g.index])[:need]
                 for g in self.groups
             ]
-            ids, sizes = self._export_ids(mgr, moved, n)
+            kernel = [
+                ids if g.is_state else expand_group_ids(ids, self.ratio, NULL_BLOCK_ID)
+                for g, ids in zip(self.groups, mgr)
+            ]
+            ids, sizes = export_ids(self._gs, kernel, moved, kbs, 1 << 62, computed=n)
         except ValueError as e:
             self.num_not_handed_off += 1
             _LOG.warning(
@@ -597,35 +599,6 @@ class SchedulerSide:
         if want_decode:
             return True, {**out, "do_remote_prefill": True, "do_remote_decode": False}
         return True, {"reuse": out}
-
-    def _export_ids(self, mgr: list[list[int]], moved: int, n: int) -> tuple[np.ndarray, list[int]]:
-        """The export's block ids (every group's moved ids in group order) and the count per
-        group, as the engine computes them: an attention group's live kernel blocks
-        (:func:`kvxfer.grouped.export_ids`), a state group's running state block
-        (:func:`kvxfer.groups.blocks.state_block`: vLLM's list unchanged)."""
-        kbs = self.kernel_block_size
-        attn = [
-            expand_group_ids(ids, self.ratio, NULL_BLOCK_ID)
-            for g, ids in zip(self.groups, mgr)
-            if not g.is_state
-        ]
-        a_ids, a_sizes = export_ids(self._gs, attn, moved, kbs, 1 << 62, computed=n)
-        parts, sizes, at, k = [], [], 0, 0
-        for g, ids in zip(self.groups, mgr):
-            if g.is_state:
-                try:
-                    parts.append(
-                        np.array([state_block(ids, g.num_speculative_blocks, NULL_BLOCK_ID)], np.int64)
-                    )
-                except ValueError as e:
-                    raise ValueError(f"KV cache group {g.index} (state): {e}") from None
-                sizes.append(1)
-            else:
-                parts.append(a_ids[at : at + a_sizes[k]])
-                at += a_sizes[k]
-                sizes.append(a_sizes[k])
-                k += 1
-        return np.concatenate(parts), sizes
 
     def _not_handed_off(self, rid: str, mgr: list[int]) -> None:
         """A finished request whose blocks out of a sliding window vLLM already freed (its null
