@@ -216,10 +216,18 @@ def _cpu_isa(vllm_config, layer_names, block_size: int) -> str | None:
         return None
 
 
+# vLLM 0.32's backends of state layers (``v1/attention/backends/{mamba1,mamba2,gdn,short_conv}
+# _attn.py``): their layers are state groups, registered apart from the attention backend's
+STATE_BACKENDS = frozenset(
+    {"MAMBA1_ATTN", "MAMBA2_ATTN", "GDN_ATTN", "SHORT_CONV_ATTN", "PLE_SHORT_CONV_ATTN"}
+)
+
+
 def _backend_name(vllm_config) -> str:
+    """The attention backend of every attention layer (state layers' backends aside)."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-    names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)} - STATE_BACKENDS)
     if len(names) != 1:
         raise ValueError(f"attention backends: kvxfer needs one for all layers, got {names}")
     return names[0]
@@ -333,8 +341,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         mc = vc.model_config
         backend = _backend_name(vc)
         isa = None
-        if backend == "CPU_ATTN" and kv_caches:
-            isa = _cpu_isa(vc, list(kv_caches), next(iter(kv_caches.values())).shape[2])
+        state = {n for g in self.groups or () if g.is_state for n in g.layer_names}
+        attn = {n: t for n, t in kv_caches.items() if n not in state}
+        if backend == "CPU_ATTN" and attn:
+            isa = _cpu_isa(vc, list(attn), next(iter(attn.values())).shape[2])
         self.worker_side.register(
             kv_caches,
             backend=backend,

@@ -132,6 +132,7 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         self.ratio = 1  # manager block -> kernel blocks
         self._attn_groups: list | None = None  # the engine's groups (register)
+        self.state_caches: dict[str, torch.Tensor] = {}  # vLLM's views of the state layers (register)
         self._loads: dict[str, list[int]] = {}  # loading request -> its manager block ids
         self._exported: set[str] = set()
         self._sending_done: set[str] = set()  # exports to report without the engine (refused)
@@ -169,6 +170,7 @@ class WorkerSide:
                     f"kv_caches: no tensor registered for layer {missing[0]!r} of a KV cache group"
                 )
             kv_caches = {n: kv_caches[n] for g in self.groups for n in g.layer_names}
+            self.state_caches = {n: kv_caches[n] for g in self.groups if g.is_state for n in g.layer_names}
             kv_caches = _state_as_attention(kv_caches, self.groups)
         spec, views, names, layout = caches_from_vllm(
             kv_caches,
