@@ -149,12 +149,11 @@ class TransferEngine:
             take one positional block list per group (:mod:`kvxfer.grouped`), a sliding group
             moves only its in-window blocks, and ``null_block`` (vLLM's 0) may not stand where
             a group still holds tokens. Both engines of a transfer must have the same groups
-            (the handshake checks). Every transport carries them (``ipc`` by its messaged path,
-            never one-sided). State groups (Mamba/GDN/short conv:
-            :class:`~kvxfer.groups.state_group.StateGroup`) own layers whose blocks are state
-            pages: their list's running state block moves whole, between engines of equal block
-            size, layout, dtype, TP size and state spec. None: one group of every layer, block
-            ids as one list.
+            (the handshake checks). Every transport carries them (``ipc`` one-sided too).
+            State groups (Mamba/GDN/short conv: :class:`~kvxfer.groups.state_group.StateGroup`)
+            own layers whose blocks are state pages: their list's running state block moves
+            whole between engines laid out alike, else re-sharded into this engine's layout.
+            None: one group of every layer, block ids as one list.
         null_block: the block id that stands for a position whose tokens a sliding window
             passed (vLLM's null block, 0; None: none); only with ``groups``.
 
@@ -244,8 +243,7 @@ class TransferEngine:
         self._notifier = Notifier(engine_id, rt.stop, rt.metrics)
         self._loader = Loader(rank, rt, self._transports, self._notifier)
         self._exporter = Exporter(rank, rt, self._transports)
-        # one-sided reads take one group's ids: a grouped engine's loads take the messaged path
-        self._onesided = OneSided(rank, rt, self._loader) if onesided and gs is None else None
+        self._onesided = OneSided(rank, rt, self._loader) if onesided else None
         self._hooks = rt.hooks  # test hooks, by name (each read where it is called)
         self._ctx = None  # the zmq context, made by start()
         self._started = False
@@ -593,10 +591,9 @@ class TransferEngine:
             end = _computed(computed_tokens, n)
             ids, per = load_ids(self.groups, block_ids, n, k, self.spec.block_size, self.num_blocks, end)
         self._rt.loads.add(request_id, ids, now())
-        if per is not None:
-            self._loader.queue_load(LoadItem(request_id, p, ids, 0.0, 0, per))
-            return
-        item = LoadItem(request_id, p, ids, 0.0, k)
+        item = (
+            LoadItem(request_id, p, ids, 0.0, k) if per is None else LoadItem(request_id, p, ids, 0.0, 0, per)
+        )
         if self._onesided is not None and self._onesided.try_load(item, self.timeout_s):
             return  # launched here, reported by a later poll()
         self._loader.queue_load(item)

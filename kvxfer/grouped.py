@@ -22,7 +22,7 @@ on each side, all ``block_size`` tokens of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import numpy as np
 import torch
@@ -160,6 +160,7 @@ def group_items(
     per_group: list[tuple[np.ndarray, int]],
     src_block_size: int,
     dst_block_size: int,
+    resharded: Container[int] = (),
 ) -> list[Item] | str:
     """One planner item per group of a load: the exporter's live ids (``src_ids`` split by the
     params' ``sizes``: a group's are its last positions) placed at their positions for
@@ -168,7 +169,8 @@ def group_items(
     (whole blocks where a window starts inside one: their earlier tokens are the request's
     own on both sides), or from the exporter's first live token if that is later. Returns why
     not (a str) when the params' groups do not fit this engine's, or the exporter's live
-    blocks do not hold every token a group needs."""
+    blocks do not hold every token a group needs. ``resharded``: the state groups copied unit
+    by unit (their item names the two state blocks, ``num_tokens`` 0: no planner call)."""
     if sizes is None:
         return f"params.groups: missing; this engine has {len(gs)} KV cache groups"
     if len(sizes) != len(gs):
@@ -180,6 +182,10 @@ def group_items(
         if gs.whole[g]:
             if n != 1:
                 return f"params.groups[{g}]: {n} block ids, {grp.describe()} moves its one state block"
+            if g in resharded:  # copied unit by unit (kvxfer.groups.state_group.StateRoute)
+                out.append(Item(request_id, src_ids[at : at + 1].copy(), dst, 0, 0, 0))
+                at += 1
+                continue
             if src_block_size != dst_block_size:
                 return (
                     f"{grp.describe()}: state pages move whole only between equal block sizes "

@@ -14,11 +14,14 @@ than the engine. The loader keeps the peers (:class:`~kvxfer.peer.Peers`).
 
 from __future__ import annotations
 
+import json
 from typing import Protocol
 
 from . import control
 from .engine_types import Expired, HandshakeError, LoadItem, describe_error, full_layer_mask, time_left
-from .groups.state_group import StateGroup
+from .groups.state import StateSpec
+from .groups.state_group import StateGroup, StateRoute, page_view
+from .groups.state_plan import plan_state_reads
 from .metrics import now
 from .peer import Peer
 from .plan import plan_reads
@@ -113,9 +116,9 @@ def _peer_of(loader: HandshakeLink, p, addrs: list[str], replies: list) -> Peer:
     if mismatch:
         raise HandshakeError(f"incompatible peer: {mismatch}")
     theirs = getattr(replies[0], "groups", None)
+    states = getattr(replies[0], "states", None)
     if rank.groups is not None:
-        mismatch = _state_pages_mismatch(rank, spec, p.tp_size) if rank.groups.states else None
-        mismatch = mismatch or rank.groups.mismatch(theirs, getattr(replies[0], "states", None))
+        mismatch = rank.groups.mismatch(theirs, states)
     elif theirs is not None:
         mismatch = f"the peer has {len(theirs)} KV cache groups, this engine registered none"
     if mismatch:
@@ -124,26 +127,67 @@ def _peer_of(loader: HandshakeLink, p, addrs: list[str], replies: list) -> Peer:
         plan = plan_reads(spec, p.tp_size, rank.spec, rank.tp_size)
     except ValueError as e:
         raise HandshakeError(f"incompatible peer: TP {p.tp_size} -> {rank.tp_size}: {e}") from None
+    routes = {}
+    if rank.groups is not None and rank.groups.states:
+        src_ranks = {r.src_rank for r in plan.reads(rank.tp_rank)}
+        routes = _state_routes(rank, spec, p.tp_size, states, src_ranks)
     transport, why, pg_backends = _choose_transport(loader, replies)
     peer = Peer(
         p.engine_id, spec, addrs, replies, plan, rank.tp_rank, transport, why,
         p.host, p.port, pg_backends, full_layer_mask(spec.num_layers),
     )  # fmt: skip
+    peer.state_routes = routes
     peer.session = loader.transports[transport].open(peer, loader)  # nixl: metadata, direct/staged per read
     return peer
 
 
-def _state_pages_mismatch(rank: Rank, spec: KVCacheSpec, tp_size: int) -> str | None:
-    """Why whole state pages cannot move between this rank's engine and a peer of ``spec`` at
-    ``tp_size`` (:meth:`kvxfer.groups.state_group.StateGroup.peer_mismatch`), naming the first
-    state group; None when they can."""
-    why = StateGroup.peer_mismatch(
+def _state_routes(
+    rank: Rank, spec: KVCacheSpec, tp_size: int, states: list | None, src_ranks: set[int]
+) -> dict[int, StateRoute]:
+    """Per state group of this rank's engine that cannot take the peer's pages whole, how it
+    moves (:class:`~kvxfer.groups.state_group.StateRoute`); ``HandshakeError`` naming the
+    group when it cannot move at all (another model or state dtypes, a state the attention
+    plan's source ranks ``src_ranks`` do not hold, caches without whole pages)."""
+    gs = rank.groups
+    geometry = StateGroup.peer_mismatch(
         {**rank.spec.to_dict(), "tp_size": rank.tp_size}, {**spec.to_dict(), "tp_size": tp_size}
     )
-    if why is None:
-        return None
-    i = rank.groups.whole.index(True)
-    return f"KV cache group {i} ({rank.groups.groups[i].describe()}): {why}"
+    out = {}
+    for g, grp in enumerate(gs.groups):
+        if not gs.whole[g]:
+            continue
+        where = f"incompatible peer: KV cache group {g} ({grp.describe()})"
+        wire = states[g]
+        try:
+            theirs = StateSpec.from_dict(json.loads(wire))
+        except (ValueError, TypeError) as e:
+            raise HandshakeError(f"{where}: the peer's state spec does not read: {e}") from None
+        if geometry is None and wire == grp.state_wire():
+            continue  # laid out alike: pages move whole
+        why = theirs.model_mismatch(grp.state) or theirs.dtype_mismatch(grp.state)
+        if why:
+            raise HandshakeError(f"{where}: {why}")
+        if theirs.tp_size != tp_size:
+            raise HandshakeError(
+                f"{where}: the peer's state is at TP {theirs.tp_size}, its engine at {tp_size}"
+            )
+        runs = {r.src_rank: r.runs for r in plan_state_reads(theirs, grp.state).reads(rank.tp_rank)}
+        extra = sorted(set(runs) - src_ranks)
+        if extra:
+            raise HandshakeError(
+                f"{where}: this rank's state units lie on source ranks {extra}, which its attention heads "
+                f"do not read from ({sorted(src_ranks)})"
+            )
+        try:
+            for x in grp.layers:
+                page_view(rank.caches[x])
+        except ValueError as e:
+            raise HandshakeError(f"{where}: {e}") from None
+        diff = [f for f, v in theirs.to_dict().items() if v != grp.state.to_dict()[f]]
+        out[g] = StateRoute(
+            theirs, grp.state, runs, geometry or f"the state specs differ in {', '.join(diff)}"
+        )
+    return out
 
 
 def _choose_transport(loader: HandshakeLink, replies: list[control.HelloReply]) -> tuple[str, str, list[str]]:

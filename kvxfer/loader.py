@@ -324,7 +324,7 @@ class Loader:
         p = it.params
         got = group_items(
             self.rank.groups, it.request_id, it.src_ids, p.groups, p.num_tokens, it.group_dst,
-            peer.spec.block_size, self.rank.spec.block_size,
+            peer.spec.block_size, self.rank.spec.block_size, peer.state_routes,
         )  # fmt: skip
         if type(got) is str:
             return got

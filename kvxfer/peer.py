@@ -31,7 +31,8 @@ class Peer:
     of it), ``src_ranks`` and ``reads_by_rank`` (the reads by source rank), ``full_mask``
     (every layer, :func:`~kvxfer.engine_types.full_layer_mask`), ``host`` and ``port`` (where the
     params said it listens), ``transport`` (the one chosen), ``reason`` (why, and what its
-    session added), ``pg_backends`` (per source rank, for ``pg``). ``session``: the chosen
+    session added), ``pg_backends`` (per source rank, for ``pg``), ``state_routes`` (the state
+    groups that re-shard from it, :class:`~kvxfer.groups.state_group.StateRoute`). ``session``: the chosen
     transport's session with it, set once by the handshake."""
 
     __slots__ = (
@@ -51,6 +52,7 @@ class Peer:
         "session",
         "spec",
         "src_ranks",
+        "state_routes",
         "tp_size",
         "transport",
     )
@@ -89,6 +91,7 @@ class Peer:
         self.pg_backends = pg_backends or []
         self.full_mask = full_mask
         self.session: Session | None = None
+        self.state_routes: dict = {}  # state group -> StateRoute (kvxfer.groups.state_group), set by the handshake
 
     def serves(self, p: KVTransferParams) -> bool:
         """Whether params ``p`` name this peer where it was handshaken (a change of address or

@@ -17,9 +17,12 @@ from __future__ import annotations
 import numpy as np
 
 from . import idops
-from .batching import BatchPlan, plan_batch, wire_bytes
-from .engine_types import LoadItem, disjoint_blocks
+from .batching import BatchPlan, Item, plan_batch, wire_bytes
+from .engine_types import LoadItem, disjoint_blocks, time_left
+from .groups.state_group import StateLanding, page_view
+from .groups.state_ops import copy_state
 from .peer import Peer
+from .plan import Read
 from .rank import Rank, Runtime
 from .transfer import Outcome, Route, Transfer
 
@@ -65,7 +68,8 @@ class Planner:
         for route in session.routes(s, peer.reads_by_rank[s]):
             todo = [it for it in loads if it.request_id not in bad] if bad else loads
             while todo:
-                out, plans = self._start(session, route, s, sbs, todo, distinct, layers, deadline)
+                out, plans, extra = self._start(peer, route, s, sbs, todo, distinct, layers, deadline)
+                moved += extra
                 if out.refused:
                     before = len(bad)
                     bad.update(out.refused)
@@ -97,7 +101,7 @@ class Planner:
 
     def _start(
         self,
-        session,
+        peer: Peer,
         route: Route,
         s: int,
         sbs: int,
@@ -109,27 +113,44 @@ class Planner:
         """Move ``todo`` along ``route`` and wait: one transfer, or for an engine with KV cache
         groups (:mod:`kvxfer.grouped`) one per group (its layers, its items), their outcomes
         merged: a load landed only if it landed in every group, failed or refused if it was in
-        any; the epochs are the last group's (read after every earlier copy). Returns the
-        outcome and each transfer's (plan, layers)."""
+        any; the epochs are the last group's (read after every earlier copy). A state group
+        that re-shards (``peer.state_routes``) is one unit-wise copy of the session's
+        (``move_state``) instead of a planned transfer. Returns the outcome, each transfer's
+        (plan, layers) and the bytes of the unit-wise copies."""
+        session = peer.session
         if self.rank.groups is None:
             bp = self.plan(route, sbs, todo, distinct)
             out = session.start(Transfer(s, route.reads, bp, todo, layers, deadline)).wait(deadline)
-            return out, [(bp, layers)]
+            return out, [(bp, layers)], 0
         plans = []
         landed: set[str] | None = None
         failed: dict[str, str] = {}
         refused: dict[str, str] = {}
         epochs = None
-        calls = 0
+        calls = extra = 0
         want = None if layers is None else set(layers)
         for g, grp in enumerate(self.rank.groups.groups):
             lay = list(grp.layers) if want is None else [x for x in grp.layers if x in want]
             if not lay:
                 continue
             items = [it.groups[g] for it in todo]
-            bp = self.plan(route, sbs, items, distinct)
-            out = session.start(Transfer(s, route.reads, bp, todo, lay, deadline)).wait(deadline)
-            plans.append((bp, lay))
+            state = peer.state_routes.get(g)
+            if state is not None:
+                if s not in state.runs:
+                    continue  # this source rank holds none of this rank's units
+                if hasattr(session, "move_state"):  # ipc: straight from the mapped pages
+                    out = session.move_state(s, grp, state, items, todo, lay, deadline).wait(deadline)
+                    extra += state.nbytes(len(lay), len(items), s)
+                else:
+                    out, nbytes = self._staged_state(peer, s, grp, state, items, todo, lay, deadline)
+                    extra += nbytes
+            else:
+                bp = self.plan(route, sbs, items, distinct)
+                blocks = np.concatenate([it.src for it in items])
+                out = session.start(Transfer(s, route.reads, bp, todo, lay, deadline, None, blocks)).wait(
+                    deadline
+                )
+                plans.append((bp, lay))
             landed = set(out.landed) if landed is None else landed & out.landed
             failed.update(out.failed)
             refused.update(out.refused)
@@ -138,7 +159,33 @@ class Planner:
                 epochs = out.epochs
             if refused:
                 break  # planned again without the refused loads
-        return Outcome(landed or set(), failed, refused, epochs, calls), plans
+        return Outcome(landed or set(), failed, refused, epochs, calls), plans, extra
+
+    def _staged_state(self, peer: Peer, s: int, grp, state, items, todo, lay: list[int], deadline: float):
+        """A re-sharded state group over a staged transport: source rank ``s``'s whole state
+        pages of ``items`` streamed into a :class:`~kvxfer.groups.state_group.StateLanding` laid
+        out as that rank's, then this rank's units copied out of it into its own pages
+        (:func:`~kvxfer.groups.state_ops.copy_state`) for the loads the stream's status says
+        landed. Returns the outcome and the bytes streamed."""
+        rank = self.rank
+        pspec, n = peer.spec, len(items)
+        pbs, heads = pspec.block_size, pspec.heads_per_rank(peer.tp_size)
+        landing = StateLanding(pspec, peer.tp_size, grp.layers, n, rank.device)
+        whole = [
+            Item(it.request_id, it.src, np.array([j], dtype=np.int64), pbs) for j, it in enumerate(items)
+        ]
+        bp = plan_batch(whole, pbs, [pbs], pbs, [pbs], distinct=True)
+        read = Read(s, 0, 0, heads)
+        out = peer.session.start(Transfer(s, [read], bp, todo, lay, deadline, landing)).wait(deadline)
+        got = [j for j, it in enumerate(items) if it.request_id in out.landed]
+        if got:
+            copy_state(
+                landing.pages(), state.src, got,
+                [page_view(rank.caches[x]) for x in grp.layers], state.dst, [int(items[j].dst[0]) for j in got],
+                state.runs[s], layers=[grp.layers.index(x) for x in lay],
+            )  # fmt: skip
+            self.rt.order.wait_done(time_left(deadline))  # CUDA: the copies ran
+        return out, pspec.bytes_per_token(heads, len(lay)) * pbs * n
 
 
 def stale_loads(ep: np.ndarray, loads, granted: dict[str, bytes], s: int) -> dict[str, str]:

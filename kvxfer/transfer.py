@@ -13,7 +13,7 @@ a stream's status), and reporting each load once, is the planner's and the loade
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -38,7 +38,11 @@ class Route(NamedTuple):
 class Transfer(NamedTuple):
     """Prepared copies: the ops calls of ``plan`` (both sides' unit ids, token counts) for each
     head slice of ``reads``, of ``layers`` (None: all), for ``loads``, from source rank
-    ``source``; every wait ends by ``deadline`` (monotonic)."""
+    ``source``; every wait ends by ``deadline`` (monotonic). ``landing``: where a staged
+    transport scatters instead of this rank's caches (an object with ``views``, ``spec`` and
+    ``num_blocks``: :class:`kvxfer.groups.state_group.StateLanding`); it forces the staged way.
+    ``blocks``: the source blocks the copies read, where fewer than the loads' ids (a group of
+    a request of several: what a transport that first fetches the source reads)."""
 
     source: int
     reads: list[Read]
@@ -46,6 +50,8 @@ class Transfer(NamedTuple):
     loads: list[LoadItem]
     layers: list[int] | None
     deadline: float
+    landing: Any = None
+    blocks: np.ndarray | None = None
 
 
 class Outcome(NamedTuple):

@@ -1,37 +1,54 @@
-"""Hybrid models' caches through kvxfer's ops: every group (GDN or Mamba2 state, full attention,
-sliding window) of a transformers model prefilled on P, laid out as vLLM-like pages at P's TP,
-moved into D's pages at another TP, attention layout, block size, conv layout and GDN SSM order,
-and D's next-token log-probabilities set against a plain run's.
+"""Hybrid models' caches through kvxfer's TransferEngine: every group (GDN or Mamba2 state, full
+attention, sliding window) of a transformers model prefilled on P, laid out as vLLM-like pages
+at P's TP, moved by P's and D's engines (``ipc``, all in one process) into D's pages at another
+TP, attention layout, block size, conv layout and GDN SSM order, and D's next-token
+log-probabilities set against a plain run's.
 
 Models (tiny, random weights, fp32, CPU; ``docs/research/vllm-hybrid.md`` §5): Qwen3-Next (Gated
 DeltaNet + full attention), GraniteMoeHybrid (Mamba2 with one group, replicated under TP, +
-full attention) and Gemma-3 (sliding window + full attention). Each runs P TP 2 -> D TP 1 (the
-state through a wire: ``gather_state`` / ``scatter_state``; attention ``gather_blocks`` /
-``scatter_blocks``) and P TP 1 -> D TP 2 (``copy_state``, ``copy_blocks``).
+full attention) and Gemma-3 (sliding window + full attention). Each runs P TP 2 -> D TP 1 and
+P TP 1 -> D TP 2; P: HND attention, SD conv state, GDN SSM ``[h, V, K]`` (as on CUDA); D: NHD,
+DS, ``[h, K, V]`` (as vLLM's CPU backend).
 
 Each engine rank holds one byte buffer, layer-outer as vLLM 0.32 places a hybrid model's cache
-(``KVCacheTensor``): every group's ``j``-th layer shares region ``j``, one page per block (the
-largest group's page, the others padded), one block pool for all groups (block 0 the null
-block). Views: attention ``[2, B, H, N, d]`` over LBHNC pages (P: HND, 8-token blocks) or
-``[2, B, N, H, d]`` over LBNHC pages (D: NHD, 6-token blocks); a state layer ``[B, page]``
-bytes, conv state then SSM state (P: SD, GDN ``[h, V, K]`` as on CUDA; D: DS, GDN ``[h, K, V]``
-as on vLLM's CPU backend). A sliding-window group's list holds the null block where the window
-has passed, on both sides; only the in-window tokens move (:func:`select_window_blocks`, token
-slots).
+(``KVCacheTensor``): every group's ``j``-th layer shares region ``j`` (uint8 ``[blocks, page]``),
+one page per block, one block pool for all groups (block 0 the null block). As vLLM does, the
+attention block size is raised until one block of one layer holds a state layer's conv and SSM
+state: the smallest multiple of 8 tokens (P) or 6 (D) that does (Qwen3-Next 32 / 36, Granite
+40 or 48 / 42, Gemma-3 8 / 6), and a state page is one attention block. Every engine layer's
+entry of ``caches`` is its region's attention view, ``[2, B, H, N, d]`` over ``[B, 2, H, N, d]``
+pages (HND) or ``[2, B, N, H, d]`` over ``[B, 2, N, H, d]`` (NHD); a state layer's page holds
+its conv state, then its SSM state, then padding. The engines' groups: full attention, the
+sliding window (``AttentionGroup(window=w)``), the state layers (``StateGroup`` with the
+``StateSpec`` at the engine's TP and layouts). One request: P's engines export the block lists
+``[full, sliding (the null block where the window has passed), [state block]]`` for the
+prompt's tokens and D's engines load them into theirs: the state group crosses TP and layouts
+through the ipc transport's re-sharding, the attention groups through the planner; a sliding
+group moves from the start of the later of the two sides' blocks holding its window's first
+token (``docs/DESIGN.md``, hybrid models).
+
+The N - 1 flow (``docs/INTEGRATION.md`` §4a): P prefills the N prompt tokens and hands over
+the state after them; D computes the next token (the plain run's argmax) itself from the moved
+cache, as D computes the last of N + 1 prompt tokens.
 
 P's pages are written from the HF cache, and D's read back into a fresh HF cache, by plain
 indexing written here (vLLM's sharding: each conv part sliced by head or group per rank,
-replicated when ``n_groups < tp``), independent of kvxfer's index math. The checks, per model
-and direction: D's buffers byte-equal to the HF cache written straight into D's layout (every
-other byte untouched), replicas on D's ranks equal, and D's next-token log-probabilities within
-``--atol`` (1e-4) of the plain run of prompt plus that token with the same argmax. Mutations
-(after the byte check): one layer's conv state x 1.01, its SSM state x 1.01, one in-window block
-of a sliding layer x 1.01: each must fail the log-probability check.
+replicated when ``n_groups < tp``), independent of kvxfer's index math. P's other bytes (the
+null block, the sliding tokens HF no longer holds, page padding) are garbage, D's poison. The
+checks, per model and direction: D's buffers byte-equal to the HF cache written straight into
+D's layout plus the rows before the window the engine carries from P's blocks (P's garbage),
+every other byte poison; P's buffers untouched and P's engines holding no block once D has
+loaded; replicas on D's ranks equal; the bytes D's engines count equal to what the groups need;
+D's next-token log-probabilities within ``--atol`` (1e-4) of the plain run of prompt plus that
+token with the same argmax. Mutations (after the byte check): one layer's conv state x 1.01,
+its SSM state x 1.01, one in-window block of a sliding layer x 1.01: each must fail the
+log-probability check.
 
-    python profiling/model_check_hybrid.py [--models qwen3_next,granite,gemma3] [--tokens 37]
+    python profiling/model_check_hybrid.py [--models qwen3_next,granite,gemma3] [--tokens 101]
 
-Prints the figures and one JSON line; exits 0 when every check held and every mutation failed
-it. Needs ``transformers`` (the ``test`` extra brings it).
+Prints the figures (bytes moved per request against moving every block of it whole) and one
+JSON line; exits 0 when every check held and every mutation failed it. Needs ``transformers``
+(the ``test`` extra brings it).
 """
 
 from __future__ import annotations
@@ -44,20 +61,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvxfer import KVCacheSpec, Layout, plan_reads
-from kvxfer.groups import (
-    NULL_BLOCK,
-    StateSpec,
-    copy_state,
-    gather_state,
-    plan_state_reads,
-    scatter_state,
-    select_window_blocks,
-)
-from kvxfer.ops import copy_blocks, gather_blocks, register_caches, scatter_blocks
+from kvxfer import AttentionGroup, KVCacheSpec, Layout, StateGroup, StateSpec, TransferEngine
+from kvxfer.groups import NULL_BLOCK
+from kvxfer.ports import free_port_base
 
-POISON = 0xA5
+POISON, GARBAGE = 0xA5, 0x5A  # D's bytes before the load; P's bytes no cache row holds
 KV_HEADS, HEAD_DIM, VOCAB = 2, 16, 128
+KEY = "model-check-hybrid"
 
 
 # ------------------------------------------------------------------------------------ models
@@ -76,6 +86,10 @@ class Model:
     gdn: bool = False
     window: int = 0
     conv_kernel: int = 4
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.full) + len(self.sliding) + len(self.state)
 
 
 def model_and_config(name: str):
@@ -181,57 +195,78 @@ def owned(num_units: int, tp: int, rank: int) -> list[int]:
     return [rank * num_units // tp]
 
 
-class Engine:
-    """One engine's ranks: their buffers, the groups' views over them and the request's block
-    lists (see the module doc)."""
+def window_first(m: Model, num_tokens: int) -> int:
+    """The first token the next one attends to through the sliding window (HF keeps the last
+    ``window - 1``)."""
+    return max(0, num_tokens - m.window + 1)
 
-    def __init__(self, m: Model, tp: int, block_size: int, layout: Layout, conv_layout: str, transposed: bool,
-                 num_tokens: int, seed: int) -> None:  # fmt: skip
-        self.m, self.tp, self.bs, self.layout = m, tp, block_size, layout
+
+class Pages:
+    """One engine's ranks: their buffers, the views over them, the engine's groups and the
+    request's block lists (see the module doc). ``step``: the block size is the smallest
+    multiple of it whose block holds a state layer's content; ``fill``: every byte before any
+    is written."""
+
+    def __init__(self, m: Model, tp: int, step: int, layout: Layout, conv_layout: str, transposed: bool,
+                 num_tokens: int, seed: int, fill: int) -> None:  # fmt: skip
+        self.m, self.tp, self.layout = m, tp, layout
         self.heads = KV_HEADS // tp
-        attn_page = self.heads * block_size * 2 * HEAD_DIM * 4
-        self.state_spec = None
-        page = attn_page
+        per_token = 2 * self.heads * HEAD_DIM * 4  # K and V of one token, one layer, one rank
+        need = 1
         if m.state:
-            content = state_spec(m, tp, conv_layout, transposed, None).content_bytes
-            page = max(page, -(-content // 64) * 64)
-            self.state_spec = state_spec(m, tp, conv_layout, transposed, page)
-        self.page = page
-        nb_req = -(-num_tokens // block_size)
+            need = -(-state_spec(m, tp, conv_layout, transposed, None).content_bytes // per_token)
+        self.bs = -(-need // step) * step
+        self.page = self.bs * per_token
+        self.state_spec = state_spec(m, tp, conv_layout, transposed, self.page) if m.state else None
+        nb_req = -(-num_tokens // self.bs)
         self.num_blocks = 1 + 2 * nb_req + 1 + 5  # null, full, sliding, state, spare
         g = torch.Generator().manual_seed(seed)
         pool = (torch.randperm(self.num_blocks - 1, generator=g) + 1).tolist()  # block 0: the null block
         self.full_ids = pool[:nb_req]
-        first = max(0, num_tokens - m.window + 1) if m.window else 0
-        self.sliding_ids = [NULL_BLOCK if (i + 1) * block_size <= first else b for i, b in
-                            enumerate(pool[nb_req : 2 * nb_req])]  # fmt: skip
+        dead = window_first(m, num_tokens) // self.bs if m.window else 0
+        self.sliding_ids = [NULL_BLOCK] * dead + pool[nb_req + dead : 2 * nb_req]
         self.state_id = pool[2 * nb_req]
-        regions = max(len(m.full), len(m.sliding), len(m.state))
-        self.region_bytes = self.num_blocks * page
-        self.bufs = [torch.full((regions * self.region_bytes,), POISON, dtype=torch.uint8) for _ in range(tp)]
-        self.full_spec = KVCacheSpec(len(m.full), KV_HEADS, HEAD_DIM, block_size, torch.float32, layout)
-        self.sliding_spec = (
-            KVCacheSpec(len(m.sliding), KV_HEADS, HEAD_DIM, block_size, torch.float32, layout)
-            if m.sliding
-            else None
+        self.region_of = {x: j for layers in (m.full, m.sliding, m.state) for j, x in enumerate(layers)}
+        self.regions = max(len(m.full), len(m.sliding), len(m.state))
+        self.bufs = [torch.full((self.regions, self.num_blocks, self.page), fill, dtype=torch.uint8)
+                     for _ in range(tp)]  # fmt: skip
+        self.spec = KVCacheSpec(m.num_layers, KV_HEADS, HEAD_DIM, self.bs, torch.float32, layout)
+
+    def groups(self) -> list:
+        """The engine's groups, in the order of :meth:`block_lists`."""
+        m = self.m
+        out: list = [AttentionGroup(m.full)]
+        if m.sliding:
+            out.append(AttentionGroup(m.sliding, window=m.window))
+        if m.state:
+            out.append(StateGroup(m.state, self.state_spec))
+        return out
+
+    def block_lists(self) -> list[list[int]]:
+        """The request's positional block list per group."""
+        m = self.m
+        return (
+            [self.full_ids]
+            + ([self.sliding_ids] if m.sliding else [])
+            + ([[self.state_id]] if m.state else [])
         )
 
     def attn_views(self, rank: int, num_layers: int) -> list[torch.Tensor]:
-        """kvxfer views ``[2, B, H, N, d]`` (HND over LBHNC pages) or ``[2, B, N, H, d]`` (NHD
-        over LBNHC) of regions ``0..num_layers-1``."""
-        f = self.bufs[rank].view(torch.float32)
-        pe, h, n, d = self.page // 4, self.heads, self.bs, HEAD_DIM
-        if self.layout is Layout.HND:  # page [H, N, 2d]
-            shape, stride = (2, self.num_blocks, h, n, d), (d, pe, n * 2 * d, 2 * d, 1)
-        else:  # page [N, H, 2d]
-            shape, stride = (2, self.num_blocks, n, h, d), (d, pe, h * 2 * d, 2 * d, 1)
-        return [torch.as_strided(f, shape, stride, j * self.region_bytes // 4) for j in range(num_layers)]
+        """Attention views ``[2, B, H, N, d]`` (HND) or ``[2, B, N, H, d]`` (NHD) of regions
+        ``0..num_layers-1``: block ``b`` is page ``b``, K then V."""
+        h, n, d = self.heads, self.bs, HEAD_DIM
+        inner = (2, h, n, d) if self.layout is Layout.HND else (2, n, h, d)
+        return [self.bufs[rank][j].view(torch.float32).view(self.num_blocks, *inner).transpose(0, 1)
+                for j in range(num_layers)]  # fmt: skip
+
+    def caches(self, rank: int) -> list[torch.Tensor]:
+        """The engine's ``caches``: per layer, its region's attention view."""
+        views = self.attn_views(rank, self.regions)
+        return [views[self.region_of[x]] for x in range(self.m.num_layers)]
 
     def state_views(self, rank: int) -> list[torch.Tensor]:
         """Per state layer: ``[B, page]`` bytes of its region."""
-        b = self.bufs[rank]
-        return [b[j * self.region_bytes : (j + 1) * self.region_bytes].view(self.num_blocks, self.page)
-                for j in range(len(self.m.state))]  # fmt: skip
+        return [self.bufs[rank][j] for j in range(len(self.m.state))]
 
     # ------------------------------------------------------------- plain indexing, both ways
     def _rows(self, view: torch.Tensor, kv: int, block: int, row: int) -> torch.Tensor:
@@ -259,6 +294,22 @@ class Engine:
                     page = self.state_views(r)[j][self.state_id]
                     page[: spec.conv_bytes].view(torch.float32).copy_(conv.reshape(-1))
                     page[spec.conv_bytes : spec.content_bytes].view(torch.float32).copy_(ssm.reshape(-1))
+
+    def carry_before_window(self, src: Pages, num_tokens: int) -> None:
+        """The sliding rows a move carries from ``src``'s blocks before the window's first token
+        (``docs/DESIGN.md``: from the start of the later of the two sides' blocks holding it):
+        ``src``'s bytes there, garbage, as this engine's rows."""
+        if not self.m.sliding:
+            return
+        first = window_first(self.m, num_tokens)
+        lo = max(first // self.bs * self.bs, first // src.bs * src.bs)
+        for r in range(self.tp):
+            for view in self.attn_views(r, len(self.m.sliding)):
+                for t in range(lo, first):
+                    for kv in (0, 1):
+                        self._rows(view, kv, self.sliding_ids[t // self.bs], t % self.bs).view(
+                            torch.uint8
+                        ).fill_(GARBAGE)
 
     def _rank_state(self, e: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One rank's conv state (this engine's layout) and SSM state (its order) from HF's."""
@@ -323,64 +374,94 @@ class Engine:
 
 
 # ------------------------------------------------------------------------------- the move
-def move(p: Engine, d: Engine, num_tokens: int, wire: bool) -> dict[str, int]:
-    """Every group of the request from P's ranks into D's with kvxfer's ops; bytes moved per
-    group. ``wire``: gather/scatter through wires, else the fused copies."""
-    m, moved = p.m, {}
-    if m.state:
-        plan = plan_state_reads(p.state_spec, d.state_spec)
-        moved["state"] = 0
-        for dr in range(d.tp):
-            for read in plan.reads(dr):
-                src = p.state_views(read.src_rank)
-                if wire:
-                    w = gather_state(src, p.state_spec, [p.state_id], read.runs)
-                    scatter_state(
-                        w, d.state_views(dr), d.state_spec, [d.state_id], read.runs, wire_spec=p.state_spec
-                    )
-                else:
-                    copy_state(
-                        src,
-                        p.state_spec,
-                        [p.state_id],
-                        d.state_views(dr),
-                        d.state_spec,
-                        [d.state_id],
-                        read.runs,
-                    )
-                counts = [r.num_units for r in read.runs]
-                moved["state"] += p.state_spec.wire_layout(counts, num_states=1).nbytes
-    plan = plan_reads(p.full_spec, p.tp, d.full_spec, d.tp)
-    moved["full"] = 0
-    for dr in range(d.tp):
-        dst = d.attn_views(dr, len(m.full))
-        for r in plan.reads(dr):
-            src = p.attn_views(r.src_rank, len(m.full))
-            if wire:
-                w = gather_blocks(src, p.full_spec, p.full_ids, num_tokens, r.src_head_start, r.num_heads)
-                scatter_blocks(w, dst, d.full_spec, d.full_ids, num_tokens, r.dst_head_start)
+def start_engines(pg: Pages, name: str) -> list[TransferEngine]:
+    """One ``ipc`` TransferEngine per rank of ``pg`` (rank ``r`` on port base + ``r``)."""
+    base = free_port_base(pg.tp) if pg.tp > 1 else 0
+    out: list[TransferEngine] = []
+    try:
+        for r in range(pg.tp):
+            eng = TransferEngine(pg.spec, pg.caches(r), r, pg.tp, name, transport="ipc", lease_s=60.0, port=base,
+                                 auth_key=KEY, groups=pg.groups(), null_block=NULL_BLOCK)  # fmt: skip
+            out.append(eng.start())
+    except BaseException:
+        for e in out:
+            e.close()
+        raise
+    return out
+
+
+def _poll(engs: list[TransferEngine], side: str, timeout: float = 60.0) -> str:
+    """Poll every engine until each reports the request: "done" when every one did, else the
+    first other outcome ("failed: ...", "expired", "timed out")."""
+    outcome: list[str | None] = [None] * len(engs)
+    end = time.monotonic() + timeout
+    while None in outcome and time.monotonic() < end:
+        for i, e in enumerate(engs):
+            r = e.poll()
+            if side == "recv":
+                if "req" in r.finished_recving:
+                    outcome[i] = "done"
+                if "req" in r.failed:
+                    outcome[i] = "failed: " + r.errors.get("req", "")
             else:
-                copy_blocks(src, p.full_spec, p.full_ids, dst, d.full_spec, d.full_ids, num_tokens,
-                            r.src_head_start, r.dst_head_start, r.num_heads)  # fmt: skip
-            moved["full"] += p.full_spec.bytes_per_token(r.num_heads) * num_tokens
+                if "req" in r.finished_sending:
+                    outcome[i] = "done"
+                if "req" in r.expired:
+                    outcome[i] = "expired"
+        time.sleep(0.002)
+    return next((o or "timed out" for o in outcome if o != "done"), "done")
+
+
+def move(p: Pages, d: Pages, num_tokens: int) -> dict:
+    """The request from P's engines into D's (one export per P rank, one load per D rank);
+    what the engines reported and counted."""
+    ps, ds = start_engines(p, "P"), []
+    try:
+        ds = start_engines(d, "D")
+        t0 = time.perf_counter()
+        params = [e.export("req", p.block_lists(), num_tokens) for e in ps]
+        held_exported = sum(e.stats()["blocks_held"] for e in ps)
+        for e in ds:
+            e.load("req", params[0], d.block_lists())
+        recv = _poll(ds, "recv")
+        sent = _poll(ps, "send") if recv == "done" else "not polled"
+        seconds = time.perf_counter() - t0
+        return {
+            "recv": recv,
+            "sent": sent,
+            "same_params": all(x == params[0] for x in params),
+            "p_blocks_held_exported": held_exported,
+            "p_blocks_held_end": sum(e.stats()["blocks_held"] for e in ps),
+            "bytes_recv": sum(e.stats()["bytes"] for e in ds),
+            "move_s": round(seconds, 4),
+        }
+    finally:
+        for e in ps + ds:
+            e.close()
+
+
+def bytes_needed(p: Pages, d: Pages, num_tokens: int) -> dict[str, int]:
+    """Per group, the bytes the request needs on D's ranks together (every full-attention token,
+    the sliding tokens the move carries, D's state content per rank), their total, and the
+    bytes of moving every block of P's lists whole (the null positions as if live, the state
+    page with its padding) on P's ranks together."""
+    m, tok = p.m, 2 * KV_HEADS * HEAD_DIM * 4
+    out = {"full": tok * num_tokens * len(m.full)}
+    whole = len(p.full_ids) * len(m.full)
     if m.sliding:
-        sel = select_window_blocks(p.sliding_ids, d.sliding_ids, num_tokens, m.window, p.bs, d.bs)
-        src_ranks = [register_caches(p.attn_views(r, len(m.sliding)), p.sliding_spec, token_slots=True)
-                     for r in range(p.tp)]  # fmt: skip
-        plan = plan_reads(src_ranks[0].spec, p.tp, src_ranks[0].spec, d.tp)
-        moved["sliding"] = 0
-        for dr in range(d.tp):
-            dst = register_caches(d.attn_views(dr, len(m.sliding)), d.sliding_spec, token_slots=True)
-            for r in plan.reads(dr):
-                src = src_ranks[r.src_rank]
-                copy_blocks(src, src.spec, sel.src_slots(), dst, dst.spec, sel.dst_slots(), sel.num_window_tokens,
-                            r.src_head_start, r.dst_head_start, r.num_heads)  # fmt: skip
-                moved["sliding"] += p.sliding_spec.bytes_per_token(r.num_heads) * sel.num_window_tokens
-        moved["sliding_all_blocks"] = p.sliding_spec.bytes_per_token() * num_tokens
-    return moved
+        first = window_first(m, num_tokens)
+        lo = max(first // d.bs * d.bs, first // p.bs * p.bs)
+        out["sliding"] = tok * (num_tokens - lo) * len(m.sliding)
+        whole += len(p.sliding_ids) * len(m.sliding)
+    if m.state:
+        out["state"] = d.tp * d.state_spec.content_bytes * len(m.state)
+        whole += len(m.state)
+    out["total"] = sum(out.values())
+    out["every_block_whole"] = whole * p.page * p.tp
+    return out
 
 
-def mutate(d: Engine, what: str) -> str:
+def mutate(d: Pages, what: str) -> str:
     """1 % off in D's pages: one state layer's conv or SSM state (every rank's share), or the
     last in-window block of a sliding layer (K and V, every rank's heads). Returns what."""
     m = d.m
@@ -397,6 +478,10 @@ def mutate(d: Engine, what: str) -> str:
 
 
 # ------------------------------------------------------------------------------ the check
+P_SIDE = (Layout.HND, "SD", False, 8)  # layout, conv layout, GDN SSM [h, K, V]?, block size step
+D_SIDE = (Layout.NHD, "DS", True, 6)
+
+
 def check_model(name: str, num_tokens: int, atol: float, seed: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -420,42 +505,67 @@ def check_model(name: str, num_tokens: int, atol: float, seed: int) -> dict:
             ).logits
         return torch.log_softmax(logits[0, -1].double(), -1)
 
+    def side(tp: int, s: tuple, seed: int, fill: int) -> Pages:
+        layout, conv_layout, transposed, step = s
+        return Pages(m, tp, step, layout, conv_layout, transposed, num_tokens, seed, fill)
+
+    def label(pg: Pages) -> str:
+        lay = "HND" if pg.layout is Layout.HND else "NHD"
+        st = pg.state_spec
+        extra = (f" {st.conv_layout.value}" if st else "") + (
+            (" [h,K,V]" if st.ssm_transposed else " [h,V,K]") if m.gdn else ""
+        )
+        return f"TP{pg.tp} {lay}/{pg.bs}{extra}"
+
     res = {"model": name, "tokens": num_tokens, "directions": []}
     mutations = (["conv", "ssm"] if m.state else []) + (["window"] if m.sliding else [])
-    for p_tp, d_tp, wire in ((2, 1, True), (1, 2, False)):
-        p = Engine(m, p_tp, 8, Layout.HND, "SD", False, num_tokens, seed + 1)
-        d = Engine(m, d_tp, 6, Layout.NHD, "DS", True, num_tokens, seed + 2)
+    for p_tp, d_tp in ((2, 1), (1, 2)):
+        p = side(p_tp, P_SIDE, seed + 1, GARBAGE)
+        d = side(d_tp, D_SIDE, seed + 2, POISON)
         p.write(ex, num_tokens)
-        want = Engine(m, d_tp, 6, Layout.NHD, "DS", True, num_tokens, seed + 2)
+        want = side(d_tp, D_SIDE, seed + 2, POISON)  # the same block ids as D's
         want.write(ex, num_tokens)  # HF's cache straight into D's layout: what D must hold
+        want.carry_before_window(p, num_tokens)
         p_before = [b.clone() for b in p.bufs]
-        moved = move(p, d, num_tokens, wire)
+        moved = move(p, d, num_tokens)
         bytes_exact = all(torch.equal(a, b) for a, b in zip(d.bufs, want.bufs))
         p_untouched = all(torch.equal(a, b) for a, b in zip(p.bufs, p_before))
         got, problems = d.read(num_tokens, ex)
         lp = decode(got)
         diff = float((lp - ref).abs().max())
         argmax = int(lp.argmax()) == int(ref.argmax())
-        held = diff <= atol and argmax and bytes_exact and p_untouched and not problems
+        need = bytes_needed(p, d, num_tokens)
+        engine_ok = (
+            moved["recv"] == "done" and moved["sent"] == "done" and moved["same_params"]
+            and moved["p_blocks_held_end"] == 0 and moved["bytes_recv"] == need["total"]
+        )  # fmt: skip
+        held = diff <= atol and argmax and bytes_exact and p_untouched and not problems and engine_ok
         row = {
-            "p": f"TP{p_tp} HND/{p.bs}" + (" SD" if m.state else "") + (" [h,V,K]" if m.gdn else ""),
-            "d": f"TP{d_tp} NHD/{d.bs}" + (" DS" if m.state else "") + (" [h,K,V]" if m.gdn else ""),
-            "ops": "gather/scatter" if wire else "copy",
+            "p": label(p),
+            "d": label(d),
+            "p_block_size": p.bs,
+            "d_block_size": d.bs,
+            "ops": "engine/ipc",
             "max_abs_logprob_diff": diff,
             "argmax_equal": argmax,
             "bytes_exact": bytes_exact,
             "p_untouched": p_untouched,
             "replica_problems": problems,
-            "bytes_moved": moved,
+            "engine": moved,
+            "bytes_needed": need,
             "held": held,
             "mutations": {},
         }
         clean = [b.clone() for b in d.bufs]
         for what in mutations:
-            label = mutate(d, what)
+            text = mutate(d, what)
             got, _ = d.read(num_tokens, ex)
             mdiff = float((decode(got) - ref).abs().max())
-            row["mutations"][what] = {"what": label, "max_abs_logprob_diff": mdiff, "failed": mdiff > atol}
+            row["mutations"][what] = {
+                "what": text,
+                "max_abs_logprob_diff": mdiff,
+                "failed": not mdiff <= atol,
+            }
             for b, c in zip(d.bufs, clean):
                 b.copy_(c)
         res["directions"].append(row)
@@ -466,7 +576,7 @@ def check_model(name: str, num_tokens: int, atol: float, seed: int) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="qwen3_next,granite,gemma3", help="comma-separated")
-    p.add_argument("--tokens", type=int, default=37, help="prompt tokens P prefills")
+    p.add_argument("--tokens", type=int, default=101, help="prompt tokens P prefills")
     p.add_argument("--atol", type=float, default=1e-4, help="largest |log-probability difference| allowed")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -481,11 +591,13 @@ def main(argv=None) -> int:
         for row in res["directions"]:
             mut = ", ".join(f"{k} {v['max_abs_logprob_diff']:.2e} ({'fails' if v['failed'] else 'HELD'})"
                             for k, v in row["mutations"].items())  # fmt: skip
+            eng, need = row["engine"], row["bytes_needed"]
             print(
-                f"{res['model']:10s} {row['p']:>22s} -> {row['d']:22s} {row['ops']:15s} "
+                f"{res['model']:10s} {row['p']:>22s} -> {row['d']:22s} {row['ops']}: {eng['recv']}, "
                 f"max|dlogp| {row['max_abs_logprob_diff']:.2e} argmax {'=' if row['argmax_equal'] else '!='} "
-                f"bytes {'exact' if row['bytes_exact'] else 'DIFFER'} -> {'held' if row['held'] else 'FAILED'}; "
-                f"mutations: {mut}"
+                f"bytes {'exact' if row['bytes_exact'] else 'DIFFER'}, moved {eng['bytes_recv']} B "
+                f"(needed {need['total']}, every block whole {need['every_block_whole']}), "
+                f"P holds {eng['p_blocks_held_end']} -> {'held' if row['held'] else 'FAILED'}; mutations: {mut}"
             )
             ok &= row["held"] and all(v["failed"] for v in row["mutations"].values())
     print("check " + ("held" if ok else "FAILED") + f" (atol {a.atol}, {a.tokens} tokens)")

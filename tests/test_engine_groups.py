@@ -466,8 +466,8 @@ def test_windows_end_at_computed_tokens():
 
 def test_one_lease_over_the_union_and_a_released_export_is_not_delivered():
     """The export holds every group's live blocks (one count each: 8 + 4 + 2); an export
-    released before the load is never delivered, and nothing of D is written; one-sided reads
-    are off for an engine with groups (the messaged path)."""
+    released before the load is never delivered, and nothing of D is written (the first load
+    of a peer handshakes: the messaged path)."""
     p, d, st = _pair_1()
     try:
         pl = [list(range(1, 9)), [0] * 4 + [11, 12, 13, 14], [0] * 6 + [21, 22]]
@@ -481,7 +481,7 @@ def test_one_lease_over_the_union_and_a_released_export_is_not_delivered():
         got = _poll_all([d], {"r"}, "recv")
         assert got["r"].startswith("failed"), got
         assert all(torch.all(c.view(torch.uint8) == POISON) for c in st[1].caches)
-        assert d.stats()["onesided"] == {"off": True}
+        assert d.stats()["onesided"]["fallbacks"] == {"not handshaken": 1}
     finally:
         _close([p, d, *st])
 

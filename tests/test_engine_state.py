@@ -20,10 +20,12 @@ import pytest
 import torch
 
 from kvxfer import AttentionGroup, KVCacheSpec, Layout, StateGroup, StateSpec, TransferEngine
+from kvxfer.groups.state_group import page_view
 from kvxfer.ports import free_port_base
 from kvxfer.transports.ipc.shm import alloc_shm_caches
 from kvxfer.transports.nixl.agent import nixl_status
 
+from . import statedata
 from .test_engine_groups import GARBAGE, KEY, POISON, _fill, _place, _poll_all, _truth
 
 NB = 40
@@ -54,10 +56,22 @@ def _groups(state: StateSpec, num_spec: int = 0) -> list:
     return [AttentionGroup((0, 3)), AttentionGroup((1, 4), window=9), StateGroup((2, 5), state, num_spec)]
 
 
-def _regions(spec: KVCacheSpec, tp: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Raw page regions (uint8 ``[NB, page]``) and each layer index's attention view over them."""
+def _regions(
+    spec: KVCacheSpec, tp: int, aliased: bool = True
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Raw page regions (uint8 ``[NB, page]``) and each layer index's attention view over them
+    (``aliased``: layer j of every group on region j, as vLLM; else a region per layer, so a
+    group read through another group's layers shows)."""
     page = _block_bytes(spec, tp)
     h = spec.heads_per_rank(tp)
+    if not aliased:
+        raws = [torch.empty(NB, page, dtype=torch.uint8) for _ in range(6)]
+        inner = (
+            (2, spec.block_size, h, spec.head_dim)
+            if spec.layout is Layout.NHD
+            else (2, h, spec.block_size, spec.head_dim)
+        )
+        return raws, [r.view(spec.dtype).view(NB, *inner).transpose(0, 1) for r in raws]
     raws = [torch.empty(NB, page, dtype=torch.uint8) for _ in range(2)]
     if spec.layout is Layout.NHD:
         inner = (2, spec.block_size, h, spec.head_dim)
@@ -261,10 +275,14 @@ def test_export_refuses_a_null_or_missing_state_block():
         p.close()
 
 
-def _refused(dst_spec: KVCacheSpec, dst_state: StateSpec, match: str, transport: str = "pg") -> None:
+def _refused(
+    dst_spec: KVCacheSpec, dst_state: StateSpec, match: str, transport: str = "pg", planes=False
+) -> None:
     src = _spec()
     _, pc = _regions(src, 1)
     _, dc = _regions(dst_spec, 1)
+    if planes:
+        dc = [torch.empty(dst_spec.cache_shape(NB, 1), dtype=dst_spec.dtype) for _ in range(6)]
     _fill(pc, GARBAGE)
     _fill(dc, POISON)
     p = TransferEngine(src, pc, 0, 1, "P", transport=transport, lease_s=5.0, auth_key=KEY,
@@ -286,10 +304,171 @@ def _refused(dst_spec: KVCacheSpec, dst_state: StateSpec, match: str, transport:
         d.close()
 
 
-def test_handshake_refuses_other_page_geometry():
-    _refused(_spec("HND"), _state("gdn", _spec("HND"), 1), "equal layout")
-    _refused(_spec(bs=8), _state("gdn", _spec(bs=8), 1), "equal block_size")
+def test_another_state_dtype_is_refused_by_name():
+    other = StateSpec.gdn(2, 2, 4, 4, 4, 4, torch.bfloat16, torch.float32, page_size_bytes=512)
+    _refused(_spec(), other, "conv_dtype differs")
 
 
-def test_handshake_refuses_another_state_spec():
-    _refused(_spec(), _state("gdn", _spec(), 1, conv_layout="DS"), "state spec field conv_layout differs")
+def test_resharding_needs_whole_pages():
+    """D's caches keep K and V planes apart (not vLLM's hybrid layout) and its layout differs
+    from P's: the state cannot be copied unit by unit into them, and the handshake says why."""
+    _refused(_spec("HND"), _state("gdn", _spec("HND"), 1), "not one contiguous page", planes=True)
+
+
+# ------------------------------------------------------------------ re-sharded over ipc
+def _many_lists(rng: random.Random, groups, n: int, bs: int, count: int) -> list[list[list[int]]]:
+    """:func:`_lists` for ``count`` requests, from one pool: no block in two of them."""
+    need = -(-n // bs)
+    pool = iter(rng.sample(range(1, NB), (2 * need + 1) * count))
+    out = []
+    for _ in range(count):
+        ids = [next(pool) for _ in range(2 * need + 1)]
+        one = random.Random(0)
+        one.sample = lambda _range, k, ids=ids: ids[:k]  # draw this request's own ids in order
+        out.append(_lists(one, groups, n, bs))
+    return out
+
+
+def _run_resharded(src: KVCacheSpec, tp_p: int, dst: KVCacheSpec, tp_d: int, kind: str, n: int, seed: int = 0,
+                   src_kw: dict | None = None, dst_kw: dict | None = None, transport: str = "ipc",
+                   requests: int = 1, aliased: bool = True):  # fmt: skip
+    """P and D laid out otherwise (TP, block size, layout, conv layout, SSM order): the state
+    group's units are copied out of P's mapped pages into D's layout; every byte of D checked
+    against the naive model of :mod:`tests.statedata` (the state content at D's state block,
+    the page's padding and every other byte poison; laid out alike, P's whole page). ``requests`` are exported and loaded one
+    after another (the second finds P mapped: one-sided over ``ipc``); returns D rank 0's
+    stats."""
+    rng = random.Random(seed)
+    ps_state = _state(kind, src, tp_p, **(src_kw or {}))
+    ds_state = _state(kind, dst, tp_d, **(dst_kw or {}))
+    t = statedata.truth(ps_state, requests, seed)
+    whole = (src, tp_p, ps_state.to_dict()) == (dst, tp_d, ds_state.to_dict())
+    rids = [f"req{k}" for k in range(requests)]
+
+    def engines(spec, tp, name, st):
+        base = free_port_base(tp) if tp > 1 else 0
+        out, regions = [], []
+        for r in range(tp):
+            raws, caches = _regions(spec, tp, aliased)
+            _fill(caches, POISON)
+            regions.append((raws, caches))
+            eng = TransferEngine(spec, caches, r, tp, name, transport=transport, lease_s=30.0, port=base,
+                                 auth_key=KEY, groups=_groups(st))  # fmt: skip
+            out.append(eng.start())
+        return out, regions
+
+    ps, pst = engines(src, tp_p, "P", ps_state)
+    ds, dst_ = engines(dst, tp_d, "D", ds_state)
+    try:
+        groups = _groups(ps_state)
+        truths = [_truth(src, LAYER_GROUP, n, seed + k) for k in range(requests)]
+        plists = _many_lists(rng, groups, n, src.block_size, requests)
+        dlists = _many_lists(rng, groups, n, dst.block_size, requests)
+        for r, (_raws, caches) in enumerate(pst):
+            _fill(caches, GARBAGE)
+            heads = src.heads_of_rank(r, tp_p)
+            for k in range(requests):
+                for g, grp in enumerate(groups[:2]):
+                    lo = grp.live_first(n) // src.block_size * src.block_size
+                    _place(caches, src, truths[k], grp.layers, heads, plists[k][g], range(lo, n))
+            pages = [page_view(caches[x]) for x in groups[2].layers]
+            statedata.place(pages, ps_state, r, t, [pl[2][-1] for pl in plists])
+        for k, rid in enumerate(rids):
+            params = [e.export(rid, plists[k], n) for e in ps]
+            for e in ds:
+                e.load(rid, params[0], dlists[k])
+            got = _poll_all(ds, {rid}, "recv")
+            assert got == {rid: "done"}, got
+        assert all(e.stats()["transports"] == {"P": transport} for e in ds)
+        for r, (_, dc) in enumerate(dst_):
+            heads = dst.heads_of_rank(r, tp_d)
+            region = REGION if aliased else list(range(6))
+            regions = [dc[region.index(k)].clone() for k in sorted(set(region))]
+            for w in regions:
+                w.view(torch.uint8).fill_(POISON)
+            want = [regions[region[j]] for j in range(6)]
+            for k in range(requests):
+                for g, grp in enumerate(groups[:2]):
+                    lf = grp.live_first(n)
+                    lo = max(lf // dst.block_size * dst.block_size, lf // src.block_size * src.block_size)
+                    _place(want, dst, truths[k], grp.layers, heads, dlists[k][g], range(lo, n))
+            wpages = [page_view(want[x]) for x in groups[2].layers]
+            if whole:  # laid out alike: the page moves whole, P's padding included
+                ppages = [page_view(pst[r][1][x]) for x in groups[2].layers]
+                for wp, pp in zip(wpages, ppages):
+                    for pl, dl in zip(plists, dlists):
+                        wp[dl[2][-1]] = pp[pl[2][-1]]
+            else:
+                statedata.place(wpages, ds_state, r, t, [dl[2][-1] for dl in dlists])
+            for j in sorted({region.index(k) for k in region}):  # each region once
+                a, b = dc[j].view(torch.uint8), want[j].view(torch.uint8)
+                if not torch.equal(a, b):
+                    diff = (a != b).nonzero()
+                    raise AssertionError(f"D rank {r} region {region[j]}: {diff.shape[0]} bytes differ, first {diff[0].tolist()}")  # fmt: skip
+        sent = _poll_all(ps, set(rids), "send")
+        assert sent == dict.fromkeys(rids, "done"), sent
+        assert all(e.stats()["blocks_held"] == 0 for e in ps)
+        return ds[0].stats()
+    finally:
+        for e in ps + ds:
+            e.close()
+
+
+@pytest.mark.parametrize(
+    "kind,src_layout,bs_p,tp_p,dst_layout,bs_d,tp_d,src_kw,dst_kw",
+    [
+        ("gdn", "NHD", 4, 2, "NHD", 4, 1, {}, {}),  # TP 2 -> 1
+        (
+            "gdn",
+            "HND",
+            8,
+            1,
+            "NHD",
+            4,
+            2,
+            {},
+            {"conv_layout": "DS", "ssm_transposed": True},
+        ),  # 1 -> 2, every layout
+        ("mamba2", "NHD", 4, 1, "HND", 4, 2, {}, {"conv_layout": "DS"}),  # B and C replicated on D
+        ("mamba2", "HND", 4, 2, "NHD", 8, 1, {"conv_layout": "DS"}, {}),  # 2 -> 1, replicas read once
+        ("gdn", "NHD", 4, 1, "NHD", 4, 1, {}, {"conv_layout": "DS"}),  # same TP, another conv layout
+    ],
+)
+def test_state_group_resharded_over_ipc(kind, src_layout, bs_p, tp_p, dst_layout, bs_d, tp_d, src_kw, dst_kw):
+    _run_resharded(_spec(src_layout, bs_p), tp_p, _spec(dst_layout, bs_d), tp_d, kind, 33, 7, src_kw, dst_kw)
+
+
+@pytest.mark.parametrize("transport", ["pg", NIXL])
+@pytest.mark.parametrize(
+    "kind,src_layout,bs_p,tp_p,dst_layout,bs_d,tp_d,src_kw,dst_kw",
+    [
+        ("gdn", "NHD", 4, 2, "HND", 8, 1, {}, {"conv_layout": "DS", "ssm_transposed": True}),  # 2 -> 1
+        ("mamba2", "HND", 8, 1, "NHD", 4, 2, {"conv_layout": "DS"}, {}),  # 1 -> 2, B and C replicated
+    ],
+)
+def test_state_group_resharded_over_a_staged_stream(
+    transport, kind, src_layout, bs_p, tp_p, dst_layout, bs_d, tp_d, src_kw, dst_kw
+):
+    """``pg`` and staged ``nixl``: each source rank streams its whole state pages into a landing
+    laid out as its own, and D's units are copied out of it."""
+    _run_resharded(
+        _spec(src_layout, bs_p), tp_p, _spec(dst_layout, bs_d), tp_d, kind, 29, 9, src_kw, dst_kw, transport
+    )
+
+
+def test_another_state_model_is_refused_by_name():
+    _refused(_spec(), StateSpec.gdn(2, 2, 4, 4, 4, 3, torch.float16, torch.float32, page_size_bytes=512),
+             "state_len differs", transport="ipc")  # fmt: skip
+
+
+@pytest.mark.parametrize("resharded", [False, True])
+def test_grouped_loads_read_one_sided(resharded):
+    """The second of two hybrid requests finds P mapped and reads one-sided over ``ipc`` (no
+    message before the copy): every group planned as the messaged path plans it, a re-sharded
+    state's units copied from the mapped pages; every byte checked as above."""
+    if resharded:
+        st = _run_resharded(_spec("NHD"), 2, _spec("HND", bs=8), 1, "gdn", 27, 11, {}, {"conv_layout": "DS"},
+                            requests=2)  # fmt: skip
+    else:
+        st = _run_resharded(_spec("NHD"), 1, _spec("NHD"), 1, "mamba2", 27, 12, requests=2, aliased=False)
+    assert st["onesided"]["loads"] >= 1, st["onesided"]

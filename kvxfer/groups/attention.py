@@ -15,7 +15,6 @@ handshake compares.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,21 +79,6 @@ class AttentionGroup:
     def describe(self) -> str:
         w = "" if self.window is None else f", window {self.window}"
         return f"{self.kind} attention{w}, layers {list(self.layers)}"
-
-
-def _state_difference(theirs: str, mine: str) -> str:
-    """Which field of two state specs (:meth:`StateGroup.state_wire`, "" for none) differs."""
-    if not theirs or not mine:
-        kinds = ("a state" if theirs else "an attention", "a state" if mine else "an attention")
-        return f"the peer's is {kinds[0]} group, this engine's {kinds[1]} group"
-    try:
-        a, b = json.loads(theirs), json.loads(mine)
-    except ValueError:
-        return "the peer's state spec is not one this engine reads"
-    if not isinstance(a, dict):
-        return "the peer's state spec is not one this engine reads"
-    k = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
-    return f"state spec field {k} differs (the peer's {a.get(k)!r}, this engine's {b.get(k)!r})"
 
 
 class GroupSet:
@@ -165,23 +149,21 @@ class GroupSet:
     def mismatch(self, wire: list | None, states: list | None = None) -> str | None:
         """Why a peer whose groups are ``wire`` (:meth:`to_wire`, None: not grouped) and state
         specs ``states`` (:meth:`states_wire`) cannot exchange requests with this engine; None
-        when it can (the same groups, in order, the same state specs)."""
-        mine_states = self.states_wire()
-        if (states or None) != mine_states:
-            theirs = list(states or [""] * len(self.groups))
-            ours = mine_states or [""] * len(self.groups)
-            if len(theirs) != len(ours):
-                return f"the peer has {len(theirs)} KV cache groups, this engine {len(ours)}"
-            for i, (a, b) in enumerate(zip(theirs, ours)):
-                if a != b:
-                    what = self.groups[i].describe() if b else "an attention group here"
-                    return f"KV cache group {i} ({what}): {_state_difference(a, b)}"
+        when it can: the same groups in order, each of the same kind (whether two state specs
+        can exchange is the handshake's question: :mod:`kvxfer.groups.state_group`)."""
         if wire is None:
             return "the peer registered no KV cache groups, this engine did"
         mine = self.to_wire()
         if len(wire) != len(mine):
             return f"the peer has {len(wire)} KV cache groups, this engine {len(mine)}"
+        kinds = list(states) if isinstance(states, list) and len(states) == len(wire) else [""] * len(wire)
         for i, (a, b) in enumerate(zip(wire, mine)):
+            if bool(kinds[i]) != self.whole[i]:
+                what = (
+                    "a state" if kinds[i] else "an attention",
+                    "a state" if self.whole[i] else "an attention",
+                )
+                return f"KV cache group {i}: the peer's is {what[0]} group, this engine's {what[1]} group"
             if list(a) != b:
                 return f"KV cache group {i} differs: the peer's {list(a)}, this engine's {b} ([window, extra, *layers])"
         return None

@@ -13,19 +13,115 @@ An engine sees a state layer through an attention-shaped view over its pages (th
 planner, transports and ops as attention groups. Whole pages are the identity on bytes only
 between engines whose pages are laid out alike: the same block size, attention layout, dtype
 and TP size, and equal state specs (:meth:`StateGroup.peer_mismatch`); other peers are refused
-at the handshake, by group, and the decode side computes the prompt. Re-sharding a state across
-TP sizes and converting its conv layout or SSM order are what :mod:`kvxfer.groups.state_ops`
-does on its own pages; the engine does not route through them yet.
+at the handshake, by group, unless the transport can re-shard.
+
+A peer laid out otherwise (another TP size, block size, attention layout or dtype, or a state
+spec with another conv layout, SSM order or page size, for the same model and state dtypes)
+gets a :class:`StateRoute`: the ``ipc`` transport, which maps the exporter's pages, copies the
+units each destination rank needs from each source rank with
+:func:`kvxfer.groups.state_ops.copy_state` (:func:`~kvxfer.groups.state_plan.plan_state_reads`),
+through :func:`page_view` of both sides' caches. Other transports refuse such a peer by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from .state import StateSpec
+import torch
 
-__all__ = ["StateGroup"]
+from ..spec import KVCacheSpec, Layout
+from ..views import CacheViews
+from .state import StateSpec, UnitRun
+
+__all__ = ["StateGroup", "StateLanding", "StateRoute", "page_view"]
+
+
+class StateRoute(NamedTuple):
+    """How one state group moves from a peer laid out otherwise (see the module doc): the
+    peer's spec ``src``, this engine's ``dst``, the unit runs this rank reads from each source
+    rank (``runs``), and ``why`` pages cannot move whole."""
+
+    src: StateSpec
+    dst: StateSpec
+    runs: dict[int, tuple[UnitRun, ...]]
+    why: str
+
+    def nbytes(self, num_layers: int, num_states: int, s: int) -> int:
+        """Bytes read from source rank ``s`` for ``num_states`` states of ``num_layers`` layers."""
+        runs = self.runs.get(s, ())
+        per = 0
+        for run, sec in zip(runs, self.src.sections):
+            n = 1
+            for d in sec.unit_shape:
+                n *= d
+            per += run.num_units * n * sec.dtype.itemsize
+        return per * num_layers * num_states
+
+
+class StateLanding:
+    """Where a staged transport (``pg``, ``nixl`` staged) lands a state group's pages from one
+    source rank before they are re-sharded: ``num_states`` pages per layer laid out as the
+    source rank's (its spec, block size and heads), for the group's ``layers`` (engine layer
+    indices; the other layers of the list alias the first, never written). Its ``views``,
+    ``spec`` and ``num_blocks`` are what a stream's scatter takes
+    (:func:`kvxfer.transports.streams.stream_scatters`); :meth:`pages` what
+    :func:`~kvxfer.groups.state_ops.copy_state` reads."""
+
+    __slots__ = ("caches", "layers", "num_blocks", "spec", "views")
+
+    def __init__(
+        self, spec: KVCacheSpec, tp_size: int, layers: tuple[int, ...], num_states: int, device: torch.device
+    ) -> None:
+        heads = spec.heads_per_rank(tp_size)
+        page = spec.bytes_per_token(heads, 1) * spec.block_size
+        if spec.use_mla:
+            inner = (spec.block_size, spec.head_dim)
+        elif spec.layout is Layout.NHD:
+            inner = (2, spec.block_size, heads, spec.head_dim)
+        else:
+            inner = (2, heads, spec.block_size, spec.head_dim)
+        own = {}
+        for x in layers:
+            raw = torch.empty(num_states, page, dtype=torch.uint8, device=device)
+            view = raw.view(spec.dtype).view(num_states, *inner)
+            own[x] = view if spec.use_mla else view.transpose(0, 1)
+        first = own[layers[0]]
+        self.caches = [own.get(x, first) for x in range(spec.num_layers)]
+        self.layers = layers
+        self.spec = spec
+        self.num_blocks = num_states
+        self.views = CacheViews(self.caches, dataclasses.replace(spec))
+
+    def pages(self) -> list[torch.Tensor]:
+        """The group's layers' pages (:func:`page_view`), in the group's order."""
+        return [page_view(self.caches[x]) for x in self.layers]
+
+
+def page_view(cache: torch.Tensor) -> torch.Tensor:
+    """One layer's state pages, uint8 ``[num_blocks, page_bytes]``, from its attention-shaped
+    view (``[2, num_blocks, ...]`` or MLA ``[num_blocks, ...]``) whose every block is one
+    contiguous page (vLLM's hybrid layout); ``ValueError`` naming why not (K and V planes
+    apart, padded rows)."""
+    raw = cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+    bdim = 1 if raw.dim() == 5 else 0
+    blocks = raw.shape[bdim]
+    block = raw.select(bdim, 0)
+    page = block.numel()
+    dims = sorted(((st, n) for st, n in zip(block.stride(), block.shape) if n > 1), reverse=True)
+    want = 1
+    for st, n in reversed(dims):
+        if st != want:
+            raise ValueError(
+                f"caches: a block of shape {tuple(cache.shape)} strides {tuple(cache.stride())} is not one "
+                "contiguous page (its K and V planes lie apart): state pages need vLLM's hybrid layout"
+            )
+        want *= n
+    if blocks > 1 and raw.stride(bdim) < page:
+        raise ValueError(f"caches: blocks overlap (block stride {raw.stride(bdim)} bytes < page {page})")
+    return torch.as_strided(raw, (blocks, page), (raw.stride(bdim), 1), raw.storage_offset())
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,8 @@ def stream_scatters(
     """The loader's end of a stream it asked for: the :class:`Stream` of ``bp``'s calls in this
     rank's units (head slice ``r``, ``layers``) and the scatter the staged pipeline runs per
     chunk. The ids were checked at ``load()`` (range, repeats); when the batch's loads write
-    disjoint blocks (``bp.distinct``) no call repeats one either, and the ops skip those checks."""
+    disjoint blocks (``bp.distinct``) no call repeats one either, and the ops skip those checks.
+    ``rank`` may be a transfer's landing instead (``views``, ``spec``, ``num_blocks``)."""
     disjoint = bp.distinct
 
     def scatter(c, wire: torch.Tensor) -> None:

@@ -41,8 +41,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import numpy as np
+
 from ... import idops, ops
 from ...engine_types import LoadItem, describe_error, disjoint_blocks, loaded_twice
+from ...grouped import group_items
 from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
@@ -245,8 +248,20 @@ class OneSided:
         if self._cpu_bpt and (p.num_tokens - item.first) * self._cpu_bpt > CPU_COPY_MAX_BYTES:
             return self._no("CPU copy too large for the caller")
         ids = item.src_ids
-        if ids.size != peer.spec.num_blocks_for(p.num_tokens) or idops.max_id(ids) >= peer.num_blocks:
-            return self._no("bad params")  # the messaged path names the problem
+        gs = self.rank.groups
+        if gs is None:
+            if ids.size != peer.spec.num_blocks_for(p.num_tokens):
+                return self._no("bad params")  # the messaged path names the problem
+        else:  # one item per group, as the messaged path plans them
+            got = group_items(
+                gs, item.request_id, ids, p.groups, p.num_tokens, item.group_dst,
+                peer.spec.block_size, self.rank.spec.block_size, peer.state_routes,
+            )  # fmt: skip
+            if type(got) is str:
+                return self._no("bad params")
+            item.groups = got
+        if idops.max_id(ids) >= peer.num_blocks:
+            return self._no("bad params")
         key = (p.engine_id, p.request_id)
         if key in self._active or self.link.queued(key):
             # The same params already in this batch (read here, or queued for the messaged path,
@@ -309,10 +324,13 @@ class OneSided:
                 hook()
             calls = 0
             with rt.order.on_stream(), contextlib.ExitStack() as fetch:
+                grouped = self.rank.groups is not None  # fetched per group (its blocks, its layers)
                 for src in t.sources:  # cross-memory attach: the blocks read into the mirrors
-                    if src.mapping.remote is not None:
+                    if src.mapping.remote is not None and not grouped:
                         fetch.enter_context(fetched(src.mapping, items))
-                if len(group) == 1 and not items[0].first:
+                if grouped:
+                    calls = self._copy_groups(t, items)
+                elif len(group) == 1 and not items[0].first:
                     calls = _copy_whole(t, items[0])
                 else:
                     distinct = len(items) == 1 or disjoint_blocks(items, rank.spec.block_size)
@@ -324,8 +342,49 @@ class OneSided:
                 ev = session.done_event() if rt.order.cuda else None
         for k, f in enumerate(group):
             f.event, f.calls = ev, calls if k == 0 else 0  # a batch's calls counted once
-            f.moved = (f.item.num_tokens - f.item.first) * t.per_token
+            f.moved = self._moved(t, f.item)
         return True
+
+    def _copy_groups(self, t: Target, items: list[LoadItem]) -> int:
+        """The copies of loads of an engine with KV cache groups (under the session's lock): per
+        source rank and group (cross-memory attach: its blocks of its layers fetched first), the group's items planned over its
+        layers as the messaged path plans them, a re-sharded state group's units copied
+        (:meth:`IpcSession.copy_units`); returns the ops calls."""
+        session, gs = t.session, self.rank.groups
+        routes = t.peer.state_routes
+        distinct = len(items) == 1 or disjoint_blocks(items, self.rank.spec.block_size)
+        sbs = t.peer.spec.block_size
+        calls = 0
+        for src in t.sources:
+            for g, grp in enumerate(gs.groups):
+                sub = [it.groups[g] for it in items]
+                layers = list(grp.layers)
+                state = routes.get(g)
+                if state is not None and src.rank not in state.runs:
+                    continue
+                with fetched(src.mapping, items, layers, np.concatenate([it.src for it in sub])):
+                    if state is not None:
+                        session.copy_units(src.mapping, src.rank, grp, state, sub, layers)
+                        calls += 1
+                        continue
+                    bp = self.link.plan(src.route, sbs, sub, distinct)
+                    xfer = Transfer(src.rank, src.reads, bp, items, layers, items[0].deadline)
+                    calls += session.copy(src.mapping, xfer)
+        return calls
+
+    def _moved(self, t: Target, item: LoadItem) -> int:
+        """Wire bytes of a load: its tokens over every read, or per group over its layers."""
+        if item.groups is None:
+            return (item.num_tokens - item.first) * t.per_token
+        per_layer = t.per_token // max(1, self.rank.spec.num_layers)
+        out = 0
+        for g, (grp, sub) in enumerate(zip(self.rank.groups.groups, item.groups)):
+            state = t.peer.state_routes.get(g)
+            if state is not None:
+                out += sum(state.nbytes(len(grp.layers), 1, src.rank) for src in t.sources)
+            else:
+                out += (sub.num_tokens - sub.first) * per_layer * len(grp.layers)
+        return out
 
     # -------------------------------------------------------------------------- batch
     def hold(self) -> None:

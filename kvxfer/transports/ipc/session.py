@@ -26,6 +26,8 @@ import torch
 
 from ... import ops
 from ...engine_types import time_left
+from ...groups.state_group import page_view
+from ...groups.state_ops import copy_state
 from ...ordering import event_done
 from ...tracing import items_tag, trace
 from ...transfer import Outcome, Route, Transfer
@@ -63,15 +65,19 @@ def map_rank(peer: Peer, s: int, device: torch.device) -> IpcMap:
 
 
 @contextlib.contextmanager
-def fetched(m: IpcMap, loads, layers=None) -> Iterator[None]:
+def fetched(m: IpcMap, loads, layers=None, blocks: np.ndarray | None = None) -> Iterator[None]:
     """Around the copies of ``loads`` from mapping ``m``: for cross-memory attach, their source
-    blocks read into the mirrors first and the mirrors emptied after (the copies run on the CPU,
-    synchronously); nothing for a real mapping."""
+    blocks (``blocks``, default every id of the loads) of ``layers`` read into the mirrors first
+    and the mirrors emptied after (the copies run on the CPU, synchronously); nothing for a real
+    mapping."""
     remote = m.remote
     if remote is None:
         yield
         return
-    ids = loads[0].src_ids if len(loads) == 1 else np.concatenate([it.src_ids for it in loads])
+    if blocks is not None:
+        ids = blocks
+    else:
+        ids = loads[0].src_ids if len(loads) == 1 else np.concatenate([it.src_ids for it in loads])
     remote.fetch(ids, layers)
     try:
         yield
@@ -141,9 +147,35 @@ class IpcSession:
         with self.lock, trace("copy", items_tag, transfer.loads):
             if self.closed:
                 raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
-            with fetched(m, transfer.loads, transfer.layers):
+            with fetched(m, transfer.loads, transfer.layers, transfer.blocks):
                 calls = self.copy(m, transfer)
         return IpcCompletion(self, m, transfer, calls)
+
+    def move_state(
+        self, s: int, group, route, items, loads, layers: list[int], deadline: float
+    ) -> IpcCompletion:
+        """Copy a state group's units this rank needs from source rank ``s`` (``route``: a
+        :class:`~kvxfer.groups.state_group.StateRoute`; ``items``: each load's state block on
+        both sides) straight out of the mapped pages into this rank's, re-sharded and converted
+        (:func:`kvxfer.groups.state_ops.copy_state`) over ``layers`` (engine layer indices of
+        ``group``); the completion as for :meth:`start`."""
+        m = self.mapping(s)
+        with self.lock, trace("copy", items_tag, loads):
+            if self.closed:
+                raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
+            with fetched(m, loads, layers, np.array([it.src[0] for it in items], dtype=np.int64)):
+                self.copy_units(m, s, group, route, items, layers)
+        return IpcCompletion(self, m, Transfer(s, [], None, loads, layers, deadline), 1)
+
+    def copy_units(self, m: IpcMap, s: int, group, route, items, layers: list[int]) -> None:
+        """The copy of :meth:`move_state` from mapping ``m`` (call under :attr:`lock`, the
+        source blocks fetched)."""
+        src_caches = m.views.views[0].caches
+        copy_state(
+            [page_view(src_caches[x]) for x in group.layers], route.src, [int(it.src[0]) for it in items],
+            [page_view(self.rank.caches[x]) for x in group.layers], route.dst, [int(it.dst[0]) for it in items],
+            route.runs[s], layers=[group.layers.index(x) for x in layers],
+        )  # fmt: skip
 
     def copy(self, m: IpcMap, transfer: Transfer) -> int:
         """The ops calls of ``transfer`` from mapping ``m`` into this rank's caches, on the

@@ -146,7 +146,7 @@ class NixlSession:
         peer (the next load handshakes, and connects, anew)."""
         st = self._rank_of(transfer.source)
         try:
-            if st.paths.get(read_key(transfer.reads[0]), "?"):
+            if transfer.landing is not None or st.paths.get(read_key(transfer.reads[0]), "?"):
                 return Done(self._staged(st, transfer))
             return Done(self._direct(st, transfer))
         except XferTimeout as e:  # the READ may still write our blocks: fenced until it ended
@@ -241,7 +241,8 @@ class NixlSession:
             why = f"nixl pair with rank {s}: {describe_error(e)}"
             return Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0)
         receive = nixl.receive_staging()
-        bpt = rank.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
+        into = transfer.landing or rank  # where the chunks are scattered
+        bpt = into.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
         chunk_tokens = rank.pipeline.chunk_tokens_for(
             {"staging_bytes": st.staging_bytes}, bpt, bp.src_unit, bp.dst_unit
         )
@@ -264,7 +265,7 @@ class NixlSession:
             except BaseException:
                 agent.close_box(key)
                 raise
-        stream, scatter = stream_scatters(rank, r, bp, chunk_tokens, loads, layers)
+        stream, scatter = stream_scatters(into, r, bp, chunk_tokens, loads, layers)
         n, flags = recv_stream(
             agent, st.agent, key, st.staging, receive, stream, scatter, deadline, len(loads)
         )

@@ -51,10 +51,11 @@ class PgSession:
             why = f"pg pair with rank {s}: {describe_error(e)}"
             return Done(Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0))
         rank, rt, peer = self.rank, self.rt, self.peer
+        into = transfer.landing or rank  # where the chunks are scattered
         group, key = pair
         (r,) = transfer.reads
         bp, layers, deadline = transfer.plan, transfer.layers, transfer.deadline
-        bpt = rank.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
+        bpt = into.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
         chunk_tokens = rank.pipeline.chunk_tokens_for(peer.replies[s].pg, bpt, bp.src_unit, bp.dst_unit)
         try:
             refused = ask_stream(
@@ -69,7 +70,7 @@ class PgSession:
             hook = rt.hooks.get("before_recv")
             if hook:
                 hook()
-            stream, scatter = stream_scatters(rank, r, bp, chunk_tokens, loads, layers)
+            stream, scatter = stream_scatters(into, r, bp, chunk_tokens, loads, layers)
             n, flags = rank.pipeline.recv_stream(
                 group, 0, peer.pg_backends[s], rank.device, stream, scatter, time_left(deadline), len(loads)
             )
