@@ -348,9 +348,10 @@ def test_groups_from_config_carries_attention_and_names_what_it_refuses():
     )
     got = groups_from_config(gemma, "gemma")
     assert [x.window for x in got] == [32] * 5 + [None]
-    mamba = Config([Group(["m0"], MambaSpec()), Group(["a0"], FullAttentionSpec())])
+    mamba = Config([Group(["m0"], MambaSpec()), Group(["a0"], FullAttentionSpec())])  # no mamba_type
     with pytest.raises(
-        HybridModelUnsupported, match=r"model qwen-next: KV cache group 0 \(MambaSpec.*a state group"
+        HybridModelUnsupported,
+        match=r"model qwen-next: KV cache group 0 \(MambaSpec.*state group not carried: state kind \?",
     ):
         groups_from_config(mamba, "qwen-next")
     chunked = Config(

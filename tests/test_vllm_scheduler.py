@@ -353,8 +353,9 @@ def test_get_finished_count_is_world_size(model_dir):
 
 def test_connector_api_points_and_hybrid_models(model_dir):
     """requires_kv_delivery where the server exports; handle_preemptions is a no-op; a model
-    with full-attention and sliding-window groups is carried (each group registered), a state
-    group is refused with HybridModelUnsupported, naming the model, the group and why."""
+    with full-attention and sliding-window groups is carried (each group registered), so is a
+    Mamba2 state group; one in prefix caching's "align" mode is refused with
+    HybridModelUnsupported, naming the model, the group and why."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -385,16 +386,27 @@ def test_connector_api_points_and_hybrid_models(model_dir):
     )
     c = KvxferConnector(_vllm_config(model_dir, "kv_consumer", "E", 15000), KVConnectorRole.SCHEDULER, two)
     assert [(g.window, g.layer_names) for g in c.groups] == [(None, ("l0",)), (64, ("l1",))]
-    mamba = MambaSpec(block_size=BS, shapes=((3, 64), (4, 16, 16)), dtypes=(torch.float32, torch.float32))
-    hybrid = KVCacheConfig(
-        num_blocks=NB,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["m0"], mamba), KVCacheGroupSpec(["l1"], full)],
-    )
-    with pytest.raises(
-        HybridModelUnsupported, match=r"model .*: KV cache group 0 \(MambaSpec.*a state group"
-    ):
-        KvxferConnector(_vllm_config(model_dir, "kv_consumer", "E", 15000), KVConnectorRole.SCHEDULER, hybrid)
+    # vLLM's own MambaSpec (Mamba2: x of 4 heads x 16, one group of d_state 16): carried; in
+    # prefix caching's "align" mode: refused, naming the group and why
+    shapes = ((3, 4 * 16 + 2 * 16), (4, 16, 16))
+    for mode, carried in (("none", True), ("align", False)):
+        mamba = MambaSpec(
+            block_size=BS, shapes=shapes, dtypes=(torch.float32, torch.float32), mamba_cache_mode=mode
+        )
+        hybrid = KVCacheConfig(
+            num_blocks=NB,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["m0"], mamba), KVCacheGroupSpec(["l1"], full)],
+        )
+        cfg = _vllm_config(model_dir, "kv_consumer", "E", 15000)
+        if carried:
+            c = KvxferConnector(cfg, KVConnectorRole.SCHEDULER, hybrid)
+            assert [g.describe() for g in c.groups] == ["mamba2 x1", "full x1"]
+            continue
+        with pytest.raises(
+            HybridModelUnsupported, match=r"model .*: KV cache group 0 \(MambaSpec.*mamba_cache_mode 'align'"
+        ):
+            KvxferConnector(cfg, KVConnectorRole.SCHEDULER, hybrid)
 
 
 def test_what_vllm_does_with_hybrid_models_for_this_connector():

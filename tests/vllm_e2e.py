@@ -16,6 +16,18 @@ prompt: D's greedy tokens equal the reference's, the log-probability of every ge
 is within ``--atol`` (1e-5, fp32) of the reference's, D loaded the prompt (one transfer, the
 exact bytes of the blocks it lacked), and at the end P holds no blocks.
 
+``--model granite`` (a tiny GraniteMoeHybrid: Mamba2 + attention, fp32) and ``--model
+qwen3_next`` (a tiny Qwen3-Next: Gated DeltaNet + full attention, bf16, the only dtype vLLM's CPU
+GDN path takes) have state groups: vLLM's hybrid allocator on, prefix caching off (state groups
+in its "align" mode are not carried), P prefills N−1 prompt tokens and D computes the last one
+from the loaded state (the N−1 flow); a one-token prompt is not handed off. ``--mutate-state
+ssm`` (or ``conv``) multiplies the SSM (or conv) state of the first state layer's loaded page of
+the 70-token prompt by 1.01 on D right after its load: the run must then fail. Test knobs
+(environment): ``KVXFER_E2E_REF_CHUNK=C`` makes the reference prefill in chunks of ``C`` tokens
+(a prompt of ``C + 1`` tokens is then computed exactly as P and D compute it: compare it with
+``--atol 0``, the way to check bf16 exactly), ``KVXFER_E2E_MUTATE_LEN`` picks the mutated
+prompt's length, ``KVXFER_E2E_MUTATE_FACTOR`` the state mutation's factor (1.01).
+
 ``--mutate-k`` multiplies the K of one loaded block (the last, partial block of the 70-token
 prompt, every layer and head) by 1.01 on D right after its load is reported: the run must then
 fail (``ok`` false, the mismatch listed). Every process is joined against one deadline and
@@ -27,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -59,12 +72,55 @@ MUTATE_LEN = 70  # the prompt whose last loaded block is perturbed by --mutate-k
 
 
 GEMMA3_WINDOW = 48  # the tiny Gemma-3's sliding window (5 sliding layers : 1 full)
+STATE_MODELS = ("granite", "qwen3_next")  # models with state groups (the N-1 flow)
+DTYPES = {"qwen3_next": "bfloat16"}  # vLLM's CPU GDN kernels take bf16 only; others fp32
+
+
+def _state_model(kind: str):
+    """(config, model) of a tiny model with state groups, transformers' random init."""
+    import torch
+
+    common = {k: MODEL[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")}
+    common.update(
+        vocab_size=MODEL["vocab_size"], max_position_embeddings=MODEL["max_position_embeddings"],
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    if kind == "granite":
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        cfg = GraniteMoeHybridConfig(
+            num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, intermediate_size=128,
+            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=128, mamba_n_heads=8,
+            mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+            position_embedding_type="rope", initializer_range=0.2, **common,
+        )  # fmt: skip
+        cfg.architectures = ["GraniteMoeHybridForCausalLM"]
+        return cfg, GraniteMoeHybridForCausalLM(cfg).to(torch.float32)
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    # vLLM's CPU GDN kernels take 128-wide heads only; 128-wide attention heads keep the hybrid
+    # block (an attention page holds a state page) at 96 tokens
+    common.update(head_dim=128)
+    cfg = Qwen3NextConfig(
+        num_hidden_layers=4, intermediate_size=128, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=1, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        initializer_range=0.1, **common,
+    )  # fmt: skip
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    model = Qwen3NextForCausalLM(cfg)
+    with torch.no_grad():  # a long-lived recurrent state: transformers' A in [0.01, 16] forgets it at once
+        for mod in model.modules():
+            if hasattr(mod, "A_log"):
+                mod.A_log.fill_(math.log(0.05))
+    return cfg, model.to(torch.bfloat16)
 
 
 def write_model(model_dir: str, seed: int = 0, kind: str = "llama", **overrides) -> str:
     """Save the tiny model (transformers' random init under ``seed``) and a byte-level tokenizer:
-    ``kind`` "llama" (``overrides`` may make its layers sliding-window) or "gemma3" (6 layers,
-    5 sliding-window : 1 full attention: six KV cache groups with vLLM's hybrid allocator)."""
+    ``kind`` "llama" (``overrides`` may make its layers sliding-window), "gemma3" (6 layers,
+    5 sliding-window : 1 full attention: six KV cache groups with vLLM's hybrid allocator),
+    "granite" or "qwen3_next" (state groups, :func:`_state_model`)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -87,6 +143,8 @@ def write_model(model_dir: str, seed: int = 0, kind: str = "llama", **overrides)
         )
         cfg.architectures = ["Gemma3ForCausalLM"]
         model = Gemma3ForCausalLM(cfg).to(torch.float32)
+    elif kind in STATE_MODELS:
+        cfg, model = _state_model(kind)
     else:
         cfg = LlamaConfig(**{**MODEL, **overrides})
         model = LlamaForCausalLM(cfg).to(torch.float32)
@@ -128,10 +186,13 @@ def _env() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def _llm(model_dir: str, kv: dict | None):
+def _llm(model_dir: str, kv: dict | None, kind: str = "llama"):
     from vllm import LLM
 
     kw = {}
+    chunk = int(os.environ.get("KVXFER_E2E_REF_CHUNK", "0"))
+    if kv is None and chunk:  # the reference prefills in chunks of this many tokens (a noise baseline)
+        kw["max_num_batched_tokens"] = chunk
     if kv is not None:
         from vllm.config import KVTransferConfig
 
@@ -139,12 +200,12 @@ def _llm(model_dir: str, kv: dict | None):
     return LLM(
         model=model_dir,
         skip_tokenizer_init=True,
-        dtype="float32",
-        block_size=BLOCK,
+        dtype=DTYPES.get(kind, "float32"),
+        block_size=BLOCK,  # vLLM raises it for a state model (its attention page holds a state page)
         max_model_len=256,
         max_num_seqs=4,
         enforce_eager=True,
-        enable_prefix_caching=True,
+        enable_prefix_caching=kind not in STATE_MODELS,  # "align" mode states are not carried
         seed=0,
         **kw,
     )
@@ -165,9 +226,9 @@ def _sampled(out) -> tuple[list[int], list[float]]:
     return toks, [float(lp[t].logprob) for t, lp in zip(toks, c.logprobs)]
 
 
-def _reference(model_dir, ps, n, q):
+def _reference(model_dir, ps, n, q, kind="llama"):
     _env()
-    llm = _llm(model_dir, None)
+    llm = _llm(model_dir, None, kind)
     q.put(("ref", [_sampled(_gen(llm, p, n, None)) for p in ps]))
 
 
@@ -183,9 +244,9 @@ def _connector(role: str, engine_id: str, port: int) -> dict:
     }
 
 
-def _prefill(model_dir, ps, port, q_params, q_done, q, deadline_s):
+def _prefill(model_dir, ps, port, q_params, q_done, q, deadline_s, kind="llama"):
     _env()
-    llm = _llm(model_dir, _connector("kv_producer", "P", port))
+    llm = _llm(model_dir, _connector("kv_producer", "P", port), kind)
     q_params.put([_gen(llm, p, 1, {"do_remote_decode": True}).kv_transfer_params for p in ps])
     sched = llm.llm_engine.engine_core.engine_core.scheduler  # in-process EngineCore
     held_after_prefill = len(sched.requests)
@@ -232,18 +293,51 @@ def _mutate_k_of_last_loaded_block(worker, target_rid: str) -> None:
     worker.start, worker.finished = start_hook, finished_hook
 
 
-def _decode(model_dir, ps, n, q_params, q_done, q, mutate):
+def _mutate_state_of_loaded_page(worker, target_rid: str, what: str) -> None:
+    """Test hook (D process): when ``target_rid``'s load is reported, multiply the SSM (``what``
+    "ssm") or conv ("conv") state of the first state layer's loaded page by 1.01 (vLLM's own
+    int8 view of the layer: conv bytes, then SSM bytes)."""
+
+    from kvxfer.groups.blocks import state_block
+
+    g = next(x for x in worker.groups if x.is_state)
+    st, name = g.state, g.layer_names[0]
+    pos = worker.groups.index(g)
+    blocks: dict[str, int] = {}
+    start, finished = worker.start, worker.finished
+
+    def start_hook(meta):
+        for ld in meta.loads:
+            blocks[ld.request_id] = state_block(ld.block_ids[pos], g.num_speculative_blocks)
+        return start(meta)
+
+    def finished_hook():
+        sending, recving = finished()
+        if target_rid in recving:
+            page = worker.state_caches[name][blocks[target_rid], 0, 0]
+            if what == "conv":
+                part, dt = page[: st.conv_bytes], st.conv_dtype
+            else:
+                part, dt = page[st.conv_bytes : st.conv_bytes + st.ssm_bytes], st.ssm_dtype
+            v = part.view(dt)
+            v.copy_((v.float() * float(os.environ.get("KVXFER_E2E_MUTATE_FACTOR", "1.01"))).to(dt))
+        return sending, recving
+
+    worker.start, worker.finished = start_hook, finished_hook
+
+
+def _decode(model_dir, ps, n, q_params, q_done, q, mutate, kind="llama"):
     _env()
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    llm = _llm(model_dir, _connector("kv_consumer", "D", 0))
+    llm = _llm(model_dir, _connector("kv_consumer", "D", 0), kind)
     params = q_params.get(timeout=600)
     worker = get_kv_transfer_group().worker_side
     results = []
     last = {"transfers": 0, "bytes": 0, "failures": 0, "latency_sum_s": 0.0}
     for i, (p, prm) in enumerate(zip(ps, params)):
-        if mutate and len(p) == MUTATE_LEN:
-            out = _gen_mutated(llm, worker, p, n, prm, f"mutate-{i}")
+        if mutate and len(p) == int(os.environ.get("KVXFER_E2E_MUTATE_LEN", MUTATE_LEN)) and prm is not None:
+            out = _gen_mutated(llm, worker, p, n, prm, f"mutate-{i}", mutate)
         else:
             out = _gen(llm, p, n, prm)
         s = worker.engine.stats()
@@ -260,11 +354,23 @@ def _decode(model_dir, ps, n, q_params, q_done, q, mutate):
         last = {k: s[k] for k in last}
     q_done.put(True)
     st = worker.engine.stats()
+    spec = worker.engine.spec
     q.put(
         (
             "d",
             {
                 "results": results,
+                "block_size": spec.block_size,
+                "num_layers": spec.num_layers,
+                "groups": [
+                    {
+                        "state": g.is_state,
+                        "layers": len(g.layer_names),
+                        "window": g.window,
+                        "content_bytes": g.state.content_bytes if g.is_state else 0,
+                    }
+                    for g in worker.groups or ()
+                ],
                 "bytes_per_token": worker.engine.spec.bytes_per_token(),
                 "transports": st["transports"],
                 "latency_p50_s": st["p50_s"],
@@ -281,12 +387,16 @@ def _sp(n, prm):
     )
 
 
-def _gen_mutated(llm, worker, prompt, n, prm, rid):
+def _gen_mutated(llm, worker, prompt, n, prm, rid, what=True):
     """One request through the engine's own API (add, then step until done), its last loaded
     block's K perturbed on arrival (the hook needs the engine's id of the request)."""
     eng = llm.llm_engine
     internal = eng.add_request(rid, {"prompt_token_ids": prompt}, _sp(n, prm))
-    _mutate_k_of_last_loaded_block(worker, internal if isinstance(internal, str) else rid)
+    target = internal if isinstance(internal, str) else rid
+    if what in ("ssm", "conv"):
+        _mutate_state_of_loaded_page(worker, target, what)
+    else:
+        _mutate_k_of_last_loaded_block(worker, target)
     end = time.monotonic() + 300
     while time.monotonic() < end:
         for out in eng.step():
@@ -329,6 +439,24 @@ def expected_bytes(n: int, hit: int, windows, bytes_per_token: int) -> int:
     return total
 
 
+def state_bytes(n: int, d: dict) -> dict:
+    """A state model's load of a prompt of ``n`` tokens (N-1 moved): ``want``, what kvxfer moves
+    (whole pages: CPU_ATTN attention pages over the N-1 tokens, one padded state page per state
+    layer); ``minimum``, the N-1 tokens' K/V rows plus each state layer's state content;
+    ``everything``, every layer's pages over those tokens (a connector blind to the groups)."""
+    bs, layers = d["block_size"], d["num_layers"]
+    page = d["bytes_per_token"] // layers * bs
+    attn = sum(g["layers"] for g in d["groups"] if not g["state"])
+    state = [g for g in d["groups"] if g["state"]]
+    m = n - 1
+    blocks = -(-m // bs)
+    return {
+        "want": (blocks * attn + sum(g["layers"] for g in state)) * page,
+        "minimum": m * page // bs * attn + sum(g["layers"] * g["content_bytes"] for g in state),
+        "everything": blocks * layers * page,
+    }
+
+
 def check(ps, ref, d, pinfo, tokens_moved, atol: float) -> list[str]:
     """What differs (empty when every check held). ``tokens_moved``: per prompt, the bytes the
     load must move, or the tokens of every layer it must move (when ``d`` has no ``windows``)."""
@@ -361,15 +489,16 @@ def run(
     lengths=DEFAULT_LENGTHS,
     tokens: int = 8,
     deadline_s: float = 900.0,
-    mutate: bool = False,
+    mutate: bool | str = False,
     atol: float = 1e-5,
     sliding_window: int = 0,
     kind: str = "llama",
 ) -> dict:
     """Run the three engines; returns the result dict (``ok``: every check held).
     ``sliding_window``: every layer attends to that many tokens (a uniform sliding-window model:
-    one ``SlidingWindowSpec`` KV cache group). ``kind``: "llama" or "gemma3" (sliding and full
-    attention groups)."""
+    one ``SlidingWindowSpec`` KV cache group). ``kind``: "llama", "gemma3" (sliding and full
+    attention groups), "granite" or "qwen3_next" (state groups: the N-1 flow). ``mutate``: True
+    (one loaded block's K), "ssm" or "conv" (one loaded state page's SSM or conv state)."""
     from kvxfer.ports import free_port_base
 
     ps = prompts(lengths)
@@ -379,19 +508,21 @@ def run(
     got: dict = {}
     with tempfile.TemporaryDirectory() as model_dir:
         write_model(model_dir, kind=kind, **(sliding(sliding_window) if kind == "llama" else {}))
-        procs = [ctx.Process(target=_entry, args=(_reference, (model_dir, ps, tokens, q), q), name="ref")]
+        procs = [
+            ctx.Process(target=_entry, args=(_reference, (model_dir, ps, tokens, q, kind), q), name="ref")
+        ]
         procs[0].start()
         procs[0].join(deadline_s / 2)  # one engine at a time on a small machine, then P and D
         port = free_port_base(1)
         procs += [
             ctx.Process(
                 target=_entry,
-                args=(_prefill, (model_dir, ps, port, q_params, q_done, q, deadline_s / 3), q),
+                args=(_prefill, (model_dir, ps, port, q_params, q_done, q, deadline_s / 3, kind), q),
                 name="P",
             ),
             ctx.Process(
                 target=_entry,
-                args=(_decode, (model_dir, ps, tokens, q_params, q_done, q, mutate), q),
+                args=(_decode, (model_dir, ps, tokens, q_params, q_done, q, mutate, kind), q),
                 name="D",
             ),
         ]
@@ -414,7 +545,17 @@ def run(
     problems = ["missing results"] if not (ref and d and pinfo) else []
     windows = layer_windows(kind, sliding_window)
     grouped = any(w is not None for w in windows)
-    if not problems and grouped:  # KV cache groups: bytes per layer from its window
+    if not problems and kind in STATE_MODELS:  # the N-1 flow: whole pages, one state page per layer
+        d["windows"] = windows
+        for p, r in zip(ps, d["results"]):
+            r["state_bytes"] = state_bytes(len(p), d)
+        problems = check(ps, ref, d, pinfo, [r["state_bytes"]["want"] for r in d["results"]], atol)
+        for i, (p, r) in enumerate(zip(ps, d["results"])):
+            if r["handed_off"] != (len(p) > 1):  # a one-token prompt: nothing to hand off
+                problems.append(
+                    f"prompt {i} ({len(p)} tokens): handed off {r['handed_off']}, want {len(p) > 1}"
+                )
+    elif not problems and grouped:  # KV cache groups: bytes per layer from its window
         d["windows"] = windows
         moved = [
             expected_bytes(len(p), r["num_cached_tokens"] or 0, windows, d["bytes_per_token"])
@@ -451,6 +592,13 @@ def summary(res: dict) -> str:
     if res.get("ref") and res.get("d"):
         for n, (rt, rl), got in zip(res["lengths"], res["ref"], res["d"]["results"]):
             diff = max((abs(a - b) for a, b in zip(got["logprobs"], rl)), default=float("nan"))
+            sb = got.get("state_bytes")
+            if sb and got.get("transfers"):
+                lines.append(
+                    f"prompt {n:4d} tokens: moved {got['bytes']} B = {got['bytes'] / sb['minimum']:.2f}x the "
+                    f"minimum {sb['minimum']} B (N-1 tokens' K/V + state content), "
+                    f"{got['bytes'] / sb['everything']:.2f}x every layer's pages {sb['everything']} B"
+                )
             lines.append(
                 f"prompt {n:4d} tokens: tokens equal {got['tokens'] == rt}, max |logprob diff| {diff:.2e}, "
                 f"first logprob D {(got['logprobs'] or [float('nan')])[0]:.6f} ref {rl[0]:.6f}, "
@@ -478,7 +626,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--atol", type=float, default=1e-5)
     ap.add_argument("--mutate-k", action="store_true", help="perturb one loaded block's K by 1%% on D")
     ap.add_argument("--sliding-window", type=int, default=0, help="every layer attends to this many tokens")
-    ap.add_argument("--model", choices=("llama", "gemma3"), default="llama", help="the tiny model's family")
+    ap.add_argument(
+        "--mutate-state",
+        choices=("ssm", "conv"),
+        help="perturb the SSM or conv state of one loaded state page by 1%% on D (granite, qwen3_next)",
+    )
+    ap.add_argument(
+        "--model", choices=("llama", "gemma3", *STATE_MODELS), default="llama", help="the tiny model's family"
+    )
     ap.add_argument("--write-model", metavar="DIR", help="only write the tiny model and tokenizer to DIR")
     a = ap.parse_args(argv)
     if a.write_model:
@@ -491,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.monotonic()
     lengths = tuple(int(x) for x in a.lengths.split(","))
-    res = run(lengths, a.tokens, a.deadline, a.mutate_k, a.atol, a.sliding_window, a.model)
+    mutate = a.mutate_state or a.mutate_k
+    res = run(lengths, a.tokens, a.deadline, mutate, a.atol, a.sliding_window, a.model)
     res["wall_s"] = round(time.monotonic() - t0, 1)
     print(summary(res), file=sys.stderr)
     print(json.dumps(res, default=str))

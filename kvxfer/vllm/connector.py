@@ -24,8 +24,16 @@ vLLM 0.32/0.33 connector API points this connector answers explicitly:
   groups (:mod:`kvxfer.grouped`), a sliding group moves only the blocks its window still
   needs (vLLM's null block stands for the others). A request whose window needs a block vLLM
   already freed is not handed off (P answers without ``kv_transfer_params``, naming why; D
-  computes the prompt). Other group kinds (Mamba/GDN/short-conv state, chunked local
-  attention) are refused at start by :class:`HybridModelUnsupported`, naming the group and why.
+  computes the prompt). State groups (``MambaSpec``: Mamba1/2 as in GraniteMoeHybrid, GDN as
+  in Qwen3-Next, short conv) are carried too, with the N−1 flow: ``on_new_request`` truncates
+  P's requests by one prompt token, so P's state is h(N−1) and D computes the last prompt token
+  from it (:mod:`kvxfer.vllm.backoff`); the state page moves whole, so P and D need the same
+  block size, layout, dtypes, TP size and state shapes (the engines' handshake compares them).
+  Other group kinds (chunked local attention, prefix-caching "align" mode states, linear
+  attention/KDA) are refused at start by :class:`HybridModelUnsupported`, naming the group and
+  why.
+* ``get_loaded_kv_cache_group_ids``: every transfer group (a load writes the request's own
+  blocks of every group, so vLLM must not zero them after allocating).
 * Failed loads are reported by request too (``get_transfer_results``'s ``failed_recving``,
   vLLM 0.32+), not only as block ids: vLLM then fails (or recomputes) the request whatever its
   block table holds by then.
@@ -59,6 +67,7 @@ except ImportError:  # pragma: no cover - an older vLLM: failures are reported a
 from .config import ConnectorConfig
 from .groups import HybridModelUnsupported, groups_from_config
 from .scheduler import ExportSpec, LoadSpec, SchedulerSide, TransferMeta
+from .state import conv_layout_from_env
 from .worker import WorkerSide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -169,6 +178,16 @@ def _window(group) -> str:
     return ""
 
 
+def _cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform (its GDN kernels read SSM states as ``[h, K, V]``)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # pragma: no cover - a vLLM without it
+        return False
+
+
 def _tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -197,10 +216,18 @@ def _cpu_isa(vllm_config, layer_names, block_size: int) -> str | None:
         return None
 
 
+# vLLM 0.32's backends of state layers (``v1/attention/backends/{mamba1,mamba2,gdn,short_conv}
+# _attn.py``): their layers are state groups, registered apart from the attention backend's
+STATE_BACKENDS = frozenset(
+    {"MAMBA1_ATTN", "MAMBA2_ATTN", "GDN_ATTN", "SHORT_CONV_ATTN", "PLE_SHORT_CONV_ATTN"}
+)
+
+
 def _backend_name(vllm_config) -> str:
+    """The attention backend of every attention layer (state layers' backends aside)."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-    names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)} - STATE_BACKENDS)
     if len(names) != 1:
         raise ValueError(f"attention backends: kvxfer needs one for all layers, got {names}")
     return names[0]
@@ -217,7 +244,14 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
         # every KV cache group (HybridModelUnsupported names one that cannot be carried); None:
         # one full-attention group, block ids as one list
-        self.groups = groups_from_config(kv_cache_config, model)
+        self.groups = groups_from_config(
+            kv_cache_config,
+            model,
+            tp_size=self.cfg.tp_size,
+            hf_config=getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None),
+            conv_layout=conv_layout_from_env(),
+            gdn_ssm_transposed=_cpu_platform(),
+        )
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if self.groups is not None:
@@ -225,10 +259,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 "kvxfer connector: model %s, %d KV cache groups carried: %s",
                 model,
                 len(self.groups),
-                ", ".join(
-                    f"{'full' if g.window is None else f'sliding {g.window}'} x{len(g.layer_names)}"
-                    for g in self.groups
-                ),
+                ", ".join(g.describe() for g in self.groups),
             )
         if role == KVConnectorRole.SCHEDULER:
             groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
@@ -238,6 +269,17 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side = WorkerSide(self.cfg, _tp_rank(), groups=self.groups)
 
     # ------------------------------------------------------------------ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        """A model with state groups: truncate a P request by one prompt token (the N−1 flow)."""
+        self.scheduler_side.on_new_request(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every transfer group: a load restores the request's own blocks of each of them."""
+        ids = getattr(self._kv_cache_config, "transfer_group_ids", None)
+        if ids is None:
+            return super().get_loaded_kv_cache_group_ids(request)
+        return tuple(ids)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -299,8 +341,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         mc = vc.model_config
         backend = _backend_name(vc)
         isa = None
-        if backend == "CPU_ATTN" and kv_caches:
-            isa = _cpu_isa(vc, list(kv_caches), next(iter(kv_caches.values())).shape[2])
+        state = {n for g in self.groups or () if g.is_state for n in g.layer_names}
+        attn = {n: t for n, t in kv_caches.items() if n not in state}
+        if backend == "CPU_ATTN" and attn:
+            isa = _cpu_isa(vc, list(attn), next(iter(attn.values())).shape[2])
         self.worker_side.register(
             kv_caches,
             backend=backend,

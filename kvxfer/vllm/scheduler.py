@@ -25,6 +25,12 @@ wait (``None`` from :meth:`get_num_new_matched_tokens`) until it has, then use D
 cache and compute only the tail. A params dict with ``"children": [params_0, ...]`` (one
 exported request per child) gives child ``i`` its own ``params_i``.
 
+A model with state groups (Mamba, GDN, short conv) hands off N−1 of N prompt tokens
+(:mod:`kvxfer.vllm.backoff`): :meth:`SchedulerSide.on_new_request` truncates P's request by one
+token, P exports the N−1 tokens (the state h(N−1)), D loads them and computes token N. P never
+hands off a prompt it did not truncate (one token), and D never loads a state export covering
+its whole prompt.
+
 D->P reuse (multi-turn): a D request whose params carry ``"hold_for_reuse": true`` keeps its
 blocks when it finishes and returns ``{"reuse": params}``; the next turn's request to P carries
 ``{"do_remote_decode": true, "reuse": params}``, and P pulls the tokens it does not hold when
@@ -46,8 +52,9 @@ from ..grouped import export_ids
 from ..groups.attention import GroupSet
 from ..params import KVTransferParams, params_dict
 from ..reuse import decide_reuse
+from .backoff import truncate_for_prefill, was_truncated
 from .config import ConnectorConfig
-from .groups import VllmGroup, attention_groups, expand_group_ids
+from .groups import VllmGroup, engine_groups, expand_group_ids, has_state
 from .layout import KVLayout, KVLayoutMismatch, check_pair
 
 _LOG = logging.getLogger(__name__)
@@ -148,11 +155,12 @@ class SchedulerSide:
         self.groups = groups  # KV cache groups a request is a set of (None: one group)
         # the groups' windows as the engines apply them (their layers do not matter here)
         self._gs = None
-        if groups is not None:
-            ag = attention_groups(
-                groups, {(g.index, n): i for i, g in enumerate(groups) for n in g.layer_names[:1]}
-            )
-            self._gs = GroupSet(ag, len(groups))
+        self.has_state = has_state(groups)  # the N−1 flow (kvxfer.vllm.backoff)
+        if groups is not None:  # every layer numbered (a state group's spec counts its layers)
+            where = {
+                (g.index, n): i for i, (g, n) in enumerate((g, n) for g in groups for n in g.layer_names)
+            }
+            self._gs = GroupSet(engine_groups(groups, where), len(where))
         self.num_not_handed_off = 0  # finished requests not exported (blocks out of the window)
         self._secret: EngineSecret | None = self._engine_secret() if cfg.exports else None
         self.kernel_block_size = cfg.block_size  # updated by set_handshake (worker's registered caches)
@@ -202,6 +210,13 @@ class SchedulerSide:
     @property
     def ratio(self) -> int:
         return self.cfg.block_size // self.kernel_block_size
+
+    def on_new_request(self, request) -> None:
+        """vLLM's ``on_new_request``: on a server that exports, a model with state groups has
+        its P requests (``do_remote_decode``) truncated by one token (the N−1 flow,
+        :mod:`kvxfer.vllm.backoff`); nothing otherwise."""
+        if self.has_state and self.cfg.exports:
+            truncate_for_prefill(request)
 
     # ------------------------------------------------------------------ loading side
     def _warn_once(self, key: str, msg: str, *args) -> None:
@@ -303,7 +318,18 @@ class SchedulerSide:
             )
             src.ok = False
             return src
-        if len(prompt) < valid:
+        if self.has_state and kind == "prefill" and len(prompt) <= valid:
+            _LOG.warning(
+                "kvxfer: request %s: %s exported %d tokens of its %d-token prompt, but a model with state "
+                "groups loads at most all but the last (this server computes the last prompt token from the "
+                "loaded state: the N-1 flow); recomputing it and releasing the remote blocks",
+                rid,
+                p.engine_id,
+                valid,
+                len(prompt),
+            )
+            src.ok = False
+        elif len(prompt) < valid:
             _LOG.warning(
                 "kvxfer: request %s: its prompt has %d tokens, %s exported %d; recomputing it and "
                 "releasing the remote blocks",
@@ -387,9 +413,10 @@ class SchedulerSide:
         bs = self.cfg.block_size
         need = -(-src.num_tokens // bs)
         if self.groups is not None:
-            per = blocks.get_block_ids()
-            lists = [list(per[g.index])[:need] for g in self.groups]
-            if k < 0 or k % bs or min(len(x) for x in lists) < need:
+            per = blocks.get_block_ids()  # a state group's list as it is (its state block and scratch)
+            lists = [list(per[g.index]) if g.is_state else list(per[g.index])[:need] for g in self.groups]
+            short = any(len(x) < need for g, x in zip(self.groups, lists) if not g.is_state)
+            if k < 0 or k % bs or short:
                 _LOG.warning(
                     "kvxfer: request %s: cannot place %d external tokens after %d local ones in the block "
                     "lists of its KV cache groups; not loading",
@@ -460,11 +487,24 @@ class SchedulerSide:
         want_reuse = bool(params.get("hold_for_reuse"))
         if not (want_decode or want_reuse) or not self.cfg.exports:
             return False, None
+        if self.has_state and not (want_decode and was_truncated(request)):
+            self._warn_once(
+                "state-" + ("decode" if want_decode else "reuse"),
+                "kvxfer: request %s not handed off: %s; no kv_transfer_params (the other server computes "
+                "the prompt). Warned once",
+                rid,
+                "a model with state groups hands off N-1 of N prompt tokens, and this prompt of "
+                f"{getattr(request, 'num_prompt_tokens', '?')} tokens was not truncated (one token, or "
+                "prompt logprobs)"
+                if want_decode
+                else "D->P reuse (hold_for_reuse) of a model with state groups is not carried yet",
+            )
+            return False, None
         status = getattr(getattr(request, "status", None), "name", str(getattr(request, "status", "")))
         span = len(block_ids) if block_ids else 0  # manager blocks held
-        if self.groups is not None and span:  # the shortest of the groups' lists
+        if self.groups is not None and span:  # the shortest of the attention groups' lists
             try:
-                span = min(len(block_ids[g.index]) for g in self.groups)
+                span = min(len(block_ids[g.index]) for g in self.groups if not g.is_state)
             except (IndexError, TypeError):
                 span = 0
         if status not in _NORMAL_FINISH or not span:
@@ -522,8 +562,14 @@ class SchedulerSide:
                 g.index for g in self.groups
             ):
                 raise ValueError("block_ids: expected vLLM's one list per KV cache group")
-            mgr = [list(block_ids[g.index])[:need] for g in self.groups]
-            kernel = [expand_group_ids(ids, self.ratio, NULL_BLOCK_ID) for ids in mgr]
+            mgr = [
+                list(block_ids[g.index]) if g.is_state else list(block_ids[g.index])[:need]
+                for g in self.groups
+            ]
+            kernel = [
+                ids if g.is_state else expand_group_ids(ids, self.ratio, NULL_BLOCK_ID)
+                for g, ids in zip(self.groups, mgr)
+            ]
             ids, sizes = export_ids(self._gs, kernel, moved, kbs, 1 << 62, computed=n)
         except ValueError as e:
             self.num_not_handed_off += 1

@@ -7,6 +7,11 @@ completed. vLLM counts a request done when every worker (TP rank) reported it, s
 rank reports each of its loads and exports exactly once: a load that failed is reported as
 finished together with its block ids (``kv_load_failure_policy`` then recomputes or fails
 it), an export whose lease ended as finished sending (its blocks may be freed).
+
+A state group's layers (Mamba, GDN, short conv) are registered as attention-shaped views over
+their pages (:func:`kvxfer.vllm.state.attention_view_of_state`: vLLM's hybrid allocator gives
+every group one page size), with a ``StateGroup`` each; the scheduler's per-request list of a
+state group reaches the engine unchanged (the engine takes its running state block).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from ..engine import TransferEngine
 from ..params import KVTransferParams
 from ..ports import free_port_base
 from .config import ConnectorConfig, port_in_use_message
-from .groups import VllmGroup, attention_groups, expand_group_ids
+from .groups import VllmGroup, engine_groups, expand_group_ids
 from .layout import KVLayout, caches_from_vllm, check_pair
 from .scheduler import NULL_BLOCK_ID, NULL_BLOCK_WHY, TransferMeta, expand_block_ids
+from .state import attention_view_of_state
 
 _LOG = logging.getLogger(__name__)
 
@@ -80,6 +86,26 @@ def threads_on(cpus: set[int]) -> Iterator[None]:
         os.sched_setaffinity(0, own)
 
 
+def _state_as_attention(
+    kv_caches: dict[str, torch.Tensor], groups: list[VllmGroup]
+) -> dict[str, torch.Tensor]:
+    """``kv_caches`` with every state layer's tensor replaced by an attention-shaped view of its
+    pages (the first attention layer's shape, strides and dtype)."""
+    state = {n for g in groups if g.is_state for n in g.layer_names}
+    if not state:
+        return kv_caches
+    template = next((t for n, t in kv_caches.items() if n not in state), None)
+    if template is None:
+        raise ValueError("kv_caches: state layers but no attention layer to shape their pages after")
+    out = {}
+    for n, t in kv_caches.items():
+        try:
+            out[n] = attention_view_of_state(t, template) if n in state else t
+        except ValueError as e:
+            raise ValueError(f"kv_caches[{n!r}]: {e}") from None
+    return out
+
+
 class WorkerSide:
     """The worker half of ``KvxferConnector`` on one TP rank.
 
@@ -106,6 +132,7 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         self.ratio = 1  # manager block -> kernel blocks
         self._attn_groups: list | None = None  # the engine's groups (register)
+        self.state_caches: dict[str, torch.Tensor] = {}  # vLLM's views of the state layers (register)
         self._loads: dict[str, list[int]] = {}  # loading request -> its manager block ids
         self._exported: set[str] = set()
         self._sending_done: set[str] = set()  # exports to report without the engine (refused)
@@ -143,6 +170,8 @@ class WorkerSide:
                     f"kv_caches: no tensor registered for layer {missing[0]!r} of a KV cache group"
                 )
             kv_caches = {n: kv_caches[n] for g in self.groups for n in g.layer_names}
+            self.state_caches = {n: kv_caches[n] for g in self.groups if g.is_state for n in g.layer_names}
+            kv_caches = _state_as_attention(kv_caches, self.groups)
         spec, views, names, layout = caches_from_vllm(
             kv_caches,
             backend=backend,
@@ -157,7 +186,7 @@ class WorkerSide:
         self._attn_groups = None
         if self.groups is not None:
             where = {(scopes[n], n): i for i, n in enumerate(names)}
-            self._attn_groups = attention_groups(self.groups, where)
+            self._attn_groups = engine_groups(self.groups, where)
         if layout.whole_blocks and layout.isa is None:
             _LOG.warning(
                 "kvxfer connector: the CPU attention ISA of backend %s is unknown: this server's KV "
@@ -169,6 +198,12 @@ class WorkerSide:
                 f"kv_caches: block dim {spec.block_size} does not divide vLLM's block_size {self.cfg.block_size}"
             )
         self.ratio = self.cfg.block_size // spec.block_size
+        if self.ratio != 1 and any(g.is_state for g in self.groups or ()):
+            raise ValueError(
+                f"kv_caches: vLLM split its {self.cfg.block_size}-token blocks into kernel blocks of "
+                f"{spec.block_size}; a state page spans the whole block, so state groups are carried only "
+                "with unsplit blocks"
+            )
         self.layout = layout
         # The engine's threads (side channel, loader, notifier, transports' and their libraries'
         # threads, all started from here) inherit this thread's CPU affinity. vLLM's CPU worker
@@ -274,7 +309,10 @@ class WorkerSide:
         if not isinstance(block_ids, (list, tuple)) or len(block_ids) != len(self.groups or ()):
             raise ValueError(f"block_ids: expected one list per KV cache group ({len(self.groups or ())})")
         need = self._engine().spec.num_blocks_for(num_tokens)
-        return [expand_group_ids(ids, self.ratio, NULL_BLOCK_ID)[:need] for ids in block_ids]
+        return [
+            list(ids) if g.is_state else expand_group_ids(ids, self.ratio, NULL_BLOCK_ID)[:need]
+            for g, ids in zip(self.groups, block_ids)
+        ]
 
     def start(self, meta: TransferMeta) -> None:
         """Queue this step's exports, loads and releases (they run at the next poll)."""
