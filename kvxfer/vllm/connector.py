@@ -27,8 +27,9 @@ vLLM 0.32/0.33 connector API points this connector answers explicitly:
   computes the prompt). State groups (``MambaSpec``: Mamba1/2 as in GraniteMoeHybrid, GDN as
   in Qwen3-Next, short conv) are carried too, with the N−1 flow: ``on_new_request`` truncates
   P's requests by one prompt token, so P's state is h(N−1) and D computes the last prompt token
-  from it (:mod:`kvxfer.vllm.backoff`); the state page moves whole, so P and D need the same
-  block size, layout, dtypes, TP size and state shapes (the engines' handshake compares them).
+  from it (:mod:`kvxfer.vllm.backoff`); the state page moves whole where P and D lay it out
+  alike, else the engine re-shards each rank's units (same model and state dtypes required;
+  the engines' handshake decides).
   Other group kinds (chunked local attention, prefix-caching "align" mode states, linear
   attention/KDA) are refused at start by :class:`HybridModelUnsupported`, naming the group and
   why.
