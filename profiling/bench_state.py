@@ -12,7 +12,8 @@ Cases: P TP 1 -> D TP 1 laid out alike (the state page moves whole), and P TP 1 
 the conv state in the other layout (DS; each D rank copies its half of every head out of P's
 page: re-sharded). Per case and transport: the median time from ``load()`` to every D rank
 reporting the load finished, over ``--iters`` requests of ``--tokens`` tokens, and the bytes
-D's ranks moved (``stats()["bytes"]``).
+D's ranks moved (``stats()["bytes"]``), against the limit measured in the same run: a
+one-thread ``copy_`` of that many contiguous bytes (``x copy_``: its time over the request's).
 
     python profiling/bench_state.py [--gdn-layers 12] [--tokens 2048] [--iters 5] [--transports ipc,pg]
 
@@ -74,6 +75,22 @@ def _wait(engs, rid: str, key: str, timeout: float = 60.0) -> None:
         raise TimeoutError(f"{rid}: not {key} on ranks {sorted(left)}")
 
 
+def _copy_ms(nbytes: int, iters: int = 5) -> float:
+    """The limit in the same run: a one-thread ``copy_`` of ``nbytes`` contiguous bytes (median
+    ms)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(iters + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    return statistics.median(times[1:]) * 1e3
+
+
 def _case(transport: str, tp_d: int, gdn: int, tokens: int, block: int, iters: int) -> dict:
     spec = KVCacheSpec(gdn + 1, KV_HEADS, HEAD_DIM, block, torch.bfloat16)
     need = -(-tokens // block)
@@ -104,6 +121,7 @@ def _case(transport: str, tp_d: int, gdn: int, tokens: int, block: int, iters: i
             "ms_p50": round(statistics.median(times) * 1e3, 2),
             "ms_min": round(min(times) * 1e3, 2),
             "moved_bytes": moved,
+            "copy_ms": round(_copy_ms(moved), 2),
             "state_bytes": state.content_bytes * gdn,
             "kv_bytes": spec.bytes_per_token(KV_HEADS, 1) * tokens,
             "transports": ds[0].stats()["transports"],
@@ -125,12 +143,24 @@ def main(argv=None) -> int:
     for transport in a.transports.split(","):
         for tp_d in (1, 2):
             rows.append(_case(transport, tp_d, a.gdn_layers, a.tokens, a.block, a.iters))
-    print(
-        f"{'transport':9} {'D TP':>4} {'state':11} {'p50 ms':>8} {'min ms':>8} {'moved MB':>9} {'state MB':>9} {'KV MB':>7}"
+    head = (
+        "transport",
+        "D TP",
+        "state",
+        "p50 ms",
+        "min ms",
+        "moved MB",
+        "copy_ ms",
+        "x copy_",
+        "state MB",
+        "KV MB",
     )
+    print("  ".join(f"{h:>10}" for h in head))
     for r in rows:
-        print(f"{r['transport']:9} {r['d_tp']:>4} {r['how']:11} {r['ms_p50']:>8} {r['ms_min']:>8} "
-              f"{r['moved_bytes'] / 1e6:>9.2f} {r['state_bytes'] / 1e6:>9.2f} {r['kv_bytes'] / 1e6:>7.2f}")  # fmt: skip
+        cells = (r["transport"], r["d_tp"], r["how"], r["ms_p50"], r["ms_min"], f"{r['moved_bytes'] / 1e6:.2f}",
+                 r["copy_ms"], f"{r['copy_ms'] / r['ms_p50']:.2f}", f"{r['state_bytes'] / 1e6:.2f}",
+                 f"{r['kv_bytes'] / 1e6:.2f}")  # fmt: skip
+        print("  ".join(f"{c!s:>10}" for c in cells))
     print(json.dumps({"gdn_layers": a.gdn_layers, "tokens": a.tokens, "block": a.block, "rows": rows}))
     return 0
 
