@@ -57,19 +57,27 @@ def _lists(gs: GroupSet, block_ids) -> list[np.ndarray]:
     return out
 
 
-def _state_id(gs: GroupSet, g: int, arr: np.ndarray) -> np.ndarray:
-    """A state group's running state block (:func:`kvxfer.groups.blocks.state_block`) as a
-    1-element array; ``ValueError`` naming the group."""
+def _state_id(gs: GroupSet, g: int, arr: np.ndarray, num_tokens: int, block_size: int) -> np.ndarray:
+    """A state group's running state block (:func:`kvxfer.groups.blocks.state_block`; a
+    positional list: the entry of token ``num_tokens - 1``) as a 1-element array;
+    ``ValueError`` naming the group."""
     grp = gs.groups[g]
+    at = (num_tokens - 1) // block_size if grp.positional else None
     try:
-        b = state_block(arr, grp.num_speculative_blocks, gs.null_block)
+        b = state_block(arr, grp.num_speculative_blocks, gs.null_block, at)
     except ValueError as e:
         raise ValueError(f"block_ids[{g}] ({grp.describe()}): {str(e).removeprefix('block_ids: ')}") from None
     return np.array([b], dtype=np.int64)
 
 
 def _live(
-    gs: GroupSet, lists: list[np.ndarray], firsts: list[int], need: int, block_size: int, num_blocks: int
+    gs: GroupSet,
+    lists: list[np.ndarray],
+    firsts: list[int],
+    need: int,
+    block_size: int,
+    num_blocks: int,
+    num_tokens: int,
 ):
     """Each attention group's ids at positions ``[firsts[g] // block_size, need)`` and each
     state group's state block, checked: enough of them, no null block among them, and over all
@@ -78,7 +86,7 @@ def _live(
     live = []
     for g, (arr, first) in enumerate(zip(lists, firsts)):
         if gs.whole[g]:
-            live.append(_state_id(gs, g, arr))
+            live.append(_state_id(gs, g, arr, num_tokens, block_size))
             continue
         if arr.size < need:
             raise ValueError(
@@ -116,7 +124,7 @@ def export_ids(
     need = -(-num_tokens // block_size)
     end = num_tokens if computed is None else computed
     firsts = [g.live_first(end) for g in gs.groups]
-    live, ids = _live(gs, lists, firsts, need, block_size, num_blocks)
+    live, ids = _live(gs, lists, firsts, need, block_size, num_blocks, num_tokens)
     return ids, [int(p.size) for p in live]
 
 
@@ -139,7 +147,7 @@ def load_ids(
     need = -(-num_tokens // block_size)
     end = num_tokens if computed is None else computed
     firsts = [max(first, g.live_first(end)) for g in gs.groups]
-    live, ids = _live(gs, lists, firsts, need, block_size, num_blocks)
+    live, ids = _live(gs, lists, firsts, need, block_size, num_blocks, num_tokens)
     per = []
     for g, (arr, f) in enumerate(zip(lists, firsts)):
         if gs.whole[g]:

@@ -52,8 +52,12 @@ def _state(kind: str, spec: KVCacheSpec, tp: int, **kw) -> StateSpec:
     )
 
 
-def _groups(state: StateSpec, num_spec: int = 0) -> list:
-    return [AttentionGroup((0, 3)), AttentionGroup((1, 4), window=9), StateGroup((2, 5), state, num_spec)]
+def _groups(state: StateSpec, num_spec: int = 0, positional: bool = False) -> list:
+    return [
+        AttentionGroup((0, 3)),
+        AttentionGroup((1, 4), window=9),
+        StateGroup((2, 5), state, num_spec, positional),
+    ]
 
 
 def _regions(
@@ -109,7 +113,7 @@ def _lists(
     return out
 
 
-def _engines(spec, tp, name, transport, kind, num_spec=0, shm=False, port=0):
+def _engines(spec, tp, name, transport, kind, num_spec=0, shm=False, port=0, positional=False):
     engs, stores = [], []
     for r in range(tp):
         if shm:  # planes-outer caches in shared memory: a block's bytes are its K and V rows
@@ -124,24 +128,31 @@ def _engines(spec, tp, name, transport, kind, num_spec=0, shm=False, port=0):
         stores.append((store, raws, caches))
         eng = TransferEngine(
             spec, caches, r, tp, name, transport=transport, lease_s=10.0, port=port, auth_key=KEY,
-            groups=_groups(_state(kind, spec, tp), num_spec),
+            groups=_groups(_state(kind, spec, tp), num_spec, positional),
         )  # fmt: skip
         engs.append(eng.start())
     return engs, stores
 
 
 def _run(transport: str, spec: KVCacheSpec, tp: int, n: int, kind: str = "gdn", first: int = 0, seed: int = 0,
-         num_spec: int = 0, shm: bool = False, align: bool = False):  # fmt: skip
+         num_spec: int = 0, shm: bool = False, align: bool = False, positional: bool = False):  # fmt: skip
     rng = random.Random(seed)
     cma = transport == "ipc-cma"
     transport = "ipc" if cma else transport
-    ps, pst = _engines(spec, tp, "P", transport, kind, 0, shm, free_port_base(tp) if tp > 1 else 0)
-    ds, dst = _engines(spec, tp, "D", transport, kind, num_spec, shm, free_port_base(tp) if tp > 1 else 0)
+    ps, pst = _engines(
+        spec, tp, "P", transport, kind, 0, shm, free_port_base(tp) if tp > 1 else 0, positional
+    )
+    ds, dst = _engines(spec, tp, "D", transport, kind, num_spec, shm, free_port_base(tp) if tp > 1 else 0,
+                       positional)  # fmt: skip
     try:
         groups = _groups(_state(kind, spec, tp))
         truth = _truth(spec, LAYER_GROUP, n, seed)
-        plists = _lists(rng, groups, n, spec.block_size, align=align)
-        dlists = _lists(rng, groups, n, spec.block_size, num_spec)
+        plists = _lists(rng, groups, n, spec.block_size, align=align or positional)
+        dlists = _lists(rng, groups, n, spec.block_size, num_spec, align=positional)
+        need = -(-n // spec.block_size)
+        if positional:  # D allocated one block more (for the token it computes next): not the state's
+            used = {b for lst in plists + dlists for b in lst}
+            dlists[2].append(next(b for b in range(1, NB) if b not in used))
         for r, (_, raws, caches) in enumerate(pst):
             _fill(caches, GARBAGE)
             heads = spec.heads_of_rank(r, tp)
@@ -163,7 +174,7 @@ def _run(transport: str, spec: KVCacheSpec, tp: int, n: int, kind: str = "gdn", 
             e.load("req", params[0], dlists, num_computed_tokens=first)
         got = _poll_all(ds, {"req"}, "recv")
         assert got == {"req": "done"}, got
-        dstate = dlists[2][len(dlists[2]) - 1 - num_spec]
+        dstate = dlists[2][need - 1] if positional else dlists[2][len(dlists[2]) - 1 - num_spec]
         for r, ((_, _, pc), (_, _, dc)) in enumerate(zip(pst, dst)):
             heads = spec.heads_of_rank(r, tp)
             regions = [dc[REGION.index(k)].clone() for k in (0, 1)]  # the same strides as D's
@@ -472,3 +483,11 @@ def test_grouped_loads_read_one_sided(resharded):
     else:
         st = _run_resharded(_spec("NHD"), 1, _spec("NHD"), 1, "mamba2", 27, 12, requests=2, aliased=False)
     assert st["onesided"]["loads"] >= 1, st["onesided"]
+
+
+@pytest.mark.parametrize("transport", ["ipc-cma", "pg"])
+def test_state_group_positional_lists(transport):
+    """vLLM's prefix-caching "align" mode: the lists are positional (null entries, then the
+    state in the block of the last token), and D allocated one block more for the token it
+    computes next: the state lands in the block of token ``n - 1``, not in D's last entry."""
+    _run(transport, _spec("NHD"), 1, 28, "gdn", seed=13, positional=True)

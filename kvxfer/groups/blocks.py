@@ -220,11 +220,19 @@ def _extend(ids: np.ndarray, live: np.ndarray, start: int, first: int, block_siz
     return np.ascontiguousarray(out)
 
 
-def state_block(block_ids, num_speculative_blocks: int = 0, null_block: int | None = NULL_BLOCK) -> int:
+def state_block(
+    block_ids,
+    num_speculative_blocks: int = 0,
+    null_block: int | None = NULL_BLOCK,
+    position: int | None = None,
+) -> int:
     """The running state block of a request's state-group block list: the last entry before the
     ``num_speculative_blocks`` scratch blocks (vLLM's ``clip_ssm_state_blocks``; in "none" mode
-    the list's first entry, in "align" mode the block of the last computed token). ``ValueError``
-    when the list is too short or that entry is the null block."""
+    the list's first entry), or with ``position`` the entry there (vLLM's "align" mode: the
+    list is positional and the state lies in the block of the last computed token,
+    ``(num_computed_tokens - 1) // block_size``, which on a decode server that allocated for
+    more tokens is not the last entry). ``ValueError`` when the list is too short or that entry
+    is the null block."""
     ids = _ids(block_ids, "block_ids")
     spec = _check_int("num_speculative_blocks", num_speculative_blocks, 0)
     if ids.size < spec + 1:
@@ -232,9 +240,13 @@ def state_block(block_ids, num_speculative_blocks: int = 0, null_block: int | No
             f"block_ids: {ids.size} entries, a state group's list holds its state block and "
             f"{spec} speculative blocks"
         )
-    block = int(ids[ids.size - 1 - spec])
-    if null_block is not None and block == null_block:
+    at = ids.size - 1 - spec if position is None else _check_int("position", position, 0)
+    if at > ids.size - 1 - spec:
         raise ValueError(
-            f"block_ids: the state block (position {ids.size - 1 - spec}) is the null block ({null_block})"
+            f"block_ids: {ids.size} entries ({spec} speculative), the state of the last computed token "
+            f"lies at position {at}"
         )
+    block = int(ids[at])
+    if null_block is not None and block == null_block:
+        raise ValueError(f"block_ids: the state block (position {at}) is the null block ({null_block})")
     return block

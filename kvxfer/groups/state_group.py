@@ -136,11 +136,15 @@ class StateGroup:
             (``num_layers == len(layers)``).
         num_speculative_blocks: scratch blocks vLLM keeps after a request's state block
             (``MambaSpec.num_speculative_blocks``); the state block is the entry before them.
+        positional: the list is positional, one entry per block of tokens (vLLM's prefix-caching
+            "align" mode, where the engine's block size is the state group's): the state block
+            is the entry of the request's last token, ``(num_tokens - 1) // block_size``.
     """
 
     layers: tuple[int, ...]
     state: StateSpec
     num_speculative_blocks: int = 0
+    positional: bool = False
 
     window = None  # never a sliding window: what attention-group code may read
 
@@ -161,6 +165,8 @@ class StateGroup:
         n = self.num_speculative_blocks
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"num_speculative_blocks: must be an int >= 0, got {n!r}")
+        if not isinstance(self.positional, bool):
+            raise ValueError(f"positional: must be a bool, got {self.positional!r}")
 
     @property
     def kind(self) -> str:
