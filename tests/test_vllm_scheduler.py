@@ -354,8 +354,7 @@ def test_get_finished_count_is_world_size(model_dir):
 def test_connector_api_points_and_hybrid_models(model_dir):
     """requires_kv_delivery where the server exports; handle_preemptions is a no-op; a model
     with full-attention and sliding-window groups is carried (each group registered), so is a
-    Mamba2 state group; one in prefix caching's "align" mode is refused with
-    HybridModelUnsupported, naming the model, the group and why."""
+    Mamba2 state group, with prefix caching off ("none") or on ("align": a positional list)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -365,7 +364,7 @@ def test_connector_api_points_and_hybrid_models(model_dir):
         SlidingWindowSpec,
     )
 
-    from kvxfer.vllm.connector import HybridModelUnsupported, KvxferConnector, KvxferConnectorMetadata
+    from kvxfer.vllm.connector import KvxferConnector, KvxferConnectorMetadata
 
     full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32)
     one = KVCacheConfig(
@@ -386,10 +385,10 @@ def test_connector_api_points_and_hybrid_models(model_dir):
     )
     c = KvxferConnector(_vllm_config(model_dir, "kv_consumer", "E", 15000), KVConnectorRole.SCHEDULER, two)
     assert [(g.window, g.layer_names) for g in c.groups] == [(None, ("l0",)), (64, ("l1",))]
-    # vLLM's own MambaSpec (Mamba2: x of 4 heads x 16, one group of d_state 16): carried; in
-    # prefix caching's "align" mode: refused, naming the group and why
+    # vLLM's own MambaSpec (Mamba2: x of 4 heads x 16, one group of d_state 16): carried in both
+    # cache modes; in prefix caching's "align" mode its list is positional
     shapes = ((3, 4 * 16 + 2 * 16), (4, 16, 16))
-    for mode, carried in (("none", True), ("align", False)):
+    for mode in ("none", "align"):
         mamba = MambaSpec(
             block_size=BS, shapes=shapes, dtypes=(torch.float32, torch.float32), mamba_cache_mode=mode
         )
@@ -399,14 +398,9 @@ def test_connector_api_points_and_hybrid_models(model_dir):
             kv_cache_groups=[KVCacheGroupSpec(["m0"], mamba), KVCacheGroupSpec(["l1"], full)],
         )
         cfg = _vllm_config(model_dir, "kv_consumer", "E", 15000)
-        if carried:
-            c = KvxferConnector(cfg, KVConnectorRole.SCHEDULER, hybrid)
-            assert [g.describe() for g in c.groups] == ["mamba2 x1", "full x1"]
-            continue
-        with pytest.raises(
-            HybridModelUnsupported, match=r"model .*: KV cache group 0 \(MambaSpec.*mamba_cache_mode 'align'"
-        ):
-            KvxferConnector(cfg, KVConnectorRole.SCHEDULER, hybrid)
+        c = KvxferConnector(cfg, KVConnectorRole.SCHEDULER, hybrid)
+        assert [g.describe() for g in c.groups] == ["mamba2 x1", "full x1"]
+        assert c.groups[0].positional is (mode == "align")
 
 
 def test_what_vllm_does_with_hybrid_models_for_this_connector():

@@ -127,7 +127,7 @@ def test_mamba1_and_short_conv():
 @pytest.mark.parametrize(
     ("spec", "why"),
     [
-        (granite(mamba_cache_mode="align"), "mamba_cache_mode 'align'"),
+        (granite(mamba_cache_mode="other"), "mamba_cache_mode 'other'"),
         (granite(mamba_type=kind("LINEAR")), "state kind LINEAR is not carried"),
         (granite(mamba_type=kind("CUSTOM")), "state kind CUSTOM is not carried"),
         (granite(tp_replicated=True), "TP-replicated"),

@@ -205,7 +205,8 @@ def _llm(model_dir: str, kv: dict | None, kind: str = "llama"):
         max_model_len=256,
         max_num_seqs=4,
         enforce_eager=True,
-        enable_prefix_caching=kind not in STATE_MODELS,  # "align" mode states are not carried
+        # state models: prefix caching ("align" mode states) only when asked (vLLM's default is on)
+        enable_prefix_caching=kind not in STATE_MODELS or os.environ.get("KVXFER_E2E_PREFIX_CACHING") == "1",
         seed=0,
         **kw,
     )

@@ -29,10 +29,9 @@ vLLM 0.32/0.33 connector API points this connector answers explicitly:
   P's requests by one prompt token, so P's state is h(N−1) and D computes the last prompt token
   from it (:mod:`kvxfer.vllm.backoff`); the state page moves whole where P and D lay it out
   alike, else the engine re-shards each rank's units (same model and state dtypes required;
-  the engines' handshake decides).
-  Other group kinds (chunked local attention, prefix-caching "align" mode states, linear
-  attention/KDA) are refused at start by :class:`HybridModelUnsupported`, naming the group and
-  why.
+  the engines' handshake decides). With prefix caching on (vLLM's "align" mode) a state list
+  is positional. Other group kinds (chunked local attention, linear attention/KDA) are refused
+  at start by :class:`HybridModelUnsupported`, naming the group and why.
 * ``get_loaded_kv_cache_group_ids``: every transfer group (a load writes the request's own
   blocks of every group, so vLLM must not zero them after allocating).
 * Failed loads are reported by request too (``get_transfer_results``'s ``failed_recving``,

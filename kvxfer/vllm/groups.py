@@ -9,8 +9,8 @@ docs/research/vllm-hybrid.md §1.2-1.6, §2.
 full-attention, sliding-window and state groups (``MambaSpec``: Mamba1, Mamba2, GDN, short
 conv; their :class:`~kvxfer.groups.state.StateSpec` from :mod:`kvxfer.vllm.state`) are carried
 (a request is a set of groups, :mod:`kvxfer.grouped`); every other kind (chunked local attention,
-MLA next to other kinds, attention groups of different block sizes, prefix-caching "align" mode
-states, linear attention/KDA, a model with no attention group) is refused by name, naming the
+MLA next to other kinds, attention groups of different block sizes, linear attention/KDA, a model
+with no attention group) is refused by name, naming the
 group and why. A model of one full-attention group keeps the one-list path (None).
 
 :func:`engine_groups` gives the engine's groups (:class:`~kvxfer.groups.attention.AttentionGroup`
@@ -48,7 +48,7 @@ RECOMPUTED_TOKENS = 1  # tokens of a loaded prompt the decode server computes ag
 
 class HybridModelUnsupported(ValueError):
     """The model has a KV cache group kind ``KvxferConnector`` does not carry (chunked local
-    attention, prefix-caching "align" mode states, linear attention/KDA, ...); the message names
+    attention, linear attention/KDA, ...); the message names
     the group and why. Full-attention, sliding-window and state groups are carried."""
 
 
@@ -60,7 +60,9 @@ class VllmGroup:
     ``layer_names``: its layers; ``window``: the sliding window (None: full attention or a
     state group); ``extra_retained_tokens``: vLLM's; ``block_size``: the group's (manager)
     block size; ``state``: a state group's :class:`StateSpec` (None: an attention group);
-    ``num_speculative_blocks``: a state group's scratch blocks after its state block."""
+    ``num_speculative_blocks``: a state group's scratch blocks after its state block;
+    ``positional``: a state group's list is positional (prefix caching, vLLM's "align" mode:
+    the state lies in the block of the last computed token)."""
 
     index: int
     layer_names: tuple[str, ...]
@@ -69,6 +71,7 @@ class VllmGroup:
     block_size: int
     state: StateSpec | None = None
     num_speculative_blocks: int = 0
+    positional: bool = False
 
     @property
     def is_state(self) -> bool:
@@ -132,7 +135,9 @@ def groups_from_config(
             except ValueError as e:
                 raise HybridModelUnsupported(f"{where}: state group not carried: {e}") from None
             nspec = int(getattr(spec, "num_speculative_blocks", 0) or 0)
-            out.append(VllmGroup(i, names, None, 0, int(getattr(spec, "block_size", 0) or 0), state, nspec))
+            bs = int(getattr(spec, "block_size", 0) or 0)
+            align = str(getattr(spec, "mamba_cache_mode", "none")) == "align"
+            out.append(VllmGroup(i, names, None, 0, bs, state, nspec, align))
             continue
         else:
             raise HybridModelUnsupported(
@@ -152,6 +157,12 @@ def groups_from_config(
         raise HybridModelUnsupported(
             f"model {model}: KV cache groups of different block sizes {sorted(sizes)} are not carried yet"
         )
+    for g in out:  # a positional state list counts the attention groups' blocks
+        if g.positional and sizes and g.block_size not in sizes:
+            raise HybridModelUnsupported(
+                f"model {model}: KV cache group {g.index} (state, prefix caching on) has blocks of "
+                f"{g.block_size} tokens, the attention groups {sorted(sizes)}: not carried"
+            )
     if len(out) == 1 and out[0].window is None and not out[0].is_state and len(groups) == 1:
         return None  # one full-attention group: block ids as one list, as before
     if any(_kind(getattr(g, "kv_cache_spec", None)) == "MLAAttentionSpec" for g in groups):
@@ -189,9 +200,7 @@ def engine_groups(groups: Sequence[VllmGroup], layer_index: dict[tuple[int, str]
             from ..groups import StateGroup  # the engine's state groups
 
             layers = tuple(layer_index[(g.index, n)] for n in g.layer_names if (g.index, n) in layer_index)
-            out.append(
-                StateGroup(layers=layers, state=g.state, num_speculative_blocks=g.num_speculative_blocks)
-            )
+            out.append(StateGroup(layers, g.state, g.num_speculative_blocks, g.positional))
         else:
             out.extend(attention_groups([g], layer_index))
     return out

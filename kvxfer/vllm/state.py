@@ -12,7 +12,7 @@ channels ``[q | k | v]``; Mamba1's SSM state is ``[intermediate, d_state]``. Eve
 sharded by TP, so the whole-model sizes are the per-rank ones times the TP size.
 
 :func:`state_spec_from_vllm` builds the StateSpec and checks it reproduces vLLM's shapes, dtypes
-and page exactly; anything else (align mode, ReplaySSM's extra states, linear attention, KDA, a
+and page exactly; anything else (another cache mode than "none" or "align", ReplaySSM's extra states, linear attention, KDA, a
 TP-replicated state, ...) is refused with the reason, for the caller to name the group.
 """
 
@@ -75,11 +75,10 @@ def state_spec_from_vllm(
     if kind not in _KINDS:
         raise ValueError(f"state kind {kind} is not carried (Mamba1, Mamba2, GDN and short conv are)")
     mode = str(getattr(spec, "mamba_cache_mode", "none"))
-    if mode != "none":
+    if mode not in ("none", "align"):
         raise ValueError(
-            f"mamba_cache_mode {mode!r} (prefix caching of states) is not carried: its block list is "
-            "position-indexed and its running state moves from block to block; run with prefix caching "
-            "off (mamba_cache_mode 'none')"
+            f"mamba_cache_mode {mode!r} is not carried (only 'none' and 'align', vLLM's modes without and "
+            "with prefix caching)"
         )
     if getattr(spec, "tp_replicated", False):
         raise ValueError("a TP-replicated state is not carried")
