@@ -65,13 +65,11 @@ EXTRA_FLAGS = 0  # OR-ed into every call's flags: loop-order overrides for profi
 # Below 256 KiB a copy takes under ~25 us and whoever reads the destination next (Gloo sending
 # a wire) would find it in cache: small copies keep plain stores.
 STREAM_MIN_BYTES = 256 << 10
-# Fewer bytes than this per thread and waking one (~10-30 us on a shared VM) is not repaid:
-# smaller transfers use fewer threads. 128, 256 and 512 KiB were within the noise (+-30 %) of
-# each other at 0.5-2 MB. 2 threads vs 1 (streaming stores): with the second core mostly free,
-# bench_ops --quick at 13 MB (medians of 3 runs): ipc copies 1.00x -> 1.29x, gather/scatter
-# 1.05x -> 1.29x; while another job kept it busy (sweep_cpu): 4 MB 0.73-0.79x -> 0.73-0.85x,
-# 13 MB 0.86-1.04x -> 0.92-1.07x, 134 MB 1.11-1.33x -> 1.10-1.35x. Chunks are shared by the
-# pool, so a worker the OS runs late costs little (kvx_cpu.cpp).
+# Fewer bytes than this per thread and waking one costs more than it saves: smaller transfers use
+# fewer threads (128, 256 and 512 KiB were within the noise of each other at 0.5-2 MB; the second
+# thread's gain with the other core free or busy:
+# profiling/results/2026-11-23-cpu-datapath/README.md). Chunks are shared by the pool, so a
+# worker the OS runs late costs little (kvx_cpu.cpp).
 MIN_BYTES_PER_THREAD = 256 << 10
 _ZERO = array("q", [0])  # the block table of a dense wire: one block, id 0
 _ZERO_ADDR = _ZERO.buffer_info()[0]
