@@ -1136,8 +1136,8 @@ def test_extra_config_reaches_the_engine():
 def test_port_in_use_is_named_when_vllm_first_loads_the_connector_class():
     """An exporting server's kv_port in use is reported when vLLM's config checks load the
     connector class in the API server process (KVConnectorFactory.get_connector_class), before
-    any model loads, not when the worker binds after loading it. Main process only, once; a
-    consumer, or a free port, passes."""
+    any model loads, not when the worker binds after loading it. Main process only, once, and
+    only before it started a child (the engine core); a consumer, or a free port, passes."""
     code = (
         "import importlib, json, socket\n"
         "held = socket.socket()\n"
@@ -1159,6 +1159,15 @@ def test_port_in_use_is_named_when_vllm_first_loads_the_connector_class():
         "        out[role] = f'{type(e).__name__}: {e}'\n"
         "    import kvxfer.vllm\n"
         "    kvxfer.vllm._ports_checked = False\n"
+        "import multiprocessing, time\n"
+        "child = multiprocessing.get_context('spawn').Process(target=time.sleep, args=(30,))\n"
+        "child.start()  # the engine core started: its worker may hold the port by now\n"
+        "try:\n"
+        "    get_connector_class(KVC())\n"
+        "    out['after_engine_start'] = 'no error'\n"
+        "except Exception as e:\n"
+        "    out['after_engine_start'] = f'{type(e).__name__}: {e}'\n"
+        "child.kill()\n"
         "print(json.dumps(out))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -1167,3 +1176,6 @@ def test_port_in_use_is_named_when_vllm_first_loads_the_connector_class():
     assert not out["kv_consumer"].startswith("RuntimeError"), out  # a consumer binds no kv_port
     want = f"RuntimeError: kvxfer connector: side-channel port {out['port']} on 127.0.0.1 is in use"
     assert out["kv_producer"].startswith(want) and "another kv_port" in out["kv_producer"], out
+    # a first lookup after the server started its engine core (vLLM's stat logger) is not the
+    # early check: the port may be this server's own worker's
+    assert not out["after_engine_start"].startswith("RuntimeError"), out

@@ -45,16 +45,18 @@ def _check_port_early(frame) -> None:
     that, but its config checks load the connector class in the API server process first
     (``KVConnectorFactory.get_connector_class(kv_transfer_config)``): that call's
     ``kv_transfer_config`` is read from the caller's frame, once per process, in the main
-    process only (engine-core and worker processes may hold the port themselves by then). TP
-    rank 0's port (``kv_port``) is probed; anything unexpected skips the check (the worker's
-    bind still reports)."""
+    process only (engine-core and worker processes may hold the port themselves by then), and
+    only while that process has started no child: a first lookup after the engine core started
+    (vLLM's stat logger, when the config checks did not load the class) would find the port
+    bound by this server's own worker. TP rank 0's port (``kv_port``) is probed; anything
+    unexpected skips the check (the worker's bind still reports)."""
     global _ports_checked
     if _ports_checked:
         return
     _ports_checked = True
     import multiprocessing
 
-    if multiprocessing.parent_process() is not None:
+    if multiprocessing.parent_process() is not None or multiprocessing.active_children():
         return
     kvc = None
     for _ in range(6):  # get_connector_class, or the registry's loader a frame or two below it
