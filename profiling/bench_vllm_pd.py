@@ -110,8 +110,12 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
-def logged_xfer_ms(log: str, kind: str) -> list[float]:
-    """Per logged interval with exactly one transfer, that transfer's time (ms), in order."""
+def logged_xfers(log: str, kind: str) -> list[tuple[int, float]]:
+    """Per logged interval with a transfer: (transfers, their mean time in ms), in order.
+
+    One request per interval (the bench waits 1.1 s between a pair's requests): kvxfer counts
+    one transfer per request (every group of it); NixlConnector one per NIXL handle, and a
+    hybrid request may post several at once (its mean is then the request's typical read)."""
     out = []
     for line in log.splitlines():
         if "KV Transfer metrics:" not in line:
@@ -122,9 +126,48 @@ def logged_xfer_ms(log: str, kind: str) -> list[float]:
         else:
             n = re.search(r"Num successful transfers=(\d+)", line)
             v = re.search(r"Avg xfer time \(ms\)=([0-9.eE+-]+)", line)
-        if n and v and int(n.group(1)) == 1:
-            out.append(float(v.group(1)))
+        if n and v and int(n.group(1)) >= 1:
+            out.append((int(n.group(1)), float(v.group(1))))
     return out
+
+
+def logged_xfer_ms(log: str, kind: str) -> list[float]:
+    """Per logged interval with exactly one transfer, that transfer's time (ms), in order."""
+    return [v for n, v in logged_xfers(log, kind) if n == 1]
+
+
+def model_setup(kind: str, dtype: str) -> tuple[list[str], dict, dict]:
+    """Server arguments every server of ``kind`` takes, and the extra environment of kvxfer's
+    and NixlConnector's servers. The hybrids as ``tests/vllm_e2e.py`` runs them: its dtype
+    (fp32; qwen3_next bf16), the hybrid allocator on (explicitly: a connector without
+    ``SupportsHMA`` then fails at start instead of running it off), and for state models
+    prefix caching off; NixlConnector needs the DS conv layout for state models."""
+    from tests.vllm_e2e import DTYPES, STATE_MODELS
+
+    if kind == "llama":
+        return (["--dtype", dtype] if dtype else []), {}, {}
+    args = ["--dtype", dtype or DTYPES.get(kind, "float32"), "--no-disable-hybrid-kv-cache-manager"]
+    nixl_env = {}
+    if kind in STATE_MODELS:
+        args.append("--no-enable-prefix-caching")
+        nixl_env["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"  # "3-read Mamba conv transfer requires DS"
+    return args, {}, nixl_env
+
+
+def write_bench_model(model_dir: str, kind: str, max_len: int) -> None:
+    """``tests/vllm_e2e.py``'s tiny model of ``kind``, with ``max_len`` positions."""
+    from tests.vllm_e2e import write_model
+
+    if kind == "llama":
+        write_model(model_dir, max_position_embeddings=max_len)
+        return
+    write_model(model_dir, kind=kind)
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = max_len  # rotary: no weight depends on it
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
 
 
 def compare(got: dict, ref: dict) -> tuple[bool, float]:
@@ -141,6 +184,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--model", default="llama", choices=("llama", "gemma3", "granite", "qwen3_next"),
+                    help="tests/vllm_e2e.py's tiny model (the hybrids in its dtype, hybrid allocator on)")  # fmt: skip
+    ap.add_argument(
+        "--dtype", default="", help="vLLM's --dtype (default: llama bf16, the hybrids as vllm_e2e)"
+    )
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--no-kill", action="store_true", help="skip the P-killed check")
     ap.add_argument("--kvxfer-transport", default="auto")
     ap.add_argument(
         "--kvxfer-extra", default="{}", help="JSON merged into kvxfer's kv_connector_extra_config"
@@ -153,18 +203,17 @@ def main(argv=None) -> int:
     conc = [int(x) for x in a.concurrency.split(",") if x]
     out_dir = a.out or tempfile.mkdtemp(prefix="bench-vllm-pd-")
     os.makedirs(out_dir, exist_ok=True)
-    from tests.vllm_e2e import write_model
-
     fixed, bursts = prompt_set(lengths, a.rounds, conc)
     res: dict = {"lengths": lengths, "rounds": a.rounds, "concurrency": conc, "tokens": a.tokens,
-                 "kvxfer_extra": json.loads(a.kvxfer_extra)}  # fmt: skip
+                 "kvxfer_extra": json.loads(a.kvxfer_extra), "model": a.model}  # fmt: skip
+    margs, kvx_env, nixl_env = model_setup(a.model, a.dtype)
     base_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
                 "VLLM_LOG_STATS_INTERVAL": "1", "PYTHONPATH": ROOT}  # fmt: skip
-    common = ["--max-model-len", "4096", "--gpu-memory-utilization", "0.12", "--seed", "0",
-              "--max-num-seqs", str(max(32, *conc))]  # fmt: skip
+    common = ["--max-model-len", str(a.max_model_len), "--gpu-memory-utilization", "0.12", "--seed", "0",
+              "--max-num-seqs", str(max([32, *conc])), *margs]  # fmt: skip
     servers: list[Server] = []
     with tempfile.TemporaryDirectory() as model_dir:
-        write_model(model_dir, max_position_embeddings=4096)
+        write_bench_model(model_dir, a.model, a.max_model_len)
         t0 = time.monotonic()
         plain = Server("plain", a.port, model_dir, out_dir, common, base_env).start()
         try:
@@ -180,9 +229,9 @@ def main(argv=None) -> int:
                **json.loads(a.kvxfer_extra)}}  # fmt: skip
         nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
         fair = {"PYTHONPATH": FAIR + os.pathsep + ROOT, "KVXFER_BENCH_NIXL_FAIR": "1",
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST}  # fmt: skip
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, **nixl_env}  # fmt: skip
         spec = {
-            "kvxfer": [({**kvx, "kv_role": "kv_producer"}, {}), ({**kvx, "kv_role": "kv_consumer"}, {})],
+            "kvxfer": [({**kvx, "kv_role": "kv_producer"}, kvx_env), ({**kvx, "kv_role": "kv_consumer"}, kvx_env)],
             "nixl": [(nixl, {**fair, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.port + 600)}),
                      (nixl, {**fair, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.port + 601)})],
         }  # fmt: skip
@@ -197,19 +246,34 @@ def main(argv=None) -> int:
                            {**base_env, **ed, "VLLM_CPU_OMP_THREADS_BIND": "1"})  # fmt: skip
                 servers += [p, d]
                 pairs[name] = {"P": p, "D": d}
+            res["setup"] = {s.name: {"args": s.args, "env": {k: v for k, v in s.env.items() if k not in os.environ}}
+                            for s in servers}  # fmt: skip
             for s in servers:
                 s.start()
             end = time.monotonic() + a.start_timeout
-            res["startup_s"] = {s.name: round(s.wait_ready(end), 1) for s in servers}
+            res["startup_s"], res["startup_error"] = {}, {}
+            for name in list(pairs):  # a pair that does not start is recorded, the other runs on
+                for s in (pairs[name]["P"], pairs[name]["D"]):
+                    try:
+                        res["startup_s"][s.name] = round(s.wait_ready(end), 1)
+                    except RuntimeError as e:
+                        res["startup_error"][s.name] = str(e)[-4000:]
+                if any(pairs[name][r].name in res["startup_error"] for r in "PD"):
+                    for r in "PD":
+                        pairs[name][r].stop()
+                    del pairs[name]
+            if not pairs:
+                raise RuntimeError("no pair started")
             for pr in pairs.values():
                 pr["timings"] = {}
                 pr["router"] = StandardRouter(pr["P"].url, pr["D"].url, timings=pr["timings"]).start()
             res.update(run_benchmark(a, pairs, fixed, bursts, ref, lengths, conc, model_dir))
             for pr in pairs.values():
                 pr["router"].close()
-            res["p_killed"] = {
-                name: kill_p(a, pr, model_dir, fixed[(0, lengths[0])]) for name, pr in pairs.items()
-            }
+            if not a.no_kill:
+                res["p_killed"] = {
+                    name: kill_p(a, pr, model_dir, fixed[(0, lengths[0])]) for name, pr in pairs.items()
+                }
         except Exception as e:
             res["error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -240,11 +304,15 @@ def run_benchmark(a, pairs, fixed, bursts, ref, lengths, conc, model):
     time.sleep(2.5)
     for n in names:
         kind = "kvxfer" if n == "kvxfer" else "nixl"
-        xs = logged_xfer_ms(pairs[n]["D"].log_text(), kind)
+        xs = logged_xfers(pairs[n]["D"].log_text(), kind)
         i = 0
         for r in range(a.rounds):  # the logged intervals come in request order
             for L in lengths:
-                seq[n][L][r]["xfer_ms"] = xs[i] if i < len(xs) else None
+                rr = seq[n][L][r]
+                if rr["error"]:  # a failed request logs no successful transfer
+                    rr["xfer_ms"] = None
+                    continue
+                rr["xfers"], rr["xfer_ms"] = xs[i] if i < len(xs) else (None, None)
                 i += 1
     burst: dict = {n: {} for n in names}
     for c in conc:
@@ -314,8 +382,9 @@ def _fmt(x, scale=1e3, nd=0):
 
 
 def table(res: dict) -> str:
+    errs = [f"{k} did not start: ...{v[-600:]}" for k, v in (res.get("startup_error") or {}).items()]
     if "sequential" not in res:
-        return f"no results: {res.get('error')}"
+        return "\n".join([f"no results: {res.get('error')}", *errs])
     names = list(res["sequential"])
     lines = ["| prompt tokens | " + " | ".join(f"{n} TTFT ms | {n} handover ms | {n} transfer ms | {n} exact"
                                               for n in names) + " |"]  # fmt: skip
@@ -331,7 +400,10 @@ def table(res: dict) -> str:
                      if any(r["handover_s"] for r in rs) else None),
                 "-" if not any(r.get("xfer_ms") for r in rs)
                 else f"{statistics.median([r['xfer_ms'] for r in rs if r.get('xfer_ms') is not None]):.1f}",
-                f"{sum(r['exact'] for r in rs)}/{len(rs)}",
+                f"{sum(r['exact'] for r in rs)}/{len(rs)}"
+                + (f" (max lp diff {max(r['max_logprob_diff'] for r in rs):.1e})"
+                   if any(r["max_logprob_diff"] for r in rs if r["max_logprob_diff"] == r["max_logprob_diff"]) else "")
+                + (f", {sum(bool(r['error']) for r in rs)} failed" if any(r["error"] for r in rs) else ""),
             ]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     for c in res["concurrency"]:
@@ -345,7 +417,7 @@ def table(res: dict) -> str:
     for n, k in (res.get("p_killed") or {}).items():
         lines.append(f"P killed, {n}: {k.get('time_to_failure_s')} s from P's death to the client's error "
                      f"(teardown {k.get('p_teardown_s')} s): {k.get('error')[:160]}")  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join(lines + errs)
 
 
 if __name__ == "__main__":
