@@ -116,30 +116,53 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
-def logged_xfers(log: str, kind: str) -> list[tuple[int, float]]:
-    """Per logged interval with a transfer: (transfers, their mean time in ms), in order.
+def logged_xfers(log: str, kind: str) -> list[dict]:
+    """Per logged interval with a transfer, in order: its log time (epoch s, whole seconds),
+    transfers, their mean time (ms) and bytes in all.
 
-    One request per interval (the bench waits 1.1 s between a pair's requests): kvxfer counts
-    one transfer per request (every group of it); NixlConnector one per NIXL handle, and a
-    hybrid request may post several at once (its mean is then the request's typical read)."""
+    kvxfer counts one transfer per request (every group of it); NixlConnector one per NIXL
+    handle (a request may post several)."""
     out = []
+    year = time.localtime().tm_year
     for line in log.splitlines():
         if "KV Transfer metrics:" not in line:
             continue
         if kind == "kvxfer":
             n = re.search(r"kvxfer_transfers=(\d+)", line)
             v = re.search(r"kvxfer_avg_ms=([0-9.eE+-]+)", line)
+            b = re.search(r"kvxfer_bytes=(\d+)", line)
+            nbytes = int(b.group(1)) if b else None
         else:
             n = re.search(r"Num successful transfers=(\d+)", line)
             v = re.search(r"Avg xfer time \(ms\)=([0-9.eE+-]+)", line)
+            b = re.search(r"Avg MB per transfer=([0-9.eE+-]+)", line)
+            nbytes = round(float(b.group(1)) * 2**20 * int(n.group(1))) if b and n else None
+        ts = re.search(r" (\d\d-\d\d \d\d:\d\d:\d\d) ", line)
         if n and v and int(n.group(1)) >= 1:
-            out.append((int(n.group(1)), float(v.group(1))))
+            t = time.mktime(time.strptime(f"{year}-{ts.group(1)}", "%Y-%m-%d %H:%M:%S")) if ts else None
+            out.append({"t": t, "n": int(n.group(1)), "ms": float(v.group(1)), "bytes": nbytes})
     return out
 
 
 def logged_xfer_ms(log: str, kind: str) -> list[float]:
     """Per logged interval with exactly one transfer, that transfer's time (ms), in order."""
-    return [v for n, v in logged_xfers(log, kind) if n == 1]
+    return [x["ms"] for x in logged_xfers(log, kind) if x["n"] == 1]
+
+
+def match_xfers(reqs: list[dict], xs: list[dict], late_s: float = 1.2) -> None:
+    """Give each request (in time order, ``t0``/``t1`` wall clock) the logged interval that
+    fell in its window: from the second it started to ``late_s`` after it ended (stats are
+    logged each second, the transfer lands before the first token); None where none did."""
+    i = 0
+    for r in reqs:
+        while i < len(xs) and xs[i]["t"] is not None and xs[i]["t"] < int(r["t0"]):
+            i += 1  # an interval no request claimed (a straggler)
+        if i < len(xs) and xs[i]["t"] is not None and xs[i]["t"] <= r["t1"] + late_s:
+            x = xs[i]
+            r.update(xfer_ms=x["ms"], xfers=x["n"], xfer_bytes=x["bytes"], xfer_log_t=x["t"])
+            i += 1
+        else:
+            r.update(xfer_ms=None, xfers=None, xfer_bytes=None, xfer_log_t=None)
 
 
 def model_setup(kind: str, dtype: str) -> tuple[list[str], dict, dict]:
@@ -307,25 +330,19 @@ def run_benchmark(a, pairs, fixed, bursts, ref, lengths, conc, model):
             order = names if (r + lengths.index(L)) % 2 == 0 else names[::-1]
             for n in order:
                 pr = pairs[n]
+                t0 = time.time()
                 got = stream(pr["router"].url, body_of(model, fixed[(r, L)], a.tokens))
                 t = pr["timings"].get(got["rid"])
                 same, diff = compare(got, ref[(r, L)])
                 seq[n][L].append({"ttft_s": got["ttft_s"], "handover_s": (t[1] - t[0]) if t else None,
-                                  "exact": same, "max_logprob_diff": diff, "error": got["error"][:300]})  # fmt: skip
+                                  "exact": same, "max_logprob_diff": diff, "error": got["error"][:300],
+                                  "t0": t0, "t1": time.time()})  # fmt: skip
                 time.sleep(1.1)  # one request per logged stats interval of each D
     time.sleep(2.5)
     for n in names:
         kind = "kvxfer" if n == "kvxfer" else "nixl"
-        xs = logged_xfers(pairs[n]["D"].log_text(), kind)
-        i = 0
-        for r in range(a.rounds):  # the logged intervals come in request order
-            for L in lengths:
-                rr = seq[n][L][r]
-                if rr["error"]:  # a failed request logs no successful transfer
-                    rr["xfer_ms"] = None
-                    continue
-                rr["xfers"], rr["xfer_ms"] = xs[i] if i < len(xs) else (None, None)
-                i += 1
+        reqs = sorted((rr for L in lengths for rr in seq[n][L]), key=lambda rr: rr["t0"])
+        match_xfers(reqs, logged_xfers(pairs[n]["D"].log_text(), kind))
     burst: dict = {n: {} for n in names}
     for c in conc:
         for r in range(a.rounds):
