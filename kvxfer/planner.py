@@ -19,8 +19,7 @@ import numpy as np
 from . import idops
 from .batching import BatchPlan, Item, plan_batch, wire_bytes
 from .engine_types import LoadItem, disjoint_blocks, time_left
-from .groups.state_group import StateLanding, page_view
-from .groups.state_ops import copy_state
+from .groups.state_group import StateLanding
 from .peer import Peer
 from .plan import Read
 from .rank import Rank, Runtime
@@ -179,11 +178,9 @@ class Planner:
         out = peer.session.start(Transfer(s, [read], bp, todo, lay, deadline, landing)).wait(deadline)
         got = [j for j, it in enumerate(items) if it.request_id in out.landed]
         if got:
-            copy_state(
-                landing.pages(), state.src, got,
-                [page_view(rank.caches[x]) for x in grp.layers], state.dst, [int(items[j].dst[0]) for j in got],
-                state.runs[s], layers=[grp.layers.index(x) for x in lay],
-            )  # fmt: skip
+            state.copy(
+                s, landing.pages(), got, rank.caches, grp.layers, [int(items[j].dst[0]) for j in got], lay
+            )
             self.rt.order.wait_done(time_left(deadline))  # CUDA: the copies ran
         return out, pspec.bytes_per_token(heads, len(lay)) * pbs * n
 

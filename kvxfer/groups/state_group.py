@@ -25,8 +25,8 @@ through :func:`page_view` of both sides' caches. Other transports refuse such a 
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +35,7 @@ import torch
 from ..spec import KVCacheSpec, Layout
 from ..views import CacheViews
 from .state import StateSpec, UnitRun
+from .state_ops import copy_state
 
 __all__ = ["StateGroup", "StateLanding", "StateRoute", "page_view"]
 
@@ -52,13 +53,22 @@ class StateRoute(NamedTuple):
     def nbytes(self, num_layers: int, num_states: int, s: int) -> int:
         """Bytes read from source rank ``s`` for ``num_states`` states of ``num_layers`` layers."""
         runs = self.runs.get(s, ())
-        per = 0
-        for run, sec in zip(runs, self.src.sections):
-            n = 1
-            for d in sec.unit_shape:
-                n *= d
-            per += run.num_units * n * sec.dtype.itemsize
+        per = sum(
+            r.num_units * math.prod(sec.unit_shape) * sec.dtype.itemsize
+            for r, sec in zip(runs, self.src.sections)
+        )
         return per * num_layers * num_states
+
+    def copy(self, s: int, src_pages: list, src_ids: list[int], dst_caches, group_layers, dst_ids: list[int],
+             layers: list[int]) -> None:  # fmt: skip
+        """Copy this rank's units of source rank ``s`` (``runs[s]``) out of ``src_pages`` (the
+        source rank's pages of the group's layers, in order) into ``dst_caches`` (this engine's
+        caches, the group's layers ``group_layers`` viewed as pages), state ``src_ids[j]`` into
+        ``dst_ids[j]``, over ``layers`` (engine layer indices of the group)."""
+        copy_state(
+            src_pages, self.src, src_ids, [page_view(dst_caches[x]) for x in group_layers], self.dst, dst_ids,
+            self.runs[s], layers=[group_layers.index(x) for x in layers],
+        )  # fmt: skip
 
 
 class StateLanding:
@@ -93,7 +103,7 @@ class StateLanding:
         self.layers = layers
         self.spec = spec
         self.num_blocks = num_states
-        self.views = CacheViews(self.caches, dataclasses.replace(spec))
+        self.views = CacheViews(self.caches, spec)
 
     def pages(self) -> list[torch.Tensor]:
         """The group's layers' pages (:func:`page_view`), in the group's order."""

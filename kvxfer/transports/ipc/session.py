@@ -27,7 +27,6 @@ import torch
 from ... import ops
 from ...engine_types import time_left
 from ...groups.state_group import page_view
-from ...groups.state_ops import copy_state
 from ...ordering import event_done
 from ...tracing import items_tag, trace
 from ...transfer import Outcome, Route, Transfer
@@ -171,10 +170,9 @@ class IpcSession:
         """The copy of :meth:`move_state` from mapping ``m`` (call under :attr:`lock`, the
         source blocks fetched)."""
         src_caches = m.views.views[0].caches
-        copy_state(
-            [page_view(src_caches[x]) for x in group.layers], route.src, [int(it.src[0]) for it in items],
-            [page_view(self.rank.caches[x]) for x in group.layers], route.dst, [int(it.dst[0]) for it in items],
-            route.runs[s], layers=[group.layers.index(x) for x in layers],
+        route.copy(
+            s, [page_view(src_caches[x]) for x in group.layers], [int(it.src[0]) for it in items],
+            self.rank.caches, group.layers, [int(it.dst[0]) for it in items], layers,
         )  # fmt: skip
 
     def copy(self, m: IpcMap, transfer: Transfer) -> int:
