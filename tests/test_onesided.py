@@ -18,6 +18,7 @@ import torch
 from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, ops
 from kvxfer.transports.ipc import onesided as onesided_mod
 from kvxfer.transports.ipc import slots as slots_mod
+from kvxfer.transports.ipc.onesided import LEASE_LEFT_S
 from kvxfer.transports.ipc.shm import alloc_shm_caches
 
 from .engine_procs import check, fill, free_port_base, payload, poison, untouched
@@ -564,6 +565,25 @@ def test_short_lease_takes_the_messaged_path():
         prm = p.export("a", [3, 4], 12, seed=3)
         d[0].load("a", prm, [5, 6])
         assert d[0].stats()["onesided"]["fallbacks"]["lease too short"] == 1
+        assert poll_until(d.engines, {"a"}, "recv") == {"a": "done"}
+        assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_lease_as_long_as_the_timeout_is_read_onesided():
+    """The connector's defaults (lease 30 s, timeout 30 s): an export loaded a moment after it
+    was made has a little less than the timeout left, and is still read one-sided (the read
+    needs ``min(timeout, LEASE_LEFT_S)``: a copy takes milliseconds)."""
+    assert LEASE_LEFT_S < 8.0
+    p, d = Ranks(F16, 1, "P", lease_s=8.0), Ranks(F16, 1, "D", timeout_s=8.0)
+    try:
+        warm(p, d)
+        prm = p.export("a", [3, 4], 12, seed=3)
+        time.sleep(0.05)  # the router's hop: the lease has less than the timeout left
+        d[0].load("a", prm, [5, 6])
+        assert d.onesided() == [1], d[0].stats()["onesided"]
         assert poll_until(d.engines, {"a"}, "recv") == {"a": "done"}
         assert check(d.caches(0), F16, 0, 1, [5, 6], 12, 3)
     finally:

@@ -829,16 +829,24 @@ def test_p_key_file_is_gone_once_the_scheduler_is_built(tp_p):
 )
 def test_worker_reads_one_sided_once_p_is_mapped(tp_p, tp_d, p_kind, d_kind):
     """The second hand-over: D's start_load_kv launches the copy itself (no lease grant), its
-    get_finished reports it, P frees from the done marks; the bytes are P's."""
-    srv = _Servers(tp_p, tp_d, p_kind, d_kind, shm=True)
+    get_finished reports it, P frees from the done marks; the bytes are P's. With the
+    connector's defaults (lease 30 s, timeout 30 s: the lease has less than the timeout left)."""
+    dflt = ConnectorConfig.from_vllm(vllm_config(role="kv_consumer"))
+    assert dflt.lease_s <= dflt.timeout_s  # what this test covers: a lease no longer than the timeout
+    srv = _Servers(tp_p, tp_d, p_kind, d_kind, shm=True, lease_s=dflt.lease_s, timeout_s=dflt.timeout_s)
     try:
         _hand_over(srv, 45, [3, 9, 4] if p_kind == "fa16" else [3, 9], [11, 2])
         assert all(w.engine.stats()["transports"] == {"P": "ipc"} for w in srv.dw)
+        assert [w.stats_delta()["onesided_loads"] for w in srv.dw] == [0] * tp_d  # the first: messaged
         _run_until(srv, "P", lambda a: a["send"].get("p-1") == tp_p)
         n, p_blocks, d_blocks = 45, [5, 6, 7] if p_kind == "fa16" else [5, 6], [8, 7]
         rows, acc = _hand_over(srv, n, p_blocks, d_blocks, d_req="d-2", p_req="p-2", p_first=True)
         assert not acc["bad"]
         assert [w.engine.stats()["onesided"]["loads"] for w in srv.dw] == [1] * tp_d
+        deltas = [w.stats_delta() for w in srv.dw]  # what D's log shows per interval
+        assert [d["onesided_loads"] for d in deltas] == [1] * tp_d and all(
+            d["transfers"] == 1 for d in deltas
+        )
         _check_d(srv, rows, d_blocks, n, written=(11, 2))
         _run_until(srv, "P", lambda a: a["send"].get("p-2") == tp_p)
         assert all(w.engine.stats()["blocks_held"] == 0 for w in srv.pw)

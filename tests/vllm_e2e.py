@@ -11,10 +11,12 @@ A tiny Llama is initialised by transformers (its own random init, seeded) and sa
 byte-level tokenizer to a temporary directory; no download. Three processes: a plain engine (the
 reference), P (``kv_producer``: prefill, ``max_tokens=1``) and D (``kv_consumer``: decode from
 P's KV). Random prompts of each length, one after another, then a prompt that shares the first
-two blocks of the 70-token one (a prefix hit on D: only the rest is loaded). Checked per
-prompt: D's greedy tokens equal the reference's, the log-probability of every generated token
-is within ``--atol`` (1e-5, fp32) of the reference's, D loaded the prompt (one transfer, the
-exact bytes of the blocks it lacked), and at the end P holds no blocks.
+two blocks of the 70-token one (a prefix hit on D: only the rest is loaded). P hands the first
+prompt off alone (D handshakes and maps P on its load), then the rest, as a server's later
+requests come: over ``ipc`` each of them must be read one-sided. Checked per prompt: D's greedy
+tokens equal the reference's, the log-probability of every generated token is within
+``--atol`` (1e-5, fp32) of the reference's, D loaded the prompt (one transfer, the exact bytes
+of the blocks it lacked; one-sided after the first), and at the end P holds no blocks.
 
 ``--model granite`` (a tiny GraniteMoeHybrid: Mamba2 + attention, fp32) and ``--model
 qwen3_next`` (a tiny Qwen3-Next: Gated DeltaNet + full attention, bf16, the only dtype vLLM's CPU
@@ -245,12 +247,45 @@ def _connector(role: str, engine_id: str, port: int) -> dict:
     }
 
 
-def _prefill(model_dir, ps, port, q_params, q_done, q, deadline_s, kind="llama"):
+def _step_until(llm, done, end: float) -> None:
+    """Step P's engine (its connector exports on a step after the request finished) until
+    ``done()`` or ``end``."""
+    while not done() and time.monotonic() < end:
+        llm.llm_engine.step()
+        time.sleep(0.01)
+
+
+def _prefill(model_dir, ps, port, q_params, q_done, q, deadline_s, kind="llama", q_go=None):
+    """P: prefill every prompt; the first handed-off one goes to D alone (D handshakes and maps
+    P on its load), the rest once D asks (``q_go``): their exports then open lease slots, so D
+    reads them one-sided, as a server's later requests are read. Params go to D only once their
+    exports exist."""
     _env()
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     llm = _llm(model_dir, _connector("kv_producer", "P", port), kind)
-    q_params.put([_gen(llm, p, 1, {"do_remote_decode": True}).kv_transfer_params for p in ps])
+    eng = get_kv_transfer_group().worker_side.engine
+
+    def exported() -> int:
+        s = eng.stats()
+        return s.get("exports_live", 0) + s["finished_exports"] + s["expirations"]
+
     sched = llm.llm_engine.engine_core.engine_core.scheduler  # in-process EngineCore
-    held_after_prefill = len(sched.requests)
+    end = time.monotonic() + deadline_s
+    out, sent, held_after_prefill = [], 0, 0
+    for i, p in enumerate(ps):
+        before = len(sched.requests)  # D frees nothing during a prefill: it has no params of it yet
+        out.append(_gen(llm, p, 1, {"do_remote_decode": True}).kv_transfer_params)
+        held_after_prefill += len(sched.requests) - before  # P holds the request's blocks for D
+        if out[-1] is not None and not sent and i + 1 < len(ps) and q_go is not None:
+            _step_until(llm, lambda: exported() >= 1, end)
+            q_params.put(out)
+            sent = len(out)
+            # D loaded it (P is mapped) and P freed it (no free during the next prefills)
+            _step_until(llm, lambda: not q_go.empty() and not sched.requests, end)
+    want = sum(x is not None for x in out)
+    _step_until(llm, lambda: exported() >= want, end)
+    q_params.put(out[sent:])
     end = time.monotonic() + deadline_s
     while sched.requests and time.monotonic() < end:  # step until D's notifications freed them
         llm.llm_engine.step()
@@ -327,7 +362,7 @@ def _mutate_state_of_loaded_page(worker, target_rid: str, what: str) -> None:
     worker.start, worker.finished = start_hook, finished_hook
 
 
-def _decode(model_dir, ps, n, q_params, q_done, q, mutate, kind="llama"):
+def _decode(model_dir, ps, n, q_params, q_done, q, mutate, kind="llama", q_go=None):
     _env()
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -335,13 +370,19 @@ def _decode(model_dir, ps, n, q_params, q_done, q, mutate, kind="llama"):
     params = q_params.get(timeout=600)
     worker = get_kv_transfer_group().worker_side
     results = []
-    last = {"transfers": 0, "bytes": 0, "failures": 0, "latency_sum_s": 0.0}
-    for i, (p, prm) in enumerate(zip(ps, params)):
+    last = {"transfers": 0, "bytes": 0, "failures": 0, "latency_sum_s": 0.0, "onesided_loads": 0}
+    for i, p in enumerate(ps):
+        if i == len(params):  # P sent the first hand-off alone: ask for the rest
+            if q_go is not None:
+                q_go.put(True)
+            params += q_params.get(timeout=600)
+        prm = params[i]
         if mutate and len(p) == int(os.environ.get("KVXFER_E2E_MUTATE_LEN", MUTATE_LEN)) and prm is not None:
             out = _gen_mutated(llm, worker, p, n, prm, f"mutate-{i}", mutate)
         else:
             out = _gen(llm, p, n, prm)
         s = worker.engine.stats()
+        s["onesided_loads"] = s["onesided"].get("loads", 0)
         toks, lps = _sampled(out)
         results.append(
             {
@@ -374,6 +415,7 @@ def _decode(model_dir, ps, n, q_params, q_done, q, mutate, kind="llama"):
                 ],
                 "bytes_per_token": worker.engine.spec.bytes_per_token(),
                 "transports": st["transports"],
+                "onesided": st.get("onesided"),
                 "latency_p50_s": st["p50_s"],
             },
         )
@@ -504,7 +546,7 @@ def run(
 
     ps = prompts(lengths)
     ctx = mp.get_context("spawn")
-    q, q_params, q_done = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    q, q_params, q_done, q_go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     end = time.monotonic() + deadline_s
     got: dict = {}
     with tempfile.TemporaryDirectory() as model_dir:
@@ -518,12 +560,12 @@ def run(
         procs += [
             ctx.Process(
                 target=_entry,
-                args=(_prefill, (model_dir, ps, port, q_params, q_done, q, deadline_s / 3, kind), q),
+                args=(_prefill, (model_dir, ps, port, q_params, q_done, q, deadline_s / 3, kind, q_go), q),
                 name="P",
             ),
             ctx.Process(
                 target=_entry,
-                args=(_decode, (model_dir, ps, tokens, q_params, q_done, q, mutate, kind), q),
+                args=(_decode, (model_dir, ps, tokens, q_params, q_done, q, mutate, kind, q_go), q),
                 name="D",
             ),
         ]
@@ -575,6 +617,8 @@ def run(
             problems.append(
                 f"prefix-hit prompt: D cached {d['results'][-1]['num_cached_tokens']} tokens, want 64"
             )
+    if not problems:
+        problems = one_sided_problems(d)
     ok = not problems and "error" not in got and "killed" not in got
     return {
         "ok": ok,
@@ -585,6 +629,20 @@ def run(
         "problems": problems,
         **got,
     }
+
+
+def one_sided_problems(d: dict) -> list[str]:
+    """Over ``ipc``, D maps P on its first hand-off; every later load must then read one-sided
+    (no message to P), as a server's later requests do."""
+    if d.get("transports") != {"P": "ipc"}:
+        return []
+    loaded = [(i, r) for i, r in enumerate(d["results"]) if r["handed_off"] and r["transfers"]]
+    return [
+        f"prompt {i}: {r['transfers'] - r['onesided_loads']} load(s) through the messaged path, want "
+        f"one-sided (D's one-sided fallbacks: {d['onesided'].get('fallbacks')})"
+        for i, r in loaded[1:]
+        if r["onesided_loads"] != r["transfers"]
+    ]
 
 
 def summary(res: dict) -> str:
@@ -606,7 +664,8 @@ def summary(res: dict) -> str:
                 f"cached {got['num_cached_tokens']}, "
                 f"loaded {got['bytes']} bytes in {got['transfers']} transfer(s)"
                 + (
-                    f" ({got['latency_sum_s'] * 1e3:.1f} ms from load to landed)"
+                    f" ({got['latency_sum_s'] * 1e3:.1f} ms from load to landed"
+                    + (", one-sided)" if got.get("onesided_loads") else ")")
                     if got.get("transfers")
                     else ""
                 )

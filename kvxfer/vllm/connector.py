@@ -66,6 +66,7 @@ except ImportError:  # pragma: no cover - an older vLLM: failures are reported a
 
 from .config import ConnectorConfig
 from .groups import HybridModelUnsupported, groups_from_config
+from .logs import join_vllm_logging
 from .scheduler import ExportSpec, LoadSpec, SchedulerSide, TransferMeta
 from .state import conv_layout_from_env
 from .worker import WorkerSide
@@ -120,6 +121,7 @@ _SUMMED = (
     "finished_exports",
     "handshakes",
     "ops_calls",
+    "onesided_loads",
     "busy_s",
     "latency_sum_s",
 )
@@ -155,6 +157,7 @@ class KvxferStats(KVConnectorStats):
             "kvxfer_failures": d.get("failures", 0),
             "kvxfer_expirations": d.get("expirations", 0),
             "kvxfer_bytes": d.get("bytes", 0),
+            "kvxfer_onesided": d.get("onesided_loads", 0),  # of the transfers: read one-sided
             "kvxfer_GBps": d.get("bytes", 0) / busy / 1e9 if busy > 0 else 0.0,
             # the interval's loads: mean time from load() (start_load_kv) to landed
             "kvxfer_avg_ms": d.get("latency_sum_s", 0.0) / d["transfers"] * 1e3
@@ -240,6 +243,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        join_vllm_logging()
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
         model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
         # every KV cache group (HybridModelUnsupported names one that cannot be carried); None:

@@ -41,7 +41,16 @@ __all__ = ["WorkerSide"]
 
 _BIND_ERRORS = (OSError, zmq.ZMQError)  # a side-channel port in use (errno EADDRINUSE)
 
-_COUNTERS = ("transfers", "bytes", "failures", "expirations", "finished_exports", "handshakes", "ops_calls")
+_COUNTERS = (
+    "transfers",
+    "bytes",
+    "failures",
+    "expirations",
+    "finished_exports",
+    "handshakes",
+    "ops_calls",
+    "onesided_loads",
+)
 
 
 def process_cpus() -> set[int]:
@@ -447,6 +456,7 @@ class WorkerSide:
             return None
         s = dict(self.engine.stats())
         s["failures"] += self._refused  # refused here, before the engine saw them
+        s["onesided_loads"] = s.get("onesided", {}).get("loads", 0)  # read with no message to P
         out = {k: s[k] - self._last.get(k, 0) for k in _COUNTERS}
         for k in ("busy_s", "latency_sum_s"):
             out[k] = s[k] - self._last.get(k, 0.0)

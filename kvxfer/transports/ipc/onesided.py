@@ -6,7 +6,7 @@ When a loader rank's ipc session with a peer has mapped every source rank
 lease-slot table (:mod:`kvxfer.transports.ipc.slots`): a live slot bound to the params (a hash
 of their token, content digest and request id: only the export's own params find it), whose
 ready flag is set (the exporter's compute wrote the blocks), not a layer-wise export, leased for
-longer than the load's timeout, on an exporter that is open and beat recently. If every source
+at least ``min(timeout, LEASE_LEFT_S)`` more, on an exporter that is open and beat recently. If every source
 rank has one, the loader snapshots the blocks' epochs between two reads of the slot's
 generation, and the session issues the copy on the load stream right there
 (:meth:`~kvxfer.transports.ipc.session.IpcSession.copy`; CUDA: an event from the session's pool
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...plan import Read
     from ...rank import Rank, Runtime
 
-__all__ = ["CPU_COPY_MAX_BYTES", "ORDERED_CPU", "STALE_S", "OneSided", "OneSidedLink"]
+__all__ = ["CPU_COPY_MAX_BYTES", "LEASE_LEFT_S", "ORDERED_CPU", "STALE_S", "OneSided", "OneSidedLink"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -72,6 +72,11 @@ ORDERED_CPU = platform.machine().lower() in ("x86_64", "amd64")
 CPU_COPY_MAX_BYTES = 16 << 20
 STALE_S = 2.0  # an exporter that has not beat for this long is not read one-sided (it beats every 20 ms)
 _STALE_NS = int(STALE_S * 1e9)
+# The lease a one-sided read needs left: a copy takes milliseconds, so 5 s is a margin of three
+# orders of magnitude, and a lease that still ends during the copy is caught by the check after it
+# (the load fails, no wrong byte is reported). Asking for the whole load timeout instead refused
+# every served load under the connector's defaults (lease 30 s = timeout 30 s: "lease too short").
+LEASE_LEFT_S = 5.0
 
 
 class OneSidedLink(Protocol):
@@ -189,7 +194,14 @@ class OneSided:
 
     # ------------------------------------------------------------------------- launch
     def _no(self, why: str) -> bool:
-        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        n = self.fallbacks.get(why, 0)
+        self.fallbacks[why] = n + 1
+        if not n:  # the messaged path still loads it: said once per reason, counted in stats()
+            _LOG.info(
+                "kvxfer one-sided reads: a load took the messaged path: %s (logged once per reason; "
+                "stats()['onesided']['fallbacks'] counts them)",
+                why,
+            )
         return False
 
     def _target(self, peer: Peer) -> Target | None:
@@ -275,7 +287,7 @@ class OneSided:
         except ValueError:
             return self._no("bad params")  # a token not ASCII: the messaged path refuses it
         now_ns = time.monotonic_ns()
-        need_ns = now_ns + int(timeout_s * 1e9)
+        need_ns = now_ns + int(min(timeout_s, LEASE_LEFT_S) * 1e9)
         reads = []
         for src in t.sources:
             got = src.view.read(b0, b1, now_ns, _STALE_NS, need_ns, src.mapping.epochs_np, ids)
