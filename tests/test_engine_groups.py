@@ -534,3 +534,41 @@ def test_several_grouped_loads_in_one_batch(transport):
         assert p.stats()["blocks_held"] == 0
     finally:
         _close([d, p] + [x for x in (pst, dst_) if x is not None])
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_grouped_one_sided_reads_land_straight_in_d_over_cma(layout):
+    """Plain CPU caches laid out alike on P and D (vLLM's served case): the second grouped
+    request is read one-sided by cross-memory attach straight into D's caches (no mirror),
+    each group's live blocks from its first needed block, the partial last block's later rows
+    left as they were; every byte of D checked against the expectation."""
+    spec = _spec(layout, 4)
+    rng = random.Random(5)
+    ps, pst = _engines(spec, 1, "P", "ipc", False, free_port_base(1))
+    ds, dst_st = _engines(spec, 1, "D", "ipc", False, free_port_base(1))
+    p, d, pc, dc = ps[0], ds[0], pst[0][1], dst_st[0][1]
+    try:
+        want = [torch.full_like(c.view(torch.uint8), POISON).view(spec.dtype) for c in dc]
+        used: set[int] = set()
+        for k, n in enumerate([22, 27]):  # the first handshakes (messaged), the second is one-sided
+            truth = _truth(spec, LAYER_GROUP, n, seed=40 + k)
+            plists = _lists(rng, GROUPS, n, spec.block_size)  # P's first export was freed: reused
+            dlists = _lists(rng, GROUPS, n, spec.block_size)
+            fresh = iter(b for b in range(1, NB) if b not in used)  # D's: none of the first's
+            dlists = [[next(fresh) if b else 0 for b in x] for x in dlists]
+            used |= {b for x in dlists for b in x if b}
+            _fill(pc, GARBAGE)
+            for g, grp in enumerate(GROUPS):
+                lo = grp.live_first(n) // spec.block_size * spec.block_size
+                _place(pc, spec, truth, grp.layers, range(spec.num_kv_heads), plists[g], range(lo, n))
+                _place(want, spec, truth, grp.layers, range(spec.num_kv_heads), dlists[g], range(lo, n))
+            prm = p.export(f"r{k}", plists, n)
+            d.load(f"r{k}", prm, dlists)
+            assert _poll_all([d], {f"r{k}"}, "recv") == {f"r{k}": "done"}
+            assert _poll_all([p], {f"r{k}"}, "send") == {f"r{k}": "done"}
+        st = d.stats()["onesided"]
+        assert (st["loads"], st["direct"]) == (1, 1), st
+        for layer, (a, b) in enumerate(zip(dc, want)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"layer {layer}"
+    finally:
+        _close([p, d])

@@ -64,6 +64,58 @@ def test_fetch_fills_exactly_the_named_blocks(spec):
         r.close()
 
 
+@pytest.mark.parametrize("spec", [SPEC, HND, MLA, KVCacheSpec(2, 2, 8, 12, torch.float8_e4m3fn)],
+                         ids=["NHD", "HND", "MLA", "NHD-fp8"])  # fmt: skip
+@pytest.mark.parametrize("last_rows", [None, 1, 5])
+def test_direct_read_lands_exactly_the_named_rows(spec, last_rows):
+    """Remote.read_direct: blocks src[i] of the named layers land in blocks dst[i] of this
+    rank's caches, the last pair's first ``last_rows`` rows only; every other byte (other
+    layers, other blocks, the last block's later rows) keeps its poison."""
+    nb, bs = 40, spec.block_size
+    last_rows = bs if last_rows is None else last_rows
+    src = _caches(spec, nb)
+    dst = [torch.empty(spec.cache_shape(nb + 3, 1), dtype=spec.dtype) for _ in src]
+    for c in dst:
+        c.view(torch.uint8).fill_(0xA5)
+    want = [c.clone() for c in dst]
+    r = cma.Remote(cma.describe(src))
+    try:
+        token_dim = 1 if spec.use_mla else (2 if spec.layout.value == "NHD" else 3)
+        d = r.direct(dst, token_dim)
+        assert d is not None
+        s_ids, d_ids = np.array([7, 2, 31, 11]), np.array([40, 0, 13, 25])
+        layers = np.array([0, spec.num_layers - 1])
+        got = r.read_direct(d, layers, s_ids, d_ids, last_rows)
+        row_bytes = spec.bytes_per_token() // spec.num_layers
+        assert got == len(layers) * (3 * bs + last_rows) * row_bytes
+        for layer in layers:
+            for k, (si, di) in enumerate(zip(s_ids, d_ids)):
+                rows = bs if k < 3 else last_rows
+                if spec.use_mla:
+                    want[layer][di, :rows] = src[layer][si, :rows]
+                elif spec.layout.value == "NHD":
+                    want[layer][:, di, :rows] = src[layer][:, si, :rows]
+                else:
+                    want[layer][:, di, :, :rows] = src[layer][:, si, :, :rows]
+        for a, b in zip(dst, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    finally:
+        r.close()
+
+
+def test_direct_read_needs_caches_laid_out_alike():
+    src = _caches(SPEC, 40)
+    r = cma.Remote(cma.describe(src))
+    try:
+        assert r.direct(_caches(SPEC, 9), 2) is not None  # another block count: fine
+        assert r.direct(_caches(HND, 40), 2) is None  # another layout within the block
+        assert r.direct([c.to(torch.bfloat16) for c in _caches(SPEC, 40)], 2) is None
+        assert r.direct(_caches(SPEC, 40)[:2], 2) is None  # fewer layers
+        assert r.direct([c[:, :, :, :2] for c in _caches(SPEC, 40)], 2) is None  # other heads
+    finally:
+        r.close()
+
+
 def test_merge_joins_touching_and_overlapping_ranges():
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -227,12 +279,25 @@ def _scenario(src: KVCacheSpec, dst: KVCacheSpec, rounds_lengths, **kw) -> dict:
             KVCacheSpec(2, 2, 16, 12, torch.float8_e4m3fn),
         ),
         (MLA, KVCacheSpec(2, 1, 40, 32, torch.float16, use_mla=True)),
+        (SPEC, SPEC),
+        (HND, HND),
+        (MLA, MLA),
+        (KVCacheSpec(2, 2, 16, 8, torch.float8_e4m3fn), KVCacheSpec(2, 2, 16, 8, torch.float8_e4m3fn)),
     ],
-    ids=["NHD16-HND8-fp16", "HND8-NHD12-fp8", "MLA16-MLA32"],
+    ids=[
+        "NHD16-HND8-fp16",
+        "HND8-NHD12-fp8",
+        "MLA16-MLA32",
+        "NHD-alike",
+        "HND-alike",
+        "MLA-alike",
+        "fp8-alike",
+    ],
 )
 def test_plain_caches_between_processes_messaged_then_one_sided(src, dst):
-    """Round 1 handshakes and maps P (messaged); round 2 reads one-sided from the mirrors.
-    Every request byte-exact, nothing else written, P frees every block."""
+    """Round 1 handshakes and maps P (messaged); round 2 reads one-sided: from the mirrors, or
+    straight into D's caches where both are laid out alike. Every request byte-exact (partial
+    last blocks: their later rows keep D's poison), nothing else written, P frees every block."""
     sc = _scenario(src, dst, [[37], [1, 16, 45, 100]])
     res = run_procs(
         {"P": (_exporter, (sc, "@queue:p", "@queue:c")), "D": (_loader, (sc, "@queue:p", "@queue:c"))}
@@ -243,6 +308,8 @@ def test_plain_caches_between_processes_messaged_then_one_sided(src, dst):
     assert d["untouched"]
     assert d["transports"] == {"P": "ipc"} and d["reasons"]["P"] == "ipc: cross-memory attach on one host"
     assert d["onesided"]["loads"] >= 3, d["onesided"]  # round 2 (one may still find its slot not ready)
+    alike = src == dst
+    assert (d["onesided"]["direct"] == d["onesided"]["loads"]) if alike else d["onesided"]["direct"] == 0
     assert p["blocks_held"] == 0 and len(p["released"]) == 5
 
 

@@ -33,6 +33,7 @@ import os
 import select
 import sys
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ import torch
 from ...spec import dtype_from_name, dtype_name
 from . import shm
 
-__all__ = ["Remote", "attach", "attach_array", "available", "describe", "detach", "probe"]
+__all__ = ["Direct", "Remote", "attach", "attach_array", "available", "describe", "detach", "probe"]
 
 IOV_MAX = 1024  # ranges per process_vm_readv call (Linux's UIO_MAXIOV)
 MAX_LAYERS = 4096  # an exporter's description is checked before any mirror is made
@@ -160,6 +161,7 @@ class Remote:
         )
         self._block_stride = stride[self._bdim] * es
         self._span = _extent(shape[self._bdim + 1 :], stride[self._bdim + 1 :], es)
+        self.shape, self.stride, self.element_size = shape, stride, es
         self.num_blocks = shape[self._bdim]
         self._fd = os.pidfd_open(self.pid)
         self._maps: list[mmap.mmap] = []
@@ -227,6 +229,93 @@ class Remote:
         self.num_fetches += 1
         self.bytes_fetched += want
 
+    def direct(self, caches: list[torch.Tensor], token_dim: int) -> Direct | None:
+        """Reads straight into ``caches`` (this rank's, one per exporter layer) where they are
+        laid out as the exporter's within a block (same dtype, same shape and strides after the
+        block dim, the same K/V dim): no mirror, one copy instead of two, and no page faults
+        of pages emptied by :meth:`drop`. ``token_dim``: the dim of a block's tokens (its rows).
+        None when they are not laid out alike."""
+        es, bd = self.element_size, self._bdim
+        if len(caches) != len(self.addrs) or not 0 < token_dim - bd < len(self.shape) - bd:
+            return None
+        for c in caches:
+            if (
+                c.device.type != "cpu"
+                or c.dtype != self.dtype
+                or c.dim() != len(self.shape)
+                or tuple(c.shape[bd + 1 :]) != self.shape[bd + 1 :]
+                or tuple(c.stride()[bd + 1 :]) != self.stride[bd + 1 :]
+                or tuple(c.shape[:bd]) != self.shape[:bd]
+                or any(x <= 0 for x in c.stride())
+                or c.stride() != caches[0].stride()
+            ):
+                return None
+        first = caches[0]
+        kv = (
+            np.zeros(1, dtype=np.int64)
+            if bd == 0
+            else np.arange(first.shape[0], dtype=np.int64) * (first.stride(0) * es)
+        )
+        # a block's first r rows: per index of the dims between the block dim and the token dim,
+        # one range of r rows (the rows themselves packed: one row's extent is its stride)
+        row = self.stride[token_dim] * es
+        if _extent(self.shape[token_dim + 1 :], self.stride[token_dim + 1 :], es) != row:
+            return None
+        outer = [np.zeros(1, dtype=np.int64)]
+        for d in range(bd + 1, token_dim):
+            outer.append(np.arange(self.shape[d], dtype=np.int64) * (self.stride[d] * es))
+        offs = np.zeros(1, dtype=np.int64)
+        for o in outer:
+            offs = (offs[:, None] + o[None, :]).reshape(-1)
+        bases = np.asarray([c.data_ptr() for c in caches], dtype=np.uint64)
+        return Direct(self, bases, kv, first.stride(bd) * es, offs, row, self.shape[token_dim])
+
+    def read_direct(
+        self, d: Direct, layers: np.ndarray, src: np.ndarray, dst: np.ndarray, last_rows: int
+    ) -> int:
+        """Blocks ``src[i]`` of the exporter's ``layers`` into blocks ``dst[i]`` of ``d``'s
+        caches (int64 ids in range, checked by the caller), the last pair's first
+        ``last_rows`` rows only (the rest of that block stays as it was); returns the bytes.
+        ``OSError`` as :meth:`fetch`."""
+        if src.size == 0:
+            return 0
+        es_full = self._span
+        lay = layers.astype(np.int64)
+        parts_l, parts_r, parts_n = [], [], []
+        full = src.size if last_rows >= d.rows else src.size - 1
+        # [layer, kv, pair] grid of whole blocks, then the last block's row ranges
+        if full:
+            loc = (d.bases[lay].astype(np.int64)[:, None, None] + d.kv[None, :, None]
+                   + (dst[:full] * d.block_stride)[None, None, :])  # fmt: skip
+            rem = (self.addrs[lay].astype(np.int64)[:, None, None] + self._kv_offsets[None, :, None]
+                   + (src[:full] * self._block_stride)[None, None, :])  # fmt: skip
+            parts_l.append(loc.reshape(-1))
+            parts_r.append(rem.reshape(-1))
+            parts_n.append(np.full(loc.size, es_full, dtype=np.int64))
+        if full < src.size:
+            loc = (d.bases[lay].astype(np.int64)[:, None, None] + d.kv[None, :, None]
+                   + int(dst[-1]) * d.block_stride + d.row_offsets[None, None, :])  # fmt: skip
+            rem = (self.addrs[lay].astype(np.int64)[:, None, None] + self._kv_offsets[None, :, None]
+                   + int(src[-1]) * self._block_stride + d.row_offsets[None, None, :])  # fmt: skip
+            parts_l.append(loc.reshape(-1))
+            parts_r.append(rem.reshape(-1))
+            parts_n.append(np.full(loc.size, last_rows * d.row_bytes, dtype=np.int64))
+        n = np.concatenate(parts_n).astype(np.uint64)
+        local = np.empty((n.size, 2), dtype=np.uint64)
+        remote = np.empty((n.size, 2), dtype=np.uint64)
+        local[:, 0] = np.concatenate(parts_l).astype(np.uint64)
+        remote[:, 0] = np.concatenate(parts_r).astype(np.uint64)
+        local[:, 1] = remote[:, 1] = n
+        want = int(n.sum())
+        got = self._readv(local, remote)
+        if got != want:
+            raise OSError(f"cma: read {got} of {want} bytes from pid {self.pid} (its memory changed?)")
+        if not self._alive():
+            raise OSError(f"cma: the exporter (pid {self.pid}) exited during the read")
+        self.num_fetches += 1
+        self.bytes_fetched += want
+        return want
+
     def drop(self) -> None:
         """Give back the mirrors' pages (what they held is not needed once the copies ran)."""
         for m in self._maps:
@@ -241,6 +330,20 @@ class Remote:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class Direct(NamedTuple):
+    """How :meth:`Remote.read_direct` addresses this rank's caches: each layer's address, the
+    K/V offsets and block stride in bytes, a block's row ranges (their offsets, the bytes of a
+    row, rows per block)."""
+
+    remote: Remote
+    bases: np.ndarray
+    kv: np.ndarray
+    block_stride: int
+    row_offsets: np.ndarray
+    row_bytes: int
+    rows: int
 
 
 def _merge(starts: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
