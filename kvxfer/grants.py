@@ -1,5 +1,5 @@
 """The loader's lease grants: the requests that ask an exporter's ranks to renew a batch's
-leases (:class:`~kvxfer.control.ReadReq`), and what a round of their replies allows to read.
+leases (:class:`~kvxfer.messages.ReadReq`), and what a round of their replies allows to read.
 
 A grant renews the leases it names and returns the blocks' epochs (which the read then checks)
 and, for a layer-wise export, the layers ready. A rank that does not know a request yet (its
