@@ -22,13 +22,11 @@ finished or expired. Every thread is bounded and stopped by :meth:`close`.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import secrets
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -36,11 +34,12 @@ import torch
 from . import idops, ops, tracing
 from .auth import EngineSecret, content_digest
 from .completion import PollResult
+from .engine_args import check_engine_args, layer_mask, windows_end
 from .engine_types import HandshakeError, LoadItem, ReleaseItem, check_block_ids
 from .exporter import Exporter
 from .exports import ExportTracker
 from .grouped import export_ids, load_ids
-from .groups.attention import AttentionGroup, GroupSet
+from .groups.attention import AttentionGroup
 from .groups.blocks import NULL_BLOCK
 from .groups.state_group import StateGroup
 from .loader import Loader
@@ -49,11 +48,10 @@ from .notifier import Notifier
 from .params import KVTransferParams, params_dict
 from .rank import Rank, Runtime
 from .spec import KVCacheSpec
-from .transports import TRANSPORTS
+from .stuck_threads import join_or_leave
 from .transports.ipc.cuda_ipc import host_id
 from .transports.ipc.onesided import OneSided
 from .transports.ipc.transport import IpcTransport
-from .transports.nixl.agent import require_nixl
 from .transports.nixl.transport import NixlTransport
 from .transports.pg.pipeline import StagedPipeline
 from .transports.pg.transport import PgTransport
@@ -63,48 +61,7 @@ _LOG = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0  # close() returns within this, even with a thread stuck in a transfer
 
-# Threads close() left behind (still in a native call its aborts could not end: a pair join a
-# peer left half-done) with the time their own bound ends. At interpreter exit they are waited
-# for until then: CPython ends a daemon thread that wakes during finalization by unwinding its
-# stack (pthread_exit), and a C++ frame on that stack (Gloo, the TCPStore) aborts the whole
-# process then ("terminate called without an active exception").
-_LEFT: list[tuple[threading.Thread, float]] = []
-_LEFT_LOCK = threading.Lock()
-_LEFT_HOOK: list[bool] = []  # one entry once _join_left is registered with atexit
-
-
-def _leave(threads: list[threading.Thread], until: float) -> None:
-    """Have the interpreter's exit wait for ``threads`` until ``until`` (``time.monotonic``)."""
-    with _LEFT_LOCK:
-        if not _LEFT_HOOK:
-            atexit.register(_join_left)
-            _LEFT_HOOK.append(True)
-        _LEFT[:] = [(t, u) for t, u in _LEFT if t.is_alive()]
-        _LEFT.extend((t, until) for t in threads)
-
-
-def _join_left() -> None:
-    """At exit: join the threads close() left behind, each until its bound (see ``_LEFT``)."""
-    with _LEFT_LOCK:
-        left, _LEFT[:] = list(_LEFT), []
-    for t, until in left:
-        t.join(max(0.0, until - time.monotonic()))
-    stuck = [t.name for t, _ in left if t.is_alive()]
-    if stuck:
-        _LOG.warning("kvxfer: threads still in a native call at exit (past their bound): %s", stuck)
-
-
 __all__ = ["HandshakeError", "TransferEngine"]
-
-
-def _computed(computed_tokens: int | None, num_tokens: int) -> int:
-    """``computed_tokens`` checked to be in ``[1, num_tokens]`` (default ``num_tokens``)."""
-    if computed_tokens is None:
-        return num_tokens
-    c = computed_tokens
-    if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= num_tokens:
-        raise ValueError(f"computed_tokens: must be an int in [1, {num_tokens}], got {c!r}")
-    return c
 
 
 class TransferEngine:
@@ -182,36 +139,10 @@ class TransferEngine:
         groups: Sequence[AttentionGroup | StateGroup] | None = None,
         null_block: int | None = NULL_BLOCK,
     ) -> None:
-        if not isinstance(spec, KVCacheSpec):
-            raise ValueError(f"spec: expected a KVCacheSpec, got {type(spec).__name__}")
-        spec.heads_of_rank(tp_rank, tp_size)  # validates tp_rank / tp_size
-        side = ops.make_side(caches, spec, [], 0)
-        if side.num_heads != spec.heads_per_rank(tp_size):
-            raise ValueError(
-                f"caches: hold {side.num_heads} heads per layer, tp_size={tp_size} needs "
-                f"{spec.heads_per_rank(tp_size)}"
-            )
-        if not isinstance(engine_id, str) or not engine_id:
-            raise ValueError(f"engine_id: must be a non-empty string, got {engine_id!r}")
-        if transport not in ("auto", *TRANSPORTS):
-            raise ValueError(f"transport: must be 'auto', 'ipc', 'pg' or 'nixl', got {transport!r}")
-        if transport == "nixl":
-            require_nixl()  # NixlUnavailable (an ImportError) naming how to install it
-        if not (isinstance(lease_s, (int, float)) and lease_s > 0):
-            raise ValueError(f"lease_s: must be > 0, got {lease_s!r}")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - tp_size:
-            raise ValueError(f"port: must be an int in [0, {65535 - tp_size}], got {port!r}")
-        if port == 0 and tp_size > 1:
-            raise ValueError("port: a tp_size > 1 engine needs an explicit base port (rank r binds port + r)")
-        if pipeline is not None and not isinstance(pipeline, StagedPipeline):
-            raise ValueError(f"pipeline: expected a StagedPipeline or None, got {type(pipeline).__name__}")
-        if auth_key is not None and (not isinstance(auth_key, str) or not auth_key):
-            raise ValueError("auth_key: must be a non-empty string or None")
-        if not isinstance(onesided, bool):
-            raise ValueError(f"onesided: must be a bool, got {onesided!r}")
-        gs = None if groups is None else GroupSet(groups, spec.num_layers, null_block)
-        for g in () if gs is None else gs.states:
-            g.check_pages(spec.bytes_per_token(spec.heads_per_rank(tp_size), 1) * spec.block_size, tp_size)
+        side, gs = check_engine_args(
+            spec, caches, tp_rank, tp_size, engine_id, transport, lease_s, port, pipeline, auth_key,
+            onesided, groups, null_block,
+        )  # fmt: skip
         self.groups = gs
         self.spec = spec
         self.caches = list(caches)
@@ -316,8 +247,8 @@ class TransferEngine:
         blocked in a transfer wakes up; notifications still unacknowledged get until then; a
         thread still stuck after the bound (a pair join a peer never completed) is left behind
         (a daemon) and logged, and the process's exit waits for it until its own bound
-        (``2 * timeout_s``) instead of aborting. One-sided CUDA
-        copies still reading an exporter's memory get up to 2 s more before it is unmapped.
+        (``2 * timeout_s``) instead of aborting. One-sided CUDA copies still reading an
+        exporter's memory get up to 2 s more before it is unmapped.
         """
         self._open = False
         if self._closed or not self._started:
@@ -334,10 +265,9 @@ class TransferEngine:
         threads = self._threads()
         for t in self._transports.values():
             t.abort("engine closed")
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
-        for t in threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        stuck = [t for t in threads if t.is_alive()]
+        # a stuck thread's call is bounded by timeout_s (a pair join: connecting to the store,
+        # then waiting in it), both parts at most: the process's exit waits for it that long
+        stuck = join_or_leave(threads, CLOSE_TIMEOUT_S, 2 * self.timeout_s)
         if stuck:
             _LOG.warning(
                 "kvxfer engine %s rank %d: close() left threads still in a transport call: %s; "
@@ -347,9 +277,6 @@ class TransferEngine:
                 [t.name for t in stuck],
                 2 * self.timeout_s,
             )
-            # each such call is bounded by timeout_s (a pair join: connecting to the store, then
-            # waiting in it), both parts at most
-            _leave(stuck, time.monotonic() + 2 * self.timeout_s)
         self._release_parts(busy=bool(stuck))
 
     def _release_parts(self, busy: bool = False) -> None:
@@ -420,7 +347,7 @@ class TransferEngine:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         sizes = None
         if self.groups is not None:
-            end = _computed(computed_tokens, num_tokens)
+            end = windows_end(computed_tokens, num_tokens)
             ids, sizes = export_ids(
                 self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
             )
@@ -451,19 +378,7 @@ class TransferEngine:
         out of range or marked twice, a request not exported layer-wise, or one already ended;
         nothing is changed then."""
         self._check_started()
-        L = self.spec.num_layers
-        if isinstance(layers, bool):
-            raise ValueError(f"layers: must be layer indices, got {layers!r}")
-        idx = [layers] if isinstance(layers, int) else list(layers)
-        if not idx or not all(isinstance(x, int) and not isinstance(x, bool) for x in idx):
-            raise ValueError(f"layers: must be a non-empty set of layer indices, got {layers!r}")
-        bad = [x for x in idx if not 0 <= x < L]
-        if bad:
-            raise ValueError(f"layers: layer {bad[0]} out of range [0, {L})")
-        if len(set(idx)) != len(idx):
-            raise ValueError(f"layers: repeated layer index in {idx}")
-        mask = np.zeros(L, dtype=bool)
-        mask[idx] = True
+        mask = layer_mask(layers, self.spec.num_layers)
         events = [] if ready is None else self._rt.order.events(ready)
         self._rt.exports.mark_layers(request_id, mask, events)
 
@@ -485,7 +400,7 @@ class TransferEngine:
             raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         sizes = None
         if self.groups is not None:
-            end = _computed(computed_tokens, num_tokens)
+            end = windows_end(computed_tokens, num_tokens)
             ids, sizes = export_ids(
                 self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
             )
@@ -588,7 +503,7 @@ class TransferEngine:
                 f"num_computed_tokens: {k} is not a multiple of the block size {self.spec.block_size}"
             )
         if self.groups is not None:
-            end = _computed(computed_tokens, n)
+            end = windows_end(computed_tokens, n)
             ids, per = load_ids(self.groups, block_ids, n, k, self.spec.block_size, self.num_blocks, end)
         self._rt.loads.add(request_id, ids, now())
         item = (
@@ -598,24 +513,15 @@ class TransferEngine:
             return  # launched here, reported by a later poll()
         self._loader.queue_load(item)
 
-    @contextlib.contextmanager
-    def batched_loads(self) -> Iterator[None]:
+    def batched_loads(self) -> contextlib.AbstractContextManager[None]:
         """Within the block, loads that read one-sided (``ipc``, the remote mapped) are looked
         up as :meth:`load` is called and launched together when the block ends: per remote one
         ops call per plan read and source rank for all of them, one completion event, where each
         would otherwise be its own launch. For a caller that issues a step's loads at once (the
         vLLM worker's ``start_load_kv``); loads taking the messaged path are batched by the
         worker anyway. Nests; per thread. Loads made in the block are launched even when it
-        raises."""
-        os_ = self._onesided
-        if os_ is None:
-            yield
-            return
-        os_.hold()
-        try:
-            yield
-        finally:
-            os_.release()
+        raises (:meth:`kvxfer.transports.ipc.onesided.OneSided.batch`)."""
+        return contextlib.nullcontext() if self._onesided is None else self._onesided.batch()
 
     def poll(self) -> PollResult:
         """Start the loads queued since the last poll (one batch) and report what completed.

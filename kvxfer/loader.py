@@ -11,11 +11,11 @@ One load, from ``poll()`` to the notification:
    a new one, or one whose address changed or whose rank restarted, is handshaken anew,
    :func:`kvxfer.handshake.handshake`, which chooses the transport and opens its session).
 3. :meth:`Loader._run_peer` checks the params against the peer, asks every source rank the
-   plan reads for a lease grant (renews the leases, returns block epochs; retried while a rank
-   does not know a request yet or its compute is not done), then has the load planner move
-   them from each source rank through the peer's session (:meth:`Loader._read_rank` ->
-   :meth:`kvxfer.planner.Planner.read`), and reports every load once, finished only by the
-   transport's record that its bytes arrived.
+   plan reads for a lease grant (:mod:`kvxfer.grants`: renews the leases, returns block
+   epochs; retried while a rank does not know a request yet or its compute is not done), then
+   has the load planner move them from each source rank through the peer's session
+   (:meth:`Loader._read_rank` -> :meth:`kvxfer.planner.Planner.read`), and reports every load
+   once, finished only by the transport's record that its bytes arrived.
 4. The exporter ranks the plan names are notified (landed, or failed) through the notifier
    (:mod:`kvxfer.notifier`), which retries until acknowledged or the lease is over.
 
@@ -40,14 +40,13 @@ from .engine_types import (
     describe_error,
     loaded_twice,
     mask_layers,
-    time_left,
 )
-from .exports import UNKNOWN
+from .grants import RESTARTED, ask_grants, take_grants, wanted
 from .grouped import group_items
 from .handshake import handshake
 from .metrics import now
 from .notifier import Notifier
-from .ordering import NOT_READY, FenceTimeout, event_done
+from .ordering import FenceTimeout, event_done
 from .peer import Peer, Peers
 from .planner import Planner
 from .rank import Rank, Runtime
@@ -56,9 +55,6 @@ from .transfer import Route
 from .transports import Transport
 
 _LOG = logging.getLogger(__name__)
-
-
-RESTARTED = "restarted (its incarnation changed): loads made from params of its previous start are void"
 
 
 class Loader:
@@ -349,7 +345,7 @@ class Loader:
             self.rank.engine_id, self.rank.tp_rank, self.rank.tp_size, rids, toks, digests=digests
         )
         try:
-            replies = self._ask_grants(peer, [(peer.addrs[s], msg) for s in src_ranks], good, deadline)
+            replies = ask_grants(self.client, [(peer.addrs[s], msg) for s in src_ranks], good, deadline)
         except (control.ControlTimeout, Expired) as e:
             self.forget(peer, f"lease grant: {e}")
             self._fail_all(peer, good, f"lease grant: {e}")
@@ -406,9 +402,8 @@ class Loader:
             if replies is None:
                 ranks = [s for s in src_ranks if any(need[s][rid] for rid in alive)]
                 try:
-                    replies = self._ask_grants(
-                        peer, self._wanted(peer, ranks, alive, need), alive.values(), deadline
-                    )
+                    calls = wanted(self.rank, peer, ranks, alive, need)
+                    replies = ask_grants(self.client, calls, alive.values(), deadline)
                 except (control.ControlTimeout, Expired) as e:
                     self.forget(peer, f"lease grant: {e}")
                     reasons.update(dict.fromkeys(alive, f"lease grant: {e}"))
@@ -416,7 +411,7 @@ class Loader:
                     break
             else:
                 ranks = src_ranks
-            granted = self._take_grants(peer, ranks, replies, alive, reasons, deadline)
+            granted = take_grants(peer, ranks, replies, alive, reasons, deadline, self.forget)
             replies = None
             if not retried and reasons and not alive and all(RESTARTED in why for why in reasons.values()):
                 # The remote restarted at its address: handshake with the new incarnation at once
@@ -436,76 +431,6 @@ class Loader:
                 self._complete(peer, [alive.pop(rid) for rid in done], [], {})
         if reasons:
             self._complete(peer, [], [it for it in good if it.request_id in reasons], reasons)
-
-    def _ask_grants(self, peer: Peer, calls: list, loads, deadline: float) -> list:
-        """Send lease requests (``calls``: (address, ReadReq) pairs, each renewing the leases it
-        names) and return the replies in order. A grant is held by the exporter (long poll)
-        until some wanted layer is ready, at most ``wait_s`` (set here from the deadline)."""
-        left = time_left(deadline)
-        wait = max(0.0, min(0.5, left - 0.05))
-        for _, msg in calls:
-            msg.wait_s = wait
-        with trace("grant", items_tag, loads):
-            return self.client.call_many(calls, left)
-
-    def _wanted(self, peer: Peer, ranks: list[int], alive: dict, need: dict) -> list:
-        """The lease requests of a later round: to each of ``ranks``, the loads that still want
-        layers from it, with those layers (``b""``: all)."""
-        full = peer.full_mask
-        nbytes = (peer.spec.num_layers + 7) // 8
-        calls = []
-        for s in ranks:
-            its = [it for rid, it in alive.items() if need[s][rid]]
-            msg = control.ReadReq(
-                self.rank.engine_id,
-                self.rank.tp_rank,
-                self.rank.tp_size,
-                [it.params.request_id for it in its],
-                [it.params.token for it in its],
-                [
-                    b"" if need[s][it.request_id] == full else need[s][it.request_id].to_bytes(nbytes, "big")
-                    for it in its
-                ],
-                digests=[it.params.digest() for it in its],
-            )
-            calls.append((peer.addrs[s], msg))
-        return calls
-
-    def _take_grants(
-        self, peer: Peer, ranks: list[int], replies: list, alive: dict, reasons: dict, deadline: float
-    ) -> dict:
-        """What one round of grants (``replies`` of ``ranks``) allows to read:
-        ``{rank: {local id: (epochs as native int64 bytes, layers ready mask)}}``. A rank that does not know a request
-        yet (its export may trail the params) or whose compute is still writing it is asked
-        again next round, until the deadline. Drops from ``alive`` (into ``reasons``) what
-        cannot be read."""
-        local_of = {it.params.request_id: rid for rid, it in alive.items()}
-        out: dict[int, dict] = {s: {} for s in ranks}
-        full = peer.full_mask
-        for s, g in zip(ranks, replies):
-            if not isinstance(g, control.ReadReply):
-                why = f"rank {s}: {getattr(g, 'error', g)}"
-            elif g.incarnation != peer.replies[s].incarnation:
-                why = f"exporter rank {s} {RESTARTED}"
-                self.forget(peer, why)
-            else:
-                why = ""
-            if why:
-                reasons.update(dict.fromkeys(alive, why))
-                alive.clear()
-                return out
-            for r, b, m in zip(g.ok, g.epochs, g.layers or [b""] * len(g.ok)):
-                mask = full if not m else int.from_bytes(m, "big") & full
-                out[s][local_of[r]] = (b, mask)
-            for rrid, why in g.failed.items():
-                rid = local_of.get(rrid)
-                if rid not in alive:
-                    continue
-                if why in (UNKNOWN, NOT_READY) and time.monotonic() + 0.005 < deadline:
-                    continue  # asked again next round
-                del alive[rid]
-                reasons[rid] = f"exporter rank {s}: {why}"
-        return out
 
     def _read_granted(
         self, peer: Peer, s: int, alive: dict, reasons: dict, need: dict, granted: dict, deadline: float

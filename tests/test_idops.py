@@ -407,6 +407,28 @@ def test_ids_from_list_reads_every_int_size_and_sign_alike(impl):
     assert impl["as_uint64"]([7, 2**30 - 1, 2**30]).tolist() == [7, 2**30 - 1, 2**30]
 
 
+def test_the_library_name_covers_every_header_the_source_includes():
+    """The native module is one translation unit, kvx_ctl.cpp with the local headers it includes
+    (recursively): every one is in ``CONTROL_MODULE.headers``, so that the library's name (the
+    hash of the source, the headers and the flags) changes with any of them and a library built
+    from older sources is never loaded."""
+    import re
+    from pathlib import Path
+
+    target = cpu_build.CONTROL_MODULE
+    csrc = Path(cpu_build.source_dir(target))
+    found: set[Path] = set()
+    todo = [target.source]
+    while todo:
+        src = Path(todo.pop())
+        for name in re.findall(r'^#include "([^"]+)"', (csrc / src).read_text(), re.M):
+            header = Path(os.path.normpath(src.parent / name))
+            if header not in found:
+                found.add(header)
+                todo.append(header)
+    assert found == set(target.headers)
+
+
 @pytest.mark.parametrize("version", ["3.10", "3.12", "3.13"])
 def test_native_helpers_build_and_agree_on_other_pythons(tmp_path, version):
     """The fast int read differs by CPython version (3.12 moved the int layout: the unstable

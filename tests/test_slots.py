@@ -1,6 +1,6 @@
 """The lease-slot table (kvxfer.transports.ipc.slots) on its own: the exporter's writes against a
 loader's view of the same memory, and every mark or entry that must count nothing. Every test
-runs twice: the loader's reads, checks and marks as native calls (csrc/ctl/kvx_ctl.cpp) and as
+runs twice: the loader's reads, checks and marks as native calls (csrc/ctl/lease_slots.h) and as
 the same steps in Python."""
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ def test_binding_tells_exports_contents_and_request_ids_apart():
 
 
 def test_native_and_python_bindings_are_blake2b_of_the_same_bytes():
-    """The native binding (csrc/ctl/kvx_ctl.cpp's own BLAKE2b) and hashlib's give the same words
-    for every input length (one block and several, an empty request id, non-ASCII ones); both
-    refuse a token that is not ASCII and a request id without UTF-8 (ValueError)."""
+    """The native binding (csrc/ctl/lease_slots.h, with its own BLAKE2b: csrc/ctl/blake2b.h) and
+    hashlib's give the same words for every input length (one block and several, an empty
+    request id, non-ASCII ones); both refuse a token that is not ASCII and a request id without
+    UTF-8 (ValueError)."""
     import hashlib
     import random
 

@@ -46,12 +46,14 @@ BUILD_TIMEOUT_S = 300
 
 class Target(NamedTuple):  # not a dataclass: setup.py runs this file without a module entry
     """One native library: its source (relative to ``csrc``), compile flags and file name
-    (``<prefix><hash><suffix>``)."""
+    (``<prefix><hash><suffix>``). ``headers``: the local headers the source includes (relative
+    to ``csrc``; the source is the one file compiled), hashed with it."""
 
     source: Path
     flags: tuple[str, ...]
     prefix: str
     suffix: str
+    headers: tuple[Path, ...] = ()
 
 
 CPU_LIBRARY = Target(SOURCE, CXX_FLAGS, "libkvx_cpu-", ".so")
@@ -62,6 +64,7 @@ CONTROL_MODULE = Target(
      "-Wno-missing-field-initializers", f"-I{sysconfig.get_paths()['include']}"),
     "_kvx_ctl-",
     sysconfig.get_config_var("EXT_SUFFIX") or ".so",
+    tuple(Path("ctl") / h for h in ("ctl_common.h", "lease_slots.h", "blake2b.h")),
 )  # fmt: skip
 
 
@@ -107,8 +110,10 @@ def find_compiler() -> str | None:
 
 
 def source_hash(csrc: Path | str, target: Target = CPU_LIBRARY) -> str:
-    """16 hex digits identifying the source and the compile flags."""
+    """16 hex digits identifying the source, its headers and the compile flags."""
     h = hashlib.sha256((Path(csrc) / target.source).read_bytes())
+    for header in target.headers:
+        h.update((Path(csrc) / header).read_bytes())
     h.update(" ".join(target.flags).encode())
     h.update(str(ABI_VERSION).encode())
     return h.hexdigest()[:16]

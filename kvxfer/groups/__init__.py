@@ -2,7 +2,9 @@
 DeltaNet, short conv) and the in-window blocks of sliding-window groups.
 
 * :mod:`kvxfer.groups.state`: :class:`StateSpec` (a state group's shapes, TP sharding, page
-  layout) and its canonical wire;
+  layout) and its canonical wire; the types it is written in (:class:`StateKind`,
+  :class:`ConvPart`, :class:`Section`, ...) are :mod:`kvxfer.groups.state_types`, the rules its
+  fields follow per kind :mod:`kvxfer.groups.state_rules`;
 * :mod:`kvxfer.groups.state_plan`: :func:`plan_state_reads` (which source rank's unit slices
   each destination rank reads);
 * :mod:`kvxfer.groups.state_ops`: :func:`gather_state`, :func:`scatter_state`,

@@ -30,20 +30,38 @@ dtypes:
 ``(head_v_dim, head_k_dim)`` (vLLM's spec shape ``[h, V, K]``, the CUDA kernels' order), Mamba1
 ``(d_state,)``. The wire does not depend on TP, conv layout, SSM order or page size: units lead
 each section, so the units one destination rank needs from one source rank are one slice of
-each section. This module imports nothing of kvxfer but :mod:`kvxfer.spec`.
+each section.
+
+The vocabulary these are written in (:class:`StateKind`, :class:`ConvPart`, :class:`Section`,
+:class:`UnitRun`, :class:`WireLayout`, ...) is :mod:`kvxfer.groups.state_types`, re-exported
+here; the rules each kind's fields and TP size follow are :mod:`kvxfer.groups.state_rules`.
+The three import nothing of kvxfer but :mod:`kvxfer.spec`.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from ..spec import dtype_from_name, dtype_name
+from .state_rules import check_kind, check_tp
+from .state_types import (
+    PART_NAMES,
+    WIRE_ALIGN,
+    ConvLayout,
+    ConvPart,
+    Section,
+    StateKind,
+    UnitRun,
+    WireLayout,
+    check_int,
+    check_positive_int,
+    element_size,
+    wire_aligned,
+)
 
 __all__ = [
     "WIRE_ALIGN",
@@ -55,118 +73,6 @@ __all__ = [
     "UnitRun",
     "WireLayout",
 ]
-
-WIRE_ALIGN = 16  # every wire section starts at a multiple of this many bytes
-
-
-class StateKind(str, enum.Enum):
-    """Which mixer the state belongs to (vLLM's ``MambaAttentionBackendEnum`` names)."""
-
-    MAMBA1 = "mamba1"
-    MAMBA2 = "mamba2"
-    GDN = "gdn"
-    SHORT_CONV = "short_conv"
-
-
-class ConvLayout(str, enum.Enum):
-    """Orientation of the conv state in a page (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``)."""
-
-    SD = "SD"  # [state_len, conv_dim_local]: every row holds all channels
-    DS = "DS"  # [conv_dim_local, state_len]: each channel's history contiguous
-
-
-# The parts each kind's conv state is made of, in channel order (vLLM's MambaConvSplitInfo).
-_PART_NAMES = {
-    StateKind.MAMBA1: ("x",),
-    StateKind.MAMBA2: ("x", "B", "C"),
-    StateKind.GDN: ("q", "k", "v"),
-    StateKind.SHORT_CONV: ("bx",),
-}
-
-
-def _check_positive_int(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{field}: must be a positive int, got {value!r}")
-
-
-def _check_int(field: str, value: object, low: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{field}: must be an int >= {low}, got {value!r}")
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _align(n: int) -> int:
-    return -(-n // WIRE_ALIGN) * WIRE_ALIGN
-
-
-@dataclass(frozen=True)
-class ConvPart:
-    """One sub-projection of the conv state: ``num_units`` units of ``unit_width`` channels.
-
-    Args:
-        name: the part's name (``"x"``, ``"B"``, ``"C"``, ``"q"``, ``"k"``, ``"v"``, ``"bx"``).
-        num_units: units of the whole model (not per rank): heads, or Mamba2's groups.
-        unit_width: channels per unit (head_dim, d_state, head_k_dim, ...; 1 for per-channel
-            parts).
-        replicate: with more TP ranks than units, every rank holds a whole unit (vLLM's Mamba2
-            B and C when ``n_groups < tp``); otherwise ``tp`` must divide ``num_units``.
-    """
-
-    name: str
-    num_units: int
-    unit_width: int
-    replicate: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"conv part name: must be a non-empty str, got {self.name!r}")
-        _check_positive_int(f"conv part {self.name}: num_units", self.num_units)
-        _check_positive_int(f"conv part {self.name}: unit_width", self.unit_width)
-        if not isinstance(self.replicate, bool):
-            raise ValueError(f"conv part {self.name}: replicate must be a bool, got {self.replicate!r}")
-
-    @property
-    def width(self) -> int:
-        """Channels of the whole model: ``num_units * unit_width``."""
-        return self.num_units * self.unit_width
-
-
-class Section(NamedTuple):
-    """One section of a state (a conv part, or the SSM state), in canonical terms.
-
-    ``unit_shape``: one unit's elements in wire order (conv: ``(state_len, unit_width)``; SSM:
-    ``ssm_head_shape``). ``replicate``: see :class:`ConvPart` (always False for the SSM).
-    """
-
-    name: str
-    num_units: int
-    unit_shape: tuple[int, ...]
-    dtype: torch.dtype
-    replicate: bool
-    is_conv: bool
-
-
-class UnitRun(NamedTuple):
-    """``num_units`` units of one section: rank-local ``[src_start, +num_units)`` on the source
-    land at rank-local ``[dst_start, +num_units)`` on the destination (a gather uses the source
-    half, a scatter the destination half)."""
-
-    src_start: int
-    dst_start: int
-    num_units: int
-
-
-class WireLayout(NamedTuple):
-    """Where each section of a wire lies: byte ``offsets`` and typed ``shapes`` per section (in
-    :attr:`StateSpec.sections` order), the section ``dtypes``, and the wire's ``nbytes``."""
-
-    offsets: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -218,9 +124,9 @@ class StateSpec:
             object.__setattr__(self, "conv_layout", ConvLayout(self.conv_layout))
         except ValueError:
             raise ValueError(f"conv_layout: must be 'SD' or 'DS', got {self.conv_layout!r}") from None
-        _check_positive_int("num_layers", self.num_layers)
-        _check_positive_int("state_len", self.state_len)
-        _check_positive_int("tp_size", self.tp_size)
+        check_positive_int("num_layers", self.num_layers)
+        check_positive_int("state_len", self.state_len)
+        check_positive_int("tp_size", self.tp_size)
         for field in ("conv_dtype", "ssm_dtype"):
             dt = getattr(self, field)
             if not isinstance(dt, torch.dtype):
@@ -235,87 +141,23 @@ class StateSpec:
         if not isinstance(parts, tuple) or not all(isinstance(p, ConvPart) for p in parts):
             raise ValueError(f"conv_parts: must be a tuple of ConvPart, got {parts!r}")
         names = tuple(p.name for p in parts)
-        want = _PART_NAMES[self.kind]
+        want = PART_NAMES[self.kind]
         if names != want:
             raise ValueError(f"conv_parts: a {self.kind.value} state has parts {want}, got {names}")
         shape = self.ssm_head_shape
         if not isinstance(shape, tuple):
             raise ValueError(f"ssm_head_shape: must be a tuple of ints, got {shape!r}")
         for d in shape:
-            _check_positive_int("ssm_head_shape", d)
-        _check_int("ssm_heads", self.ssm_heads)
-        self._check_kind()
-        self._check_tp()
+            check_positive_int("ssm_head_shape", d)
+        check_int("ssm_heads", self.ssm_heads)
+        check_kind(self)
+        check_tp(self)
         if self.page_size_bytes is not None:
-            _check_positive_int("page_size_bytes", self.page_size_bytes)
+            check_positive_int("page_size_bytes", self.page_size_bytes)
             if self.page_size_bytes < self.content_bytes:
                 raise ValueError(
                     f"page_size_bytes: {self.page_size_bytes} is less than the state's content at "
                     f"tp_size={self.tp_size} ({self.conv_bytes} conv + {self.ssm_bytes} SSM bytes)"
-                )
-
-    def _check_kind(self) -> None:
-        parts, shape, kind = self.conv_parts, self.ssm_head_shape, self.kind
-        if self.ssm_transposed and kind is not StateKind.GDN:
-            raise ValueError(f"ssm_transposed: only a gdn state has an SSM order choice, not {kind.value}")
-        if kind is StateKind.SHORT_CONV:
-            if self.ssm_heads or shape:
-                raise ValueError("ssm_heads/ssm_head_shape: a short_conv state has no SSM state (0, ())")
-            if parts[0].unit_width != 1 or parts[0].replicate:
-                raise ValueError(
-                    "conv parts: short_conv's bx part is per channel (unit_width 1, not replicated)"
-                )
-            return
-        if self.ssm_heads < 1:
-            raise ValueError(f"ssm_heads: a {kind.value} state has SSM heads, got {self.ssm_heads}")
-        if kind is StateKind.MAMBA1:
-            (x,) = parts
-            if x.unit_width != 1 or x.replicate:
-                raise ValueError("conv parts: mamba1's x part is per channel (unit_width 1, not replicated)")
-            if len(shape) != 1 or self.ssm_heads != x.num_units:
-                raise ValueError(
-                    f"ssm_heads/ssm_head_shape: mamba1's SSM state is [intermediate={x.num_units}, d_state], "
-                    f"got {self.ssm_heads} heads of {shape}"
-                )
-        elif kind is StateKind.MAMBA2:
-            x, b, c = parts
-            if (b.num_units, b.unit_width, b.replicate) != (c.num_units, c.unit_width, c.replicate):
-                raise ValueError(f"conv parts: mamba2's B and C must match, got {b} and {c}")
-            if x.replicate:
-                raise ValueError("conv parts: mamba2's x part is sharded by head, not replicated")
-            if len(shape) != 2 or shape != (x.unit_width, b.unit_width) or self.ssm_heads != x.num_units:
-                raise ValueError(
-                    f"ssm_heads/ssm_head_shape: mamba2's SSM state is [num_heads={x.num_units}, "
-                    f"head_dim={x.unit_width}, d_state={b.unit_width}], got {self.ssm_heads} heads of {shape}"
-                )
-        else:  # GDN
-            q, k, v = parts
-            if (q.num_units, q.unit_width, q.replicate) != (k.num_units, k.unit_width, k.replicate):
-                raise ValueError(f"conv parts: gdn's q and k must match, got {q} and {k}")
-            if v.replicate:
-                raise ValueError("conv parts: gdn's v part is sharded by head, not replicated")
-            if len(shape) != 2 or shape != (v.unit_width, q.unit_width) or self.ssm_heads != v.num_units:
-                raise ValueError(
-                    f"ssm_heads/ssm_head_shape: gdn's SSM state is [num_v_heads={v.num_units}, "
-                    f"head_v_dim={v.unit_width}, head_k_dim={q.unit_width}] (canonical order), got "
-                    f"{self.ssm_heads} heads of {shape}"
-                )
-
-    def _check_tp(self) -> None:
-        tp = self.tp_size
-        for sec in self.sections:
-            u = sec.num_units
-            if u % tp == 0:
-                continue
-            if sec.replicate and u < tp and tp % u == 0:
-                continue
-            how = "a multiple of it to replicate" if sec.replicate else "a divisor of it"
-            raise ValueError(f"tp_size: {tp} is not {how}: {sec.name} has {u} units")
-        if self.kind is StateKind.MAMBA2:
-            groups = self.conv_parts[1].num_units
-            if groups % tp and groups != 1:  # MambaMixer2's assertion (vLLM 0.32/0.33)
-                raise ValueError(
-                    f"tp_size: vLLM needs n_groups % tp == 0 or n_groups == 1, got n_groups={groups}, tp={tp}"
                 )
 
     # ------------------------------------------------------------ constructors
@@ -339,8 +181,8 @@ class StateSpec:
         ``head_dim`` and B, C = ``n_groups`` groups of ``d_state`` (replicated when ``n_groups <
         tp_size``); SSM ``[num_heads, head_dim, d_state]``. ``ssm_dtype`` defaults to
         ``conv_dtype``."""
-        _check_positive_int("conv_kernel", conv_kernel)
-        _check_int("num_speculative_tokens", num_speculative_tokens)
+        check_positive_int("conv_kernel", conv_kernel)
+        check_int("num_speculative_tokens", num_speculative_tokens)
         return cls(
             kind=StateKind.MAMBA2,
             num_layers=num_layers,
@@ -380,8 +222,8 @@ class StateSpec:
         ``num_k_heads`` heads of ``head_k_dim`` and v = ``num_v_heads`` heads of ``head_v_dim``;
         SSM ``[num_v_heads, head_v_dim, head_k_dim]`` (``ssm_transposed``: ``[.., K, V]`` in the
         page)."""
-        _check_positive_int("conv_kernel", conv_kernel)
-        _check_int("num_speculative_tokens", num_speculative_tokens)
+        check_positive_int("conv_kernel", conv_kernel)
+        check_int("num_speculative_tokens", num_speculative_tokens)
         return cls(
             kind=StateKind.GDN,
             num_layers=num_layers,
@@ -417,8 +259,8 @@ class StateSpec:
     ) -> StateSpec:
         """A Mamba1 state (``MambaMixer``): conv ``[x]`` of ``intermediate_size`` channels, SSM
         ``[intermediate_size, d_state]``, both sharded by channel."""
-        _check_positive_int("conv_kernel", conv_kernel)
-        _check_int("num_speculative_tokens", num_speculative_tokens)
+        check_positive_int("conv_kernel", conv_kernel)
+        check_int("num_speculative_tokens", num_speculative_tokens)
         return cls(
             kind=StateKind.MAMBA1,
             num_layers=num_layers,
@@ -446,8 +288,8 @@ class StateSpec:
         page_size_bytes: int | None = None,
     ) -> StateSpec:
         """A short-conv state (LFM2's ``ShortConv``): conv ``[bx]`` of ``dim`` channels, no SSM."""
-        _check_positive_int("conv_kernel", conv_kernel)
-        _check_int("num_speculative_tokens", num_speculative_tokens)
+        check_positive_int("conv_kernel", conv_kernel)
+        check_int("num_speculative_tokens", num_speculative_tokens)
         return cls(
             kind=StateKind.SHORT_CONV,
             num_layers=num_layers,
@@ -499,12 +341,12 @@ class StateSpec:
     @property
     def conv_element_size(self) -> int:
         """Bytes per conv element."""
-        return _element_size(self.conv_dtype)
+        return element_size(self.conv_dtype)
 
     @property
     def ssm_element_size(self) -> int:
         """Bytes per SSM element (0 for short conv: no SSM state)."""
-        return _element_size(self.ssm_dtype) if self.ssm_heads else 0
+        return element_size(self.ssm_dtype) if self.ssm_heads else 0
 
     @property
     def conv_dim_local(self) -> int:
@@ -566,7 +408,7 @@ class StateSpec:
 
     def cache_shape(self, num_blocks: int) -> tuple[int, int]:
         """One layer's pages on a rank as a uint8 tensor: ``(num_blocks, page_bytes)``."""
-        _check_positive_int("num_blocks", num_blocks)
+        check_positive_int("num_blocks", num_blocks)
         return (num_blocks, self.page_bytes)
 
     # ------------------------------------------------------------------ wire
@@ -580,7 +422,7 @@ class StateSpec:
                 f"{[s.name for s in self.sections]}), got {len(counts)}"
             )
         for s, n in zip(self.sections, counts):
-            _check_int(f"counts[{s.name}]", n)
+            check_int(f"counts[{s.name}]", n)
         return counts
 
     def wire_layout(self, counts=None, num_layers: int | None = None, num_states: int = 1) -> WireLayout:
@@ -588,15 +430,15 @@ class StateSpec:
         ``num_layers`` layers (default all) and ``num_states`` states (see the module doc)."""
         counts = self._counts(counts)
         layers = self.num_layers if num_layers is None else num_layers
-        _check_int("num_layers", layers)
-        _check_int("num_states", num_states)
+        check_int("num_layers", layers)
+        check_int("num_states", num_states)
         offsets, shapes, dtypes, pos = [], [], [], 0
         for sec, n in zip(self.sections, counts):
             shape = (n, layers, num_states, *sec.unit_shape)
             offsets.append(pos)
             shapes.append(shape)
             dtypes.append(sec.dtype)
-            pos = _align(pos + math.prod(shape) * _element_size(sec.dtype))
+            pos = wire_aligned(pos + math.prod(shape) * element_size(sec.dtype))
         return WireLayout(tuple(offsets), tuple(shapes), tuple(dtypes), pos)
 
     def wire_nbytes(self, counts=None, num_layers: int | None = None, num_states: int = 1) -> int:
@@ -617,7 +459,7 @@ class StateSpec:
         flat = wire.reshape(-1)
         out = {}
         for sec, off, shape, dt in zip(self.sections, lay.offsets, lay.shapes, lay.dtypes):
-            n = math.prod(shape) * _element_size(dt)
+            n = math.prod(shape) * element_size(dt)
             out[sec.name] = flat[off : off + n].view(dt).view(shape)
         return out
 

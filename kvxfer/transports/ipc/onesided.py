@@ -39,6 +39,7 @@ import logging
 import platform
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
@@ -436,6 +437,15 @@ class OneSided:
                 self._local.held = None
                 with self.lock:
                     self._batches -= 1
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """:meth:`hold` for the block, :meth:`release` at its end (even when it raises)."""
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
 
     def _launch_held(self) -> None:
         """Launch the loads held so far: per peer one launch (:meth:`_launch`); a load whose

@@ -47,8 +47,8 @@ same even ``gen``; so a snapshot taken while the slot was live either precedes t
 the post-copy epoch check sees it) or is discarded. Single aligned int64 stores and loads, in
 program order (x86-64's TSO keeps store-store and load-load order). The loader's read (lookup,
 snapshot, generation again), its check after the copy and its done mark are one native call each
-(``slot_read``, ``slot_check``, ``slot_mark`` of ``csrc/ctl/kvx_ctl.cpp``: acquire loads and
-release stores, so the compiler keeps that order too) when the control module is loaded
+(``slot_read``, ``slot_check``, ``slot_mark`` of ``csrc/ctl/lease_slots.h``: acquire loads
+and release stores, so the compiler keeps that order too) when the control module is loaded
 (:mod:`kvxfer.idops`), else the same steps through the memoryview.
 
 Trust: the table is a file in ``/dev/shm`` (``kvx_ls_*``) that any process of the exporter's
@@ -115,7 +115,7 @@ GEN_MAX = (_M63 - (DONE_TP - 1)) // DONE_TP
 BAD_WORD = "table word out of range"
 _FIELDS = struct.Struct("=5q")  # bind0, bind1, deadline, ready, flags: written between gen steps
 _CLEARED = bytes(_FIELDS.size)
-# SlotView.read's refusals by the native slot_read's code (csrc/ctl/kvx_ctl.cpp)
+# SlotView.read's refusals by the native slot_read's code (csrc/ctl/lease_slots.h)
 _REFUSALS = {
     1: "exporter closed or silent",
     2: "no live slot",
@@ -157,7 +157,7 @@ def _py_binding(token: str, digest: bytes, request_id: str) -> tuple[int, int]:
 
 def binder() -> Callable[[str, bytes, str], tuple[int, int]]:
     """The :func:`binding` function to call: the native module's (``binding`` of
-    ``csrc/ctl/kvx_ctl.cpp``, ~0.2 us) when it is in use, else hashlib's (~1 us more). Both give
+    ``csrc/ctl/lease_slots.h``, ~0.2 us) when it is in use, else hashlib's (~1 us more). Both give
     the same words (tests/test_slots.py). Callers on the hot path take it once."""
     mod = idops.native()
     return mod.binding if mod is not None else _py_binding
