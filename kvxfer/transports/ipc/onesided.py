@@ -49,11 +49,11 @@ from ...engine_types import LoadItem, describe_error, disjoint_blocks, loaded_tw
 from ...grouped import group_items
 from ...metrics import now
 from ...ordering import event_done
-from ...spec import Layout
 from ...tracing import items_tag, trace
 from ...transfer import Route, Transfer
 from . import slots
 from .cma import Direct
+from .direct import direct_fits, direct_target, read_direct
 from .session import IpcMap, IpcSession, fetched
 from .slots import SlotView
 
@@ -133,7 +133,7 @@ class Target:
         self.marks = marks
         self.bind = slots.binder()  # slots.binding, native when the module is in use
         self.per_token = sum(pt for src in sources for _, pt in src.whole)
-        self.direct = direct  # cross-memory attach straight into this rank's caches (_direct)
+        self.direct = direct  # cross-memory attach straight into this rank's caches (.direct)
 
 
 class SlotRead(NamedTuple):
@@ -253,7 +253,13 @@ class OneSided:
             for s in peer.notify_to
             if s < len(views) and views[s] is not None
         ]
-        t = session.onesided = Target(peer, session, sources, marks, _direct(rank, peer, sources))
+        t = session.onesided = Target(
+            peer,
+            session,
+            sources,
+            marks,
+            direct_target(rank, peer, [(src.mapping, src.reads) for src in sources]),
+        )
         return t
 
     def try_load(self, item: LoadItem, timeout_s: float) -> bool:
@@ -350,12 +356,12 @@ class OneSided:
             calls = 0
             with rt.order.on_stream(), contextlib.ExitStack() as fetch:
                 grouped = self.rank.groups is not None  # fetched per group (its blocks, its layers)
-                direct = t.direct is not None and _direct_fits(rank, items)
+                direct = t.direct is not None and direct_fits(rank, items)
                 for src in t.sources:  # cross-memory attach: the blocks read into the mirrors
                     if src.mapping.remote is not None and not grouped and not direct:
                         fetch.enter_context(fetched(src.mapping, items))
                 if direct:
-                    calls = _read_direct(t.direct, rank, items)
+                    calls = read_direct(t.direct, rank, items)
                     self.direct += len(items)
                 elif grouped:
                     calls = self._copy_groups(t, items)
@@ -568,74 +574,6 @@ class OneSided:
             "in_flight": len(self.flights),
             "fallbacks": dict(self.fallbacks),
         }
-
-
-def _direct(rank: Rank, peer: Peer, sources: list[Source]) -> Direct | None:
-    """Cross-memory attach straight into this rank's caches, when the peer is one source rank of
-    plain CPU caches laid out as this rank's (same spec and heads, one read of every head):
-    a block is then the same bytes on both sides. None otherwise (the mirrors' path)."""
-    if len(sources) != 1:
-        return None
-    src, spec, ps = sources[0], rank.spec, peer.spec
-    remote = src.mapping.remote
-    if remote is None or len(src.reads) != 1:
-        return None
-    r = src.reads[0]
-    heads = spec.heads_per_rank(rank.tp_size)
-    if (
-        (ps.num_layers, ps.block_size, ps.dtype, ps.layout, ps.use_mla, ps.head_dim, ps.num_kv_heads)
-        != (
-            spec.num_layers,
-            spec.block_size,
-            spec.dtype,
-            spec.layout,
-            spec.use_mla,
-            spec.head_dim,
-            spec.num_kv_heads,
-        )
-        or peer.tp_size != rank.tp_size
-        or (r.src_head_start, r.dst_head_start, r.num_heads) != (0, 0, heads)
-    ):
-        return None
-    token_dim = 1 if spec.use_mla else (2 if spec.layout is Layout.NHD else 3)
-    return remote.direct(list(rank.caches), token_dim)
-
-
-def _direct_fits(rank: Rank, items: list[LoadItem]) -> bool:
-    """Whether ``items`` move whole blocks only (each from a block boundary), and no state group
-    (whose pages take the mirrors' path)."""
-    bs, gs = rank.spec.block_size, rank.groups
-    if gs is not None:
-        if any(gs.whole):
-            return False
-        return all(x.first % bs == 0 and not x.skip for it in items for x in it.groups)
-    return all(it.first % bs == 0 and not it.skip for it in items)
-
-
-def _read_direct(d: Direct, rank: Rank, items: list[LoadItem]) -> int:
-    """Each load's blocks (per group: its layers, from its first block) read straight into this
-    rank's caches; returns the reads made."""
-    bs, gs = rank.spec.block_size, rank.groups
-    every = np.arange(rank.spec.num_layers, dtype=np.int64)
-    calls = 0
-    for it in items:
-        parts = (
-            [(every, it)]
-            if gs is None
-            else [(np.asarray(g.layers, dtype=np.int64), x) for g, x in zip(gs.groups, it.groups)]
-        )
-        for layers, x in parts:
-            n = x.num_tokens
-            need, b0 = -(-n // bs), x.first // bs
-            if b0 >= need:
-                continue
-            src = np.asarray(x.src[b0:need], dtype=np.int64)
-            dst = np.asarray(x.dst[b0:need], dtype=np.int64)
-            if dst.size != src.size or int(dst.min()) < 0 or int(dst.max()) >= rank.num_blocks:
-                raise ValueError(f"block ids of {it.request_id} out of range for a direct read")
-            d.remote.read_direct(d, layers, src, dst, n - (need - 1) * bs)
-            calls += 1
-    return calls
 
 
 def _copy_whole(t: Target, item: LoadItem) -> int:
