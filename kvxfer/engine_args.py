@@ -20,7 +20,7 @@ from .groups.attention import AttentionGroup, GroupSet
 from .groups.state_group import StateGroup
 from .spec import KVCacheSpec
 from .transports import TRANSPORTS
-from .transports.nixl.agent import require_nixl
+from .transports.nixl.availability import require_nixl
 from .transports.pg.pipeline import StagedPipeline
 
 __all__ = ["check_engine_args", "layer_mask", "windows_end"]

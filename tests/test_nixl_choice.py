@@ -9,7 +9,7 @@ import torch
 from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine
 from kvxfer import control as C
 from kvxfer.transports import choice, offered
-from kvxfer.transports.nixl import agent as nixl_mod
+from kvxfer.transports.nixl import availability as nixl_mod
 
 SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)
 CPU = torch.device("cpu")

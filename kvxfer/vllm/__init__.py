@@ -12,10 +12,10 @@ Use it with::
 ``vllm.general_plugins`` entry point registers the name). See ``docs/INTEGRATION.md``.
 
 Importing this package does not import vLLM: the connector's logic lives in vLLM-free modules
-(:mod:`.config`, :mod:`.layout`, :mod:`.scheduler`, :mod:`.worker`), and only the attribute
-:data:`KvxferConnector` loads :mod:`.connector`, which subclasses vLLM's ``KVConnectorBase_V1``
-(vLLM 0.32 and 0.33 are tested). Without vLLM, that attribute raises an ``ImportError`` that
-names the missing package.
+(:mod:`.config`, :mod:`.layout`, :mod:`.scheduler`, :mod:`.transfer_meta`, :mod:`.worker`), and
+only the attribute :data:`KvxferConnector` loads :mod:`.connector`, which subclasses vLLM's
+``KVConnectorBase_V1`` (vLLM 0.32 and 0.33 are tested). Without vLLM, that attribute raises an
+``ImportError`` that names the missing package.
 """
 
 from __future__ import annotations

@@ -67,8 +67,9 @@ except ImportError:  # pragma: no cover - an older vLLM: failures are reported a
 from .config import ConnectorConfig
 from .groups import HybridModelUnsupported, groups_from_config
 from .logs import join_vllm_logging
-from .scheduler import ExportSpec, LoadSpec, SchedulerSide, TransferMeta
+from .scheduler import SchedulerSide
 from .state import conv_layout_from_env
+from .transfer_meta import ExportSpec, LoadSpec, TransferMeta
 from .worker import WorkerSide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -93,7 +94,7 @@ __all__ = [
 
 @dataclass
 class KvxferConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, once per step (see :class:`~kvxfer.vllm.scheduler.TransferMeta`)."""
+    """Scheduler -> workers, once per step (see :class:`~kvxfer.vllm.transfer_meta.TransferMeta`)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     exports: list[ExportSpec] = field(default_factory=list)

@@ -1,5 +1,5 @@
 """Worker side of the vLLM connector (no vLLM import): one :class:`kvxfer.TransferEngine` per
-TP rank, driven by the scheduler side's :class:`~kvxfer.vllm.scheduler.TransferMeta`.
+TP rank, driven by the scheduler side's :class:`~kvxfer.vllm.transfer_meta.TransferMeta`.
 
 Each step: :meth:`WorkerSide.start` queues the step's loads, exports and releases; the
 engine's ``poll()`` (one per step, in :meth:`finished`) starts them and reports what
@@ -32,8 +32,8 @@ from ..ports import free_port_base
 from .config import ConnectorConfig, port_in_use_message
 from .groups import VllmGroup, engine_groups, expand_group_ids
 from .layout import KVLayout, caches_from_vllm, check_pair
-from .scheduler import NULL_BLOCK_ID, NULL_BLOCK_WHY, TransferMeta, expand_block_ids
 from .state import attention_view_of_state
+from .transfer_meta import NULL_BLOCK_ID, NULL_BLOCK_WHY, TransferMeta, expand_block_ids
 
 _LOG = logging.getLogger(__name__)
 

@@ -28,10 +28,9 @@ This module wraps one ``nixl_agent`` per engine rank (:class:`NixlAgent`):
   connection) and routed by key into mailboxes (:meth:`NixlAgent.open_box`); a message for no
   open mailbox is dropped.
 
-NIXL is optional (``pip install 'kvxfer[nixl]'``). Nothing here imports it before an agent is
-made; :func:`nixl_status` says whether it can be imported, without importing it. kvxfer lowers
-NIXL's own Python logger (which prints INFO lines on stdout) to WARNING unless
-``$NIXL_LOG_LEVEL`` is set.
+NIXL is optional (``pip install 'kvxfer[nixl]'``): nothing imports it before an agent is made
+(:mod:`kvxfer.transports.nixl.availability`: :func:`nixl_status`, :func:`load_nixl`,
+re-exported here).
 
 Thread safety: every agent call goes through one lock, so the agent itself runs with
 ``NIXL_THREAD_SYNC_NONE``; calls are short (nothing in NIXL blocks).
@@ -40,10 +39,7 @@ Thread safety: every agent call goes through one lock, so the agent itself runs 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -56,6 +52,7 @@ import torch
 
 from ...limits import MAX_ID_CHARS, MAX_REQUESTS
 from ...ordering import poll_pause
+from .availability import NIXL_MODULES, NixlUnavailable, load_nixl, nixl_bindings, nixl_status, require_nixl
 from .descs import storages
 
 _LOG = logging.getLogger(__name__)
@@ -74,17 +71,6 @@ __all__ = [
     "require_nixl",
 ]
 
-# Where the NIXL Python API lives: the meta package (``nixl``, picks the CUDA 12/13 build at
-# import) or one build directly (``nixl-cu12`` / ``nixl-cu13`` wheels).
-NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
-INSTALL_HINT = "pip install 'kvxfer[nixl]' (NIXL 1.5; with a CPU torch: pip install nixl-cu13==1.5.1)"
-
-_api: Any = None
-
-
-class NixlUnavailable(ImportError):
-    """NIXL cannot be imported here (the message names why and how to install it)."""
-
 
 class NixlError(RuntimeError):
     """A NIXL call failed, or a transfer ended in error (the message names which and why);
@@ -102,51 +88,6 @@ class XferTimeout(NixlError):
     def __init__(self, message: str, fence: XferFence) -> None:
         super().__init__(message)
         self.fence = fence
-
-
-def nixl_status() -> str:
-    """``""`` when a NIXL Python API can be imported, else why not (never imports it)."""
-    if _api is not None:
-        return ""
-    for name in NIXL_MODULES:
-        top = name.partition(".")[0]
-        try:
-            if importlib.util.find_spec(top) is not None:
-                return ""
-        except (ImportError, ValueError):  # pragma: no cover - a broken install
-            continue
-    return f"NIXL is not installed (no module {', '.join(m.partition('.')[0] for m in NIXL_MODULES)}): {INSTALL_HINT}"
-
-
-def require_nixl(what: str = "transport='nixl'") -> None:
-    """Raise :class:`NixlUnavailable` naming ``what`` when NIXL cannot be imported."""
-    why = nixl_status()
-    if why:
-        raise NixlUnavailable(f"{what} needs NIXL: {why}")
-
-
-def load_nixl():
-    """Import the NIXL Python API (first of :data:`NIXL_MODULES` that imports); raises
-    :class:`NixlUnavailable` with every import error when none does."""
-    global _api
-    if _api is not None:
-        return _api
-    errors = []
-    for name in NIXL_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except Exception as e:  # ImportError, or a build for another CUDA that fails to load
-            errors.append(f"{name}: {type(e).__name__}: {e}")
-            continue
-        if not os.environ.get("NIXL_LOG_LEVEL"):
-            logging.getLogger("nixl").setLevel(logging.WARNING)
-        _api = mod
-        return mod
-    raise NixlUnavailable("NIXL could not be imported (" + "; ".join(errors) + f"). {INSTALL_HINT}")
-
-
-def _bindings():
-    return importlib.import_module(load_nixl().__name__.rpartition(".")[0] + "._bindings")
 
 
 def mem_of(t: torch.Tensor) -> tuple[str, int]:
@@ -222,7 +163,7 @@ class NixlAgent:
         stop: threading.Event | None = None,
     ) -> None:
         api = load_nixl()
-        b = _bindings()
+        b = nixl_bindings()
         self.errors = tuple(
             getattr(b, n) for n in dir(b) if n.startswith("nixl") and n.endswith("Error")
         ) or (Exception,)
@@ -316,7 +257,7 @@ class NixlAgent:
         needs to notify this agent; it learns nothing of its memory)."""
         if not conn_only:
             return bytes(self._call("get_agent_metadata", self.agent.get_agent_metadata))
-        b = _bindings()
+        b = nixl_bindings()
         empty = b.nixlRegDList(b.DRAM_SEG)
         return bytes(
             self._call("get_partial_agent_metadata", self.agent.get_partial_agent_metadata, empty, True, [])

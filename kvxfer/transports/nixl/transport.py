@@ -31,7 +31,8 @@ from ... import control
 from ...engine_types import HandshakeError
 from ..base import LoaderLink, StreamJob
 from ..streams import stream_gathers
-from .agent import NixlAgent, NixlError, Prepped, mem_of, nixl_status
+from .agent import NixlAgent, NixlError, Prepped, mem_of
+from .availability import nixl_status
 from .descs import CacheGeometry, DirectTables, descs, direct_why, epoch_runs
 from .session import NixlSession, SrcRank, drop_ranks, read_key, src_rank
 from .staged import NixlStaging, send_stream, stream_error
