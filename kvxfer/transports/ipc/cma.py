@@ -277,34 +277,22 @@ class Remote:
         caches (int64 ids in range, checked by the caller), the last pair's first
         ``last_rows`` rows only (the rest of that block stays as it was); returns the bytes.
         ``OSError`` as :meth:`fetch`."""
-        if src.size == 0:
+        return self.read_direct_many(d, [(layers, src, dst, last_rows)])
+
+    def read_direct_many(self, d: Direct, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]) -> int:
+        """:meth:`read_direct` of every ``(layers, src, dst, last_rows)`` part in one batch of
+        ``process_vm_readv`` calls (a request's groups, a step's loads); returns the bytes."""
+        locs, rems, lens = [], [], []
+        for layers, src, dst, last_rows in parts:
+            if src.size:
+                self._direct_ranges(d, layers.astype(np.int64), src, dst, last_rows, locs, rems, lens)
+        if not lens:
             return 0
-        es_full = self._span
-        lay = layers.astype(np.int64)
-        parts_l, parts_r, parts_n = [], [], []
-        full = src.size if last_rows >= d.rows else src.size - 1
-        # [layer, kv, pair] grid of whole blocks, then the last block's row ranges
-        if full:
-            loc = (d.bases[lay].astype(np.int64)[:, None, None] + d.kv[None, :, None]
-                   + (dst[:full] * d.block_stride)[None, None, :])  # fmt: skip
-            rem = (self.addrs[lay].astype(np.int64)[:, None, None] + self._kv_offsets[None, :, None]
-                   + (src[:full] * self._block_stride)[None, None, :])  # fmt: skip
-            parts_l.append(loc.reshape(-1))
-            parts_r.append(rem.reshape(-1))
-            parts_n.append(np.full(loc.size, es_full, dtype=np.int64))
-        if full < src.size:
-            loc = (d.bases[lay].astype(np.int64)[:, None, None] + d.kv[None, :, None]
-                   + int(dst[-1]) * d.block_stride + d.row_offsets[None, None, :])  # fmt: skip
-            rem = (self.addrs[lay].astype(np.int64)[:, None, None] + self._kv_offsets[None, :, None]
-                   + int(src[-1]) * self._block_stride + d.row_offsets[None, None, :])  # fmt: skip
-            parts_l.append(loc.reshape(-1))
-            parts_r.append(rem.reshape(-1))
-            parts_n.append(np.full(loc.size, last_rows * d.row_bytes, dtype=np.int64))
-        n = np.concatenate(parts_n).astype(np.uint64)
+        n = np.concatenate(lens).astype(np.uint64)
         local = np.empty((n.size, 2), dtype=np.uint64)
         remote = np.empty((n.size, 2), dtype=np.uint64)
-        local[:, 0] = np.concatenate(parts_l).astype(np.uint64)
-        remote[:, 0] = np.concatenate(parts_r).astype(np.uint64)
+        local[:, 0] = np.concatenate(locs).astype(np.uint64)
+        remote[:, 0] = np.concatenate(rems).astype(np.uint64)
         local[:, 1] = remote[:, 1] = n
         want = int(n.sum())
         got = self._readv(local, remote)
@@ -315,6 +303,27 @@ class Remote:
         self.num_fetches += 1
         self.bytes_fetched += want
         return want
+
+    def _direct_ranges(
+        self, d: Direct, lay, src, dst, last_rows: int, locs: list, rems: list, lens: list
+    ) -> None:
+        """Append one part's ranges: a [layer, kv, pair] grid of whole blocks, then the last
+        block's row ranges when it is partial."""
+        full = src.size if last_rows >= d.rows else src.size - 1
+        dbase = d.bases[lay].astype(np.int64)[:, None, None] + d.kv[None, :, None]
+        sbase = self.addrs[lay].astype(np.int64)[:, None, None] + self._kv_offsets[None, :, None]
+        if full:
+            loc = dbase + (dst[:full] * d.block_stride)[None, None, :]
+            locs.append(loc.reshape(-1))
+            rems.append((sbase + (src[:full] * self._block_stride)[None, None, :]).reshape(-1))
+            lens.append(np.full(loc.size, self._span, dtype=np.int64))
+        if full < src.size:
+            loc = dbase + int(dst[-1]) * d.block_stride + d.row_offsets[None, None, :]
+            locs.append(loc.reshape(-1))
+            rems.append(
+                (sbase + int(src[-1]) * self._block_stride + d.row_offsets[None, None, :]).reshape(-1)
+            )
+            lens.append(np.full(loc.size, last_rows * d.row_bytes, dtype=np.int64))
 
     def drop(self) -> None:
         """Give back the mirrors' pages (what they held is not needed once the copies ran)."""

@@ -73,10 +73,10 @@ def direct_fits(rank: Rank, items: list[LoadItem]) -> bool:
 
 def read_direct(d: Direct, rank: Rank, items: list[LoadItem]) -> int:
     """Each load's blocks (per group: its layers, from its first block) read straight into this
-    rank's caches; returns the reads made."""
+    rank's caches, all in one batch of reads; returns the reads made (1, or 0 for nothing)."""
     bs, gs = rank.spec.block_size, rank.groups
     every = np.arange(rank.spec.num_layers, dtype=np.int64)
-    calls = 0
+    reads = []
     for it in items:
         parts = (
             [(every, it)]
@@ -92,6 +92,8 @@ def read_direct(d: Direct, rank: Rank, items: list[LoadItem]) -> int:
             dst = np.asarray(x.dst[b0:need], dtype=np.int64)
             if dst.size != src.size or int(dst.min()) < 0 or int(dst.max()) >= rank.num_blocks:
                 raise ValueError(f"block ids of {it.request_id} out of range for a direct read")
-            d.remote.read_direct(d, layers, src, dst, n - (need - 1) * bs)
-            calls += 1
-    return calls
+            reads.append((layers, src, dst, n - (need - 1) * bs))
+    if not reads:
+        return 0
+    d.remote.read_direct_many(d, reads)
+    return 1
