@@ -70,7 +70,7 @@ from .logs import join_vllm_logging
 from .scheduler import SchedulerSide
 from .state import conv_layout_from_env
 from .transfer_meta import ExportSpec, LoadSpec, TransferMeta
-from .worker import WorkerSide
+from .worker import COUNTERS, WorkerSide
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -114,18 +114,7 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
     kv_layout: dict = field(default_factory=dict)
 
 
-_SUMMED = (
-    "transfers",
-    "bytes",
-    "failures",
-    "expirations",
-    "finished_exports",
-    "handshakes",
-    "ops_calls",
-    "onesided_loads",
-    "busy_s",
-    "latency_sum_s",
-)
+_SUMMED = (*COUNTERS, "busy_s", "latency_sum_s")  # summed over workers
 
 
 @dataclass

@@ -37,11 +37,11 @@ from .transfer_meta import NULL_BLOCK_ID, NULL_BLOCK_WHY, TransferMeta, expand_b
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["WorkerSide"]
+__all__ = ["COUNTERS", "WorkerSide"]
 
 _BIND_ERRORS = (OSError, zmq.ZMQError)  # a side-channel port in use (errno EADDRINUSE)
 
-_COUNTERS = (
+COUNTERS = (  # the engine counters a stats interval reports as deltas
     "transfers",
     "bytes",
     "failures",
@@ -457,10 +457,10 @@ class WorkerSide:
         s = dict(self.engine.stats())
         s["failures"] += self._refused  # refused here, before the engine saw them
         s["onesided_loads"] = s.get("onesided", {}).get("loads", 0)  # read with no message to P
-        out = {k: s[k] - self._last.get(k, 0) for k in _COUNTERS}
+        out = {k: s[k] - self._last.get(k, 0) for k in COUNTERS}
         for k in ("busy_s", "latency_sum_s"):
             out[k] = s[k] - self._last.get(k, 0.0)
-        self._last = {k: s[k] for k in (*_COUNTERS, "busy_s", "latency_sum_s")}
+        self._last = {k: s[k] for k in (*COUNTERS, "busy_s", "latency_sum_s")}
         if not any(out.values()):
             return None
         out.update({k: s[k] for k in ("p50_s", "p90_s", "p99_s")})

@@ -186,6 +186,20 @@ class Remote:
     def _alive(self) -> bool:
         return not _exited(self._fd)
 
+    def _read_all(self, local: np.ndarray, remote: np.ndarray) -> int:
+        """:meth:`_readv` of every range, then the checks that make it a read of the exporter:
+        every byte read and the exporter still alive after it (``OSError`` otherwise); counted.
+        Returns the bytes."""
+        want = int(remote[:, 1].sum())
+        got = self._readv(local, remote)
+        if got != want:
+            raise OSError(f"cma: read {got} of {want} bytes from pid {self.pid} (its memory changed?)")
+        if not self._alive():
+            raise OSError(f"cma: the exporter (pid {self.pid}) exited during the read")
+        self.num_fetches += 1
+        self.bytes_fetched += want
+        return want
+
     def _readv(self, local: np.ndarray, remote: np.ndarray) -> int:
         """``process_vm_readv`` of ``[n, 2]`` uint64 (address, length) arrays, IOV_MAX at a time;
         returns the bytes read, ``OSError`` naming the errno when a call fails."""
@@ -220,14 +234,7 @@ class Remote:
         local[:, 0] = (self._bases[lay][:, None] + off[None, :]).reshape(-1)
         remote[:, 0] = (self.addrs[lay][:, None] + off[None, :]).reshape(-1)
         local[:, 1] = remote[:, 1] = np.tile(lens.astype(np.uint64), len(lay))
-        want = int(remote[:, 1].sum())
-        got = self._readv(local, remote)
-        if got != want:
-            raise OSError(f"cma: read {got} of {want} bytes from pid {self.pid} (its memory changed?)")
-        if not self._alive():
-            raise OSError(f"cma: the exporter (pid {self.pid}) exited during the read")
-        self.num_fetches += 1
-        self.bytes_fetched += want
+        self._read_all(local, remote)
 
     def direct(self, caches: list[torch.Tensor], token_dim: int) -> Direct | None:
         """Reads straight into ``caches`` (this rank's, one per exporter layer) where they are
@@ -294,15 +301,7 @@ class Remote:
         local[:, 0] = np.concatenate(locs).astype(np.uint64)
         remote[:, 0] = np.concatenate(rems).astype(np.uint64)
         local[:, 1] = remote[:, 1] = n
-        want = int(n.sum())
-        got = self._readv(local, remote)
-        if got != want:
-            raise OSError(f"cma: read {got} of {want} bytes from pid {self.pid} (its memory changed?)")
-        if not self._alive():
-            raise OSError(f"cma: the exporter (pid {self.pid}) exited during the read")
-        self.num_fetches += 1
-        self.bytes_fetched += want
-        return want
+        return self._read_all(local, remote)
 
     def _direct_ranges(
         self, d: Direct, lay, src, dst, last_rows: int, locs: list, rems: list, lens: list
