@@ -4,7 +4,7 @@ Every exporting engine has a secret. ``export()`` puts into the request's params
 binds the request id to that one export and its contents:
 
     token   = nonce (8 bytes) || MAC, as 48 hex characters
-    MAC     = HMAC-SHA256(secret, request_id || 0 || nonce || digest), truncated to 128 bits
+    MAC     = BLAKE2b-128 keyed with the secret (RFC 7693), of request_id || 0 || nonce || digest
     digest  = BLAKE2b-128(num_tokens || block ids), :func:`content_digest`
 
 The nonce is the export's *generation* of its request id on the rank (0 for the first export
@@ -48,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import idops
+
 __all__ = [
     "AUTH_KEY_ENV",
     "TOKEN_CHARS",
@@ -76,20 +78,31 @@ _IDS_PER_UPDATE = 255
 TOKEN_CHARS = 2 * (_NONCE_BYTES + _MAC_BYTES)  # 48 hex characters
 
 
+def _native():
+    """The native module's ``content_digest`` and ``token`` (``csrc/ctl/token_hash.h``) when it
+    is in use (:func:`kvxfer.idops.native`), else None: hashlib computes the same bytes."""
+    return idops.native()
+
+
 def content_digest(num_tokens: int, block_ids: np.ndarray, groups: Sequence[int] | None = None) -> bytes:
     """What a token binds besides the request id: BLAKE2b-128 of ``num_tokens`` (8 bytes,
     little-endian) and the block ids as little-endian int64 (``block_ids``: an int64 or uint64
-    array of non-negative ids, the exporter's checked array or the params' own). ~1 us for 256
-    ids. ``groups``: a request of several KV cache groups (:mod:`kvxfer.grouped`), how many of
-    the ids belong to each group, bound too (after a marker no id count can equal)."""
-    h = _blake2b(num_tokens.to_bytes(8, "little"), digest_size=DIGEST_BYTES)
-    if groups is not None:
-        h.update(b"\xffgroups" + np.asarray(groups, dtype="<i8").tobytes())
+    array of non-negative ids, the exporter's checked array or the params' own). ``groups``: a
+    request of several KV cache groups (:mod:`kvxfer.grouped`), how many of the ids belong to
+    each group, bound too (after a marker no id count can equal). One native call when the
+    control module is loaded, else hashlib (the same bytes)."""
     dt = block_ids.dtype
     if not ((dt is _I64 or dt is _U64) and block_ids.flags.c_contiguous):
         block_ids = np.ascontiguousarray(
             block_ids.view(np.int64) if dt == np.uint64 else block_ids, dtype="<i8"
         )
+    mod = _native()
+    if mod is not None:
+        g = None if groups is None else np.ascontiguousarray(groups, dtype="<i8")
+        return mod.content_digest(num_tokens, block_ids, g)
+    h = _blake2b(num_tokens.to_bytes(8, "little"), digest_size=DIGEST_BYTES)
+    if groups is not None:
+        h.update(b"\xffgroups" + np.asarray(groups, dtype="<i8").tobytes())
     if block_ids.size <= _IDS_PER_UPDATE:  # the bytes as they are
         h.update(block_ids)
     else:
@@ -103,32 +116,14 @@ def _mac_input(request_id: str, nonce: bytes, digest: bytes) -> bytes:
 
 
 def request_token(secret: bytes, request_id: str, nonce: bytes, digest: bytes) -> str:
-    """The token of ``request_id`` under ``secret`` for the export with ``nonce`` (8 bytes) and
-    content ``digest`` (:func:`content_digest`): 48 hex characters (see the module doc)."""
-    mac = hmac.new(secret, _mac_input(request_id, nonce, digest), hashlib.sha256).digest()
-    return nonce.hex() + mac[:_MAC_BYTES].hex()
-
-
-class _KeyedSha256:
-    """HMAC-SHA256 under one key with the key's inner and outer hash states computed once
-    (RFC 2104): a MAC then costs two state copies and two short hashes, not the key schedule
-    ``hmac.new`` redoes per token. Same bytes as :func:`hmac.new` (tests/test_auth.py checks it)."""
-
-    __slots__ = ("_inner", "_outer")
-
-    def __init__(self, key: bytes) -> None:
-        if len(key) > 64:  # the SHA-256 block size: longer keys are hashed first
-            key = hashlib.sha256(key).digest()
-        key = key.ljust(64, b"\0")
-        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
-        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
-
-    def mac(self, data: bytes) -> bytes:
-        inner = self._inner.copy()
-        inner.update(data)
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        return outer.digest()
+    """The token of ``request_id`` under ``secret`` (1 to 64 bytes) for the export with
+    ``nonce`` (8 bytes) and content ``digest`` (:func:`content_digest`): 48 hex characters (see
+    the module doc). One native call when the control module is loaded, else hashlib."""
+    mod = _native()
+    if mod is not None:
+        return mod.token(secret, request_id, nonce, digest)
+    mac = _blake2b(_mac_input(request_id, nonce, digest), key=secret, digest_size=_MAC_BYTES)
+    return nonce.hex() + mac.hexdigest()
 
 
 UNAUTHORIZED = "unauthorized: the token does not match the request (params of another engine or forged)"
@@ -190,12 +185,11 @@ class EngineSecret:
             self.path = key_path(engine_id, port)
             self.secret, self.created = self._shared(self.path, timeout_s)
             self.source = f"host key file {self.path}"
-        self._keyed = _KeyedSha256(self.secret)
 
     def token(self, request_id: str, nonce: bytes, digest: bytes) -> str:
         """The token of the export of ``request_id`` with ``nonce`` (8 bytes: the export's
         generation, or random) and content ``digest`` (:func:`content_digest`)."""
-        return nonce.hex() + self._keyed.mac(_mac_input(request_id, nonce, digest))[:_MAC_BYTES].hex()
+        return request_token(self.secret, request_id, nonce, digest)
 
     def new_token(
         self, request_id: str, num_tokens: int, block_ids, groups: Sequence[int] | None = None

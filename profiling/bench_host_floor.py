@@ -45,7 +45,7 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
     are the irreducible step, and no structure around them (no trackers, threads, plans,
     metrics, tracing or failure handling):
 
-      export  check the 256 block ids, the export's content digest and HMAC token, hold the ids
+      export  check the 256 block ids, the export's content digest and token, hold the ids
               under a lease (a dict, the blocks' refcounts), the params dict for the caller (its
               ids: the caller's list, when it holds plain ints, as ``export()`` hands it out)
       load    validate the params (one ``msgspec.convert``) and the local ids, the params'

@@ -1,25 +1,88 @@
-"""Tokens: one export's capability. The precomputed-state HMAC gives hmac's bytes; a token binds
-the request id, the export's nonce and its content digest, and nothing else verifies."""
+"""Tokens: one export's capability. The token is keyed BLAKE2b of the request id, the export's
+nonce and its content digest, and nothing else verifies. Every test runs twice: through the
+native module's hashes (csrc/ctl/token_hash.h) and through hashlib (the module not loaded)."""
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 
 import numpy as np
 import pytest
 
-from kvxfer.auth import TOKEN_CHARS, EngineSecret, _KeyedSha256, content_digest, request_token
+from kvxfer import auth, idops
+from kvxfer.auth import TOKEN_CHARS, EngineSecret, content_digest, request_token
+
+_NATIVE = auth._native  # before the fixture replaces it (the hashlib runs)
 
 
-@pytest.mark.parametrize("key_len", [0, 1, 31, 32, 63, 64, 65, 200])
-@pytest.mark.parametrize("data", [b"r", b"req-0001/child-3\0" + bytes(24), "ünïcødé-ид".encode(), b"x" * 500])
-def test_keyed_state_mac_is_hmac_sha256(key_len, data):
+@pytest.fixture(autouse=True, params=["native", "hashlib"])
+def path(request, monkeypatch):
+    """The hashes through the native module, or through hashlib (the module not loaded)."""
+    if request.param == "native":
+        assert idops.ensure(), idops.status()  # a compiler is there (tests/test_idops.py says so too)
+        assert _NATIVE() is not None
+    else:
+        monkeypatch.setattr(auth, "_native", lambda: None)
+    return request.param
+
+
+def _want_token(key: bytes, rid: str, nonce: bytes, digest: bytes) -> str:
+    """The token as the module doc defines it, written out here with hashlib."""
+    mac = hashlib.blake2b(rid.encode() + b"\0" + nonce + digest, key=key, digest_size=16).digest()
+    return nonce.hex() + mac.hex()
+
+
+@pytest.mark.parametrize("key_len", [1, 31, 32, 63, 64])
+@pytest.mark.parametrize("rid", ["r", "req-0001/child-3", "ünïcødé-ид", "x" * 300])
+def test_token_is_keyed_blake2b_of_the_request_nonce_and_digest(key_len, rid):
     key = bytes((7 * i + key_len) % 256 for i in range(key_len))
-    want = hmac.new(key, data, hashlib.sha256).digest()
-    k = _KeyedSha256(key)
-    assert k.mac(data) == want
-    assert k.mac(data) == want  # the kept states are copied, never consumed
+    nonce = bytes(range(3, 11))
+    dg = content_digest(7, np.arange(5, dtype=np.int64))
+    tok = request_token(key, rid, nonce, dg)
+    assert tok == _want_token(key, rid, nonce, dg) and len(tok) == TOKEN_CHARS
+    assert request_token(key[:-1] + bytes([key[-1] ^ 1]), rid, nonce, dg) != tok  # one key bit
+
+
+def test_native_and_hashlib_give_the_same_token_and_digest(path):
+    """The two paths on one input: a token made by a process with the module verifies in one
+    without it (vLLM's scheduler may run either)."""
+    ids = np.random.default_rng(3).choice(10**6, 300, replace=False).astype(np.int64)
+    key = bytes(range(32))
+    for groups in (None, [100, 200], [0, 300]):
+        dg = content_digest(4000, ids, groups)
+        tok = request_token(key, "q", bytes(8), dg)
+        auth_native = _NATIVE()
+        if path == "native":  # the other path's result on the same bytes
+            want_dg = hashlib.blake2b((4000).to_bytes(8, "little"), digest_size=16)
+            if groups is not None:
+                want_dg.update(b"\xffgroups" + np.asarray(groups, dtype="<i8").tobytes())
+            want_dg.update(ids.astype("<i8").tobytes())
+            assert dg == want_dg.digest()
+            assert tok == _want_token(key, "q", bytes(8), dg)
+        else:
+            assert auth_native is not None
+            assert dg == auth_native.content_digest(4000, ids, None if groups is None else np.asarray(groups))
+            assert tok == auth_native.token(key, "q", bytes(8), dg)
+
+
+def test_native_token_refuses_bad_arguments_by_name():
+    mod = _NATIVE()
+    assert mod is not None
+    dg = bytes(16)
+    with pytest.raises(ValueError, match="key must be 1 to 64 bytes"):
+        mod.token(b"", "q", bytes(8), dg)
+    with pytest.raises(ValueError, match="key must be 1 to 64 bytes"):
+        mod.token(bytes(65), "q", bytes(8), dg)
+    with pytest.raises(ValueError, match="nonce must be 8 bytes"):
+        mod.token(bytes(32), "q", bytes(7), dg)
+    with pytest.raises(TypeError, match="request_id must be str"):
+        mod.token(bytes(32), b"q", bytes(8), dg)
+    with pytest.raises(ValueError):  # a lone surrogate has no UTF-8
+        mod.token(bytes(32), "q\ud800", bytes(8), dg)
+    with pytest.raises(TypeError, match="ids: must hold 8-byte ints"):
+        mod.content_digest(5, np.arange(3, dtype=np.int32), None)
+    with pytest.raises(ValueError, match="num_tokens"):
+        mod.content_digest(-1, np.arange(3), None)
 
 
 def test_engine_secret_token_is_request_token_of_its_secret():

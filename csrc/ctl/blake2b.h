@@ -1,11 +1,12 @@
-// BLAKE2b (RFC 7693) with a 16-byte digest and no key: the slot binding of slots.py, which
-// hashes the content digest, the token and the request id together (hashlib's blake2b of the
-// same bytes, which slots.py uses when this module is not loaded; tests compare the two). Here
-// because the Python call to hashlib, with building its input, cost ~1 us per export and per
-// one-sided load, more than the rest of the lookup.
+// BLAKE2b (RFC 7693) with a 16-byte digest, plain or keyed: the slot binding of slots.py (the
+// content digest, the token and the request id hashed together), and the content digest and
+// token MAC of kvxfer/auth.py (token_hash.h). Each gives hashlib's blake2b of the same bytes,
+// which the Python side uses when this module is not loaded; tests compare the two. Here
+// because the Python calls to hashlib, with building their input, cost more per export and per
+// one-sided load than the hashing.
 //
-// Plain C++ (no Python), for binding() in lease_slots.h. Included by kvx_ctl.cpp alone, through
-// lease_slots.h: the module is one translation unit (this header is in its hash).
+// Plain C++ (no Python). Included by kvx_ctl.cpp alone, through lease_slots.h and token_hash.h:
+// the module is one translation unit (this header is in its hash).
 
 #pragma once
 
@@ -37,9 +38,16 @@ inline uint64_t load_le64(const unsigned char *p) {
 
 class Blake2b128 {
  public:
-  Blake2b128() {
+  // `key`: up to 64 bytes (none by default): keyed BLAKE2b, a MAC (RFC 7693 section 2.5); the
+  // key, padded with zeros to a block, is the first block hashed.
+  explicit Blake2b128(const unsigned char *key = nullptr, size_t key_len = 0) {
     for (int i = 0; i < 8; ++i) h_[i] = kBlakeIv[i];
-    h_[0] ^= 0x01010000ull ^ 16;  // depth 1, fanout 1, no key, 16-byte digest
+    h_[0] ^= 0x01010000ull ^ (static_cast<uint64_t>(key_len) << 8) ^ 16;  // depth 1, fanout 1, 16-byte digest
+    if (key_len > 0) {
+      std::memset(buf_, 0, 128);
+      std::memcpy(buf_, key, key_len);
+      len_ = 128;
+    }
   }
   void update(const unsigned char *p, size_t n) {
     while (n > 0) {

@@ -14,7 +14,8 @@
 // One translation unit: this file holds the block-id bookkeeping and the method table, and
 // includes the rest (each header is in the library's hash, kvxfer/backends/cpu_build.py):
 // ctl_common.h (the argument checks every function shares), lease_slots.h (the lease-slot
-// table of kvxfer/transports/ipc/slots.py and its binding) and blake2b.h (the binding's hash).
+// table of kvxfer/transports/ipc/slots.py and its binding), token_hash.h (the content digest and
+// token of kvxfer/auth.py) and blake2b.h (the hash of those three).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,11 +26,12 @@
 
 #include "ctl_common.h"
 #include "lease_slots.h"
+#include "token_hash.h"
 
 namespace kvx_ctl {
 namespace {
 
-constexpr int kAbiVersion = 6;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 7;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A set of up to `n` non-negative ids: open addressing in twice the slots.
 class IdSet {
@@ -414,6 +416,10 @@ PyMethodDef kMethods[] = {
      "table, slot, gen, loader_rank, loader_tp -> 0 marked, 1 ring count out of range, 2 gen out of range"},
     {"binding", as_method(binding), METH_FASTCALL,
      "token, digest, request_id -> the two 63-bit words of their BLAKE2b-128 (a lease slot's binding)"},
+    {"content_digest", as_method(content_digest), METH_FASTCALL,
+     "num_tokens, ids, groups -> BLAKE2b-128 of them (kvxfer.auth.content_digest)"},
+    {"token", as_method(token), METH_FASTCALL,
+     "key, request_id, nonce, digest -> the 48-character token (kvxfer.auth.request_token)"},
     {"slot_layout", slot_layout, METH_NOARGS, "the lease-slot table layout these functions assume"},
     {"abi_version", abi_version, METH_NOARGS, "the source's ABI version"},
     {nullptr, nullptr, 0, nullptr},

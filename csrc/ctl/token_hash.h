@@ -1,0 +1,108 @@
+// The two hashes of kvxfer/auth.py on the per-request path, one native call each:
+//
+//   content_digest(num_tokens, ids, groups) -> 16 bytes
+//       BLAKE2b-128 of num_tokens (8 bytes, little-endian), then, for a request of several KV
+//       cache groups, b"\xffgroups" and the ids per group (int64, little-endian), then the block
+//       ids (int64, little-endian).
+//   token(key, request_id, nonce, digest) -> str
+//       nonce.hex() + the hex of keyed BLAKE2b-128(key; request_id UTF-8, 0, nonce, digest).
+//
+// Each equals what auth.py computes with hashlib when this module is not loaded (the tests run
+// both on the same inputs). Why native: at export the digest and the token were two Python
+// calls into hashlib plus the building of their inputs and a hex conversion, and a one-sided
+// load makes the digest again (profiling/host_steps.py: ~20 us of a 4K-token export, ~10 of a
+// load, on the 2-vCPU VM).
+//
+// Included by kvx_ctl.cpp alone: the module is one translation unit (this header is in its hash).
+
+#pragma once
+
+#ifndef PY_SSIZE_T_CLEAN
+#define PY_SSIZE_T_CLEAN
+#endif
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "blake2b.h"
+#include "ctl_common.h"
+
+namespace kvx_ctl {
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "token_hash.h hashes int64 ids as their bytes: a little-endian host is assumed"
+#endif
+
+inline void store_le64(unsigned char *p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+inline PyObject *digest_bytes(Blake2b128 &h) {
+  uint64_t w0, w1;
+  h.final(w0, w1);
+  unsigned char out[16];
+  store_le64(out, w0);
+  store_le64(out + 8, w1);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char *>(out), 16);
+}
+
+// content_digest(num_tokens, ids, groups): ids and groups (None: one group) 8-byte ints.
+inline PyObject *content_digest(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 3, "content_digest")) return nullptr;
+  const long long num_tokens = PyLong_AsLongLong(args[0]);
+  if (num_tokens == -1 && PyErr_Occurred()) return nullptr;
+  if (num_tokens < 0) return PyErr_Format(PyExc_ValueError, "content_digest: num_tokens %lld < 0", num_tokens);
+  Buf ids, groups;
+  if (!get(args[1], ids, 8, false, "ids")) return nullptr;
+  if (args[2] != Py_None && !get(args[2], groups, 8, false, "groups")) return nullptr;
+  Blake2b128 h;
+  unsigned char head[8];
+  store_le64(head, static_cast<uint64_t>(num_tokens));
+  h.update(head, 8);
+  if (groups.held) {
+    static const unsigned char kMarker[] = "\xffgroups";
+    h.update(kMarker, sizeof(kMarker) - 1);
+    h.update(static_cast<const unsigned char *>(groups.view.buf), static_cast<size_t>(groups.view.len));
+  }
+  h.update(static_cast<const unsigned char *>(ids.view.buf), static_cast<size_t>(ids.view.len));
+  return digest_bytes(h);
+}
+
+// token(key, request_id, nonce, digest) -> the 48-character token (see the file's head).
+inline PyObject *token(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 4, "token")) return nullptr;
+  if (!PyUnicode_Check(args[1])) {
+    return PyErr_Format(PyExc_TypeError, "token: request_id must be str, got %s", Py_TYPE(args[1])->tp_name);
+  }
+  Buf key, nonce, dg;
+  if (!get(args[0], key, 0, false, "key") || !get(args[2], nonce, 0, false, "nonce") ||
+      !get(args[3], dg, 0, false, "digest")) {
+    return nullptr;
+  }
+  if (key.view.len < 1 || key.view.len > 64) {
+    return PyErr_Format(PyExc_ValueError, "token: the key must be 1 to 64 bytes, got %zd", key.view.len);
+  }
+  if (nonce.view.len != 8) return PyErr_Format(PyExc_ValueError, "token: the nonce must be 8 bytes, got %zd", nonce.view.len);
+  Py_ssize_t rid_len = 0;
+  const char *rid = PyUnicode_AsUTF8AndSize(args[1], &rid_len);
+  if (rid == nullptr) return nullptr;  // UnicodeEncodeError, a ValueError
+  Blake2b128 h(static_cast<const unsigned char *>(key.view.buf), static_cast<size_t>(key.view.len));
+  const unsigned char zero = 0;
+  h.update(reinterpret_cast<const unsigned char *>(rid), static_cast<size_t>(rid_len));
+  h.update(&zero, 1);
+  h.update(static_cast<const unsigned char *>(nonce.view.buf), 8);
+  h.update(static_cast<const unsigned char *>(dg.view.buf), static_cast<size_t>(dg.view.len));
+  uint64_t w0, w1;
+  h.final(w0, w1);
+  unsigned char raw[24];
+  std::memcpy(raw, nonce.view.buf, 8);
+  store_le64(raw + 8, w0);
+  store_le64(raw + 16, w1);
+  static const char kHex[] = "0123456789abcdef";
+  char out[48];
+  for (int i = 0; i < 24; ++i) out[2 * i] = kHex[raw[i] >> 4], out[2 * i + 1] = kHex[raw[i] & 15];
+  return PyUnicode_FromStringAndSize(out, 48);
+}
+
+}  // namespace kvx_ctl
