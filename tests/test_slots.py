@@ -442,6 +442,28 @@ def test_done_marks_naming_an_impossible_loader_count_nothing():
     assert ex.take_done() == []
 
 
+def test_a_ring_entry_naming_a_free_slot_counts_nothing():
+    """A ring entry naming a slot that is free (its export closed), with a done mark forged to
+    name that slot's generation, or naming no slot at all, counts nothing and raises nothing:
+    only a slot the exporter gave an export is looked at; and after the ring overflowed only
+    used slots are."""
+    ex, _ = _table()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    ex.close(i)
+    ex.rows[i, 8] = int(ex.gens[i]) * DONE_TP + 1  # names the free slot's current generation
+    for entry in (i, -1, ex.num_slots, 2**40):
+        w = int(ex.t[H_DONE])
+        ex.t[H_RING + w % RING] = entry
+        ex.t[H_DONE] = w + 1
+        assert ex.take_done() == [], entry
+    ex.t[H_DONE] = int(ex.t[H_DONE]) + RING + 1  # more than the ring holds: every used slot
+    assert ex.take_done() == []
+    k = ex.open("b", _token(2), DIGEST, 100.0, True, False)
+    ex.rows[k, 8] = int(ex.gens[k]) * DONE_TP + 1
+    ex.t[H_DONE] = int(ex.t[H_DONE]) - 5  # moved back: no loader does that, every used slot
+    assert ex.take_done() == [("b", [(0, 1)])]
+
+
 def test_the_exporters_header_words_come_back_with_its_beat():
     """Header words a stranger overwrote (magic, version, slot count, incarnation, open) hold
     until the exporter's next beat only; a shut table stays shut; ``readers``, once a loader

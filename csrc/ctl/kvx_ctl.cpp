@@ -14,7 +14,8 @@
 // One translation unit: this file holds the block-id bookkeeping and the method table, and
 // includes the rest (each header is in the library's hash, kvxfer/backends/cpu_build.py):
 // ctl_common.h (the argument checks every function shares), lease_slots.h (the lease-slot
-// table of kvxfer/transports/ipc/slots.py and its binding), token_hash.h (the content digest and
+// table of kvxfer/transports/ipc/slots.py: the loader's reads and marks, the binding),
+// exporter_slots.h (the exporter's writes to that table), token_hash.h (the content digest and
 // token of kvxfer/auth.py) and blake2b.h (the hash of those three).
 
 #define PY_SSIZE_T_CLEAN
@@ -25,13 +26,14 @@
 #include <vector>
 
 #include "ctl_common.h"
+#include "exporter_slots.h"
 #include "lease_slots.h"
 #include "token_hash.h"
 
 namespace kvx_ctl {
 namespace {
 
-constexpr int kAbiVersion = 7;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 8;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A set of up to `n` non-negative ids: open addressing in twice the slots.
 class IdSet {
@@ -414,6 +416,11 @@ PyMethodDef kMethods[] = {
      "table, epochs, ids, snapshot, slot, gen, now_ns, stale_ns -> 0 landed, 1 released, 2 exporter stopped"},
     {"slot_mark", as_method(slot_mark), METH_FASTCALL,
      "table, slot, gen, loader_rank, loader_tp -> 0 marked, 1 ring count out of range, 2 gen out of range"},
+    {"slot_open", as_method(slot_open), METH_FASTCALL,
+     "table, gens, used, b0, b1, deadline_ns, ready, flags -> the slot given the export, or -1"},
+    {"slot_close", as_method(slot_close), METH_FASTCALL, "table, gens, used, slot: the slot's export ended"},
+    {"slot_done", as_method(slot_done), METH_FASTCALL,
+     "table, gens, used, seen, max_tp -> (ring count, [(slot, [(loader rank, tp), ...]), ...])"},
     {"binding", as_method(binding), METH_FASTCALL,
      "token, digest, request_id -> the two 63-bit words of their BLAKE2b-128 (a lease slot's binding)"},
     {"content_digest", as_method(content_digest), METH_FASTCALL,

@@ -49,7 +49,9 @@ program order (x86-64's TSO keeps store-store and load-load order). The loader's
 snapshot, generation again), its check after the copy and its done mark are one native call each
 (``slot_read``, ``slot_check``, ``slot_mark`` of ``csrc/ctl/lease_slots.h``: acquire loads
 and release stores, so the compiler keeps that order too) when the control module is loaded
-(:mod:`kvxfer.idops`), else the same steps through the memoryview.
+(:mod:`kvxfer.idops`), else the same steps through the memoryview; so are the exporter's open,
+close and look at the done marks (``slot_open``, ``slot_close``, ``slot_done`` of
+``csrc/ctl/exporter_slots.h``).
 
 Trust: the table is a file in ``/dev/shm`` (``kvx_ls_*``) that any process of the exporter's
 user can find, map and write. So every word either side reads from it is untrusted input. The
@@ -190,8 +192,9 @@ class ExporterSlots:
     """The exporter rank's side of its table (``table``: the int64 array in shared memory,
     ``HEADER + num_slots * SLOT`` words). Its methods are called under the export tracker's
     lock (``open``, ``close``, ``renew``, ``set_ready``, ``take_done``), or from any thread
-    (``beat``, ``shut``). Single words are read and written through a memoryview (~50 ns each;
-    a numpy scalar access costs ~150 ns).
+    (``beat``, ``shut``). ``open``, ``close`` and ``take_done`` are one native call each when
+    the control module is loaded; single words are read and written through a memoryview
+    (a numpy scalar access costs ~3x as much).
 
     What the exporter relies on is private (``gens``: each slot's generation, ``used``,
     ``owner``, the ring entries taken, its header words and whether it is open): it only
@@ -219,8 +222,10 @@ class ExporterSlots:
         self._lock = threading.Lock()  # beat() and shut() run on different threads
         self.beat()
         self._binding = binder()
+        self._ctl = _native()  # open, close and take_done in one native call each when set
         self.used = bytearray(n)
-        self.gens = [0] * n  # the slots' generations (published to the table, never read back)
+        # the slots' generations (published to the table, never read back)
+        self.gens = np.zeros(n, dtype=np.int64)
         self.owner: dict[int, str] = {}  # slot -> request id
         self._seen = 0  # ring entries taken so far
         self._full_logged = False
@@ -254,40 +259,57 @@ class ExporterSlots:
             b0, b1 = self._binding(token, digest, request_id)
         except ValueError:  # a request id with no UTF-8: no loader finds it either
             return -1
+        flags = LIVE | LAYERWISE if layerwise else LIVE
+        ctl = self._ctl
+        if ctl is not None:
+            i = ctl.slot_open(
+                self.t, self.gens, self.used, b0, b1, int(deadline * 1e9), 1 if ready else 0, flags
+            )
+            if i >= 0:
+                self.owner[i] = request_id
+                return i
+            return self._full(request_id)
         n, used = self.num_slots, self.used
         for k in range(PROBES):
             i = (b0 + k) % n
             if not used[i]:
                 break
         else:
-            if not self._full_logged:
-                self._full_logged = True
-                _LOG.warning(
-                    "kvxfer lease slots: %d slots, the %d probed for export %r all taken; exports "
-                    "without a slot are loaded through the messaged path (logged once)",
-                    n, PROBES, request_id,
-                )  # fmt: skip
-            return -1
+            return self._full(request_id)
         mv, base = self.mv, HEADER + i * SLOT
-        g = self.gens[i] + 1
+        g = int(self.gens[i]) + 1
         mv[base + S_GEN] = g  # odd: being written
         _FIELDS.pack_into(
-            self.raw, 8 * (base + S_BIND0), b0, b1, int(deadline * 1e9), 1 if ready else 0,
-            LIVE | LAYERWISE if layerwise else LIVE,
-        )  # fmt: skip
+            self.raw, 8 * (base + S_BIND0), b0, b1, int(deadline * 1e9), 1 if ready else 0, flags
+        )
         mv[base + S_GEN] = g + 1  # even: stable
         self.gens[i] = g + 1
         used[i] = 1
         self.owner[i] = request_id
         return i
 
+    def _full(self, request_id: str) -> int:
+        """No free slot among those probed for ``request_id``: -1, logged once."""
+        if not self._full_logged:
+            self._full_logged = True
+            _LOG.warning(
+                "kvxfer lease slots: %d slots, the %d probed for export %r all taken; exports "
+                "without a slot are loaded through the messaged path (logged once)",
+                self.num_slots, PROBES, request_id,
+            )  # fmt: skip
+        return -1
+
     def close(self, i: int) -> None:
         """End slot ``i``'s export (before the released blocks' epochs move)."""
+        self.owner.pop(i, None)
+        ctl = self._ctl
+        if ctl is not None:
+            ctl.slot_close(self.t, self.gens, self.used, i)
+            return
         mv, base = self.mv, HEADER + i * SLOT
-        g = self.gens[i] + 1
+        g = int(self.gens[i]) + 1
         self.gens[i] = g + 1
         self.used[i] = 0
-        self.owner.pop(i, None)
         mv[base + S_GEN] = g
         self.raw[8 * (base + S_BIND0) : 8 * (base + S_BIND0) + _FIELDS.size] = _CLEARED
         mv[base + S_GEN] = g + 1
@@ -309,6 +331,11 @@ class ExporterSlots:
         count moved in a way no loader moves it). A mark counts only when it names the slot's
         current generation (the exporter's own) and a loader tp size a plan can have
         (``1..MAX_TP_SIZE``, above its rank)."""
+        ctl = self._ctl
+        if ctl is not None:
+            self._seen, got = ctl.slot_done(self.t, self.gens, self.used, self._seen, MAX_TP_SIZE)
+            owner = self.owner
+            return [(owner[i], marks) for i, marks in got]
         mv = self.mv
         w = mv[H_DONE]
         seen = self._seen
@@ -326,7 +353,7 @@ class ExporterSlots:
             if rid is None:
                 continue
             base = HEADER + i * SLOT
-            g = gens[i]
+            g = int(gens[i])
             marks = [
                 (d, v % DONE_TP)
                 for d, v in enumerate(mv[base + S_DONE : base + S_DONE + MAX_DONE].tolist())

@@ -1,0 +1,172 @@
+// kvxfer control-path helpers (kvx_ctl.cpp): the exporter's writes to its lease-slot table
+// (ExporterSlots of kvxfer/transports/ipc/slots.py, whose docstring is the protocol), one native
+// call each: a slot opened for an export, a slot closed at its release, and the done marks
+// loaders wrote since the last look.
+//
+// The exporter's own state stays private to it: `gens` (int64, a slot's generation, published
+// to the table, never read back from it) and `used` (one byte per slot) are arrays in the
+// exporter's memory that these functions keep; slots.py keeps which request owns a slot. From
+// the table only the words loaders write are read (the ring, its count, the done marks), each
+// checked as untrusted input, as slots.py's Python does. Why native: the three were ~23 us of a
+// 4K-token one-sided request on the exporter's side (profiling/host_steps.py), mostly the
+// memoryview and list work around a few words.
+//
+// Included by kvx_ctl.cpp alone: the module is one translation unit (in its hash).
+
+#pragma once
+
+#ifndef PY_SSIZE_T_CLEAN
+#define PY_SSIZE_T_CLEAN
+#endif
+#include <Python.h>
+
+#include <cstdint>
+
+#include "ctl_common.h"
+#include "lease_slots.h"
+
+namespace kvx_ctl {
+
+// The table, gens and used of one exporter, checked to agree (their slot counts).
+struct ExporterArgs {
+  Buf table, gens, used;
+  Py_ssize_t num = 0;
+  bool get_all(PyObject *const *args, const char *name) {
+    if (!get(args[0], table, 8, true, "table") || !get(args[1], gens, 8, true, "gens") ||
+        !get(args[2], used, 0, true, "used")) {
+      return false;
+    }
+    num = table_slots(table);
+    if (num < 0) return false;
+    if (gens.count() != num || used.view.len != num) {
+      PyErr_Format(PyExc_ValueError, "%s: %zd slots, but gens holds %zd and used %zd", name, num, gens.count(),
+                   used.view.len);
+      return false;
+    }
+    return true;
+  }
+  int64_t *t() const { return static_cast<int64_t *>(table.view.buf); }
+  int64_t *g() const { return static_cast<int64_t *>(gens.view.buf); }
+  unsigned char *u() const { return static_cast<unsigned char *>(used.view.buf); }
+};
+
+// Rewrite slot i between an odd and the next even generation: bind0, bind1, deadline, ready, flags.
+inline void rewrite_slot(ExporterArgs &a, Py_ssize_t i, const int64_t fields[5]) {
+  int64_t *s = a.t() + kHeader + i * kSlot;
+  const int64_t g = a.g()[i] + 1;
+  st(s + kGen, g);  // odd: being written
+  for (int k = 0; k < 5; ++k) st(s + kBind0 + k, fields[k]);
+  st(s + kGen, g + 1);  // even: stable
+  a.g()[i] = g + 1;
+}
+
+// slot_open(table, gens, used, b0, b1, deadline_ns, ready, flags) -> the slot given the export
+// bound to (b0, b1) (the first free one of the kProbes probed from b0), or -1 when all are used.
+inline PyObject *slot_open(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 8, "slot_open")) return nullptr;
+  ExporterArgs a;
+  int64_t v[5];
+  if (!a.get_all(args, "slot_open") || !int64_args(args, 3, 5, v)) return nullptr;
+  if (v[0] < 0) return PyErr_Format(PyExc_ValueError, "slot_open: binding word %lld is negative", (long long)v[0]);
+  for (Py_ssize_t k = 0; k < kProbes; ++k) {
+    const Py_ssize_t i = static_cast<Py_ssize_t>((static_cast<uint64_t>(v[0]) + k) % static_cast<uint64_t>(a.num));
+    if (a.u()[i]) continue;
+    rewrite_slot(a, i, v);
+    a.u()[i] = 1;
+    return PyLong_FromSsize_t(i);
+  }
+  return PyLong_FromLong(-1);
+}
+
+// slot_close(table, gens, used, slot): the export of `slot` ended (its fields cleared between
+// two generation steps, the slot free again).
+inline PyObject *slot_close(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 4, "slot_close")) return nullptr;
+  ExporterArgs a;
+  int64_t i;
+  if (!a.get_all(args, "slot_close") || !int64_args(args, 3, 1, &i)) return nullptr;
+  if (i < 0 || i >= a.num) return PyErr_Format(PyExc_IndexError, "slot_close: slot %lld of %zd", (long long)i, a.num);
+  const int64_t cleared[5] = {0, 0, 0, 0, 0};
+  rewrite_slot(a, static_cast<Py_ssize_t>(i), cleared);
+  a.u()[i] = 0;
+  Py_RETURN_NONE;
+}
+
+// The done marks of used slot i that name its generation and a loader tp size a plan can have
+// (above the marking rank, at most max_tp): a list of (loader rank, loader tp size), or NULL
+// with an error set.
+inline PyObject *slot_marks_of(const ExporterArgs &a, Py_ssize_t i, int64_t max_tp) {
+  const int64_t *s = a.t() + kHeader + i * kSlot + kDone;
+  const int64_t g = a.g()[i];
+  PyObject *out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t d = 0; d < kMaxDone; ++d) {
+    const int64_t v = ld(s + d);
+    if (v <= 0 || v / kDoneTp != g) continue;
+    const int64_t tp = v % kDoneTp;
+    if (d >= tp || tp > max_tp) continue;
+    PyObject *pair = Py_BuildValue("(nL)", d, static_cast<long long>(tp));
+    if (pair == nullptr || PyList_Append(out, pair) != 0) {
+      Py_XDECREF(pair);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(pair);
+  }
+  return out;
+}
+
+// slot_done(table, gens, used, seen, max_tp) -> (count, [(slot, [(loader rank, tp), ...]), ...]):
+// the ring's count now, and the used slots with done marks among those the ring named since
+// `seen` (every used slot when more were written than the ring holds, or the count moved in a
+// way no loader moves it). Each slot once, in ring order; slots without a counting mark left out.
+inline PyObject *slot_done(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 5, "slot_done")) return nullptr;
+  ExporterArgs a;
+  int64_t v[2];
+  if (!a.get_all(args, "slot_done") || !int64_args(args, 3, 2, v)) return nullptr;
+  const int64_t seen = v[0], max_tp = v[1];
+  const int64_t w = ld(a.t() + kHDone);
+  PyObject *out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  auto add = [&](Py_ssize_t i) -> bool {
+    PyObject *marks = slot_marks_of(a, i, max_tp);
+    if (marks == nullptr) return false;
+    if (PyList_GET_SIZE(marks) == 0) {
+      Py_DECREF(marks);
+      return true;
+    }
+    PyObject *item = Py_BuildValue("(nN)", i, marks);
+    if (item == nullptr) return false;
+    const bool ok = PyList_Append(out, item) == 0;
+    Py_DECREF(item);
+    return ok;
+  };
+  bool ok = true;
+  // w - seen computed unsigned: a count a confused peer set anywhere never overflows here
+  const uint64_t moved = static_cast<uint64_t>(w) - static_cast<uint64_t>(seen);
+  if (w != seen && moved <= static_cast<uint64_t>(kRing) && seen >= 0) {
+    Py_ssize_t taken[kRing];
+    Py_ssize_t num_taken = 0;
+    for (int64_t k = seen; k < w && ok; ++k) {
+      const int64_t e = ld(a.t() + kHRing + k % kRing);
+      if (e < 0 || e >= a.num || !a.u()[e]) continue;  // not a used slot: nothing to count
+      bool dup = false;
+      for (Py_ssize_t j = 0; j < num_taken && !dup; ++j) dup = taken[j] == e;
+      if (dup) continue;
+      taken[num_taken++] = static_cast<Py_ssize_t>(e);
+      ok = add(static_cast<Py_ssize_t>(e));
+    }
+  } else if (w != seen) {  // the ring overflowed (or was written by a confused peer)
+    for (Py_ssize_t i = 0; i < a.num && ok; ++i) {
+      if (a.u()[i]) ok = add(i);
+    }
+  }
+  if (!ok) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  return Py_BuildValue("(LN)", static_cast<long long>(w), out);
+}
+
+}  // namespace kvx_ctl
