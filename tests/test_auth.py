@@ -121,8 +121,9 @@ def test_content_digest_reads_uint64_and_int64_alike_and_every_id():
     assert len(content_digest(5, a)) == 16
 
 
-# 8 + 8 * num_ids bytes: one block exactly at 15 ids, just over at 16
-@pytest.mark.parametrize("num_ids", [1, 4, 15, 16, 17, 255, 256, 1000])
+# 8 + 8 * num_ids bytes: one block exactly at 15 ids, just over at 16; the native digest lets other
+# threads run from 8192 ids
+@pytest.mark.parametrize("num_ids", [1, 4, 15, 16, 17, 255, 256, 1000, 8192])
 def test_content_digest_is_blake2b_of_little_endian_bytes_whatever_the_array(num_ids):
     """The digest's input is fixed (8-byte little-endian count, then little-endian int64 ids),
     whether the ids come contiguous (hashed as they are, in updates of 255 ids), strided,

@@ -9,7 +9,8 @@
 //
 // Every function checks its arguments completely (types, item sizes, contiguity, every id in
 // range) before it writes anything, and raises TypeError / ValueError / IndexError naming the
-// problem. The GIL is held throughout: each call is atomic for Python threads.
+// problem. The GIL is held throughout (but while content_digest hashes 8192 ids or more, its
+// buffers held): each call is atomic for Python threads.
 //
 // One translation unit: this file holds the block-id bookkeeping and the method table, and
 // includes the rest (each header is in the library's hash, kvxfer/backends/cpu_build.py):
