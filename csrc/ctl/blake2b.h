@@ -33,7 +33,8 @@ inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
 inline uint64_t load_le64(const unsigned char *p) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
   uint64_t v;
-  std::memcpy(&v, p, 8);  // one load: a byte loop here made the hash 2x hashlib's time
+  // one load: a byte loop here made the hash 2x hashlib's (profiling/results/2026-11-28-cpu-native-hostcost)
+  std::memcpy(&v, p, 8);
   return v;
 #else
   uint64_t v = 0;

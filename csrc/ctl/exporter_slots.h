@@ -7,9 +7,9 @@
 // to the table, never read back from it) and `used` (one byte per slot) are arrays in the
 // exporter's memory that these functions keep; slots.py keeps which request owns a slot. From
 // the table only the words loaders write are read (the ring, its count, the done marks), each
-// checked as untrusted input, as slots.py's Python does. Why native: the three were ~23 us of a
-// 4K-token one-sided request on the exporter's side (profiling/host_steps.py), mostly the
-// memoryview and list work around a few words.
+// checked as untrusted input, as slots.py's Python does. Why native: in Python the three were
+// a large part of a one-sided request's cost on the exporter's side, mostly memoryview and
+// list work around a few words (profiling/results/2026-11-28-cpu-native-hostcost).
 //
 // Included by kvx_ctl.cpp alone: the module is one translation unit (in its hash).
 

@@ -10,8 +10,7 @@
 // Each equals what auth.py computes with hashlib when this module is not loaded (the tests run
 // both on the same inputs). Why native: at export the digest and the token were two Python
 // calls into hashlib plus the building of their inputs and a hex conversion, and a one-sided
-// load makes the digest again (profiling/host_steps.py: ~20 us of a 4K-token export, ~10 of a
-// load, on the 2-vCPU VM).
+// load makes the digest again; measured in profiling/results/2026-11-28-cpu-native-hostcost.
 //
 // Included by kvx_ctl.cpp alone: the module is one translation unit (this header is in its hash).
 
@@ -35,8 +34,9 @@ namespace kvx_ctl {
 #endif
 
 // Ids from which the digest lets other threads run while it hashes: 8192 ids (a 128K-token
-// request at block 16) take ~0.1 ms on the 2-vCPU VM, long next to taking the GIL back (which
-// cost a 256-id digest several times its hash when hashlib let it go at 2 KiB).
+// request at block 16) hash for ~30 times as long as 256 ids do, long next to taking the GIL
+// back, which cost a 256-id digest several times its hash when hashlib let it go at 2 KiB
+// (profiling/results/2026-11-26-cpu-onesided-hostcost).
 constexpr size_t kDigestFreeGilBytes = size_t{8192} * 8;
 
 inline void store_le64(unsigned char *p, uint64_t v) {
