@@ -57,9 +57,10 @@ def host_cost(
     """Host cost per request of the engine's real ipc path, driven synchronously in this thread.
 
     ``onesided``: the one-sided path (kvxfer.transports.ipc.onesided): ``load()`` finds the
-    lease slots and launches the copy, D's ``poll()`` checks it, marks done and queues the
-    notification, P's ``poll()`` counts the done mark and frees; the notification (which the
-    notifier thread sends later) is answered after P's poll and counted on P's side. The copy
+    lease slots and launches the copy, D's ``poll()`` checks it and marks done, P's ``poll()``
+    counts the done mark and frees; a notification D still sends (the first, handshaking load;
+    every load without the control module's compare-and-swap marks) is answered after P's
+    poll and counted on P's side. The copy
     kernel being a no-op, the CPU bound on one-sided copies (``CPU_COPY_MAX_BYTES``: on CPU caches
     the copy runs in ``load()``) is lifted: this is the host part of the GPU path. Else the
     messaged path (one-sided reads off). ``batched``: the loads in one ``batched_loads()``

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, ops
+from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, idops, ops
 from kvxfer.transports.ipc import onesided as onesided_mod
 from kvxfer.transports.ipc import slots as slots_mod
 from kvxfer.transports.ipc.onesided import LEASE_LEFT_S
@@ -520,6 +520,38 @@ def test_the_same_params_twice_in_one_batch_are_refused_as_the_messaged_path_ref
         assert poll_until(p.engines, {"other"}, "send", timeout=0.3) == {}  # not reported again
         assert p[0].stats()["blocks_held"] == 0
         assert d.onesided() == [0 if how == "messaged-first" else 1]
+
+
+@pytest.mark.parametrize("marks", ["native", "python"])
+def test_a_landed_load_whose_marks_took_their_ring_entries_sends_no_message(marks, monkeypatch):
+    """With the native module a landed one-sided load's done marks are the whole record: D
+    sends no notification and P frees from the marks alone. With the Python fallback (whose
+    ring stores two loaders can collide on) and for a failed load, D still notifies."""
+    if marks == "native":
+        assert idops.ensure(), idops.status()
+    else:
+        monkeypatch.setattr(slots_mod, "_native", lambda: None)
+    with warmed() as (p, d):
+        sent = []
+        real = d[0]._loader.notify
+        monkeypatch.setattr(
+            d[0]._loader,
+            "notify",
+            lambda peer, done, failed: sent.append((done, failed)) or real(peer, done, failed),
+        )
+        for k in range(3):
+            prm = p.export(f"a{k}", [3 + 2 * k, 4 + 2 * k], 12, seed=3 + k)
+            d[0].load(f"a{k}", prm, [20 + 2 * k, 21 + 2 * k])
+            assert poll_until(d.engines, {f"a{k}"}, "recv") == {f"a{k}": "done"}
+            assert poll_until(p.engines, {f"a{k}"}, "send") == {f"a{k}": "done"}
+            assert check(d.caches(0), F16, 0, 1, [20 + 2 * k, 21 + 2 * k], 12, 3 + k)
+        st = d[0].stats()["onesided"]
+        assert st["loads"] == 3
+        if marks == "native":
+            assert st["silent"] == 3 and not [x for x in sent if x[0] or x[1]], sent
+        else:
+            assert st["silent"] == 0 and [len(x[0]) for x in sent] == [1, 1, 1], sent
+        assert p[0].stats()["blocks_held"] == 0
 
 
 def test_done_mark_frees_without_the_notification_and_the_notification_without_the_mark(monkeypatch):

@@ -5,6 +5,9 @@ the same steps in Python."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import signal
 import time
 
 import numpy as np
@@ -24,9 +27,11 @@ from kvxfer.transports.ipc.slots import (
     RING,
     S_GEN,
     SLOT,
+    SLOT_BITS,
     ExporterSlots,
     SlotView,
     binding,
+    ring_entry,
 )
 
 TOKEN = "0011223344556677" + "8899aabbccddeeff0123456789abcdef"
@@ -181,10 +186,11 @@ def test_done_marks_count_once_for_the_current_export_only():
     assert ex.take_done() == []
     # a forged generation or a slot out of range named in the ring counts nothing
     ex.rows[i, 8] = (g + 100) * DONE_TP + 2
-    w = int(ex.t[H_DONE])
-    ex.t[H_RING + w % RING] = 10**12
-    ex.t[H_DONE] = w + 1
-    assert ex.take_done() == []
+    for entry in (ring_entry(int(ex.t[H_DONE]), i), ring_entry(int(ex.t[H_DONE]), (1 << SLOT_BITS) - 1)):
+        w = int(ex.t[H_DONE])
+        ex.t[H_RING + w % RING] = entry
+        ex.t[H_DONE] = w + 1
+        assert ex.take_done() == []
 
 
 def test_ring_overflow_looks_at_every_live_slot():
@@ -204,8 +210,37 @@ def test_loader_ranks_past_the_marks_notify_only():
     ex, view = _table()
     i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
     g = int(ex.rows[i, S_GEN])
-    view.mark_done(i, g, MAX_DONE, MAX_DONE + 1)
+    assert not view.mark_done(i, g, MAX_DONE, MAX_DONE + 1)  # not marked: the loader notifies
     assert not ex.marked() and ex.take_done() == []
+
+
+def test_only_a_native_mark_is_the_whole_record(path):
+    """``mark_done`` says True (no notification needed) only for a mark whose ring entry the
+    native compare-and-swap took: the Python stores can collide with another loader's."""
+    ex, view = _table()
+    i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    assert view.mark_done(i, int(ex.rows[i, S_GEN]), 0, 1) is (path == "native")
+    assert ex.t[H_RING] == ring_entry(0, i) and ex.t[H_DONE] == 1
+    assert ex.take_done() == [("a", [(0, 1)])]
+
+
+def test_a_ring_entry_taken_but_not_written_yet_is_not_lost():
+    """A loader that has written its mark and taken the ring's count but not stored the entry
+    yet (the exporter reads in between): the entry's tag is not its count, so the exporter looks
+    at every used slot and counts that mark, and the slots the ring did name."""
+    ex, view = _table()
+    a = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
+    b = ex.open("b", _token(1), DIGEST, 100.0, True, False)
+    view.mark_done(a, int(ex.rows[a, S_GEN]), 0, 1)  # entry 0, written
+    ex.rows[b, 8] = int(ex.rows[b, S_GEN]) * DONE_TP + 1  # b's mark, then its count taken
+    ex.t[H_DONE] = 2  # entry 1 still zero
+    assert dict(ex.take_done()) == {"a": [(0, 1)], "b": [(0, 1)]}
+    ex.close(a)
+    a = ex.open("a2", _token(2), DIGEST, 100.0, True, False)
+    view.mark_done(a, int(ex.rows[a, S_GEN]), 0, 1)  # entry 2 written; then entry 3 of a lap ago
+    ex.t[H_RING + 3 % RING] = ring_entry(3 - RING, b)
+    ex.t[H_DONE] = 4
+    assert dict(ex.take_done()) == {"a2": [(0, 1)], "b": [(0, 1)]}
 
 
 def test_a_view_refuses_what_is_not_a_table():
@@ -290,6 +325,58 @@ class TestNative:
             tables.append(t.copy())
         assert np.array_equal(tables[0], tables[1])
 
+    def test_loaders_marking_at_once_lose_no_ring_entry(self):
+        """Two loader processes marking at the same instant (both spin on a start word, then
+        each marks its half of 56 slots 20 times over, 100 rounds): every mark took its own
+        ring count, and the exporter names every slot marked each round. Two plain stores (read
+        the count, write the entry and the count + 1) lost counts here in every run; the
+        compare-and-swap takes each count once."""
+        num_children, per, repeat, rounds = 2, RING // 2, 20, 100
+        words = HEADER + 1024 * SLOT
+        buf = mmap.mmap(-1, (words + 8) * 8)  # shared with the forked children
+        t = np.frombuffer(buf, dtype=np.int64, count=words)
+        sync = np.frombuffer(buf, dtype=np.int64, count=8, offset=words * 8)  # go, done per child
+        ex, view = ExporterSlots(t, "inc"), SlotView(t)
+        names = [f"r{k}" for k in range(num_children * per)]
+        mine = [ex.open(n, _token(k), DIGEST, 100.0, True, False) for k, n in enumerate(names)]
+        gens = [int(ex.rows[i, S_GEN]) for i in mine]
+        pids = []
+        for c in range(num_children):
+            pid = os.fork()
+            if pid == 0:  # child: no pytest machinery, exit by os._exit only
+                code = 1
+                try:
+                    ctl, deadline = view.ctl, time.monotonic() + 60
+                    for r in range(1, rounds + 1):
+                        while sync[0] < r:
+                            if time.monotonic() > deadline:
+                                raise TimeoutError
+                        for _ in range(repeat):
+                            for k in range(c * per, (c + 1) * per):
+                                ctl.slot_mark(t, mine[k], gens[k], 0, 1)
+                        sync[1 + c] = r
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        try:
+            deadline = time.monotonic() + 60
+            for r in range(1, rounds + 1):
+                sync[0] = r
+                while any(sync[1 + c] < r for c in range(num_children)):
+                    assert time.monotonic() < deadline, "the marking children did not finish"
+                    time.sleep(0)
+                assert t[H_DONE] == r * len(names) * repeat, f"round {r}: ring counts lost"
+                got = dict(ex.take_done())
+                assert sorted(got) == sorted(names), f"round {r}: {sorted(set(names) - set(got))} lost"
+            for pid in pids:
+                assert os.waitpid(pid, 0)[1] == 0
+            pids = []
+        finally:
+            for pid in pids:  # a failed round: no child outlives the test
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
     def test_native_slot_calls_check_their_arguments_before_reading(self):
         _, view = _table()
         ctl, t = view.ctl, view.t
@@ -312,7 +399,7 @@ class TestNative:
         class Other:
             @staticmethod
             def slot_layout():
-                return (HEADER, SLOT + 1, PROBES, RING, MAX_DONE)
+                return (HEADER, SLOT + 1, PROBES, RING, MAX_DONE, SLOT_BITS)
 
         monkeypatch.setattr(slots, "_logged_layout", False)
         monkeypatch.setattr(idops, "native", lambda: Other)
@@ -365,7 +452,7 @@ def test_a_done_count_reaching_int64s_end_stops_there():
     i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
     ex.t[H_DONE] = 2**63 - 2
     view.mark_done(i, ex.gens[i], 0, 1)
-    assert ex.t[H_DONE] == 2**63 - 1 and ex.t[H_RING + (2**63 - 2) % RING] == i
+    assert ex.t[H_DONE] == 2**63 - 1 and ex.t[H_RING + (2**63 - 2) % RING] == ring_entry(2**63 - 2, i)
     view.mark_done(i, ex.gens[i], 1, 2)
     assert ex.t[H_DONE] == 2**63 - 1 and not _outside(big)
     assert ex.take_done() == [("a", [(0, 1), (1, 2)])]
@@ -437,7 +524,7 @@ def test_done_marks_naming_an_impossible_loader_count_nothing():
     for d, tp in ((0, 0), (1, 1), (2, 300)):
         ex.rows[i, 8 + d] = g * DONE_TP + tp
     w = int(ex.t[H_DONE])
-    ex.t[H_RING + w % RING] = i
+    ex.t[H_RING + w % RING] = ring_entry(w, i)
     ex.t[H_DONE] = w + 1
     assert ex.take_done() == []
 
@@ -451,8 +538,10 @@ def test_a_ring_entry_naming_a_free_slot_counts_nothing():
     i = ex.open("a", TOKEN, DIGEST, 100.0, True, False)
     ex.close(i)
     ex.rows[i, 8] = int(ex.gens[i]) * DONE_TP + 1  # names the free slot's current generation
-    for entry in (i, -1, ex.num_slots, 2**40):
+    for entry in (i, -1, ex.num_slots, 2**40, 2**63 - 1, None, (1 << SLOT_BITS) - 1):
         w = int(ex.t[H_DONE])
+        if entry is None or entry == (1 << SLOT_BITS) - 1:  # tagged: the free slot, no slot at all
+            entry = ring_entry(w, i if entry is None else entry)
         ex.t[H_RING + w % RING] = entry
         ex.t[H_DONE] = w + 1
         assert ex.take_done() == [], entry

@@ -118,8 +118,11 @@ inline PyObject *slot_marks_of(const ExporterArgs &a, Py_ssize_t i, int64_t max_
 
 // slot_done(table, gens, used, seen, max_tp) -> (count, [(slot, [(loader rank, tp), ...]), ...]):
 // the ring's count now, and the used slots with done marks among those the ring named since
-// `seen` (every used slot when more were written than the ring holds, or the count moved in a
-// way no loader moves it). Each slot once, in ring order; slots without a counting mark left out.
+// `seen`. Every used slot instead when more were written than the ring holds, the count moved
+// in a way no loader moves it, or an entry is not tagged with its count (a loader took the
+// count and has not stored the entry yet, or a later one overwrote it: its mark, stored before
+// it took the count, is in its slot). Each slot once, in ring order; slots without a counting
+// mark left out.
 inline PyObject *slot_done(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 5, "slot_done")) return nullptr;
   ExporterArgs a;
@@ -142,7 +145,7 @@ inline PyObject *slot_done(PyObject *, PyObject *const *args, Py_ssize_t n) {
     Py_DECREF(item);
     return ok;
   };
-  bool ok = true;
+  bool ok = true, every = false;
   // w - seen computed unsigned: a count a confused peer set anywhere never overflows here
   const uint64_t moved = static_cast<uint64_t>(w) - static_cast<uint64_t>(seen);
   if (w != seen && moved <= static_cast<uint64_t>(kRing) && seen >= 0) {
@@ -150,14 +153,23 @@ inline PyObject *slot_done(PyObject *, PyObject *const *args, Py_ssize_t n) {
     Py_ssize_t num_taken = 0;
     for (int64_t k = seen; k < w && ok; ++k) {
       const int64_t e = ld(a.t() + kHRing + k % kRing);
-      if (e < 0 || e >= a.num || !a.u()[e]) continue;  // not a used slot: nothing to count
+      if (e <= 0 || (e >> kSlotBits) != (k & kTagMask) + 1) {  // not written yet (or overwritten)
+        every = true;
+        break;
+      }
+      const int64_t slot = e & kSlotMask;
+      if (slot >= a.num || !a.u()[slot]) continue;  // not a used slot: nothing to count
       bool dup = false;
-      for (Py_ssize_t j = 0; j < num_taken && !dup; ++j) dup = taken[j] == e;
+      for (Py_ssize_t j = 0; j < num_taken && !dup; ++j) dup = taken[j] == slot;
       if (dup) continue;
-      taken[num_taken++] = static_cast<Py_ssize_t>(e);
-      ok = add(static_cast<Py_ssize_t>(e));
+      taken[num_taken++] = static_cast<Py_ssize_t>(slot);
+      ok = add(static_cast<Py_ssize_t>(slot));
     }
   } else if (w != seen) {  // the ring overflowed (or was written by a confused peer)
+    every = true;
+  }
+  if (every && ok) {  // what the ring named so far is looked at again with the rest
+    ok = PyList_SetSlice(out, 0, PyList_GET_SIZE(out), nullptr) == 0;
     for (Py_ssize_t i = 0; i < a.num && ok; ++i) {
       if (a.u()[i]) ok = add(i);
     }

@@ -34,7 +34,7 @@
 namespace kvx_ctl {
 namespace {
 
-constexpr int kAbiVersion = 8;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 9;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A set of up to `n` non-negative ids: open addressing in twice the slots.
 class IdSet {

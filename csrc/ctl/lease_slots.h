@@ -34,12 +34,19 @@ constexpr Py_ssize_t kHOpen = 4, kHBeat = 3, kHDone = 6, kHRing = 8;
 constexpr Py_ssize_t kGen = 0, kBind0 = 1, kBind1 = 2, kDeadline = 3, kReady = 4, kFlags = 5, kDone = 8;
 constexpr int64_t kLive = 1, kLayerwise = 2, kDoneTp = 512;
 constexpr int64_t kInt64Max = INT64_MAX;
+// A done-ring entry: ((count mod 2**40) + 1) << kSlotBits | slot, the count it was appended at
+// as its tag (never 0: a zeroed word names no entry), so the exporter tells a written entry from
+// one whose writer has taken the count but not stored it yet. A table holds < 2**kSlotBits slots.
+constexpr int kSlotBits = 22;
+constexpr int64_t kSlotMask = (int64_t{1} << kSlotBits) - 1, kTagMask = (int64_t{1} << 40) - 1;
+inline int64_t ring_entry(int64_t count, int64_t slot) { return (((count & kTagMask) + 1) << kSlotBits) | slot; }
 // The largest generation a done mark can name: gen * kDoneTp + tp must fit int64 (GEN_MAX).
 constexpr int64_t kGenMax = (kInt64Max - (kDoneTp - 1)) / kDoneTp;
 // slot_read's refusals (slots.py names them)
 enum Refusal { kSilent = 1, kNoSlot = 2, kLayerwiseRefused = 3, kNotReady = 4, kShortLease = 5, kBadWord = 6 };
-// slot_mark's outcomes (slots.py logs the last two once)
-enum Mark { kMarked = 0, kMarkBadCount = 1, kMarkBadGen = 2 };
+// slot_mark's outcomes (slots.py logs the two bad ones once; kMarkByMessage: a loader rank past
+// the marks, which notifies by message only)
+enum Mark { kMarked = 0, kMarkBadCount = 1, kMarkBadGen = 2, kMarkByMessage = 3 };
 
 inline int64_t ld(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void st(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -144,10 +151,13 @@ inline PyObject *slot_check(PyObject *, PyObject *const *args, Py_ssize_t n) {
 }
 
 // slot_mark(table, slot, gen, loader_rank, loader_tp) -> Mark: loader rank `loader_rank` (< 16)
-// of a `loader_tp`-rank engine landed slot `slot`'s export of generation `gen`: its done mark,
-// then the slot into the done ring, then the ring's count (each a release store, in that
-// order). `gen` was read from the table: out of [0, kGenMax] nothing is written (kMarkBadGen).
-// A ring count out of [0, INT64_MAX) leaves the ring and the count alone after the mark
+// of a `loader_tp`-rank engine landed slot `slot`'s export of generation `gen`: its done mark
+// (a release store), then the ring's count taken by compare-and-swap (so loaders appending at
+// once never take the same entry), then the tagged entry at that count (ring_entry). The
+// exporter reads the count before the entries it covers; an entry it finds untagged (taken, not
+// written yet) makes it look at every used slot, where the mark already is: no mark is lost.
+// `gen` was read from the table: out of [0, kGenMax] nothing is written (kMarkBadGen). A ring
+// count out of [0, INT64_MAX) leaves the ring and the count alone after the mark
 // (kMarkBadCount): it is no index, and its increment would overflow.
 inline PyObject *slot_mark(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 5, "slot_mark")) return nullptr;
@@ -161,14 +171,15 @@ inline PyObject *slot_mark(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (rank < 0 || tp < 1 || tp >= kDoneTp || rank >= tp) {
     return PyErr_Format(PyExc_ValueError, "slot_mark: loader rank %lld of %lld", (long long)rank, (long long)tp);
   }
-  if (rank >= kMaxDone) return PyLong_FromLong(kMarked);  // higher ranks notify by message only
+  if (rank >= kMaxDone) return PyLong_FromLong(kMarkByMessage);
   if (gen < 0 || gen > kGenMax) return PyLong_FromLong(kMarkBadGen);
   int64_t *t = static_cast<int64_t *>(tb.view.buf);
   st(t + kHeader + slot * kSlot + kDone + rank, gen * kDoneTp + tp);
-  const int64_t w = ld(t + kHDone);
-  if (w < 0 || w == kInt64Max) return PyLong_FromLong(kMarkBadCount);
-  st(t + kHRing + w % kRing, slot);
-  st(t + kHDone, w + 1);
+  int64_t w = ld(t + kHDone);
+  do {
+    if (w < 0 || w == kInt64Max) return PyLong_FromLong(kMarkBadCount);
+  } while (!__atomic_compare_exchange_n(t + kHDone, &w, w + 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+  st(t + kHRing + w % kRing, ring_entry(w, slot));
   return PyLong_FromLong(kMarked);
 }
 
@@ -202,7 +213,7 @@ inline PyObject *binding(PyObject *, PyObject *const *args, Py_ssize_t n) {
 
 // slot_layout() -> the table layout these functions assume (slots.py compares it with its own).
 inline PyObject *slot_layout(PyObject *, PyObject *) {
-  return Py_BuildValue("(nnnnn)", kHeader, kSlot, kProbes, kRing, kMaxDone);
+  return Py_BuildValue("(nnnnni)", kHeader, kSlot, kProbes, kRing, kMaxDone, kSlotBits);
 }
 
 }  // namespace kvx_ctl

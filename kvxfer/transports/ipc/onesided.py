@@ -22,9 +22,14 @@ the load planner (:meth:`kvxfer.planner.Planner.plan`) and launched with one eve
 ``poll()`` (:meth:`OneSided.complete`) queries the events itself. A load whose copy completed is
 checked as the messaged path checks it: the slot still at the same generation and the blocks'
 epochs unchanged (released meanwhile: the load fails, its bytes never reported), and the
-exporter still beating. A landed load is reported finished, a done mark goes into the slot of
-every exporter rank the plan has this rank notify (the exporter frees the blocks at its next
-``poll()``), and the acknowledged notification is still queued, for a mark that was missed.
+exporter still beating. A landed load is reported finished and a done mark goes into the slot
+of every exporter rank the plan has this rank notify (the exporter frees the blocks at its next
+``poll()`` or side-channel tick). When every such mark was written and its ring entry taken by
+the native compare-and-swap (:mod:`kvxfer.transports.ipc.slots`: no mark is lost), the marks
+are the whole record and no notification is sent: a landed one-sided load costs no message at
+all. Otherwise (a rank past the marks, a rank without a mapped table, a slot not found, the
+Python fallback's stores) the acknowledged notification is queued as well, and a failed load
+is always notified.
 
 The guarantees are those of the messaged path (DESIGN, "Completion"): the snapshot is taken while
 the export is live, the check after the copy catches a release, the GPU work completes before a
@@ -114,10 +119,11 @@ class Source(NamedTuple):
 class Target:
     """A peer as the one-sided mode reads it, made once per session (when every source rank is
     mapped): its :class:`Source` s, where a landed load marks done (per exporter rank this rank
-    notifies: its slot table and the index of its source, or -1 when it is only notified), the
-    binding function, and the wire bytes of one token over every read."""
+    notifies: its slot table and the index of its source, or -1 when it is only notified) and
+    whether every rank it notifies has a table, the binding function, and the wire bytes of one
+    token over every read."""
 
-    __slots__ = ("bind", "direct", "marks", "peer", "per_token", "session", "sources")
+    __slots__ = ("bind", "direct", "marks", "marks_all", "peer", "per_token", "session", "sources")
 
     def __init__(
         self,
@@ -131,6 +137,7 @@ class Target:
         self.session = session
         self.sources = sources
         self.marks = marks
+        self.marks_all = len(marks) == len(peer.notify_to)  # a table of every rank it notifies
         self.bind = slots.binder()  # slots.binding, native when the module is in use
         self.per_token = sum(pt for src in sources for _, pt in src.whole)
         self.direct = direct  # cross-memory attach straight into this rank's caches (.direct)
@@ -176,8 +183,9 @@ class OneSided:
         link: the rank's loader (:class:`OneSidedLink`).
 
     ``loads``: loads read one-sided so far; ``direct``: of them, read by cross-memory attach
-    straight into this rank's caches (no mirror); ``fallbacks``: why a load took the messaged
-    path, counted by reason (all in ``stats()["onesided"]``)."""
+    straight into this rank's caches (no mirror); ``silent``: landed ones whose done marks were
+    the whole record (no notification sent); ``fallbacks``: why a load took the messaged path,
+    counted by reason (all in ``stats()["onesided"]``)."""
 
     def __init__(self, rank: Rank, rt: Runtime, link: OneSidedLink) -> None:
         self.rank = rank
@@ -193,6 +201,7 @@ class OneSided:
         self.loads = 0
         self.fallbacks: dict[str, int] = {}
         self.direct = 0  # loads read by cross-memory attach straight into this rank's caches
+        self.silent = 0  # landed loads whose done marks were the whole record (no notification)
         # (engine id, request id) of the params of every load launched or held here and not
         # reported yet: a second load of them is refused as the messaged path refuses a repeat
         self._active: set[tuple[str, str]] = set()
@@ -540,11 +549,14 @@ class OneSided:
                 rt.metrics.add("failures")
         else:
             rt.metrics.record_load(f.t0, t, f.moved, f.calls, rt.loads.finish_many([item.request_id], t))
-            rank, reads = self.rank, f.reads
+            rank, reads, marked = self.rank, f.reads, f.target.marks_all
             for view, k in f.target.marks:
                 i, g = (reads[k].slot, reads[k].gen) if k >= 0 else view.find(*f.binding)
-                if i >= 0:
-                    view.mark_done(i, g, rank.tp_rank, rank.tp_size)
+                if i < 0 or not view.mark_done(i, g, rank.tp_rank, rank.tp_size):
+                    marked = False
+            if marked:  # every exporter rank it notifies counts the mark: no message
+                self.silent += 1
+                return
         if notes is None:
             self.link.notify(peer, [] if why else [item], [item] if why else [])
             return
@@ -571,6 +583,7 @@ class OneSided:
         return {
             "loads": self.loads,
             "direct": self.direct,
+            "silent": self.silent,
             "in_flight": len(self.flights),
             "fallbacks": dict(self.fallbacks),
         }

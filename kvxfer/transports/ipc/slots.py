@@ -32,8 +32,16 @@ Slot (``SLOT`` words), one per live export:
   ``d`` has landed the request (post-checked). The exporter counts it like a notification from
   loader rank ``d`` when it names the slot's current ``gen``; a mark of an earlier export of the
   slot names an older generation and counts nothing. The loader then appends the slot to the
-  header's ring (``RING`` entries, ``done``: how many were ever written), so the exporter's
+  header's ring (``RING`` entries, ``done``: how many were ever taken), so the exporter's
   ``poll()`` reads one word when nothing was marked and only the named slots when something was.
+  A loader takes the ring's next entry by compare-and-swap on ``done`` and writes it tagged with
+  the count it took (:func:`ring_entry`); the exporter reads ``done`` before the entries, and an
+  entry not tagged with its count (taken but not written yet) makes it look at every used slot,
+  where the mark, written before the count was taken, already is. So no mark is lost, and a
+  loader whose every mark was written this way sends the exporter no notification: the marks
+  are the whole record (:mod:`kvxfer.transports.ipc.onesided`). The compare-and-swap is the
+  native module's; without it a loader appends with two plain stores, which two loaders at
+  once can collide on, so it also notifies.
 
 The slot of an export is found by its binding: probing ``PROBES`` slots from ``bind[0] mod
 num_slots``; an export finding none free has no slot (its loads take the messaged path). The
@@ -93,8 +101,8 @@ __all__ = [
 ]
 
 MAGIC = 0x6B7678736C6F7431  # "kvxslot1"
-VERSION = 2  # 2: the binding hashes token, digest and request id; table words are checked
-RING = 56  # done-mark ring entries (slot * 2**32 + generation)
+VERSION = 3  # 3: ring entries tagged with their count; 2: the binding hashes token, digest, request id
+RING = 56  # done-mark ring entries (ring_entry: the slot, tagged with the count it was taken at)
 HEADER = 8 + RING
 H_MAGIC, H_VERSION, H_NUM, H_BEAT, H_OPEN, H_INCARNATION, H_DONE, H_READERS = range(8)
 H_RING = 8
@@ -105,6 +113,8 @@ S_DONE = 8
 LIVE, LAYERWISE = 1, 2
 PROBES = 8
 DONE_TP = 512  # done[d] = gen * DONE_TP + loader tp_size (tp_size <= 256)
+SLOT_BITS = 22  # a ring entry's slot bits: a table holds fewer than 2**22 slots
+_SLOT_MASK, _TAG_MASK = (1 << SLOT_BITS) - 1, (1 << 40) - 1
 DEFAULT_SLOTS = 4096  # twice the exports a rank is expected to hold live at once
 
 
@@ -126,8 +136,9 @@ _REFUSALS = {
     5: "lease too short",
     6: BAD_WORD,
 }
-# SlotView.mark_done's outcomes by the native slot_mark's code: 0 marked and appended to the ring
-_MARK_BAD_COUNT, _MARK_BAD_GEN = 1, 2
+# SlotView.mark_done's outcomes by the native slot_mark's code: 0 marked and appended to the ring,
+# 3 a loader rank past the marks (it notifies)
+_MARKED, _MARK_BAD_COUNT, _MARK_BAD_GEN, _MARK_BY_MESSAGE = 0, 1, 2, 3
 _logged_layout = False
 
 
@@ -138,7 +149,7 @@ def _native():
     mod = idops.native()
     if mod is None:
         return None
-    layout = (HEADER, SLOT, PROBES, RING, MAX_DONE)
+    layout = (HEADER, SLOT, PROBES, RING, MAX_DONE, SLOT_BITS)
     if mod.slot_layout() != layout:
         if not _logged_layout:
             _logged_layout = True
@@ -185,7 +196,16 @@ def incarnation_word(incarnation: str) -> int:
 
 
 def _num_slots(words: int) -> int:
-    return (words - HEADER) // SLOT
+    n = (words - HEADER) // SLOT
+    if n >= 1 << SLOT_BITS:
+        raise ValueError(f"slots: a table of {words} words holds {n} slots, more than a ring entry names")
+    return n
+
+
+def ring_entry(count: int, slot: int) -> int:
+    """The done ring's word for ``slot`` appended at ring count ``count``: the slot in the low
+    :data:`SLOT_BITS` bits, above them ``count mod 2**40`` plus one (a zeroed word is no entry)."""
+    return ((count & _TAG_MASK) + 1) << SLOT_BITS | slot
 
 
 class ExporterSlots:
@@ -342,10 +362,11 @@ class ExporterSlots:
         if w == seen:
             return []
         self._seen = w
-        if 0 < w - seen <= RING:
-            slots = {mv[H_RING + k % RING] for k in range(seen, w)}
-        else:  # the ring overflowed (or was written by a confused peer): look at every live slot
-            slots = self.owner.keys()
+        slots = self.owner.keys()  # the ring overflowed, was written by a confused peer, or an
+        if 0 < w - seen <= RING:  # entry is not written yet: look at every live slot
+            entries = [mv[H_RING + k % RING] for k in range(seen, w)]
+            if all((e >> SLOT_BITS) == (k & _TAG_MASK) + 1 for k, e in zip(range(seen, w), entries)):
+                slots = {e & _SLOT_MASK for e in entries}
         out = []
         gens, owner, n = self.gens, self.owner, self.num_slots
         for i in list(slots):
@@ -496,24 +517,27 @@ class SlotView:
             return 1
         return 2 if self.alive(stale_ns, now_ns) else 0
 
-    def mark_done(self, i: int, g: int, loader_rank: int, loader_tp: int) -> None:
+    def mark_done(self, i: int, g: int, loader_rank: int, loader_tp: int) -> bool:
         """Loader rank ``loader_rank`` of a ``loader_tp``-rank engine landed slot ``i``'s export
         (generation ``g``, as read from the table); the slot goes into the ring for the exporter
-        to look at. A generation out of range writes nothing; a ring count out of range (negative,
-        or at int64's end) leaves the ring alone after the mark: the exporter then finds the
-        mark by looking at every live slot, or the notification that follows frees the export.
-        Two loaders writing the ring at once may lose an entry: the notification frees that
-        export too."""
+        to look at. True when the exporter will count the mark with no notification: written, and
+        the ring entry taken by the native compare-and-swap (the Python stores can collide with
+        another loader's). A rank past the marks writes nothing; nor does a generation out of
+        range; a ring count out of range (negative, or at int64's end) leaves the ring alone
+        after the mark. False for those: the loader notifies."""
         if loader_rank >= MAX_DONE:
-            return
+            return False
         if self.ctl is not None:  # the same stores, in this order
             got = self.ctl.slot_mark(self.t, i, g, loader_rank, loader_tp)
+            if got == _MARKED:
+                return True
         else:
             got = self._mark(i, g, loader_rank, loader_tp)
         if got == _MARK_BAD_GEN:
             self._bad("a slot's generation out of range")
         elif got == _MARK_BAD_COUNT:
             self._bad("a done count out of range")
+        return False
 
     def _mark(self, i: int, g: int, loader_rank: int, loader_tp: int) -> int:
         """:meth:`mark_done` through the memoryview (what the native ``slot_mark`` does)."""
@@ -524,6 +548,6 @@ class SlotView:
         w = mv[H_DONE]
         if not 0 <= w < _M63:
             return _MARK_BAD_COUNT
-        mv[H_RING + w % RING] = i
+        mv[H_RING + w % RING] = ring_entry(w, i)
         mv[H_DONE] = w + 1
-        return 0
+        return _MARKED
