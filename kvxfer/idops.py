@@ -141,6 +141,10 @@ def _np_max_id(ids: np.ndarray) -> int:
     return int((ids if ids.dtype.kind == "u" else ids.view(np.uint64)).max()) if ids.size else 0
 
 
+def _np_params_fields(d: object, limits: tuple) -> None:
+    return None  # the Python checks (kvxfer.params) take every dict
+
+
 # --------------------------------------------------------------------------- native versions
 def _native_functions(mod: ModuleType) -> dict:
     ids_from_seq = mod.ids_from_seq
@@ -168,6 +172,7 @@ def _native_functions(mod: ModuleType) -> dict:
         "any_repeat": mod.any_repeat,
         "max_id": mod.max_id,
         "exact_ints": mod.exact_ints,
+        "params_fields": mod.params_fields,
     }
 
 
@@ -182,6 +187,7 @@ NUMPY = {
     "any_repeat": _np_any_repeat,
     "max_id": _np_max_id,
     "exact_ints": _np_exact_ints,
+    "params_fields": _np_params_fields,
 }
 
 # The functions in use (bound by _use): module attributes, so callers write idops.hold(...).
@@ -195,6 +201,12 @@ as_uint64 = _np_as_uint64
 (``OverflowError`` for an id that does not fit, ``TypeError`` for one that is not an int; the
 native one also for ids from 2**63 on): params carry ids the exporter's block count bounds
 only after the handshake (:func:`max_id` then)."""
+params_fields = _np_params_fields
+"""``params_fields(d, limits)``: ``(fields, ids)`` of a params dict whose every field is plainly
+good (exact types, no ``groups``): a new dict of the params' fields and ``bytes`` of the block
+ids as uint64; None otherwise, and
+always without the native module: :meth:`kvxfer.params.KVTransferParams.from_dict` then checks
+it field by field (``csrc/ctl/params_fields.h`` says what "plainly" means)."""
 hold = _np_hold
 """``hold(refcount, ids)``: one more holder of each block (a block listed twice counts once)."""
 release = _np_release

@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from kvxfer import KVTransferParams
-from kvxfer.params import params_dict
+from kvxfer import KVTransferParams, idops
+from kvxfer.limits import MAX_ID_CHARS
+from kvxfer.params import _LIMITS, params_dict
 
 GOOD = {
     "request_id": "r1",
@@ -139,3 +140,66 @@ def test_params_from_a_dict_equal_those_made_by_the_constructor():
     assert arr.tolist() == [7, 3, 9] and not arr.flags.writeable
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.num_tokens = 1
+
+
+class _Str(str):
+    pass
+
+
+class _Int(int):
+    pass
+
+
+_EDGES = [
+    GOOD,
+    {k: v for k, v in GOOD.items() if k != "version"},
+    {**GOOD, "extra": "ignored"},
+    {**GOOD, 7: "a key that is no str"},
+    {**GOOD, "port": True},
+    {**GOOD, "port": _Int(5000)},
+    {**GOOD, "port": 65535, "tp_size": 2},
+    {**GOOD, "port": 65534, "tp_size": 2},
+    {**GOOD, "tp_size": 257},
+    {**GOOD, "num_tokens": 2**31},
+    {**GOOD, "request_id": _Str("r1")},
+    {**GOOD, "request_id": "é" * MAX_ID_CHARS},
+    {**GOOD, "request_id": "x" * (MAX_ID_CHARS + 1)},
+    {**GOOD, "token": "0123456789abcdef" * 3 + "0"},
+    {**GOOD, "version": 2},
+    {**GOOD, "version": True},
+    {**GOOD, "groups": None},
+    {**GOOD, "groups": [2, 1]},
+    {**GOOD, "block_ids": (3, 1, 4)},
+    {**GOOD, "block_ids": []},
+    {**GOOD, "block_ids": [3, -1]},
+    {**GOOD, "block_ids": [3, True]},
+    {**GOOD, "block_ids": [3, _Int(4)]},
+    {**GOOD, "block_ids": [2**30, 2**40, 2**63 - 2]},
+    {**GOOD, "block_ids": [2**63 - 1]},
+    {**GOOD, "block_ids": [2**63 + 5]},
+]
+
+
+@pytest.mark.parametrize("d", _EDGES, ids=range(len(_EDGES)))
+def test_the_native_check_takes_only_what_the_python_checks_accept_alike(d, monkeypatch):
+    """The native module's one-call check (csrc/ctl/params_fields.h) either leaves a dict to the
+    Python checks (None) or gives exactly the params they build from it: never params they
+    refuse, never other ones. It takes the plain case itself."""
+    assert idops.ensure(), idops.status()
+    got = idops.params_fields(d, _LIMITS)
+    monkeypatch.setattr(idops, "params_fields", idops.NUMPY["params_fields"])
+    try:
+        want = KVTransferParams.from_dict(d)
+    except ValueError:
+        assert got is None, d
+        return
+    if got is not None:
+        fields, raw = got
+        assert fields == {f.name: getattr(want, f.name) for f in dataclasses.fields(want)}
+        assert raw == want.block_id_array().tobytes()
+    if d is GOOD or d == {k: v for k, v in GOOD.items() if k != "version"}:
+        assert got is not None  # the common case is taken natively
+    monkeypatch.undo()
+    native = KVTransferParams.from_dict(d)
+    assert native == want and native.block_id_array().tolist() == want.block_id_array().tolist()
+    assert not native.block_id_array().flags.writeable

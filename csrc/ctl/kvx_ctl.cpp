@@ -17,7 +17,8 @@
 // ctl_common.h (the argument checks every function shares), lease_slots.h (the lease-slot
 // table of kvxfer/transports/ipc/slots.py: the loader's reads and marks, the binding),
 // exporter_slots.h (the exporter's writes to that table), token_hash.h (the content digest and
-// token of kvxfer/auth.py) and blake2b.h (the hash of those three).
+// token of kvxfer/auth.py), blake2b.h (the hash of those three) and params_fields.h (a load's
+// params dict checked in one call, kvxfer/params.py).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,6 +30,7 @@
 #include "ctl_common.h"
 #include "exporter_slots.h"
 #include "lease_slots.h"
+#include "params_fields.h"
 #include "token_hash.h"
 
 namespace kvx_ctl {
@@ -428,6 +430,8 @@ PyMethodDef kMethods[] = {
      "num_tokens, ids, groups -> BLAKE2b-128 of them (kvxfer.auth.content_digest)"},
     {"token", as_method(token), METH_FASTCALL,
      "key, request_id, nonce, digest -> the 48-character token (kvxfer.auth.request_token)"},
+    {"params_fields", as_method(params_fields), METH_FASTCALL,
+     "d, limits -> the fields of a plainly good params dict (kvxfer.params), else None"},
     {"slot_layout", slot_layout, METH_NOARGS, "the lease-slot table layout these functions assume"},
     {"abi_version", abi_version, METH_NOARGS, "the source's ABI version"},
     {nullptr, nullptr, 0, nullptr},
