@@ -123,7 +123,7 @@ class Target:
     whether every rank it notifies has a table, the binding function, and the wire bytes of one
     token over every read."""
 
-    __slots__ = ("bind", "direct", "marks", "marks_all", "peer", "per_token", "session", "sources")
+    __slots__ = ("bind", "direct", "marks", "marks_all", "peer", "per_token", "remote", "session", "sources")
 
     def __init__(
         self,
@@ -141,6 +141,7 @@ class Target:
         self.bind = slots.binder()  # slots.binding, native when the module is in use
         self.per_token = sum(pt for src in sources for _, pt in src.whole)
         self.direct = direct  # cross-memory attach straight into this rank's caches (.direct)
+        self.remote = any(src.mapping.remote is not None for src in sources)  # read into mirrors
 
 
 class SlotRead(NamedTuple):
@@ -280,11 +281,14 @@ class OneSided:
         peer = self.link.peer(p.engine_id)
         if peer is None or not peer.serves(p):
             return self._no("not handshaken")
-        if peer.transport != "ipc":
-            return self._no(f"transport {peer.transport}")
-        t = self._target(peer)
-        if t is None:
-            return self._no("not mapped")
+        session = peer.session
+        t = session.onesided if type(session) is IpcSession and not session.closed else None
+        if t is None:  # made once per session
+            if peer.transport != "ipc":
+                return self._no(f"transport {peer.transport}")
+            t = self._target(peer)
+            if t is None:
+                return self._no("not mapped")
         if self._cpu_bpt and (p.num_tokens - item.first) * self._cpu_bpt > CPU_COPY_MAX_BYTES:
             return self._no("CPU copy too large for the caller")
         ids = item.src_ids
@@ -351,43 +355,58 @@ class OneSided:
 
     def _launch(self, t: Target, group: list[Flight]) -> bool:
         """Issue the copies of ``group`` (flights of target ``t``) on the load stream, one event
-        after them (CUDA); False when the session closed since their lookup (nothing written).
-        A lone whole load takes the prepared copies; anything else is planned as the messaged
-        path plans a batch."""
-        session, rank, rt = t.session, self.rank, self.rt
+        after them (CUDA); False when the session closed since their lookup (nothing written)."""
+        session, rt = t.session, self.rt
         items = [f.item for f in group]
-        with session.lock, trace("copy", items_tag, items):
+        with session.lock:
             if session.closed:  # the peer was forgotten since the lookup: its mapping may be gone
                 return False
             hook = rt.hooks.get("before_ipc_copy")
             if hook:
                 hook()
-            calls = 0
-            with rt.order.on_stream(), contextlib.ExitStack() as fetch:
-                grouped = self.rank.groups is not None  # fetched per group (its blocks, its layers)
-                direct = t.direct is not None and direct_fits(rank, items)
-                for src in t.sources:  # cross-memory attach: the blocks read into the mirrors
-                    if src.mapping.remote is not None and not grouped and not direct:
-                        fetch.enter_context(fetched(src.mapping, items))
-                if direct:
-                    calls = read_direct(t.direct, rank, items)
-                    self.direct += len(items)
-                elif grouped:
-                    calls = self._copy_groups(t, items)
-                elif len(group) == 1 and not items[0].first:
-                    calls = _copy_whole(t, items[0])
-                else:
-                    distinct = len(items) == 1 or disjoint_blocks(items, rank.spec.block_size)
-                    sbs = t.peer.spec.block_size
-                    for src in t.sources:
-                        bp = self.link.plan(src.route, sbs, items, distinct)
-                        xfer = Transfer(src.rank, src.reads, bp, items, None, items[0].deadline)
-                        calls += session.copy(src.mapping, xfer)
-                ev = session.done_event() if rt.order.cuda else None
+            with trace("copy", items_tag, items), rt.order.on_stream():
+                calls = self._copy(t, items)
+            ev = session.done_event() if rt.order.cuda else None
+        per_token = t.per_token
         for k, f in enumerate(group):
             f.event, f.calls = ev, calls if k == 0 else 0  # a batch's calls counted once
-            f.moved = self._moved(t, f.item)
+            it = f.item
+            f.moved = (it.num_tokens - it.first) * per_token if it.groups is None else self._moved(t, it)
         return True
+
+    def _copy(self, t: Target, items: list[LoadItem]) -> int:
+        """The copies of ``items`` (under the session's lock, on the load stream); returns the
+        ops calls. Cross-memory attach straight into this rank's caches when the loads move
+        whole blocks, else per group, else (the source ranks' blocks read into their mirrors
+        first, when they are remote) a lone whole load through the prepared copies, and
+        anything else planned as the messaged path plans a batch."""
+        rank = self.rank
+        if t.direct is not None and direct_fits(rank, items):
+            self.direct += len(items)
+            return read_direct(t.direct, rank, items)
+        if rank.groups is not None:  # fetched per group (its blocks, its layers)
+            return self._copy_groups(t, items)
+        if not t.remote:
+            return self._copy_mapped(t, items)
+        with contextlib.ExitStack() as fetch:  # cross-memory attach: the blocks read into the mirrors
+            for src in t.sources:
+                if src.mapping.remote is not None:
+                    fetch.enter_context(fetched(src.mapping, items))
+            return self._copy_mapped(t, items)
+
+    def _copy_mapped(self, t: Target, items: list[LoadItem]) -> int:
+        """:meth:`_copy` of loads whose source blocks are mapped here (or read into mirrors)."""
+        if len(items) == 1 and not items[0].first:
+            return _copy_whole(t, items[0])
+        rank, session = self.rank, t.session
+        distinct = len(items) == 1 or disjoint_blocks(items, rank.spec.block_size)
+        sbs = t.peer.spec.block_size
+        calls = 0
+        for src in t.sources:
+            bp = self.link.plan(src.route, sbs, items, distinct)
+            xfer = Transfer(src.rank, src.reads, bp, items, None, items[0].deadline)
+            calls += session.copy(src.mapping, xfer)
+        return calls
 
     def _copy_groups(self, t: Target, items: list[LoadItem]) -> int:
         """The copies of loads of an engine with KV cache groups (under the session's lock): per
@@ -598,6 +617,6 @@ def _copy_whole(t: Target, item: LoadItem) -> int:
         src_ids = ops.CheckedIds(item.src, src.src_bound, False)
         dst_ids = ops.CheckedIds(item.dst, src.dst_bound, True)
         for copy, _ in src.whole:
-            copy(src_ids, dst_ids, n)
+            copy.run(src_ids, dst_ids, n)  # n >= 1: a load moves at least one token
         calls += len(src.whole)
     return calls
