@@ -48,6 +48,8 @@ class Exporter:
         self.rank = rank
         self.rt = rt
         self.transports = transports
+        # what tick() calls: a transport with nothing to keep up to date says so (``ticks``)
+        self._tickers = [t for t in transports.values() if getattr(t, "ticks", True)]
         self.server: control.ControlServer | None = None
         # loader tp size -> (notifications per request, loader ranks that notify this rank), or
         # why a loader of that size cannot notify here (at most MAX_TP_SIZE keys)
@@ -116,7 +118,7 @@ class Exporter:
         as notifications). Called by the server thread every tick and by ``poll()``
         (``beat=False``: the server thread's beat suffices)."""
         n = 0
-        for t in self.transports.values():
+        for t in self._tickers:
             n += t.tick(beat, self.expected_from)
         if n:
             self.rt.metrics.add("finished_exports", n)

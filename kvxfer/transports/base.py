@@ -45,10 +45,12 @@ class Transport(Protocol):
     """What an engine rank's roles ask of one transport (one object per kind, built with the
     rank's :class:`~kvxfer.rank.Rank` and :class:`~kvxfer.rank.Runtime`).
 
-    ``name``; ``why``: "" when this rank offers it, else the reason (after :meth:`start`)."""
+    ``name``; ``why``: "" when this rank offers it, else the reason (after :meth:`start`);
+    ``ticks``: False when :meth:`tick` never has anything to do (the exporter then skips it)."""
 
     name: str
     why: str
+    ticks: bool
 
     def start(self) -> None:
         """Make what offering it needs (memory descriptions, a store, an agent), or set ``why``."""

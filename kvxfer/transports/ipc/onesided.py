@@ -144,25 +144,17 @@ class Target:
         self.remote = any(src.mapping.remote is not None for src in sources)  # read into mirrors
 
 
-class SlotRead(NamedTuple):
-    """What a lookup read in one source rank's table: the slot, its generation and the blocks'
-    epochs snapshotted while it stayed at that generation."""
-
-    source: Source
-    slot: int
-    gen: int
-    snapshot: bytes
-
-
 class Flight:
     """One one-sided load in flight: the load, the params' key (engine id, request id), its
-    target, what its lookup read per source rank, the binding, when it started, the event after
-    its copy (CUDA), its wire bytes and ops calls, and whether its deadline passed unfinished."""
+    target, what its lookup read per source rank (``(source, slot, generation, snapshot)``: the
+    slot, its generation and the blocks' epochs snapshotted while it stayed at that generation),
+    the binding, when it started, the event after its copy (CUDA), its wire bytes and ops calls,
+    and whether its deadline passed unfinished."""
 
     __slots__ = ("binding", "calls", "event", "item", "key", "late", "moved", "reads", "t0", "target")
 
     def __init__(
-        self, item: LoadItem, key: tuple, target: Target, reads: list[SlotRead], binding: tuple, t0: float
+        self, item: LoadItem, key: tuple, target: Target, reads: list[tuple], binding: tuple, t0: float
     ) -> None:
         self.item = item
         self.key = key
@@ -325,7 +317,7 @@ class OneSided:
             got = src.view.read(b0, b1, now_ns, _STALE_NS, need_ns, src.mapping.epochs_np, ids)
             if type(got) is str:
                 return self._no(got)
-            reads.append(SlotRead(src, got[0], got[1], got[2]))
+            reads.append((src, *got))
         f = Flight(item, key, t, reads, b, now())
         item.deadline = now_ns * 1e-9 + timeout_s  # time.monotonic's clock
         held = getattr(self._local, "held", None) if self._batches else None
@@ -539,14 +531,13 @@ class OneSided:
         """The check after a completed copy: "" when the load landed, else why not."""
         hook = self.rt.hooks.get("after_ipc_copy")
         ids = f.item.src_ids
-        for r in f.reads:
-            src = r.source
+        for src, slot, gen, snap in f.reads:
             if hook:
                 hook(src.mapping.epochs)
                 now_ns = time.monotonic_ns()
             # released first: an exporter that closed released every export before it shut,
             # so that is what happened to the blocks (the messaged path says the same)
-            got = src.view.check(r.slot, r.gen, src.mapping.epochs_np, ids, r.snapshot, now_ns, _STALE_NS)
+            got = src.view.check(slot, gen, src.mapping.epochs_np, ids, snap, now_ns, _STALE_NS)
             if got == 1:
                 return (
                     f"exporter rank {src.rank}: blocks released before or during the copy (lease ended); "
@@ -570,7 +561,7 @@ class OneSided:
             rt.metrics.record_load(f.t0, t, f.moved, f.calls, rt.loads.finish_many([item.request_id], t))
             rank, reads, marked = self.rank, f.reads, f.target.marks_all
             for view, k in f.target.marks:
-                i, g = (reads[k].slot, reads[k].gen) if k >= 0 else view.find(*f.binding)
+                i, g = (reads[k][1], reads[k][2]) if k >= 0 else view.find(*f.binding)
                 if i < 0 or not view.mark_done(i, g, rank.tp_rank, rank.tp_size):
                     marked = False
             if marked:  # every exporter rank it notifies counts the mark: no message

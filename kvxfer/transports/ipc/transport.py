@@ -42,6 +42,7 @@ class IpcTransport:
     that keeps it following the export tracker (:meth:`follow`)."""
 
     name = "ipc"
+    ticks = True  # the lease-slot table: heartbeat, ready flags, done marks
 
     def __init__(self, rank: Rank, rt: Runtime) -> None:
         self.rank = rank

@@ -51,6 +51,7 @@ class NixlTransport:
     loader agents paired with this rank (their ``timeout_s``)."""
 
     name = "nixl"
+    ticks = False  # tick() has nothing to keep up to date: the exporter skips it
 
     def __init__(self, rank: Rank, rt: Runtime) -> None:
         self.rank = rank

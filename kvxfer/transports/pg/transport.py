@@ -28,6 +28,7 @@ class PgTransport:
     """See the module doc. ``senders``: the exporter's pair groups."""
 
     name = "pg"
+    ticks = False  # tick() has nothing to keep up to date: the exporter skips it
 
     def __init__(self, rank: Rank, rt: Runtime) -> None:
         self.rank = rank
