@@ -63,8 +63,9 @@ def test_host_steps_times_each_step_of_a_request():
     assert data["bench"] == "host_steps" and data["path"] == "onesided" and data["idle_ms"] == 1
     rows = {r["step"]: r for r in data["rows"]}
     for step in ("TransferEngine.export", "TransferEngine.load", "OneSided.try_load", "SlotView.read",
-                 "PreparedCopy.__call__", "OneSided._check", "KVTransferParams.from_dict"):  # fmt: skip
+                 "PreparedCopy.run", "OneSided._check", "KVTransferParams.from_dict"):  # fmt: skip
         assert rows[step]["calls"] == 12 and rows[step]["median_us"] > 0, rows[step]
     assert rows["engine.check_block_ids"]["calls"] == 24  # the export's ids and the load's
     assert rows["Loader._run_batch"]["calls"] == 0  # only the handshaking warm-up load takes it
+    assert rows["Loader.notify"]["calls"] == 0  # a landed one-sided load's done marks are its record
     assert rows["TransferEngine.load"]["median_us"] > rows["OneSided.try_load"]["median_us"]  # nested
