@@ -419,7 +419,7 @@ def main() -> None:
     )
     print("  (8x2K-4K: requests of 2048..4096 tokens, last block partial; -1s: the one-sided path,")
     print("   where load() launches the copy and poll() checks it: its 'loader batch' is empty, and")
-    print("   the exporter handlers are the notification that follows the done mark; -1sb: the eight")
+    print("   its exporter handlers too once D's done marks alone free P's blocks; -1sb: the eight")
     print("   one-sided loads in one batched_loads() block, launched together; @N ms: each caller's")
     print("   step after an N ms pause, as between a server's steps, its code and data out of the caches)")
     one = cases["1x4096-1s"]
