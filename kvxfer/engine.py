@@ -260,6 +260,8 @@ class TransferEngine:
         # and copies it after this (ipc, nixl direct) fails the load instead of delivering
         # bytes the runner may already be reusing; a stream stops sending it.
         rt.exports.release_all("the exporting engine closed")
+        if self._onesided is not None:  # queued while the notifier still sends
+            self._onesided.flush()
         rt.stop.set()
         self._loader.stop()
         threads = self._threads()

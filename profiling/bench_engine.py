@@ -58,9 +58,10 @@ def host_cost(
 
     ``onesided``: the one-sided path (kvxfer.transports.ipc.onesided): ``load()`` finds the
     lease slots and launches the copy, D's ``poll()`` checks it and marks done, P's ``poll()``
-    counts the done mark and frees; a notification D still sends (the first, handshaking load;
-    every load without the control module's compare-and-swap marks) is answered after P's
-    poll and counted on P's side. The copy
+    counts the done mark and frees; the notifications D sends (deferred by 0.1 s and coalesced,
+    or at once for the handshaking first load and for marks without the control module's
+    compare-and-swap) are answered after P's poll and counted on P's side (a coalesced one in
+    the iteration that sends it: the medians leave it out, the means hold it). The copy
     kernel being a no-op, the CPU bound on one-sided copies (``CPU_COPY_MAX_BYTES``: on CPU caches
     the copy runs in ``load()``) is lifted: this is the host part of the GPU path. Else the
     messaged path (one-sided reads off). ``batched``: the loads in one ``batched_loads()``
@@ -419,7 +420,7 @@ def main() -> None:
     )
     print("  (8x2K-4K: requests of 2048..4096 tokens, last block partial; -1s: the one-sided path,")
     print("   where load() launches the copy and poll() checks it: its 'loader batch' is empty, and")
-    print("   its exporter handlers too once D's done marks alone free P's blocks; -1sb: the eight")
+    print("   its exporter handlers are the deferred notifications, coalesced; -1sb: the eight")
     print("   one-sided loads in one batched_loads() block, launched together; @N ms: each caller's")
     print("   step after an N ms pause, as between a server's steps, its code and data out of the caches)")
     one = cases["1x4096-1s"]

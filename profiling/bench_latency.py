@@ -21,8 +21,8 @@ several), the p90 of its end and how many ranges it had. Ranges without a reques
         [--paths onesided,messaged] [--layers 32] [--device cpu|cuda] [--out DIR] [--corrupt]
 
 Over ``ipc`` each size runs twice: the one-sided path (``load()`` finds the request's lease slot
-and copies at once; ``poll()`` checks and reports; P frees on its next poll from D's done mark,
-no message sent) and the messaged one (``TransferEngine(onesided=False)``: lease grant, copy in the worker,
+and copies at once; ``poll()`` checks and reports; P frees on its next poll from D's done mark;
+the notification follows 0.1 s later, off the path) and the messaged one (``TransferEngine(onesided=False)``: lease grant, copy in the worker,
 notification).
 
 Under each table, a reference measured in the same run between the same two processes, their
@@ -340,7 +340,7 @@ def run(a: argparse.Namespace) -> int:
                 t0, t_call, t_done = load_one(eng, rid, params, d_ids)
                 here.send(("freed", rid))
                 t_freed = _get(here, "freed", proc)[1]
-                # the notifier's range closes on P's ack (a landed one-sided load sends none)
+                # the notifier's range closes on P's ack (a landed one-sided load's is deferred)
                 closed = time.monotonic() + (1.0 if path == "messaged" else 0.0)
                 while time.monotonic() < closed and not any(
                     x["phase"] == "notify" and rid in x["tag"] for x in rec.ranges("D")

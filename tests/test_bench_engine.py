@@ -67,5 +67,6 @@ def test_host_steps_times_each_step_of_a_request():
         assert rows[step]["calls"] == 12 and rows[step]["median_us"] > 0, rows[step]
     assert rows["engine.check_block_ids"]["calls"] == 24  # the export's ids and the load's
     assert rows["Loader._run_batch"]["calls"] == 0  # only the handshaking warm-up load takes it
-    assert rows["Loader.notify"]["calls"] == 0  # a landed one-sided load's done marks are its record
+    # a landed one-sided load's done marks free it; its notification goes later, coalesced
+    assert rows["Loader.notify"]["calls"] < 12, rows["Loader.notify"]
     assert rows["TransferEngine.load"]["median_us"] > rows["OneSided.try_load"]["median_us"]  # nested

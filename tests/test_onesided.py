@@ -523,10 +523,10 @@ def test_the_same_params_twice_in_one_batch_are_refused_as_the_messaged_path_ref
 
 
 @pytest.mark.parametrize("marks", ["native", "python"])
-def test_a_landed_load_whose_marks_took_their_ring_entries_sends_no_message(marks, monkeypatch):
-    """With the native module a landed one-sided load's done marks are the whole record: D
-    sends no notification and P frees from the marks alone. With the Python fallback (whose
-    ring stores two loaders can collide on) and for a failed load, D still notifies."""
+def test_a_landed_loads_marks_free_it_and_its_notification_is_deferred(marks, monkeypatch):
+    """With the native module a landed one-sided load's done marks free it, and its notification
+    goes ``MARK_GRACE_S`` later, one message for every load of the window. With the Python
+    fallback (whose ring stores two loaders can collide on) each is notified at once."""
     if marks == "native":
         assert idops.ensure(), idops.status()
     else:
@@ -537,21 +537,65 @@ def test_a_landed_load_whose_marks_took_their_ring_entries_sends_no_message(mark
         monkeypatch.setattr(
             d[0]._loader,
             "notify",
-            lambda peer, done, failed: sent.append((done, failed)) or real(peer, done, failed),
+            lambda peer, done, failed: (
+                sent.append((time.monotonic(), done, failed)) or real(peer, done, failed)
+            ),
         )
+        landed = {}
         for k in range(3):
             prm = p.export(f"a{k}", [3 + 2 * k, 4 + 2 * k], 12, seed=3 + k)
             d[0].load(f"a{k}", prm, [20 + 2 * k, 21 + 2 * k])
             assert poll_until(d.engines, {f"a{k}"}, "recv") == {f"a{k}": "done"}
+            landed[f"a{k}"] = time.monotonic()
             assert poll_until(p.engines, {f"a{k}"}, "send") == {f"a{k}": "done"}
             assert check(d.caches(0), F16, 0, 1, [20 + 2 * k, 21 + 2 * k], 12, 3 + k)
-        st = d[0].stats()["onesided"]
-        assert st["loads"] == 3
         if marks == "native":
-            assert st["silent"] == 3 and not [x for x in sent if x[0] or x[1]], sent
+            assert not sent, "notified before the grace: the marks freed the blocks"
+        end = time.monotonic() + 5.0
+        while sum(len(x[1]) for x in sent) < 3 and time.monotonic() < end:
+            d[0].poll()
+            time.sleep(0.01)
+        got = {it.request_id: t for t, done, _ in sent for it in done}
+        assert sorted(got) == ["a0", "a1", "a2"] and not [x for x in sent if x[2]], sent
+        st = d[0].stats()["onesided"]
+        assert st["loads"] == 3, st
+        if marks == "native":
+            assert st["deferred"] == 3 and len(sent) <= 3, (st, sent)
+            assert all(got[r] - landed[r] >= onesided_mod.MARK_GRACE_S for r in got), (got, landed)
         else:
-            assert st["silent"] == 0 and [len(x[0]) for x in sent] == [1, 1, 1], sent
+            assert st["deferred"] == 0 and len(sent) == 3, (st, sent)
         assert p[0].stats()["blocks_held"] == 0
+
+
+def test_a_mark_the_exporter_never_counts_is_freed_by_the_deferred_notification(monkeypatch):
+    """A landed load's done mark that the exporter does not count (here P reads no marks at all:
+    as if a stranger had overwritten them in the table) holds the blocks only until the
+    deferred notification arrives, ``MARK_GRACE_S`` after the mark; close() sends the
+    notifications still in their grace."""
+    assert idops.ensure(), idops.status()
+    monkeypatch.setattr(slots_mod.ExporterSlots, "marked", lambda self: False)
+    with warmed() as (p, d):
+        prm = p.export("a", [3, 4], 12, seed=3)
+        d[0].load("a", prm, [5, 6])
+        t0 = time.monotonic()
+        assert poll_until(d.engines, {"a"}, "recv") == {"a": "done"}
+        assert poll_until(p.engines, {"a"}, "send", timeout=0.05) == {}  # the mark is not counted
+        freed, end = set(), time.monotonic() + 5.0
+        while "a" not in freed and time.monotonic() < end:  # D's polls notify once the grace ended
+            d[0].poll()
+            freed |= p[0].poll().finished_sending
+            time.sleep(0.005)
+        assert freed == {"a"}
+        assert time.monotonic() - t0 >= onesided_mod.MARK_GRACE_S
+        assert d[0].stats()["onesided"]["deferred"] == 1
+        assert p[0].stats()["blocks_held"] == 0
+        # in its grace when D closes: notified by close()
+        prm = p.export("b", [7, 8], 12, seed=4)
+        d[0].load("b", prm, [9, 10])
+        assert poll_until(d.engines, {"b"}, "recv") == {"b": "done"}
+        d[0].close()
+        assert d[0].stats()["onesided"]["deferred"] == 2
+        assert poll_until(p.engines, {"b"}, "send") == {"b": "done"}
 
 
 def test_done_mark_frees_without_the_notification_and_the_notification_without_the_mark(monkeypatch):

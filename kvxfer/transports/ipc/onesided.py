@@ -26,10 +26,12 @@ exporter still beating. A landed load is reported finished and a done mark goes 
 of every exporter rank the plan has this rank notify (the exporter frees the blocks at its next
 ``poll()`` or side-channel tick). When every such mark was written and its ring entry taken by
 the native compare-and-swap (:mod:`kvxfer.transports.ipc.slots`: no mark is lost), the marks
-are the whole record and no notification is sent: a landed one-sided load costs no message at
-all. Otherwise (a rank past the marks, a rank without a mapped table, a slot not found, the
-Python fallback's stores) the acknowledged notification is queued as well, and a failed load
-is always notified.
+free the blocks and the acknowledged notification is deferred: a later ``poll()`` sends it
+``MARK_GRACE_S`` after, one message per exporter for every such load of the window
+(``close()``: at once). It then counts nothing, unless a stranger overwrote a mark in the table
+(which no table word lets the loader see): it is the record only the loader writes. Otherwise
+(a rank past the marks, a rank without a mapped table, a slot not found, the Python fallback's
+stores) the notification is queued at once, and a failed load is always notified.
 
 The guarantees are those of the messaged path (DESIGN, "Completion"): the snapshot is taken while
 the export is live, the check after the copy catches a release, the GPU work completes before a
@@ -39,6 +41,7 @@ exporter counts each loader rank once whether it marks done or notifies.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import platform
@@ -85,6 +88,11 @@ _STALE_NS = int(STALE_S * 1e9)
 # (the load fails, no wrong byte is reported). Asking for the whole load timeout instead refused
 # every served load under the connector's defaults (lease 30 s = timeout 30 s: "lease too short").
 LEASE_LEFT_S = 5.0
+# A landed load whose done marks were all written is notified this long after, in one message
+# per exporter for every such load of the window: the marks free the blocks at the exporter's
+# next poll() or side-channel tick (20 ms); the notification is the record a stranger cannot
+# overwrite in the table (nor make this loader believe the blocks freed), so it still goes.
+MARK_GRACE_S = 0.1
 
 
 class OneSidedLink(Protocol):
@@ -176,9 +184,10 @@ class OneSided:
         link: the rank's loader (:class:`OneSidedLink`).
 
     ``loads``: loads read one-sided so far; ``direct``: of them, read by cross-memory attach
-    straight into this rank's caches (no mirror); ``silent``: landed ones whose done marks were
-    the whole record (no notification sent); ``fallbacks``: why a load took the messaged path,
-    counted by reason (all in ``stats()["onesided"]``)."""
+    straight into this rank's caches (no mirror); ``deferred``: landed ones whose done marks
+    freed them and whose notification went ``MARK_GRACE_S`` later, with the other loads of that
+    window; ``fallbacks``: why a load took the messaged path, counted by reason (all in
+    ``stats()["onesided"]``)."""
 
     def __init__(self, rank: Rank, rt: Runtime, link: OneSidedLink) -> None:
         self.rank = rank
@@ -194,7 +203,10 @@ class OneSided:
         self.loads = 0
         self.fallbacks: dict[str, int] = {}
         self.direct = 0  # loads read by cross-memory attach straight into this rank's caches
-        self.silent = 0  # landed loads whose done marks were the whole record (no notification)
+        self.deferred = 0  # landed loads whose marks freed them, notified after the grace
+        # (due, peer, load) of the landed loads whose marks were all written, oldest first,
+        # until their notification goes (_notify_marked)
+        self._marked: collections.deque = collections.deque()
         # (engine id, request id) of the params of every load launched or held here and not
         # reported yet: a second load of them is refused as the messaged path refuses a repeat
         self._active: set[tuple[str, str]] = set()
@@ -495,7 +507,11 @@ class OneSided:
     # ----------------------------------------------------------------------- complete
     def complete(self) -> None:
         """Check and report every one-sided load whose copy completed (``poll()`` calls it); one
-        notification per peer for all of them."""
+        notification per peer for all of them. First, the marked loads whose grace ended
+        (:meth:`_notify_marked`)."""
+        marked = self._marked
+        if marked and marked[0][0] <= time.monotonic():
+            self._notify_marked(False)
         if not self.flights:
             return
         with self.lock:
@@ -564,8 +580,10 @@ class OneSided:
                 i, g = (reads[k][1], reads[k][2]) if k >= 0 else view.find(*f.binding)
                 if i < 0 or not view.mark_done(i, g, rank.tp_rank, rank.tp_size):
                     marked = False
-            if marked:  # every exporter rank it notifies counts the mark: no message
-                self.silent += 1
+            if marked:  # every exporter rank it notifies counts the mark: notified later,
+                # with the other loads of the window (:meth:`_notify_marked`)
+                with self.lock:
+                    self._marked.append((time.monotonic() + MARK_GRACE_S, peer, item))
                 return
         if notes is None:
             self.link.notify(peer, [] if why else [item], [item] if why else [])
@@ -574,6 +592,31 @@ class OneSided:
         if note is None:
             note = notes[id(peer)] = (peer, [], [])
         note[2 if why else 1].append(item)
+
+    def _notify_marked(self, every: bool) -> None:
+        """Notify the landed loads marked at least ``MARK_GRACE_S`` ago (``every``: all of them),
+        one message per peer: their exporters freed them from the marks already (the
+        notification then counts nothing), or did not count a mark (a stranger overwrote it in
+        the table) and free them now."""
+        now_s = time.monotonic()
+        notes: dict[int, tuple[Peer, list]] = {}
+        with self.lock:
+            marked = self._marked
+            while marked and (every or marked[0][0] <= now_s):
+                _, peer, item = marked.popleft()
+                note = notes.get(id(peer))
+                if note is None:
+                    note = notes[id(peer)] = (peer, [])
+                note[1].append(item)
+        for peer, items in notes.values():
+            self.deferred += len(items)
+            self.link.notify(peer, items, [])
+
+    def flush(self) -> None:
+        """The engine is closing: the marked loads still in their grace are notified now (while
+        the notifier still sends)."""
+        if self._marked:
+            self._notify_marked(True)
 
     # --------------------------------------------------------------------------- wait
     def wait_some(self, request_ids: set[str], deadline: float) -> None:
@@ -593,7 +636,7 @@ class OneSided:
         return {
             "loads": self.loads,
             "direct": self.direct,
-            "silent": self.silent,
+            "deferred": self.deferred,
             "in_flight": len(self.flights),
             "fallbacks": dict(self.fallbacks),
         }

@@ -38,10 +38,10 @@ Slot (``SLOT`` words), one per live export:
   the count it took (:func:`ring_entry`); the exporter reads ``done`` before the entries, and an
   entry not tagged with its count (taken but not written yet) makes it look at every used slot,
   where the mark, written before the count was taken, already is. So no mark is lost, and a
-  loader whose every mark was written this way sends the exporter no notification: the marks
-  are the whole record (:mod:`kvxfer.transports.ipc.onesided`). The compare-and-swap is the
-  native module's; without it a loader appends with two plain stores, which two loaders at
-  once can collide on, so it also notifies.
+  loader whose every mark was written this way defers its notification and coalesces it with
+  others' (:mod:`kvxfer.transports.ipc.onesided`): the marks free the blocks. The
+  compare-and-swap is the native module's; without it a loader appends with two plain stores,
+  which two loaders at once can collide on, so it notifies at once.
 
 The slot of an export is found by its binding: probing ``PROBES`` slots from ``bind[0] mod
 num_slots``; an export finding none free has no slot (its loads take the messaged path). The
@@ -520,9 +520,9 @@ class SlotView:
     def mark_done(self, i: int, g: int, loader_rank: int, loader_tp: int) -> bool:
         """Loader rank ``loader_rank`` of a ``loader_tp``-rank engine landed slot ``i``'s export
         (generation ``g``, as read from the table); the slot goes into the ring for the exporter
-        to look at. True when the exporter will count the mark with no notification: written, and
-        the ring entry taken by the native compare-and-swap (the Python stores can collide with
-        another loader's). A rank past the marks writes nothing; nor does a generation out of
+        to look at. True when the exporter will count the mark without waiting for a
+        notification: written, and the ring entry taken by the native compare-and-swap (the
+        Python stores can collide with another loader's). A rank past the marks writes nothing; nor does a generation out of
         range; a ring count out of range (negative, or at int64's end) leaves the ring alone
         after the mark. False for those: the loader notifies."""
         if loader_rank >= MAX_DONE:
