@@ -152,12 +152,11 @@ inline PyObject *slot_done(PyObject *, PyObject *const *args, Py_ssize_t n) {
     Py_ssize_t taken[kRing];
     Py_ssize_t num_taken = 0;
     for (int64_t k = seen; k < w && ok; ++k) {
-      const int64_t e = ld(a.t() + kHRing + k % kRing);
-      if (e <= 0 || (e >> kSlotBits) != (k & kTagMask) + 1) {  // not written yet (or overwritten)
+      const int64_t slot = ring_slot(ld(a.t() + kHRing + k % kRing), k);
+      if (slot < 0) {  // not written yet (or overwritten)
         every = true;
         break;
       }
-      const int64_t slot = e & kSlotMask;
       if (slot >= a.num || !a.u()[slot]) continue;  // not a used slot: nothing to count
       bool dup = false;
       for (Py_ssize_t j = 0; j < num_taken && !dup; ++j) dup = taken[j] == slot;

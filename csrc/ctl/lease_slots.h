@@ -40,6 +40,11 @@ constexpr int64_t kInt64Max = INT64_MAX;
 constexpr int kSlotBits = 22;
 constexpr int64_t kSlotMask = (int64_t{1} << kSlotBits) - 1, kTagMask = (int64_t{1} << 40) - 1;
 inline int64_t ring_entry(int64_t count, int64_t slot) { return (((count & kTagMask) + 1) << kSlotBits) | slot; }
+// The slot ring word `e` names when it is the entry appended at `count`; -1 when it is not (not
+// written yet, overwritten by a later one, or a stranger's word).
+inline int64_t ring_slot(int64_t e, int64_t count) {
+  return e > 0 && (e >> kSlotBits) == (count & kTagMask) + 1 ? (e & kSlotMask) : -1;
+}
 // The largest generation a done mark can name: gen * kDoneTp + tp must fit int64 (GEN_MAX).
 constexpr int64_t kGenMax = (kInt64Max - (kDoneTp - 1)) / kDoneTp;
 // slot_read's refusals (slots.py names them)

@@ -98,7 +98,7 @@ inline PyObject *params_fields(PyObject *, PyObject *const *args, Py_ssize_t n) 
   PyObject **items = PySequence_Fast_ITEMS(ids);
   for (Py_ssize_t i = 0; i < k; ++i) {  // exact ints only: no __index__ runs, the list cannot change
     long long v;
-    if ((!small_int(items[i], v) && !exact_int_in(items[i], 0, INT64_MAX - 1, v)) || v < 0 || v == INT64_MAX) {
+    if (!exact_int_in(items[i], 0, INT64_MAX - 1, v)) {
       Py_DECREF(raw);
       Py_RETURN_NONE;
     }
