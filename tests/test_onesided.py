@@ -544,9 +544,9 @@ def test_a_landed_loads_marks_free_it_and_its_notification_is_deferred(marks, mo
         landed = {}
         for k in range(3):
             prm = p.export(f"a{k}", [3 + 2 * k, 4 + 2 * k], 12, seed=3 + k)
+            landed[f"a{k}"] = time.monotonic()  # before the load: it lands, and is marked, after
             d[0].load(f"a{k}", prm, [20 + 2 * k, 21 + 2 * k])
             assert poll_until(d.engines, {f"a{k}"}, "recv") == {f"a{k}": "done"}
-            landed[f"a{k}"] = time.monotonic()
             assert poll_until(p.engines, {f"a{k}"}, "send") == {f"a{k}": "done"}
             assert check(d.caches(0), F16, 0, 1, [20 + 2 * k, 21 + 2 * k], 12, 3 + k)
         if marks == "native":
