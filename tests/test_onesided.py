@@ -567,6 +567,47 @@ def test_a_landed_loads_marks_free_it_and_its_notification_is_deferred(marks, mo
         assert p[0].stats()["blocks_held"] == 0
 
 
+def test_a_steady_stream_of_marked_loads_is_notified_in_few_messages(monkeypatch):
+    """Loads landing one after another for several grace periods: their deferred notifications
+    go in at most one message per ``MARK_GRACE_S`` (not one per load as each one's grace ends),
+    each at least the grace after its load landed."""
+    assert idops.ensure(), idops.status()
+    grace = onesided_mod.MARK_GRACE_S
+    with warmed() as (p, d):
+        sent = []
+        real = d[0]._loader.notify
+        monkeypatch.setattr(
+            d[0]._loader,
+            "notify",
+            lambda peer, done, failed: (
+                sent.append((time.monotonic(), done, failed)) or real(peer, done, failed)
+            ),
+        )
+        landed = {}
+        t0 = time.monotonic()
+        k = 0
+        while time.monotonic() - t0 < 4 * grace:
+            rid = f"s{k}"
+            prm = p.export(rid, [3, 4], 12, seed=3 + k % 50)
+            landed[rid] = time.monotonic()
+            d[0].load(rid, prm, [20, 21])
+            assert poll_until(d.engines, {rid}, "recv") == {rid: "done"}
+            assert poll_until(p.engines, {rid}, "send") == {rid: "done"}
+            k += 1
+            time.sleep(0.002)
+        end = time.monotonic() + 5.0
+        while sum(len(x[1]) for x in sent) < k and time.monotonic() < end:
+            d[0].poll()
+            time.sleep(0.005)
+        elapsed = time.monotonic() - t0
+        got = {it.request_id: t for t, done, _ in sent for it in done}
+        assert sorted(got) == sorted(landed) and not [x for x in sent if x[2]], (len(got), k)
+        assert k >= 20, f"only {k} loads in {4 * grace:.2f} s: too few to tell one message per load"
+        assert len(sent) <= elapsed / grace + 1, (len(sent), k, elapsed)
+        assert all(got[r] - landed[r] >= grace for r in got)
+        assert d[0].stats()["onesided"]["deferred"] == k
+
+
 def test_a_mark_the_exporter_never_counts_is_freed_by_the_deferred_notification(monkeypatch):
     """A landed load's done mark that the exporter does not count (here P reads no marks at all:
     as if a stranger had overwritten them in the table) holds the blocks only until the

@@ -27,8 +27,8 @@ of every exporter rank the plan has this rank notify (the exporter frees the blo
 ``poll()`` or side-channel tick). When every such mark was written and its ring entry taken by
 the native compare-and-swap (:mod:`kvxfer.transports.ipc.slots`: no mark is lost), the marks
 free the blocks and the acknowledged notification is deferred: a later ``poll()`` sends it
-``MARK_GRACE_S`` after, one message per exporter for every such load of the window
-(``close()``: at once). It then counts nothing, unless a stranger overwrote a mark in the table
+between ``MARK_GRACE_S`` and twice that after, at most one message per exporter in each
+``MARK_GRACE_S`` for every such load due by then (``close()``: at once). It then counts nothing, unless a stranger overwrote a mark in the table
 (which no table word lets the loader see): it is the record only the loader writes. Otherwise
 (a rank past the marks, a rank without a mapped table, a slot not found, the Python fallback's
 stores) the notification is queued at once, and a failed load is always notified.
@@ -88,8 +88,9 @@ _STALE_NS = int(STALE_S * 1e9)
 # (the load fails, no wrong byte is reported). Asking for the whole load timeout instead refused
 # every served load under the connector's defaults (lease 30 s = timeout 30 s: "lease too short").
 LEASE_LEFT_S = 5.0
-# A landed load whose done marks were all written is notified this long after, in one message
-# per exporter for every such load of the window: the marks free the blocks at the exporter's
+# A landed load whose done marks were all written is notified at least this long after (at most
+# twice it), in one message per exporter for every such load due by then, at most one message
+# per exporter in each such period (a steady stream of loads is not one message each): the marks free the blocks at the exporter's
 # next poll() or side-channel tick (20 ms); the notification is the record a stranger cannot
 # overwrite in the table (nor make this loader believe the blocks freed), so it still goes.
 MARK_GRACE_S = 0.1
@@ -207,6 +208,9 @@ class OneSided:
         # (due, peer, load) of the landed loads whose marks were all written, oldest first,
         # until their notification goes (_notify_marked)
         self._marked: collections.deque = collections.deque()
+        # not before then: at most one deferred notification per peer every MARK_GRACE_S (each
+        # load's goes between MARK_GRACE_S and twice that after its marks)
+        self._next_notify = 0.0
         # (engine id, request id) of the params of every load launched or held here and not
         # reported yet: a second load of them is refused as the messaged path refuses a repeat
         self._active: set[tuple[str, str]] = set()
@@ -510,8 +514,10 @@ class OneSided:
         notification per peer for all of them. First, the marked loads whose grace ended
         (:meth:`_notify_marked`)."""
         marked = self._marked
-        if marked and marked[0][0] <= time.monotonic():
-            self._notify_marked(False)
+        if marked:
+            now_s = time.monotonic()
+            if marked[0][0] <= now_s and now_s >= self._next_notify:
+                self._notify_marked(False)
         if not self.flights:
             return
         with self.lock:
@@ -599,6 +605,7 @@ class OneSided:
         notification then counts nothing), or did not count a mark (a stranger overwrote it in
         the table) and free them now."""
         now_s = time.monotonic()
+        self._next_notify = now_s + MARK_GRACE_S
         notes: dict[int, tuple[Peer, list]] = {}
         with self.lock:
             marked = self._marked
