@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
-ABI_VERSION = 9  # must equal kAbiVersion in csrc/ctl/kvx_ctl.cpp
+ABI_VERSION = 10  # must equal kAbiVersion in csrc/ctl/kvx_ctl.cpp
 _MAX_INT64 = 2**63 - 1
 ENV = "KVXFER_NATIVE_CTL"
 TARGET = cpu_build.CONTROL_MODULE
@@ -202,9 +202,9 @@ as_uint64 = _np_as_uint64
 native one also for ids from 2**63 on): params carry ids the exporter's block count bounds
 only after the handshake (:func:`max_id` then)."""
 params_fields = _np_params_fields
-"""``params_fields(d, limits)``: ``(fields, ids)`` of a params dict whose every field is plainly
-good (exact types, no ``groups``): a new dict of the params' fields and ``bytes`` of the block
-ids as uint64; None otherwise, and
+"""``params_fields(d, limits)``: ``(fields, ids, digest)`` of a params dict whose every field is
+plainly good (exact types, no ``groups``): a new dict of the params' fields, ``bytes`` of the
+block ids as uint64 and their :func:`kvxfer.auth.content_digest`; None otherwise, and
 always without the native module: :meth:`kvxfer.params.KVTransferParams.from_dict` then checks
 it field by field (``csrc/ctl/params_fields.h`` says what "plainly" means)."""
 hold = _np_hold

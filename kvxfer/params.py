@@ -255,8 +255,8 @@ class KVTransferParams:
         the id checks; None otherwise, and the field checks of :meth:`_one` name what is
         wrong."""
         got = idops.params_fields(d, _LIMITS)
-        if got is not None:  # the fields as __init__ would set them, and the ids' array
-            fields, raw = got
+        if got is not None:  # the fields as __init__ would set them, the ids' array and digest
+            fields, raw, fields["_digest"] = got
             fields["_ids"] = np.frombuffer(raw, _U64)  # read-only: bytes
             out = object.__new__(cls)
             object.__setattr__(out, "__dict__", fields)

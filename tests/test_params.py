@@ -1,4 +1,5 @@
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -194,9 +195,12 @@ def test_the_native_check_takes_only_what_the_python_checks_accept_alike(d, monk
         assert got is None, d
         return
     if got is not None:
-        fields, raw = got
+        fields, raw, digest = got
         assert fields == {f.name: getattr(want, f.name) for f in dataclasses.fields(want)}
         assert raw == want.block_id_array().tobytes()
+        # the content digest (kvxfer.auth), as hashlib makes it from the same bytes
+        head = want.num_tokens.to_bytes(8, "little")
+        assert digest == want.digest() == hashlib.blake2b(head + raw, digest_size=16).digest()
     if d is GOOD or d == {k: v for k, v in GOOD.items() if k != "version"}:
         assert got is not None  # the common case is taken natively
     monkeypatch.undo()

@@ -36,7 +36,7 @@
 namespace kvx_ctl {
 namespace {
 
-constexpr int kAbiVersion = 9;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 10;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A set of up to `n` non-negative ids: open addressing in twice the slots.
 class IdSet {
@@ -431,7 +431,7 @@ PyMethodDef kMethods[] = {
     {"token", as_method(token), METH_FASTCALL,
      "key, request_id, nonce, digest -> the 48-character token (kvxfer.auth.request_token)"},
     {"params_fields", as_method(params_fields), METH_FASTCALL,
-     "d, limits -> the fields of a plainly good params dict (kvxfer.params), else None"},
+     "d, limits -> (fields, ids, digest) of a plainly good params dict (kvxfer.params), else None"},
     {"slot_layout", slot_layout, METH_NOARGS, "the lease-slot table layout these functions assume"},
     {"abi_version", abi_version, METH_NOARGS, "the source's ABI version"},
     {nullptr, nullptr, 0, nullptr},

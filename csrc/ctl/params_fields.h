@@ -8,9 +8,11 @@
 // refuses what they accept, it only leaves it to them.
 //
 // limits: (max_id_chars, token_chars, max_tp_size, max_tokens, params_version).
-// Returns (fields, ids): `fields` a new dict of the ten KVTransferParams fields (block_ids as a
-// tuple, groups None, version as given or the current one), `ids` bytes of the block ids as
-// uint64 (immutable: numpy reads them as a read-only array). Block ids are exact ints in
+// Returns (fields, ids, digest): `fields` a new dict of the ten KVTransferParams fields
+// (block_ids as a tuple, groups None, version as given or the current one), `ids` bytes of the
+// block ids as uint64 (immutable: numpy reads them as a read-only array), `digest` their
+// content digest (token_hash.h's content_digest of num_tokens and those ids, one group: the
+// params need it on every load path, and the ids are in hand here). Block ids are exact ints in
 // [0, INT64_MAX).
 
 #pragma once
@@ -23,6 +25,7 @@
 #include <cstdint>
 
 #include "ctl_common.h"
+#include "token_hash.h"
 
 namespace kvx_ctl {
 
@@ -104,6 +107,8 @@ inline PyObject *params_fields(PyObject *, PyObject *const *args, Py_ssize_t n) 
     }
     out[i] = static_cast<uint64_t>(v);
   }
+  // The fields first: the dict holds its own references, so the digest below may let other
+  // threads run (they could change `d` and drop what it held) without a borrowed one in use.
   PyObject *fields = PyDict_New(), *tup = PyList_AsTuple(ids);
   PyObject *values[10] = {rid, eid, host, port, tp, tup, num, tok, nullptr, Py_None};
   bool ok = fields != nullptr && tup != nullptr;
@@ -118,7 +123,25 @@ inline PyObject *params_fields(PyObject *, PyObject *const *args, Py_ssize_t n) 
     Py_DECREF(raw);
     return nullptr;
   }
-  return Py_BuildValue("(NN)", fields, raw);
+  Blake2b128 h;  // content_digest(num_v, the ids, None): the bytes written above are the ids' int64
+  unsigned char head[8];
+  store_le64(head, static_cast<uint64_t>(num_v));
+  h.update(head, 8);
+  const auto *data = reinterpret_cast<const unsigned char *>(out);
+  const size_t len = static_cast<size_t>(k) * 8;
+  if (len >= kDigestFreeGilBytes) {  // `raw` is this call's own: no other thread sees it yet
+    Py_BEGIN_ALLOW_THREADS h.update(data, len);
+    Py_END_ALLOW_THREADS
+  } else {
+    h.update(data, len);
+  }
+  PyObject *digest = digest_bytes(h);
+  if (digest == nullptr) {
+    Py_DECREF(fields);
+    Py_DECREF(raw);
+    return nullptr;
+  }
+  return Py_BuildValue("(NNN)", fields, raw, digest);
 }
 
 }  // namespace kvx_ctl
