@@ -97,6 +97,32 @@ class PreparedCopy:
         how = self._how if backend is None else self._how._replace(backend=backend)
         launch(how, src, dst, budget, dma)
 
+    def run_bounded(self, src_ids: np.ndarray, dst_ids: np.ndarray, num_tokens: int) -> None:
+        """:meth:`run` with ids their producer bounded for this copy (:meth:`takes`): C-contiguous
+        int64 arrays of exactly ``ceil(num_tokens / block_size)`` ids of each side's caches,
+        in range, the destination's without repeats, ``num_tokens`` > 0. Nothing is checked
+        here: the one-sided load's ids were checked at ``load()``, against the bounds
+        :meth:`takes` agreed to once."""
+        st, dt = self._src, self._dst
+        src, dst = _with_ids(st, src_ids, num_tokens), _with_ids(dt, dst_ids, num_tokens)
+        budget = self._budget
+        if budget is not None:
+            src.max_sms = dst.max_sms = budget
+        launch(self._how, src, dst, budget, None)
+
+    def takes(self, src_block_size: int, src_bound: int, dst_block_size: int, dst_bound: int) -> bool:
+        """Whether ids of blocks of ``src_block_size`` tokens below ``src_bound`` (and of the
+        destination's likewise) are ids of this copy's two sides (:meth:`run_bounded`)."""
+        st, dt = self._src, self._dst
+        return (
+            st.block_size == src_block_size
+            and st.slot_block == 1
+            and src_bound <= st.num_blocks
+            and dt.block_size == dst_block_size
+            and dt.slot_block == 1
+            and dst_bound <= dt.num_blocks
+        )
+
     def sides(self, src_block_ids, dst_block_ids, num_tokens: int) -> tuple[PagedSide, PagedSide]:
         """The two sides a call with these ids and token count runs on (checked as it checks
         them), without running it."""

@@ -47,7 +47,7 @@ STEPS = (
     (params.KVTransferParams, "digest", "D"),
     (slots, "binder", "P+D"),  # what it returns (the binding's hash), taken once, called per request
     (slots.SlotView, "read", "D"),
-    (ops.PreparedCopy, "run", "D"),
+    (ops.PreparedCopy, "run_bounded", "D"),
     (engine.TransferEngine, "_poll_into", "P+D"),
     (onesided.OneSided, "complete", "D"),
     (onesided.OneSided, "_check", "D"),

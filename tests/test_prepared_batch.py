@@ -136,3 +136,28 @@ def test_a_bad_batch_is_refused_before_anything_is_written(change, match):
     with pytest.raises(ValueError, match=match):
         PreparedCopy(src, dst, backend="torch").batch(**args)
     assert torch.equal(as_bytes(dst), before)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_run_bounded_lands_what_copy_blocks_lands_and_takes_only_its_own_bounds(backend):
+    """PreparedCopy.run_bounded (ids bounded by their producer, as the one-sided load's) lands
+    exactly the bytes copy_blocks does, partial last block included, and leaves other blocks
+    alone; takes() agrees only to ids of the sides' own block sizes within their block counts
+    (not token slots)."""
+    s_spec = make_spec(Layout.NHD, torch.float16, 4, head_dim=8)
+    d_spec = make_spec(Layout.HND, torch.float16, 4, head_dim=8)
+    src = register_caches(_random_cache(s_spec, 10, 4, seed=5), s_spec)
+    dst = register_caches(_random_cache(d_spec, 12, 2, seed=6), d_spec)  # random: a poison
+    want = register_caches([c.clone() for c in dst], d_spec)
+    heads = dict(src_head_start=2, dst_head_start=0, num_heads=2)
+    s_ids = np.array([7, 2, 9], dtype=np.int64)
+    d_ids = np.array([11, 0, 5], dtype=np.int64)
+    ops.copy_blocks(src, s_spec, s_ids, want, d_spec, d_ids, 10, backend=backend, **heads)
+    copy = PreparedCopy(src, dst, backend=backend, **heads)
+    assert copy.takes(4, 10, 4, 12) and copy.takes(4, 3, 4, 12)
+    assert not copy.takes(4, 11, 4, 12) and not copy.takes(4, 10, 4, 13)  # beyond a side
+    assert not copy.takes(8, 10, 4, 12) and not copy.takes(4, 10, 1, 12)  # another unit
+    copy.run_bounded(s_ids, d_ids, 10)  # 10 tokens: the third block partial
+    assert_bytes_equal(as_bytes(dst), as_bytes(want))
+    slots = register_caches(empty_cache(d_spec, 12, 2), d_spec, token_slots=True)
+    assert not PreparedCopy(src, slots, backend=backend, **heads).takes(4, 10, 1, 48)

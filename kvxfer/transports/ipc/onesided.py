@@ -123,6 +123,7 @@ class Source(NamedTuple):
     whole: list[tuple[ops.PreparedCopy, int]]
     src_bound: int
     dst_bound: int
+    bounded: bool  # every prepared copy takes ids within these bounds as they are (run_bounded)
 
 
 class Target:
@@ -264,7 +265,8 @@ class OneSided:
             src_bound = peer.num_blocks * (peer.spec.block_size // src.unit)
             dst_bound = rank.num_blocks * (rank.spec.block_size // dst.unit)
             route = Route(reads, m.views.units, rank.units)
-            sources.append(Source(s, v, m, reads, route, whole, src_bound, dst_bound))
+            bounded = all(c.takes(src.unit, src_bound, dst.unit, dst_bound) for c, _ in whole)
+            sources.append(Source(s, v, m, reads, route, whole, src_bound, dst_bound, bounded))
         ranks = [src.rank for src in sources]
         marks = [
             (views[s], ranks.index(s) if s in ranks else -1)
@@ -651,13 +653,18 @@ class OneSided:
 
 def _copy_whole(t: Target, item: LoadItem) -> int:
     """The copies of a whole load (every block, no tokens held here) through each source's
-    prepared copies; returns the ops calls."""
+    prepared copies; returns the ops calls. Its ids were checked at ``load()``: exactly the
+    blocks its tokens fill on each side, in range, the destination's without repeats."""
     n = item.num_tokens
     calls = 0
     for src in t.sources:
-        src_ids = ops.CheckedIds(item.src, src.src_bound, False)
-        dst_ids = ops.CheckedIds(item.dst, src.dst_bound, True)
-        for copy, _ in src.whole:
-            copy.run(src_ids, dst_ids, n)  # n >= 1: a load moves at least one token
+        if src.bounded:
+            for copy, _ in src.whole:
+                copy.run_bounded(item.src, item.dst, n)  # n >= 1: a load moves at least one token
+        else:
+            src_ids = ops.CheckedIds(item.src, src.src_bound, False)
+            dst_ids = ops.CheckedIds(item.dst, src.dst_bound, True)
+            for copy, _ in src.whole:
+                copy.run(src_ids, dst_ids, n)
         calls += len(src.whole)
     return calls
