@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common
-from bench_host_floor import FLOOR_TOKENS, host_floor
+from bench_host_floor import FLOOR_TOKENS, host_floor, onesided_floor
 from engine_harness import Loopback, NullKernel, aliased_shm_caches, restore_backends, use_null_backend
 
 from kvxfer import KVCacheSpec, TransferEngine, ops
@@ -320,6 +320,24 @@ def floor_vs_engine(n_iter: int, rounds: int = 6, batch: int = 1) -> dict:
     return out
 
 
+def onesided_floor_vs_engine(n_iter: int, rounds: int = 6) -> dict:
+    """:func:`onesided_floor` and the engine's one-sided :func:`host_cost` in alternating short
+    rounds, as :func:`floor_vs_engine`: the floor's medians and, per side, the median per-round
+    ratio engine / floor."""
+    n = max(n_iter // rounds, 20)
+    ratios: dict[str, list[float]] = {"p": [], "d": []}
+    runs = []
+    for _ in range(rounds):
+        engine = host_cost(n, 1, FLOOR_TOKENS, onesided=True)
+        runs.append(onesided_floor(n))
+        for k in ratios:
+            ratios[k].append(engine[f"{k}_side_us"] / runs[-1][f"{k}_side_us"])
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["p_ratio"], out["d_ratio"] = statistics.median(ratios["p"]), statistics.median(ratios["d"])
+    out["rounds"] = rounds
+    return out
+
+
 HOST_TARGET_US = 50.0  # DESIGN.md: host cost of one 4K-token request
 BATCH_TARGET_US = 25.0  # issue 17: per request, in batches of 8
 ONESIDED_TARGET_US = 30.0  # issue 40: one-sided, one 4K-token request
@@ -433,6 +451,12 @@ def main() -> None:
         f"  issue 40 target <= {ONESIDED_TARGET_US:.0f} us for a one-sided 4K-token request: per side {per}; "
         f"both sides together {verdict} ({one['total_us']:.1f} us; messaged {target:.1f} us)"
     )
+    f1 = onesided_floor_vs_engine(a.host_iters)
+    print(
+        f"  least a one-sided request costs here (onesided_floor: the same native steps in straight-line "
+        f"code, as cold): P {f1['p_side_us']:.1f} us, D {f1['d_side_us']:.1f} us; the engine is "
+        f"P {f1['p_ratio']:.1f}x, D {f1['d_ratio']:.1f}x that (median of {f1['rounds']} interleaved rounds)"
+    )
     ref = python_reference_us()
     print(
         f"  this machine now: {ref:.2f} us for a reference Python loop (sum(range(100)); ~0.75 us on an idle "
@@ -481,6 +505,7 @@ def main() -> None:
                 "host_cost": cases,
                 "floor": floor,
                 "floor_batch8": floor8,
+                "floor_onesided": f1,
                 "warm_vs_cold": wc,
                 "bandwidth": bw,
                 "targets": targets,

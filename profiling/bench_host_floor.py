@@ -9,6 +9,8 @@ the same run.
 
 With ``--batch 8`` each round exports and loads 8 requests and moves them with one grant, one
 ops call and one notification, as the engine batches a poll's loads; figures are per request.
+Then the same for one one-sided request (:func:`onesided_floor`), per side, beside the engine's
+one-sided path.
 
     python profiling/bench_host_floor.py [--iters 400] [--batch 1]
 """
@@ -175,6 +177,101 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
         restore_backends(saved)
 
 
+def onesided_floor(n_iter: int, cold: bool = True) -> dict:
+    """The least one one-sided request can cost here, per side: the steps of
+    :func:`host_floor` a one-sided read keeps, plus the lease-slot table's, in straight-line code
+    with kvxfer's own native pieces and nothing around them (no trackers, peers, flights,
+    metrics, notifications, tracing or failure handling):
+
+      export  (P) as :func:`host_floor`'s, and the export's slot opened in the table (its
+              binding, one native write)
+      load    (D) the params dict checked with its digest (one native call), the local ids, the
+              binding, the slot read with the blocks' epochs snapshot (one native call), one
+              prepared copy of the whole request into the null kernel
+      check   (D) the slot and epochs re-checked after the copy, the done mark written
+      free    (P) the done marks taken from the table, the lease dropped (refcounts down, epochs
+              bumped), the slot closed
+
+    ``cold`` as for :func:`host_floor`. Medians (us) of each step, of each side and of the
+    whole."""
+    from kvxfer.transports.ipc.slots import HEADER, SLOT, ExporterSlots, SlotView, binder
+
+    spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
+    per = spec.num_blocks_for(FLOOR_TOKENS)
+    nb = per + 8
+    src_shm, src = aliased_shm_caches(spec, nb)
+    dst_shm, dst = aliased_shm_caches(spec, nb)
+    saved = use_null_backend()
+    try:
+        copy = ops.PreparedCopy(ops.register_caches(src, spec), ops.register_caches(dst, spec))
+        key = EngineSecret("floor", 0, 0)
+        epochs = np.zeros(nb, dtype=np.int64)
+        refcount = np.zeros(nb, dtype=np.int32)
+        assert idops.ensure(), idops.status()
+        table = np.zeros(HEADER + 64 * SLOT, dtype=np.int64)
+        exporter = ExporterSlots(table, "floor")
+        view = SlotView(table)
+        bind = binder()
+        live: dict[str, tuple[np.ndarray, int]] = {}
+        rng = random.Random(0)
+        steps: dict[str, list[float]] = {k: [] for k in ("export", "load", "check", "free")}
+        copies0 = NullKernel.copies
+        for i in range(n_iter + 20):
+            src_ids, dst_ids = list(range(nb)), list(range(nb))
+            if cold or i == 0:
+                rng.shuffle(src_ids)
+                rng.shuffle(dst_ids)
+            rid = f"r{i}"
+            t0 = time.perf_counter()
+            # export (P)
+            listed = src_ids[:per]
+            ids = check_block_ids(listed, per, nb, FLOOR_TOKENS, unique=True)
+            digest = content_digest(FLOOR_TOKENS, ids)
+            token = key.token(rid, bytes(8), digest)
+            idops.hold(refcount, ids)
+            slot = exporter.open(rid, token, digest, time.monotonic() + 600, True, False)
+            live[rid] = (ids, slot)
+            listed = listed if idops.exact_ints(listed) else ids.tolist()
+            prm = params_dict(rid, "P", "127.0.0.1", 5555, 1, listed, FLOOR_TOKENS, token)
+            t1 = time.perf_counter()
+            # load (D)
+            p = KVTransferParams.from_dict(prm)
+            local = check_block_ids(dst_ids[:per], per, nb, FLOOR_TOKENS, unique=True)
+            b0, b1 = bind(p.token, p.digest(), p.request_id)
+            now_ns = time.monotonic_ns()
+            src_arr = p.block_id_array().view(np.int64)
+            got = view.read(b0, b1, now_ns, 2_000_000_000, now_ns + 5_000_000_000, epochs, src_arr)
+            assert type(got) is tuple, got
+            copy.run_bounded(src_arr, local, FLOOR_TOKENS)
+            t2 = time.perf_counter()
+            # check (D)
+            k, g, snap = got
+            assert not view.check(k, g, epochs, src_arr, snap, time.monotonic_ns(), 2_000_000_000)
+            assert view.mark_done(k, g, 0, 1)
+            t3 = time.perf_counter()
+            # free (P)
+            done = exporter.take_done()
+            for r, _ in done:
+                held, slot = live.pop(r)
+                exporter.close(slot)
+                idops.release(refcount, epochs, held)
+            t4 = time.perf_counter()
+            assert [r for r, _ in done] == [rid], done
+            if i >= 20:
+                for name, a, b in zip(steps, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+                    steps[name].append(b - a)
+        assert NullKernel.copies - copies0 == n_iter + 20, "copies did not reach the null kernel"
+        out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in steps.items()}
+        out["p_side_us"] = statistics.median([a + b for a, b in zip(steps["export"], steps["free"])]) * 1e6
+        out["d_side_us"] = statistics.median([a + b for a, b in zip(steps["load"], steps["check"])]) * 1e6
+        out["total_us"] = statistics.median([sum(x) for x in zip(*steps.values())]) * 1e6
+        return out
+    finally:
+        src_shm.close()
+        dst_shm.close()
+        restore_backends(saved)
+
+
 def main(argv=None) -> int:
     import bench_engine  # it imports this module: the engine's figure of the same run
 
@@ -200,6 +297,19 @@ def main(argv=None) -> int:
         f"  the engine's path in the same run (bench_engine.host_cost, cold): {engine['total_us']:.1f} us; "
         f"target <= {bench_engine.HOST_TARGET_US if a.batch == 1 else bench_engine.BATCH_TARGET_US:.0f} us"
     )
+    one = {"cold": onesided_floor(a.iters, True), "warm": onesided_floor(a.iters, False)}
+    one_engine = bench_engine.host_cost(n_iter=min(a.iters, 300), onesided=True)
+    print(
+        "least host cost of one one-sided 4K-token request, us (medians; P: export + free, D: load + check)"
+    )
+    print(f"  {'step':<8} {'cold':>8} {'warm':>8}")
+    for k in ("export", "load", "check", "free", "p_side", "d_side"):
+        print(f"  {k:<8} {one['cold'][k + '_us']:8.1f} {one['warm'][k + '_us']:8.1f}")
+    print(
+        f"  the engine's one-sided path in the same run (cold): P {one_engine['p_side_us']:.1f} us, "
+        f"D {one_engine['d_side_us']:.1f} us; target <= {bench_engine.ONESIDED_TARGET_US:.0f} us per side "
+        "(scaled to the reference loop)"
+    )
     print(f"  this machine now: {ref:.2f} us for a reference Python loop (sum(range(100)))")
     print(
         json.dumps(
@@ -208,6 +318,8 @@ def main(argv=None) -> int:
                 "batch": a.batch,
                 "cold": cold,
                 "warm": warm,
+                "onesided": one,
+                "onesided_engine": {k: one_engine[f"{k}_side_us"] for k in ("p", "d")},
                 "engine_us": engine["total_us"],
                 "python_reference_us": ref,
             }

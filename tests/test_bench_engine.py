@@ -30,6 +30,9 @@ def test_bench_engine_small():
     floor8 = data["floor_batch8"]  # the same steps for 8 requests at a time, per request
     assert floor8["total_us"] > 0 and floor8["engine_ratio"] > 0
     assert "the same in batches of 8" in res.stdout
+    f1 = data["floor_onesided"]  # the one-sided path's floor per side, interleaved with the engine's
+    assert f1["p_side_us"] > 0 and f1["d_side_us"] > 0 and f1["p_ratio"] > 0 and f1["d_ratio"] > 0
+    assert "least a one-sided request costs here" in res.stdout
     assert data["warm_vs_cold"]["warm_us"] > 0 and data["warm_vs_cold"]["cold_us"] > 0
     # the one-request cases again, each caller's step after a 10 ms pause (the default)
     for case in ("1x4096@10ms", "1x4096-1s@10ms"):
@@ -52,6 +55,12 @@ def test_bench_host_floor_small():
         assert all(v > 0 for v in steps), data[mode]
         assert data[mode]["total_us"] > 0
     assert "target <= 50 us" in res.stdout
+    for mode in ("cold", "warm"):  # the one-sided path's steps, per side
+        got = data["onesided"][mode]
+        assert all(got[f"{k}_us"] > 0 for k in ("export", "load", "check", "free")), got
+        assert got["p_side_us"] > got["export_us"] and got["d_side_us"] > got["load_us"], got
+    assert all(v > 0 for v in data["onesided_engine"].values())
+    assert "least host cost of one one-sided 4K-token request" in res.stdout
 
 
 def test_host_steps_times_each_step_of_a_request():
