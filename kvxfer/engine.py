@@ -361,10 +361,8 @@ class TransferEngine:
             ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
         token, digest, gen = self._export_token(request_id, ids, num_tokens, token, sizes)
         rt = self._rt
-        if not streaming:
-            rt.order.mark(request_id, ready)
+        gated = rt.order.gated(request_id) if streaming else rt.order.mark(request_id, ready)
         layers = self.spec.num_layers if streaming else 0
-        gated = rt.order.gated(request_id)
         rt.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated, sizes)
         # plain ints: that list is the params' (JSON-safe); else the checked array's values
         listed = block_ids if type(block_ids) is list and idops.exact_ints(block_ids) else ids.tolist()

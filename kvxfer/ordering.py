@@ -84,20 +84,22 @@ class StreamOrder:
         """``ready`` (CUDA events and/or streams, or objects with ``query()``) as events."""
         return _events(ready)
 
-    def mark(self, request_id: str, ready: Any = None) -> None:
-        """Remember what ``request_id``'s export waits for (``ready``, else the compute stream)."""
+    def mark(self, request_id: str, ready: Any = None) -> bool:
+        """Remember what ``request_id``'s export waits for (``ready``, else the compute stream);
+        returns :meth:`gated` of it (one call where export() made two)."""
         if ready is None:
             ready = self._compute
             if ready is None:
-                return
+                return request_id in self._pending
         events = _events(ready)
         if not events:
-            return
+            return request_id in self._pending
         with self._lock:
             if len(self._pending) >= 4096:  # gates of requests never granted (expired, aborted)
                 for rid in [r for r, evs in self._pending.items() if all(e.query() for e in evs)]:
                     del self._pending[rid]
             self._pending[request_id] = events
+        return True
 
     def gated(self, request_id: str) -> bool:
         """Whether ``request_id``'s export waits for events not yet seen complete."""
