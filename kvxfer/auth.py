@@ -56,6 +56,7 @@ __all__ = [
     "UNAUTHORIZED",
     "EngineSecret",
     "content_digest",
+    "export_token",
     "request_token",
     "tokens_match",
 ]
@@ -84,6 +85,15 @@ def _native():
     return idops.native()
 
 
+def _id_bytes(block_ids: np.ndarray) -> np.ndarray:
+    """``block_ids`` (non-negative ids) as a C-contiguous 8-byte int array: the digest's input as
+    it is (int64 or uint64), else a little-endian int64 copy."""
+    dt = block_ids.dtype
+    if (dt is _I64 or dt is _U64) and block_ids.flags.c_contiguous:
+        return block_ids
+    return np.ascontiguousarray(block_ids.view(np.int64) if dt == np.uint64 else block_ids, dtype="<i8")
+
+
 def content_digest(num_tokens: int, block_ids: np.ndarray, groups: Sequence[int] | None = None) -> bytes:
     """What a token binds besides the request id: BLAKE2b-128 of ``num_tokens`` (8 bytes,
     little-endian) and the block ids as little-endian int64 (``block_ids``: an int64 or uint64
@@ -91,11 +101,7 @@ def content_digest(num_tokens: int, block_ids: np.ndarray, groups: Sequence[int]
     request of several KV cache groups (:mod:`kvxfer.grouped`), how many of the ids belong to
     each group, bound too (after a marker no id count can equal). One native call when the
     control module is loaded, else hashlib (the same bytes)."""
-    dt = block_ids.dtype
-    if not ((dt is _I64 or dt is _U64) and block_ids.flags.c_contiguous):
-        block_ids = np.ascontiguousarray(
-            block_ids.view(np.int64) if dt == np.uint64 else block_ids, dtype="<i8"
-        )
+    block_ids = _id_bytes(block_ids)
     mod = _native()
     if mod is not None:
         g = None if groups is None else np.ascontiguousarray(groups, dtype="<i8")
@@ -109,6 +115,19 @@ def content_digest(num_tokens: int, block_ids: np.ndarray, groups: Sequence[int]
         for k in range(0, block_ids.size, _IDS_PER_UPDATE):
             h.update(block_ids[k : k + _IDS_PER_UPDATE])
     return h.digest()
+
+
+def export_token(
+    secret: bytes, request_id: str, nonce: bytes, num_tokens: int, block_ids: np.ndarray, groups=None
+) -> tuple[str, bytes]:
+    """``(token, digest)`` of an export: :func:`request_token` of :func:`content_digest`, in one
+    native call when the control module is loaded (what ``export()`` makes per request)."""
+    mod = _native()
+    if mod is None:
+        digest = content_digest(num_tokens, block_ids, groups)
+        return request_token(secret, request_id, nonce, digest), digest
+    g = None if groups is None else np.ascontiguousarray(groups, dtype="<i8")
+    return mod.export_token(secret, request_id, nonce, num_tokens, _id_bytes(block_ids), g)
 
 
 def _mac_input(request_id: str, nonce: bytes, digest: bytes) -> bytes:
@@ -190,6 +209,13 @@ class EngineSecret:
         """The token of the export of ``request_id`` with ``nonce`` (8 bytes: the export's
         generation, or random) and content ``digest`` (:func:`content_digest`)."""
         return request_token(self.secret, request_id, nonce, digest)
+
+    def export_token(
+        self, request_id: str, nonce: bytes, num_tokens: int, block_ids: np.ndarray, groups=None
+    ) -> tuple[str, bytes]:
+        """``(token, content digest)`` of the export of ``request_id`` with ``nonce`` holding
+        ``block_ids`` (an int array) and ``num_tokens`` (:func:`export_token`)."""
+        return export_token(self.secret, request_id, nonce, num_tokens, block_ids, groups)
 
     def new_token(
         self, request_id: str, num_tokens: int, block_ids, groups: Sequence[int] | None = None

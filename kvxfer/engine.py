@@ -420,10 +420,10 @@ class TransferEngine:
         the generation's token, the same on every rank; or ``token`` checked to be one this
         engine's secret made for these ids and ``num_tokens`` (and ``sizes``: ids per group)."""
         secret = self._rt.secret
-        digest = content_digest(num_tokens, ids, sizes)
         gen = self._rt.exports.generation(request_id)
         if token is None:
-            return secret.token(request_id, gen.to_bytes(8, "big"), digest), digest, gen
+            return (*secret.export_token(request_id, gen.to_bytes(8, "big"), num_tokens, ids, sizes), gen)
+        digest = content_digest(num_tokens, ids, sizes)
         if not secret.verify(request_id, token, digest):
             raise ValueError(
                 f"token: not a token of engine {self.engine_id!r} for request {request_id!r} with these "

@@ -66,6 +66,38 @@ def test_native_and_hashlib_give_the_same_token_and_digest(path):
             assert tok == auth_native.token(key, "q", bytes(8), dg)
 
 
+@pytest.mark.parametrize("groups", [None, [100, 200], [0, 300]])
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_export_token_is_the_token_of_the_content_digest(groups, dtype):
+    """An export's (token, digest) in one call: the digest of its ids (int64 or uint64, a
+    strided view too) and the token of that digest, as the two calls make them."""
+    ids = np.random.default_rng(4).choice(10**6, 600, replace=False).astype(dtype)
+    key = bytes(range(1, 33))
+    nonce = (9).to_bytes(8, "big")
+    for arr in (ids[:300], ids[::2]):
+        tok, dg = auth.export_token(key, "r-7", nonce, 4000, arr, groups)
+        assert dg == content_digest(4000, np.ascontiguousarray(arr), groups)
+        assert tok == _want_token(key, "r-7", nonce, dg)
+        s = EngineSecret("E", 0, 0)
+        assert s.export_token("r-7", nonce, 4000, arr, groups) == (s.token("r-7", nonce, dg), dg)
+
+
+def test_native_export_token_refuses_bad_arguments_by_name():
+    mod = _NATIVE()
+    assert mod is not None
+    ids = np.arange(3, dtype=np.int64)
+    with pytest.raises(ValueError, match="key must be 1 to 64 bytes"):
+        mod.export_token(b"", "q", bytes(8), 5, ids, None)
+    with pytest.raises(ValueError, match="nonce must be 8 bytes"):
+        mod.export_token(bytes(32), "q", bytes(7), 5, ids, None)
+    with pytest.raises(TypeError, match="request_id must be str"):
+        mod.export_token(bytes(32), b"q", bytes(8), 5, ids, None)
+    with pytest.raises(TypeError, match="ids: must hold 8-byte ints"):
+        mod.export_token(bytes(32), "q", bytes(8), 5, ids.astype(np.int32), None)
+    with pytest.raises(ValueError, match="export_token: num_tokens"):
+        mod.export_token(bytes(32), "q", bytes(8), -1, ids, None)
+
+
 def test_native_token_refuses_bad_arguments_by_name():
     mod = _NATIVE()
     assert mod is not None

@@ -36,7 +36,7 @@
 namespace kvx_ctl {
 namespace {
 
-constexpr int kAbiVersion = 10;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 11;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A set of up to `n` non-negative ids: open addressing in twice the slots.
 class IdSet {
@@ -430,6 +430,8 @@ PyMethodDef kMethods[] = {
      "num_tokens, ids, groups -> BLAKE2b-128 of them (kvxfer.auth.content_digest)"},
     {"token", as_method(token), METH_FASTCALL,
      "key, request_id, nonce, digest -> the 48-character token (kvxfer.auth.request_token)"},
+    {"export_token", as_method(export_token), METH_FASTCALL,
+     "key, request_id, nonce, num_tokens, ids, groups -> (token, digest) of an export (kvxfer.auth)"},
     {"params_fields", as_method(params_fields), METH_FASTCALL,
      "d, limits -> (fields, ids, digest) of a plainly good params dict (kvxfer.params), else None"},
     {"slot_layout", slot_layout, METH_NOARGS, "the lease-slot table layout these functions assume"},

@@ -6,6 +6,8 @@
 //       ids (int64, little-endian).
 //   token(key, request_id, nonce, digest) -> str
 //       nonce.hex() + the hex of keyed BLAKE2b-128(key; request_id UTF-8, 0, nonce, digest).
+//   export_token(key, request_id, nonce, num_tokens, ids, groups) -> (token, digest)
+//       both of an export in one call.
 //
 // Each equals what auth.py computes with hashlib when this module is not loaded (the tests run
 // both on the same inputs). Why native: at export the digest and the token were two Python
@@ -52,23 +54,15 @@ inline PyObject *digest_bytes(Blake2b128 &h) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char *>(out), 16);
 }
 
-// content_digest(num_tokens, ids, groups): ids and groups (None: one group) 8-byte ints.
-inline PyObject *content_digest(PyObject *, PyObject *const *args, Py_ssize_t n) {
-  if (!nargs(n, 3, "content_digest")) return nullptr;
-  const long long num_tokens = PyLong_AsLongLong(args[0]);
-  if (num_tokens == -1 && PyErr_Occurred()) return nullptr;
-  if (num_tokens < 0) return PyErr_Format(PyExc_ValueError, "content_digest: num_tokens %lld < 0", num_tokens);
-  Buf ids, groups;
-  if (!get(args[1], ids, 8, false, "ids")) return nullptr;
-  if (args[2] != Py_None && !get(args[2], groups, 8, false, "groups")) return nullptr;
-  Blake2b128 h;
+// The content digest's hash of num_tokens, groups (null: one group) and ids (8-byte ints).
+inline void hash_content(Blake2b128 &h, long long num_tokens, const Buf *groups, const Buf &ids) {
   unsigned char head[8];
   store_le64(head, static_cast<uint64_t>(num_tokens));
   h.update(head, 8);
-  if (groups.held) {
+  if (groups != nullptr) {
     static const unsigned char kMarker[] = "\xffgroups";
     h.update(kMarker, sizeof(kMarker) - 1);
-    h.update(static_cast<const unsigned char *>(groups.view.buf), static_cast<size_t>(groups.view.len));
+    h.update(static_cast<const unsigned char *>(groups->view.buf), static_cast<size_t>(groups->view.len));
   }
   const auto *data = static_cast<const unsigned char *>(ids.view.buf);
   const size_t len = static_cast<size_t>(ids.view.len);
@@ -78,33 +72,51 @@ inline PyObject *content_digest(PyObject *, PyObject *const *args, Py_ssize_t n)
   } else {
     h.update(data, len);
   }
+}
+
+// num_tokens, ids and groups (None: one group) of a content digest's call, checked.
+inline bool content_args(PyObject *const *args, long long &num_tokens, Buf &ids, Buf &groups, const char *fn) {
+  num_tokens = PyLong_AsLongLong(args[0]);
+  if (num_tokens == -1 && PyErr_Occurred()) return false;
+  if (num_tokens < 0) {
+    PyErr_Format(PyExc_ValueError, "%s: num_tokens %lld < 0", fn, num_tokens);
+    return false;
+  }
+  return get(args[1], ids, 8, false, "ids") && (args[2] == Py_None || get(args[2], groups, 8, false, "groups"));
+}
+
+// content_digest(num_tokens, ids, groups): ids and groups (None: one group) 8-byte ints.
+inline PyObject *content_digest(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 3, "content_digest")) return nullptr;
+  long long num_tokens;
+  Buf ids, groups;
+  if (!content_args(args, num_tokens, ids, groups, "content_digest")) return nullptr;
+  Blake2b128 h;
+  hash_content(h, num_tokens, groups.held ? &groups : nullptr, ids);
   return digest_bytes(h);
 }
 
-// token(key, request_id, nonce, digest) -> the 48-character token (see the file's head).
-inline PyObject *token(PyObject *, PyObject *const *args, Py_ssize_t n) {
-  if (!nargs(n, 4, "token")) return nullptr;
-  if (!PyUnicode_Check(args[1])) {
-    return PyErr_Format(PyExc_TypeError, "token: request_id must be str, got %s", Py_TYPE(args[1])->tp_name);
+// The token of request_id (str) under key with nonce (8 bytes) and digest, as a new str.
+inline PyObject *make_token(PyObject *key_o, PyObject *rid_o, PyObject *nonce_o, const unsigned char *digest,
+                            size_t digest_len) {
+  if (!PyUnicode_Check(rid_o)) {
+    return PyErr_Format(PyExc_TypeError, "token: request_id must be str, got %s", Py_TYPE(rid_o)->tp_name);
   }
-  Buf key, nonce, dg;
-  if (!get(args[0], key, 0, false, "key") || !get(args[2], nonce, 0, false, "nonce") ||
-      !get(args[3], dg, 0, false, "digest")) {
-    return nullptr;
-  }
+  Buf key, nonce;
+  if (!get(key_o, key, 0, false, "key") || !get(nonce_o, nonce, 0, false, "nonce")) return nullptr;
   if (key.view.len < 1 || key.view.len > 64) {
     return PyErr_Format(PyExc_ValueError, "token: the key must be 1 to 64 bytes, got %zd", key.view.len);
   }
   if (nonce.view.len != 8) return PyErr_Format(PyExc_ValueError, "token: the nonce must be 8 bytes, got %zd", nonce.view.len);
   Py_ssize_t rid_len = 0;
-  const char *rid = PyUnicode_AsUTF8AndSize(args[1], &rid_len);
+  const char *rid = PyUnicode_AsUTF8AndSize(rid_o, &rid_len);
   if (rid == nullptr) return nullptr;  // UnicodeEncodeError, a ValueError
   Blake2b128 h(static_cast<const unsigned char *>(key.view.buf), static_cast<size_t>(key.view.len));
   const unsigned char zero = 0;
   h.update(reinterpret_cast<const unsigned char *>(rid), static_cast<size_t>(rid_len));
   h.update(&zero, 1);
   h.update(static_cast<const unsigned char *>(nonce.view.buf), 8);
-  h.update(static_cast<const unsigned char *>(dg.view.buf), static_cast<size_t>(dg.view.len));
+  h.update(digest, digest_len);
   uint64_t w0, w1;
   h.final(w0, w1);
   unsigned char raw[24];
@@ -115,6 +127,35 @@ inline PyObject *token(PyObject *, PyObject *const *args, Py_ssize_t n) {
   char out[48];
   for (int i = 0; i < 24; ++i) out[2 * i] = kHex[raw[i] >> 4], out[2 * i + 1] = kHex[raw[i] & 15];
   return PyUnicode_FromStringAndSize(out, 48);
+}
+
+// token(key, request_id, nonce, digest) -> the 48-character token (see the file's head).
+inline PyObject *token(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 4, "token")) return nullptr;
+  Buf dg;  // the request id's type named first, as make_token would
+  if (!PyUnicode_Check(args[1])) return make_token(args[0], args[1], args[2], nullptr, 0);
+  if (!get(args[3], dg, 0, false, "digest")) return nullptr;
+  return make_token(args[0], args[1], args[2], static_cast<const unsigned char *>(dg.view.buf),
+                    static_cast<size_t>(dg.view.len));
+}
+
+// export_token(key, request_id, nonce, num_tokens, ids, groups) -> (token, digest): an export's
+// content digest and its token in one call (what export() makes per request).
+inline PyObject *export_token(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 6, "export_token")) return nullptr;
+  long long num_tokens;
+  Buf ids, groups;
+  if (!content_args(args + 3, num_tokens, ids, groups, "export_token")) return nullptr;
+  Blake2b128 h;
+  hash_content(h, num_tokens, groups.held ? &groups : nullptr, ids);
+  uint64_t w0, w1;
+  h.final(w0, w1);
+  unsigned char dg[16];
+  store_le64(dg, w0);
+  store_le64(dg + 8, w1);
+  PyObject *tok = make_token(args[0], args[1], args[2], dg, 16);
+  if (tok == nullptr) return nullptr;
+  return Py_BuildValue("(Ny#)", tok, reinterpret_cast<const char *>(dg), static_cast<Py_ssize_t>(16));
 }
 
 }  // namespace kvx_ctl
