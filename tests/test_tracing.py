@@ -312,6 +312,43 @@ def test_one_load_shows_its_whole_path_as_ranges(monkeypatch, transport):
     assert next(t for k, t, m in rec.calls if m == "kvxfer.grant req-9") == load_tid
 
 
+def test_a_one_sided_load_shows_its_copy_as_a_range(monkeypatch):
+    """A load read one-sided (launched in the caller's thread) still opens its copy range while
+    ranges are made, though it skips the range's context when they are not."""
+    import torch
+
+    from kvxfer import KVCacheSpec, TransferEngine
+    from kvxfer.transports.ipc.shm import alloc_shm_caches
+
+    monkeypatch.delenv("KVXFER_NVTX", raising=False)
+    saved = dict(tracing._state)
+    rec = ThreadedFakeNvtx()
+    tracing.set_enabled(True, nvtx_module=rec)
+    spec = KVCacheSpec(2, 2, 16, 8, torch.float16)
+    src, dst = alloc_shm_caches(spec, 8, 1, fill=3), alloc_shm_caches(spec, 8, 1, fill=0)
+    p = TransferEngine(spec, src.caches, 0, 1, "P", transport="ipc", lease_s=30).start()
+    d = TransferEngine(spec, dst.caches, 0, 1, "D", transport="ipc", lease_s=30, onesided=True).start()
+    try:
+        for rid, s_ids, d_ids in (("first", [1, 2], [5, 6]), ("second", [3, 4], [6, 7])):
+            d.load(rid, p.export(rid, s_ids, 12), d_ids)
+            end = time.monotonic() + 20
+            done = sent = False
+            while not (done and sent) and time.monotonic() < end:
+                done = done or rid in d.poll().finished_recving
+                sent = sent or rid in p.poll().finished_sending
+                time.sleep(0.002)
+            assert done and sent, rid
+        assert d.stats()["onesided"]["loads"] == 1  # the second: the first handshook
+    finally:
+        d.close()
+        p.close()
+        src.close()
+        dst.close()
+        tracing._state.update(saved)
+    names = [m for kind, _, m in rec.calls if kind == "push"]
+    assert "kvxfer.copy second" in names, names
+
+
 def test_engine_stats_say_whether_ranges_are_made_and_why(fake):
     import torch
 
