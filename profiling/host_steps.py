@@ -36,8 +36,7 @@ from kvxfer.transports.ipc import onesided, slots
 STEPS = (
     (engine.TransferEngine, "export", "P"),
     (engine.TransferEngine, "_export_token", "P"),
-    (engine, "content_digest", "P"),
-    (auth.EngineSecret, "token", "P"),
+    (auth, "export_token", "P"),
     (exports.ExportTracker, "add", "P"),
     (engine.TransferEngine, "load", "D"),
     (params.KVTransferParams, "from_dict", "D"),
