@@ -187,8 +187,8 @@ class OneSided:
 
     ``loads``: loads read one-sided so far; ``direct``: of them, read by cross-memory attach
     straight into this rank's caches (no mirror); ``deferred``: landed ones whose done marks
-    freed them and whose notification went ``MARK_GRACE_S`` later, with the other loads of that
-    window; ``fallbacks``: why a load took the messaged path, counted by reason (all in
+    freed them and whose notification went ``MARK_GRACE_S`` or more later, with the other loads
+    due by then; ``fallbacks``: why a load took the messaged path, counted by reason (all in
     ``stats()["onesided"]``)."""
 
     def __init__(self, rank: Rank, rt: Runtime, link: OneSidedLink) -> None:
@@ -516,8 +516,8 @@ class OneSided:
     # ----------------------------------------------------------------------- complete
     def complete(self) -> None:
         """Check and report every one-sided load whose copy completed (``poll()`` calls it); one
-        notification per peer for all of them. First, the marked loads whose grace ended
-        (:meth:`_notify_marked`)."""
+        notification per peer for all of them. First, the marked loads whose grace ended, when
+        the last such notification went ``MARK_GRACE_S`` ago or more (:meth:`_notify_marked`)."""
         marked = self._marked
         if marked:
             now_s = time.monotonic()
