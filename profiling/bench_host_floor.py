@@ -18,12 +18,14 @@ one-sided path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -39,6 +41,21 @@ from kvxfer.engine_types import check_block_ids
 from kvxfer.params import KVTransferParams, params_dict
 
 FLOOR_TOKENS = 4096
+
+
+@contextlib.contextmanager
+def _null_caches(spec: KVCacheSpec, num_blocks: int) -> Iterator[tuple]:
+    """Two caches of ``num_blocks`` blocks in shared memory, with the copy kernels replaced by
+    the null kernel (:func:`use_null_backend`) until the block ends: yields (src, dst)."""
+    src_shm, src = aliased_shm_caches(spec, num_blocks)
+    dst_shm, dst = aliased_shm_caches(spec, num_blocks)
+    saved = use_null_backend()
+    try:
+        yield src, dst
+    finally:
+        src_shm.close()
+        dst_shm.close()
+        restore_backends(saved)
 
 
 def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
@@ -69,10 +86,7 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
     spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
     per = spec.num_blocks_for(FLOOR_TOKENS)
     nb = per * batch + 8
-    src_shm, src = aliased_shm_caches(spec, nb)
-    dst_shm, dst = aliased_shm_caches(spec, nb)
-    saved = use_null_backend()
-    try:
+    with _null_caches(spec, nb) as (src, dst):
         sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
         key = EngineSecret("floor", 0, 0)  # a random secret, no key file
         epochs = np.zeros(nb, dtype=np.int64)
@@ -171,10 +185,6 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
         out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in steps.items()}
         out["total_us"] = statistics.median([sum(x) for x in zip(*steps.values())]) * 1e6
         return out
-    finally:
-        src_shm.close()
-        dst_shm.close()
-        restore_backends(saved)
 
 
 def onesided_floor(n_iter: int, cold: bool = True) -> dict:
@@ -199,10 +209,7 @@ def onesided_floor(n_iter: int, cold: bool = True) -> dict:
     spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
     per = spec.num_blocks_for(FLOOR_TOKENS)
     nb = per + 8
-    src_shm, src = aliased_shm_caches(spec, nb)
-    dst_shm, dst = aliased_shm_caches(spec, nb)
-    saved = use_null_backend()
-    try:
+    with _null_caches(spec, nb) as (src, dst):
         copy = ops.PreparedCopy(ops.register_caches(src, spec), ops.register_caches(dst, spec))
         key = EngineSecret("floor", 0, 0)
         epochs = np.zeros(nb, dtype=np.int64)
@@ -266,10 +273,6 @@ def onesided_floor(n_iter: int, cold: bool = True) -> dict:
         out["d_side_us"] = statistics.median([a + b for a, b in zip(steps["load"], steps["check"])]) * 1e6
         out["total_us"] = statistics.median([sum(x) for x in zip(*steps.values())]) * 1e6
         return out
-    finally:
-        src_shm.close()
-        dst_shm.close()
-        restore_backends(saved)
 
 
 def main(argv=None) -> int:

@@ -522,6 +522,20 @@ def test_the_same_params_twice_in_one_batch_are_refused_as_the_messaged_path_ref
         assert d.onesided() == [0 if how == "messaged-first" else 1]
 
 
+def _record_notifications(monkeypatch, engine: TransferEngine) -> list:
+    """The notifications ``engine``'s loader sends from now on, as (when, done, failed), each
+    still sent."""
+    sent: list = []
+    real = engine._loader.notify
+
+    def notify(peer, done, failed):
+        sent.append((time.monotonic(), done, failed))
+        real(peer, done, failed)
+
+    monkeypatch.setattr(engine._loader, "notify", notify)
+    return sent
+
+
 @pytest.mark.parametrize("marks", ["native", "python"])
 def test_a_landed_loads_marks_free_it_and_its_notification_is_deferred(marks, monkeypatch):
     """With the native module a landed one-sided load's done marks free it, and its notification
@@ -532,15 +546,7 @@ def test_a_landed_loads_marks_free_it_and_its_notification_is_deferred(marks, mo
     else:
         monkeypatch.setattr(slots_mod, "_native", lambda: None)
     with warmed() as (p, d):
-        sent = []
-        real = d[0]._loader.notify
-        monkeypatch.setattr(
-            d[0]._loader,
-            "notify",
-            lambda peer, done, failed: (
-                sent.append((time.monotonic(), done, failed)) or real(peer, done, failed)
-            ),
-        )
+        sent = _record_notifications(monkeypatch, d[0])
         landed = {}
         for k in range(3):
             prm = p.export(f"a{k}", [3 + 2 * k, 4 + 2 * k], 12, seed=3 + k)
@@ -574,15 +580,7 @@ def test_a_steady_stream_of_marked_loads_is_notified_in_few_messages(monkeypatch
     assert idops.ensure(), idops.status()
     grace = onesided_mod.MARK_GRACE_S
     with warmed() as (p, d):
-        sent = []
-        real = d[0]._loader.notify
-        monkeypatch.setattr(
-            d[0]._loader,
-            "notify",
-            lambda peer, done, failed: (
-                sent.append((time.monotonic(), done, failed)) or real(peer, done, failed)
-            ),
-        )
+        sent = _record_notifications(monkeypatch, d[0])
         landed = {}
         t0 = time.monotonic()
         k = 0

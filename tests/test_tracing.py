@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -264,11 +265,10 @@ def test_a_range_name_function_runs_only_when_a_range_is_made(fake):
     assert tracing.items_tag([types.SimpleNamespace(request_id=r) for r in ("a", "b")]) == "a+1"
 
 
-@pytest.mark.parametrize("transport", ["ipc", "pg"])
-def test_one_load_shows_its_whole_path_as_ranges(monkeypatch, transport):
-    """What an Nsight user sees of one request: on D's worker the load with its grant round trip
-    and its copy (or recv and scatter), the notifier's round trip, and on P the messages served;
-    every range is closed on the thread that opened it."""
+@contextlib.contextmanager
+def _traced_pair(monkeypatch, transport: str, onesided: bool = False):
+    """P and D engines (``transport``) with ranges recorded by a threaded stand-in nvtx:
+    yields (p, d, recorder); both closed and tracing restored after."""
     import torch
 
     from kvxfer import KVCacheSpec, TransferEngine
@@ -281,22 +281,38 @@ def test_one_load_shows_its_whole_path_as_ranges(monkeypatch, transport):
     spec = KVCacheSpec(2, 2, 16, 8, torch.float16)
     src, dst = alloc_shm_caches(spec, 8, 1, fill=3), alloc_shm_caches(spec, 8, 1, fill=0)
     p = TransferEngine(spec, src.caches, 0, 1, "P", transport=transport, lease_s=30).start()
-    d = TransferEngine(spec, dst.caches, 0, 1, "D", transport=transport, lease_s=30).start()
+    d = TransferEngine(
+        spec, dst.caches, 0, 1, "D", transport=transport, lease_s=30, onesided=onesided
+    ).start()
     try:
-        d.load("req-9", p.export("req-9", [1, 2], 12), [5, 6])
-        end = time.monotonic() + 20
-        done = sent = False
-        while not (done and sent) and time.monotonic() < end:
-            done = done or "req-9" in d.poll().finished_recving
-            sent = sent or "req-9" in p.poll().finished_sending
-            time.sleep(0.002)
-        assert done and sent
+        yield p, d, rec
     finally:
         d.close()
         p.close()
         src.close()
         dst.close()
         tracing._state.update(saved)
+
+
+def _land(p, d, rid: str, src_ids: list[int], dst_ids: list[int]) -> None:
+    """Export ``rid`` on P, load it on D, and poll both until it landed and P freed it."""
+    d.load(rid, p.export(rid, src_ids, 12), dst_ids)
+    end = time.monotonic() + 20
+    done = sent = False
+    while not (done and sent) and time.monotonic() < end:
+        done = done or rid in d.poll().finished_recving
+        sent = sent or rid in p.poll().finished_sending
+        time.sleep(0.002)
+    assert done and sent, rid
+
+
+@pytest.mark.parametrize("transport", ["ipc", "pg"])
+def test_one_load_shows_its_whole_path_as_ranges(monkeypatch, transport):
+    """What an Nsight user sees of one request: on D's worker the load with its grant round trip
+    and its copy (or recv and scatter), the notifier's round trip, and on P the messages served;
+    every range is closed on the thread that opened it."""
+    with _traced_pair(monkeypatch, transport) as (p, d, rec):
+        _land(p, d, "req-9", [1, 2], [5, 6])
     names = [m for kind, _, m in rec.calls if kind == "push"]
     want = ["kvxfer.load req-9", "kvxfer.grant req-9", "kvxfer.notify req-9"]
     want += ["kvxfer.serve ReadReq req-9", "kvxfer.serve Notify req-9"]
@@ -315,36 +331,10 @@ def test_one_load_shows_its_whole_path_as_ranges(monkeypatch, transport):
 def test_a_one_sided_load_shows_its_copy_as_a_range(monkeypatch):
     """A load read one-sided (launched in the caller's thread) still opens its copy range while
     ranges are made, though it skips the range's context when they are not."""
-    import torch
-
-    from kvxfer import KVCacheSpec, TransferEngine
-    from kvxfer.transports.ipc.shm import alloc_shm_caches
-
-    monkeypatch.delenv("KVXFER_NVTX", raising=False)
-    saved = dict(tracing._state)
-    rec = ThreadedFakeNvtx()
-    tracing.set_enabled(True, nvtx_module=rec)
-    spec = KVCacheSpec(2, 2, 16, 8, torch.float16)
-    src, dst = alloc_shm_caches(spec, 8, 1, fill=3), alloc_shm_caches(spec, 8, 1, fill=0)
-    p = TransferEngine(spec, src.caches, 0, 1, "P", transport="ipc", lease_s=30).start()
-    d = TransferEngine(spec, dst.caches, 0, 1, "D", transport="ipc", lease_s=30, onesided=True).start()
-    try:
-        for rid, s_ids, d_ids in (("first", [1, 2], [5, 6]), ("second", [3, 4], [6, 7])):
-            d.load(rid, p.export(rid, s_ids, 12), d_ids)
-            end = time.monotonic() + 20
-            done = sent = False
-            while not (done and sent) and time.monotonic() < end:
-                done = done or rid in d.poll().finished_recving
-                sent = sent or rid in p.poll().finished_sending
-                time.sleep(0.002)
-            assert done and sent, rid
+    with _traced_pair(monkeypatch, "ipc", onesided=True) as (p, d, rec):
+        _land(p, d, "first", [1, 2], [5, 6])
+        _land(p, d, "second", [3, 4], [6, 7])
         assert d.stats()["onesided"]["loads"] == 1  # the second: the first handshook
-    finally:
-        d.close()
-        p.close()
-        src.close()
-        dst.close()
-        tracing._state.update(saved)
     names = [m for kind, _, m in rec.calls if kind == "push"]
     assert "kvxfer.copy second" in names, names
 
