@@ -116,7 +116,10 @@ class Exporter:
         """What the transports do often (:meth:`~kvxfer.transports.Transport.tick`: the ``ipc``
         lease-slot table's heartbeat, ready flags and the done marks of one-sided reads, counted
         as notifications). Called by the server thread every tick and by ``poll()``
-        (``beat=False``: the server thread's beat suffices)."""
+        (``beat=False``: the server thread's beat suffices; with no live export there is no
+        ready flag to set nor mark to count, as on a decode engine: nothing to do)."""
+        if not beat and self.rt.exports.idle():
+            return
         n = 0
         for t in self._tickers:
             n += t.tick(beat, self.expected_from)

@@ -553,6 +553,10 @@ class ExportTracker:
         else:
             out.expired = expired
 
+    def idle(self) -> bool:
+        """No live export (read without the lock: one added meanwhile shows at the next look)."""
+        return not self._live
+
     def num_live(self) -> int:
         with self.lock:
             return len(self._live)

@@ -846,3 +846,30 @@ def test_table_words_a_stranger_wrote_never_crash_d_nor_leak_p(native):
         assert p[0].stats()["blocks_held"] == 0 and p[0].stats()["exports_live"] == 0
         fallbacks = d[0].stats()["onesided"]["fallbacks"]
         assert fallbacks.get("table word out of range") == 2, fallbacks
+
+
+def test_poll_reads_the_slot_table_only_while_an_export_is_live(monkeypatch):
+    """poll() of an engine with no live export (a decode engine) does not tick its lease-slot
+    table: there is no ready flag to set nor mark to count. With one live, it does, and the
+    export's mark still frees it at P's poll."""
+    from kvxfer.transports.ipc import leases
+
+    by_poll: list[bool] = []  # per tick from poll() (not the server thread's beat): export live
+    real = leases.LeaseSlots.tick
+
+    def tick(self, beat, expected):
+        if not beat:
+            by_poll.append(not self._exports.idle())
+        return real(self, beat, expected)
+
+    with warmed() as (p, d):
+        monkeypatch.setattr(leases.LeaseSlots, "tick", tick)
+        for _ in range(3):
+            d[0].poll()
+            p[0].poll()
+        assert by_poll == []
+        prm = p.export("t", [3, 4], 12, seed=3)
+        d[0].load("t", prm, [5, 6])
+        assert poll_until(d.engines, {"t"}, "recv") == {"t": "done"}
+        assert poll_until(p.engines, {"t"}, "send") == {"t": "done"}  # freed by its mark
+        assert by_poll and all(by_poll), by_poll
