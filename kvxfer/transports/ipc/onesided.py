@@ -28,8 +28,9 @@ of every exporter rank the plan has this rank notify (the exporter frees the blo
 the native compare-and-swap (:mod:`kvxfer.transports.ipc.slots`: no mark is lost), the marks
 free the blocks and the acknowledged notification is deferred: a later ``poll()`` sends it
 between ``MARK_GRACE_S`` and twice that after, at most one message per exporter in each
-``MARK_GRACE_S`` for every such load due by then (``close()``: at once). It then counts nothing, unless a stranger overwrote a mark in the table
-(which no table word lets the loader see): it is the record only the loader writes. Otherwise
+``MARK_GRACE_S`` for every such load due by then (``close()``: at once). It then counts
+nothing, unless a stranger overwrote a mark in the table (which no table word lets the loader
+see): it is the record only the loader writes. Otherwise
 (a rank past the marks, a rank without a mapped table, a slot not found, the Python fallback's
 stores) the notification is queued at once, and a failed load is always notified.
 
@@ -90,9 +91,10 @@ _STALE_NS = int(STALE_S * 1e9)
 LEASE_LEFT_S = 5.0
 # A landed load whose done marks were all written is notified at least this long after (at most
 # twice it), in one message per exporter for every such load due by then, at most one message
-# per exporter in each such period (a steady stream of loads is not one message each): the marks free the blocks at the exporter's
-# next poll() or side-channel tick (20 ms); the notification is the record a stranger cannot
-# overwrite in the table (nor make this loader believe the blocks freed), so it still goes.
+# per exporter in each such period (a steady stream of loads is not one message each). The
+# marks free the blocks at the exporter's next poll() or side-channel tick (20 ms); the
+# notification is the record a stranger cannot overwrite in the table (nor make this loader
+# believe the blocks freed), so it still goes.
 MARK_GRACE_S = 0.1
 
 
@@ -423,9 +425,9 @@ class OneSided:
 
     def _copy_groups(self, t: Target, items: list[LoadItem]) -> int:
         """The copies of loads of an engine with KV cache groups (under the session's lock): per
-        source rank and group (cross-memory attach: its blocks of its layers fetched first), the group's items planned over its
-        layers as the messaged path plans them, a re-sharded state group's units copied
-        (:meth:`IpcSession.copy_units`); returns the ops calls."""
+        source rank and group (cross-memory attach: its blocks of its layers fetched first), the
+        group's items planned over its layers as the messaged path plans them, a re-sharded
+        state group's units copied (:meth:`IpcSession.copy_units`); returns the ops calls."""
         session, gs = t.session, self.rank.groups
         routes = t.peer.state_routes
         distinct = len(items) == 1 or disjoint_blocks(items, self.rank.spec.block_size)
