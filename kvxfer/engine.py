@@ -262,6 +262,7 @@ class TransferEngine:
         rt.exports.release_all("the exporting engine closed")
         if self._onesided is not None:  # queued while the notifier still sends
             self._onesided.flush()
+        self._loader.flush_releases()  # release() since the last poll(): still sent
         rt.stop.set()
         self._loader.stop()
         threads = self._threads()

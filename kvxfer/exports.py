@@ -73,7 +73,6 @@ class _Export:
         "block_ids",
         "deadline",
         "digest",
-        "expected",
         "gates",
         "gen",
         "groups",
@@ -97,8 +96,7 @@ class _Export:
         self.groups = groups  # ids per KV cache group (kvxfer.grouped), None: one group
         self.num_tokens = num_tokens
         self.deadline = deadline
-        self.notified_by: set = set()
-        self.expected: int | None = None
+        self.notified_by: dict[int, set] = {}  # expected count -> the senders counted toward it
         self.marked: np.ndarray | None = None  # layer-wise export: layers marked ready (None: all)
         self.gates: list = []  # (layers bool mask, events) of marked groups
         self.token = token  # the export's auth token (kvxfer.auth), kept to verify messages cheaply
@@ -131,14 +129,20 @@ def _counted(e: _Export, sender, expected: int) -> bool:
     """Count one notification (or done mark) of loader rank ``sender`` for export ``e``, whose
     plan expects ``expected`` of them; True when this one completed the count. A sender counts
     once: its repeats (a retried message, one message naming the request twice) return False,
-    so an export is released, and reported, once whatever arrives."""
-    if e.expected is None:
-        e.expected = expected
-    seen = e.notified_by
+    so an export is released, and reported, once whatever arrives.
+
+    Senders are counted per expected count (per loader layout): the first message does not fix
+    the count for the others. Else a token holder claiming another loader TP size (a rank of a
+    4-rank loader: 4 expected) before the real loader's rank notified would leave that one's
+    notification counted against 4, and the export leased for as long as anyone renewed it."""
+    by = e.notified_by
+    seen = by.get(expected)
+    if seen is None:
+        seen = by[expected] = set()
     if sender in seen:
         return False
     seen.add(sender)
-    return len(seen) >= e.expected
+    return len(seen) >= expected
 
 
 class ExportTracker:

@@ -45,7 +45,7 @@ from .grants import RESTARTED, ask_grants, take_grants, wanted
 from .grouped import group_items
 from .handshake import handshake
 from .metrics import now
-from .notifier import Notifier
+from .notifier import DRAIN_S, Notifier
 from .ordering import FenceTimeout, event_done
 from .peer import Peer, Peers
 from .planner import Planner
@@ -130,6 +130,17 @@ class Loader:
                     it.deadline = deadline
                 self._work.put(b)
 
+    def flush_releases(self) -> None:
+        """Hand the releases queued since the last ``poll()`` to the worker (``close()``: they
+        still go, while loads queued but not started are dropped)."""
+        with self.lock:
+            releases, self.releases = self.releases, []
+        if releases:
+            deadline = time.monotonic() + min(self.rank.timeout_s, DRAIN_S)
+            for it in releases:
+                it.deadline = deadline
+            self._work.put(releases)
+
     def stop(self) -> None:
         self._work.put(None)
 
@@ -152,7 +163,7 @@ class Loader:
             except queue.Empty:
                 batch = None
             if batch is None and self.rt.stop.is_set():
-                return
+                break
             if self.fenced:
                 self._release_fenced()
             if batch:
@@ -170,6 +181,29 @@ class Loader:
             if time.monotonic() - last_beat >= beat_every:
                 self._heartbeat()
                 last_beat = time.monotonic()
+        self._drain_releases()
+
+    def _drain_releases(self) -> None:
+        """The engine is closing: the releases handed over before it still run (each frees an
+        exporter's blocks that would otherwise stay leased until the lease ends, or for as long
+        as someone renews it); queued loads that never started are dropped."""
+        while True:
+            try:
+                batch = self._work.get_nowait()
+            except queue.Empty:
+                return
+            if not batch or type(batch[0]) is not ReleaseItem:
+                continue
+            end = time.monotonic() + DRAIN_S  # within close()'s bound, whatever they were given
+            for it in batch:
+                it.deadline = min(it.deadline, end)
+            try:
+                releases.run(self, batch)
+            except Exception as e:  # closing: logged, the other releases still go
+                _LOG.warning(
+                    "kvxfer loader %s rank %d: %d release(s) at close failed (%s)",
+                    self.rank.engine_id, self.rank.tp_rank, len(batch), describe_error(e),
+                )  # fmt: skip
 
     def _heartbeat(self) -> None:
         """Renew the leases of loads queued but not yet run (run ones were renewed by the grant)."""

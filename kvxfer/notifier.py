@@ -18,7 +18,13 @@ from .tracing import batch_tag, trace
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["Notifier"]
+__all__ = ["DRAIN_S", "Notifier"]
+
+# Once the engine closes, what is still unacknowledged is retried this long (from the first
+# look after the stop; within close()'s own bound, CLOSE_TIMEOUT_S): one try, then given up,
+# lost the notifications of loads that landed last whenever the exporter was slow to answer,
+# and an export whose done mark a stranger had overwritten stayed leased.
+DRAIN_S = 2.0
 
 
 def _notify_tag(due: list[list]) -> str:
@@ -31,7 +37,8 @@ class Notifier:
 
     Args:
         engine_id: the loader engine's id (for the logs).
-        stop: set when the engine closes; what is queued by then still goes until its deadline.
+        stop: set when the engine closes; what is queued or unacknowledged by then is retried
+            for ``DRAIN_S`` more (and not past its own deadline).
         metrics: where ``notify_failures`` is counted.
 
     ``queue``: ``(address, Notify | Heartbeat, deadline)`` tuples. A ``SimpleQueue``: its put is
@@ -63,8 +70,14 @@ class Notifier:
         client = control.ControlClient(ctx)
         pending: list[list] = []  # [addr, msg, deadline, next_try, attempts]
         q = self.queue
+        drain_end = None  # once stopped: what is still unacknowledged is retried until then
         try:
-            while not self.stop.is_set() or not q.empty():
+            while True:
+                if self.stop.is_set():
+                    if drain_end is None:
+                        drain_end = time.monotonic() + DRAIN_S
+                    if not pending and q.empty():
+                        return
                 # Block only until the next retry is due; a notification that arrives is sent at
                 # once (it frees the exporter's blocks), with whatever else is queued by then.
                 t = time.monotonic()
@@ -110,7 +123,8 @@ class Notifier:
                             )
                         continue
                     p[4] += 1
-                    if time.monotonic() >= p[2] or self.stop.is_set():
+                    now = time.monotonic()
+                    if now >= p[2] or (drain_end is not None and now >= drain_end):
                         pending.remove(p)
                         _LOG.warning(
                             "kvxfer loader %s: %s to %s not acknowledged after %d tries (%s); given up",

@@ -125,6 +125,27 @@ def test_release_frees_exporter_before_lease(pair):
     assert d.stats()["loads_pending"] == 0 and d.poll().empty()  # nothing reported on D
 
 
+@pytest.mark.parametrize("polled", [False, True])
+def test_a_release_made_just_before_close_still_frees_the_exporter(pair, polled):
+    """release() and then close(), with or without a poll between (the worker may not have
+    taken the release yet): the release still goes, bounded by close(), so the exporter frees
+    the blocks now rather than at lease end (or never, while another holder renews the lease)."""
+    p, d, _, _ = pair
+    d.load("warm", p.export("warm", [4], 5), [9])  # handshaken: the release needs no handshake
+    assert _wait(d, {"warm"}, "recv") == {"warm": "done"}
+    assert _wait(p, {"warm"}, "send") == {"warm": "done"}
+    prm = p.export("r", [1, 2, 3], 20)
+    d.release(prm)
+    if polled:
+        d.poll()
+    t0 = time.monotonic()
+    d.close()
+    assert time.monotonic() - t0 < 6.0  # close()'s bound
+    got = _wait(p, {"r"}, "send", timeout=5)
+    assert got == {"r": "done"}, got  # finished, not expired: lease_s is 30
+    assert p.stats()["blocks_held"] == 0
+
+
 def test_release_before_export_waits_for_it(pair):
     p, d, _, _ = pair
     d.release(_early_params(p, "r", [5, 6], 9))

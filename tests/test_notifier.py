@@ -206,3 +206,56 @@ def test_an_unexpected_send_error_is_logged_and_retried_and_the_notifier_lives_o
     assert sends[:3] == [("raised", ["a"]), ("send", ["a"]), ("send", ["b"])], log
     assert any("socket exploded" in r.getMessage() and "retrying" in r.getMessage() for r in caplog.records)
     assert me.metrics.snapshot().get("notify_failures", 0) == 0
+
+
+class _StopsDuringFirstTry(_FakeClient):
+    """No reply to its first call, during which the engine closes (``stop`` is set); then
+    acknowledges."""
+
+    def __init__(self, log: list, stop: threading.Event) -> None:
+        super().__init__(log, silent=1)
+        self.stop = stop
+
+    def call_many(self, calls, timeout_s, partial=False):
+        if self.silent:
+            self.stop.set()
+        return super().call_many(calls, timeout_s, partial)
+
+
+def test_a_notification_unacknowledged_when_the_engine_closes_is_retried_before_it_stops(monkeypatch):
+    """close() while a notification waits for its acknowledgement: it is retried (for
+    ``DRAIN_S``), not given up after the one try, so the exporter still frees the blocks."""
+    log: list = []
+    me = Notifier("D", threading.Event(), Metrics())
+    client = _StopsDuringFirstTry(log, me.stop)
+    monkeypatch.setattr(C, "ControlClient", lambda ctx: client)
+    me.queue.put(("tcp://p:1", _notify("a"), time.monotonic() + DEADLINE_S))
+    th = threading.Thread(target=me.run, args=(None,), daemon=True)
+    th.start()
+    th.join(DEADLINE_S)
+    assert not th.is_alive(), "the notifier did not stop within its deadline"
+    assert [e for e in log if e[0] == "send"] == [("send", ["a"]), ("send", ["a"])], log
+    assert me.metrics.snapshot().get("notify_failures", 0) == 0
+
+
+def test_a_dead_exporter_holds_close_for_the_drain_only(monkeypatch):
+    """An exporter that never answers: after the stop its notification is retried until
+    ``DRAIN_S``, then given up and counted; the notifier ends within that bound."""
+    from kvxfer import notifier as notifier_mod
+
+    monkeypatch.setattr(notifier_mod, "DRAIN_S", 0.5)
+    log: list = []
+    me = Notifier("D", threading.Event(), Metrics())
+    client = _FakeClient(log, silent=10**6)
+    monkeypatch.setattr(C, "ControlClient", lambda ctx: client)
+    me.queue.put(("tcp://p:1", _notify("a"), time.monotonic() + DEADLINE_S))
+    th = threading.Thread(target=me.run, args=(None,), daemon=True)
+    th.start()
+    assert client.sent.wait(DEADLINE_S)
+    t0 = time.monotonic()
+    me.stop.set()
+    th.join(DEADLINE_S)
+    assert not th.is_alive()
+    assert time.monotonic() - t0 < 0.5 + 1.0 + 0.5  # the drain, one back-off, one try's slack
+    assert sum(e[0] == "send" for e in log) >= 2, log  # retried after the stop
+    assert me.metrics.snapshot().get("notify_failures", 0) == 1

@@ -873,3 +873,18 @@ def test_poll_reads_the_slot_table_only_while_an_export_is_live(monkeypatch):
         assert poll_until(d.engines, {"t"}, "recv") == {"t": "done"}
         assert poll_until(p.engines, {"t"}, "send") == {"t": "done"}  # freed by its mark
         assert by_poll and all(by_poll), by_poll
+
+
+def test_an_exporter_seen_stopped_after_the_copy_fails_the_load_naming_what_was_seen(monkeypatch):
+    """The check after a copy found the exporter closed or silent, and a second read finds it
+    alive again (a stranger overwrote a header word, the exporter's beat restored it): the load
+    fails, and its reason says what the check saw, not a bare "stopped"."""
+    with warmed() as (p, d):
+        monkeypatch.setattr(slots_mod.SlotView, "check", lambda self, *a: 2)
+        prm = p.export("s", [3, 4], 12, seed=3)
+        d[0].load("s", prm, [5, 6])
+        got = poll_until(d.engines, {"s"}, "recv")
+        assert got["s"].startswith("failed:") and "no heartbeat when checked after the copy" in got["s"], got
+        assert d[0].stats()["onesided"]["loads"] == 1
+        monkeypatch.undo()
+        assert poll_until(p.engines, {"s"}, "send") == {"s": "done"}  # notified failed: freed

@@ -45,6 +45,21 @@ def test_duplicate_notification_counts_once():
     assert t.notify("r", ("D", 1), 2)
 
 
+def test_a_notification_claiming_another_loader_layout_does_not_hold_the_export():
+    """A token holder's notification as rank 3 of a 4-rank loader (4 expected) arrives first;
+    the real 1-rank loader's notification (1 expected) still frees the export, and the mark of
+    that same loader rank counts once with it (the key is shared)."""
+    t = ExportTracker(8, 30.0)
+    t.add("r", torch.tensor([1, 2]), 8)
+    t.add("s", torch.tensor([3]), 4)
+    assert not t.notify("r", ("D", 3), 4)  # the stranger's claim: one of four
+    assert t.notify("r", ("D", 0), 1)  # the loader's own: released
+    assert t.held_blocks() == 1 and t.num_live() == 1
+    assert not t.notify("s", ("D", 3), 4) and not t.notify("s", ("D", 2), 4)
+    assert t.notify_many(["s", "s"], ("D", 0), 1) == 1  # named twice, counted once
+    assert t.held_blocks() == 0 and t.num_live() == 0
+
+
 def test_notify_many_counts_each_request_once_and_frees_shared_blocks_last():
     t = ExportTracker(8, 30.0)
     t.add("a", torch.tensor([1, 2]), 20)

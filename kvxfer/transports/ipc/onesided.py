@@ -572,8 +572,12 @@ class OneSided:
                     f"exporter rank {src.rank}: blocks released before or during the copy (lease ended); "
                     "not delivered"
                 )
-            if got:  # nothing released, but the exporter stopped beating (killed, hung)
-                return f"exporter rank {src.rank}: {src.view.alive(_STALE_NS, now_ns) or 'stopped'}"
+            if got:  # nothing released, but the exporter stopped beating (killed, hung) or closed
+                why = src.view.alive(_STALE_NS, now_ns) or (  # read again: alive by now
+                    "closed or no heartbeat when checked after the copy, alive when read again "
+                    "(a word of its lease-slot table was overwritten meanwhile?)"
+                )
+                return f"exporter rank {src.rank}: {why}"
         return ""
 
     def _report(self, f: Flight, why: str, notes: dict | None = None) -> None:
