@@ -125,21 +125,21 @@ class Loader:
             releases, self.releases = self.releases, []
         deadline = time.monotonic() + timeout_s  # the loads' one deadline
         for b in (releases, batch):  # releases as their own batch: they move nothing
-            if b:
-                for it in b:
-                    it.deadline = deadline
-                self._work.put(b)
+            self._hand_over(b, deadline)
 
     def flush_releases(self) -> None:
         """Hand the releases queued since the last ``poll()`` to the worker (``close()``: they
         still go, while loads queued but not started are dropped)."""
         with self.lock:
             releases, self.releases = self.releases, []
-        if releases:
-            deadline = time.monotonic() + min(self.rank.timeout_s, DRAIN_S)
-            for it in releases:
+        self._hand_over(releases, time.monotonic() + min(self.rank.timeout_s, DRAIN_S))
+
+    def _hand_over(self, batch: list, deadline: float) -> None:
+        """Give ``batch`` (if any) to the worker thread, each item with ``deadline``."""
+        if batch:
+            for it in batch:
                 it.deadline = deadline
-            self._work.put(releases)
+            self._work.put(batch)
 
     def stop(self) -> None:
         self._work.put(None)

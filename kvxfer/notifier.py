@@ -90,8 +90,6 @@ class Notifier:
                         pending.append([*q.get_nowait(), 0.0, 0])
                     except queue.Empty:
                         break
-                if self.stop.is_set() and not pending:
-                    return
                 t = time.monotonic()
                 due = [p for p in pending if p[3] <= t]
                 if not due:
