@@ -77,6 +77,16 @@ class LoadTracker:
                     out.append(end - e[1])
         return out
 
+    def finish_one(self, request_id: str, end: float) -> float | None:
+        """:meth:`finish_many` of one load: its latency (``end`` minus its start), or None when
+        it was not pending (already reported)."""
+        with self.lock:
+            e = self._pending.pop(request_id, None)
+            if e is None:
+                return None
+            self._done.add(request_id)
+            return end - e[1]
+
     def fail(self, request_id: str, reason: str) -> bool:
         with self.lock:
             e = self._pending.pop(request_id, None)

@@ -577,6 +577,7 @@ class TransferEngine:
         throughput, transports."""
         rank, rt = self._rank, self._rt
         s = rt.metrics.snapshot()
+        s["finished_exports"] = rt.exports.finished_exports  # freed by every notification or mark
         if self._started:
             s["exports_live"] = rt.exports.num_live()
             s["blocks_held"] = rt.exports.held_blocks()

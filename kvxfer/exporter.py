@@ -120,11 +120,8 @@ class Exporter:
         ready flag to set nor mark to count, as on a decode engine: nothing to do)."""
         if not beat and self.rt.exports.idle():
             return
-        n = 0
         for t in self._tickers:
-            n += t.tick(beat, self.expected_from)
-        if n:
-            self.rt.metrics.add("finished_exports", n)
+            t.tick(beat, self.expected_from)
 
     def handle(self, msg):
         """The reply to one side-channel message (or a :class:`~kvxfer.control.Deferred`)."""
@@ -251,7 +248,7 @@ class Exporter:
         if bad is not None:
             return control.Ack(failed=bad)
         bad = {}
-        released = rt.exports.notify_many(
+        rt.exports.notify_many(
             ids,
             msg.tp_rank,  # one key per loader rank, shared with its done marks (ipc.slots)
             lambda: self.expected_from(msg.tp_size, msg.tp_rank),
@@ -259,8 +256,6 @@ class Exporter:
             rt.secret.verify,
             bad,
         )
-        if released:
-            rt.metrics.add("finished_exports", released)
         return control.Ack(failed=bad)
 
     def expected_from(self, loader_tp: int, loader_rank: int) -> int | str:

@@ -165,6 +165,9 @@ class ExportTracker:
         self._rc = self.refcount.numpy()
         self.lock = threading.RLock()
         self._live: dict[str, _Export] = {}
+        # exports freed because every loader rank notified or marked done (stats()
+        # "finished_exports"): counted here, under the lock the release holds anyway
+        self.finished_exports = 0
         self._finished: set[str] = set()
         self._expired: set[str] = set()
         self._errors: dict[str, str] = {}
@@ -461,6 +464,7 @@ class ExportTracker:
             if done:
                 done = self._release_many(done)
                 self._report_many(done, "finished")
+                self.finished_exports += len(done)
         return len(done)
 
     def count_marks(
@@ -473,20 +477,24 @@ class ExportTracker:
         here: then the mark counts nothing). Returns how many exports were released."""
         done = []
         with self.lock:
+            live = self._live
             for rid, marks_of in marks:
-                e = self._live.get(rid)
+                e = live.get(rid)
                 if e is None:
                     continue
                 landed = False
                 for d, loader_tp in marks_of:
                     want = expected(loader_tp, d)
-                    if type(want) is not str:
+                    if want == 1 and not e.notified_by:  # a lone loader rank's mark: nothing to count
+                        landed = True
+                    elif type(want) is not str:
                         landed = _counted(e, d, want) or landed
                 if landed:
                     done.append(rid)
             if done:
                 done = self._release_many(done)
                 self._report_many(done, "finished")
+                self.finished_exports += len(done)
         return len(done)
 
     def abort(self, request_id: str) -> bool:

@@ -76,6 +76,7 @@ class Loader:
         self.transports = transports
         self.notifier = notifier
         self.peers = Peers()
+        self.peer = self.peers.get  # the peer kept for an engine id, or None (any thread)
         self.planner = Planner(rank, rt)
         self.client: control.ControlClient | None = None
         self.lock = threading.Lock()
@@ -83,6 +84,9 @@ class Loader:
         # (engine id, request id) of the params in ``incoming``: the one-sided path refuses a
         # load of params the next batch already holds, as the batch itself refuses a repeat
         self._incoming_keys: set[tuple[str, str]] = set()
+        # queued(key): whether a load of the params key (engine id, request id) waits for the
+        # next batch (the set's own test, no frame: a one-sided load asks it in load())
+        self.queued = self._incoming_keys.__contains__
         self.releases: list[ReleaseItem] = []  # release() since the last poll(), run as their own batch
         self.fenced: list = []  # loads held until their timed-out GPU work completed
         self._work: queue.Queue = queue.Queue()
@@ -105,10 +109,6 @@ class Loader:
         with self.lock:
             self.incoming.append(item)
             self._incoming_keys.add((p.engine_id, p.request_id))
-
-    def queued(self, key: tuple[str, str]) -> bool:
-        """Whether a load of the params ``key`` (engine id, request id) waits for the next batch."""
-        return key in self._incoming_keys
 
     def queue_releases(self, items: list[ReleaseItem]) -> None:
         with self.lock:
@@ -277,10 +277,6 @@ class Loader:
         deadline = time.monotonic() + self.rank.lease_s
         for a in addrs:
             self.notifier.put(a, msg, deadline)
-
-    def peer(self, engine_id: str) -> Peer | None:
-        """The peer kept for ``engine_id`` (None if none; any thread)."""
-        return self.peers.get(engine_id)
 
     def plan(self, route: Route, src_block_size: int, loads: list, distinct: bool) -> BatchPlan:
         """The load planner's ops calls of ``loads`` along ``route`` (:meth:`Planner.plan`)."""

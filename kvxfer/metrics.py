@@ -40,7 +40,6 @@ class Metrics:
         self.bytes_sent = 0  # wire bytes this rank sent (pg exports)
         self.failures = 0  # loads reported failed
         self.expirations = 0  # exports whose lease expired
-        self.finished_exports = 0  # exports freed after all notifications
         self.handshakes = 0
         self.handshake_s = 0.0
         self.ops_calls = 0  # gather/scatter/copy calls issued for loads
@@ -59,20 +58,7 @@ class Metrics:
 
     def record_batch(self, start: float, end: float, nbytes: int, calls: int) -> None:
         """One (batch, source rank) transfer that moved ``nbytes`` wire bytes."""
-        with self._lock:
-            self._moved(start, end, nbytes, calls)
-
-    def _moved(self, start: float, end: float, nbytes: int, calls: int) -> None:
-        """:meth:`record_batch`'s counts and busy span, under the lock."""
-        self.bytes_received += nbytes
-        self.ops_calls += calls
-        span = self._span
-        if span is None or start > span[1]:
-            if span is not None:
-                self._busy_closed += span[1] - span[0]
-            self._span = (start, end)
-        else:  # overlaps the open span (an earlier start can only come from a racing recorder)
-            self._span = (min(span[0], start), max(span[1], end))
+        self.record_load(start, end, nbytes, calls, None)
 
     def record_done(self, latencies: list[float]) -> None:
         with self._lock:
@@ -80,15 +66,23 @@ class Metrics:
             self.latency_sum_s += sum(latencies)
             self._latency.extend(latencies)
 
-    def record_load(self, start: float, end: float, nbytes: int, calls: int, latencies: list[float]) -> None:
+    def record_load(self, start: float, end: float, nbytes: int, calls: int, latency: float | None) -> None:
         """One load moved on its own (one-sided): :meth:`record_batch` and :meth:`record_done`
-        (``latencies``: its latency when it landed, else empty) under one lock."""
+        (``latency``: when it landed, else None) under one lock, in one frame (per load)."""
         with self._lock:
-            self._moved(start, end, nbytes, calls)
-            if latencies:
-                self.transfers += len(latencies)
-                self.latency_sum_s += sum(latencies)
-                self._latency.extend(latencies)
+            self.bytes_received += nbytes
+            self.ops_calls += calls
+            span = self._span
+            if span is None or start > span[1]:
+                if span is not None:
+                    self._busy_closed += span[1] - span[0]
+                self._span = (start, end)
+            else:  # overlaps the open span (an earlier start can only come from a racing recorder)
+                self._span = (min(span[0], start), max(span[1], end))
+            if latency is not None:
+                self.transfers += 1
+                self.latency_sum_s += latency
+                self._latency.append(latency)
 
     def record_ops(self, calls: int, dedup_bytes: int) -> None:
         """``calls`` ops calls issued for loads, and wire bytes an n>1 sibling carried."""
@@ -113,7 +107,6 @@ class Metrics:
                 "bytes_sent": self.bytes_sent,
                 "failures": self.failures,
                 "expirations": self.expirations,
-                "finished_exports": self.finished_exports,
                 "handshakes": self.handshakes,
                 "handshake_s": self.handshake_s,
                 "ops_calls": self.ops_calls,

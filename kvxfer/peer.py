@@ -12,6 +12,7 @@ handshakes anew.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from . import control
 from .params import KVTransferParams
@@ -114,9 +115,9 @@ class Peers:
         self._by_id: dict[str, Peer] = {}
         self._lock = threading.Lock()
         self.reasons: dict[str, str] = {}
-
-    def get(self, engine_id: str) -> Peer | None:
-        return self._by_id.get(engine_id)
+        # get(engine_id) -> the peer kept for it, or None (any thread): the dict's own lookup,
+        # no Python frame (a one-sided load makes it in load())
+        self.get: Callable[[str], Peer | None] = self._by_id.get
 
     def add(self, peer: Peer) -> None:
         """Keep ``peer`` (a peer it replaces was forgotten first: :meth:`forget`)."""

@@ -637,9 +637,10 @@ def test_a_mark_the_exporter_never_counts_is_freed_by_the_deferred_notification(
         assert poll_until(p.engines, {"b"}, "send") == {"b": "done"}
 
 
-def test_done_mark_frees_without_the_notification_and_the_notification_without_the_mark(monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_done_mark_frees_without_the_notification_and_the_notification_without_the_mark(monkeypatch, native):
     """P frees from the done mark alone (the notification lost), and from the notification alone
-    (the mark lost): either record is enough, and neither frees twice."""
+    (the mark not written): either record is enough, and neither frees twice."""
     with warmed() as (p, d):
         d[0]._hooks["notify"] = lambda addr, msg: None  # notifications dropped
         prm = p.export("a", [3, 4], 12, seed=3)
@@ -647,7 +648,11 @@ def test_done_mark_frees_without_the_notification_and_the_notification_without_t
         assert poll_until(d.engines, {"a"}, "recv") == {"a": "done"}
         assert poll_until(p.engines, {"a"}, "send") == {"a": "done"}
         del d[0]._hooks["notify"]
-        monkeypatch.setattr(slots_mod.SlotView, "mark_done", lambda *a: None)
+        if native:
+            answer_landings(d, 3)  # the one native call: landed, a rank not marked
+        else:
+            python_slot_reads(d)
+            monkeypatch.setattr(slots_mod.SlotView, "mark_done", lambda *a: None)
         prm = p.export("b", [7, 8], 12, seed=4)
         d[0].load("b", prm, [9, 10])
         assert poll_until(d.engines, {"b"}, "recv") == {"b": "done"}
@@ -804,12 +809,38 @@ def table_of(p: Ranks, r: int = 0):
 
 
 def python_slot_reads(d: Ranks) -> None:
-    """D's slot views take the Python steps (as with ``KVXFER_NATIVE_CTL=0``)."""
+    """D's slot views take the Python steps (as with ``KVXFER_NATIVE_CTL=0``), and so do its
+    one-sided targets (a step per view, not one native call over all of them)."""
     for e in d.engines:
         for peer in e._loader.peers.all():
             for v in peer.session.slot_views:
                 if v is not None:
                     v.ctl = None
+            if peer.session.onesided is not None:
+                peer.session.onesided.ctl = None
+
+
+class NativeLanding:
+    """The native module, but its ``onesided_land`` answers ``code`` (what the one call over
+    every source rank returns) without reading or writing a table."""
+
+    def __init__(self, mod, code: int) -> None:
+        self.mod, self.code = mod, code
+
+    def __getattr__(self, name: str):
+        return getattr(self.mod, name)
+
+    def onesided_land(self, *args) -> int:
+        return self.code
+
+
+def answer_landings(d: Ranks, code: int) -> None:
+    """D's one-sided targets land loads through :class:`NativeLanding` answering ``code``."""
+    for e in d.engines:
+        for peer in e._loader.peers.all():
+            t = e._onesided._target(peer)  # made at the first one-sided load, else now
+            assert t is not None and t.ctl is not None, "no native one-sided target"
+            t.ctl = NativeLanding(t.ctl, code)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
@@ -875,12 +906,17 @@ def test_poll_reads_the_slot_table_only_while_an_export_is_live(monkeypatch):
         assert by_poll and all(by_poll), by_poll
 
 
-def test_an_exporter_seen_stopped_after_the_copy_fails_the_load_naming_what_was_seen(monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_an_exporter_seen_stopped_after_the_copy_fails_the_load_naming_what_was_seen(monkeypatch, native):
     """The check after a copy found the exporter closed or silent, and a second read finds it
     alive again (a stranger overwrote a header word, the exporter's beat restored it): the load
     fails, and its reason says what the check saw, not a bare "stopped"."""
     with warmed() as (p, d):
-        monkeypatch.setattr(slots_mod.SlotView, "check", lambda self, *a: 2)
+        if native:
+            answer_landings(d, 2)  # the one native call: source 0's exporter stopped
+        else:
+            python_slot_reads(d)
+            monkeypatch.setattr(slots_mod.SlotView, "check", lambda self, *a: 2)
         prm = p.export("s", [3, 4], 12, seed=3)
         d[0].load("s", prm, [5, 6])
         got = poll_until(d.engines, {"s"}, "recv")

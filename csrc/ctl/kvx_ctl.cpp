@@ -16,6 +16,7 @@
 // includes the rest (each header is in the library's hash, kvxfer/backends/cpu_build.py):
 // ctl_common.h (the argument checks every function shares), lease_slots.h (the lease-slot
 // table of kvxfer/transports/ipc/slots.py: the loader's reads and marks, the binding),
+// onesided_reads.h (a one-sided load's reads and marks over all its source ranks in one call),
 // exporter_slots.h (the exporter's writes to that table), token_hash.h (the content digest and
 // token of kvxfer/auth.py), blake2b.h (the hash of those three) and params_fields.h (a load's
 // params dict checked in one call, kvxfer/params.py).
@@ -30,13 +31,14 @@
 #include "ctl_common.h"
 #include "exporter_slots.h"
 #include "lease_slots.h"
+#include "onesided_reads.h"
 #include "params_fields.h"
 #include "token_hash.h"
 
 namespace kvx_ctl {
 namespace {
 
-constexpr int kAbiVersion = 11;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 12;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // A set of up to `n` non-negative ids: open addressing in twice the slots.
 class IdSet {
@@ -419,6 +421,12 @@ PyMethodDef kMethods[] = {
      "table, epochs, ids, snapshot, slot, gen, now_ns, stale_ns -> 0 landed, 1 released, 2 exporter stopped"},
     {"slot_mark", as_method(slot_mark), METH_FASTCALL,
      "table, slot, gen, loader_rank, loader_tp -> 0 marked, 1 ring count out of range, 2 gen out of range"},
+    {"onesided_read", as_method(onesided_read), METH_FASTCALL,
+     "tables, epochs, ids, num_tokens, block_size, num_blocks, token, digest, request_id, now_ns, stale_ns, "
+     "need_ns -> (b0, b1, reads) of a one-sided load, or a refusal code | source << 4"},
+    {"onesided_land", as_method(onesided_land), METH_FASTCALL,
+     "tables, epochs, ids, reads, marks, b0, b1, loader_rank, loader_tp, now_ns, stale_ns -> 0 landed and "
+     "marked, 3 landed (notify), else 1 released / 2 stopped | source << 4"},
     {"slot_open", as_method(slot_open), METH_FASTCALL,
      "table, gens, used, b0, b1, deadline_ns, ready, flags -> the slot given the export, or -1"},
     {"slot_close", as_method(slot_close), METH_FASTCALL, "table, gens, used, slot: the slot's export ended"},

@@ -48,7 +48,7 @@ import logging
 import platform
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
@@ -102,9 +102,9 @@ class OneSidedLink(Protocol):
     """What the one-sided mode uses of the loader (:class:`kvxfer.loader.Loader`): the peers it
     handshook, whether params wait in its next batch, the load planner, the notifications."""
 
-    def peer(self, engine_id: str) -> Peer | None: ...
+    peer: Callable[[str], Peer | None]  # the peer kept for an engine id, or None
 
-    def queued(self, key: tuple[str, str]) -> bool: ...
+    queued: Callable[[tuple[str, str]], bool]  # whether params (engine id, request id) wait
 
     def plan(self, route: Route, src_block_size: int, loads: list, distinct: bool) -> BatchPlan: ...
 
@@ -135,7 +135,22 @@ class Target:
     whether every rank it notifies has a table, the binding function, and the wire bytes of one
     token over every read."""
 
-    __slots__ = ("bind", "direct", "marks", "marks_all", "peer", "per_token", "remote", "session", "sources")
+    __slots__ = (
+        "bind",
+        "ctl",
+        "direct",
+        "epochs",
+        "mark_tables",
+        "marks",
+        "marks_all",
+        "peer",
+        "per_token",
+        "plain",
+        "remote",
+        "session",
+        "sources",
+        "tables",
+    )
 
     def __init__(
         self,
@@ -144,6 +159,7 @@ class Target:
         sources: list[Source],
         marks: list,
         direct: Direct | None = None,
+        grouped: bool = False,
     ) -> None:
         self.peer = peer
         self.session = session
@@ -151,22 +167,35 @@ class Target:
         self.marks = marks
         self.marks_all = len(marks) == len(peer.notify_to)  # a table of every rank it notifies
         self.bind = slots.binder()  # slots.binding, native when the module is in use
+        # The native module's reads and marks over every source rank in one call each
+        # (csrc/ctl/onesided_reads.h) when every view takes native steps; None: per view.
+        views = [src.view for src in sources] + [view for view, _ in marks]
+        self.ctl = views[0].ctl if all(v.ctl is not None for v in views) else None
+        self.tables = tuple(src.view.t for src in sources)
+        self.epochs = tuple(src.mapping.epochs_np for src in sources)
+        self.mark_tables = tuple((view.t, k) for view, k in marks)
         self.per_token = sum(pt for src in sources for _, pt in src.whole)
         self.direct = direct  # cross-memory attach straight into this rank's caches (.direct)
         self.remote = any(src.mapping.remote is not None for src in sources)  # read into mirrors
+        # A lone whole load's copies when nothing else applies (no cross-memory attach, no
+        # groups, no mirrors, every prepared copy taking the checked ids as they are): _copy
+        # runs them itself. None: the general path.
+        plain = direct is None and not grouped and not self.remote and all(src.bounded for src in sources)
+        self.plain = tuple(c for src in sources for c, _ in src.whole) if plain else None
 
 
 class Flight:
     """One one-sided load in flight: the load, the params' key (engine id, request id), its
-    target, what its lookup read per source rank (``(source, slot, generation, snapshot)``: the
-    slot, its generation and the blocks' epochs snapshotted while it stayed at that generation),
+    target, what its lookup read per source rank in the target's order (``(slot, generation,
+    snapshot)``: the slot, its generation and the blocks' epochs snapshotted while it stayed at
+    that generation),
     the binding, when it started, the event after its copy (CUDA), its wire bytes and ops calls,
     and whether its deadline passed unfinished."""
 
     __slots__ = ("binding", "calls", "event", "item", "key", "late", "moved", "reads", "t0", "target")
 
     def __init__(
-        self, item: LoadItem, key: tuple, target: Target, reads: list[tuple], binding: tuple, t0: float
+        self, item: LoadItem, key: tuple, target: Target, reads: tuple, binding: tuple, t0: float
     ) -> None:
         self.item = item
         self.key = key
@@ -197,6 +226,8 @@ class OneSided:
         self.rank = rank
         self.rt = rt
         self.link = link
+        self._peer = link.peer  # a dict lookup (kvxfer.peer.Peers.get): no frame per load
+        self._queued = link.queued  # a set's test, likewise
         if not ORDERED_CPU:
             _LOG.warning(
                 "kvxfer engine %s rank %d: one-sided reads off on %s (the lease-slot protocol needs "
@@ -281,6 +312,7 @@ class OneSided:
             sources,
             marks,
             direct_target(rank, peer, [(src.mapping, src.reads) for src in sources]),
+            rank.groups is not None,
         )
         return t
 
@@ -290,7 +322,7 @@ class OneSided:
         if not ORDERED_CPU:
             return self._no("weakly ordered CPU")
         p = item.params
-        peer = self.link.peer(p.engine_id)
+        peer = self._peer(p.engine_id)
         if peer is None or not peer.serves(p):
             return self._no("not handshaken")
         session = peer.session
@@ -305,10 +337,7 @@ class OneSided:
             return self._no("CPU copy too large for the caller")
         ids = item.src_ids
         gs = self.rank.groups
-        if gs is None:
-            if ids.size != peer.spec.num_blocks_for(p.num_tokens):
-                return self._no("bad params")  # the messaged path names the problem
-        else:  # one item per group, as the messaged path plans them
+        if gs is not None:  # one item per group, as the messaged path plans them
             got = group_items(
                 gs, item.request_id, ids, p.groups, p.num_tokens, item.group_dst,
                 peer.spec.block_size, self.rank.spec.block_size, peer.state_routes,
@@ -316,28 +345,31 @@ class OneSided:
             if type(got) is str:
                 return self._no("bad params")
             item.groups = got
-        if idops.max_id(ids) >= peer.num_blocks:
-            return self._no("bad params")
+        now_ns = time.monotonic_ns()
+        need_ns = now_ns + int(min(timeout_s, LEASE_LEFT_S) * 1e9)
+        ctl = t.ctl
+        if ctl is not None and gs is None:  # the checks, the binding and every read in one call
+            got = ctl.onesided_read(
+                t.tables, t.epochs, ids, p.num_tokens, peer.spec.block_size, peer.num_blocks,
+                p.token, p.digest(), p.request_id, now_ns, _STALE_NS, need_ns,
+            )  # fmt: skip
+            if type(got) is int:
+                return self._no(self._refused(t, got))
+            b0, b1, reads = got
+            b = (b0, b1)
+        else:
+            got = self._read(t, p, ids, now_ns, need_ns, gs is None)
+            if type(got) is str:
+                return self._no(got)
+            b, reads = got
         key = (p.engine_id, p.request_id)
-        if key in self._active or self.link.queued(key):
+        if key in self._active or self._queued(key):
             # The same params already in this batch (read here, or queued for the messaged path,
             # whose batch check refuses a repeat the same way); a load that would not be read
             # here anyway was handed to the messaged path above, which checks its own batch.
             if self.rt.loads.fail(item.request_id, loaded_twice(p.request_id)):
                 self.rt.metrics.add("failures")
             return True
-        try:
-            b0, b1 = b = t.bind(p.token, p.digest(), p.request_id)
-        except ValueError:
-            return self._no("bad params")  # a token not ASCII: the messaged path refuses it
-        now_ns = time.monotonic_ns()
-        need_ns = now_ns + int(min(timeout_s, LEASE_LEFT_S) * 1e9)
-        reads = []
-        for src in t.sources:
-            got = src.view.read(b0, b1, now_ns, _STALE_NS, need_ns, src.mapping.epochs_np, ids)
-            if type(got) is str:
-                return self._no(got)
-            reads.append((src, *got))
         f = Flight(item, key, t, reads, b, now())
         item.deadline = now_ns * 1e-9 + timeout_s  # time.monotonic's clock
         held = getattr(self._local, "held", None) if self._batches else None
@@ -365,11 +397,43 @@ class OneSided:
             self.flights.append(f)
         return True
 
+    @staticmethod
+    def _read(
+        t: Target, p, ids: np.ndarray, now_ns: int, need_ns: int, counted: bool
+    ) -> tuple[tuple, tuple] | str:
+        """What the native ``onesided_read`` does, a step per call: the ids' count (``counted``:
+        a load of one group; the groups' counts were checked by their items) and bound, the
+        binding, each source rank's slot read; ``((b0, b1), reads)`` or why not."""
+        peer = t.peer
+        if counted and ids.size != peer.spec.num_blocks_for(p.num_tokens):
+            return "bad params"  # the messaged path names the problem
+        if idops.max_id(ids) >= peer.num_blocks:
+            return "bad params"
+        try:
+            b0, b1 = t.bind(p.token, p.digest(), p.request_id)
+        except ValueError:
+            return "bad params"  # a token not ASCII: the messaged path refuses it
+        reads = []
+        for src in t.sources:
+            got = src.view.read(b0, b1, now_ns, _STALE_NS, need_ns, src.mapping.epochs_np, ids)
+            if type(got) is str:
+                return got
+            reads.append(got)
+        return (b0, b1), tuple(reads)
+
+    @staticmethod
+    def _refused(t: Target, code: int) -> str:
+        """Why ``onesided_read`` refused (its code | source index << 4), as the views say it."""
+        why = slots.READ_REFUSALS[code & 15]
+        if why is slots.BAD_WORD:
+            t.sources[code >> 4].view.bad("a slot's generation out of range")
+        return why
+
     def _launch(self, t: Target, group: list[Flight]) -> bool:
         """Issue the copies of ``group`` (flights of target ``t``) on the load stream, one event
         after them (CUDA); False when the session closed since their lookup (nothing written)."""
         session, rt = t.session, self.rt
-        items = [f.item for f in group]
+        items = [group[0].item] if len(group) == 1 else [f.item for f in group]
         with session.lock:
             if session.closed:  # the peer was forgotten since the lookup: its mapping may be gone
                 return False
@@ -395,6 +459,12 @@ class OneSided:
         whole blocks, else per group, else (the source ranks' blocks read into their mirrors
         first, when they are remote) a lone whole load through the prepared copies, and
         anything else planned as the messaged path plans a batch."""
+        plain = t.plain
+        if plain is not None and len(items) == 1 and not items[0].first:  # _copy_whole, fewer hops
+            it = items[0]
+            for copy in plain:
+                copy.run_bounded(it.src, it.dst, it.num_tokens)  # >= 1: a load moves a token
+            return len(plain)
         rank = self.rank
         if t.direct is not None and direct_fits(rank, items):
             self.direct += len(items)
@@ -546,7 +616,8 @@ class OneSided:
                     )  # fmt: skip
                 still.append(f)
                 continue
-            self._report(f, self._check(f, now_ns), notes)
+            why, marked = self._land(f, now_ns)
+            self._report(f, why, notes, marked)
             if ev is not None and id(ev) not in recycled:
                 recycled.add(id(ev))
                 f.target.session.recycle(ev)
@@ -556,47 +627,76 @@ class OneSided:
             with self.lock:
                 self.flights[:0] = still
 
-    def _check(self, f: Flight, now_ns: int) -> str:
-        """The check after a completed copy: "" when the load landed, else why not."""
+    def _land(self, f: Flight, now_ns: int) -> tuple[str, bool]:
+        """The check after a completed copy, and when it landed, the done marks: ``("", marked)``
+        (``marked``: every exporter rank it notifies counts a mark) or ``(why not, False)``. One
+        native call (``onesided_land``) when the module is in use, else a step per rank."""
+        t, rank = f.target, self.rank
         hook = self.rt.hooks.get("after_ipc_copy")
+        ctl = t.ctl
+        if ctl is not None and not hook:
+            b0, b1 = f.binding
+            got = ctl.onesided_land(
+                t.tables, t.epochs, f.item.src_ids, f.reads, t.mark_tables, b0, b1,
+                rank.tp_rank, rank.tp_size, now_ns, _STALE_NS,
+            )  # fmt: skip
+            if not got:
+                return "", t.marks_all
+            code = got & 15
+            if code == 3:  # landed; a rank not marked (it is notified now)
+                view = t.marks[0][0]
+                if got & 16:
+                    view.bad("a slot's generation out of range")
+                if got & 32:
+                    view.bad("a done count out of range")
+                return "", False
+            return self._failed(t.sources[got >> 4], code, now_ns), False
         ids = f.item.src_ids
-        for src, slot, gen, snap in f.reads:
+        for src, (slot, gen, snap) in zip(t.sources, f.reads):
             if hook:
                 hook(src.mapping.epochs)
                 now_ns = time.monotonic_ns()
-            # released first: an exporter that closed released every export before it shut,
-            # so that is what happened to the blocks (the messaged path says the same)
             got = src.view.check(slot, gen, src.mapping.epochs_np, ids, snap, now_ns, _STALE_NS)
-            if got == 1:
-                return (
-                    f"exporter rank {src.rank}: blocks released before or during the copy (lease ended); "
-                    "not delivered"
-                )
-            if got:  # nothing released, but the exporter stopped beating (killed, hung) or closed
-                why = src.view.alive(_STALE_NS, now_ns) or (  # read again: alive by now
-                    "closed or no heartbeat when checked after the copy, alive when read again "
-                    "(a word of its lease-slot table was overwritten meanwhile?)"
-                )
-                return f"exporter rank {src.rank}: {why}"
-        return ""
+            if got:
+                return self._failed(src, got, now_ns), False
+        marked, reads = t.marks_all, f.reads
+        for view, k in t.marks:
+            i, g = (reads[k][0], reads[k][1]) if k >= 0 else view.find(*f.binding)
+            if i < 0 or not view.mark_done(i, g, rank.tp_rank, rank.tp_size):
+                marked = False
+        return "", marked
 
-    def _report(self, f: Flight, why: str, notes: dict | None = None) -> None:
-        """Report ``f`` once: landed (``why`` empty: done marks in the slots) or failed for
-        ``why``; its notification goes into ``notes`` (peer -> loads), or now."""
+    @staticmethod
+    def _failed(src: Source, got: int, now_ns: int) -> str:
+        """Why a load whose copy completed did not land: source rank ``src``'s check said 1
+        (released) or 2 (the exporter stopped)."""
+        # released first: an exporter that closed released every export before it shut, so
+        # that is what happened to the blocks (the messaged path says the same)
+        if got == 1:
+            return (
+                f"exporter rank {src.rank}: blocks released before or during the copy (lease ended); "
+                "not delivered"
+            )
+        # nothing released, but the exporter stopped beating (killed, hung) or closed
+        why = src.view.alive(_STALE_NS, now_ns) or (  # read again: alive by now
+            "closed or no heartbeat when checked after the copy, alive when read again "
+            "(a word of its lease-slot table was overwritten meanwhile?)"
+        )
+        return f"exporter rank {src.rank}: {why}"
+
+    def _report(self, f: Flight, why: str, notes: dict | None = None, marked: bool = False) -> None:
+        """Report ``f`` once: landed (``why`` empty; ``marked``: every exporter rank it notifies
+        counts its done mark, :meth:`_land`) or failed for ``why``; its notification goes into
+        ``notes`` (peer -> loads), or now, or (``marked``) after the grace."""
         rt, item, peer = self.rt, f.item, f.target.peer
         self._active.discard(f.key)
         t = now()
         if why:
-            rt.metrics.record_load(f.t0, t, 0, f.calls, [])
+            rt.metrics.record_load(f.t0, t, 0, f.calls, None)
             if rt.loads.fail(item.request_id, why):
                 rt.metrics.add("failures")
         else:
-            rt.metrics.record_load(f.t0, t, f.moved, f.calls, rt.loads.finish_many([item.request_id], t))
-            rank, reads, marked = self.rank, f.reads, f.target.marks_all
-            for view, k in f.target.marks:
-                i, g = (reads[k][1], reads[k][2]) if k >= 0 else view.find(*f.binding)
-                if i < 0 or not view.mark_done(i, g, rank.tp_rank, rank.tp_size):
-                    marked = False
+            rt.metrics.record_load(f.t0, t, f.moved, f.calls, rt.loads.finish_one(item.request_id, t))
             if marked:  # every exporter rank it notifies counts the mark: notified later,
                 # with the other loads of the window (:meth:`_notify_marked`)
                 with self.lock:

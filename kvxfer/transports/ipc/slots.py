@@ -93,6 +93,7 @@ __all__ = [
     "HEADER",
     "MAX_DONE",
     "PROBES",
+    "READ_REFUSALS",
     "SLOT",
     "ExporterSlots",
     "SlotView",
@@ -127,14 +128,16 @@ GEN_MAX = (_M63 - (DONE_TP - 1)) // DONE_TP
 BAD_WORD = "table word out of range"
 _FIELDS = struct.Struct("=5q")  # bind0, bind1, deadline, ready, flags: written between gen steps
 _CLEARED = bytes(_FIELDS.size)
-# SlotView.read's refusals by the native slot_read's code (csrc/ctl/lease_slots.h)
-_REFUSALS = {
+# SlotView.read's refusals by the native slot_read's code (csrc/ctl/lease_slots.h), and
+# onesided_read's refusal of the params (csrc/ctl/onesided_reads.h)
+READ_REFUSALS = {
     1: "exporter closed or silent",
     2: "no live slot",
     3: "layer-wise export",
     4: "not ready",
     5: "lease too short",
     6: BAD_WORD,
+    7: "bad params",
 }
 # SlotView.mark_done's outcomes by the native slot_mark's code: 0 marked and appended to the ring,
 # 3 a loader rank past the marks (it notifies)
@@ -406,7 +409,7 @@ class SlotView:
         self.ctl = _native()  # read, check and mark_done in one native call each when set
         self._logged: set[str] = set()
 
-    def _bad(self, what: str) -> None:
+    def bad(self, what: str) -> None:
         """Log once per view that a word of the table was out of range (and not used)."""
         if what not in self._logged:
             self._logged.add(what)
@@ -455,7 +458,7 @@ class SlotView:
         range)."""
         i, g, bad = self._find(b0, b1)
         if bad and i < 0:
-            self._bad("a slot's generation out of range")
+            self.bad("a slot's generation out of range")
         return i, g
 
     def lookup(self, b0: int, b1: int, now_ns: int, stale_ns: int, need_ns: int) -> tuple[int, int, str]:
@@ -490,15 +493,15 @@ class SlotView:
         if ctl is not None:
             got = ctl.slot_read(self.t, epochs, ids, b0, b1, now_ns, stale_ns, need_ns)
             if type(got) is int:
-                why = _REFUSALS[got]
+                why = READ_REFUSALS[got]
                 if why is BAD_WORD:
-                    self._bad("a slot's generation out of range")
+                    self.bad("a slot's generation out of range")
                 return why
             return got
         i, g, why = self.lookup(b0, b1, now_ns, stale_ns, need_ns)
         if why:
             if why is BAD_WORD:
-                self._bad("a slot's generation out of range")
+                self.bad("a slot's generation out of range")
             return why
         snap = idops.snapshot(epochs, ids)
         return (i, g, snap) if self.same(i, g) else "no live slot"
@@ -534,9 +537,9 @@ class SlotView:
         else:
             got = self._mark(i, g, loader_rank, loader_tp)
         if got == _MARK_BAD_GEN:
-            self._bad("a slot's generation out of range")
+            self.bad("a slot's generation out of range")
         elif got == _MARK_BAD_COUNT:
-            self._bad("a done count out of range")
+            self.bad("a done count out of range")
         return False
 
     def _mark(self, i: int, g: int, loader_rank: int, loader_tp: int) -> int:
