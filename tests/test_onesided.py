@@ -18,6 +18,7 @@ import torch
 from kvxfer import KVCacheSpec, KVTransferParams, TransferEngine, idops, ops
 from kvxfer.transports.ipc import onesided as onesided_mod
 from kvxfer.transports.ipc import slots as slots_mod
+from kvxfer.transports.ipc import target as target_mod
 from kvxfer.transports.ipc.onesided import LEASE_LEFT_S
 from kvxfer.transports.ipc.shm import alloc_shm_caches
 
@@ -742,7 +743,7 @@ def exporter_proc(port: int, q) -> None:
 def test_exporter_killed_is_a_named_failure_not_a_hang(monkeypatch):
     """P is SIGKILLed after D mapped it: its heartbeat stops, D no longer reads it one-sided,
     and the load fails by its deadline with the reason; D's process goes on."""
-    monkeypatch.setattr(onesided_mod, "_STALE_NS", int(0.2e9))
+    monkeypatch.setattr(target_mod, "_STALE_NS", int(0.2e9))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port_base(1)

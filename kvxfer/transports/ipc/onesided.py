@@ -3,14 +3,16 @@ caller's thread, with no message before the copy and none on the critical path a
 
 When a loader rank's ipc session with a peer has mapped every source rank
 (:mod:`kvxfer.transports.ipc.session`), ``load()`` looks up the request in each source rank's
-lease-slot table (:mod:`kvxfer.transports.ipc.slots`): a live slot bound to the params (a hash
+lease-slot table (:mod:`kvxfer.transports.ipc.slots`; :meth:`Target.read
+<kvxfer.transports.ipc.target.Target.read>`, one native call over every source rank): a live
+slot bound to the params (a hash
 of their token, content digest and request id: only the export's own params find it), whose
 ready flag is set (the exporter's compute wrote the blocks), not a layer-wise export, leased for
 at least ``min(timeout, LEASE_LEFT_S)`` more, on an exporter that is open and beat recently. If every source
 rank has one, the loader snapshots the blocks' epochs between two reads of the slot's
-generation, and the session issues the copy on the load stream right there
-(:meth:`~kvxfer.transports.ipc.session.IpcSession.copy`; CUDA: an event from the session's pool
-is recorded after it). Anything else returns False, and the load takes the messaged path (lease
+generation, and the copy is issued on the load stream right there
+(:func:`kvxfer.transports.ipc.copies.copy_loads`; CUDA: an event from the session's pool is
+recorded after it). Anything else returns False, and the load takes the messaged path (lease
 grant, then the copy in the worker thread), which names every refusal. The one refusal this
 path makes itself is the messaged path's own check of a batch: params another load already
 reads (launched or held here and not reported yet, or queued for the loader's next batch) fail
@@ -20,7 +22,8 @@ the copy waits for the batch's end, where the held loads of each peer are planne
 the load planner (:meth:`kvxfer.planner.Planner.plan`) and launched with one event.
 
 ``poll()`` (:meth:`OneSided.complete`) queries the events itself. A load whose copy completed is
-checked as the messaged path checks it: the slot still at the same generation and the blocks'
+checked as the messaged path checks it (:meth:`Target.land
+<kvxfer.transports.ipc.target.Target.land>`, with its done marks one native call): the slot still at the same generation and the blocks'
 epochs unchanged (released meanwhile: the load fails, its bytes never reported), and the
 exporter still beating. A landed load is reported finished and a done mark goes into the slot
 of every exporter rank the plan has this rank notify (the exporter frees the blocks at its next
@@ -49,28 +52,23 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
-from ... import idops, ops, tracing
-from ...engine_types import LoadItem, describe_error, disjoint_blocks, loaded_twice
+from ... import tracing
+from ...engine_types import LoadItem, describe_error, loaded_twice
 from ...grouped import group_items
 from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
-from ...transfer import Route, Transfer
-from . import slots
-from .cma import Direct
-from .direct import direct_fits, direct_target, read_direct
-from .session import IpcMap, IpcSession, fetched
-from .slots import SlotView
+from .copies import copy_loads, moved
+from .session import IpcSession
+from .target import STALE_S, Target, make_target
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...batching import BatchPlan
     from ...peer import Peer
-    from ...plan import Read
     from ...rank import Rank, Runtime
+    from ...transfer import Route
 
 __all__ = ["CPU_COPY_MAX_BYTES", "LEASE_LEFT_S", "ORDERED_CPU", "STALE_S", "OneSided", "OneSidedLink"]
 
@@ -82,8 +80,6 @@ ORDERED_CPU = platform.machine().lower() in ("x86_64", "amd64")
 # On CPU caches the copy runs in the caller's thread (there is nothing to launch): a larger one
 # would hold load() for more than about a millisecond, so it goes to the worker thread instead.
 CPU_COPY_MAX_BYTES = 16 << 20
-STALE_S = 2.0  # an exporter that has not beat for this long is not read one-sided (it beats every 20 ms)
-_STALE_NS = int(STALE_S * 1e9)
 # The lease a one-sided read needs left: a copy takes milliseconds, so 5 s is a margin of three
 # orders of magnitude, and a lease that still ends during the copy is caught by the check after it
 # (the load fails, no wrong byte is reported). Asking for the whole load timeout instead refused
@@ -109,79 +105,6 @@ class OneSidedLink(Protocol):
     def plan(self, route: Route, src_block_size: int, loads: list, distinct: bool) -> BatchPlan: ...
 
     def notify(self, peer: Peer, done: list, failed: list) -> None: ...
-
-
-class Source(NamedTuple):
-    """One source rank as the one-sided mode reads it: its rank, lease-slot table, mapping, the
-    plan's reads of it and their route; and for a whole load (no tokens held here) per read a
-    :class:`~kvxfer.ops.PreparedCopy` between the whole-block views with its wire bytes per
-    token, and both sides' id bounds."""
-
-    rank: int
-    view: SlotView
-    mapping: IpcMap
-    reads: list[Read]
-    route: Route
-    whole: list[tuple[ops.PreparedCopy, int]]
-    src_bound: int
-    dst_bound: int
-    bounded: bool  # every prepared copy takes ids within these bounds as they are (run_bounded)
-
-
-class Target:
-    """A peer as the one-sided mode reads it, made once per session (when every source rank is
-    mapped): its :class:`Source` s, where a landed load marks done (per exporter rank this rank
-    notifies: its slot table and the index of its source, or -1 when it is only notified) and
-    whether every rank it notifies has a table, the binding function, and the wire bytes of one
-    token over every read."""
-
-    __slots__ = (
-        "bind",
-        "ctl",
-        "direct",
-        "epochs",
-        "mark_tables",
-        "marks",
-        "marks_all",
-        "peer",
-        "per_token",
-        "plain",
-        "remote",
-        "session",
-        "sources",
-        "tables",
-    )
-
-    def __init__(
-        self,
-        peer: Peer,
-        session: IpcSession,
-        sources: list[Source],
-        marks: list,
-        direct: Direct | None = None,
-        grouped: bool = False,
-    ) -> None:
-        self.peer = peer
-        self.session = session
-        self.sources = sources
-        self.marks = marks
-        self.marks_all = len(marks) == len(peer.notify_to)  # a table of every rank it notifies
-        self.bind = slots.binder()  # slots.binding, native when the module is in use
-        # The native module's reads and marks over every source rank in one call each
-        # (csrc/ctl/onesided_reads.h) when every view takes native steps; None: per view.
-        views = [src.view for src in sources] + [view for view, _ in marks]
-        self.ctl = views[0].ctl if all(v.ctl is not None for v in views) else None
-        self.tables = tuple(src.view.t for src in sources)
-        self.epochs = tuple(src.mapping.epochs_np for src in sources)
-        self.mark_tables = tuple((view.t, k) for view, k in marks)
-        self.per_token = sum(pt for src in sources for _, pt in src.whole)
-        self.direct = direct  # cross-memory attach straight into this rank's caches (.direct)
-        self.remote = any(src.mapping.remote is not None for src in sources)  # read into mirrors
-        # A lone whole load's copies when nothing else applies (no cross-memory attach, no
-        # groups, no mirrors, every prepared copy taking the checked ids as they are): _copy
-        # runs them itself. None: the general path.
-        plain = direct is None and not grouped and not self.remote and all(src.bounded for src in sources)
-        self.plain = tuple(c for src in sources for c, _ in src.whole) if plain else None
 
 
 class Flight:
@@ -276,44 +199,8 @@ class OneSided:
         if type(session) is not IpcSession or session.closed:
             return None
         t = session.onesided
-        if t is not None:
-            return t
-        views = session.slot_views
-        rank = self.rank
-        dst = rank.views.whole
-        sources = []
-        for s in peer.src_ranks:
-            v, m = views[s], session.mapped(s)
-            if v is None or m is None or not v.of(peer.replies[s].incarnation):
-                return None
-            reads = peer.reads_by_rank[s]
-            src = m.views.whole
-            whole = [
-                (
-                    ops.PreparedCopy(src.caches, dst.caches, r.src_head_start, r.dst_head_start, r.num_heads),
-                    rank.spec.bytes_per_token(num_heads=r.num_heads),
-                )
-                for r in reads
-            ]
-            src_bound = peer.num_blocks * (peer.spec.block_size // src.unit)
-            dst_bound = rank.num_blocks * (rank.spec.block_size // dst.unit)
-            route = Route(reads, m.views.units, rank.units)
-            bounded = all(c.takes(src.unit, src_bound, dst.unit, dst_bound) for c, _ in whole)
-            sources.append(Source(s, v, m, reads, route, whole, src_bound, dst_bound, bounded))
-        ranks = [src.rank for src in sources]
-        marks = [
-            (views[s], ranks.index(s) if s in ranks else -1)
-            for s in peer.notify_to
-            if s < len(views) and views[s] is not None
-        ]
-        t = session.onesided = Target(
-            peer,
-            session,
-            sources,
-            marks,
-            direct_target(rank, peer, [(src.mapping, src.reads) for src in sources]),
-            rank.groups is not None,
-        )
+        if t is None:
+            t = session.onesided = make_target(self.rank, peer)
         return t
 
     def try_load(self, item: LoadItem, timeout_s: float) -> bool:
@@ -347,21 +234,10 @@ class OneSided:
             item.groups = got
         now_ns = time.monotonic_ns()
         need_ns = now_ns + int(min(timeout_s, LEASE_LEFT_S) * 1e9)
-        ctl = t.ctl
-        if ctl is not None and gs is None:  # the checks, the binding and every read in one call
-            got = ctl.onesided_read(
-                t.tables, t.epochs, ids, p.num_tokens, peer.spec.block_size, peer.num_blocks,
-                p.token, p.digest(), p.request_id, now_ns, _STALE_NS, need_ns,
-            )  # fmt: skip
-            if type(got) is int:
-                return self._no(self._refused(t, got))
-            b0, b1, reads = got
-            b = (b0, b1)
-        else:
-            got = self._read(t, p, ids, now_ns, need_ns, gs is None)
-            if type(got) is str:
-                return self._no(got)
-            b, reads = got
+        got = t.read(p, ids, now_ns, need_ns, gs is None)
+        if type(got) is str:
+            return self._no(got)  # the messaged path loads it (and names a bad params' problem)
+        b, reads = got
         key = (p.engine_id, p.request_id)
         if key in self._active or self._queued(key):
             # The same params already in this batch (read here, or queued for the messaged path,
@@ -397,38 +273,6 @@ class OneSided:
             self.flights.append(f)
         return True
 
-    @staticmethod
-    def _read(
-        t: Target, p, ids: np.ndarray, now_ns: int, need_ns: int, counted: bool
-    ) -> tuple[tuple, tuple] | str:
-        """What the native ``onesided_read`` does, a step per call: the ids' count (``counted``:
-        a load of one group; the groups' counts were checked by their items) and bound, the
-        binding, each source rank's slot read; ``((b0, b1), reads)`` or why not."""
-        peer = t.peer
-        if counted and ids.size != peer.spec.num_blocks_for(p.num_tokens):
-            return "bad params"  # the messaged path names the problem
-        if idops.max_id(ids) >= peer.num_blocks:
-            return "bad params"
-        try:
-            b0, b1 = t.bind(p.token, p.digest(), p.request_id)
-        except ValueError:
-            return "bad params"  # a token not ASCII: the messaged path refuses it
-        reads = []
-        for src in t.sources:
-            got = src.view.read(b0, b1, now_ns, _STALE_NS, need_ns, src.mapping.epochs_np, ids)
-            if type(got) is str:
-                return got
-            reads.append(got)
-        return (b0, b1), tuple(reads)
-
-    @staticmethod
-    def _refused(t: Target, code: int) -> str:
-        """Why ``onesided_read`` refused (its code | source index << 4), as the views say it."""
-        why = slots.READ_REFUSALS[code & 15]
-        if why is slots.BAD_WORD:
-            t.sources[code >> 4].view.bad("a slot's generation out of range")
-        return why
-
     def _launch(self, t: Target, group: list[Flight]) -> bool:
         """Issue the copies of ``group`` (flights of target ``t``) on the load stream, one event
         after them (CUDA); False when the session closed since their lookup (nothing written)."""
@@ -440,99 +284,21 @@ class OneSided:
             hook = rt.hooks.get("before_ipc_copy")
             if hook:
                 hook()
+            rank = self.rank
             if rt.order.cuda or tracing.enabled():
                 with trace("copy", items_tag, items), rt.order.on_stream():
-                    calls = self._copy(t, items)
+                    calls, direct = copy_loads(t, rank, self.link.plan, items)
             else:  # CPU caches, no NVTX: no range to open, no stream to enter (two contexts per load)
-                calls = self._copy(t, items)
+                calls, direct = copy_loads(t, rank, self.link.plan, items)
             ev = session.done_event() if rt.order.cuda else None
+        if direct:
+            self.direct += len(items)
         per_token = t.per_token
         for k, f in enumerate(group):
             f.event, f.calls = ev, calls if k == 0 else 0  # a batch's calls counted once
             it = f.item
-            f.moved = (it.num_tokens - it.first) * per_token if it.groups is None else self._moved(t, it)
+            f.moved = (it.num_tokens - it.first) * per_token if it.groups is None else moved(t, rank, it)
         return True
-
-    def _copy(self, t: Target, items: list[LoadItem]) -> int:
-        """The copies of ``items`` (under the session's lock, on the load stream); returns the
-        ops calls. Cross-memory attach straight into this rank's caches when the loads move
-        whole blocks, else per group, else (the source ranks' blocks read into their mirrors
-        first, when they are remote) a lone whole load through the prepared copies, and
-        anything else planned as the messaged path plans a batch."""
-        plain = t.plain
-        if plain is not None and len(items) == 1 and not items[0].first:  # _copy_whole, fewer hops
-            it = items[0]
-            for copy in plain:
-                copy.run_bounded(it.src, it.dst, it.num_tokens)  # >= 1: a load moves a token
-            return len(plain)
-        rank = self.rank
-        if t.direct is not None and direct_fits(rank, items):
-            self.direct += len(items)
-            return read_direct(t.direct, rank, items)
-        if rank.groups is not None:  # fetched per group (its blocks, its layers)
-            return self._copy_groups(t, items)
-        if not t.remote:
-            return self._copy_mapped(t, items)
-        with contextlib.ExitStack() as fetch:  # cross-memory attach: the blocks read into the mirrors
-            for src in t.sources:
-                if src.mapping.remote is not None:
-                    fetch.enter_context(fetched(src.mapping, items))
-            return self._copy_mapped(t, items)
-
-    def _copy_mapped(self, t: Target, items: list[LoadItem]) -> int:
-        """:meth:`_copy` of loads whose source blocks are mapped here (or read into mirrors)."""
-        if len(items) == 1 and not items[0].first:
-            return _copy_whole(t, items[0])
-        rank, session = self.rank, t.session
-        distinct = len(items) == 1 or disjoint_blocks(items, rank.spec.block_size)
-        sbs = t.peer.spec.block_size
-        calls = 0
-        for src in t.sources:
-            bp = self.link.plan(src.route, sbs, items, distinct)
-            xfer = Transfer(src.rank, src.reads, bp, items, None, items[0].deadline)
-            calls += session.copy(src.mapping, xfer)
-        return calls
-
-    def _copy_groups(self, t: Target, items: list[LoadItem]) -> int:
-        """The copies of loads of an engine with KV cache groups (under the session's lock): per
-        source rank and group (cross-memory attach: its blocks of its layers fetched first), the
-        group's items planned over its layers as the messaged path plans them, a re-sharded
-        state group's units copied (:meth:`IpcSession.copy_units`); returns the ops calls."""
-        session, gs = t.session, self.rank.groups
-        routes = t.peer.state_routes
-        distinct = len(items) == 1 or disjoint_blocks(items, self.rank.spec.block_size)
-        sbs = t.peer.spec.block_size
-        calls = 0
-        for src in t.sources:
-            for g, grp in enumerate(gs.groups):
-                sub = [it.groups[g] for it in items]
-                layers = list(grp.layers)
-                state = routes.get(g)
-                if state is not None and src.rank not in state.runs:
-                    continue
-                with fetched(src.mapping, items, layers, np.concatenate([it.src for it in sub])):
-                    if state is not None:
-                        session.copy_units(src.mapping, src.rank, grp, state, sub, layers)
-                        calls += 1
-                        continue
-                    bp = self.link.plan(src.route, sbs, sub, distinct)
-                    xfer = Transfer(src.rank, src.reads, bp, items, layers, items[0].deadline)
-                    calls += session.copy(src.mapping, xfer)
-        return calls
-
-    def _moved(self, t: Target, item: LoadItem) -> int:
-        """Wire bytes of a load: its tokens over every read, or per group over its layers."""
-        if item.groups is None:
-            return (item.num_tokens - item.first) * t.per_token
-        per_layer = t.per_token // max(1, self.rank.spec.num_layers)
-        out = 0
-        for g, (grp, sub) in enumerate(zip(self.rank.groups.groups, item.groups)):
-            state = t.peer.state_routes.get(g)
-            if state is not None:
-                out += sum(state.nbytes(len(grp.layers), 1, src.rank) for src in t.sources)
-            else:
-                out += (sub.num_tokens - sub.first) * per_layer * len(grp.layers)
-        return out
 
     # -------------------------------------------------------------------------- batch
     def hold(self) -> None:
@@ -628,61 +394,12 @@ class OneSided:
                 self.flights[:0] = still
 
     def _land(self, f: Flight, now_ns: int) -> tuple[str, bool]:
-        """The check after a completed copy, and when it landed, the done marks: ``("", marked)``
-        (``marked``: every exporter rank it notifies counts a mark) or ``(why not, False)``. One
-        native call (``onesided_land``) when the module is in use, else a step per rank."""
-        t, rank = f.target, self.rank
+        """The check after a completed copy and, when it landed, the done marks
+        (:meth:`Target.land <kvxfer.transports.ipc.target.Target.land>`): ``("", marked)`` or
+        ``(why not, False)``."""
+        rank = self.rank
         hook = self.rt.hooks.get("after_ipc_copy")
-        ctl = t.ctl
-        if ctl is not None and not hook:
-            b0, b1 = f.binding
-            got = ctl.onesided_land(
-                t.tables, t.epochs, f.item.src_ids, f.reads, t.mark_tables, b0, b1,
-                rank.tp_rank, rank.tp_size, now_ns, _STALE_NS,
-            )  # fmt: skip
-            if not got:
-                return "", t.marks_all
-            code = got & 15
-            if code == 3:  # landed; a rank not marked (it is notified now)
-                view = t.marks[0][0]
-                if got & 16:
-                    view.bad("a slot's generation out of range")
-                if got & 32:
-                    view.bad("a done count out of range")
-                return "", False
-            return self._failed(t.sources[got >> 4], code, now_ns), False
-        ids = f.item.src_ids
-        for src, (slot, gen, snap) in zip(t.sources, f.reads):
-            if hook:
-                hook(src.mapping.epochs)
-                now_ns = time.monotonic_ns()
-            got = src.view.check(slot, gen, src.mapping.epochs_np, ids, snap, now_ns, _STALE_NS)
-            if got:
-                return self._failed(src, got, now_ns), False
-        marked, reads = t.marks_all, f.reads
-        for view, k in t.marks:
-            i, g = (reads[k][0], reads[k][1]) if k >= 0 else view.find(*f.binding)
-            if i < 0 or not view.mark_done(i, g, rank.tp_rank, rank.tp_size):
-                marked = False
-        return "", marked
-
-    @staticmethod
-    def _failed(src: Source, got: int, now_ns: int) -> str:
-        """Why a load whose copy completed did not land: source rank ``src``'s check said 1
-        (released) or 2 (the exporter stopped)."""
-        # released first: an exporter that closed released every export before it shut, so
-        # that is what happened to the blocks (the messaged path says the same)
-        if got == 1:
-            return (
-                f"exporter rank {src.rank}: blocks released before or during the copy (lease ended); "
-                "not delivered"
-            )
-        # nothing released, but the exporter stopped beating (killed, hung) or closed
-        why = src.view.alive(_STALE_NS, now_ns) or (  # read again: alive by now
-            "closed or no heartbeat when checked after the copy, alive when read again "
-            "(a word of its lease-slot table was overwritten meanwhile?)"
-        )
-        return f"exporter rank {src.rank}: {why}"
+        return f.target.land(f.item.src_ids, f.reads, f.binding, rank.tp_rank, rank.tp_size, now_ns, hook)
 
     def _report(self, f: Flight, why: str, notes: dict | None = None, marked: bool = False) -> None:
         """Report ``f`` once: landed (``why`` empty; ``marked``: every exporter rank it notifies
@@ -758,22 +475,3 @@ class OneSided:
             "in_flight": len(self.flights),
             "fallbacks": dict(self.fallbacks),
         }
-
-
-def _copy_whole(t: Target, item: LoadItem) -> int:
-    """The copies of a whole load (every block, no tokens held here) through each source's
-    prepared copies; returns the ops calls. Its ids were checked at ``load()``: exactly the
-    blocks its tokens fill on each side, in range, the destination's without repeats."""
-    n = item.num_tokens
-    calls = 0
-    for src in t.sources:
-        if src.bounded:
-            for copy, _ in src.whole:
-                copy.run_bounded(item.src, item.dst, n)  # n >= 1: a load moves at least one token
-        else:
-            src_ids = ops.CheckedIds(item.src, src.src_bound, False)
-            dst_ids = ops.CheckedIds(item.dst, src.dst_bound, True)
-            for copy, _ in src.whole:
-                copy.run(src_ids, dst_ids, n)
-        calls += len(src.whole)
-    return calls
