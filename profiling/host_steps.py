@@ -35,8 +35,7 @@ from kvxfer.transports.ipc import onesided, slots
 # (owner, attribute, side): the steps of one request on the loader's (D) and exporter's (P) side
 STEPS = (
     (engine.TransferEngine, "export", "P"),
-    (engine.TransferEngine, "_export_token", "P"),
-    (auth, "export_token", "P"),
+    (auth.EngineSecret, "export_token", "P"),
     (exports.ExportTracker, "add", "P"),
     (engine.TransferEngine, "load", "D"),
     (params.KVTransferParams, "from_dict", "D"),

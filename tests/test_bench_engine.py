@@ -71,7 +71,7 @@ def test_host_steps_times_each_step_of_a_request():
     data = json.loads(res.stdout.strip().splitlines()[-1])
     assert data["bench"] == "host_steps" and data["path"] == "onesided" and data["idle_ms"] == 1
     rows = {r["step"]: r for r in data["rows"]}
-    for step in ("TransferEngine.export", "auth.export_token", "TransferEngine.load", "OneSided.try_load",
+    for step in ("TransferEngine.export", "EngineSecret.export_token", "TransferEngine.load", "OneSided.try_load",
                  "PreparedCopy.run_bounded", "OneSided._land", "KVTransferParams.from_dict"):  # fmt: skip
         assert rows[step]["calls"] == 12 and rows[step]["median_us"] > 0, rows[step]
     assert rows["engine.check_block_ids"]["calls"] == 24  # the export's ids and the load's
