@@ -581,7 +581,8 @@ class TransferEngine:
         throughput, transports."""
         rank, rt = self._rank, self._rt
         s = rt.metrics.snapshot()
-        s["finished_exports"] = rt.exports.finished_exports  # freed by every notification or mark
+        # freed by every notification or mark (counted by the tracker, made at start())
+        s["finished_exports"] = rt.exports.finished_exports if rt.exports is not None else 0
         if self._started:
             s["exports_live"] = rt.exports.num_live()
             s["blocks_held"] = rt.exports.held_blocks()

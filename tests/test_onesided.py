@@ -359,18 +359,24 @@ def test_a_batch_whose_mapping_was_dropped_fails_its_loads_by_name():
 
 
 # ---------------------------------------------------------------------------- what goes wrong
-def test_release_during_the_copy_fails_the_load_never_delivers():
+@pytest.mark.parametrize("when", ["hook", "before_poll"])
+def test_release_during_the_copy_fails_the_load_never_delivers(when):
     """P aborts the export while D's one-sided copy runs (after it, before the check) and its
-    runner reuses the blocks: D reports the load failed, naming the release."""
+    runner reuses the blocks: D reports the load failed, naming the release. ``hook``: in the
+    test hook after the copy (the check a step per view); ``before_poll``: between ``load()``,
+    which copied, and the ``poll()`` whose one native call checks and marks."""
     with warmed() as (p, d):
         prm = p.export("x", [3, 4], 12, seed=3)
 
-        def release_and_reuse(epochs):
+        def release_and_reuse(epochs=None):
             p[0].abort_export("x")
             fill(p.caches(0), F16, 0, 1, [3, 4], 12, seed=99)
 
-        d[0]._hooks["after_ipc_copy"] = release_and_reuse
+        if when == "hook":
+            d[0]._hooks["after_ipc_copy"] = release_and_reuse
         d[0].load("x", prm, [5, 6])
+        if when == "before_poll":
+            release_and_reuse()
         got = poll_until(d.engines, {"x"}, "recv")
         assert got["x"].startswith("failed:") and "released before or during the copy" in got["x"], got
         assert d.onesided() == [1]
