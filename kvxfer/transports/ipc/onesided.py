@@ -5,12 +5,12 @@ When a loader rank's ipc session with a peer has mapped every source rank
 (:mod:`kvxfer.transports.ipc.session`), ``load()`` looks up the request in each source rank's
 lease-slot table (:mod:`kvxfer.transports.ipc.slots`; :meth:`Target.read
 <kvxfer.transports.ipc.target.Target.read>`, one native call over every source rank): a live
-slot bound to the params (a hash
-of their token, content digest and request id: only the export's own params find it), whose
-ready flag is set (the exporter's compute wrote the blocks), not a layer-wise export, leased for
-at least ``min(timeout, LEASE_LEFT_S)`` more, on an exporter that is open and beat recently. If every source
-rank has one, the loader snapshots the blocks' epochs between two reads of the slot's
-generation, and the copy is issued on the load stream right there
+slot bound to the params (a hash of their token, content digest and request id: only the
+export's own params find it), whose ready flag is set (the exporter's compute wrote the blocks),
+not a layer-wise export, leased for at least ``min(timeout, LEASE_LEFT_S)`` more, on an exporter
+that is open and beat recently. If every source rank has one, the loader snapshots the blocks'
+epochs between two reads of the slot's generation, and the copy is issued on the load stream
+right there
 (:func:`kvxfer.transports.ipc.copies.copy_loads`; CUDA: an event from the session's pool is
 recorded after it). Anything else returns False, and the load takes the messaged path (lease
 grant, then the copy in the worker thread), which names every refusal. The one refusal this
@@ -23,19 +23,19 @@ the load planner (:meth:`kvxfer.planner.Planner.plan`) and launched with one eve
 
 ``poll()`` (:meth:`OneSided.complete`) queries the events itself. A load whose copy completed is
 checked as the messaged path checks it (:meth:`Target.land
-<kvxfer.transports.ipc.target.Target.land>`, with its done marks one native call): the slot still at the same generation and the blocks'
-epochs unchanged (released meanwhile: the load fails, its bytes never reported), and the
-exporter still beating. A landed load is reported finished and a done mark goes into the slot
-of every exporter rank the plan has this rank notify (the exporter frees the blocks at its next
-``poll()`` or side-channel tick). When every such mark was written and its ring entry taken by
-the native compare-and-swap (:mod:`kvxfer.transports.ipc.slots`: no mark is lost), the marks
-free the blocks and the acknowledged notification is deferred: a later ``poll()`` sends it
-between ``MARK_GRACE_S`` and twice that after, at most one message per exporter in each
-``MARK_GRACE_S`` for every such load due by then (``close()``: at once). It then counts
-nothing, unless a stranger overwrote a mark in the table (which no table word lets the loader
-see): it is the record only the loader writes. Otherwise
-(a rank past the marks, a rank without a mapped table, a slot not found, the Python fallback's
-stores) the notification is queued at once, and a failed load is always notified.
+<kvxfer.transports.ipc.target.Target.land>`, with its done marks one native call): the slot
+still at the same generation and the blocks' epochs unchanged (released meanwhile: the load
+fails, its bytes never reported), and the exporter still beating. A landed load is reported
+finished and a done mark goes into the slot of every exporter rank the plan has this rank
+notify (the exporter frees the blocks at its next ``poll()`` or side-channel tick). When every
+such mark was written and its ring entry taken by the native compare-and-swap
+(:mod:`kvxfer.transports.ipc.slots`: no mark is lost), the marks free the blocks and the
+acknowledged notification is deferred: a later ``poll()`` sends it between ``MARK_GRACE_S`` and
+twice that after, at most one message per exporter in each ``MARK_GRACE_S`` for every such load
+due by then (``close()``: at once). It then counts nothing, unless a stranger overwrote a mark in
+the table (which no table word lets the loader see): it is the record only the loader writes.
+Otherwise (a rank past the marks, a rank without a mapped table, a slot not found, the Python
+fallback's stores) the notification is queued at once, and a failed load is always notified.
 
 The guarantees are those of the messaged path (DESIGN, "Completion"): the snapshot is taken while
 the export is live, the check after the copy catches a release, the GPU work completes before a
@@ -111,9 +111,8 @@ class Flight:
     """One one-sided load in flight: the load, the params' key (engine id, request id), its
     target, what its lookup read per source rank in the target's order (``(slot, generation,
     snapshot)``: the slot, its generation and the blocks' epochs snapshotted while it stayed at
-    that generation),
-    the binding, when it started, the event after its copy (CUDA), its wire bytes and ops calls,
-    and whether its deadline passed unfinished."""
+    that generation), the binding, when it started, the event after its copy (CUDA), its wire
+    bytes and ops calls, and whether its deadline passed unfinished."""
 
     __slots__ = ("binding", "calls", "event", "item", "key", "late", "moved", "reads", "t0", "target")
 
