@@ -215,9 +215,6 @@ class EngineSecret:
     ) -> tuple[str, bytes]:
         """``(token, content digest)`` of the export of ``request_id`` with ``nonce`` holding
         ``block_ids`` (an int array) and ``num_tokens`` (:func:`export_token`)."""
-        mod = idops.native()
-        if mod is not None and groups is None:  # export_token's native call, without its frame
-            return mod.export_token(self.secret, request_id, nonce, num_tokens, _id_bytes(block_ids), None)
         return export_token(self.secret, request_id, nonce, num_tokens, block_ids, groups)
 
     def new_token(

@@ -360,12 +360,8 @@ class TransferEngine:
             if type(block_ids) is list:  # a copy: the params carry exactly the ids checked and held
                 block_ids = block_ids[:need]
             ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
+        token, digest, gen = self._export_token(request_id, ids, num_tokens, token, sizes)
         rt = self._rt
-        if token is None:  # the generation's token (one native call), as _export_token makes it
-            gen = rt.exports.generation(request_id)
-            token, digest = rt.secret.export_token(request_id, gen.to_bytes(8, "big"), num_tokens, ids, sizes)
-        else:
-            token, digest, gen = self._export_token(request_id, ids, num_tokens, token, sizes)
         gated = rt.order.gated(request_id) if streaming else rt.order.mark(request_id, ready)
         layers = self.spec.num_layers if streaming else 0
         rt.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated, sizes)
