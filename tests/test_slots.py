@@ -468,6 +468,10 @@ class TestNative:
         assert land() == 0
         assert [dict(ex.take_done()) for ex in exs] == [{"r": [(1, 2)]}, {}, {"r": [(1, 2)]}]
         assert land(rank=MAX_DONE, tp=MAX_DONE + 1) == 3  # a rank past the marks: notified instead
+        views[2].t[H_DONE] = -1  # a done count a stranger wrote in rank 2's table (mark 1)
+        assert land() == 3 | 32 | 1 << 6  # rank 0 marked; rank 2's mark named with its index
+        assert dict(exs[0].take_done()) == {"r": [(1, 2)]}
+        views[2].t[H_DONE] = 1
         exs[2].close(reads[0][0])  # the same probe start in every table: the same slot
         assert land() == 3  # rank 2's export gone: no slot to mark there
         assert dict(exs[0].take_done()) == {"r": [(1, 2)]} and exs[2].take_done() == []
@@ -479,7 +483,7 @@ class TestNative:
             land(marks=((views[0].t, 0), (views[2].t, 2)))
         with pytest.raises(TypeError, match="writable"):
             land(marks=((views[0].t, 0), (bytes(8 * views[2].t.size), -1)))
-        assert [int(v.t[H_DONE]) for v in views] == [2, 0, 1]  # the failed calls wrote nothing
+        assert [int(v.t[H_DONE]) for v in views] == [3, 0, 1]  # the failed calls wrote nothing
 
     def test_a_native_module_of_another_layout_is_not_used(self, monkeypatch, caplog):
         class Other:

@@ -29,8 +29,9 @@ namespace kvx_ctl {
 // ids not ceil(num_tokens / block_size) of them, an id at or past the exporter's block count, a
 // token not ASCII or a request id without UTF-8. The messaged path names the problem.
 constexpr int kBadParams = 7;
-// A refusal's source rank index is in the bits above the code (codes < 16).
-constexpr int kSourceShift = 4;
+// A refusal's source rank index is in the bits above the code (codes < 16); a landing's first
+// mark with a word out of range above its two flags (16, 32).
+constexpr int kSourceShift = 4, kMarkShift = 6;
 
 // Every table of the tuple `tables` (of `count` sources) as a buffer; the epochs likewise.
 inline bool source_bufs(PyObject *tables, PyObject *epochs, std::vector<Buf> &tb, std::vector<Buf> &ep,
@@ -83,9 +84,6 @@ inline PyObject *onesided_read(PyObject *, PyObject *const *args, Py_ssize_t n) 
     if (!ids_in_range(ids, e.count(), "onesided_read")) return nullptr;
   }
   int64_t b0, b1;
-  if (!PyUnicode_Check(args[6]) || !PyUnicode_Check(args[8])) {
-    return PyErr_Format(PyExc_TypeError, "onesided_read: token and request_id must be str");
-  }
   if (!bind_words(args[6], dg, args[8], b0, b1)) {
     if (!PyErr_ExceptionMatches(PyExc_ValueError)) return nullptr;
     PyErr_Clear();  // no bytes to bind: the messaged path refuses those params by name
@@ -122,9 +120,9 @@ inline PyObject *onesided_read(PyObject *, PyObject *const *args, Py_ssize_t n) 
 // binding (b0, b1), as read_slot finds it but whatever its flags). Returns an int: 0 landed and
 // every mark written with its ring entry taken; 3 landed, some rank not marked (a slot not
 // found, a rank past the marks, a word out of range: the loader notifies by message), with
-// kMarkBadGen / kMarkBadCount seen as bits 16 / 32; else 1 (released) or 2 (an exporter
-// stopped), | source << kSourceShift, and no mark written. A table of `marks` is written; the
-// sources' only read.
+// kMarkBadGen / kMarkBadCount seen as bits 16 / 32 and the index of the first mark that saw one
+// << kMarkShift; else 1 (released) or 2 (an exporter stopped), | source << kSourceShift, and no
+// mark written. A table of `marks` is written; the sources' only read.
 inline PyObject *onesided_land(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 11, "onesided_land")) return nullptr;
   std::vector<Buf> tb, ep;
@@ -175,6 +173,7 @@ inline PyObject *onesided_land(PyObject *, PyObject *const *args, Py_ssize_t n) 
     msrc[m] = src;
   }
   int out = 0;
+  Py_ssize_t bad_at = -1;  // the first mark whose table had a word out of range
   for (Py_ssize_t m = 0; m < num_marks; ++m) {
     const Py_ssize_t num = table_slots(mt[m]);
     int64_t *t = static_cast<int64_t *>(mt[m].view.buf);
@@ -188,6 +187,7 @@ inline PyObject *onesided_land(PyObject *, PyObject *const *args, Py_ssize_t n) 
       slot = b0 < 0 ? -1 : find_slot(t, num, b0, b1, gen, bad);
       if (slot < 0) {
         out |= 3 | (bad ? 16 : 0);
+        if (bad && bad_at < 0) bad_at = m;
         continue;
       }
     }
@@ -196,11 +196,14 @@ inline PyObject *onesided_land(PyObject *, PyObject *const *args, Py_ssize_t n) 
       continue;
     }
     const int got = mark_slot(t, slot, gen, rank, tp);
-    if (got == kMarkBadGen) out |= 3 | 16;
-    else if (got == kMarkBadCount) out |= 3 | 32;
-    else if (got != kMarked) out |= 3;
+    if (got == kMarkBadGen || got == kMarkBadCount) {
+      out |= 3 | (got == kMarkBadGen ? 16 : 32);
+      if (bad_at < 0) bad_at = m;
+    } else if (got != kMarked) {
+      out |= 3;
+    }
   }
-  return PyLong_FromLong(out);
+  return PyLong_FromSsize_t(out | (bad_at >= 0 ? bad_at << kMarkShift : 0));
 }
 
 }  // namespace kvx_ctl

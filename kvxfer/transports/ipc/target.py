@@ -178,7 +178,7 @@ class Target:
                 return "", self.marks_all
             code = got & 15
             if code == 3:  # landed; a rank not marked (it is notified now)
-                view = self.marks[0][0]
+                view = self.marks[got >> 6][0]  # the first whose table had a word out of range
                 if got & 16:
                     view.bad("a slot's generation out of range")
                 if got & 32:
