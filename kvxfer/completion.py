@@ -2,7 +2,10 @@
 the aggregator. The exporter side's leases are :mod:`kvxfer.exports`.
 
 Loader side (:class:`LoadTracker`): pending loads, each reported exactly once, finished or
-failed with its local block ids.
+failed with its local block ids. :func:`native_load_book` gives the same tracker in C (the
+control module's ``LoadBook``, ``csrc/ctl/load_book.h``), which also holds the records of the
+one-sided native lane (:mod:`kvxfer.transports.ipc.onesided`); the engine takes it at
+``start()`` when the module is in use.
 
 :class:`CompletionAggregator` merges the per-rank :class:`PollResult` of one engine: a request
 counts as done only when every rank has reported it.
@@ -15,7 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["CompletionAggregator", "LoadTracker", "PollResult"]
+from . import idops
+from .params import FIELD_LIMITS
+
+__all__ = ["CompletionAggregator", "LoadTracker", "PollResult", "native_load_book"]
 
 
 @dataclass
@@ -111,6 +117,18 @@ class LoadTracker:
             out.finished_recving = done
         out.failed.update(failed)
         out.errors.update(errors)
+
+
+def native_load_book(active: set, stale_ns: int):
+    """The loads in flight as the control module's ``LoadBook``: :class:`LoadTracker`'s methods
+    and reports in C, plus the one-sided native lane's records (``active``: the params keys of
+    one-sided loads in flight, shared with the Python path; ``stale_ns``: an exporter silent
+    that long is not read). None when the module is not in use (``KVXFER_NATIVE_CTL=0``, not
+    built): :class:`LoadTracker` then."""
+    mod = idops.native()
+    if mod is None:
+        return None
+    return mod.LoadBook(FIELD_LIMITS, active, np.frombuffer, np.dtype(np.int64), int(stale_ns))
 
 
 class CompletionAggregator:

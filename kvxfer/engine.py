@@ -33,7 +33,7 @@ import torch
 
 from . import idops, ops, tracing
 from .auth import EngineSecret, content_digest
-from .completion import PollResult
+from .completion import PollResult, native_load_book
 from .engine_args import check_engine_args, layer_mask, windows_end
 from .engine_types import HandshakeError, LoadItem, ReleaseItem, check_block_ids
 from .exporter import Exporter
@@ -175,6 +175,9 @@ class TransferEngine:
         self._loader = Loader(rank, rt, self._transports, self._notifier)
         self._exporter = Exporter(rank, rt, self._transports)
         self._onesided = OneSided(rank, rt, self._loader) if onesided else None
+        # load()'s native lane (OneSided.load_native), set by start() when the control module
+        # is in use and this engine has no groups; None: every load takes the Python path
+        self._native_load = None
         self._hooks = rt.hooks  # test hooks, by name (each read where it is called)
         self._ctx = None  # the zmq context, made by start()
         self._started = False
@@ -210,6 +213,13 @@ class TransferEngine:
         rt.secret = EngineSecret(self.engine_id, rank.port, self.tp_rank, self._auth_key, self.timeout_s)
         rt.incarnation = secrets.token_hex(8)
         idops.ensure()  # the native bookkeeping helpers, built now if missing (not on a request)
+        # the loads in flight in C (completion.native_load_book), with the one-sided native lane
+        os_ = self._onesided
+        book = os_.native_book(self.timeout_s) if os_ is not None else native_load_book(set(), 0)
+        if book is not None:
+            rt.loads = book
+            if os_ is not None and os_.book is not None and self.groups is None:
+                self._native_load = os_.load_native
         if self.device.type == "cuda":  # compile/load the kernels now, not on the first request
             for v in rank.views.views:
                 try:
@@ -489,6 +499,16 @@ class TransferEngine:
             self._check_started()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        native = self._native_load  # a plain whole load read one-sided: one native call
+        if (
+            native is not None
+            and type(params) is dict
+            and type(num_computed_tokens) is int
+            and not num_computed_tokens
+            and computed_tokens is None
+            and native(request_id, params, block_ids, self.timeout_s)
+        ):
+            return
         p = KVTransferParams.from_dict(params)
         if type(p) is list:
             raise ValueError("params: load takes one child's params; call load once per n>1 child")

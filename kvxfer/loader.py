@@ -87,6 +87,7 @@ class Loader:
         # queued(key): whether a load of the params key (engine id, request id) waits for the
         # next batch (the set's own test, no frame: a one-sided load asks it in load())
         self.queued = self._incoming_keys.__contains__
+        self.queued_keys = self._incoming_keys  # the same set, for the native one-sided lane
         self.releases: list[ReleaseItem] = []  # release() since the last poll(), run as their own batch
         self.fenced: list = []  # loads held until their timed-out GPU work completed
         self._work: queue.Queue = queue.Queue()
@@ -577,17 +578,20 @@ class Loader:
         path's, after its done marks."""
         if not done and not failed:
             return
-        rids: list[str] = []
-        toks: list[str] = []
-        for it in done:
-            p = it.params
-            rids.append(p.request_id)
-            toks.append(p.token)
-        bad: list[str] = []
-        for it in failed:
-            p = it.params
-            bad.append(p.request_id)
-            toks.append(p.token)
+        self.notify_ids(
+            peer,
+            [(it.params.request_id, it.params.token) for it in done],
+            [(it.params.request_id, it.params.token) for it in failed],
+        )
+
+    def notify_ids(self, peer: Peer, done: list[tuple[str, str]], failed: list[tuple[str, str]]) -> None:
+        """:meth:`notify` of loads given by their params' (request id, token)."""
+        if not done and not failed:
+            return
+        rids = [r for r, _ in done]
+        bad = [r for r, _ in failed]
+        toks = [t for _, t in done]
+        toks += [t for _, t in failed]
         msg = control.Notify(self.rank.engine_id, self.rank.tp_rank, self.rank.tp_size, rids, bad, toks)
         deadline = time.monotonic() + self.rank.lease_s
         direct = self.rt.hooks.get("notify")  # benchmarks: deliver in this thread

@@ -68,7 +68,13 @@ class Metrics:
 
     def record_load(self, start: float, end: float, nbytes: int, calls: int, latency: float | None) -> None:
         """One load moved on its own (one-sided): :meth:`record_batch` and :meth:`record_done`
-        (``latency``: when it landed, else None) under one lock, in one frame (per load)."""
+        (``latency``: when it landed, else None) under one lock."""
+        self.record_loads(start, end, nbytes, calls, () if latency is None else (latency,))
+
+    def record_loads(self, start: float, end: float, nbytes: int, calls: int, latencies) -> None:
+        """Loads reported at once (the one-sided native lane's ``poll()``, or one: :meth:`record_load`):
+        the earliest ``start``, their wire bytes and ops calls, the landed ones' latencies, under
+        one lock."""
         with self._lock:
             self.bytes_received += nbytes
             self.ops_calls += calls
@@ -79,10 +85,10 @@ class Metrics:
                 self._span = (start, end)
             else:  # overlaps the open span (an earlier start can only come from a racing recorder)
                 self._span = (min(span[0], start), max(span[1], end))
-            if latency is not None:
-                self.transfers += 1
-                self.latency_sum_s += latency
-                self._latency.append(latency)
+            if latencies:
+                self.transfers += len(latencies)
+                self.latency_sum_s += sum(latencies)
+                self._latency.extend(latencies)
 
     def record_ops(self, calls: int, dedup_bytes: int) -> None:
         """``calls`` ops calls issued for loads, and wire bytes an n>1 sibling carried."""

@@ -61,7 +61,9 @@ _NonEmpty = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 
 
 _U64 = np.dtype(np.uint64)
-_LIMITS = (MAX_ID_CHARS, TOKEN_CHARS, MAX_TP_SIZE, MAX_TOKENS, PARAMS_VERSION)  # params_fields'
+# the bounds params_fields (and LoadBook.begin) check a params dict against
+FIELD_LIMITS = (MAX_ID_CHARS, TOKEN_CHARS, MAX_TP_SIZE, MAX_TOKENS, PARAMS_VERSION)
+_LIMITS = FIELD_LIMITS
 
 
 class _Shape(msgspec.Struct):

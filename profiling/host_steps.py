@@ -7,7 +7,7 @@ caller's step, as a server's step puts a pause between two calls: every step the
 its code and data out of the CPU's caches, as a request's steps do in a server, and the
 table says which steps that costs most (``bench_engine``'s ``@N ms`` columns give the
 phases). A wrapper costs ~0.2 us per call back to back, more after a pause; the steps nest
-(``load`` holds ``try_load``, which holds ``digest``), so their times do not add up.
+(``load`` holds ``load_native``, which holds ``LoadBook.begin``), so their times do not add up.
 
     python profiling/host_steps.py                      # one-sided path, after 10 ms pauses
     python profiling/host_steps.py --idle-ms 0          # back to back
@@ -29,15 +29,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_engine
 
-from kvxfer import auth, completion, engine, exporter, exports, loader, metrics, ops, params
+from kvxfer import auth, completion, engine, exporter, exports, idops, loader, metrics, ops, params
 from kvxfer.transports.ipc import onesided, slots
 
-# (owner, attribute, side): the steps of one request on the loader's (D) and exporter's (P) side
+# the loads tracker in C (completion.native_load_book) and its one-sided native lane, when built
+_BOOK = idops.native().LoadBook if idops.ensure() else None
+
+# (owner, attribute, side): the steps of one request on the loader's (D) and exporter's (P) side;
+# a one-sided load takes the native lane (load_native, LoadBook.begin / complete) or, without
+# the control module and for the first load of a peer, the Python path (try_load ... _report)
 STEPS = (
     (engine.TransferEngine, "export", "P"),
     (auth.EngineSecret, "export_token", "P"),
     (exports.ExportTracker, "add", "P"),
     (engine.TransferEngine, "load", "D"),
+    (onesided.OneSided, "load_native", "D"),
+    *(((_BOOK, "begin", "D"),) if _BOOK is not None else ()),
     (params.KVTransferParams, "from_dict", "D"),
     (engine, "check_block_ids", "P+D"),
     (completion.LoadTracker, "add", "D"),
@@ -47,12 +54,15 @@ STEPS = (
     (ops.PreparedCopy, "run_bounded", "D"),
     (engine.TransferEngine, "_poll_into", "P+D"),
     (onesided.OneSided, "complete", "D"),
+    (onesided.OneSided, "_complete_native", "D"),
+    *(((_BOOK, "complete", "D"),) if _BOOK is not None else ()),
     (onesided.OneSided, "_land", "D"),
     (onesided.OneSided, "_report", "D"),
-    (loader.Loader, "notify", "D"),
+    (loader.Loader, "notify_ids", "D"),
     (loader.Loader, "_run_batch", "D"),
     (completion.LoadTracker, "finish_one", "D"),
     (metrics.Metrics, "record_load", "P+D"),
+    (metrics.Metrics, "record_loads", "D"),
     (exporter.Exporter, "tick", "P+D"),
     (exports.ExportTracker, "drain", "P+D"),
     (completion.LoadTracker, "drain", "P+D"),

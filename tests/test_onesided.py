@@ -65,6 +65,10 @@ class Ranks:
     def onesided(self) -> list[int]:
         return [e.stats()["onesided"]["loads"] for e in self.engines]
 
+    def native(self) -> list[int]:
+        """Per rank, the one-sided loads the native lane looked up (``LoadBook.begin``)."""
+        return [e.stats()["onesided"]["native"] for e in self.engines]
+
     def close(self) -> None:
         for e in self.engines:
             e.close()
@@ -160,8 +164,8 @@ def test_onesided_lands_exactly_and_frees_by_done_marks(case, batched):
             for rid, (_, _, prm, d_ids) in reqs.items():
                 e.load(rid, prm, d_ids)
             if batched:  # held until the block ends
-                assert not e._onesided.flights
-        assert len(e._onesided.flights) == len(reqs)
+                assert e.stats()["onesided"]["in_flight"] == 0
+        assert e.stats()["onesided"]["in_flight"] == len(reqs)
 
     p, d = Ranks(src, src_tp, "P"), None
     try:
@@ -194,6 +198,8 @@ def test_onesided_lands_exactly_and_frees_by_done_marks(case, batched):
         load_all(d[dst_tp - 1], reqs)
         assert poll_until(d.engines[-1:], set(reqs), "recv") == dict.fromkeys(reqs, "done")  # the others did
         assert d.onesided() == [len(reqs)] * dst_tp, [e.stats()["onesided"] for e in d.engines]
+        # the first load made the target (the Python path); the native lane read the others
+        assert d.native() == [0 if batched else len(reqs) - 1] * dst_tp, d.native()
         calls = [e.stats()["ops_calls"] - c0 for e, c0 in zip(d.engines, calls0)]
         for e, c in zip(d.engines, calls):
             peer = e._loader.peers.get("P")
@@ -530,16 +536,16 @@ def test_the_same_params_twice_in_one_batch_are_refused_as_the_messaged_path_ref
 
 
 def _record_notifications(monkeypatch, engine: TransferEngine) -> list:
-    """The notifications ``engine``'s loader sends from now on, as (when, done, failed), each
-    still sent."""
+    """The notifications ``engine``'s loader sends from now on, as (when, done request ids,
+    failed request ids), each still sent."""
     sent: list = []
-    real = engine._loader.notify
+    real = engine._loader.notify_ids
 
-    def notify(peer, done, failed):
-        sent.append((time.monotonic(), done, failed))
+    def notify_ids(peer, done, failed):
+        sent.append((time.monotonic(), [r for r, _ in done], [r for r, _ in failed]))
         real(peer, done, failed)
 
-    monkeypatch.setattr(engine._loader, "notify", notify)
+    monkeypatch.setattr(engine._loader, "notify_ids", notify_ids)
     return sent
 
 
@@ -568,7 +574,7 @@ def test_a_landed_loads_marks_free_it_and_its_notification_is_deferred(marks, mo
         while sum(len(x[1]) for x in sent) < 3 and time.monotonic() < end:
             d[0].poll()
             time.sleep(0.01)
-        got = {it.request_id: t for t, done, _ in sent for it in done}
+        got = {rid: t for t, done, _ in sent for rid in done}
         assert sorted(got) == ["a0", "a1", "a2"] and not [x for x in sent if x[2]], sent
         st = d[0].stats()["onesided"]
         assert st["loads"] == 3, st
@@ -605,7 +611,7 @@ def test_a_steady_stream_of_marked_loads_is_notified_in_few_messages(monkeypatch
             d[0].poll()
             time.sleep(0.005)
         elapsed = time.monotonic() - t0
-        got = {it.request_id: t for t, done, _ in sent for it in done}
+        got = {rid: t for t, done, _ in sent for rid in done}
         assert sorted(got) == sorted(landed) and not [x for x in sent if x[2]], (len(got), k)
         assert k >= 20, f"only {k} loads in {4 * grace:.2f} s: too few to tell one message per load"
         assert len(sent) <= elapsed / grace + 1, (len(sent), k, elapsed)
@@ -825,6 +831,7 @@ def python_slot_reads(d: Ranks) -> None:
                     v.ctl = None
             if peer.session.onesided is not None:
                 peer.session.onesided.ctl = None
+                peer.session.onesided.lane = None  # no native lane either
 
 
 class NativeLanding:
@@ -848,6 +855,7 @@ def answer_landings(d: Ranks, code: int) -> None:
             t = e._onesided._target(peer)  # made at the first one-sided load, else now
             assert t is not None and t.ctl is not None, "no native one-sided target"
             t.ctl = NativeLanding(t.ctl, code)
+            t.lane = None  # Target.land's call, not the native lane's
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])

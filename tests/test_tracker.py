@@ -7,12 +7,24 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer import CompletionAggregator, KVCacheSpec, plan_reads
+from kvxfer import CompletionAggregator, KVCacheSpec, idops, plan_reads
 from kvxfer.auth import UNAUTHORIZED, EngineSecret, content_digest
-from kvxfer.completion import LoadTracker, PollResult
+from kvxfer.completion import LoadTracker, PollResult, native_load_book
 from kvxfer.exports import ALTERED, OTHER_EXPORT, RELEASED, UNKNOWN, ExportTracker
 
 GQA = KVCacheSpec(2, 2, 8, 16, torch.float16)
+
+
+@pytest.fixture(params=["python", "native"])
+def load_tracker(request):
+    """A new loads tracker: :class:`LoadTracker`, or the control module's ``LoadBook`` (the
+    same methods and reports in C, what an engine takes when the module is in use)."""
+    if request.param == "python":
+        return LoadTracker
+    assert idops.ensure(), idops.status()
+    return lambda: native_load_book(set(), 0)
+
+
 MLA = KVCacheSpec(2, 1, 8, 16, torch.float16, use_mla=True)
 
 
@@ -76,8 +88,8 @@ def test_notify_many_counts_each_request_once_and_frees_shared_blocks_last():
     assert out.finished_sending == {"a", "b", "c"}
 
 
-def test_load_tracker_finish_many_reports_each_once_with_its_latency():
-    lt = LoadTracker()
+def test_load_tracker_finish_many_reports_each_once_with_its_latency(load_tracker):
+    lt = load_tracker()
     lt.add("x", [1], 1.5)
     lt.add("y", [2], 2.5)
     assert lt.finish_many(["y", "zzz", "x", "y"], 10.0) == [7.5, 8.5]  # end - start, each once
@@ -117,8 +129,26 @@ def test_export_twice_rejected_and_lease_must_be_positive():
         ExportTracker(4, 0)
 
 
-def test_load_tracker_reports_once():
-    lt = LoadTracker()
+def test_load_tracker_drain_merges_into_reports_the_poll_holds(load_tracker):
+    """A load's ids are reported as a list whatever they were given as; a drain into a
+    PollResult that already holds reports (another part's) adds to them."""
+    lt = load_tracker()
+    lt.add("a", np.array([3, 4], dtype=np.int64), 1.0)
+    lt.add("b", (5,), 2)
+    assert lt.pending() == 2
+    assert lt.finish_one("a", 4.0) == 3.0 and lt.finish_one("a", 5.0) is None
+    assert lt.fail("b", "why") and lt.pending() == 0
+    out = PollResult(finished_recving={"z"}, failed={"q": [1]}, errors={"q": "old"})
+    lt.drain(out)
+    assert out.finished_recving == {"z", "a"}
+    assert out.failed == {"q": [1], "b": [5]} and type(out.failed["b"]) is list
+    assert out.errors == {"q": "old", "b": "why"}
+    lt.drain(out2 := PollResult())
+    assert out2.empty()
+
+
+def test_load_tracker_reports_once(load_tracker):
+    lt = load_tracker()
     lt.add("x", [5, 6], 0.0)
     lt.add("y", [7], 0.0)
     with pytest.raises(ValueError, match="already being loaded"):

@@ -50,28 +50,9 @@ inline bool exact_str_in(PyObject *o, Py_ssize_t lo, Py_ssize_t hi) {
   return lo <= n && n <= hi;
 }
 
-inline PyObject *params_fields(PyObject *, PyObject *const *args, Py_ssize_t n) {
-  if (!nargs(n, 2, "params_fields")) return nullptr;
-  PyObject *d = args[0], *lim = args[1];
-  if (!PyTuple_CheckExact(lim) || PyTuple_GET_SIZE(lim) != 5) {
-    return PyErr_Format(PyExc_TypeError, "params_fields: limits must be a tuple of 5 ints");
-  }
-  long long l[5];
-  for (Py_ssize_t i = 0; i < 5; ++i) {
-    l[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(lim, i));
-    if (l[i] == -1 && PyErr_Occurred()) return nullptr;
-  }
-  const long long max_id = l[0], token_chars = l[1], max_tp = l[2], max_tokens = l[3], version = l[4];
-  if (!PyDict_CheckExact(d)) Py_RETURN_NONE;
-  // Keys other than exact str could run Python code while compared (and change the dict under
-  // the borrowed values below): such a dict is left to the Python checks.
-  Py_ssize_t pos = 0;
-  PyObject *key, *value;
-  while (PyDict_Next(d, &pos, &key, &value)) {
-    if (!PyUnicode_CheckExact(key)) Py_RETURN_NONE;
-  }
-  // The field names, interned once (their hashes kept): a lookup by a new str each call cost
-  // more than the rest of the call. Kept for the process's life, as the module is.
+// The field names, interned once (their hashes kept): a lookup by a new str each call cost more
+// than the rest of the call. Kept for the process's life, as the module is. NULL: raised.
+inline PyObject *const *field_keys() {
   static const char *const kNames[10] = {"request_id", "engine_id", "host", "port", "tp_size",
                                          "block_ids", "num_tokens", "token", "version", "groups"};
   static PyObject *keys[10] = {nullptr};
@@ -80,6 +61,51 @@ inline PyObject *params_fields(PyObject *, PyObject *const *args, Py_ssize_t n) 
       if (keys[i] == nullptr && (keys[i] = PyUnicode_InternFromString(kNames[i])) == nullptr) return nullptr;
     }
   }
+  return keys;
+}
+
+// A params dict's fields once every one is plainly good (parse_params): the dict's values, held
+// (a digest of many ids lets other threads run, which could change the dict), their ints, the
+// ids as uint64 bytes and their content digest.
+struct ParsedParams {
+  PyObject *rid = nullptr, *eid = nullptr, *host = nullptr, *port = nullptr, *tp = nullptr, *ids = nullptr,
+           *num = nullptr, *tok = nullptr;
+  long long port_v = 0, tp_v = 0, num_v = 0, ver_v = 0;
+  PyObject *raw = nullptr, *digest = nullptr;
+  PyObject *tup = nullptr;  // the ids as a tuple (params_fields': made before the digest)
+  ParsedParams() = default;
+  ParsedParams(const ParsedParams &) = delete;
+  ParsedParams &operator=(const ParsedParams &) = delete;
+  ~ParsedParams() {
+    PyObject *held[11] = {rid, eid, host, port, tp, ids, num, tok, raw, digest, tup};
+    for (PyObject *o : held) Py_XDECREF(o);
+  }
+};
+
+// 1: the params dict `d` is plainly good under `lim` (params_fields' limits tuple), `p` filled
+// (with `tuple`, the ids' tuple too); 0: it is not (the Python checks take it); -1: an error was
+// raised (a bad limits tuple, memory).
+inline int parse_params(PyObject *d, PyObject *lim, ParsedParams &p, bool tuple = false) {
+  if (!PyTuple_CheckExact(lim) || PyTuple_GET_SIZE(lim) != 5) {
+    PyErr_Format(PyExc_TypeError, "params_fields: limits must be a tuple of 5 ints");
+    return -1;
+  }
+  long long l[5];
+  for (Py_ssize_t i = 0; i < 5; ++i) {
+    l[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(lim, i));
+    if (l[i] == -1 && PyErr_Occurred()) return -1;
+  }
+  const long long max_id = l[0], token_chars = l[1], max_tp = l[2], max_tokens = l[3], version = l[4];
+  if (!PyDict_CheckExact(d)) return 0;
+  // Keys other than exact str could run Python code while compared (and change the dict under
+  // the borrowed values below): such a dict is left to the Python checks.
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(d, &pos, &key, &value)) {
+    if (!PyUnicode_CheckExact(key)) return 0;
+  }
+  PyObject *const *keys = field_keys();
+  if (keys == nullptr) return -1;
   // borrowed references; a missing key is NULL (exact str keys only: no error, no Python code)
   PyObject *rid = PyDict_GetItem(d, keys[0]), *eid = PyDict_GetItem(d, keys[1]);
   PyObject *host = PyDict_GetItem(d, keys[2]), *port = PyDict_GetItem(d, keys[3]);
@@ -92,37 +118,29 @@ inline PyObject *params_fields(PyObject *, PyObject *const *args, Py_ssize_t n) 
       !exact_int_in(num, 1, max_tokens, num_v) || !exact_str_in(tok, token_chars, token_chars) ||
       (ver != nullptr && !exact_int_in(ver, version, version, ver_v)) || (groups != nullptr && groups != Py_None) ||
       ids == nullptr || !PyList_CheckExact(ids) || PyList_GET_SIZE(ids) == 0) {
-    Py_RETURN_NONE;
+    return 0;
   }
   const Py_ssize_t k = PyList_GET_SIZE(ids);
   PyObject *raw = PyBytes_FromStringAndSize(nullptr, k * 8);  // filled before anyone sees it
-  if (raw == nullptr) return nullptr;
+  if (raw == nullptr) return -1;
   uint64_t *out = reinterpret_cast<uint64_t *>(PyBytes_AS_STRING(raw));
   PyObject **items = PySequence_Fast_ITEMS(ids);
   for (Py_ssize_t i = 0; i < k; ++i) {  // exact ints only: no __index__ runs, the list cannot change
     long long v;
     if (!exact_int_in(items[i], 0, INT64_MAX - 1, v)) {
       Py_DECREF(raw);
-      Py_RETURN_NONE;
+      return 0;
     }
     out[i] = static_cast<uint64_t>(v);
   }
-  // The fields first: the dict holds its own references, so the digest below may let other
-  // threads run (they could change `d` and drop what it held) without a borrowed one in use.
-  PyObject *fields = PyDict_New(), *tup = PyList_AsTuple(ids);
-  PyObject *values[10] = {rid, eid, host, port, tp, tup, num, tok, nullptr, Py_None};
-  bool ok = fields != nullptr && tup != nullptr;
-  PyObject *ver_o = ok ? PyLong_FromLongLong(ver_v) : nullptr;
-  values[8] = ver_o;
-  ok = ok && ver_o != nullptr;
-  for (int i = 0; i < 10 && ok; ++i) ok = PyDict_SetItem(fields, keys[i], values[i]) == 0;
-  Py_XDECREF(tup);
-  Py_XDECREF(ver_o);
-  if (!ok) {
-    Py_XDECREF(fields);
-    Py_DECREF(raw);
-    return nullptr;
-  }
+  // Held before the digest below may let other threads run (they could change `d` and drop
+  // what it held).
+  PyObject *held[8] = {rid, eid, host, port, tp, ids, num, tok};
+  for (PyObject *o : held) Py_INCREF(o);
+  p.rid = rid, p.eid = eid, p.host = host, p.port = port, p.tp = tp, p.ids = ids, p.num = num, p.tok = tok;
+  p.port_v = port_v, p.tp_v = tp_v, p.num_v = num_v, p.ver_v = ver_v;
+  p.raw = raw;
+  if (tuple && (p.tup = PyList_AsTuple(ids)) == nullptr) return -1;  // before the list may change
   Blake2b128 h;  // content_digest(num_v, the ids, None): the bytes written above are the ids' int64
   unsigned char head[8];
   store_le64(head, static_cast<uint64_t>(num_v));
@@ -135,13 +153,30 @@ inline PyObject *params_fields(PyObject *, PyObject *const *args, Py_ssize_t n) 
   } else {
     h.update(data, len);
   }
-  PyObject *digest = digest_bytes(h);
-  if (digest == nullptr) {
-    Py_DECREF(fields);
-    Py_DECREF(raw);
+  p.digest = digest_bytes(h);
+  return p.digest == nullptr ? -1 : 1;
+}
+
+inline PyObject *params_fields(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 2, "params_fields")) return nullptr;
+  ParsedParams p;
+  const int got = parse_params(args[0], args[1], p, true);
+  if (got < 0) return nullptr;
+  if (got == 0) Py_RETURN_NONE;
+  PyObject *const *keys = field_keys();
+  PyObject *fields = PyDict_New();
+  PyObject *ver_o = PyLong_FromLongLong(p.ver_v);
+  PyObject *values[10] = {p.rid, p.eid, p.host, p.port, p.tp, p.tup, p.num, p.tok, ver_o, Py_None};
+  bool ok = fields != nullptr && ver_o != nullptr;
+  for (int i = 0; i < 10 && ok; ++i) ok = PyDict_SetItem(fields, keys[i], values[i]) == 0;
+  Py_XDECREF(ver_o);
+  if (!ok) {
+    Py_XDECREF(fields);
     return nullptr;
   }
-  return Py_BuildValue("(NNN)", fields, raw, digest);
+  Py_INCREF(p.raw);
+  Py_INCREF(p.digest);
+  return Py_BuildValue("(NNN)", fields, p.raw, p.digest);
 }
 
 }  // namespace kvx_ctl

@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from ... import tracing
+from ...completion import native_load_book
 from ...engine_types import LoadItem, describe_error, loaded_twice
 from ...grouped import group_items
 from ...metrics import now
@@ -62,7 +63,7 @@ from ...ordering import event_done
 from ...tracing import items_tag, trace
 from .copies import copy_loads, moved
 from .session import IpcSession
-from .target import STALE_S, Target, make_target
+from .target import STALE_S, Target, make_target, stale_ns
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...batching import BatchPlan
@@ -102,9 +103,13 @@ class OneSidedLink(Protocol):
 
     queued: Callable[[tuple[str, str]], bool]  # whether params (engine id, request id) wait
 
+    queued_keys: set  # those params keys themselves (the native lane checks them in C)
+
     def plan(self, route: Route, src_block_size: int, loads: list, distinct: bool) -> BatchPlan: ...
 
     def notify(self, peer: Peer, done: list, failed: list) -> None: ...
+
+    def notify_ids(self, peer: Peer, done: list, failed: list) -> None: ...
 
 
 class Flight:
@@ -160,6 +165,7 @@ class OneSided:
         self.loads = 0
         self.fallbacks: dict[str, int] = {}
         self.direct = 0  # loads read by cross-memory attach straight into this rank's caches
+        self.native = 0  # loads looked up and recorded by the native lane (load_native)
         self.deferred = 0  # landed loads whose marks freed them, notified after the grace
         # (due, peer, load) of the landed loads whose marks were all written, oldest first,
         # until their notification goes (_notify_marked)
@@ -178,6 +184,23 @@ class OneSided:
         self.lock = threading.Lock()  # flights: appended by load(), taken by poll()
         self._local = threading.local()  # per thread: the loads held by an open batch (hold())
         self._batches = 0  # threads with a batch open (none: load() skips the thread-local lookup)
+        # The native lane (load_native): the rank's LoadBook once start() made it (native_book)
+        self.book = None
+        self._need_ns = 0  # the lease a read needs left, in ns (min(timeout, LEASE_LEFT_S))
+        self._stale_ns = 0
+        self._queued_keys = link.queued_keys
+
+    def native_book(self, timeout_s: float):
+        """The rank's load tracker as the control module's ``LoadBook``
+        (:func:`kvxfer.completion.native_load_book`, sharing this mode's in-flight keys), or
+        None without the module (the Python tracker and path). The native lane reads through
+        it where the CPU keeps the slot protocol's store order."""
+        self._stale_ns = stale_ns()
+        book = native_load_book(self._active, self._stale_ns)
+        if book is not None and ORDERED_CPU:
+            self.book = book
+            self._need_ns = int(min(timeout_s, LEASE_LEFT_S) * 1e9)
+        return book
 
     # ------------------------------------------------------------------------- launch
     def _no(self, why: str) -> bool:
@@ -200,7 +223,64 @@ class OneSided:
         t = session.onesided
         if t is None:
             t = session.onesided = make_target(self.rank, peer)
+            if self.book is not None and t is not None and t.ctl is not None and t.plain is not None:
+                rank = self.rank  # the native lane's loads of this peer read through it
+                t.lane = (
+                    t, t.tables, t.epochs, t.mark_tables, peer.host, peer.port, peer.tp_size,
+                    peer.spec.block_size, peer.num_blocks, rank.spec.block_size, rank.num_blocks,
+                    t.per_token, len(t.plain), t.marks_all, peer,
+                )  # fmt: skip
+                self.book.set_target(peer.engine_id, t)
         return t
+
+    def load_native(self, request_id: str, params: dict, block_ids, timeout_s: float) -> bool:
+        """:meth:`try_load` in the native lane (``LoadBook.begin``, ``csrc/ctl/load_book.h``):
+        a whole load (no tokens held here) of an engine without groups, outside a batch and
+        test hooks, from a peer whose target has its lane; the params and local ids checked,
+        every source rank's slot read and the load recorded in one call, then the copy through
+        the target's prepared copies. False: nothing was written, and the engine's Python path
+        takes the load (naming what is wrong)."""
+        book = self.book
+        if book is None or self._batches:
+            return False
+        rt = self.rt
+        hooks = rt.hooks
+        if hooks and ("before_ipc_copy" in hooks or "after_ipc_copy" in hooks):
+            return False
+        now_ns = time.monotonic_ns()
+        cap = CPU_COPY_MAX_BYTES // self._cpu_bpt if self._cpu_bpt else -1
+        got = book.begin(
+            request_id, params, block_ids, self._queued_keys, now_ns, now_ns + self._need_ns, now(),
+            now_ns * 1e-9 + timeout_s, cap,
+        )  # fmt: skip
+        if got is None:
+            return False
+        src, dst, num_tokens, lane = got
+        t = lane[0]
+        session = t.session
+        try:
+            with session.lock:
+                if session.closed:  # the peer was forgotten since the lookup: its mapping may be gone
+                    book.drop(request_id)
+                    return False
+                if rt.order.cuda or tracing.enabled():
+                    with trace("copy", request_id), rt.order.on_stream():
+                        for copy in t.plain:
+                            copy.run_bounded(src, dst, num_tokens)
+                    ev = session.done_event() if rt.order.cuda else None
+                else:  # CPU caches, no NVTX: no range, no stream
+                    for copy in t.plain:
+                        copy.run_bounded(src, dst, num_tokens)
+                    ev = None
+        except Exception as e:  # the copy may have written part of the blocks: fail the load
+            if book.cancel(request_id, f"one-sided ipc copy: {describe_error(e)}"):
+                rt.metrics.add("failures")
+            self.link.notify_ids(t.peer, [], [(params["request_id"], params["token"])])
+            return True
+        book.launched(request_id, ev)
+        self.loads += 1
+        self.native += 1
+        return True
 
     def try_load(self, item: LoadItem, timeout_s: float) -> bool:
         """Launch ``item`` one-sided if it can be (see the module doc); False: queue it for the
@@ -360,6 +440,9 @@ class OneSided:
             now_s = time.monotonic()
             if marked[0][0] <= now_s and now_s >= self._next_notify:
                 self._notify_marked(False)
+        book = self.book
+        if book is not None and book.in_flight():
+            self._complete_native(book)
         if not self.flights:
             return
         with self.lock:
@@ -392,6 +475,49 @@ class OneSided:
             with self.lock:
                 self.flights[:0] = still
 
+    def _complete_native(self, book) -> None:
+        """:meth:`complete` of the native lane's flights: one call lands and reports every one
+        whose copy completed (``LoadBook.complete``), deferring the notification of those whose
+        marks every exporter rank counts; here the metrics, the other loads' notifications and
+        the failures' reasons (:meth:`Target.outcome <kvxfer.transports.ipc.target.Target.outcome>`),
+        as :meth:`_report` makes them."""
+        now_ns, end = time.monotonic_ns(), now()
+        rank, rt = self.rank, self.rt
+        got = book.complete(
+            now_ns, end, rank.tp_rank, rank.tp_size, self._stale_ns, event_done, self._marked.append,
+            time.monotonic() + MARK_GRACE_S,
+        )  # fmt: skip
+        if got is None:
+            return
+        results, events, late, start, nbytes, calls, latencies = got
+        rt.metrics.record_loads(start, end, nbytes, calls, latencies)
+        if events:
+            recycled: set[int] = set()  # a batch's loads share one event: back to the pool once
+            for lane, ev in events:
+                if id(ev) not in recycled:
+                    recycled.add(id(ev))
+                    lane[0].session.recycle(ev)
+        for rid in late:
+            _LOG.warning(
+                "kvxfer loader %s rank %d: one-sided copy of %s not complete by its deadline; "
+                "reported once it completed",
+                rank.engine_id, rank.tp_rank, rid,
+            )  # fmt: skip
+        if not results:
+            return
+        notes: dict[int, tuple[Peer, list, list]] = {}
+        for code, lane, prid, token, rid in results:
+            t = lane[0]
+            why, _ = t.outcome(code, now_ns)
+            if why and rt.loads.fail(rid, why):
+                rt.metrics.add("failures")
+            note = notes.get(id(t.peer))
+            if note is None:
+                note = notes[id(t.peer)] = (t.peer, [], [])
+            note[2 if why else 1].append((prid, token))
+        for peer, done, failed in notes.values():
+            self.link.notify_ids(peer, done, failed)
+
     def _land(self, f: Flight, now_ns: int) -> tuple[str, bool]:
         """The check after a completed copy and, when it landed, the done marks
         (:meth:`Target.land <kvxfer.transports.ipc.target.Target.land>`): ``("", marked)`` or
@@ -415,8 +541,9 @@ class OneSided:
             rt.metrics.record_load(f.t0, t, f.moved, f.calls, rt.loads.finish_one(item.request_id, t))
             if marked:  # every exporter rank it notifies counts the mark: notified later,
                 # with the other loads of the window (:meth:`_notify_marked`)
+                p = item.params
                 with self.lock:
-                    self._marked.append((time.monotonic() + MARK_GRACE_S, peer, item))
+                    self._marked.append((time.monotonic() + MARK_GRACE_S, peer, p.request_id, p.token))
                 return
         if notes is None:
             self.link.notify(peer, [] if why else [item], [item] if why else [])
@@ -437,14 +564,14 @@ class OneSided:
         with self.lock:
             marked = self._marked
             while marked and (every or marked[0][0] <= now_s):
-                _, peer, item = marked.popleft()
+                _, peer, prid, token = marked.popleft()
                 note = notes.get(id(peer))
                 if note is None:
                     note = notes[id(peer)] = (peer, [])
-                note[1].append(item)
-        for peer, items in notes.values():
-            self.deferred += len(items)
-            self.link.notify(peer, items, [])
+                note[1].append((prid, token))
+        for peer, loads in notes.values():
+            self.deferred += len(loads)
+            self.link.notify_ids(peer, loads, [])
 
     def flush(self) -> None:
         """The engine is closing: the marked loads still in their grace are notified now (while
@@ -457,6 +584,8 @@ class OneSided:
         """Block until a one-sided copy of ``request_ids`` completed, or ``deadline``, or a short
         pause when none of them is in flight here (the messaged path reports through poll)."""
         evs = [f.event for f in self.flights if f.event is not None and f.item.request_id in request_ids]
+        if self.book is not None:
+            evs += self.book.events_of(request_ids)
         if not evs:
             time.sleep(min(2e-4, max(0.0, deadline - time.monotonic())))
             return
@@ -470,7 +599,8 @@ class OneSided:
         return {
             "loads": self.loads,
             "direct": self.direct,
+            "native": self.native,
             "deferred": self.deferred,
-            "in_flight": len(self.flights),
+            "in_flight": len(self.flights) + (self.book.in_flight() if self.book is not None else 0),
             "fallbacks": dict(self.fallbacks),
         }

@@ -229,6 +229,8 @@ class IpcSession:
         or by :meth:`unmap` once the one-sided copies still reading them completed."""
         with self.lock:
             self.closed = True
+            if self.onesided is not None:  # no native lane reads this peer through it any more
+                self.onesided.lane = None
             if self.idle():
                 self.unmap()
             else:

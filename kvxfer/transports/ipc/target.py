@@ -32,10 +32,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...plan import Read
     from ...rank import Rank
 
-__all__ = ["STALE_S", "Source", "Target", "make_target"]
+__all__ = ["STALE_S", "Source", "Target", "make_target", "stale_ns"]
 
 STALE_S = 2.0  # an exporter that has not beat for this long is not read one-sided (it beats every 20 ms)
 _STALE_NS = int(STALE_S * 1e9)
+
+
+def stale_ns() -> int:
+    """:data:`STALE_S` in ns, as this module's checks use it now (what a ``LoadBook`` made now
+    checks against)."""
+    return _STALE_NS
 
 
 class Source(NamedTuple):
@@ -67,6 +73,7 @@ class Target:
         "ctl",
         "direct",
         "epochs",
+        "lane",
         "mark_tables",
         "marks",
         "marks_all",
@@ -109,6 +116,9 @@ class Target:
         # runs them itself (kvxfer.transports.ipc.copies). None: the general path.
         plain = direct is None and not grouped and not self.remote and all(src.bounded for src in sources)
         self.plain = tuple(c for src in sources for c, _ in src.whole) if plain else None
+        # What the native lane reads a load through (LoadBook.begin, csrc/ctl/load_book.h), set
+        # by the one-sided mode when it may (:meth:`OneSided.lane`); None: the Python path.
+        self.lane: tuple | None = None
 
     # --------------------------------------------------------------------------- read
     def read(
@@ -174,17 +184,7 @@ class Target:
                 self.tables, self.epochs, ids, reads, self.mark_tables, *binding,
                 loader_rank, loader_tp, now_ns, _STALE_NS,
             )  # fmt: skip
-            if not got:
-                return "", self.marks_all
-            code = got & 15
-            if code == 3:  # landed; a rank not marked (it is notified now)
-                view = self.marks[got >> 6][0]  # the first whose table had a word out of range
-                if got & 16:
-                    view.bad("a slot's generation out of range")
-                if got & 32:
-                    view.bad("a done count out of range")
-                return "", False
-            return _failed(self.sources[got >> 4], code, now_ns), False
+            return self.outcome(got, now_ns)
         for src, (slot, gen, snap) in zip(self.sources, reads):
             if hook:
                 hook(src.mapping.epochs)
@@ -198,6 +198,22 @@ class Target:
             if i < 0 or not view.mark_done(i, g, loader_rank, loader_tp):
                 marked = False
         return "", marked
+
+    def outcome(self, got: int, now_ns: int) -> tuple[str, bool]:
+        """What ``onesided_land``'s answer ``got`` (checked at ``now_ns``) means, as :meth:`land`
+        returns it: ``("", marked)`` or ``(why not, False)``; a word out of range is logged
+        once per view."""
+        if not got:
+            return "", self.marks_all
+        code = got & 15
+        if code == 3:  # landed; a rank not marked (it is notified now)
+            view = self.marks[got >> 6][0]  # the first whose table had a word out of range
+            if got & 16:
+                view.bad("a slot's generation out of range")
+            if got & 32:
+                view.bad("a done count out of range")
+            return "", False
+        return _failed(self.sources[got >> 4], code, now_ns), False
 
 
 def _failed(src: Source, got: int, now_ns: int) -> str:
