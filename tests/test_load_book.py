@@ -221,7 +221,7 @@ def test_a_running_copy_waits_is_late_once_and_lands_when_its_event_completes(bo
     assert begin(book, "x", prm, [1], timeout_s=0.0) is not None
     ev = Event()
     book.launched("x", ev)
-    assert book.events_of({"x"}) == [ev] and book.events_of({"y"}) == []
+    assert book.events_of({"x"}) == [ev] and book.events_of(["x"]) == [ev] and book.events_of({"y"}) == []
     marked: collections.deque = collections.deque()
     results, events, late, _, _, calls, _ = complete(book, marked)
     assert results == [] and events == [] and late == ["x"] and calls == 0 and book.in_flight() == 1
@@ -262,6 +262,10 @@ def test_bad_arguments_raise_naming_them(book):
     book.set_target("P", SimpleNamespace(lane=(1, 2)))
     with pytest.raises(TypeError, match="lane must be a tuple of 15"):
         begin(book, "x", prm, [1])
+    with pytest.raises(TypeError, match="request_id must be a str, got int"):
+        book.launched(5, None)
+    with pytest.raises(TypeError, match="request_id must be a str, got bytes"):
+        book.cancel(b"x", "why")
     with pytest.raises(TypeError, match="event_done and mark_later must be callable"):
         book.complete(0, 0.0, 0, 1, STALE_NS, None, print, 1.0)
     with pytest.raises(TypeError, match="LoadBook\\(limits"):

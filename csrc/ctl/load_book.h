@@ -415,8 +415,12 @@ inline PyObject *book_begin(PyObject *self, PyObject *const *args, Py_ssize_t n)
   return out;
 }
 
-// The index of request `rid`'s flight not launched yet, or -1.
+// The index of request `rid`'s flight not launched yet, or -1 (-2: `rid` is not a str, raised).
 inline Py_ssize_t unlaunched(LoadBook *b, PyObject *rid) {
+  if (!PyUnicode_Check(rid)) {
+    PyErr_Format(PyExc_TypeError, "LoadBook: request_id must be a str, got %s", Py_TYPE(rid)->tp_name);
+    return -2;
+  }
   std::vector<Flight> &fl = *b->flights;
   for (Py_ssize_t i = static_cast<Py_ssize_t>(fl.size()) - 1; i >= 0; --i) {
     if (fl[i].event == nullptr && (fl[i].rid == rid || PyUnicode_Compare(fl[i].rid, rid) == 0)) return i;
@@ -428,6 +432,7 @@ inline PyObject *book_launched(PyObject *self, PyObject *const *args, Py_ssize_t
   LoadBook *b = reinterpret_cast<LoadBook *>(self);
   if (!nargs(n, 2, "LoadBook.launched")) return nullptr;
   const Py_ssize_t i = unlaunched(b, args[0]);
+  if (i == -2) return nullptr;
   if (i < 0) return PyErr_Format(PyExc_KeyError, "LoadBook.launched: no flight of %R waits for its launch", args[0]);
   Py_INCREF(args[1]);
   (*b->flights)[i].event = args[1];
@@ -438,6 +443,7 @@ inline PyObject *book_launched(PyObject *self, PyObject *const *args, Py_ssize_t
 // too (drop: the Python path loads it) or failed with `why` (cancel). True when there was one.
 inline PyObject *book_unlaunch(LoadBook *b, PyObject *rid, PyObject *why) {
   const Py_ssize_t i = unlaunched(b, rid);
+  if (i == -2) return nullptr;
   if (i < 0) Py_RETURN_FALSE;
   Flight f = (*b->flights)[i];
   b->flights->erase(b->flights->begin() + i);
@@ -570,12 +576,23 @@ inline PyObject *book_in_flight(PyObject *self, PyObject *) {
 inline PyObject *book_events_of(PyObject *self, PyObject *const *args, Py_ssize_t n) {
   LoadBook *b = reinterpret_cast<LoadBook *>(self);
   if (!nargs(n, 1, "LoadBook.events_of")) return nullptr;
-  PyObject *out = PyList_New(0);
+  // (request id, event) of the launched flights, held first: a container's test may run Python
+  // code, and with it other threads that change the flights
+  PyObject *pairs = PyList_New(0);
   for (const Flight &f : *b->flights) {
-    if (out == nullptr || f.event == nullptr || f.event == Py_None) continue;
-    const int in = PySequence_Contains(args[0], f.rid);
-    if (in < 0 || (in && PyList_Append(out, f.event) != 0)) Py_CLEAR(out);
+    if (pairs == nullptr || f.event == nullptr || f.event == Py_None) continue;
+    PyObject *pair = PyTuple_Pack(2, f.rid, f.event);
+    if (pair == nullptr || PyList_Append(pairs, pair) != 0) Py_CLEAR(pairs);
+    Py_XDECREF(pair);
   }
+  if (pairs == nullptr) return nullptr;
+  PyObject *out = PyList_New(0);
+  for (Py_ssize_t i = 0, k = PyList_GET_SIZE(pairs); out != nullptr && i < k; ++i) {
+    PyObject *pair = PyList_GET_ITEM(pairs, i);
+    const int in = PySequence_Contains(args[0], PyTuple_GET_ITEM(pair, 0));
+    if (in < 0 || (in && PyList_Append(out, PyTuple_GET_ITEM(pair, 1)) != 0)) Py_CLEAR(out);
+  }
+  Py_DECREF(pairs);
   return out;
 }
 
