@@ -84,10 +84,9 @@ class Loader:
         # (engine id, request id) of the params in ``incoming``: the one-sided path refuses a
         # load of params the next batch already holds, as the batch itself refuses a repeat
         self._incoming_keys: set[tuple[str, str]] = set()
-        # queued(key): whether a load of the params key (engine id, request id) waits for the
-        # next batch (the set's own test, no frame: a one-sided load asks it in load())
-        self.queued = self._incoming_keys.__contains__
-        self.queued_keys = self._incoming_keys  # the same set, for the native one-sided lane
+        # the same set, read by the one-sided mode in load(): whether a load of the params key
+        # (engine id, request id) waits for the next batch
+        self.queued_keys = self._incoming_keys
         self.releases: list[ReleaseItem] = []  # release() since the last poll(), run as their own batch
         self.fenced: list = []  # loads held until their timed-out GPU work completed
         self._work: queue.Queue = queue.Queue()
@@ -576,8 +575,6 @@ class Loader:
         rank the plan names (acknowledged and retried by the notifier thread until the
         exporter's lease would end anyway): this worker's, the releases' and the one-sided
         path's, after its done marks."""
-        if not done and not failed:
-            return
         self.notify_ids(
             peer,
             [(it.params.request_id, it.params.token) for it in done],

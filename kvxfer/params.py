@@ -63,7 +63,6 @@ _NonEmpty = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 _U64 = np.dtype(np.uint64)
 # the bounds params_fields (and LoadBook.begin) check a params dict against
 FIELD_LIMITS = (MAX_ID_CHARS, TOKEN_CHARS, MAX_TP_SIZE, MAX_TOKENS, PARAMS_VERSION)
-_LIMITS = FIELD_LIMITS
 
 
 class _Shape(msgspec.Struct):
@@ -256,7 +255,7 @@ class KVTransferParams:
         native module's (:func:`kvxfer.idops.params_fields`), else one ``msgspec.convert`` and
         the id checks; None otherwise, and the field checks of :meth:`_one` name what is
         wrong."""
-        got = idops.params_fields(d, _LIMITS)
+        got = idops.params_fields(d, FIELD_LIMITS)
         if got is not None:  # the fields as __init__ would set them, the ids' array and digest
             fields, raw, fields["_digest"] = got
             fields["_ids"] = np.frombuffer(raw, _U64)  # read-only: bytes

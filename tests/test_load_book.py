@@ -88,7 +88,7 @@ def begin(book, rid, params, local, queued=frozenset(), timeout_s=10.0, max_toke
 
 def complete(book, marked: collections.deque, now_ns: int | None = None):
     now_ns = time.monotonic_ns() if now_ns is None else now_ns
-    return book.complete(now_ns, time.perf_counter(), 0, 1, STALE_NS, event_done, marked.append, 123.0)
+    return book.complete(now_ns, time.perf_counter(), 0, 1, event_done, marked.append, 123.0)
 
 
 def done_marks(ex: Exporter) -> list:
@@ -267,7 +267,7 @@ def test_bad_arguments_raise_naming_them(book):
     with pytest.raises(TypeError, match="request_id must be a str, got bytes"):
         book.cancel(b"x", "why")
     with pytest.raises(TypeError, match="event_done and mark_later must be callable"):
-        book.complete(0, 0.0, 0, 1, STALE_NS, None, print, 1.0)
+        book.complete(0, 0.0, 0, 1, None, print, 1.0)
     with pytest.raises(TypeError, match="LoadBook\\(limits"):
         type(book)((1, 2), set(), np.frombuffer, np.int64, 0)
     assert book.pending() == 0 and book.in_flight() == 0

@@ -6,7 +6,7 @@ import pytest
 
 from kvxfer import KVTransferParams, idops
 from kvxfer.limits import MAX_ID_CHARS
-from kvxfer.params import _LIMITS, params_dict
+from kvxfer.params import FIELD_LIMITS, params_dict
 
 GOOD = {
     "request_id": "r1",
@@ -187,7 +187,7 @@ def test_the_native_check_takes_only_what_the_python_checks_accept_alike(d, monk
     Python checks (None) or gives exactly the params they build from it: never params they
     refuse, never other ones. It takes the plain case itself."""
     assert idops.ensure(), idops.status()
-    got = idops.params_fields(d, _LIMITS)
+    got = idops.params_fields(d, FIELD_LIMITS)
     monkeypatch.setattr(idops, "params_fields", idops.NUMPY["params_fields"])
     try:
         want = KVTransferParams.from_dict(d)

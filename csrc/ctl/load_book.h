@@ -20,7 +20,7 @@
 //   launched(request_id, event): its copy was issued (event: CUDA, recorded after it; None on
 //     CPU); until then poll() does not look at it. drop(request_id): it was never issued (the
 //     Python path takes it). cancel(request_id, why): its copy failed; the load is failed.
-//   complete(now_ns, end, loader_rank, loader_tp, stale_ns, event_done, mark_later, due) ->
+//   complete(now_ns, end, loader_rank, loader_tp, event_done, mark_later, due) ->
 //     None | (results, events, late, start, nbytes, calls, latencies): every issued flight
 //     whose event completed (event_done(event)) landed (onesided_land: checks and done marks).
 //     A landed load is finished in the tracker; when every rank it notifies counted its mark,
@@ -472,9 +472,9 @@ inline PyObject *book_cancel(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 inline PyObject *book_complete(PyObject *self, PyObject *const *args, Py_ssize_t n) {
   LoadBook *b = reinterpret_cast<LoadBook *>(self);
-  if (!nargs(n, 8, "LoadBook.complete")) return nullptr;
-  PyObject *rank_o = args[2], *tp_o = args[3], *stale_o = args[4], *event_done = args[5], *mark_later = args[6];
-  PyObject *due = args[7];
+  if (!nargs(n, 7, "LoadBook.complete")) return nullptr;
+  PyObject *rank_o = args[2], *tp_o = args[3], *stale_o = b->stale_ns, *event_done = args[4], *mark_later = args[5];
+  PyObject *due = args[6];
   if (!PyCallable_Check(event_done) || !PyCallable_Check(mark_later) || !PyFloat_Check(due)) {
     return PyErr_Format(PyExc_TypeError, "LoadBook.complete: event_done and mark_later must be callable, due a float");
   }

@@ -101,9 +101,7 @@ class OneSidedLink(Protocol):
 
     peer: Callable[[str], Peer | None]  # the peer kept for an engine id, or None
 
-    queued: Callable[[tuple[str, str]], bool]  # whether params (engine id, request id) wait
-
-    queued_keys: set  # those params keys themselves (the native lane checks them in C)
+    queued_keys: set  # the params keys (engine id, request id) waiting for its next batch
 
     def plan(self, route: Route, src_block_size: int, loads: list, distinct: bool) -> BatchPlan: ...
 
@@ -154,7 +152,6 @@ class OneSided:
         self.rt = rt
         self.link = link
         self._peer = link.peer  # a dict lookup (kvxfer.peer.Peers.get): no frame per load
-        self._queued = link.queued  # a set's test, likewise
         if not ORDERED_CPU:
             _LOG.warning(
                 "kvxfer engine %s rank %d: one-sided reads off on %s (the lease-slot protocol needs "
@@ -167,8 +164,8 @@ class OneSided:
         self.direct = 0  # loads read by cross-memory attach straight into this rank's caches
         self.native = 0  # loads looked up and recorded by the native lane (load_native)
         self.deferred = 0  # landed loads whose marks freed them, notified after the grace
-        # (due, peer, load) of the landed loads whose marks were all written, oldest first,
-        # until their notification goes (_notify_marked)
+        # (due, peer, params request id, token) of the landed loads whose marks were all
+        # written, oldest first, until their notification goes (_notify_marked)
         self._marked: collections.deque = collections.deque()
         # not before then: at most one deferred notification per peer every MARK_GRACE_S (each
         # load's goes between MARK_GRACE_S and twice that after its marks)
@@ -187,7 +184,6 @@ class OneSided:
         # The native lane (load_native): the rank's LoadBook once start() made it (native_book)
         self.book = None
         self._need_ns = 0  # the lease a read needs left, in ns (min(timeout, LEASE_LEFT_S))
-        self._stale_ns = 0
         self._queued_keys = link.queued_keys
 
     def native_book(self, timeout_s: float):
@@ -195,8 +191,7 @@ class OneSided:
         (:func:`kvxfer.completion.native_load_book`, sharing this mode's in-flight keys), or
         None without the module (the Python tracker and path). The native lane reads through
         it where the CPU keeps the slot protocol's store order."""
-        self._stale_ns = stale_ns()
-        book = native_load_book(self._active, self._stale_ns)
+        book = native_load_book(self._active, stale_ns())
         if book is not None and ORDERED_CPU:
             self.book = book
             self._need_ns = int(min(timeout_s, LEASE_LEFT_S) * 1e9)
@@ -318,7 +313,7 @@ class OneSided:
             return self._no(got)  # the messaged path loads it (and names a bad params' problem)
         b, reads = got
         key = (p.engine_id, p.request_id)
-        if key in self._active or self._queued(key):
+        if key in self._active or key in self._queued_keys:
             # The same params already in this batch (read here, or queued for the messaged path,
             # whose batch check refuses a repeat the same way); a load that would not be read
             # here anyway was handed to the messaged path above, which checks its own batch.
@@ -484,7 +479,7 @@ class OneSided:
         now_ns, end = time.monotonic_ns(), now()
         rank, rt = self.rank, self.rt
         got = book.complete(
-            now_ns, end, rank.tp_rank, rank.tp_size, self._stale_ns, event_done, self._marked.append,
+            now_ns, end, rank.tp_rank, rank.tp_size, event_done, self._marked.append,
             time.monotonic() + MARK_GRACE_S,
         )  # fmt: skip
         if got is None:
