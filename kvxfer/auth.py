@@ -184,7 +184,8 @@ class EngineSecret:
         timeout_s: how long to wait for another rank's half-written key file.
 
     :meth:`token` makes the token of one export, :meth:`new_token` one with a random nonce
-    (for a process without an engine), :meth:`verify` checks a presented one.
+    (for a process without an engine), :meth:`verify` checks a presented one,
+    :meth:`for_export` makes or checks the token ``export()`` puts in its params.
     """
 
     def __init__(
@@ -194,6 +195,7 @@ class EngineSecret:
         self.path: Path | None = None
         self.created = False  # this instance wrote the host key file (no other rank had yet)
         self._owner = tp_rank == 0
+        self.engine_id = engine_id
         if key:
             self.secret = hmac.new(key.encode(), engine_id.encode(), hashlib.sha256).digest()
             self.source = "cluster key"
@@ -216,6 +218,30 @@ class EngineSecret:
         """``(token, content digest)`` of the export of ``request_id`` with ``nonce`` holding
         ``block_ids`` (an int array) and ``num_tokens`` (:func:`export_token`)."""
         return export_token(self.secret, request_id, nonce, num_tokens, block_ids, groups)
+
+    def for_export(
+        self,
+        request_id: str,
+        gen: int,
+        num_tokens: int,
+        block_ids: np.ndarray,
+        token: str | None,
+        groups=None,
+    ) -> tuple[str, bytes]:
+        """``(token, content digest)`` of the export of ``request_id`` with generation ``gen``
+        holding ``block_ids`` and ``num_tokens`` (``groups``: ids per group): the generation's
+        token (the same on every rank), or ``token`` when this secret made it for that content
+        (any nonce: a token handed out before the export, :meth:`new_token`); ``ValueError``
+        when it did not."""
+        if token is None:
+            return self.export_token(request_id, gen.to_bytes(8, "big"), num_tokens, block_ids, groups)
+        digest = content_digest(num_tokens, block_ids, groups)
+        if not self.verify(request_id, token, digest):
+            raise ValueError(
+                f"token: not a token of engine {self.engine_id!r} for request {request_id!r} with these "
+                "block ids and num_tokens"
+            )
+        return token, digest
 
     def new_token(
         self, request_id: str, num_tokens: int, block_ids, groups: Sequence[int] | None = None

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import idops, ops, tracing
-from .auth import EngineSecret, content_digest
+from .auth import EngineSecret
 from .completion import PollResult, native_load_book
 from .engine_args import check_engine_args, layer_mask, windows_end
 from .engine_types import HandshakeError, LoadItem, ReleaseItem, check_block_ids
@@ -218,7 +218,7 @@ class TransferEngine:
         book = os_.native_book(self.timeout_s) if os_ is not None else native_load_book(set(), 0)
         if book is not None:
             rt.loads = book
-            if os_ is not None and os_.book is not None and self.groups is None:
+            if os_ is not None and os_.lane is not None and self.groups is None:
                 self._native_load = os_.load_native
         if self.device.type == "cuda":  # compile/load the kernels now, not on the first request
             for v in rank.views.views:
@@ -354,24 +354,10 @@ class TransferEngine:
         """
         if not self._open:
             self._check_started()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        sizes = None
-        if self.groups is not None:
-            end = windows_end(computed_tokens, num_tokens)
-            ids, sizes = export_ids(
-                self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
-            )
-            block_ids = None  # the params list the live ids
-        else:
-            need = self.spec.num_blocks_for(num_tokens)
-            if type(block_ids) is list:  # a copy: the params carry exactly the ids checked and held
-                block_ids = block_ids[:need]
-            ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
-        token, digest, gen = self._export_token(request_id, ids, num_tokens, token, sizes)
+        ids, sizes, block_ids = self._export_ids(request_id, block_ids, num_tokens, computed_tokens)
         rt = self._rt
+        gen = rt.exports.generation(request_id)  # the token's nonce (kvxfer.auth)
+        token, digest = rt.secret.for_export(request_id, gen, num_tokens, ids, token, sizes)
         gated = rt.order.gated(request_id) if streaming else rt.order.mark(request_id, ready)
         layers = self.spec.num_layers if streaming else 0
         rt.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated, sizes)
@@ -381,6 +367,28 @@ class TransferEngine:
             request_id, self.engine_id, self.host, self.port, self.tp_size, listed, num_tokens, token,
             groups=sizes,
         )  # fmt: skip
+
+    def _export_ids(
+        self, request_id: str, block_ids, num_tokens: int, computed_tokens: int | None
+    ) -> tuple[np.ndarray, list[int] | None, list | None]:
+        """:meth:`export`'s arguments checked: (the ids held, ids per group or None, the list of
+        exactly those ids when ``block_ids`` is a list and the engine has no groups, else None)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
+        if self.groups is not None:
+            end = windows_end(computed_tokens, num_tokens)
+            ids, sizes = export_ids(
+                self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
+            )
+            return ids, sizes, None  # the params list the live ids
+        need = self.spec.num_blocks_for(num_tokens)
+        listed = block_ids[:need] if type(block_ids) is list else None  # the params carry exactly these
+        ids = check_block_ids(
+            listed if listed is not None else block_ids, need, self.num_blocks, num_tokens, True
+        )
+        return ids, None, listed
 
     def mark_ready(self, request_id: str, layers, ready=None) -> None:
         """Layers ``layers`` (an int, a range or a sequence of layer indices) of the layer-wise
@@ -405,42 +413,13 @@ class TransferEngine:
         to every rank's ``export(..., token=)``. ``block_ids`` and ``computed_tokens`` as for
         :meth:`export`."""
         self._check_started()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        sizes = None
-        if self.groups is not None:
-            end = windows_end(computed_tokens, num_tokens)
-            ids, sizes = export_ids(
-                self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
-            )
-        else:
-            need = self.spec.num_blocks_for(num_tokens)
-            ids = check_block_ids(block_ids, need, self.num_blocks, num_tokens, unique=True)
-        token = self._export_token(request_id, ids, num_tokens, None, sizes)[0]
+        ids, sizes, _ = self._export_ids(request_id, block_ids, num_tokens, computed_tokens)
+        gen = self._rt.exports.generation(request_id)
+        token = self._rt.secret.for_export(request_id, gen, num_tokens, ids, None, sizes)[0]
         return params_dict(
             request_id, self.engine_id, self.host, self.port, self.tp_size, ids.tolist(), num_tokens, token,
             groups=sizes,
         )  # fmt: skip
-
-    def _export_token(
-        self, request_id: str, ids: np.ndarray, num_tokens: int, token: str | None, sizes=None
-    ) -> tuple[str, bytes, int]:
-        """(token, content digest, generation) of an export of ``request_id`` (:mod:`kvxfer.auth`):
-        the generation's token, the same on every rank; or ``token`` checked to be one this
-        engine's secret made for these ids and ``num_tokens`` (and ``sizes``: ids per group)."""
-        secret = self._rt.secret
-        gen = self._rt.exports.generation(request_id)
-        if token is None:
-            return (*secret.export_token(request_id, gen.to_bytes(8, "big"), num_tokens, ids, sizes), gen)
-        digest = content_digest(num_tokens, ids, sizes)
-        if not secret.verify(request_id, token, digest):
-            raise ValueError(
-                f"token: not a token of engine {self.engine_id!r} for request {request_id!r} with these "
-                "block ids and num_tokens"
-            )
-        return token, digest, gen
 
     def set_compute_stream(self, stream) -> None:
         """Exports made after this wait for the work issued on ``stream`` before each export

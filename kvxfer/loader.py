@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 
-from . import control, idops, releases
+from . import control, releases
 from .batching import BatchPlan
 from .engine_types import (
     Expired,
@@ -38,11 +38,9 @@ from .engine_types import (
     LoadItem,
     ReleaseItem,
     describe_error,
-    loaded_twice,
     mask_layers,
 )
 from .grants import RESTARTED, ask_grants, take_grants, wanted
-from .grouped import group_items
 from .handshake import handshake
 from .metrics import now
 from .notifier import DRAIN_S, Notifier
@@ -312,51 +310,6 @@ class Loader:
         return self._topo
 
     # ------------------------------------------------------------------------ transfers
-    def _checked(
-        self, peer: Peer, items: list[LoadItem]
-    ) -> tuple[list[LoadItem], list[str], list[str], list[bytes]]:
-        """The loads whose params fit the remote (the others fail, named), with their remote
-        request ids, tokens and content digests (what a lease request carries)."""
-        good: list[LoadItem] = []
-        rids: list[str] = []
-        toks: list[str] = []
-        digests: list[bytes] = []
-        seen: set[str] = set()
-        num_blocks = peer.num_blocks
-        gs = self.rank.groups
-        for it in items:
-            p = it.params
-            need = peer.spec.num_blocks_for(p.num_tokens) if gs is None else it.src_ids.size
-            why = "" if gs is None else self._group_items(peer, it)
-            if why:
-                self._fail([it], why)
-            elif it.src_ids.size != need:
-                self._fail([it], f"params.block_ids: has {it.src_ids.size} ids, num_tokens needs {need}")
-            elif idops.max_id(it.src_ids) >= num_blocks:  # read as unsigned: bounds both ends
-                self._fail([it], f"params.block_ids: out of the exporter's range [0, {num_blocks})")
-            elif p.request_id in seen:
-                self._fail([it], loaded_twice(p.request_id))
-            else:
-                seen.add(p.request_id)
-                good.append(it)
-                rids.append(p.request_id)
-                toks.append(p.token)
-                digests.append(p.digest())
-        return good, rids, toks, digests
-
-    def _group_items(self, peer: Peer, it: LoadItem) -> str:
-        """Give a load of an engine with KV cache groups its planner items, one per group
-        (:func:`kvxfer.grouped.group_items`, with the exporter's block size); why not, or ""."""
-        p = it.params
-        got = group_items(
-            self.rank.groups, it.request_id, it.src_ids, p.groups, p.num_tokens, it.group_dst,
-            peer.spec.block_size, self.rank.spec.block_size, peer.state_routes,
-        )  # fmt: skip
-        if type(got) is str:
-            return got
-        it.groups = got
-        return ""
-
     def _run_peer(self, peer: Peer, items: list[LoadItem], retried: bool = False) -> None:
         """Move ``items`` (loads of one remote) and report each once, finished or failed.
 
@@ -365,7 +318,9 @@ class Loader:
         are read rank by rank and reported (:meth:`_read_whole`); anything else, a layer-wise
         export, a load not known or not ready yet, a refusal or a restarted remote, continues in
         :meth:`_run_rounds` from the replies of that round."""
-        good, rids, toks, digests = self._checked(peer, items)
+        good, rids, toks, digests, bad = self.planner.check(peer, items)
+        for it, why in bad:
+            self._fail([it], why)
         if not good:
             return
         deadline = good[0].deadline if len(good) == 1 else min(it.deadline for it in good)

@@ -1,6 +1,7 @@
 """The load planner: how a batch of loads moves from one source rank, and which of them landed.
 
-One planner serves every transport (:meth:`Planner.read`). For each
+One planner serves every transport (:meth:`Planner.read`), after it checked a batch's params
+against the peer (:meth:`Planner.check`). For each
 :class:`~kvxfer.transfer.Route` a peer's session names for the source rank, it plans the batch
 into ops calls once (:func:`kvxfer.batching.plan_batch`, in the units the route allows), hands
 them to the session as a :class:`~kvxfer.transfer.Transfer` and waits for its completion. A
@@ -18,7 +19,8 @@ import numpy as np
 
 from . import idops
 from .batching import BatchPlan, Item, plan_batch, wire_bytes
-from .engine_types import LoadItem, disjoint_blocks, time_left
+from .engine_types import LoadItem, disjoint_blocks, loaded_twice, time_left
+from .grouped import group_items
 from .groups.state_group import StateLanding
 from .peer import Peer
 from .plan import Read
@@ -34,6 +36,54 @@ class Planner:
     def __init__(self, rank: Rank, rt: Runtime) -> None:
         self.rank = rank
         self.rt = rt
+
+    def check(
+        self, peer: Peer, items: list[LoadItem]
+    ) -> tuple[list[LoadItem], list[str], list[str], list[bytes], list[tuple[LoadItem, str]]]:
+        """The loads whose params fit ``peer`` (their ids as many as the exporter's block size
+        needs and in its range, no params twice; an engine with groups: each load given its
+        planner items, one per group), with their remote request ids, tokens and content
+        digests (what a lease request carries); and ``(load, why)`` of the others."""
+        good: list[LoadItem] = []
+        rids: list[str] = []
+        toks: list[str] = []
+        digests: list[bytes] = []
+        bad: list[tuple[LoadItem, str]] = []
+        seen: set[str] = set()
+        num_blocks = peer.num_blocks
+        gs = self.rank.groups
+        for it in items:
+            p = it.params
+            need = peer.spec.num_blocks_for(p.num_tokens) if gs is None else it.src_ids.size
+            why = "" if gs is None else self._group_items(peer, it)
+            if why:
+                bad.append((it, why))
+            elif it.src_ids.size != need:
+                bad.append((it, f"params.block_ids: has {it.src_ids.size} ids, num_tokens needs {need}"))
+            elif idops.max_id(it.src_ids) >= num_blocks:  # read as unsigned: bounds both ends
+                bad.append((it, f"params.block_ids: out of the exporter's range [0, {num_blocks})"))
+            elif p.request_id in seen:
+                bad.append((it, loaded_twice(p.request_id)))
+            else:
+                seen.add(p.request_id)
+                good.append(it)
+                rids.append(p.request_id)
+                toks.append(p.token)
+                digests.append(p.digest())
+        return good, rids, toks, digests, bad
+
+    def _group_items(self, peer: Peer, it: LoadItem) -> str:
+        """Give a load of an engine with KV cache groups its planner items, one per group
+        (:func:`kvxfer.grouped.group_items`, with the exporter's block size); why not, or ""."""
+        p = it.params
+        got = group_items(
+            self.rank.groups, it.request_id, it.src_ids, p.groups, p.num_tokens, it.group_dst,
+            peer.spec.block_size, self.rank.spec.block_size, peer.state_routes,
+        )  # fmt: skip
+        if type(got) is str:
+            return got
+        it.groups = got
+        return ""
 
     def plan(self, route: Route, src_block_size: int, loads: list[LoadItem], distinct: bool) -> BatchPlan:
         """The ops calls of ``loads`` along ``route`` (source blocks of ``src_block_size``

@@ -23,12 +23,13 @@ import statistics
 import subprocess
 import sys
 
-# (name, requests per call, batch, partial last blocks, one-sided)
+# (name, requests per call, batch, partial last blocks, one-sided, in one batched_loads() block)
 CASES = (
-    ("1x4096", 60, 1, False, False),
-    ("8x4096", 8, 8, False, False),
-    ("8x2K-4K", 8, 8, True, False),
-    ("1x4096-1s", 60, 1, False, True),
+    ("1x4096", 60, 1, False, False, False),
+    ("8x4096", 8, 8, False, False, False),
+    ("8x2K-4K", 8, 8, True, False, False),
+    ("1x4096-1s", 60, 1, False, True, False),
+    ("8x4096-1sb", 8, 8, False, True, True),
 )
 
 _WORKER = """
@@ -39,8 +40,10 @@ import torch
 torch.set_num_threads(1)
 import bench_engine
 for line in sys.stdin:
-    n, batch, unaligned, onesided = line.split()
-    r = bench_engine.host_cost(int(n), int(batch), 4096, unaligned=unaligned == "1", onesided=onesided == "1")
+    n, batch, unaligned, onesided, batched = line.split()
+    r = bench_engine.host_cost(
+        int(n), int(batch), 4096, unaligned=unaligned == "1", onesided=onesided == "1", batched=batched == "1"
+    )
     print(json.dumps([r["total_us"], r["p_side_us"], r["d_side_us"]]), flush=True)
 """
 
@@ -85,11 +88,11 @@ def compare(base: str, work: str, rounds: int, restarts: int = 6) -> dict:
                 _stop(procs)
                 order = list(trees) if (r // per_proc) % 2 == 0 else list(trees)[::-1]
                 procs = {k: _worker(trees[k]) for k in order}
-            for name, n, batch, unaligned, onesided in CASES:
+            for name, n, batch, unaligned, onesided, batched in CASES:
                 for k in list(trees) if r % 2 == 0 else list(trees)[::-1]:
                     p = procs[k]
                     assert p.stdin is not None and p.stdout is not None
-                    p.stdin.write(f"{n} {batch} {int(unaligned)} {int(onesided)}\n")
+                    p.stdin.write(f"{n} {batch} {int(unaligned)} {int(onesided)} {int(batched)}\n")
                     p.stdin.flush()
                     line = p.stdout.readline()
                     if not line:

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_engine
 
 from kvxfer import auth, completion, engine, exporter, exports, idops, loader, metrics, ops, params
-from kvxfer.transports.ipc import onesided, slots
+from kvxfer.transports.ipc import lane, onesided, slots
 
 # the loads tracker in C (completion.native_load_book) and its one-sided native lane, when built
 _BOOK = idops.native().LoadBook if idops.ensure() else None
@@ -54,7 +54,7 @@ STEPS = (
     (ops.PreparedCopy, "run_bounded", "D"),
     (engine.TransferEngine, "_poll_into", "P+D"),
     (onesided.OneSided, "complete", "D"),
-    (onesided.OneSided, "_complete_native", "D"),
+    (lane.NativeLane, "complete", "D"),
     *(((_BOOK, "complete", "D"),) if _BOOK is not None else ()),
     (onesided.OneSided, "_land", "D"),
     (onesided.OneSided, "_report", "D"),

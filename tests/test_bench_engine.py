@@ -73,7 +73,7 @@ def test_host_steps_times_each_step_of_a_request():
     rows = {r["step"]: r for r in data["rows"]}
     # the native lane: one call looks a load up, one lands it (the Python path's steps idle)
     for step in ("TransferEngine.export", "EngineSecret.export_token", "TransferEngine.load", "OneSided.load_native",
-                 "LoadBook.begin", "PreparedCopy.run_bounded", "OneSided._complete_native", "LoadBook.complete",
+                 "LoadBook.begin", "PreparedCopy.run_bounded", "NativeLane.complete", "LoadBook.complete",
                  "Metrics.record_loads"):  # fmt: skip
         assert rows[step]["calls"] == 12 and rows[step]["median_us"] > 0, rows[step]
     for step in ("OneSided.try_load", "OneSided._land", "KVTransferParams.from_dict"):

@@ -104,10 +104,11 @@ def test_a_load_is_looked_up_recorded_launched_and_lands_with_its_done_mark(book
     src, dst, n, lane = got
     assert lane is target.lane
     assert src.dtype == np.int64 and src.tolist() == [7, 3, 9] and dst.tolist() == [1, 2, 5] and n == 40
-    assert book.pending() == 1 and book.in_flight() == 1
+    assert book.pending() == 1 and book.in_flight() == 0, "recorded, not launched yet"
     marked: collections.deque = collections.deque()
     assert complete(book, marked) is None, "not launched yet: poll() does not look at it"
     book.launched("load-a", None)
+    assert book.in_flight() == 1
     results, events, late, start, nbytes, calls, lats = complete(book, marked)
     assert results == [] and events == [] and late == [] and calls == 1 and nbytes == 40 * PER_TOKEN
     assert len(lats) == 1 and lats[0] >= 0 and start <= time.perf_counter()
@@ -249,6 +250,23 @@ def test_a_failed_launch_fails_the_load_and_a_dropped_one_is_forgotten(book):
     assert begin(book, "y", prm_b, [2]) is not None, "the dropped load's params are free again"
 
 
+def test_a_batch_launched_together_counts_its_calls_once(book):
+    ex = Exporter()
+    ex.serve(book)
+    prms = [ex.export(f"r{i}", [7 + i], 5) for i in range(3)]
+    for i, prm in enumerate(prms):
+        assert begin(book, f"x{i}", prm, [1 + i]) is not None
+    assert book.in_flight() == 0, "held for the batch's launch: not in flight yet"
+    for i in (2, 1, 0):  # as OneSided launches a batch: the last begun first
+        book.launched(f"x{i}", None, 3 if i == 0 else 0)
+    assert book.in_flight() == 3
+    results, events, late, _, nbytes, calls, lats = complete(book, collections.deque())
+    assert calls == 3, "the batch's three ops calls, counted once (not the lane's 1 per load)"
+    assert nbytes == 3 * 5 * PER_TOKEN and len(lats) == 3 and results == events == late == []
+    assert book.in_flight() == 0
+    assert sorted(r for r, _ in done_marks(ex)) == ["r0", "r1", "r2"]
+
+
 def test_bad_arguments_raise_naming_them(book):
     ex = Exporter()
     ex.serve(book)
@@ -264,6 +282,10 @@ def test_bad_arguments_raise_naming_them(book):
         begin(book, "x", prm, [1])
     with pytest.raises(TypeError, match="request_id must be a str, got int"):
         book.launched(5, None)
+    with pytest.raises(TypeError, match="takes 2 or 3 arguments"):
+        book.launched("x")
+    with pytest.raises(ValueError, match="calls must be >= 0"):
+        book.launched("x", None, -1)
     with pytest.raises(TypeError, match="request_id must be a str, got bytes"):
         book.cancel(b"x", "why")
     with pytest.raises(TypeError, match="event_done and mark_later must be callable"):

@@ -1,12 +1,14 @@
 """The one-sided native lane (``OneSided.load_native``, the control module's ``LoadBook``) in the
 engine: a load it takes lands as the Python path's does, everything it refuses the Python path
 refuses in the same words (nothing recorded twice), a copy that raises fails the load by name
-and still frees the exporter, ``wait()`` sees its flights, and without the control module the
-engine takes the Python tracker and path and lands the same."""
+and still frees the exporter, ``wait()`` sees its flights, loads held by ``batched_loads()`` are
+launched together at the block's end (one planned launch; a failed one fails each by name), and
+without the control module the engine takes the Python tracker and path and lands the same."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvxfer import idops
 from kvxfer.completion import LoadTracker
@@ -32,9 +34,11 @@ def pair():
         assert d.onesided() == [1] and d.native() == [0]
         yield p, d
     finally:
-        if d is not None:
-            d.close()
-        p.close()
+        try:
+            if d is not None:
+                d.close()
+        finally:
+            p.close()
 
 
 def _errors(d: Ranks, prm: dict) -> list[str]:
@@ -143,6 +147,83 @@ def test_wait_reports_a_load_of_the_lane(pair):
     got = d[0].wait(["a"], 5.0)
     assert got.finished_recving == {"a"}, got
     assert check(d.caches(0), F16, 0, 1, [4, 5], 12, 3)
+
+
+def _batch(p, d, n: int, lengths=(12, 5, 16, 9)) -> dict:
+    """``n`` exports of P (odd lengths: partial last blocks) and their local ids on D:
+    request id -> (params, local ids, num_tokens, seed)."""
+    out, s_next, d_next = {}, 2, 2
+    for i in range(n):
+        t = lengths[i % len(lengths)]
+        k = -(-t // F16.block_size)
+        s_ids, d_ids = list(range(s_next, s_next + k))[::-1], list(range(d_next, d_next + k))
+        s_next, d_next = s_next + k, d_next + k
+        out[f"b{i}"] = (p.export(f"b{i}", s_ids, t, seed=30 + i), d_ids, t, 30 + i)
+    return out
+
+
+def test_a_batch_of_the_lane_is_held_then_launched_together_exactly(pair):
+    p, d = pair
+    e = d[0]
+    reqs = _batch(p, d, 4)
+    calls0 = e.stats()["ops_calls"]
+    with e.batched_loads():
+        for rid, (prm, ids, _, _) in reqs.items():
+            e.load(rid, prm, ids)
+        assert e.stats()["onesided"]["in_flight"] == 0 and e.stats()["loads_pending"] == 4, "held"
+        assert e.stats()["ops_calls"] == calls0, "nothing copied before the block ends"
+    assert e.stats()["onesided"]["in_flight"] == 4
+    assert poll_until(d.engines, set(reqs), "recv") == dict.fromkeys(reqs, "done")
+    assert poll_until(p.engines, set(reqs), "send") == dict.fromkeys(reqs, "done")  # by the marks
+    calls = e.stats()["ops_calls"] - calls0
+    assert 0 < calls < 4, (
+        f"one planned launch (whole blocks, then the tails' slots), not a call per load: {calls}"
+    )
+    used, tails = {0, 1}, {0: 1, 1: 5}
+    for prm, ids, t, seed in reqs.values():
+        assert check(d.caches(0), F16, 0, 1, ids, t, seed), prm["request_id"]
+        used |= set(ids)
+        tails[ids[-1]] = t - (len(ids) - 1) * F16.block_size
+    assert untouched(d.caches(0), F16, used, tails)
+    assert d.native() == [4] and e.stats()["failures"] == 0
+
+
+@pytest.mark.parametrize("how", ["mapping dropped", "copy raises"])
+def test_a_batch_of_the_lane_whose_launch_fails_fails_each_load_by_name(pair, how):
+    p, d = pair
+    e = d[0]
+    reqs = _batch(p, d, 3)
+    before = [c.view(torch.uint8).clone() for c in d.caches(0)]
+    session = e._loader.peers.get("P").session
+    lock = session.lock
+    try:
+        with e.batched_loads():
+            for rid, (prm, ids, _, _) in reqs.items():
+                e.load(rid, prm, ids)
+            if how == "mapping dropped":
+                session.close()  # what forgetting a remote does
+            else:
+                session.lock = RaisingLock()
+    finally:
+        session.lock = lock
+    got = poll_until(d.engines, set(reqs), "recv")
+    want = "mapping was dropped before the launch" if how == "mapping dropped" else "RuntimeError: no lock"
+    for rid in reqs:
+        assert got[rid].startswith("failed: one-sided ipc copy:") and want in got[rid], got
+    assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(before, d.caches(0))), "nothing was copied"
+    # the failures' notification frees every export on P
+    assert poll_until(p.engines, set(reqs), "send") == dict.fromkeys(reqs, "done")
+    st = e.stats()
+    assert st["failures"] == 3 and st["onesided"]["in_flight"] == 0 and st["loads_pending"] == 0
+    assert d.native() == [3]
+
+
+class RaisingLock:
+    def __enter__(self):
+        raise RuntimeError("no lock")
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 def test_without_the_control_module_the_engine_takes_the_python_tracker_and_path(monkeypatch):

@@ -17,9 +17,11 @@
 //     messaged path (`queued`), every source rank's slot read (onesided_read): only then are the
 //     tracker's entry, the key and the flight written. None leaves the load to the Python path,
 //     which names what is wrong (or takes the messaged path), nothing written.
-//   launched(request_id, event): its copy was issued (event: CUDA, recorded after it; None on
-//     CPU); until then poll() does not look at it. drop(request_id): it was never issued (the
-//     Python path takes it). cancel(request_id, why): its copy failed; the load is failed.
+//   launched(request_id, event[, calls]): its copy was issued (event: CUDA, recorded after it;
+//     None on CPU), in `calls` ops calls (default: the lane's per load; a batch launched together
+//     counts its calls once); until then poll() does not look at it. drop(request_id): it was
+//     never issued (the Python path takes it). cancel(request_id, why): its copy failed; the
+//     load is failed.
 //   complete(now_ns, end, loader_rank, loader_tp, event_done, mark_later, due) ->
 //     None | (results, events, late, start, nbytes, calls, latencies): every issued flight
 //     whose event completed (event_done(event)) landed (onesided_land: checks and done marks).
@@ -106,7 +108,7 @@ struct Held {
 struct Flight {
   PyObject *rid, *key, *lane, *src, *reads, *token, *prid;
   PyObject *event;  // nullptr until launched(); then the event or None
-  int64_t b0, b1, num_tokens;
+  int64_t b0, b1, num_tokens, calls;  // calls: -1 until launched() says (the lane's then)
   double start, deadline;
   bool late;
 };
@@ -409,7 +411,7 @@ inline PyObject *book_begin(PyObject *self, PyObject *const *args, Py_ssize_t n)
   Py_INCREF(p.tok);
   Py_INCREF(p.rid);
   b->flights->push_back(Flight{rid, key, lane, src, reads, p.tok, p.rid, nullptr, b0, b1,
-                               static_cast<int64_t>(p.num_v), start, deadline, false});
+                               static_cast<int64_t>(p.num_v), -1, start, deadline, false});
   Py_DECREF(dst);
   Py_DECREF(got);
   return out;
@@ -430,12 +432,21 @@ inline Py_ssize_t unlaunched(LoadBook *b, PyObject *rid) {
 
 inline PyObject *book_launched(PyObject *self, PyObject *const *args, Py_ssize_t n) {
   LoadBook *b = reinterpret_cast<LoadBook *>(self);
-  if (!nargs(n, 2, "LoadBook.launched")) return nullptr;
+  if (n != 2 && n != 3) {
+    return PyErr_Format(PyExc_TypeError, "LoadBook.launched takes 2 or 3 arguments (%zd given)", n);
+  }
+  long long calls = -1;
+  if (n == 3) {
+    calls = PyLong_AsLongLong(args[2]);
+    if (calls == -1 && PyErr_Occurred()) return nullptr;
+    if (calls < 0) return PyErr_Format(PyExc_ValueError, "LoadBook.launched: calls must be >= 0, got %lld", calls);
+  }
   const Py_ssize_t i = unlaunched(b, args[0]);
   if (i == -2) return nullptr;
   if (i < 0) return PyErr_Format(PyExc_KeyError, "LoadBook.launched: no flight of %R waits for its launch", args[0]);
   Py_INCREF(args[1]);
   (*b->flights)[i].event = args[1];
+  (*b->flights)[i].calls = calls;
   Py_RETURN_NONE;
 }
 
@@ -530,7 +541,7 @@ inline PyObject *book_complete(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     const long code = PyLong_AsLong(got);
     const bool landed = code == 0 || (code & 15) == 3;
-    calls += l.calls;
+    calls += f.calls >= 0 ? f.calls : l.calls;
     first = f.start < first ? f.start : first;
     double lat = 0;
     const int finished = landed ? finish_rid(b, f.rid, end, lat) : 0;
@@ -568,7 +579,9 @@ inline PyObject *book_complete(PyObject *self, PyObject *const *args, Py_ssize_t
 }
 
 inline PyObject *book_in_flight(PyObject *self, PyObject *) {
-  return PyLong_FromSize_t(reinterpret_cast<LoadBook *>(self)->flights->size());
+  size_t k = 0;  // launched: a flight held for its batch's launch is not in flight yet
+  for (const Flight &f : *reinterpret_cast<LoadBook *>(self)->flights) k += f.event != nullptr;
+  return PyLong_FromSize_t(k);
 }
 
 // events_of(request_ids) -> the events of the launched flights of those request ids (any
@@ -691,11 +704,12 @@ inline PyMethodDef *book_methods() {
       {"drain", book_method(book_drain), METH_FASTCALL, "drain(out): the reports since the last drain into a PollResult"},
       {"set_target", book_method(book_set_target), METH_FASTCALL, "set_target(engine_id, target): its lane (see load_book.h)"},
       {"begin", book_method(book_begin), METH_FASTCALL, "a one-sided load's lookup and record (see load_book.h)"},
-      {"launched", book_method(book_launched), METH_FASTCALL, "launched(request_id, event): its copy was issued"},
+      {"launched", book_method(book_launched), METH_FASTCALL,
+     "launched(request_id, event[, calls]): its copy was issued (in calls ops calls)"},
       {"drop", book_method(book_drop), METH_FASTCALL, "drop(request_id): its copy was not issued; forgotten"},
       {"cancel", book_method(book_cancel), METH_FASTCALL, "cancel(request_id, why): its copy failed; failed"},
       {"complete", book_method(book_complete), METH_FASTCALL, "the flights whose copy completed, landed and reported"},
-      {"in_flight", book_in_flight, METH_NOARGS, "one-sided loads in flight"},
+      {"in_flight", book_in_flight, METH_NOARGS, "one-sided loads launched and not reported yet"},
       {"events_of", book_method(book_events_of), METH_FASTCALL, "events_of(request_ids) -> their flights' events"},
       {nullptr, nullptr, 0, nullptr},
   };

@@ -346,13 +346,10 @@ class WorkerSide:
                     if NULL_BLOCK_ID in ld.block_ids:  # never written: it must stay vLLM's zeros
                         raise ValueError(NULL_BLOCK_WHY)
                     check_pair(KVLayout.from_dict(ld.params.get("kv_layout")), self.layout)
-                    prm = KVTransferParams.from_dict(ld.params)  # checked once: load() takes it as is
-                    if type(prm) is list:
-                        raise ValueError("params: a load takes one child's params, got a list")
-                    ids = expand_block_ids(ld.block_ids, self.ratio)[
-                        : eng.spec.num_blocks_for(prm.num_tokens)
-                    ]
-                    eng.load(ld.request_id, prm, ids, num_computed_tokens=ld.num_computed_tokens)
+                    # the dict as the exporter made it: load() checks it (a whole load in one
+                    # native call), takes the first ids its num_tokens needs, names what is wrong
+                    ids = expand_block_ids(ld.block_ids, self.ratio)
+                    eng.load(ld.request_id, ld.params, ids, num_computed_tokens=ld.num_computed_tokens)
                     self._loads[ld.request_id] = list(ld.block_ids)
                 except ValueError as e:  # KVLayoutMismatch included: nothing was written
                     _LOG.warning(

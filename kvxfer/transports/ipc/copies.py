@@ -8,6 +8,7 @@ In order of preference: a lone whole load through the target's prepared copies (
 when the loads move whole blocks; per KV cache group; else (the source ranks' blocks read into
 their mirrors first, when they are remote) through the prepared copies, or planned by the load
 planner as the messaged path plans a batch (``plan``: :meth:`kvxfer.planner.Planner.plan`).
+The native lane's loads held for a batch (:class:`HeldLoad`) are such loads too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,31 @@ from .target import Target
 if TYPE_CHECKING:  # pragma: no cover
     from ...rank import Rank
 
-__all__ = ["copy_loads", "moved"]
+__all__ = ["HeldLoad", "copy_loads", "moved"]
+
+
+class HeldLoad:
+    """A load of the native lane (``LoadBook.begin``) held for its batch's launch, as the batch
+    planner's item (:class:`kvxfer.batching.Item`: ``src``, ``dst``, ``num_tokens``, ``skip``,
+    ``first``): its target, request id, the ids ``begin`` checked (source, destination: int64
+    arrays of exactly the blocks of ``num_tokens``), its deadline, and the params' request id
+    and token (its notification, should the launch fail)."""
+
+    __slots__ = ("deadline", "dst", "num_tokens", "prid", "request_id", "src", "target", "token")
+
+    first = 0  # a whole load
+    skip = 0
+
+    def __init__(
+        self, target: Target, request_id: str, src: np.ndarray, dst: np.ndarray, num_tokens: int,
+        deadline: float, prid: str, token: str,
+    ) -> None:  # fmt: skip
+        self.target, self.request_id, self.src, self.dst = target, request_id, src, dst
+        self.num_tokens, self.deadline, self.prid, self.token = num_tokens, deadline, prid, token
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        return self.dst
 
 
 def copy_loads(t: Target, rank: Rank, plan: Callable, items: list[LoadItem]) -> tuple[int, bool]:

@@ -61,7 +61,8 @@ from ...grouped import group_items
 from ...metrics import now
 from ...ordering import event_done
 from ...tracing import items_tag, trace
-from .copies import copy_loads, moved
+from .copies import HeldLoad, copy_loads, moved
+from .lane import NativeLane
 from .session import IpcSession
 from .target import STALE_S, Target, make_target, stale_ns
 
@@ -181,9 +182,8 @@ class OneSided:
         self.lock = threading.Lock()  # flights: appended by load(), taken by poll()
         self._local = threading.local()  # per thread: the loads held by an open batch (hold())
         self._batches = 0  # threads with a batch open (none: load() skips the thread-local lookup)
-        # The native lane (load_native): the rank's LoadBook once start() made it (native_book)
-        self.book = None
-        self._need_ns = 0  # the lease a read needs left, in ns (min(timeout, LEASE_LEFT_S))
+        # The native lane (load_native) over the rank's LoadBook, once start() made it (native_book)
+        self.lane: NativeLane | None = None
         self._queued_keys = link.queued_keys
 
     def native_book(self, timeout_s: float):
@@ -193,8 +193,8 @@ class OneSided:
         it where the CPU keeps the slot protocol's store order."""
         book = native_load_book(self._active, stale_ns())
         if book is not None and ORDERED_CPU:
-            self.book = book
-            self._need_ns = int(min(timeout_s, LEASE_LEFT_S) * 1e9)
+            need_ns = int(min(timeout_s, LEASE_LEFT_S) * 1e9)
+            self.lane = NativeLane(book, self.rank, self.rt, self.link, need_ns)
         return book
 
     # ------------------------------------------------------------------------- launch
@@ -218,61 +218,42 @@ class OneSided:
         t = session.onesided
         if t is None:
             t = session.onesided = make_target(self.rank, peer)
-            if self.book is not None and t is not None and t.ctl is not None and t.plain is not None:
-                rank = self.rank  # the native lane's loads of this peer read through it
-                t.lane = (
-                    t, t.tables, t.epochs, t.mark_tables, peer.host, peer.port, peer.tp_size,
-                    peer.spec.block_size, peer.num_blocks, rank.spec.block_size, rank.num_blocks,
-                    t.per_token, len(t.plain), t.marks_all, peer,
-                )  # fmt: skip
-                self.book.set_target(peer.engine_id, t)
+            if self.lane is not None and t is not None:  # the native lane's loads read through it
+                self.lane.attach(peer, t)
         return t
 
     def load_native(self, request_id: str, params: dict, block_ids, timeout_s: float) -> bool:
-        """:meth:`try_load` in the native lane (``LoadBook.begin``, ``csrc/ctl/load_book.h``):
-        a whole load (no tokens held here) of an engine without groups, outside a batch and
-        test hooks, from a peer whose target has its lane; the params and local ids checked,
-        every source rank's slot read and the load recorded in one call, then the copy through
-        the target's prepared copies. False: nothing was written, and the engine's Python path
-        takes the load (naming what is wrong)."""
-        book = self.book
-        if book is None or self._batches:
+        """:meth:`try_load` in the native lane (:mod:`kvxfer.transports.ipc.lane`): a whole load
+        (no tokens held here) of an engine without groups, outside test hooks, from a peer whose
+        target has its lane; the params and local ids checked, every source rank's slot read
+        and the load recorded in one call, then the copy through the target's prepared copies
+        (in a batch, :meth:`hold`: at its end, with the batch's other loads of that peer).
+        False: nothing was written, and the engine's Python path takes the load (naming what
+        is wrong)."""
+        lane = self.lane
+        if lane is None:
             return False
-        rt = self.rt
-        hooks = rt.hooks
+        hooks = self.rt.hooks
         if hooks and ("before_ipc_copy" in hooks or "after_ipc_copy" in hooks):
             return False
-        now_ns = time.monotonic_ns()
         cap = CPU_COPY_MAX_BYTES // self._cpu_bpt if self._cpu_bpt else -1
-        got = book.begin(
-            request_id, params, block_ids, self._queued_keys, now_ns, now_ns + self._need_ns, now(),
-            now_ns * 1e-9 + timeout_s, cap,
-        )  # fmt: skip
+        got = lane.begin(request_id, params, block_ids, self._queued_keys, timeout_s, cap)
         if got is None:
             return False
-        src, dst, num_tokens, lane = got
-        t = lane[0]
-        session = t.session
-        try:
-            with session.lock:
-                if session.closed:  # the peer was forgotten since the lookup: its mapping may be gone
-                    book.drop(request_id)
-                    return False
-                if rt.order.cuda or tracing.enabled():
-                    with trace("copy", request_id), rt.order.on_stream():
-                        for copy in t.plain:
-                            copy.run_bounded(src, dst, num_tokens)
-                    ev = session.done_event() if rt.order.cuda else None
-                else:  # CPU caches, no NVTX: no range, no stream
-                    for copy in t.plain:
-                        copy.run_bounded(src, dst, num_tokens)
-                    ev = None
-        except Exception as e:  # the copy may have written part of the blocks: fail the load
-            if book.cancel(request_id, f"one-sided ipc copy: {describe_error(e)}"):
-                rt.metrics.add("failures")
-            self.link.notify_ids(t.peer, [], [(params["request_id"], params["token"])])
-            return True
-        book.launched(request_id, ev)
+        src, dst, num_tokens, lane_tuple, deadline = got
+        t = lane_tuple[0]
+        held = getattr(self._local, "held", None) if self._batches else None
+        if held is not None:  # launched with the batch's other loads of this peer when it closes
+            if self._cpu_bpt:
+                size = num_tokens * self._cpu_bpt
+                if held[1] + size > CPU_COPY_MAX_BYTES:  # the caller copies on CPU: bounded per launch
+                    self._launch_held()
+                    held = self._local.held
+                held[1] += size
+            prid, token = params["request_id"], params["token"]
+            held[2].append(HeldLoad(t, request_id, src, dst, num_tokens, deadline, prid, token))
+        elif not lane.copy(request_id, params, t, src, dst, num_tokens):
+            return False
         self.loads += 1
         self.native += 1
         return True
@@ -347,11 +328,14 @@ class OneSided:
             self.flights.append(f)
         return True
 
-    def _launch(self, t: Target, group: list[Flight]) -> bool:
-        """Issue the copies of ``group`` (flights of target ``t``) on the load stream, one event
-        after them (CUDA); False when the session closed since their lookup (nothing written)."""
+    def _launch(self, t: Target, group: list[Flight], lanes: list[HeldLoad] | tuple = ()) -> bool:
+        """Issue the copies of ``group`` (flights of target ``t``) and of the native lane's held
+        ``lanes`` of it on the load stream, planned together, one event after them (CUDA);
+        False when the session closed since their lookup (nothing written)."""
         session, rt = t.session, self.rt
-        items = [group[0].item] if len(group) == 1 else [f.item for f in group]
+        items = [group[0].item] if len(group) == 1 and not lanes else [f.item for f in group]
+        if lanes:
+            items += lanes
         with session.lock:
             if session.closed:  # the peer was forgotten since the lookup: its mapping may be gone
                 return False
@@ -372,6 +356,8 @@ class OneSided:
             f.event, f.calls = ev, calls if k == 0 else 0  # a batch's calls counted once
             it = f.item
             f.moved = (it.num_tokens - it.first) * per_token if it.groups is None else moved(t, rank, it)
+        if lanes:  # the native lane's (a batch's calls counted once)
+            self.lane.launched(lanes, ev, 0 if group else calls)
         return True
 
     # -------------------------------------------------------------------------- batch
@@ -381,7 +367,7 @@ class OneSided:
         for all of them, one event) instead of one launch each. Nests."""
         depth = getattr(self._local, "depth", 0)
         if not depth:
-            self._local.held = [[], 0]  # flights, CPU bytes
+            self._local.held = [[], 0, []]  # flights, CPU bytes, the native lane's loads
             with self.lock:
                 self._batches += 1
         self._local.depth = depth + 1
@@ -407,23 +393,30 @@ class OneSided:
             self.release()
 
     def _launch_held(self) -> None:
-        """Launch the loads held so far: per peer one launch (:meth:`_launch`); a load whose
-        launch failed, or whose peer was forgotten since its lookup, is reported failed."""
+        """Launch the loads held so far (the Python path's flights and the native lane's): per
+        peer one launch (:meth:`_launch`); a load whose launch failed, or whose peer was
+        forgotten since its lookup, is reported failed."""
         held = self._local.held
-        flights, self._local.held = held[0], [[], 0]
-        by_target: dict[int, list[Flight]] = {}
-        for f in flights:
-            by_target.setdefault(id(f.target), []).append(f)
-        for group in by_target.values():
+        self._local.held = [[], 0, []]
+        by_target: dict[int, tuple[Target, list[Flight], list[HeldLoad]]] = {}
+        for f in held[0]:
+            by_target.setdefault(id(f.target), (f.target, [], []))[1].append(f)
+        for h in held[2]:
+            by_target.setdefault(id(h.target), (h.target, [], []))[2].append(h)
+        for t, group, lanes in by_target.values():
             try:
-                if not self._launch(group[0].target, group):
+                if not self._launch(t, group, lanes):
                     raise RuntimeError("the exporter's mapping was dropped before the launch")
             except Exception as e:  # the copy may have written part of the blocks: fail the loads
+                why = f"one-sided ipc copy: {describe_error(e)}"
                 for f in group:
-                    self._report(f, f"one-sided ipc copy: {describe_error(e)}")
+                    self._report(f, why)
+                if lanes:
+                    self.lane.fail(t, lanes, why)
                 continue
-            with self.lock:
-                self.flights.extend(group)
+            if group:
+                with self.lock:
+                    self.flights.extend(group)
 
     # ----------------------------------------------------------------------- complete
     def complete(self) -> None:
@@ -435,9 +428,9 @@ class OneSided:
             now_s = time.monotonic()
             if marked[0][0] <= now_s and now_s >= self._next_notify:
                 self._notify_marked(False)
-        book = self.book
-        if book is not None and book.in_flight():
-            self._complete_native(book)
+        lane = self.lane
+        if lane is not None and lane.in_flight():
+            lane.complete(self._marked.append, time.monotonic() + MARK_GRACE_S)
         if not self.flights:
             return
         with self.lock:
@@ -469,49 +462,6 @@ class OneSided:
         if still:
             with self.lock:
                 self.flights[:0] = still
-
-    def _complete_native(self, book) -> None:
-        """:meth:`complete` of the native lane's flights: one call lands and reports every one
-        whose copy completed (``LoadBook.complete``), deferring the notification of those whose
-        marks every exporter rank counts; here the metrics, the other loads' notifications and
-        the failures' reasons (:meth:`Target.outcome <kvxfer.transports.ipc.target.Target.outcome>`),
-        as :meth:`_report` makes them."""
-        now_ns, end = time.monotonic_ns(), now()
-        rank, rt = self.rank, self.rt
-        got = book.complete(
-            now_ns, end, rank.tp_rank, rank.tp_size, event_done, self._marked.append,
-            time.monotonic() + MARK_GRACE_S,
-        )  # fmt: skip
-        if got is None:
-            return
-        results, events, late, start, nbytes, calls, latencies = got
-        rt.metrics.record_loads(start, end, nbytes, calls, latencies)
-        if events:
-            recycled: set[int] = set()  # a batch's loads share one event: back to the pool once
-            for lane, ev in events:
-                if id(ev) not in recycled:
-                    recycled.add(id(ev))
-                    lane[0].session.recycle(ev)
-        for rid in late:
-            _LOG.warning(
-                "kvxfer loader %s rank %d: one-sided copy of %s not complete by its deadline; "
-                "reported once it completed",
-                rank.engine_id, rank.tp_rank, rid,
-            )  # fmt: skip
-        if not results:
-            return
-        notes: dict[int, tuple[Peer, list, list]] = {}
-        for code, lane, prid, token, rid in results:
-            t = lane[0]
-            why, _ = t.outcome(code, now_ns)
-            if why and rt.loads.fail(rid, why):
-                rt.metrics.add("failures")
-            note = notes.get(id(t.peer))
-            if note is None:
-                note = notes[id(t.peer)] = (t.peer, [], [])
-            note[2 if why else 1].append((prid, token))
-        for peer, done, failed in notes.values():
-            self.link.notify_ids(peer, done, failed)
 
     def _land(self, f: Flight, now_ns: int) -> tuple[str, bool]:
         """The check after a completed copy and, when it landed, the done marks
@@ -579,8 +529,8 @@ class OneSided:
         """Block until a one-sided copy of ``request_ids`` completed, or ``deadline``, or a short
         pause when none of them is in flight here (the messaged path reports through poll)."""
         evs = [f.event for f in self.flights if f.event is not None and f.item.request_id in request_ids]
-        if self.book is not None:
-            evs += self.book.events_of(request_ids)
+        if self.lane is not None:
+            evs += self.lane.events_of(request_ids)
         if not evs:
             time.sleep(min(2e-4, max(0.0, deadline - time.monotonic())))
             return
@@ -596,6 +546,6 @@ class OneSided:
             "direct": self.direct,
             "native": self.native,
             "deferred": self.deferred,
-            "in_flight": len(self.flights) + (self.book.in_flight() if self.book is not None else 0),
+            "in_flight": len(self.flights) + (self.lane.in_flight() if self.lane is not None else 0),
             "fallbacks": dict(self.fallbacks),
         }

@@ -1,0 +1,183 @@
+"""The one-sided mode's native lane: a whole load's lookup and record in one native call at
+``load()``, its landing and report in one at ``poll()`` (the control module's ``LoadBook``,
+``csrc/ctl/load_book.h``).
+
+:class:`NativeLane` is what :class:`~kvxfer.transports.ipc.onesided.OneSided` composes when the
+control module is built and the CPU keeps the lease-slot protocol's store order. Each target
+made for a peer with prepared copies gets its lane (:meth:`NativeLane.attach`: the tuple the
+book reads it through); a load of that peer's params then is one ``begin`` call (the params and
+local ids checked, every source rank's slot read, the tracker entry and the flight written, or
+nothing written and the Python path takes the load), the copy through the target's prepared
+copies (:meth:`NativeLane.copy`, or held for its batch's launch and planned with the batch's
+other loads), and ``launched``. ``poll()`` is one ``complete`` call over every flight whose copy
+completed (:meth:`NativeLane.complete`): the checks after the copy and the done marks as
+:meth:`Target.land <kvxfer.transports.ipc.target.Target.land>` makes them, the tracker's
+reports, the metrics in one call, and the notifications the marks leave to the loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ... import tracing
+from ...engine_types import describe_error
+from ...metrics import now
+from ...ordering import event_done
+from ...tracing import trace
+from .copies import HeldLoad
+from .target import Target
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...peer import Peer
+    from ...rank import Rank, Runtime
+
+__all__ = ["LaneLink", "NativeLane"]
+
+_LOG = logging.getLogger(__name__)
+
+
+class LaneLink(Protocol):
+    """What the lane uses of the loader (:class:`kvxfer.loader.Loader`): its notifications."""
+
+    def notify_ids(self, peer: Peer, done: list, failed: list) -> None: ...
+
+
+class NativeLane:
+    """The native lane of one loader rank (see the module doc).
+
+    Args:
+        book: the rank's ``LoadBook`` (also its load tracker).
+        rank, rt: the rank's configuration and runtime.
+        link: the rank's loader (notifications).
+        need_ns: the lease a read needs left, in ns.
+    """
+
+    def __init__(self, book, rank: Rank, rt: Runtime, link: LaneLink, need_ns: int) -> None:
+        self.book = book
+        self.rank = rank
+        self.rt = rt
+        self.link = link
+        self.need_ns = need_ns
+
+    def attach(self, peer: Peer, t: Target) -> None:
+        """Loads of ``peer``'s params read through target ``t`` from now on, when it has
+        prepared copies and the native slot calls (else they keep the Python path)."""
+        if t.ctl is None or t.plain is None:
+            return
+        rank = self.rank
+        t.lane = (
+            t, t.tables, t.epochs, t.mark_tables, peer.host, peer.port, peer.tp_size,
+            peer.spec.block_size, peer.num_blocks, rank.spec.block_size, rank.num_blocks,
+            t.per_token, len(t.plain), t.marks_all, peer,
+        )  # fmt: skip
+        self.book.set_target(peer.engine_id, t)
+
+    def begin(
+        self, request_id: str, params: dict, block_ids, queued: set, timeout_s: float, max_tokens: int
+    ) -> tuple[np.ndarray, np.ndarray, int, tuple, float] | None:
+        """``LoadBook.begin`` of a load: ``(source ids, local ids, num_tokens, lane, deadline)``,
+        the load recorded; or None, nothing written (``max_tokens``: the most a load may move,
+        -1 for no bound)."""
+        now_ns = time.monotonic_ns()
+        deadline = now_ns * 1e-9 + timeout_s
+        got = self.book.begin(
+            request_id, params, block_ids, queued, now_ns, now_ns + self.need_ns, now(), deadline, max_tokens
+        )
+        return None if got is None else (*got, deadline)
+
+    def copy(self, request_id: str, params: dict, t: Target, src, dst, num_tokens: int) -> bool:
+        """Issue the copy of the load ``begin`` recorded, through ``t``'s prepared copies, and
+        mark it launched. False when the session closed since the lookup (the load is dropped
+        from the book: the Python path takes it); a copy that raises fails the load by name."""
+        book, rt = self.book, self.rt
+        session = t.session
+        try:
+            with session.lock:
+                if session.closed:  # the peer was forgotten since the lookup: its mapping may be gone
+                    book.drop(request_id)
+                    return False
+                if rt.order.cuda or tracing.enabled():
+                    with trace("copy", request_id), rt.order.on_stream():
+                        for c in t.plain:
+                            c.run_bounded(src, dst, num_tokens)
+                    ev = session.done_event() if rt.order.cuda else None
+                else:  # CPU caches, no NVTX: no range, no stream
+                    for c in t.plain:
+                        c.run_bounded(src, dst, num_tokens)
+                    ev = None
+        except Exception as e:  # the copy may have written part of the blocks: fail the load
+            self.fail(t, [HeldLoad(t, request_id, src, dst, num_tokens, 0.0, params["request_id"], params["token"])],
+                      f"one-sided ipc copy: {describe_error(e)}")  # fmt: skip
+            return True
+        book.launched(request_id, ev)
+        return True
+
+    def launched(self, held: list[HeldLoad], ev, calls: int) -> None:
+        """The held loads ``held`` were launched together, in ``calls`` ops calls (counted once),
+        ``ev`` after them."""
+        book = self.book
+        # the last begun first: each is then the book's last flight not launched (found at once)
+        for k in range(len(held) - 1, -1, -1):
+            book.launched(held[k].request_id, ev, 0 if k else calls)
+
+    def fail(self, t: Target, held: list[HeldLoad], why: str) -> None:
+        """The loads ``held`` of target ``t`` failed to launch: each reported failed for ``why``,
+        the exporter notified."""
+        book, rt = self.book, self.rt
+        for h in held:
+            if book.cancel(h.request_id, why):
+                rt.metrics.add("failures")
+        self.link.notify_ids(t.peer, [], [(h.prid, h.token) for h in held])
+
+    def complete(self, mark_later: Callable[[tuple], None], due: float) -> None:
+        """Land and report every flight whose copy completed (``LoadBook.complete``): a load whose
+        marks every exporter rank counts has its notification deferred (``mark_later((due,
+        peer, params request id, token))``); here the metrics, the other loads' notifications
+        and the failures' reasons (:meth:`Target.outcome
+        <kvxfer.transports.ipc.target.Target.outcome>`), as the Python path makes them."""
+        now_ns, end = time.monotonic_ns(), now()
+        rank, rt = self.rank, self.rt
+        got = self.book.complete(now_ns, end, rank.tp_rank, rank.tp_size, event_done, mark_later, due)
+        if got is None:
+            return
+        results, events, late, start, nbytes, calls, latencies = got
+        rt.metrics.record_loads(start, end, nbytes, calls, latencies)
+        if events:
+            recycled: set[int] = set()  # a batch's loads share one event: back to the pool once
+            for lane, ev in events:
+                if id(ev) not in recycled:
+                    recycled.add(id(ev))
+                    lane[0].session.recycle(ev)
+        for rid in late:
+            _LOG.warning(
+                "kvxfer loader %s rank %d: one-sided copy of %s not complete by its deadline; "
+                "reported once it completed",
+                rank.engine_id, rank.tp_rank, rid,
+            )  # fmt: skip
+        if not results:
+            return
+        notes: dict[int, tuple[Peer, list, list]] = {}
+        for code, lane, prid, token, rid in results:
+            t = lane[0]
+            why, _ = t.outcome(code, now_ns)
+            if why and rt.loads.fail(rid, why):
+                rt.metrics.add("failures")
+            note = notes.get(id(t.peer))
+            if note is None:
+                note = notes[id(t.peer)] = (t.peer, [], [])
+            note[2 if why else 1].append((prid, token))
+        for peer, done, failed in notes.values():
+            self.link.notify_ids(peer, done, failed)
+
+    def events_of(self, request_ids) -> list:
+        """The events of the launched flights of ``request_ids`` (what ``wait()`` queries)."""
+        return self.book.events_of(request_ids)
+
+    def in_flight(self) -> int:
+        """Loads launched and not reported yet."""
+        return self.book.in_flight()
