@@ -108,13 +108,17 @@ def test_onesided_cuda_ipc_lands_exactly_and_p_frees(batched):
                 d_ids[rid] = list(range(nxt, nxt + k))
                 nxt += k
                 d.load(rid, prm, d_ids[rid])
+        lane = d._onesided.lane  # the native lane's launched flights (r1..r3: r0 made the target)
         events = {id(f.event) for f in d._onesided.flights}
+        events |= {id(e) for e in (lane.events_of(set(d_ids)) if lane is not None else ())}
         got = poll_until([d], set(d_ids), "recv")
         calls = d.stats()["ops_calls"] - calls0
         # batched: one event; the planner's calls (HND tails are one call each) at most one per load
         assert (calls <= len(d_ids) and len(events) == 1) if batched else calls == len(d_ids), (calls, events)
         assert got == dict.fromkeys(d_ids, "done"), got
         assert d.stats()["onesided"]["loads"] == len(d_ids), d.stats()["onesided"]
+        if lane is not None:  # r0 made the target (the Python path): the native lane took the others
+            assert d.stats()["onesided"]["native"] == len(d_ids) - 1, d.stats()["onesided"]
         for rid, _, n, seed in reqs[1:]:
             assert check(caches, DST, 0, 1, d_ids[rid], n, seed), rid
     finally:

@@ -5,7 +5,8 @@
 :class:`NativeLane` is what :class:`~kvxfer.transports.ipc.onesided.OneSided` composes when the
 control module is built and the CPU keeps the lease-slot protocol's store order. Each target
 made for a peer with prepared copies gets its lane (:meth:`NativeLane.attach`: the tuple the
-book reads it through); a load of that peer's params then is one ``begin`` call (the params and
+book reads it through); a load of that peer's params then is one ``LoadBook.begin`` call
+(:meth:`OneSided.load_native <kvxfer.transports.ipc.onesided.OneSided.load_native>`: the params and
 local ids checked, every source rank's slot read, the tracker entry and the flight written, or
 nothing written and the Python path takes the load), the copy through the target's prepared
 copies (:meth:`NativeLane.copy`, or held for its batch's launch and planned with the batch's
@@ -21,8 +22,6 @@ import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
-
-import numpy as np
 
 from ... import tracing
 from ...engine_types import describe_error
@@ -54,7 +53,7 @@ class NativeLane:
         book: the rank's ``LoadBook`` (also its load tracker).
         rank, rt: the rank's configuration and runtime.
         link: the rank's loader (notifications).
-        need_ns: the lease a read needs left, in ns.
+        need_ns: the lease a read needs left, in ns (what ``begin`` is given).
     """
 
     def __init__(self, book, rank: Rank, rt: Runtime, link: LaneLink, need_ns: int) -> None:
@@ -77,21 +76,8 @@ class NativeLane:
         )  # fmt: skip
         self.book.set_target(peer.engine_id, t)
 
-    def begin(
-        self, request_id: str, params: dict, block_ids, queued: set, timeout_s: float, max_tokens: int
-    ) -> tuple[np.ndarray, np.ndarray, int, tuple, float] | None:
-        """``LoadBook.begin`` of a load: ``(source ids, local ids, num_tokens, lane, deadline)``,
-        the load recorded; or None, nothing written (``max_tokens``: the most a load may move,
-        -1 for no bound)."""
-        now_ns = time.monotonic_ns()
-        deadline = now_ns * 1e-9 + timeout_s
-        got = self.book.begin(
-            request_id, params, block_ids, queued, now_ns, now_ns + self.need_ns, now(), deadline, max_tokens
-        )
-        return None if got is None else (*got, deadline)
-
     def copy(self, request_id: str, params: dict, t: Target, src, dst, num_tokens: int) -> bool:
-        """Issue the copy of the load ``begin`` recorded, through ``t``'s prepared copies, and
+        """Issue the copy of the load ``LoadBook.begin`` recorded, through ``t``'s prepared copies, and
         mark it launched. False when the session closed since the lookup (the load is dropped
         from the book: the Python path takes it); a copy that raises fails the load by name."""
         book, rt = self.book, self.rt

@@ -237,10 +237,22 @@ class OneSided:
         if hooks and ("before_ipc_copy" in hooks or "after_ipc_copy" in hooks):
             return False
         cap = CPU_COPY_MAX_BYTES // self._cpu_bpt if self._cpu_bpt else -1
-        got = lane.begin(request_id, params, block_ids, self._queued_keys, timeout_s, cap)
+        now_ns = time.monotonic_ns()
+        deadline = now_ns * 1e-9 + timeout_s
+        got = lane.book.begin(
+            request_id,
+            params,
+            block_ids,
+            self._queued_keys,
+            now_ns,
+            now_ns + lane.need_ns,
+            now(),
+            deadline,
+            cap,
+        )
         if got is None:
             return False
-        src, dst, num_tokens, lane_tuple, deadline = got
+        src, dst, num_tokens, lane_tuple = got
         t = lane_tuple[0]
         held = getattr(self._local, "held", None) if self._batches else None
         if held is not None:  # launched with the batch's other loads of this peer when it closes
