@@ -1,9 +1,10 @@
-"""The control module's ``LoadBook`` (``csrc/ctl/load_book.h``) on its own: the one-sided native
-lane's lookup and record (``begin``) against a real lease-slot table, every refusal writing
-nothing, the launch, the landing and its report (``complete``), a release or a stopped exporter
-seen after the copy, events still running and late, a failed or dropped launch, and the
-argument checks. The tracker methods are ``LoadTracker``'s (``tests/test_tracker.py`` runs its
-tests through both); the engine's use of the lane is in ``tests/test_onesided.py``."""
+"""The control module's ``LoadBook`` (``csrc/ctl/load_book.h``, ``load_lane.h``) on its own: the
+one-sided native lane's lookup and record (``begin``) against a real lease-slot table, every
+refusal writing nothing, the launch (a batch's all or none), the landing and its report
+(``complete``, an event asked once per call), a release or a stopped exporter seen after the
+copy, events still running and late, a failed or dropped launch, and the argument checks. The
+tracker methods are ``LoadTracker``'s (``tests/test_tracker.py`` runs its tests through both);
+the engine's use of the lane is in ``tests/test_onesided.py``."""
 
 from __future__ import annotations
 
@@ -265,6 +266,52 @@ def test_a_batch_launched_together_counts_its_calls_once(book):
     assert nbytes == 3 * 5 * PER_TOKEN and len(lats) == 3 and results == events == late == []
     assert book.in_flight() == 0
     assert sorted(r for r, _ in done_marks(ex)) == ["r0", "r1", "r2"]
+
+
+def test_a_batch_is_marked_launched_all_or_none_in_one_call(book):
+    ex = Exporter()
+    ex.serve(book)
+    for i in range(3):
+        assert begin(book, f"x{i}", ex.export(f"r{i}", [7 + i], 5), [1 + i]) is not None
+    with pytest.raises(KeyError, match="no flight of 'nope'"):
+        book.launched(["x0", "nope", "x2"], None, 2)
+    assert book.in_flight() == 0, "none marked when one is missing"
+    with pytest.raises(TypeError, match="request_id must be a str, got int"):
+        book.launched(["x0", 5], None)
+    assert book.in_flight() == 0
+    book.launched(["x0", "x1", "x2"], None, 2)
+    assert book.in_flight() == 3
+    with pytest.raises(KeyError, match="no flight of 'x1'"):
+        book.launched(["x1"], None)  # launched already
+    results, events, late, _, nbytes, calls, lats = complete(book, collections.deque())
+    assert calls == 2 and nbytes == 3 * 5 * PER_TOKEN and len(lats) == 3 and results == events == late == []
+
+
+class FlipEvent:
+    """Not complete when first asked, complete when asked again."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def query(self) -> bool:
+        self.asked += 1
+        return self.asked > 1
+
+
+def test_a_shared_event_is_asked_once_per_call_so_its_batch_lands_together(book):
+    ex = Exporter()
+    ex.serve(book)
+    for i in range(2):
+        assert begin(book, f"x{i}", ex.export(f"r{i}", [7 + i], 5), [1 + i]) is not None
+    ev = FlipEvent()
+    book.launched(["x0", "x1"], ev, 1)
+    marked: collections.deque = collections.deque()
+    got = complete(book, marked)
+    assert got is not None and got[0] == [] and got[6] == [] and ev.asked == 1, "asked once, not complete"
+    assert book.in_flight() == 2, "neither landed: the event was not complete when asked"
+    results, events, late, _, _, calls, lats = complete(book, marked)
+    assert len(lats) == 2 and calls == 1 and ev.asked == 2, "both landed in one call"
+    assert events == [(events[0][0], ev), (events[0][0], ev)] and results == late == []
 
 
 def test_bad_arguments_raise_naming_them(book):

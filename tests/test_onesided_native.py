@@ -7,6 +7,8 @@ without the control module the engine takes the Python tracker and path and land
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -188,8 +190,10 @@ def test_a_batch_of_the_lane_is_held_then_launched_together_exactly(pair):
     assert d.native() == [4] and e.stats()["failures"] == 0
 
 
-@pytest.mark.parametrize("how", ["mapping dropped", "copy raises"])
+@pytest.mark.parametrize("how", ["mapping dropped", "copy raises", "interrupted"])
 def test_a_batch_of_the_lane_whose_launch_fails_fails_each_load_by_name(pair, how):
+    """``interrupted``: what escapes the launch (here a KeyboardInterrupt) still leaves no load
+    held: each fails by name, then the interrupt goes on."""
     p, d = pair
     e = d[0]
     reqs = _batch(p, d, 3)
@@ -197,17 +201,22 @@ def test_a_batch_of_the_lane_whose_launch_fails_fails_each_load_by_name(pair, ho
     session = e._loader.peers.get("P").session
     lock = session.lock
     try:
-        with e.batched_loads():
+        escapes = pytest.raises(KeyboardInterrupt) if how == "interrupted" else contextlib.nullcontext()
+        with escapes, e.batched_loads():
             for rid, (prm, ids, _, _) in reqs.items():
                 e.load(rid, prm, ids)
             if how == "mapping dropped":
                 session.close()  # what forgetting a remote does
             else:
-                session.lock = RaisingLock()
+                session.lock = RaisingLock(KeyboardInterrupt if how == "interrupted" else RuntimeError)
     finally:
         session.lock = lock
     got = poll_until(d.engines, set(reqs), "recv")
-    want = "mapping was dropped before the launch" if how == "mapping dropped" else "RuntimeError: no lock"
+    want = {
+        "mapping dropped": "mapping was dropped before the launch",
+        "copy raises": "RuntimeError: no lock",
+        "interrupted": "the batch's launch was interrupted",
+    }[how]
     for rid in reqs:
         assert got[rid].startswith("failed: one-sided ipc copy:") and want in got[rid], got
     assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(before, d.caches(0))), "nothing was copied"
@@ -219,8 +228,11 @@ def test_a_batch_of_the_lane_whose_launch_fails_fails_each_load_by_name(pair, ho
 
 
 class RaisingLock:
+    def __init__(self, kind: type[BaseException]) -> None:
+        self.kind = kind
+
     def __enter__(self):
-        raise RuntimeError("no lock")
+        raise self.kind("no lock")
 
     def __exit__(self, *exc) -> None:
         return None

@@ -347,7 +347,7 @@ def test_compare_host_cost_runs_two_trees_interleaved(tmp_path):
     r = _run("compare_host_cost.py", ROOT, ROOT, "--rounds", "1", timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(out["cases"]) == {"1x4096", "8x4096", "8x2K-4K", "1x4096-1s"}
+    assert set(out["cases"]) == {"1x4096", "8x4096", "8x2K-4K", "1x4096-1s", "8x4096-1sb"}
     for c in out["cases"].values():
         assert c["base_us"] > 0 and c["work_us"] > 0 and 0 < c["ratio"] < 100
         assert c["ratio_q1"] <= c["ratio"] <= c["ratio_q3"] and len(c["pair_ratios"]) == 1

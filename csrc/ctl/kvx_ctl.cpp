@@ -17,9 +17,9 @@
 // ctl_common.h (the argument checks every function shares), lease_slots.h (the lease-slot
 // table of kvxfer/transports/ipc/slots.py: the loader's reads and marks, the binding),
 // onesided_reads.h (a one-sided load's reads and marks over all its source ranks in one call),
-// load_book.h (the loads in flight on a loader rank, and the one-sided lane's records), block_ids.h
-// (a caller's ids checked, the repeat sets),
-// exporter_slots.h (the exporter's writes to that table), token_hash.h (the content digest and
+// load_book.h (the loads in flight on a loader rank), load_lane.h (the one-sided native lane's
+// records in them), load_book_type.h (their Python type), block_ids.h (a caller's ids checked,
+// the repeat sets), exporter_slots.h (the exporter's writes to that table), token_hash.h (the content digest and
 // token of kvxfer/auth.py), blake2b.h (the hash of those three) and params_fields.h (a load's
 // params dict checked in one call, kvxfer/params.py).
 
@@ -34,7 +34,7 @@
 #include "ctl_common.h"
 #include "exporter_slots.h"
 #include "lease_slots.h"
-#include "load_book.h"
+#include "load_book_type.h"
 #include "onesided_reads.h"
 #include "params_fields.h"
 #include "token_hash.h"

@@ -1,6 +1,6 @@
 """The one-sided mode's native lane: a whole load's lookup and record in one native call at
 ``load()``, its landing and report in one at ``poll()`` (the control module's ``LoadBook``,
-``csrc/ctl/load_book.h``).
+``csrc/ctl/load_lane.h``).
 
 :class:`NativeLane` is what :class:`~kvxfer.transports.ipc.onesided.OneSided` composes when the
 control module is built and the CPU keeps the lease-slot protocol's store order. Each target
@@ -105,20 +105,18 @@ class NativeLane:
 
     def launched(self, held: list[HeldLoad], ev, calls: int) -> None:
         """The held loads ``held`` were launched together, in ``calls`` ops calls (counted once),
-        ``ev`` after them."""
-        book = self.book
-        # the last begun first: each is then the book's last flight not launched (found at once)
-        for k in range(len(held) - 1, -1, -1):
-            book.launched(held[k].request_id, ev, 0 if k else calls)
+        ``ev`` after them (all marked in one call: a ``poll()`` on another thread sees the whole
+        batch launched or none of it, so its event is reported, and recycled, once)."""
+        self.book.launched([h.request_id for h in held], ev, calls)
 
     def fail(self, t: Target, held: list[HeldLoad], why: str) -> None:
-        """The loads ``held`` of target ``t`` failed to launch: each reported failed for ``why``,
-        the exporter notified."""
+        """The loads ``held`` of target ``t`` failed to launch: each one not launched is reported
+        failed for ``why`` and the exporter notified of it."""
         book, rt = self.book, self.rt
-        for h in held:
-            if book.cancel(h.request_id, why):
-                rt.metrics.add("failures")
-        self.link.notify_ids(t.peer, [], [(h.prid, h.token) for h in held])
+        failed = [(h.prid, h.token) for h in held if book.cancel(h.request_id, why)]
+        if failed:
+            rt.metrics.add("failures", len(failed))
+            self.link.notify_ids(t.peer, [], failed)
 
     def complete(self, mark_later: Callable[[tuple], None], due: float) -> None:
         """Land and report every flight whose copy completed (``LoadBook.complete``): a load whose

@@ -342,7 +342,8 @@ class OneSided:
 
     def _launch(self, t: Target, group: list[Flight], lanes: list[HeldLoad] | tuple = ()) -> bool:
         """Issue the copies of ``group`` (flights of target ``t``) and of the native lane's held
-        ``lanes`` of it on the load stream, planned together, one event after them (CUDA);
+        ``lanes`` of it on the load stream, planned together, one event after them (CUDA; a
+        second for ``lanes`` when both are there: each side reports, and recycles, its own);
         False when the session closed since their lookup (nothing written)."""
         session, rt = t.session, self.rt
         items = [group[0].item] if len(group) == 1 and not lanes else [f.item for f in group]
@@ -361,15 +362,16 @@ class OneSided:
             else:  # CPU caches, no NVTX: no range to open, no stream to enter (two contexts per load)
                 calls, direct = copy_loads(t, rank, self.link.plan, items)
             ev = session.done_event() if rt.order.cuda else None
+            ev_lanes = session.done_event() if rt.order.cuda and group and lanes else ev
+        if lanes:  # the native lane's first (a batch's calls counted once)
+            self.lane.launched(lanes, ev_lanes, 0 if group else calls)
         if direct:
             self.direct += len(items)
         per_token = t.per_token
         for k, f in enumerate(group):
-            f.event, f.calls = ev, calls if k == 0 else 0  # a batch's calls counted once
+            f.event, f.calls = ev, calls if k == 0 else 0
             it = f.item
             f.moved = (it.num_tokens - it.first) * per_token if it.groups is None else moved(t, rank, it)
-        if lanes:  # the native lane's (a batch's calls counted once)
-            self.lane.launched(lanes, ev, 0 if group else calls)
         return True
 
     # -------------------------------------------------------------------------- batch
@@ -407,7 +409,9 @@ class OneSided:
     def _launch_held(self) -> None:
         """Launch the loads held so far (the Python path's flights and the native lane's): per
         peer one launch (:meth:`_launch`); a load whose launch failed, or whose peer was
-        forgotten since its lookup, is reported failed."""
+        forgotten since its lookup, is reported failed. Should anything escape (a failure's
+        report raising, an interrupt), the peers not launched yet fail their loads first: none
+        is left held."""
         held = self._local.held
         self._local.held = [[], 0, []]
         by_target: dict[int, tuple[Target, list[Flight], list[HeldLoad]]] = {}
@@ -415,20 +419,33 @@ class OneSided:
             by_target.setdefault(id(f.target), (f.target, [], []))[1].append(f)
         for h in held[2]:
             by_target.setdefault(id(h.target), (h.target, [], []))[2].append(h)
-        for t, group, lanes in by_target.values():
-            try:
-                if not self._launch(t, group, lanes):
-                    raise RuntimeError("the exporter's mapping was dropped before the launch")
-            except Exception as e:  # the copy may have written part of the blocks: fail the loads
-                why = f"one-sided ipc copy: {describe_error(e)}"
-                for f in group:
-                    self._report(f, why)
-                if lanes:
-                    self.lane.fail(t, lanes, why)
-                continue
-            if group:
-                with self.lock:
-                    self.flights.extend(group)
+        left = list(by_target.values())
+        try:
+            while left:
+                self._launch_target(*left[-1])
+                left.pop()
+        finally:
+            for t, group, lanes in left:  # only when something escaped
+                self._fail_target(t, group, lanes, "one-sided ipc copy: the batch's launch was interrupted")
+
+    def _launch_target(self, t: Target, group: list[Flight], lanes: list[HeldLoad]) -> None:
+        """:meth:`_launch` of one peer's held loads; a failed launch fails them."""
+        try:
+            if not self._launch(t, group, lanes):
+                raise RuntimeError("the exporter's mapping was dropped before the launch")
+        except Exception as e:  # the copy may have written part of the blocks: fail the loads
+            self._fail_target(t, group, lanes, f"one-sided ipc copy: {describe_error(e)}")
+            return
+        if group:
+            with self.lock:
+                self.flights.extend(group)
+
+    def _fail_target(self, t: Target, group: list[Flight], lanes: list[HeldLoad], why: str) -> None:
+        """One peer's held loads failed to launch: each reported failed for ``why``."""
+        for f in group:
+            self._report(f, why)
+        if lanes:
+            self.lane.fail(t, lanes, why)
 
     # ----------------------------------------------------------------------- complete
     def complete(self) -> None:
@@ -451,9 +468,13 @@ class OneSided:
         notes: dict[int, tuple[Peer, list, list]] = {}
         now_ns = time.monotonic_ns()
         recycled: set[int] = set()  # a batch's loads share one event: back to the pool once
+        asked: dict[int, bool] = {}  # once per event: a batch's loads are reported together
         for f in flights:
             ev = f.event
-            if ev is not None and not event_done(ev):
+            done = True if ev is None else asked.get(id(ev))
+            if done is None:
+                done = asked[id(ev)] = event_done(ev)
+            if not done:
                 if time.monotonic() > f.item.deadline and not f.late:
                     # the copy is still running: hold the report until it completed
                     f.late = True

@@ -116,7 +116,7 @@ class Target:
         # runs them itself (kvxfer.transports.ipc.copies). None: the general path.
         plain = direct is None and not grouped and not self.remote and all(src.bounded for src in sources)
         self.plain = tuple(c for src in sources for c, _ in src.whole) if plain else None
-        # What the native lane reads a load through (LoadBook.begin, csrc/ctl/load_book.h), set
+        # What the native lane reads a load through (LoadBook.begin, csrc/ctl/load_lane.h), set
         # by the one-sided mode when it may (``OneSided._target``); None: the Python path.
         self.lane: tuple | None = None
 
