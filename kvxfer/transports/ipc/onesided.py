@@ -240,16 +240,8 @@ class OneSided:
         now_ns = time.monotonic_ns()
         deadline = now_ns * 1e-9 + timeout_s
         got = lane.book.begin(
-            request_id,
-            params,
-            block_ids,
-            self._queued_keys,
-            now_ns,
-            now_ns + lane.need_ns,
-            now(),
-            deadline,
-            cap,
-        )
+            request_id, params, block_ids, self._queued_keys, now_ns, now_ns + lane.need_ns, now(), deadline, cap
+        )  # fmt: skip
         if got is None:
             return False
         src, dst, num_tokens, lane_tuple = got
@@ -346,9 +338,8 @@ class OneSided:
         second for ``lanes`` when both are there: each side reports, and recycles, its own);
         False when the session closed since their lookup (nothing written)."""
         session, rt = t.session, self.rt
-        items = [group[0].item] if len(group) == 1 and not lanes else [f.item for f in group]
-        if lanes:
-            items += lanes
+        items = [f.item for f in group]
+        items += lanes
         with session.lock:
             if session.closed:  # the peer was forgotten since the lookup: its mapping may be gone
                 return False
