@@ -72,9 +72,9 @@ _blake2b = hashlib.blake2b
 # native int64 / uint64 (the ids' bytes are the digest's input as they are on a little-endian host)
 _I64, _U64 = (np.dtype(t) if np.little_endian else None for t in (np.int64, np.uint64))
 # Ids hashed per update: hashlib releases the GIL for an update of 2048 bytes or more, and
-# taking it back waited for the engine's other threads: the digest of a 4K-token request (256
-# ids, 2048 bytes in one update) took 10-12 us in some runs of profiling/bench_engine.py where it
-# took 2.6 in others; in updates of 255 ids, 2.4-2.7 us in every run.
+# taking it back waits for the engine's other threads, so a 4K-token request's 256 ids (2048
+# bytes) hashed in one update made the digest's cost depend on those threads; updates of 255
+# ids keep the GIL (profiling/results/2026-11-26-cpu-onesided-hostcost/README.md).
 _IDS_PER_UPDATE = 255
 TOKEN_CHARS = 2 * (_NONCE_BYTES + _MAC_BYTES)  # 48 hex characters
 

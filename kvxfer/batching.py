@@ -42,8 +42,8 @@ def _slots(blocks: np.ndarray, block_size: int, start: int, stop: int) -> np.nda
 def _extend_slots(out: list[int], blocks: np.ndarray, block_size: int, start: int, stop: int) -> None:
     """Append the token slots of tokens ``[start, stop)`` (fewer than ``lcm`` of the two sides'
     block sizes: a head or a tail, one block or a few) to ``out`` as Python ints. A batch's
-    tails, one array at the end: 13 us for 7 tails of one block on the CI VM, against 30 us
-    for a :func:`_slots` per tail and 39 us for a fixed chain of numpy ops over all of them."""
+    tails, one array at the end: cheaper than a :func:`_slots` per tail or a fixed chain of
+    numpy ops over all of them (a tail is one block or a few)."""
     b0 = start // block_size
     for k, b in enumerate(blocks[b0 : -(-stop // block_size)].tolist()):
         first = (b0 + k) * block_size  # the block's first token
@@ -213,9 +213,9 @@ def _split_plan(
     not empty and ``slots`` is false (a side without a token-slot view).
 
     The scoring of :func:`plan_batch` would move a batch with several requests ending inside a
-    block in one call of token slots: ~3K ids per request and side, whose arrays cost ~40 us
-    per request to build for batches of 8 requests of 2K-4K tokens on the CI VM
-    (``profiling/bench_engine.py``, column 8x2K-4K), and a kernel moving single token rows
+    block in one call of token slots: ~3K ids per request and side, most of a ragged batch's
+    host cost to build (profiling/results/2026-11-23-cpu-hostcost/README.md, sixth pass), and a
+    kernel moving single token rows
     where it can move 16-token blocks (``profiling/bench_batching.py``)."""
     sbs, dbs = src_block_size, dst_block_size
     align = math.lcm(sbs, dbs)
@@ -285,8 +285,7 @@ def _whole_plan(items: list[Item], src_block_size: int, dst_block_size: int) -> 
     """The plan of a batch that moves every block of each request, whole (no partial load, no
     request ending inside a block of either side, no shared prefix: the caller knows them
     distinct): one call over the concatenated block lists, in order. None for any other batch.
-    What :func:`_split_plan` builds for such a batch, without its per-request spans (~1 us per
-    request of a batch of 8)."""
+    What :func:`_split_plan` builds for such a batch, without its per-request spans."""
     align = math.lcm(src_block_size, dst_block_size)
     total = 0
     srcs, dsts = [], []

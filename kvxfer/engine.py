@@ -527,8 +527,8 @@ class TransferEngine:
         """Start the loads queued since the last poll (one batch) and report what completed.
 
         Call it once per scheduler step. A tight ``while: poll()`` loop with no pause starves
-        the engine's own threads of the GIL (measured on CPU: a 1 MiB load took 100-460 ms
-        instead of 2.5 ms); pause between calls, e.g. ``time.sleep(0.0002)``, when waiting.
+        the engine's own threads of the GIL (on CPU a small load then takes a hundred times as
+        long); pause between calls, e.g. ``time.sleep(0.0002)``, when waiting.
         """
         if not self._open:
             self._check_started()

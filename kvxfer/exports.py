@@ -66,8 +66,8 @@ class LeaseListener(Protocol):
 
 
 class _Export:
-    """One live export (a plain slotted class: a dataclass with default factories cost ~1.5 us
-    per ``export()`` with a cold cache)."""
+    """One live export (a plain slotted class: a dataclass's default factories are calls of
+    their own, paid per ``export()``)."""
 
     __slots__ = (
         "block_ids",
@@ -150,8 +150,8 @@ class ExportTracker:
 
     ``epochs`` is an int64 tensor ``[num_blocks]`` (in shared memory when the rank offers
     ``ipc``); ``refcount`` counts live exports holding each block. Both are updated through
-    numpy views of the same memory: one fancy-indexed numpy op on 256 ids costs ~1-2 us, the
-    torch op it replaced ~4 us (measured, 4K-token request).
+    numpy views of the same memory (a fancy-indexed numpy op costs less per call than the torch
+    op it replaced), or natively by :mod:`kvxfer.idops`.
     """
 
     def __init__(self, num_blocks: int, lease_s: float, epochs: torch.Tensor | None = None) -> None:

@@ -6,8 +6,8 @@ like the CPU backend: by ``setup.py`` when a C++ compiler is found, else once on
 :func:`ensure`) or, when that does not load, the same operation in numpy. Both behave alike (the
 tests run every case through both); the native one is faster because a request makes ~15 of
 these calls and, with a cold cache between scheduler steps, each numpy call's dispatch cost
-several times the work: ``profiling/compare_host_cost.py``, numpy -> native, 0.77x host time
-for one 4K-token request, 0.73x per request in batches of 8 (2-vCPU VM, 30 rounds).
+several times the work (``profiling/compare_host_cost.py``, numpy against native:
+profiling/results/2026-11-23-cpu-hostcost/README.md, fourth pass).
 
 Where the module comes from, first match wins: ``kvxfer/_prebuilt/_kvx_ctl-<hash><ext>``, the
 cache directory of the CPU backend (``$KVXFER_CACHE_DIR``, ...), a build into that cache by
@@ -224,14 +224,14 @@ the loads of a batch whose blocks were released since their grant."""
 any_repeat = _np_any_repeat
 """``any_repeat(arrays) -> bool``: whether the int64 arrays (a list or tuple), read as one list,
 name some id twice; ids are ``>= 0`` (``ValueError`` otherwise). One pass over a set where
-numpy concatenates and sorts (~20 us for the 2K ids of eight 4K-token loads)."""
+numpy concatenates and sorts."""
 max_id = _np_max_id
 """``max_id(ids) -> int``: the largest of 8-byte int ``ids`` read as unsigned (0 when empty)."""
 exact_ints = _np_exact_ints
 """``exact_ints(x) -> bool``: whether every item of the list or tuple ``x`` is exactly an ``int``
 (no bool, numpy int or other subclass): then ``x`` is JSON-safe as the ids it holds, and
 ``export()`` hands a copy of it out in the params instead of converting its checked array back
-(``tolist()`` of 256 ids: ~3 us; the check and a slice: ~0.7 us)."""
+(the check and a slice cost less than ``tolist()``)."""
 
 _lock = threading.Lock()
 _state: dict = {"native": None, "why": "not looked for yet", "tried_build": False}

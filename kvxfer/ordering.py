@@ -196,8 +196,8 @@ def event_done(ev: Any) -> bool:
 def wait_event(ev: Any, timeout_s: float, what: str, keep: Any = None) -> None:
     """Poll ``ev.query()`` until true, sleeping between queries for an eighth of the time
     waited so far (20 us to 1 ms): completion is seen at most ~12 % (plus one sleep's wake-up)
-    after it happened, with ~25 queries in the first 8 ms and one a millisecond after. The
-    doubling steps this replaced saw a 1 ms copy up to 0.9 ms late. Raises
+    after it happened, with ~25 queries in the first 8 ms and one a millisecond after (steps
+    that double can see a copy almost its own duration late). Raises
     :class:`FenceTimeout` (carrying ``ev`` and ``keep``) after ``timeout_s``."""
     if ev.query():
         return

@@ -43,8 +43,8 @@ class CheckedIds:
     """Block ids their producer has already validated, passed where the ops take ``block_ids``.
 
     ``ids``: C-contiguous int64 numpy array, every id in ``[0, bound)``, and without repeats when
-    ``unique``. An op trusts that and skips its own checks (a sort and a min/max, ~25-60 us
-    per 4K-token call with a cold cache in ``profiling/bench_engine.py``) when ``bound`` is
+    ``unique``. An op trusts that and skips its own checks (a sort and a min/max per call)
+    when ``bound`` is
     within the cache's block count and ``unique`` covers what the op needs (a destination);
     otherwise it checks the ids as it would any other. The engine makes them from ids it
     checked at ``load()`` / on the grant; a caller that wraps ids it did not check gets
@@ -86,7 +86,7 @@ def int_array(x, what: str, copy: bool = False) -> np.ndarray:
 
 
 def as_block_ids(block_ids, num_blocks: int, needed: int, what: str, unique: bool) -> np.ndarray:
-    """Validated C-contiguous int64 array of the first ``needed`` block ids (~5 us for 256)."""
+    """Validated C-contiguous int64 array of the first ``needed`` block ids."""
     if type(block_ids) is CheckedIds:
         c = block_ids
         ids = c.ids
@@ -176,7 +176,7 @@ class PagedCache(tuple):
     """One rank's per-layer caches, validated once against a spec (see :func:`register_caches`).
 
     A tuple of the layer tensors: pass it wherever the ops take ``caches`` and the per-layer
-    checks are skipped (they cost ~1 us per layer per call otherwise). ``max_sms``: the SM
+    checks are skipped (else they run per layer per call). ``max_sms``: the SM
     budget of every op on them (None: none); ``path_stats``: what those ops chose
     (:func:`path_stats`). ``spec``: the spec the ops take with these caches (with
     ``token_slots``, the registered spec with ``block_size=1``: the ids are token slots).

@@ -37,8 +37,8 @@ def block_id_array(ids: object, field: str = "block_ids") -> np.ndarray:
 
     uint64, so one ``max() < num_blocks`` check bounds the ids on both ends before they are
     viewed as int64.
-    One C conversion (``array('Q')`` rejects floats, strings and negative ids itself): ~2.5 us
-    for 256 ids where a per-element Python check took ~25 us. Bools are rejected too; they can
+    One C conversion (``array('Q')`` rejects floats, strings and negative ids itself) instead
+    of a Python check per element. Bools are rejected too; they can
     only hide among ids equal to 0 or 1, so only then is the list scanned.
     """
     if not isinstance(ids, (list, tuple)) or not ids:
@@ -67,8 +67,8 @@ FIELD_LIMITS = (MAX_ID_CHARS, TOKEN_CHARS, MAX_TP_SIZE, MAX_TOKENS, PARAMS_VERSI
 
 class _Shape(msgspec.Struct):
     """The params fields with their types and bounds, checked by one ``msgspec.convert`` call;
-    the block ids are only carried through here (``Any``: 0.18 us at 4K tokens, against 0.97 us
-    for ``tuple[int, ...]``, which walked them once more than needed) and checked by what
+    the block ids are only carried through here (``Any``: ``tuple[int, ...]`` walked them once
+    more than needed) and checked by what
     follows: a list of plain ints (:func:`kvxfer.idops.exact_ints`: no bool, no float, no
     subclass), converted to uint64 (:func:`kvxfer.idops.as_uint64`, which rejects negative ids).
     A dict that fails any of it goes through the field-by-field checks of
@@ -282,7 +282,7 @@ class KVTransferParams:
             return None
         arr.flags.writeable = False
         # The fields as __init__ would set them, without a frozen dataclass's object.__setattr__
-        # per field (~4x a plain init, paid per load()).
+        # per field, paid per load() (profiling/results/2026-11-23-cpu-hostcost/README.md).
         out = object.__new__(cls)
         out.__dict__.update(
             request_id=f.request_id,

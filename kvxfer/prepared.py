@@ -229,8 +229,8 @@ def copy_sides(
 ) -> tuple[PagedSide, PagedSide]:
     """A copy's two sides from their templates (:func:`_template`) and ids, the ids checked as
     :func:`~kvxfer.paged.as_block_ids` checks them (the destination's for repeats too). No torch
-    call: the ids stay numpy and the device is kept (``profiling/bench_engine.py``: the ops
-    call of a 4K-token request ~18 us with a cold cache, ~50-65 us with those torch calls)."""
+    call: the ids stay numpy and the device is kept (with a cold cache, torch calls were most
+    of an ops call's host cost: profiling/results/2026-11-23-cpu-hostcost/README.md)."""
     src = _with_ids(
         st,
         as_block_ids(src_ids, st.num_blocks, -(-num_tokens // st.block_size), "src_block_ids", False),

@@ -17,7 +17,7 @@ def ids_tensor(side: PagedSide) -> torch.Tensor:
     return torch.from_numpy(ids if ids.flags.writeable else ids.copy())
 
 
-@dataclass(slots=True)  # not frozen: a frozen init costs 4x (2.5 vs 0.6 us), twice per op call
+@dataclass(slots=True)  # not frozen: a frozen init sets each field through object.__setattr__
 class PagedSide:
     """One rank's paged cache, reduced to what a copy kernel needs.
 
@@ -36,8 +36,8 @@ class PagedSide:
     exactly ``ceil(num_tokens / block_size)`` ids, all in ``[0, num_blocks)`` (slots: ``num_blocks``
     counts slots, blocks times ``slot_block``), as a C-contiguous int64 numpy array (read it in place; it may be
     read-only: :func:`ids_tensor` gives a tensor). numpy, not torch: the sides are made per
-    ops call, and each torch call on them cost 3-6 us with a cold cache
-    (``profiling/bench_engine.py``) where the backends only need the ids' address or values.
+    ops call, and a torch call on them costs more host time than the backends' use of the
+    ids (their address or values) is worth.
     """
 
     caches: tuple[torch.Tensor, ...]

@@ -57,13 +57,11 @@ _NUM_ARGS = 8 + 2 * 12  # kvx_cpu_move: 8 header fields + 2 sides of 12 (see the
 _FLAG_STREAM = 1
 EXTRA_FLAGS = 0  # OR-ed into every call's flags: loop-order overrides for profiling/sweep_cpu.py
 # Non-temporal (streaming) stores from this many bytes per call. They skip the read-for-
-# ownership of every destination line: 2/3 of a plain copy's memory traffic. profiling/
-# sweep_cpu.py, llama3-8b rows (gather/scatter NHD/HND, copy to NHD/HND block 32), one thread,
-# x = 1-thread memcpy time / op time, plain stores -> streaming stores:
-#   134 MB (warm):  0.71-0.94x -> 1.11-1.33x      13 MB (cold): 0.71-0.90x -> 0.86-1.04x
-#   4 MB (cold):    0.64-0.71x -> 0.73-0.79x
-# Below 256 KiB a copy takes under ~25 us and whoever reads the destination next (Gloo sending
-# a wire) would find it in cache: small copies keep plain stores.
+# ownership of every destination line: 2/3 of a plain copy's memory traffic, and they won at
+# every size profiling/sweep_cpu.py swept from 4 MB up, warm or cold
+# (profiling/results/2026-11-23-cpu-datapath/README.md). A copy below 256 KiB is short and
+# whoever reads the destination next (Gloo sending a wire) would find it in cache: small copies
+# keep plain stores.
 STREAM_MIN_BYTES = 256 << 10
 # Fewer bytes than this per thread and waking one costs more than it saves: smaller transfers use
 # fewer threads (128, 256 and 512 KiB were within the noise of each other at 0.5-2 MB; the second

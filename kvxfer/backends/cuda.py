@@ -56,8 +56,8 @@ BLOCKS_PER_SM = 4
 ITEM_BYTES = 8192  # bytes per item (head, layer, K/V, chunk of tokens) when items are plentiful
 # Threads per block under an SM budget (a grid of max_sms blocks, one per SM): as many as the
 # blocks a full wave keeps on one SM would have (blocks_per_sm x THREADS), up to the hardware's
-# 1024 and what the kernel's registers allow (the driver's max threads per block). Not measured
-# yet against 256-thread blocks: profiling/bench_interference.py sweeps the budgets.
+# 1024 and what the kernel's registers allow (the driver's max threads per block). An
+# unmeasured default against 256-thread blocks: profiling/bench_interference.py sweeps the budgets.
 MAX_BUDGET_THREADS = 1024
 _U32 = 1 << 32
 _FATBIN = "kvxfer_kernels.fatbin"
@@ -104,9 +104,8 @@ class _Fields(NamedTuple):
 def _paged_fields(side: PagedSide) -> _Fields:
     """Per-layer base addresses (head_start folded in), byte strides (kv, block, token, head)
     and their gcd, kept in the side's memo (the engine's sides: one per registered cache, head
-    slice and layer set). Made per call, with the block table joined by torch, a 32-layer
-    copy's plan took ~87 us of host time on the CI VM; kept, and the table filled by numpy:
-    ~25 us (``plan_copy``, 4K tokens, timeit)."""
+    slice and layer set): made per call, with the block table joined by torch, they were most
+    of a 32-layer copy's plan (profiling/results/2026-11-23-cpu-hostcost/README.md)."""
     return side.kept("cuda", _make_fields)
 
 

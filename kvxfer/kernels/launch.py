@@ -70,8 +70,8 @@ _GPU_TILE_BYTES = _env_pow2("KVXFER_TRITON_TILE_BYTES", DEFAULT_TILE_BYTES, 1024
 _GPU_NUM_WARPS = _env_pow2("KVXFER_TRITON_NUM_WARPS", DEFAULT_NUM_WARPS, 1, 32)
 # Warps of a program under an SM budget (a grid capped at max_sms persistent programs): one
 # program per SM then, so it gets more warps than the uncapped one to keep as many loads in
-# flight per SM. Not measured yet: profiling/bench_interference.py sweeps the budgets on the next
-# GPU session, and $KVXFER_TRITON_BUDGET_WARPS overrides this for that sweep.
+# flight per SM. An unmeasured default: profiling/bench_interference.py sweeps the budgets, and
+# $KVXFER_TRITON_BUDGET_WARPS overrides this for that sweep.
 DEFAULT_BUDGET_NUM_WARPS = 16
 _GPU_BUDGET_NUM_WARPS = _env_pow2("KVXFER_TRITON_BUDGET_WARPS", DEFAULT_BUDGET_NUM_WARPS, 1, 32)
 

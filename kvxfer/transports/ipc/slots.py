@@ -173,7 +173,7 @@ def _py_binding(token: str, digest: bytes, request_id: str) -> tuple[int, int]:
 
 def binder() -> Callable[[str, bytes, str], tuple[int, int]]:
     """The :func:`binding` function to call: the native module's (``binding`` of
-    ``csrc/ctl/lease_slots.h``, ~0.2 us) when it is in use, else hashlib's (~1 us more). Both give
+    ``csrc/ctl/lease_slots.h``) when it is in use, else hashlib's (slower). Both give
     the same words (tests/test_slots.py). Callers on the hot path take it once."""
     mod = idops.native()
     return mod.binding if mod is not None else _py_binding
@@ -487,8 +487,8 @@ class SlotView:
     ) -> tuple[int, int, bytes] | str:
         """:meth:`lookup`, then ``epochs[ids]`` (:func:`kvxfer.idops.snapshot`) taken while the
         slot stays at the generation found: ``(slot, generation, snapshot)``, or why the export
-        may not be read one-sided now. One native call when the module is in use (~0.7 us here
-        where the three Python steps took ~2.5)."""
+        may not be read one-sided now. One native call when the module is in use, where the
+        Python fallback takes three steps."""
         ctl = self.ctl
         if ctl is not None:
             got = ctl.slot_read(self.t, epochs, ids, b0, b1, now_ns, stale_ns, need_ns)
