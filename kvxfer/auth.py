@@ -152,7 +152,7 @@ def tokens_match(expected: str, presented: object) -> bool:
     """Constant-time comparison of a presented token with the expected one. (The exporter's
     tracker runs this same test inline in its grant and notification loops, one request after
     another, without a call per request: ``kvxfer.exports.ExportTracker.grant``.)"""
-    return isinstance(presented, str) and hmac.compare_digest(expected, presented)
+    return isinstance(presented, str) and presented.isascii() and hmac.compare_digest(expected, presented)
 
 
 def _key_dir() -> Path:
@@ -257,7 +257,12 @@ class EngineSecret:
     def verify(self, request_id: str, token: object, digest: object) -> bool:
         """Whether ``token`` was made by this secret for ``request_id`` and content ``digest``
         (any nonce): the test for a request not exported here (yet, or any more)."""
-        if type(token) is not str or len(token) != TOKEN_CHARS or type(digest) is not bytes:
+        if (
+            type(token) is not str
+            or len(token) != TOKEN_CHARS
+            or not token.isascii()
+            or type(digest) is not bytes
+        ):
             return False
         try:
             nonce = bytes.fromhex(token[: 2 * _NONCE_BYTES])

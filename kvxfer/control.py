@@ -164,6 +164,10 @@ def _dropped(msg) -> bool:
 
 MAX_HELD = 1024  # long polls held at once; more are answered at once, as they stand
 SERVER_RCVHWM = 64
+# How long one serve_once() call goes on handling messages that keep arriving before it returns
+# (what is left stays queued, bounded by SERVER_RCVHWM per peer): the exporter's loop then
+# ticks, expires leases and answers held long polls, however fast peers send.
+SERVE_BUDGET_S = 0.02
 
 
 class ControlServer:
@@ -194,15 +198,20 @@ class ControlServer:
         self._held: list[tuple[bytes, bytes, Deferred]] = []  # long polls answered later
 
     def serve_once(self, handler: Callable, timeout_ms: int) -> int:
-        """Handle every message that arrives within ``timeout_ms`` (1 ms while long polls are
-        held) and answer held long polls that are ready; returns how many messages arrived."""
+        """Handle the messages that arrive within ``timeout_ms`` (1 ms while long polls are
+        held), until none is queued or :data:`SERVE_BUDGET_S` has passed since the first (the
+        rest wait for the next call), and answer held long polls that are ready; returns how
+        many messages were taken."""
         n = 0
         if self._held:
             self._answer_held()
             timeout_ms = min(timeout_ms, 1)
         if not self._poller.poll(timeout_ms):
             return 0
+        end = time.monotonic() + SERVE_BUDGET_S
         while True:
+            if n and time.monotonic() >= end:
+                return n
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

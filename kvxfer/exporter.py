@@ -178,8 +178,9 @@ class Exporter:
         )
 
     def _handle_heartbeat(self, msg: control.Heartbeat) -> control.Ack:
-        bad = self.authorized(msg.request_ids, msg.tokens)
-        self.rt.exports.heartbeat([r for r in msg.request_ids if r not in bad])
+        bad = self._miscounted(msg.request_ids, msg.tokens)
+        if bad is None:  # each token checked as its lease is renewed (one hold of the lock)
+            bad = self.rt.exports.heartbeat(msg.request_ids, msg.tokens, self.rt.secret.verify)
         return control.Ack(failed=bad)
 
     # -------------------------------------------------------------------------- grants
@@ -284,13 +285,16 @@ class Exporter:
     # -------------------------------------------------------------------------- streams
     def _handle_send(self, msg: control.SendReq) -> control.SendReply:
         """Check a send request (tokens, then that it reads only what they open) and hand its
-        stream to the transport it names."""
-        if self.authorized(msg.request_ids, msg.tokens):
-            return control.SendReply(ok=False, failed={"*": UNAUTHORIZED})
-        transport = self.transports.get(msg.transport)
-        if transport is None:
-            return control.SendReply(ok=False, failed={"*": f"unknown transport {msg.transport!r}"})
-        job = self.stream_job(msg)
+        stream to the transport it names. The tokens are verified and their exports looked up in
+        one hold of the tracker's lock: an export released and exported again in between would
+        otherwise be opened by the earlier export's token."""
+        with self.rt.exports.lock:
+            if self.authorized(msg.request_ids, msg.tokens):
+                return control.SendReply(ok=False, failed={"*": UNAUTHORIZED})
+            transport = self.transports.get(msg.transport)
+            if transport is None:
+                return control.SendReply(ok=False, failed={"*": f"unknown transport {msg.transport!r}"})
+            job = self.stream_job(msg)
         if isinstance(job, control.SendReply):
             return job
         return transport.serve_stream(job)

@@ -37,6 +37,10 @@ RELEASED = "released: lease expired, aborted or already freed"
 ALTERED = "refused: the block ids, num_tokens or groups of the params differ from the export's (altered or sliced params)"
 OTHER_EXPORT = "refused: the params are of another export of this request id (an earlier, released one)"
 GONE_KEPT = 100_000  # released request ids remembered (generation, token), oldest forgotten first
+# Tokens of one message whose MAC is computed and fails (forged, or of another engine) before the
+# rest of its ids that are not live here are refused without one: a message of made-up ids costs
+# this many MACs, not one per id (an authentic message fails none).
+MAX_FORGED = 16
 
 Verify = Callable[[str, object, object], bool]  # kvxfer.auth.EngineSecret.verify
 
@@ -346,15 +350,18 @@ class ExportTracker:
         when a digest came with it, so an unknown request is told apart from a forged one; with
         no digest (notifications, heartbeats: they act on live exports only) it passes as not
         live. An authentic token of another export of a live request id is
-        :data:`OTHER_EXPORT`. Call under :attr:`lock`."""
+        :data:`OTHER_EXPORT`. Once :data:`MAX_FORGED` tokens of the call failed ``verify``, the
+        rest that would need it are refused unverified. A token that is not ASCII (no token
+        is) is refused. Call under :attr:`lock`."""
         live = self._live
         if tokens is None:
             return [(rid, live.get(rid)) for rid in request_ids]
         out = []
-        eq = hmac.compare_digest
+        eq = hmac.compare_digest  # raises for a str that is not ASCII: those are refused first
+        forged = 0
         for rid, tok, dg in zip(request_ids, tokens, digests if digests is not None else _NONES(request_ids)):
             e = live.get(rid)
-            if e is not None and type(tok) is str and eq(e.token, tok):
+            if e is not None and type(tok) is str and tok.isascii() and eq(e.token, tok):
                 if dg is None or dg == e.digest:
                     out.append((rid, e))
                 else:
@@ -364,11 +371,15 @@ class ExportTracker:
                     out.append((rid, None))
                 else:
                     bad[rid] = UNAUTHORIZED
-            elif verify is not None and verify(rid, tok, dg):
-                if e is None:
-                    out.append((rid, None))
+            elif verify is not None and forged < MAX_FORGED:
+                if verify(rid, tok, dg):
+                    if e is None:
+                        out.append((rid, None))
+                    else:
+                        bad[rid] = OTHER_EXPORT
                 else:
-                    bad[rid] = OTHER_EXPORT
+                    forged += 1
+                    bad[rid] = UNAUTHORIZED
             else:
                 bad[rid] = UNAUTHORIZED
         return out
@@ -387,15 +398,22 @@ class ExportTracker:
         with self.lock:
             return self._live.get(request_id)
 
-    def heartbeat(self, request_ids: list[str]) -> None:
+    def heartbeat(
+        self, request_ids: list[str], tokens: list | None = None, verify: Verify | None = None
+    ) -> dict[str, str]:
+        """Renew the leases of ``request_ids`` still live; with ``tokens`` (one per id), only
+        of those whose token verifies, checked in the same hold of the lock (so the token of an
+        export released meanwhile cannot renew the next export of its request id). Returns id
+        -> why for those refused."""
+        bad: dict[str, str] = {}
         with self.lock:
             deadline = time.monotonic() + self.lease_s
-            for rid in request_ids:
-                e = self._live.get(rid)
+            for rid, e in self._verified(request_ids, tokens, verify, bad):
                 if e is not None and e.deadline < deadline:
                     e.deadline = deadline
                     for listener in self._listeners:
                         listener.renewed(rid, deadline)
+        return bad
 
     def track_gather(self, request_ids: list[str], event) -> None:
         """A CUDA gather reading these requests' blocks was enqueued; ``event`` (``query()``)
