@@ -30,6 +30,7 @@ from .transports.streams import StreamJob
 
 _LOG = logging.getLogger(__name__)
 
+REPEATED = "request_ids: a lease request names a request more than once"
 LONG_POLL_MAX_S = 1.0  # a grant held for new layers is answered within this, whatever the loader asked
 
 __all__ = ["LONG_POLL_MAX_S", "Exporter"]
@@ -186,7 +187,11 @@ class Exporter:
     # -------------------------------------------------------------------------- grants
     def _handle_read(self, msg: control.ReadReq):
         """A lease request: granted now, or (a long poll) when a wanted layer is ready or at
-        ``wait_s``."""
+        ``wait_s``. A request named twice is refused (no loader does it, and a held long poll is
+        checked again on every pass: its cost must stay that of the exports it names)."""
+        ids = msg.request_ids
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            return control.ErrorReply(REPEATED)
         reply = self._grant_reply(msg, final=msg.wait_s <= 0)
         if reply is None:
             wait = min(float(msg.wait_s), LONG_POLL_MAX_S)

@@ -186,3 +186,18 @@ def test_a_send_request_is_checked_and_looked_up_in_one_hold(exporter_p):
     finally:
         ex.transports["pg"] = pg
     assert not rep.ok and rep.failed == {"*": UNAUTHORIZED} and not stub.jobs
+
+
+def test_a_lease_request_naming_a_request_twice_is_refused(exporter_p):
+    """A held long poll is checked again on every pass of the side channel: a request named
+    many times over would make each pass cost that many lookups."""
+    from kvxfer.exporter import REPEATED
+
+    p = exporter_p
+    prm = p.export("x", [3, 4], 12)
+    digest = p._rt.exports.lookup("x").digest
+    twice = C.ReadReq("D", 0, 1, ["x", "x"], [prm["token"]] * 2, wait_s=5.0, digests=[digest] * 2)
+    assert p._exporter.handle(twice) == C.ErrorReply(REPEATED)
+    once = C.ReadReq("D", 0, 1, ["x"], [prm["token"]], digests=[digest])
+    rep = p._exporter.handle(once)
+    assert isinstance(rep, C.ReadReply) and rep.ok == ["x"]
