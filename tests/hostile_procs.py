@@ -27,7 +27,8 @@ import time
 import msgspec
 import torch
 
-from .engine_procs import POISON, _spec, check, fill, poison
+from .engine_payload import POISON, check, fill, poison
+from .engine_procs import _spec
 
 
 def _rss_mb() -> float:

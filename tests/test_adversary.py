@@ -26,7 +26,7 @@ from kvxfer import control as C
 from kvxfer.limits import MAX_TP_SIZE
 from kvxfer.transports.ipc.shm import alloc_shm_caches
 
-from .engine_procs import check, fill, poison, untouched
+from .engine_payload import check, fill, poison, untouched
 
 SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)  # 2 layers, 2 heads, dim 16, 8-token blocks
 TRANSPORTS = ["ipc", "pg"]

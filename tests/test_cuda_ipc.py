@@ -31,7 +31,7 @@ from kvxfer.transports.ipc.cuda_ipc import (
     local_ipc_info,
     publish_caches,
 )
-from tests.test_staging import bytes_equal, expected_dst, make_cache, poisoned
+from tests.cache_oracle import bytes_equal, expected_dst, make_cache, poisoned
 from tests.test_topology import FakeNvml
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -10,7 +10,7 @@ import torch
 from kvxfer import KVCacheSpec, TransferEngine, ops
 from kvxfer.transports.ipc.shm import alloc_shm_caches
 
-from .engine_procs import POISON, check, fill, payload, poison, untouched
+from .engine_payload import POISON, check, fill, payload, poison, untouched
 
 SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)
 

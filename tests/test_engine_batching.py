@@ -11,7 +11,7 @@ from kvxfer import KVCacheSpec, ops
 from kvxfer.batching import Item, pack_calls, plan_batch, shared_prefixes
 from kvxfer.views import cache_views, unit_view
 
-from .engine_procs import payload, poison
+from .engine_payload import payload, poison
 
 
 def units_of(block_ids, block_size: int, num_tokens: int, unit: int) -> np.ndarray:

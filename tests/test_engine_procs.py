@@ -158,7 +158,8 @@ def exporter_rank_then_die(sc, tp_rank, q_out, q_ctl):
     from kvxfer import TransferEngine
     from kvxfer.transports.ipc.shm import alloc_shm_caches
 
-    from .engine_procs import _spec, fill
+    from .engine_payload import fill
+    from .engine_procs import _spec
 
     spec = _spec(sc["src_spec"])
     shm = alloc_shm_caches(spec, sc["src_blocks"], 1)
@@ -206,7 +207,8 @@ def test_loader_killed_mid_send_exporter_keeps_serving():
     on serving another loader's new request byte for byte (nothing takes P's process down)."""
     from kvxfer import TransferEngine
 
-    from .engine_procs import _context, check, fill
+    from .engine_payload import check, fill
+    from .engine_procs import _context
 
     spec = KVCacheSpec(2, 8, 128, 16, torch.bfloat16)  # 8 KiB per token of wire
     nb = 160

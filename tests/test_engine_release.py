@@ -19,7 +19,7 @@ from kvxfer.params import params_dict
 from kvxfer.ports import free_port_base
 from kvxfer.transports.ipc.shm import alloc_shm_caches
 
-from .engine_procs import check, fill, poison
+from .engine_payload import check, fill, poison
 
 SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)
 
@@ -234,7 +234,7 @@ def test_partial_load_of_the_tokens_after_a_held_prefix_and_sliced_params_refuse
     name, nothing written."""
     from kvxfer import ops
 
-    from .engine_procs import payload
+    from .engine_payload import payload
 
     shm, dshm = alloc_shm_caches(SPEC, 32, 1), alloc_shm_caches(SPEC, 32, 1)
     poison(dshm.caches)

@@ -20,7 +20,7 @@ from kvxfer import control as C
 from kvxfer.ports import free_port_base
 from kvxfer.transports.ipc.shm import alloc_shm_caches
 
-from .engine_procs import check, fill, poison, untouched
+from .engine_payload import check, fill, poison, untouched
 
 SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)
 

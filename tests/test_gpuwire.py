@@ -22,7 +22,7 @@ from kvxfer.transports.ipc.shm import alloc_shm_caches
 from kvxfer.transports.pg import groups as pg_groups
 from kvxfer.transports.pg.pipeline import StagedPipeline
 
-from .engine_procs import check, fill, poison, untouched
+from .engine_payload import check, fill, poison, untouched
 from .test_cuda_ipc import FakeDriver, carve, info
 
 SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)

@@ -11,7 +11,7 @@ import torch
 
 from kvxfer import KVCacheSpec, TransferEngine, ops
 
-from .engine_procs import check, fill, payload, poison, untouched
+from .engine_payload import check, fill, payload, poison, untouched
 from .test_engine_procs import CASES, _aggregate, _run, _scenario
 
 pytestmark = pytest.mark.gpu

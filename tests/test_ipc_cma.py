@@ -17,7 +17,8 @@ import torch
 from kvxfer import KVCacheSpec
 from kvxfer.transports.ipc import cma
 
-from .engine_procs import _context, check, fill, free_port_base, poison, run_procs, untouched
+from .engine_payload import check, fill, poison, untouched
+from .engine_procs import _context, free_port_base, run_procs
 
 pytestmark = pytest.mark.skipif(cma.available() != "", reason=f"cross-memory attach: {cma.available()}")
 

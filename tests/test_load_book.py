@@ -4,7 +4,7 @@ refusal writing nothing, the launch (a batch's all or none), the landing and its
 (``complete``, an event asked once per call), a release or a stopped exporter seen after the
 copy, events still running and late, a failed or dropped launch, and the argument checks. The
 tracker methods are ``LoadTracker``'s (``tests/test_tracker.py`` runs its tests through both);
-the engine's use of the lane is in ``tests/test_onesided.py``."""
+the engine's use of the lane is in ``tests/test_onesided_*.py``."""
 
 from __future__ import annotations
 

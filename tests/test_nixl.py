@@ -18,7 +18,7 @@ from kvxfer.transports.ipc.shm import alloc_shm_caches
 from kvxfer.transports.nixl.agent import nixl_status
 from kvxfer.transports.pg.pipeline import StagedPipeline
 
-from .engine_procs import check, fill, payload, poison, untouched
+from .engine_payload import check, fill, payload, poison, untouched
 
 pytestmark = pytest.mark.skipif(bool(nixl_status()), reason=f"NIXL not importable here: {nixl_status()}")
 

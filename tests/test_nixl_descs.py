@@ -197,7 +197,7 @@ def test_direct_runs_of_partial_loads_and_layer_groups(kind, first, layers):
     a layer-wise export, replayed with memmove: exactly tokens [first, n) of those layers move,
     nothing else changes (the independent oracle of the staging tests)."""
     from kvxfer.batching import Item, plan_batch
-    from tests.test_staging import bytes_equal, expected_dst, make_cache, poisoned
+    from tests.cache_oracle import bytes_equal, expected_dst, make_cache, poisoned
 
     spec = KVCacheSpec(3, 1, 40, 16, torch.bfloat16, use_mla=True) if kind == "MLA" else _spec(kind, 16)
     heads = spec.num_kv_heads

@@ -14,7 +14,7 @@ from kvxfer import KVCacheSpec, TransferEngine
 from kvxfer.transports.nixl.agent import nixl_status
 from kvxfer.transports.pg.pipeline import StagedPipeline
 
-from .engine_procs import check, fill, poison, untouched
+from .engine_payload import check, fill, poison, untouched
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,7 +16,8 @@ import torch
 from kvxfer import KVCacheSpec
 from kvxfer.transports.nixl.agent import nixl_status
 
-from .engine_procs import _context, check, exporter_rank, fill, loader_rank, run_procs
+from .engine_payload import check, fill
+from .engine_procs import _context, exporter_rank, loader_rank, run_procs
 from .test_engine_procs import _aggregate, _scenario
 
 pytestmark = pytest.mark.skipif(bool(nixl_status()), reason=f"NIXL not importable here: {nixl_status()}")

@@ -17,8 +17,9 @@ import torch
 
 from kvxfer import KVCacheSpec, TransferEngine, ops
 
-from .engine_procs import check, fill, free_port_base, poison
-from .test_onesided import poll_until
+from .engine_payload import check, fill, poison
+from .engine_procs import free_port_base
+from .onesided_helpers import poll_until
 
 pytestmark = pytest.mark.gpu
 

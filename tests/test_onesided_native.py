@@ -15,8 +15,8 @@ import torch
 from kvxfer import idops
 from kvxfer.completion import LoadTracker
 
-from .engine_procs import check, fill, untouched
-from .test_onesided import F16, Ranks, poll_until, warm
+from .engine_payload import check, fill, untouched
+from .onesided_helpers import F16, Ranks, poll_until, warm
 
 
 @pytest.fixture

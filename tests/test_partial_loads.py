@@ -13,7 +13,7 @@ from kvxfer import KVCacheSpec, Layout, ops
 from kvxfer.batching import Item, plan_batch
 from kvxfer.views import cache_views, view_at
 
-from .test_staging import bytes_equal, expected_dst, make_cache, poisoned
+from .cache_oracle import bytes_equal, expected_dst, make_cache, poisoned
 
 SHAPES = [
     # (src layout, src bs, dst layout, dst bs)

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from .engine_procs import _context, _entry, check, fill
+from .engine_payload import check, fill
+from .engine_procs import _context, _entry
 from .hostile_procs import table_writer
-from .test_onesided import F16, Ranks, python_slot_reads, warm
+from .onesided_helpers import F16, Ranks, python_slot_reads, warm
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])

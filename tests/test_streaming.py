@@ -17,7 +17,7 @@ from kvxfer import KVCacheSpec, Layout, TransferEngine, ops
 from kvxfer.ports import free_port_base
 from kvxfer.transports.ipc.shm import alloc_shm_caches
 
-from .engine_procs import check, fill, payload, poison, untouched
+from .engine_payload import check, fill, payload, poison, untouched
 
 L = 6
 

@@ -24,7 +24,8 @@ pytestmark = [
 
 
 def test_p_to_d_same_tokens_and_logprobs_every_length_and_a_prefix_hit():
-    from .vllm_e2e import DEFAULT_LENGTHS, run, summary
+    from .vllm_e2e import run, summary
+    from .vllm_models import DEFAULT_LENGTHS
 
     res = run(DEFAULT_LENGTHS, tokens=8, deadline_s=900)
     print(summary(res))
@@ -38,7 +39,8 @@ def test_p_to_d_same_tokens_and_logprobs_every_length_and_a_prefix_hit():
 def test_mutation_one_loaded_block_k_perturbed_fails_the_check():
     """The check above can fail: D's K of one loaded block (the 70-token prompt's partial last
     block) times 1.01 changes that prompt's log-probabilities beyond 1e-5."""
-    from .vllm_e2e import MUTATE_LEN, run, summary
+    from .vllm_e2e import run, summary
+    from .vllm_models import MUTATE_LEN
 
     res = run((MUTATE_LEN,), tokens=8, deadline_s=900, mutate=True)
     print(summary(res))

@@ -161,7 +161,7 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from .vllm_e2e import write_model
+    from .vllm_models import write_model
 
     with tempfile.TemporaryDirectory() as d:
         yield write_model(d, num_key_value_heads=HEADS, head_dim=HD, num_attention_heads=4, hidden_size=64)

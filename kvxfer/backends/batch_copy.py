@@ -91,7 +91,7 @@ _PSZ = ctypes.POINTER(ctypes.c_size_t)
 _PATTR = ctypes.POINTER(CUmemcpyAttributes)
 # The two forms of the call (cuda.h of CUDA 13.0): 2 = cuMemcpyBatchAsync_v2 (CUDA 13), 1 = the
 # CUDA 12.8 cuMemcpyBatchAsync with ``size_t *failIdx`` before the stream. CUresult is an int
-# enum, CUstream a pointer. tests/test_dma.py checks both against the toolkit's cuda.h.
+# enum, CUstream a pointer. tests/test_dma_driver.py checks both against the toolkit's cuda.h.
 ARGTYPES = {
     2: (_P64, _P64, _PSZ, ctypes.c_size_t, _PATTR, _PSZ, ctypes.c_size_t, ctypes.c_void_p),
     1: (_P64, _P64, _PSZ, ctypes.c_size_t, _PATTR, _PSZ, ctypes.c_size_t, _PSZ, ctypes.c_void_p),

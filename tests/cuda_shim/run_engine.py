@@ -29,7 +29,7 @@ from host_kernels import HostKernels  # noqa: E402
 
 from kvxfer import KVCacheSpec, Layout, TransferEngine, ops  # noqa: E402
 from kvxfer.transports.pg.pipeline import StagedPipeline  # noqa: E402
-from tests.engine_procs import POISON, payload  # noqa: E402
+from tests.engine_payload import POISON, payload  # noqa: E402
 
 DEADLINE_S = 60.0
 
