@@ -337,6 +337,7 @@ class ControlClient:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 10_000)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger reply drops its peer
             s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_TIMEOUT_MS)
             s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)

@@ -93,8 +93,11 @@ def take_grants(
             alive.clear()
             return out
         for r, b, m in zip(g.ok, g.epochs, g.layers or [b""] * len(g.ok)):
+            rid = local_of.get(r)
+            if rid is None:  # a grant of what this round did not ask for: nothing to read
+                continue
             mask = full if not m else int.from_bytes(m, "big") & full
-            out[s][local_of[r]] = (b, mask)
+            out[s][rid] = (b, mask)
         for rrid, why in g.failed.items():
             rid = local_of.get(rrid)
             if rid not in alive:

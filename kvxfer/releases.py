@@ -89,8 +89,9 @@ def run(loader: ReleaseLink, items: list[ReleaseItem]) -> None:
                 todo = {}
                 break
             for s, g in zip(ranks, replies):
+                asked = set(todo[s])  # what the reply names beyond it is not asked again
                 todo[s] = (
-                    [r for r, why in g.failed.items() if why == UNKNOWN]
+                    [r for r, why in g.failed.items() if why == UNKNOWN and r in asked]
                     if isinstance(g, control.ReadReply)
                     else []
                 )

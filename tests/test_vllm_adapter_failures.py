@@ -140,3 +140,47 @@ def test_p_lease_expiry_reports_finished_sending():
         assert srv.pw[0].engine.stats()["expirations"] == 1
     finally:
         srv.close()
+
+
+def test_a_failed_load_after_a_local_prefix_hit_reports_only_the_blocks_it_writes():
+    """D's own prefix-cache hit is vLLM's: other running requests may share those blocks, and
+    vLLM fails (or recomputes) every request holding a block reported invalid."""
+    srv = _Servers(1, 1, timeout_s=0.5)
+    try:
+        preq = Request(
+            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
+        )
+        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        srv.ps.build_connector_meta()  # never exported: the load fails
+        dreq = Request("d", list(range(40)), params)
+        assert srv.ds.get_num_new_matched_tokens(dreq, 32) == (8, True)  # 32 tokens hit locally
+        srv.ds.update_state_after_alloc(dreq, Blocks([5, 6]), 8)
+        acc = _run_until(srv, "D", lambda a: "d" in a["recv"], timeout=8)
+        assert acc["bad"] == {6}  # block 5 is the local hit: still valid
+        assert srv.dw[0].take_failed_loads() == {"d"}
+    finally:
+        srv.close()
+
+
+def test_params_without_a_prompt_hash_are_refused_and_release_p(caplog):
+    """The prompt hash is what ties the loaded KV to this prompt: params stripped of it would
+    file another prompt's KV in D's prefix cache under this one."""
+    srv = _Servers(1, 1, lease_s=60.0)
+    try:
+        srv.fill_p([1, 2, 3], 40)
+        preq = Request(
+            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
+        )
+        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        srv.step("P")
+        stripped = {k: v for k, v in params.items() if k != "prompt_hash"}
+        dreq = Request("d", list(range(40)), stripped)
+        with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
+            assert srv.ds.get_num_new_matched_tokens(dreq, 0) == (0, False)
+        assert "carry no prompt_hash" in caplog.text
+        srv.ds.update_state_after_alloc(dreq, Blocks([6, 7]), 0)
+        srv.step("D")  # the release goes out
+        _run_until(srv, "P", lambda a: a["send"].get("p") == 1, timeout=8)
+        assert all(bool((t == POISON).all()) for t in srv.dcache[0])  # nothing written on D
+    finally:
+        srv.close()

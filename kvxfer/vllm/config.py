@@ -140,7 +140,10 @@ class ConnectorConfig:
         block_size: vLLM's (KV cache manager's) block size in tokens.
         transport, lease_s, timeout_s, max_sms, onesided: passed to
             :class:`kvxfer.TransferEngine`.
-        verify_prompt: compare the prompt-token hash in P's params before loading.
+        verify_prompt: compare the prompt-token hash in P's params before loading (params
+            without one are refused). The hash is not keyed: it catches params paired with the
+            wrong prompt, not a client that forges them; clients must not reach D's
+            ``kv_transfer_params`` (the router sets them from P's answer).
         reuse_*: the D->P reuse cost model (:func:`kvxfer.reuse.decide_reuse`).
     """
 

@@ -288,7 +288,16 @@ class SchedulerSide:
                 valid,
             )
             src.ok = False
-        elif self.cfg.verify_prompt and want is not None and prompt_hash(prompt, valid) != want:
+        elif self.cfg.verify_prompt and type(want) is not str:
+            # kvxfer's exporters always send it: params without it were altered (loaded, they
+            # would file another prompt's KV in this server's prefix cache under this prompt)
+            _LOG.warning(
+                "kvxfer: request %s: its kv_transfer_params carry no prompt_hash (verify_prompt is on); "
+                "recomputing it and releasing the remote blocks",
+                rid,
+            )
+            src.ok = False
+        elif self.cfg.verify_prompt and prompt_hash(prompt, valid) != want:
             _LOG.warning(
                 "kvxfer: request %s: its prompt is not the one %s computed (prompt hash differs); "
                 "recomputing it and releasing the remote blocks",

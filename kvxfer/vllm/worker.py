@@ -33,7 +33,7 @@ from .config import ConnectorConfig, port_in_use_message
 from .groups import VllmGroup, engine_groups, expand_group_ids
 from .layout import KVLayout, caches_from_vllm, check_pair
 from .state import attention_view_of_state
-from .transfer_meta import NULL_BLOCK_ID, NULL_BLOCK_WHY, TransferMeta, expand_block_ids
+from .transfer_meta import NULL_BLOCK_ID, NULL_BLOCK_WHY, LoadSpec, TransferMeta, expand_block_ids
 
 _LOG = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ class WorkerSide:
                     # native call), takes the first ids its num_tokens needs, names what is wrong
                     ids = expand_block_ids(ld.block_ids, self.ratio)
                     eng.load(ld.request_id, ld.params, ids, num_computed_tokens=ld.num_computed_tokens)
-                    self._loads[ld.request_id] = list(ld.block_ids)
+                    self._loads[ld.request_id] = self._written(ld)
                 except ValueError as e:  # KVLayoutMismatch included: nothing was written
                     _LOG.warning(
                         "kvxfer: load of %s refused (%s: %s); reported failed",
@@ -361,10 +361,16 @@ class WorkerSide:
                     self._recving_done.add(ld.request_id)
                     self._failed.add(ld.request_id)
                     self._refused += 1
-                    self._bad_blocks.update(ld.block_ids)
+                    self._bad_blocks.update(self._written(ld))
                     self._release_quietly(ld.params)
         for prm in meta.releases:
             self._release_quietly(prm)
+
+    def _written(self, ld: LoadSpec) -> list[int]:
+        """The manager blocks the load of ``ld`` writes: what a failed one leaves invalid. The
+        local prefix-cache hit before them is vLLM's own and stays valid (other running requests
+        may share those blocks: reported invalid, vLLM would fail or recompute them too)."""
+        return list(ld.block_ids[ld.num_computed_tokens // self.cfg.block_size :])
 
     def _start_grouped(self, eng: TransferEngine, meta: TransferMeta) -> None:
         """:meth:`start` for a model of several KV cache groups: per-group block lists, the null

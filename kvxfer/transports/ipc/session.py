@@ -59,8 +59,20 @@ class IpcMap(NamedTuple):
 def map_rank(peer: Peer, s: int, device: torch.device) -> IpcMap:
     """Map source rank ``s`` of ``peer`` (its handshake's ``ipc`` entry) in this process."""
     caches, ep, handles = offer.attach(peer.replies[s].ipc, device)
+    try:
+        views = CacheViews(caches, peer.spec)
+        # the ids a grant or a slot opens are checked against the handshake's block count:
+        # what the exporter maps must hold that many (a read past it would be out of bounds)
+        if ep.numel() != peer.num_blocks or views.num_blocks < peer.num_blocks:
+            raise ValueError(
+                f"ipc: exporter rank {s} maps {ep.numel()} block epochs and caches of "
+                f"{views.num_blocks} blocks, its handshake says {peer.num_blocks} blocks"
+            )
+    except BaseException:
+        offer.detach(handles)
+        raise
     remote = handles[0][1] if isinstance(handles[0][1], Remote) else None
-    return IpcMap(CacheViews(caches, peer.spec), ep, ep.numpy(), handles, remote)
+    return IpcMap(views, ep, ep.numpy(), handles, remote)
 
 
 @contextlib.contextmanager
