@@ -143,10 +143,16 @@ inline PyObject *checked_ids(PyObject *seq, Py_ssize_t need, long long num_block
       if (overflow) v = -1;  // out of range below
     } else if (!PyIndex_Check(o)) {
       Py_DECREF(out);
+      Py_INCREF(o);  // its __repr__ is Python code: it may drop the list's reference
       PyObject *r = PyObject_Repr(o);
-      PyErr_Format(PyExc_TypeError, "block_ids: must hold ints, item %zd is %s %U", i, Py_TYPE(o)->tp_name,
-                   r ? r : Py_None);
-      Py_XDECREF(r);
+      if (r != nullptr) {
+        PyErr_Format(PyExc_TypeError, "block_ids: must hold ints, item %zd is %s %U", i, Py_TYPE(o)->tp_name, r);
+        Py_DECREF(r);
+      } else {  // a repr that raised: the type names it
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "block_ids: must hold ints, item %zd is a %s", i, Py_TYPE(o)->tp_name);
+      }
+      Py_DECREF(o);
       return nullptr;
     } else {
       // __index__ is Python code: it may change the list under us. Hold the item, and read the

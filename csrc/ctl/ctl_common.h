@@ -15,6 +15,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <new>
 
 namespace kvx_ctl {
 
@@ -113,6 +115,37 @@ inline bool same_epochs(const Buf &ep, const Buf &ids, const Buf &snap) {
     if (e[x[i]] != v) return false;
   }
   return true;
+}
+
+// Whether two buffers share a byte: an array the call writes must not hold the ids it reads
+// (the ids were checked before the writes changed them).
+inline bool overlap(const Buf &a, const Buf &b) {
+  const char *a0 = static_cast<const char *>(a.view.buf), *b0 = static_cast<const char *>(b.view.buf);
+  return a.view.len > 0 && b.view.len > 0 && a0 < b0 + b.view.len && b0 < a0 + a.view.len;
+}
+
+// A C++ exception (std::bad_alloc from a vector or a set) must not unwind into CPython, which
+// terminates the process: every METH_FASTCALL function is registered through guarded<f>, which
+// raises it as MemoryError (or RuntimeError) instead.
+template <class T>
+struct FastSig;
+template <class S>
+struct FastSig<PyObject *(*)(S *, PyObject *const *, Py_ssize_t)> {
+  using Self = S;
+};
+
+template <auto F>
+PyObject *guarded(typename FastSig<decltype(F)>::Self *self, PyObject *const *args, Py_ssize_t n) noexcept {
+  try {
+    return F(self, args, n);
+  } catch (const std::bad_alloc &) {
+    return PyErr_NoMemory();
+  } catch (const std::exception &e) {
+    PyErr_Format(PyExc_RuntimeError, "kvxfer control module: %s", e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "kvxfer control module: an unknown C++ exception");
+  }
+  return nullptr;
 }
 
 }  // namespace kvx_ctl

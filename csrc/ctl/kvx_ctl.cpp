@@ -50,6 +50,7 @@ PyObject *hold(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 2, "hold")) return nullptr;
   Buf rc, ids;
   if (!get(args[0], rc, 4, true, "refcount") || !get(args[1], ids, 8, false, "ids")) return nullptr;
+  if (overlap(rc, ids)) return PyErr_Format(PyExc_ValueError, "hold: ids share memory with refcount");
   if (!ids_in_range(ids, rc.count(), "hold")) return nullptr;
   int32_t *r = static_cast<int32_t *>(rc.view.buf);
   const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
@@ -73,6 +74,9 @@ PyObject *release(PyObject *, PyObject *const *args, Py_ssize_t n) {
   }
   if (ep.count() != rc.count()) {
     return PyErr_Format(PyExc_ValueError, "release: epochs has %zd blocks, refcount %zd", ep.count(), rc.count());
+  }
+  if (overlap(rc, ids) || overlap(ep, ids)) {
+    return PyErr_Format(PyExc_ValueError, "release: ids share memory with refcount or epochs");
   }
   if (!ids_in_range(ids, rc.count(), "release")) return nullptr;
   int32_t *r = static_cast<int32_t *>(rc.view.buf);
@@ -228,50 +232,50 @@ PyCFunction as_method(F f) {
 }
 
 PyMethodDef kMethods[] = {
-    {"ids_from_seq", as_method(ids_from_seq),
+    {"ids_from_seq", as_method(guarded<ids_from_seq>),
      METH_FASTCALL, "seq, need, num_blocks, unique -> bytearray of int64 block ids"},
-    {"hold", as_method(hold), METH_FASTCALL,
+    {"hold", as_method(guarded<hold>), METH_FASTCALL,
      "refcount, ids: count one more holder of each block"},
-    {"release", as_method(release),
+    {"release", as_method(guarded<release>),
      METH_FASTCALL, "refcount, epochs, ids: one holder less; bump the epoch of blocks no longer held"},
-    {"snapshot", as_method(snapshot),
+    {"snapshot", as_method(guarded<snapshot>),
      METH_FASTCALL, "epochs, ids -> bytes of epochs[ids]"},
-    {"unchanged", as_method(unchanged),
+    {"unchanged", as_method(guarded<unchanged>),
      METH_FASTCALL, "epochs, ids, snapshot -> whether epochs[ids] still equals the snapshot"},
-    {"moved", as_method(moved), METH_FASTCALL,
+    {"moved", as_method(guarded<moved>), METH_FASTCALL,
      "epochs, ids_list, snaps -> indices of the loads whose epochs moved since their snapshot"},
-    {"any_repeat", as_method(any_repeat), METH_FASTCALL,
+    {"any_repeat", as_method(guarded<any_repeat>), METH_FASTCALL,
      "arrays -> whether the int64 arrays, read as one list, name some id twice"},
-    {"max_id", as_method(max_id),
+    {"max_id", as_method(guarded<max_id>),
      METH_FASTCALL, "ids -> the largest id as unsigned"},
-    {"exact_ints", as_method(exact_ints),
+    {"exact_ints", as_method(guarded<exact_ints>),
      METH_FASTCALL, "seq -> whether every item is exactly an int (no bool, no subclass)"},
-    {"slot_read", as_method(slot_read), METH_FASTCALL,
+    {"slot_read", as_method(guarded<slot_read>), METH_FASTCALL,
      "table, epochs, ids, b0, b1, now_ns, stale_ns, need_ns -> (slot, gen, snapshot) or a refusal code"},
-    {"slot_check", as_method(slot_check), METH_FASTCALL,
+    {"slot_check", as_method(guarded<slot_check>), METH_FASTCALL,
      "table, epochs, ids, snapshot, slot, gen, now_ns, stale_ns -> 0 landed, 1 released, 2 exporter stopped"},
-    {"slot_mark", as_method(slot_mark), METH_FASTCALL,
+    {"slot_mark", as_method(guarded<slot_mark>), METH_FASTCALL,
      "table, slot, gen, loader_rank, loader_tp -> 0 marked, 1 ring count out of range, 2 gen out of range"},
-    {"onesided_read", as_method(onesided_read), METH_FASTCALL,
+    {"onesided_read", as_method(guarded<onesided_read>), METH_FASTCALL,
      "tables, epochs, ids, num_tokens, block_size, num_blocks, token, digest, request_id, now_ns, stale_ns, "
      "need_ns -> (b0, b1, reads) of a one-sided load, or a refusal code | source << 4"},
-    {"onesided_land", as_method(onesided_land), METH_FASTCALL,
+    {"onesided_land", as_method(guarded<onesided_land>), METH_FASTCALL,
      "tables, epochs, ids, reads, marks, b0, b1, loader_rank, loader_tp, now_ns, stale_ns -> 0 landed and "
      "marked, 3 landed (notify), else 1 released / 2 stopped | source << 4"},
-    {"slot_open", as_method(slot_open), METH_FASTCALL,
+    {"slot_open", as_method(guarded<slot_open>), METH_FASTCALL,
      "table, gens, used, b0, b1, deadline_ns, ready, flags -> the slot given the export, or -1"},
-    {"slot_close", as_method(slot_close), METH_FASTCALL, "table, gens, used, slot: the slot's export ended"},
-    {"slot_done", as_method(slot_done), METH_FASTCALL,
+    {"slot_close", as_method(guarded<slot_close>), METH_FASTCALL, "table, gens, used, slot: the slot's export ended"},
+    {"slot_done", as_method(guarded<slot_done>), METH_FASTCALL,
      "table, gens, used, seen, max_tp -> (ring count, [(slot, [(loader rank, tp), ...]), ...])"},
-    {"binding", as_method(binding), METH_FASTCALL,
+    {"binding", as_method(guarded<binding>), METH_FASTCALL,
      "token, digest, request_id -> the two 63-bit words of their BLAKE2b-128 (a lease slot's binding)"},
-    {"content_digest", as_method(content_digest), METH_FASTCALL,
+    {"content_digest", as_method(guarded<content_digest>), METH_FASTCALL,
      "num_tokens, ids, groups -> BLAKE2b-128 of them (kvxfer.auth.content_digest)"},
-    {"token", as_method(token), METH_FASTCALL,
+    {"token", as_method(guarded<token>), METH_FASTCALL,
      "key, request_id, nonce, digest -> the 48-character token (kvxfer.auth.request_token)"},
-    {"export_token", as_method(export_token), METH_FASTCALL,
+    {"export_token", as_method(guarded<export_token>), METH_FASTCALL,
      "key, request_id, nonce, num_tokens, ids, groups -> (token, digest) of an export (kvxfer.auth)"},
-    {"params_fields", as_method(params_fields), METH_FASTCALL,
+    {"params_fields", as_method(guarded<params_fields>), METH_FASTCALL,
      "d, limits -> (fields, ids, digest) of a plainly good params dict (kvxfer.params), else None"},
     {"slot_layout", slot_layout, METH_NOARGS, "the lease-slot table layout these functions assume"},
     {"abi_version", abi_version, METH_NOARGS, "the source's ABI version"},

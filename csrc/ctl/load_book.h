@@ -168,12 +168,13 @@ inline PyObject *book_finish_many(PyObject *self, PyObject *const *args, Py_ssiz
   if (n != 1 && n != 2) return PyErr_Format(PyExc_TypeError, "LoadBook.finish_many takes 1 or 2 arguments, got %zd", n);
   const double end = n == 2 ? PyFloat_AsDouble(args[1]) : 0.0;
   if (end == -1.0 && PyErr_Occurred()) return nullptr;
-  PyObject *seq = PySequence_Fast(args[0], "LoadBook.finish_many: request_ids must be a sequence");
+  // a tuple of its own: the lookups run each id's __hash__ / __eq__, which may change the caller's list
+  PyObject *seq = PySequence_Tuple(args[0]);
   if (seq == nullptr) return nullptr;
   PyObject *out = PyList_New(0);
-  for (Py_ssize_t i = 0, k = PySequence_Fast_GET_SIZE(seq); out != nullptr && i < k; ++i) {
+  for (Py_ssize_t i = 0, k = PyTuple_GET_SIZE(seq); out != nullptr && i < k; ++i) {
     double lat = 0;
-    const int got = finish_rid(b, PySequence_Fast_GET_ITEM(seq, i), end, lat);
+    const int got = finish_rid(b, PyTuple_GET_ITEM(seq, i), end, lat);
     PyObject *f = got > 0 ? PyFloat_FromDouble(lat) : nullptr;
     if (got < 0 || (got > 0 && (f == nullptr || PyList_Append(out, f) != 0))) Py_CLEAR(out);
     Py_XDECREF(f);

@@ -105,25 +105,31 @@ inline PyObject *book_begin(PyObject *self, PyObject *const *args, Py_ssize_t n)
     if (PyErr_Occurred()) return nullptr;
     Py_RETURN_NONE;
   }
+  // the local ids first: their conversion may run an item's __index__ (Python code, which could
+  // begin a load itself); what is pending or active is looked at after it
+  const Py_ssize_t need = static_cast<Py_ssize_t>((p.num_v + l.local_block_size - 1) / l.local_block_size);
+  PyObject *dst_raw = checked_ids(block_ids, need, l.local_num_blocks, true);
+  if (dst_raw == nullptr) {  // the Python path raises the same error, naming the problem
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
   const int loading = PyDict_Contains(b->pending, rid);
   if (loading) {
+    Py_DECREF(dst_raw);
     if (loading < 0) return nullptr;
     Py_RETURN_NONE;  // the Python path raises, naming it
   }
   PyObject *key = PyTuple_Pack(2, p.eid, p.rid);
-  if (key == nullptr) return nullptr;
+  if (key == nullptr) {
+    Py_DECREF(dst_raw);
+    return nullptr;
+  }
   const int twice = PySet_Contains(b->active, key), queued_too = twice ? 0 : PySet_Contains(queued, key);
   if (twice || queued_too) {
     Py_DECREF(key);
+    Py_DECREF(dst_raw);
     if (twice < 0 || queued_too < 0) return nullptr;
     Py_RETURN_NONE;  // the Python path refuses it as loaded twice in one batch
-  }
-  const Py_ssize_t need = static_cast<Py_ssize_t>((p.num_v + l.local_block_size - 1) / l.local_block_size);
-  PyObject *dst_raw = checked_ids(block_ids, need, l.local_num_blocks, true);
-  if (dst_raw == nullptr) {  // the Python path raises the same error, naming the problem
-    Py_DECREF(key);
-    PyErr_Clear();
-    Py_RETURN_NONE;
   }
   PyObject *src = PyObject_CallFunctionObjArgs(b->frombuffer, p.raw, b->dtype, nullptr);
   PyObject *dst = src ? PyObject_CallFunctionObjArgs(b->frombuffer, dst_raw, b->dtype, nullptr) : nullptr;
@@ -229,11 +235,12 @@ inline PyObject *book_launched(PyObject *self, PyObject *const *args, Py_ssize_t
     if (!PyUnicode_Check(rid)) {
       return PyErr_Format(PyExc_TypeError, "LoadBook: request_id must be a str, got %s", Py_TYPE(rid)->tp_name);
     }
+    // a flight is taken once per call (a request id listed twice needs two flights of it)
+    auto free_for = [&](Py_ssize_t x) { return waits_for(fl[x], rid) && std::find(at.begin(), at.end(), x) == at.end(); };
     Py_ssize_t i = below - 1;
-    while (i >= 0 && !waits_for(fl[i], rid)) --i;
+    while (i >= 0 && !free_for(i)) --i;
     if (i < 0) {  // begun out of order: any flight of it not launched and not taken by this call
-      for (i = static_cast<Py_ssize_t>(fl.size()) - 1; i >= 0; --i) {
-        if (waits_for(fl[i], rid) && std::find(at.begin(), at.end(), i) == at.end()) break;
+      for (i = static_cast<Py_ssize_t>(fl.size()) - 1; i >= 0 && !free_for(i); --i) {
       }
     }
     if (PyErr_Occurred()) return nullptr;  // a str subclass's comparison failed
@@ -378,6 +385,20 @@ inline PyObject *book_complete(PyObject *self, PyObject *const *args, Py_ssize_t
   fl.insert(fl.begin(), still.begin(), still.end());
   Py_XDECREF(now_o);
   if (!ok) {
+    // The flights taken so far are released; those whose report is the caller's (results:
+    // released or stopped) would stay pending, never reported: they fail here, then the error
+    // goes on.
+    if (results != nullptr && PyList_GET_SIZE(results) > 0) {
+      PyObject *et, *ev, *tb;
+      PyErr_Fetch(&et, &ev, &tb);
+      PyObject *why = PyUnicode_FromString("one-sided load: its report was lost to an error in the same poll()");
+      for (Py_ssize_t r = 0; why != nullptr && r < PyList_GET_SIZE(results); ++r) {
+        if (fail_rid(b, PyTuple_GET_ITEM(PyList_GET_ITEM(results, r), 4), why) < 0) PyErr_Clear();
+      }
+      if (why == nullptr) PyErr_Clear();
+      Py_XDECREF(why);
+      PyErr_Restore(et, ev, tb);
+    }
     Py_XDECREF(results);
     Py_XDECREF(events);
     Py_XDECREF(late);

@@ -139,6 +139,8 @@ inline PyObject *onesided_land(PyObject *, PyObject *const *args, Py_ssize_t n) 
   if (!PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) != count || !PyTuple_Check(marks)) {
     return PyErr_Format(PyExc_TypeError, "onesided_land: reads must be a tuple of one read per source, marks a tuple");
   }
+  // each read's slot and generation converted once: the values checked are the values used
+  std::vector<int64_t> rslot(static_cast<size_t>(count)), rgen(static_cast<size_t>(count));
   for (Py_ssize_t s = 0; s < count; ++s) {
     PyObject *r = PyTuple_GET_ITEM(reads, s);
     if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 3) {
@@ -148,6 +150,8 @@ inline PyObject *onesided_land(PyObject *, PyObject *const *args, Py_ssize_t n) 
     const int64_t slot = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 0)), gen = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 1));
     if (PyErr_Occurred()) return nullptr;
     if (slot < 0 || slot >= num) return PyErr_Format(PyExc_IndexError, "onesided_land: slot %lld of %zd", (long long)slot, num);
+    rslot[static_cast<size_t>(s)] = slot;
+    rgen[static_cast<size_t>(s)] = gen;
     Buf snap;
     if (!get(PyTuple_GET_ITEM(r, 2), snap, 0, false, "snapshot") || !ids_in_range(ids, ep[s].count(), "onesided_land")) {
       return nullptr;
@@ -178,10 +182,9 @@ inline PyObject *onesided_land(PyObject *, PyObject *const *args, Py_ssize_t n) 
     const Py_ssize_t num = table_slots(mt[m]);
     int64_t *t = static_cast<int64_t *>(mt[m].view.buf);
     int64_t slot = -1, gen = 0;
-    if (msrc[m] >= 0) {
-      PyObject *r = PyTuple_GET_ITEM(reads, msrc[m]);
-      slot = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 0));  // checked above: in range of its source
-      gen = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 1));
+    if (msrc[m] >= 0) {  // checked above: in range of its source's table
+      slot = rslot[static_cast<size_t>(msrc[m])];
+      gen = rgen[static_cast<size_t>(msrc[m])];
     } else {
       bool bad = false;
       slot = b0 < 0 ? -1 : find_slot(t, num, b0, b1, gen, bad);

@@ -239,9 +239,16 @@ class OneSided:
         cap = CPU_COPY_MAX_BYTES // self._cpu_bpt if self._cpu_bpt else -1
         now_ns = time.monotonic_ns()
         deadline = now_ns * 1e-9 + timeout_s
-        got = lane.book.begin(
-            request_id, params, block_ids, self._queued_keys, now_ns, now_ns + lane.need_ns, now(), deadline, cap
-        )  # fmt: skip
+        try:
+            got = lane.book.begin(
+                request_id, params, block_ids, self._queued_keys, now_ns, now_ns + lane.need_ns, now(), deadline, cap
+            )  # fmt: skip
+        except Exception as e:  # begin wrote nothing: the Python path takes the load, naming what is wrong
+            _LOG.warning(
+                "kvxfer one-sided reads: the native lookup of %r failed (%s: %s); the Python path takes it",
+                request_id, type(e).__name__, e,
+            )  # fmt: skip
+            return False
         if got is None:
             return False
         src, dst, num_tokens, lane_tuple = got
