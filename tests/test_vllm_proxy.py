@@ -136,6 +136,10 @@ def test_proxy_refuses_what_d_would_refuse_before_prefilling(servers, caplog):
     assert seen_p == [] and seen_d == [] and "refused a request before prefilling" in caplog.text
     status, _ = _post(port, "/v1/completions", {"prompt": "hi", "n": 2, "temperature": 0.7})
     assert status == 200 and len(seen_p) == 1  # sampling: P prefills it once
+    # a client's kv_transfer_params that are not an object: a 400 naming it (it dropped the connection)
+    status, data = _post(port, "/v1/completions", {"prompt": "hi", "kv_transfer_params": [1]})
+    assert status == 400 and b"kv_transfer_params must be a JSON object, got list" in data
+    assert len(seen_p) == 1
 
 
 def _serve_all(*servers):

@@ -47,9 +47,12 @@ _ERROR_BODY_MAX = 1 << 20
 
 def refusal(body: dict) -> str:
     """Why D would refuse ``body`` before running it (so P must not prefill it), or ``""``:
-    ``n > 1`` with greedy sampling, which vLLM rejects ("n must be 1 when using greedy
+    ``kv_transfer_params`` that are not an object, ``n > 1`` with greedy sampling, which vLLM rejects ("n must be 1 when using greedy
     sampling"). Only what the request says is checked (a model whose generation config makes
     greedy the default is not known here)."""
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        return f"kv_transfer_params must be a JSON object, got {type(kv).__name__}"
     n, t = body.get("n", 1), body.get("temperature")
     greedy = isinstance(t, (int, float)) and not isinstance(t, bool) and t < _GREEDY_EPS
     if isinstance(n, int) and not isinstance(n, bool) and n > 1 and greedy:
