@@ -77,6 +77,9 @@ def launch(how: Launch, x, y, budget: int | None, dma: bool | None) -> None:
     :func:`kvxfer.backends.dma.choose` picks them (``dma``: the call's; ``budget``: the call's SM
     budget, already on its sides). A refused driver call falls back to the kernel."""
     if not how.engines:
+        if dma:  # as dma.choose says it where the engines exist but cannot serve the call
+            _, why = _batch_copy.copier(how.device)
+            raise ValueError(f"dma=True: no batched copy for caches on {how.device}: {why}")
         _registry.run(how.backend, how.device, how.op, x, y)
         return
     op, device = how.op, how.device

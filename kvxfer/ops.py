@@ -137,7 +137,7 @@ def gather_blocks(
             spec.wire_shape(num_tokens, side.num_heads, side.num_layers), dtype=side.dtype, device=device
         )
     else:
-        check_wire(out, side, spec, "out")
+        check_wire(out, side, spec, "out", caches)
     if num_tokens:
         wire = out.view(side.wire_view_shape())
         got = wire_cap(cap(max_sms, side, None, caches), side, wire)
@@ -178,7 +178,7 @@ def scatter_blocks(
     side, info = side_and_info(
         caches, spec, block_ids, num_tokens, head_start, num_heads, layers, unique_blocks=True
     )
-    check_wire(wire, side, spec, "wire")
+    check_wire(wire, side, spec, "wire", caches)
     if num_tokens:
         w = wire.view(side.wire_view_shape())
         got = wire_cap(cap(max_sms, None, side, caches), side, w)
@@ -226,6 +226,8 @@ def copy_blocks(
         )
         return
     same = src_spec is dst_spec
+    if not isinstance(src_spec, KVCacheSpec):
+        raise ValueError(f"src_spec: expected a KVCacheSpec, got {type(src_spec).__name__}")
     mismatch = src_spec.model_mismatch(dst_spec) if not same and isinstance(dst_spec, KVCacheSpec) else None
     if mismatch:
         raise ValueError(f"incompatible caches: {mismatch}")

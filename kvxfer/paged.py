@@ -10,6 +10,7 @@ raises ``ValueError`` naming it. :mod:`kvxfer.ops` re-exports the public names.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,9 +44,8 @@ class CheckedIds:
     """Block ids their producer has already validated, passed where the ops take ``block_ids``.
 
     ``ids``: C-contiguous int64 numpy array, every id in ``[0, bound)``, and without repeats when
-    ``unique``. An op trusts that and skips its own checks (a sort and a min/max per call)
-    when ``bound`` is
-    within the cache's block count and ``unique`` covers what the op needs (a destination);
+    ``unique``. An op trusts that and skips its own checks (a sort and a min/max per call) when
+    ``bound`` is within the cache's block count and ``unique`` covers what the op needs (a destination);
     otherwise it checks the ids as it would any other. The engine makes them from ids it
     checked at ``load()`` / on the grant; a caller that wraps ids it did not check gets
     undefined behaviour, as with any unchecked index.
@@ -138,14 +138,58 @@ def check_layers_alike(caches, name: str) -> None:
             raise ValueError(f"{name}[{i}]: device {c.device} differs from layer 0's {first.device}")
 
 
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (a zero or too small stride: an
+    ``expand``-ed or ``as_strided`` view). Strides taken smallest first, each must step past
+    everything the smaller ones reach; a non-overlapping layout that interleaves its dims
+    otherwise is refused too (as torch's own overlap test calls it too hard)."""
+    reach = 0
+    for st, sz in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if st <= reach:
+            return True
+        reach += st * (sz - 1)
+    return False
+
+
+def extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to past its last (non-negative strides)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((sz - 1) * st for st, sz in zip(t.stride(), t.shape)) + 1) * t.element_size()
+
+
+def overlaps_caches(t: torch.Tensor, caches: Sequence[torch.Tensor]) -> bool:
+    """Whether ``t``'s memory meets a layer of ``caches`` (on one device; the layers alike)."""
+    if t.device != caches[0].device or t.numel() == 0:
+        return False
+    t0 = t.data_ptr()
+    t1 = t0 + extent_bytes(t)
+    memo = caches.__dict__ if type(caches) is PagedCache else None
+    layers = memo.get("_layer_spans") if memo is not None else None
+    if layers is None:  # (first, past the last) byte of each layer, and of them all
+        ext = extent_bytes(caches[0])
+        spans = [(p, p + ext) for p in (c.data_ptr() for c in caches)]
+        layers = (min(a for a, _ in spans), max(b for _, b in spans), spans)
+        if memo is not None:
+            memo["_layer_spans"] = layers
+    lo, hi, spans = layers
+    return lo < t1 and t0 < hi and any(a < t1 and t0 < b for a, b in spans)
+
+
+def _index(x) -> int:
+    if isinstance(x, bool):
+        raise TypeError("a bool is not a layer index")
+    return operator.index(x)
+
+
 def layer_list(layers, num_layers: int) -> list[int]:
     """``layers`` (None: all) as a checked list of distinct indices in ``[0, num_layers)``."""
     if layers is None:
         return list(range(num_layers))
-    try:
-        out = [int(x) for x in layers]
-    except (TypeError, ValueError):
-        raise ValueError(f"layers: must be a sequence of layer indices, got {layers!r}") from None
+    try:  # ints (numpy's too): a float is not truncated to a layer, a bool is not one
+        out = [_index(x) for x in layers]
+    except TypeError:
+        raise ValueError(f"layers: must be a sequence of int layer indices, got {layers!r}") from None
     if not out:
         raise ValueError("layers: must not be empty")
     for x in out:
@@ -282,6 +326,11 @@ def check_caches(caches: Sequence[torch.Tensor], spec: KVCacheSpec, name: str) -
         raise ValueError(f"{name}[0]: head_dim {d} does not match spec head_dim {spec.head_dim}")
     if first.stride(-1) != 1:
         raise ValueError(f"{name}[0]: head_dim must be contiguous (stride 1), got {first.stride()}")
+    if self_overlapping(first):
+        raise ValueError(
+            f"{name}[0]: shape/strides {tuple(first.shape)}/{first.stride()} make elements share "
+            "memory (an expanded or as_strided view): a write to one would change another"
+        )
     check_layers_alike(caches, name)
     stride = first.stride()
     if spec.use_mla:
@@ -291,6 +340,8 @@ def check_caches(caches: Sequence[torch.Tensor], spec: KVCacheSpec, name: str) -
     else:
         strides = (stride[0], stride[1], stride[3], stride[2])
     device = first.device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}[0]: on {device}; the ops move bytes of CPU and CUDA tensors")
     cuda = device.type == "cuda"
     engines = cuda or _batch_copy.serves_cpu()
     return _CacheInfo(num_blocks, heads_local, layout, strides, device, first.dtype, cuda, engines)
@@ -390,7 +441,12 @@ def _memo_of(caches: PagedCache, key: tuple) -> dict:
     return got
 
 
-def check_wire(wire: torch.Tensor, side: PagedSide, spec: KVCacheSpec, name: str) -> None:
+def check_wire(
+    wire: torch.Tensor, side: PagedSide, spec: KVCacheSpec, name: str, caches: Sequence[torch.Tensor] = ()
+) -> None:
+    """``wire`` as a call on ``side`` needs it; it shares no memory with ``caches`` (every layer of
+    the side's caches: a gather writing it would change the cache, a scatter reading it as it
+    writes would read bytes it wrote)."""
     if not isinstance(wire, torch.Tensor):
         raise ValueError(f"{name}: must be a tensor, got {type(wire).__name__}")
     want = spec.wire_shape(side.num_tokens, side.num_heads, side.num_layers)
@@ -400,6 +456,8 @@ def check_wire(wire: torch.Tensor, side: PagedSide, spec: KVCacheSpec, name: str
         raise ValueError(f"{name}: dtype {wire.dtype} does not match cache dtype {side.dtype}")
     if not wire.is_contiguous():
         raise ValueError(f"{name}: wire tensor must be contiguous")
+    if overlaps_caches(wire, caches or side.caches):
+        raise ValueError(f"{name}: shares memory with the caches (a wire must be a buffer of its own)")
     if wire.device != side.device:
         pinned_host = side.device.type == "cuda" and wire.device.type == "cpu" and wire.is_pinned()
         if not pinned_host:

@@ -43,7 +43,7 @@ class PreparedCopy:
     Raises ``ValueError`` as :func:`copy_blocks` would for these arguments.
     """
 
-    __slots__ = ("_budget", "_dst", "_how", "_src", "dst_caches")
+    __slots__ = ("_budget", "_dst", "_how", "_src", "_within", "dst_caches")
 
     def __init__(
         self,
@@ -69,6 +69,11 @@ class PreparedCopy:
         if dst_device != device:
             raise ValueError(f"dst_caches: on {dst_device}, src_caches on {device}; copy needs one device")
         self._src, self._dst, self.dst_caches = st, dt, dst_caches
+        # a copy within one cache whose head slices meet: a batch reading a block it writes would
+        # read it before or after the write by how its requests are packed (refused by batch())
+        self._within = src_caches is dst_caches and (
+            src_head_start < dst_head_start + dt.num_heads and dst_head_start < src_head_start + st.num_heads
+        )
         self._how = Launch("copy", backend, device, src_caches.info.engines, src_caches, dst_caches)
         self._budget = registered_budget(src_caches, dst_caches)
 
@@ -147,8 +152,9 @@ class PreparedCopy:
         requests would race for it). Requests run in order, packed into as few kernel calls as
         exactness allows: a request joins the call before it when that call's tokens so far
         fill whole blocks of both sides (a multiple of ``lcm`` of the block sizes), so a batch
-        whose requests all fill whole blocks, but for the last, is one call. ``max_sms`` and
-        ``dma`` as for :func:`copy_blocks`.
+        whose requests all fill whole blocks, but for the last, is one call. A batch within one
+        cache (the same registered caches on both sides, head slices meeting) may not read a block
+        it writes (``ValueError``). ``max_sms`` and ``dma`` as for :func:`copy_blocks`.
         """
         check_args(max_sms, dma)
         st, dt = self._src, self._dst
@@ -167,6 +173,8 @@ class PreparedCopy:
             dup = srt[1:] == srt[:-1]
             if dup.any():
                 raise ValueError(f"dst_block_ids: repeated block id {int(srt[1:][dup][0])} in a destination")
+        if self._within:
+            _read_and_written(s, d)
         budget = max_sms if max_sms is not None else self._budget
         how = self._how
         align = math.lcm(st.block_size, dt.block_size)
@@ -191,6 +199,16 @@ class PreparedCopy:
                 calls += 1
             start = end
         return calls
+
+
+def _read_and_written(src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+    """Refuse a batch within one cache that reads a block it writes."""
+    both = np.intersect1d(src_ids, dst_ids)
+    if both.size:
+        raise ValueError(
+            f"block {int(both[0])}: read and written by one batch within one cache (whether it is "
+            "read before or after the write would depend on how the batch is packed into calls)"
+        )
 
 
 def prepared_copy(

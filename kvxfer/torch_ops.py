@@ -41,6 +41,7 @@ import functools
 import json
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import ops
@@ -67,9 +68,18 @@ def _spec(s: str) -> KVCacheSpec:
 
 
 def _ids(block_ids) -> torch.Tensor:
+    """Block ids as the int64 tensor the ops take: a tensor as it is (the op checks its dtype),
+    else ints only (a float is refused, not truncated to a block id)."""
     if isinstance(block_ids, torch.Tensor):
         return block_ids
-    return torch.as_tensor(list(block_ids), dtype=torch.int64)
+    if isinstance(block_ids, ops.CheckedIds):
+        return torch.from_numpy(np.ascontiguousarray(block_ids.ids, dtype=np.int64))
+    arr = np.asarray(block_ids if isinstance(block_ids, np.ndarray) else list(block_ids))
+    if arr.size == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if arr.dtype.kind not in "iu":  # float, bool, object: not block ids
+        raise ValueError(f"block_ids: must hold integers, got {arr.dtype} values")
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
 
 
 def _local_heads(cache: torch.Tensor, spec: KVCacheSpec) -> int:
