@@ -34,6 +34,8 @@ _LOG = logging.getLogger(__name__)
 # default when it fires) is this many times the engine's bound: every send/recv is waited with
 # the engine's timeout_s first, and a pair whose op failed or timed out is aborted explicitly
 # (discard_pair), so the watchdog never sees a timed-out op of ours.
+# the exporter's words for a send request naming a pair it does not hold: the loader pairs anew
+UNKNOWN_PAIR = "unknown pair group"
 PAIR_TIMEOUT_FACTOR = 10
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -65,15 +66,17 @@ def _held_on_error(pool: StagingPool, slots: list[torch.Tensor], cache_device: t
 
 
 class _Timed:
-    """A ProcessGroup work object whose ``wait()`` is bounded by the pair's timeout."""
+    """A ProcessGroup work object whose ``wait()`` ends by ``end`` (``time.monotonic()``): the
+    stream's one bound, not a fresh timeout per chunk (a peer sending each chunk just within it
+    would hold the stream, and the loader's worker, for many times the load's deadline)."""
 
-    __slots__ = ("_td", "_work")
+    __slots__ = ("_end", "_work")
 
-    def __init__(self, work, timeout_s: float) -> None:
-        self._work, self._td = work, timedelta(seconds=timeout_s)
+    def __init__(self, work, end: float) -> None:
+        self._work, self._end = work, end
 
     def wait(self):
-        return self._work.wait(self._td)
+        return self._work.wait(timedelta(seconds=max(0.001, self._end - time.monotonic())))
 
 
 class StagedPipeline:
@@ -198,6 +201,7 @@ class StagedPipeline:
         fences = self._fences(pool, cache_device, timeout_s)
         tag = stream.tag
         sent = 0
+        end = time.monotonic() + timeout_s  # the stream's one bound (_Timed)
 
         def do_gather(c: Chunk, buf: torch.Tensor) -> None:
             with trace("gather", tag):
@@ -207,14 +211,14 @@ class StagedPipeline:
             nonlocal sent
             sent += buf.numel() * buf.element_size()
             with trace("send", tag):
-                return _Timed(pg.send([buf.reshape(-1).view(torch.uint8)], peer, c.index), timeout_s)
+                return _Timed(pg.send([buf.reshape(-1).view(torch.uint8)], peer, c.index), end)
 
         with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
             n = pipelined_send(chunks, slots, view, do_gather, do_send, fences)
         if status is not None:
             with trace("status", tag):
                 flags = torch.frombuffer(bytearray(status()), dtype=torch.uint8).to(pool.device)
-                _Timed(pg.send([flags], peer, n), timeout_s).wait()
+                _Timed(pg.send([flags], peer, n), end).wait()
         self.num_streams += 1
         self.num_chunks_sent += n
         return sent
@@ -240,10 +244,11 @@ class StagedPipeline:
         pool = self._pool("recv", backend, cache_device)
         fences = self._fences(pool, cache_device, timeout_s)
         tag = stream.tag
+        end = time.monotonic() + timeout_s  # the stream's one bound (_Timed)
 
         def do_recv(c: Chunk, buf: torch.Tensor):
             with trace("recv", tag):
-                return _Timed(pg.recv([buf.reshape(-1).view(torch.uint8)], peer, c.index), timeout_s)
+                return _Timed(pg.recv([buf.reshape(-1).view(torch.uint8)], peer, c.index), end)
 
         def do_scatter(c: Chunk, buf: torch.Tensor) -> None:
             with trace("scatter", tag):
@@ -255,7 +260,7 @@ class StagedPipeline:
         if num_requests:
             got = torch.empty(num_requests, dtype=torch.uint8, device=pool.device)
             with trace("status", tag):
-                _Timed(pg.recv([got], peer, n), timeout_s).wait()
+                _Timed(pg.recv([got], peer, n), end).wait()
             flags = got.cpu().numpy().tobytes()
         self.num_streams += 1
         self.num_chunks_recv += n

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from ..base import StreamJob
 from ..streams import stream_gathers
+from .groups import UNKNOWN_PAIR
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...rank import Rank, Runtime
@@ -113,7 +114,7 @@ class PairSenders:
         with self._lock:
             pair = self._pairs.get(key)
             if pair is None:
-                return f"unknown pair group {key}"
+                return f"{UNKNOWN_PAIR} {key}"
             pair.busy = True
             pair.jobs.put(msg)
         return ""

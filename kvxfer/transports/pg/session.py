@@ -6,6 +6,7 @@ as it lands, then the stream's status (which loads landed: the transfer's record
 from __future__ import annotations
 
 import secrets
+import time
 from typing import TYPE_CHECKING
 
 from ... import control
@@ -14,6 +15,7 @@ from ...transfer import Done, Outcome, Route, Transfer
 from ..base import LoaderLink
 from ..streams import StreamRefused, ask_stream, stream_scatters, take_status
 from . import groups
+from .groups import UNKNOWN_PAIR
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...peer import Peer
@@ -45,25 +47,29 @@ class PgSession:
         stream has ended when this returns (its scatters may still run on the load stream: the
         completion waits for them)."""
         s, loads = transfer.source, transfer.loads
-        try:
-            pair = self._pair(s, loads[0], transfer.deadline)
-        except Exception as e:
-            why = f"pg pair with rank {s}: {describe_error(e)}"
-            return Done(Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0))
         rank, rt, peer = self.rank, self.rt, self.peer
         into = transfer.landing or rank  # where the chunks are scattered
-        group, key = pair
         (r,) = transfer.reads
         bp, layers, deadline = transfer.plan, transfer.layers, transfer.deadline
         bpt = into.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
         chunk_tokens = rank.pipeline.chunk_tokens_for(peer.replies[s].pg, bpt, bp.src_unit, bp.dst_unit)
-        try:
-            refused = ask_stream(
-                self.link, rank, "pg", peer, s, key, r, loads, bp, chunk_tokens, deadline, layers
-            )
-        except StreamRefused as e:
-            self.drop(s, str(e))
-            raise
+        for again in (True, False):
+            try:
+                group, key = self._pair(s, loads[0], deadline)
+            except Exception as e:
+                why = f"pg pair with rank {s}: {describe_error(e)}"
+                return Done(Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0))
+            try:
+                refused = ask_stream(
+                    self.link, rank, "pg", peer, s, key, r, loads, bp, chunk_tokens, deadline, layers
+                )
+                break
+            except StreamRefused as e:
+                self.drop(s, str(e))
+                # the exporter no longer knows the pair (evicted at its cap, or restarted):
+                # paired anew once, within the deadline, the load goes on
+                if not (again and UNKNOWN_PAIR in str(e) and deadline > time.monotonic()):
+                    raise
         if refused:
             return Done(Outcome(set(), {}, refused, None, 0))
         try:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ... import control
 from ..base import LoaderLink, StreamJob
 from . import groups
+from .groups import UNKNOWN_PAIR
 from .send import PairSenders, stream_send
 from .session import PgSession
 
@@ -89,7 +90,7 @@ class PgTransport:
     def serve_stream(self, job: StreamJob) -> control.SendReply:
         key = job.msg.key
         if self.senders.backend(key) is None:
-            why = f"unknown pair group {key} (never paired here, evicted, or this rank restarted)"
+            why = f"{UNKNOWN_PAIR} {key} (never paired here, evicted, or this rank restarted)"
             return control.SendReply(ok=False, failed={"*": why})
         why = self.senders.submit(key, job)  # run by the pair's own thread
         return control.SendReply(ok=not why, failed={"*": why} if why else {})

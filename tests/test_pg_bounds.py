@@ -1,0 +1,92 @@
+"""A ``pg`` stream ends by its load's deadline however its chunks trickle in: each wait gets
+what is left of the stream's one bound, not a fresh timeout per chunk (an exporter sending each
+chunk just within it held the load, and the loader's worker with every load queued behind it,
+for many times its deadline)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from kvxfer import KVCacheSpec, TransferEngine
+from kvxfer.transports import streams
+from kvxfer.transports.pg.pipeline import StagedPipeline
+
+from .engine_payload import fill
+
+SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)
+
+
+def _caches(n: int = 32) -> list[torch.Tensor]:
+    return [torch.zeros(SPEC.cache_shape(n, 1), dtype=SPEC.dtype) for _ in range(2)]
+
+
+def _outcome(eng, want: set, timeout_s: float = 20.0) -> dict[str, str]:
+    got: dict[str, str] = {}
+    end = time.monotonic() + timeout_s
+    while set(got) != want and time.monotonic() < end:
+        r = eng.poll()
+        got.update(dict.fromkeys(r.finished_recving, "done"))
+        got.update({rid: "failed: " + r.errors.get(rid, "") for rid in r.failed})
+        time.sleep(0.005)
+    return got
+
+
+def test_a_trickling_stream_fails_by_the_load_deadline(monkeypatch):
+    pc, dc, qc = _caches(), _caches(), _caches()
+    p = TransferEngine(
+        SPEC, pc, 0, 1, "P", transport="pg", timeout_s=30.0, pipeline=StagedPipeline(max_chunk_tokens=8)
+    )
+    d = TransferEngine(
+        SPEC, dc, 0, 1, "D", transport="pg", timeout_s=1.0, pipeline=StagedPipeline(max_chunk_tokens=8)
+    )
+    q = TransferEngine(SPEC, qc, 0, 1, "Q", transport="pg")
+    real = streams.ops.gather_blocks
+
+    def slow_gather(*a, **k):  # P's sender: each chunk 0.6 s after the last, under D's 1 s
+        if threading.current_thread().name.startswith("kvxfer-P-0"):
+            time.sleep(0.6)
+        return real(*a, **k)
+
+    monkeypatch.setattr(streams.ops, "gather_blocks", slow_gather)
+    try:
+        for e in (p, d, q):
+            e.start()
+        fill(pc, SPEC, 0, 1, [1, 2, 3, 4, 5, 6], 48, seed=1)
+        t0 = time.monotonic()
+        d.load("x", p.export("x", [1, 2, 3, 4, 5, 6], 48), [7, 8, 9, 10, 11, 12])  # 6 chunks: 3.6 s
+        d.poll()
+        time.sleep(0.5)
+        fill(qc, SPEC, 0, 1, [1], 8, seed=3)
+        # an honest exporter's load queued behind it, due at 1.5 s: it lands once x has ended
+        d.load("y", q.export("y", [1], 8), [20])
+        got = _outcome(d, {"x", "y"})
+        x_at = time.monotonic() - t0
+        assert got["x"].startswith("failed:"), got  # not landed at 3.6 s, past its deadline
+        assert got["y"] == "done", got
+        assert x_at < 3.0, x_at  # ended by the deadline (1 s) and its drain, not the stream's end
+    finally:
+        for e in (d, p, q):
+            e.close()
+
+
+def test_a_pair_the_exporter_evicted_is_paired_anew_within_the_load():
+    """At its pair cap (one pair here) the exporter evicts the idle pair of one loader to pair
+    another; that loader's next load pairs again instead of failing on the unknown pair."""
+    pc = _caches()
+    p = TransferEngine(SPEC, pc, 0, 1, "P", transport="pg").start()
+    p._transports["pg"].senders.max_pairs = 1
+    d1 = TransferEngine(SPEC, _caches(), 0, 1, "D1", transport="pg", timeout_s=5.0).start()
+    d2 = TransferEngine(SPEC, _caches(), 0, 1, "D2", transport="pg", timeout_s=5.0).start()
+    try:
+        fill(pc, SPEC, 0, 1, [1, 2], 16, seed=1)
+        for i in range(2):
+            for d in (d1, d2):
+                rid = f"{d.engine_id}-{i}"
+                d.load(rid, p.export(rid, [1, 2], 16), [3, 4])
+                assert _outcome(d, {rid}) == {rid: "done"}
+    finally:
+        for e in (d1, d2, p):
+            e.close()
