@@ -224,21 +224,35 @@ class NixlTransport:
             return control.SendReply(
                 ok=False, failed={"*": f"unknown nixl stream {job.msg.key} (the loader never paired)"}
             )
-        self._jobs.put(job)
+        self._jobs.put((job, time.monotonic()))
         return control.SendReply(ok=True, failed={})
 
     def _send_loop(self) -> None:
-        """The sender thread: staged streams, one after another."""
+        """The sender thread: staged streams, one after another. A stream that waited past its
+        loader's timeout (from the send request's arrival) is dropped: that loader gave it up
+        (its abort may have come before the stream's mailbox opened), and running it would
+        hold the thread and the staging buffers from the streams behind it."""
+        rank = self.rank
         while not self.rt.stop.is_set():
             try:
-                job = self._jobs.get(timeout=0.1)
+                item = self._jobs.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if job is None:
+            if item is None:
                 return
-            self._stream_send(job)
+            job, queued_at = item
+            peer = job.msg.key.rpartition("#")[0]
+            left = queued_at + self.peers.get(peer, rank.timeout_s) - time.monotonic()
+            if left <= 0:
+                _LOG.warning(
+                    "kvxfer exporter %s rank %d: nixl stream %s to %s dropped: it waited past the "
+                    "loader's timeout behind other streams",
+                    rank.engine_id, rank.tp_rank, job.msg.key, peer,
+                )  # fmt: skip
+                continue
+            self._stream_send(job, min(rank.timeout_s, left))
 
-    def _stream_send(self, job: StreamJob) -> None:
+    def _stream_send(self, job: StreamJob, timeout_s: float) -> None:
         """Gather a stream's chunks (under the tracker lock: a request released mid-stream is
         marked not landed in the stream's status) and let the loader READ them; logs its own
         failures."""
@@ -259,7 +273,7 @@ class NixlTransport:
                     self.send_staging,
                     stream,
                     gather,
-                    rank.timeout_s,
+                    timeout_s,
                     self.peers.get(peer, rank.timeout_s),
                     status,
                 )
