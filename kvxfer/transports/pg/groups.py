@@ -34,9 +34,9 @@ _LOG = logging.getLogger(__name__)
 # default when it fires) is this many times the engine's bound: every send/recv is waited with
 # the engine's timeout_s first, and a pair whose op failed or timed out is aborted explicitly
 # (discard_pair), so the watchdog never sees a timed-out op of ours.
+PAIR_TIMEOUT_FACTOR = 10
 # the exporter's words for a send request naming a pair it does not hold: the loader pairs anew
 UNKNOWN_PAIR = "unknown pair group"
-PAIR_TIMEOUT_FACTOR = 10
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -61,8 +61,19 @@ def connect_store(host: str, port: int, timeout_s: float):
     return dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
 
 
-def new_pair(store, key: str, rank: int, host: str, timeout_s: float, backend: str = "gloo"):
-    """Join the 2-rank group ``key`` as ``rank`` (0 exporter, 1 loader); blocks until both join."""
+def new_pair(
+    store,
+    key: str,
+    rank: int,
+    host: str,
+    timeout_s: float,
+    backend: str = "gloo",
+    bound_s: float | None = None,
+):
+    """Join the 2-rank group ``key`` as ``rank`` (0 exporter, 1 loader); blocks until both join
+    (``timeout_s``). ``bound_s``: the engine's bound on each op (default ``timeout_s``), of which
+    an NCCL pair's watchdog gets ``PAIR_TIMEOUT_FACTOR`` times for its whole life (not the time
+    left when it was made: a pair made near a load's deadline would get a short watchdog)."""
     import torch.distributed as dist
 
     prefix = dist.PrefixStore(f"kvxfer/{key}", store)
@@ -73,7 +84,7 @@ def new_pair(store, key: str, rank: int, host: str, timeout_s: float, backend: s
         return dist.ProcessGroupGloo(prefix, rank, 2, opts)
     if backend == "nccl":  # pragma: no cover - GPU only
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _td(timeout_s * PAIR_TIMEOUT_FACTOR)
+        opts._timeout = _td((timeout_s if bound_s is None else bound_s) * PAIR_TIMEOUT_FACTOR)
         return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
     raise ValueError(f"backend: must be 'gloo' or 'nccl', got {backend!r}")
 

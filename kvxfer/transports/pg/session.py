@@ -106,7 +106,10 @@ class PgSession:
             info = peer.replies[s].pg
             left = time_left(deadline)
             store = groups.connect_store(info["host"], info["port"], left)
-            pair = self.pairs[s] = (groups.new_pair(store, key, 1, rank.host, left, backend), key)
+            pair = self.pairs[s] = (
+                groups.new_pair(store, key, 1, rank.host, left, backend, bound_s=rank.timeout_s),
+                key,
+            )
         return pair
 
     def drop(self, s: int, why: str = "an op failed or timed out") -> None:
