@@ -90,3 +90,36 @@ def test_a_pair_the_exporter_evicted_is_paired_anew_within_the_load():
     finally:
         for e in (d1, d2, p):
             e.close()
+
+
+def test_a_slow_loader_within_its_deadline_is_not_cut_by_the_exporters_timeout(monkeypatch):
+    """The exporter bounds each send on its own: a loader scattering slowly (6 chunks, 0.3 s
+    each) within its own 10 s is served by an exporter whose timeout_s is 1 s."""
+    pc, dc = _caches(), _caches()
+    p = TransferEngine(
+        SPEC, pc, 0, 1, "P", transport="pg", timeout_s=1.0, pipeline=StagedPipeline(max_chunk_tokens=8)
+    )
+    d = TransferEngine(
+        SPEC, dc, 0, 1, "D", transport="pg", timeout_s=10.0, pipeline=StagedPipeline(max_chunk_tokens=8)
+    )
+    real = streams.ops.scatter_blocks
+
+    def slow_scatter(*a, **k):
+        time.sleep(0.3)
+        return real(*a, **k)
+
+    monkeypatch.setattr(streams.ops, "scatter_blocks", slow_scatter)
+    try:
+        p.start()
+        d.start()
+        fill(pc, SPEC, 0, 1, [1, 2, 3, 4, 5, 6], 48, seed=1)
+        d.load("x", p.export("x", [1, 2, 3, 4, 5, 6], 48), [7, 8, 9, 10, 11, 12])
+        end = time.monotonic() + 15
+        got: dict[str, str] = {}
+        while not got and time.monotonic() < end:
+            p.poll()
+            got = _outcome(d, {"x"}, 0.05)
+        assert got == {"x": "done"}, got
+    finally:
+        d.close()
+        p.close()

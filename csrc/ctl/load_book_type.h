@@ -77,7 +77,11 @@ inline PyObject *book_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
   }
   LoadBook *b = reinterpret_cast<LoadBook *>(type->tp_alloc(type, 0));
   if (b == nullptr) return nullptr;
-  b->flights = new std::vector<Flight>();
+  b->flights = new (std::nothrow) std::vector<Flight>();
+  if (b->flights == nullptr) {
+    Py_DECREF(b);
+    return PyErr_NoMemory();
+  }
   b->pending = PyDict_New();
   b->done = PySet_New(nullptr);
   b->failed = PyDict_New();

@@ -158,6 +158,8 @@ inline PyObject *book_begin(PyObject *self, PyObject *const *args, Py_ssize_t n)
   PyObject *entry = start_o ? PyTuple_Pack(2, dst, start_o) : nullptr;
   Py_XDECREF(start_o);
   PyObject *out = entry ? PyTuple_Pack(4, src, dst, p.num, lane) : nullptr;
+  // room for the flight before anything is written: push_back below cannot throw then
+  b->flights->reserve(b->flights->size() + 1);
   bool ok = out != nullptr && PyDict_SetItem(b->pending, rid, entry) == 0;
   if (ok && PySet_Add(b->active, key) != 0) {
     PyDict_DelItem(b->pending, rid);
@@ -229,6 +231,7 @@ inline PyObject *book_launched(PyObject *self, PyObject *const *args, Py_ssize_t
   PyObject *rids = args[0];
   const Py_ssize_t k = PyList_GET_SIZE(rids);
   std::vector<Py_ssize_t> at(static_cast<size_t>(k), -1);
+  std::vector<char> taken(fl.size(), 0);  // the flights this call took so far
   Py_ssize_t below = static_cast<Py_ssize_t>(fl.size());
   for (Py_ssize_t j = k - 1; j >= 0; --j) {
     PyObject *rid = PyList_GET_ITEM(rids, j);
@@ -236,7 +239,7 @@ inline PyObject *book_launched(PyObject *self, PyObject *const *args, Py_ssize_t
       return PyErr_Format(PyExc_TypeError, "LoadBook: request_id must be a str, got %s", Py_TYPE(rid)->tp_name);
     }
     // a flight is taken once per call (a request id listed twice needs two flights of it)
-    auto free_for = [&](Py_ssize_t x) { return waits_for(fl[x], rid) && std::find(at.begin(), at.end(), x) == at.end(); };
+    auto free_for = [&](Py_ssize_t x) { return !taken[static_cast<size_t>(x)] && waits_for(fl[x], rid); };
     Py_ssize_t i = below - 1;
     while (i >= 0 && !free_for(i)) --i;
     if (i < 0) {  // begun out of order: any flight of it not launched and not taken by this call
@@ -246,6 +249,7 @@ inline PyObject *book_launched(PyObject *self, PyObject *const *args, Py_ssize_t
     if (PyErr_Occurred()) return nullptr;  // a str subclass's comparison failed
     if (i < 0) return PyErr_Format(PyExc_KeyError, "LoadBook.launched: no flight of %R waits for its launch", rid);
     at[static_cast<size_t>(j)] = i;
+    taken[static_cast<size_t>(i)] = 1;
     below = i;
   }
   for (Py_ssize_t j = 0; j < k; ++j) {
@@ -306,12 +310,14 @@ inline PyObject *book_complete(PyObject *self, PyObject *const *args, Py_ssize_t
   std::vector<Flight> mine, keep;
   for (Flight &f : fl) (f.event != nullptr ? mine : keep).push_back(f);
   if (mine.empty()) Py_RETURN_NONE;
+  std::vector<Flight> still;
+  still.reserve(mine.size());  // before the flights leave the book: their return cannot throw
+  keep.reserve(keep.size() + mine.size());  // the book's vector after the swap: room to return them
   fl.swap(keep);
   PyObject *results = PyList_New(0), *events = PyList_New(0), *late = PyList_New(0), *lats = PyList_New(0);
   PyObject *now_o = PyLong_FromLongLong(now_ns);
   double first = std::numeric_limits<double>::infinity();
   long long nbytes = 0, calls = 0;
-  std::vector<Flight> still;
   std::vector<std::pair<PyObject *, int>> asked;  // (event, done) queried in this call
   size_t i = 0;
   bool ok = results != nullptr && events != nullptr && late != nullptr && lats != nullptr && now_o != nullptr;
@@ -393,7 +399,10 @@ inline PyObject *book_complete(PyObject *self, PyObject *const *args, Py_ssize_t
       PyErr_Fetch(&et, &ev, &tb);
       PyObject *why = PyUnicode_FromString("one-sided load: its report was lost to an error in the same poll()");
       for (Py_ssize_t r = 0; why != nullptr && r < PyList_GET_SIZE(results); ++r) {
-        if (fail_rid(b, PyTuple_GET_ITEM(PyList_GET_ITEM(results, r), 4), why) < 0) PyErr_Clear();
+        PyObject *row = PyList_GET_ITEM(results, r);
+        const long code = PyLong_AsLong(PyTuple_GET_ITEM(row, 0));
+        if (code == 0 || (code & 15) == 3) continue;  // landed: finished already
+        if (fail_rid(b, PyTuple_GET_ITEM(row, 4), why) < 0) PyErr_Clear();
       }
       if (why == nullptr) PyErr_Clear();
       Py_XDECREF(why);

@@ -31,9 +31,10 @@ __all__ = [
 _LOG = logging.getLogger(__name__)
 
 # A pair group's own timeout (what NCCL's watchdog enforces, tearing down the whole process by
-# default when it fires) is this many times the engine's bound: every send/recv is waited with
-# the engine's timeout_s first, and a pair whose op failed or timed out is aborted explicitly
-# (discard_pair), so the watchdog never sees a timed-out op of ours.
+# default when it fires) is this many times the engine's bound: every send or receive is waited
+# within it first (a send for timeout_s, a stream's receives by its load's deadline), and a pair
+# whose op failed or timed out is aborted explicitly (discard_pair), so the watchdog never sees
+# a timed-out op of ours.
 PAIR_TIMEOUT_FACTOR = 10
 # the exporter's words for a send request naming a pair it does not hold: the loader pairs anew
 UNKNOWN_PAIR = "unknown pair group"

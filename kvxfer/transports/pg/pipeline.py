@@ -66,9 +66,10 @@ def _held_on_error(pool: StagingPool, slots: list[torch.Tensor], cache_device: t
 
 
 class _Timed:
-    """A ProcessGroup work object whose ``wait()`` ends by ``end`` (``time.monotonic()``): the
-    stream's one bound, not a fresh timeout per chunk (a peer sending each chunk just within it
-    would hold the stream, and the loader's worker, for many times the load's deadline)."""
+    """A ProcessGroup work object whose ``wait()`` ends by ``end`` (``time.monotonic()``). A
+    loader's receives share the stream's one bound (a fresh timeout per chunk let an exporter
+    sending each chunk just within it hold the stream, and the loader's worker, for many times
+    the load's deadline); an exporter's sends are bounded one by one."""
 
     __slots__ = ("_end", "_work")
 
@@ -201,7 +202,6 @@ class StagedPipeline:
         fences = self._fences(pool, cache_device, timeout_s)
         tag = stream.tag
         sent = 0
-        end = time.monotonic() + timeout_s  # the stream's one bound (_Timed)
 
         def do_gather(c: Chunk, buf: torch.Tensor) -> None:
             with trace("gather", tag):
@@ -211,14 +211,18 @@ class StagedPipeline:
             nonlocal sent
             sent += buf.numel() * buf.element_size()
             with trace("send", tag):
-                return _Timed(pg.send([buf.reshape(-1).view(torch.uint8)], peer, c.index), end)
+                # per send (the loader's receives bound the stream by its own deadline; a shared
+                # bound here would fail an honest loader slower than this rank's timeout_s)
+                return _Timed(
+                    pg.send([buf.reshape(-1).view(torch.uint8)], peer, c.index), time.monotonic() + timeout_s
+                )
 
         with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
             n = pipelined_send(chunks, slots, view, do_gather, do_send, fences)
         if status is not None:
             with trace("status", tag):
                 flags = torch.frombuffer(bytearray(status()), dtype=torch.uint8).to(pool.device)
-                _Timed(pg.send([flags], peer, n), end).wait()
+                _Timed(pg.send([flags], peer, n), time.monotonic() + timeout_s).wait()
         self.num_streams += 1
         self.num_chunks_sent += n
         return sent
