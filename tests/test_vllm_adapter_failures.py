@@ -12,14 +12,21 @@ from .vllm_adapter_servers import POISON, _run_until, _Servers
 from .vllm_fakes import Blocks, Request, Status
 
 
+def _finished_on_p(srv: _Servers, num_tokens: int, blocks: list[int]) -> dict:
+    """P's request "p" of ``num_tokens`` prompt tokens in ``blocks`` finished, handed off to a
+    decode server: the kv_transfer_params P answers with."""
+    preq = Request(
+        "p", list(range(num_tokens)), {"do_remote_decode": True}, Status.FINISHED_STOPPED,
+        num_computed_tokens=num_tokens,
+    )  # fmt: skip
+    return srv.ps.request_finished(preq, blocks)[1]
+
+
 def test_layout_mismatch_is_refused_naming_it_and_releases_p(caplog):
     srv = _Servers(1, 1, "fa16", "cpu32", lease_s=60.0)
     try:
         srv.fill_p([1, 2, 3], 40)
-        preq = Request(
-            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
-        )
-        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        params = _finished_on_p(srv, 40, [1, 2, 3])
         srv.step("P")
         dreq = Request("d", list(range(40)), params)
         with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
@@ -48,10 +55,7 @@ def test_layout_mismatch_is_refused_naming_it_and_releases_p(caplog):
 def test_aborted_decode_releases_p_before_the_lease():
     srv = _Servers(2, 1, lease_s=60.0)
     try:
-        preq = Request(
-            "p", list(range(20)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=20
-        )
-        _, params = srv.ps.request_finished(preq, [1, 2])
+        params = _finished_on_p(srv, 20, [1, 2])
         srv.step("P")
         dreq = Request("d", list(range(20)), params, Status.FINISHED_ABORTED)
         srv.ds.request_finished(dreq, [])  # aborted while waiting: never allocated
@@ -67,10 +71,7 @@ def test_aborted_decode_releases_p_before_the_lease():
 def test_failed_load_is_reported_finished_with_its_block_ids():
     srv = _Servers(1, 1, timeout_s=0.5)
     try:
-        preq = Request(
-            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
-        )
-        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        params = _finished_on_p(srv, 40, [1, 2, 3])
         srv.ps.build_connector_meta()  # P never exports it (e.g. P's worker died)
         dreq = Request("d", list(range(40)), params)
         srv.ds.get_num_new_matched_tokens(dreq, 0)
@@ -88,10 +89,7 @@ def test_failed_load_is_reported_by_request_too():
     recomputed) even when its block table no longer holds the blocks reported bad."""
     srv = _Servers(1, 1, timeout_s=0.5)
     try:
-        preq = Request(
-            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
-        )
-        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        params = _finished_on_p(srv, 40, [1, 2, 3])
         srv.ps.build_connector_meta()  # never exported
         dreq = Request("d", list(range(40)), params)
         srv.ds.get_num_new_matched_tokens(dreq, 0)
@@ -108,10 +106,7 @@ def test_loads_and_exports_of_the_null_block_are_refused_and_counted(caplog):
     counted in the failures vLLM logs (kvxfer_failures)."""
     srv = _Servers(1, 1)
     try:
-        preq = Request(
-            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
-        )
-        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        params = _finished_on_p(srv, 40, [1, 2, 3])
         srv.step("P")
         dreq = Request("d", list(range(40)), params)
         srv.ds.get_num_new_matched_tokens(dreq, 0)
@@ -131,10 +126,7 @@ def test_loads_and_exports_of_the_null_block_are_refused_and_counted(caplog):
 def test_p_lease_expiry_reports_finished_sending():
     srv = _Servers(1, 1, lease_s=0.3)
     try:
-        preq = Request(
-            "p", list(range(10)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=10
-        )
-        srv.ps.request_finished(preq, [1])
+        _finished_on_p(srv, 10, [1])
         acc = _run_until(srv, "P", lambda a: a["send"].get("p") == 1, timeout=5)
         assert acc["send"] == {"p": 1}
         assert srv.pw[0].engine.stats()["expirations"] == 1
@@ -147,10 +139,7 @@ def test_a_failed_load_after_a_local_prefix_hit_reports_only_the_blocks_it_write
     vLLM fails (or recomputes) every request holding a block reported invalid."""
     srv = _Servers(1, 1, timeout_s=0.5)
     try:
-        preq = Request(
-            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
-        )
-        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        params = _finished_on_p(srv, 40, [1, 2, 3])
         srv.ps.build_connector_meta()  # never exported: the load fails
         dreq = Request("d", list(range(40)), params)
         assert srv.ds.get_num_new_matched_tokens(dreq, 32) == (8, True)  # 32 tokens hit locally
@@ -168,10 +157,7 @@ def test_params_without_a_prompt_hash_are_refused_and_release_p(caplog):
     srv = _Servers(1, 1, lease_s=60.0)
     try:
         srv.fill_p([1, 2, 3], 40)
-        preq = Request(
-            "p", list(range(40)), {"do_remote_decode": True}, Status.FINISHED_STOPPED, num_computed_tokens=40
-        )
-        _, params = srv.ps.request_finished(preq, [1, 2, 3])
+        params = _finished_on_p(srv, 40, [1, 2, 3])
         srv.step("P")
         stripped = {k: v for k, v in params.items() if k != "prompt_hash"}
         dreq = Request("d", list(range(40)), stripped)
