@@ -288,22 +288,15 @@ class SchedulerSide:
                 valid,
             )
             src.ok = False
-        elif self.cfg.verify_prompt and type(want) is not str:
-            # kvxfer's exporters always send it: params without it were altered (loaded, they
-            # would file another prompt's KV in this server's prefix cache under this prompt)
-            _LOG.warning(
-                "kvxfer: request %s: its kv_transfer_params carry no prompt_hash (verify_prompt is on); "
-                "recomputing it and releasing the remote blocks",
-                rid,
+        elif self.cfg.verify_prompt and (type(want) is not str or prompt_hash(prompt, valid) != want):
+            # kvxfer's exporters always send the hash: params without it were altered (loaded,
+            # they would file another prompt's KV in this server's prefix cache under this one)
+            why = (
+                "its kv_transfer_params carry no prompt_hash (verify_prompt is on)"
+                if type(want) is not str
+                else f"its prompt is not the one {p.engine_id} computed (prompt hash differs)"
             )
-            src.ok = False
-        elif self.cfg.verify_prompt and prompt_hash(prompt, valid) != want:
-            _LOG.warning(
-                "kvxfer: request %s: its prompt is not the one %s computed (prompt hash differs); "
-                "recomputing it and releasing the remote blocks",
-                rid,
-                p.engine_id,
-            )
+            _LOG.warning("kvxfer: request %s: %s; recomputing it and releasing the remote blocks", rid, why)
             src.ok = False
         return src
 

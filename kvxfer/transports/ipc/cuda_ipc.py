@@ -52,6 +52,7 @@ from typing import Any, Protocol
 import torch
 
 from ...backends.device_context import bound_device
+from ...paged import extent_bytes
 from ...spec import dtype_from_name, dtype_name
 
 __all__ = [
@@ -348,9 +349,7 @@ def _default_driver() -> IpcDriver:
 def _extent_bytes(t: torch.Tensor) -> int:
     if any(s < 0 for s in t.stride()):
         raise ValueError(f"caches: negative strides {t.stride()} are not supported")
-    if t.numel() == 0:
-        return 0
-    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+    return extent_bytes(t)
 
 
 def publish_caches(caches: Sequence[torch.Tensor], engine_id: str, driver: IpcDriver | None = None) -> dict:
