@@ -21,7 +21,7 @@ from . import control
 from .auth import UNAUTHORIZED
 from .engine_types import TICK_MS
 from .entitlement import allowed_prefixes, call_refusal
-from .exports import UNKNOWN
+from .exports import UNKNOWN, spans
 from .ordering import NOT_READY
 from .plan import plan_reads
 from .rank import Rank, Runtime
@@ -55,6 +55,9 @@ class Exporter:
         # loader tp size -> (notifications per request, loader ranks that notify this rank), or
         # why a loader of that size cannot notify here (at most MAX_TP_SIZE keys)
         self.expected: dict[int, tuple[int, frozenset[int]] | str] = {}
+        # one bound method for every tick: the control module's book keeps the answers of the
+        # callable it is given (a pure function of its arguments) until it is given another
+        self._expected = self.expected_from
         self._thread: threading.Thread | None = None
         self._handlers: dict[type, object] = {}
 
@@ -122,7 +125,7 @@ class Exporter:
         if not beat and self.rt.exports.idle():
             return
         for t in self._tickers:
-            t.tick(beat, self.expected_from)
+            t.tick(beat, self._expected)
 
     def handle(self, msg):
         """The reply to one side-channel message (or a :class:`~kvxfer.control.Deferred`)."""
@@ -347,7 +350,7 @@ class Exporter:
         not: :mod:`kvxfer.entitlement`)."""
         bs = self.rank.spec.block_size
         whole = () if self.rank.groups is None else self.rank.groups.whole
-        blocks, lens = allowed_prefixes([sp for e in exports for sp in e.spans(bs, whole)], bs)
+        blocks, lens = allowed_prefixes([sp for e in exports for sp in spans(e, bs, whole)], bs)
         for k, (raw, num_tokens, offset, unit) in enumerate(msg.calls):
             if len(raw) % 8:
                 return f"call {k}: its ids are {len(raw)} bytes, not int64s"

@@ -9,6 +9,11 @@ straight out of this rank's memory (``ipc``) can tell, after the copy, whether t
 released while it read them. What it finishes or expires goes out through ``poll()``
 (:class:`~kvxfer.completion.PollResult`). A :class:`LeaseListener` subscribed to the tracker
 (the ``ipc`` transport's lease-slot table) follows every lease it opens, renews and ends.
+
+With the control module loaded, the records live in its ``ExportBook`` (``csrc/ctl/export_book.h``):
+an export's checks, hold and record are one call, and a lease-slot table the tracker follows
+(:meth:`ExportTracker.follow_slots`) is written by that call too, its done marks counted in one
+more; the tracker's Python reads the same records. Without it, the Python below does the same.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ MAX_FORGED = 16
 Verify = Callable[[str, object, object], bool]  # kvxfer.auth.EngineSecret.verify
 
 
+def _ctl():
+    """The control module when it is in use (its ``ExportBook`` then holds the records), else None."""
+    return idops.native()
+
+
 def _NONES(request_ids: list) -> itertools.repeat:
     return itertools.repeat(None, len(request_ids))
 
@@ -70,8 +80,9 @@ class LeaseListener(Protocol):
 
 
 class _Export:
-    """One live export (a plain slotted class: a dataclass's default factories are calls of
-    their own, paid per ``export()``)."""
+    """One live export without the control module (a plain slotted class: a dataclass's default
+    factories are calls of their own, paid per ``export()``); with it, the ``ExportRecord`` its
+    ``ExportBook`` makes, which has these attributes (and ``slot``)."""
 
     __slots__ = (
         "block_ids",
@@ -107,26 +118,28 @@ class _Export:
         self.digest = digest  # kvxfer.auth.content_digest of (num_tokens, block_ids)
         self.gen = gen  # the export's generation of its request id (kvxfer.auth: the token's nonce)
 
-    def spans(self, block_size: int, whole: tuple[bool, ...] = ()) -> list[tuple[np.ndarray, int]]:
-        """``(block ids, num_tokens)`` whose blocks each start at a block's first token and whose
-        last block holds the export's partial tail (what :func:`kvxfer.entitlement.allowed_prefixes`
-        reads): the export itself, or for a request of several groups each group's live blocks
-        (which end at the same token as the request); a group marked in ``whole`` (a state
-        group: :attr:`kvxfer.groups.attention.GroupSet.whole`) opens its blocks whole."""
-        if self.groups is None:
-            return [(self.block_ids, self.num_tokens)]
-        out = []
-        at = 0
-        need = -(-self.num_tokens // block_size)
-        for g, n in enumerate(self.groups):
-            if g < len(whole) and whole[g]:
-                out.append((self.block_ids[at : at + n], n * block_size))
-                at += n
-                continue
-            # a group's live blocks are its last n positions: seen from position need - n
-            out.append((self.block_ids[at : at + n], self.num_tokens - (need - n) * block_size))
+
+def spans(e, block_size: int, whole: tuple[bool, ...] = ()) -> list[tuple[np.ndarray, int]]:
+    """``(block ids, num_tokens)`` of export ``e`` (a record of :meth:`ExportTracker.lookup`)
+    whose blocks each start at a block's first token and whose last block holds the export's
+    partial tail (what :func:`kvxfer.entitlement.allowed_prefixes` reads): the export itself, or
+    for a request of several groups each group's live blocks (which end at the same token as the
+    request); a group marked in ``whole`` (a state group:
+    :attr:`kvxfer.groups.attention.GroupSet.whole`) opens its blocks whole."""
+    if e.groups is None:
+        return [(e.block_ids, e.num_tokens)]
+    out = []
+    at = 0
+    need = -(-e.num_tokens // block_size)
+    for g, n in enumerate(e.groups):
+        if g < len(whole) and whole[g]:
+            out.append((e.block_ids[at : at + n], n * block_size))
             at += n
-        return out
+            continue
+        # a group's live blocks are its last n positions: seen from position need - n
+        out.append((e.block_ids[at : at + n], e.num_tokens - (need - n) * block_size))
+        at += n
+    return out
 
 
 def _counted(e: _Export, sender, expected: int) -> bool:
@@ -155,7 +168,8 @@ class ExportTracker:
     ``epochs`` is an int64 tensor ``[num_blocks]`` (in shared memory when the rank offers
     ``ipc``); ``refcount`` counts live exports holding each block. Both are updated through
     numpy views of the same memory (a fancy-indexed numpy op costs less per call than the torch
-    op it replaced), or natively by :mod:`kvxfer.idops`.
+    op it replaced), or natively by :mod:`kvxfer.idops` and the control module's ``ExportBook``,
+    which then holds the records (``live``, ``gone``) this class reads.
     """
 
     def __init__(self, num_blocks: int, lease_s: float, epochs: torch.Tensor | None = None) -> None:
@@ -168,7 +182,9 @@ class ExportTracker:
         self._ep = self.epochs.numpy()
         self._rc = self.refcount.numpy()
         self.lock = threading.RLock()
-        self._live: dict[str, _Export] = {}
+        mod = _ctl()
+        self._book = mod.ExportBook(self._rc, self._ep, GONE_KEPT) if mod is not None else None
+        self._live: dict[str, _Export] = self._book.live if self._book is not None else {}
         # exports freed because every loader rank notified or marked done (stats()
         # "finished_exports"): counted here, under the lock the release holds anyway
         self.finished_exports = 0
@@ -177,7 +193,7 @@ class ExportTracker:
         self._errors: dict[str, str] = {}
         # recently released ids -> (generation, token) (bounded): told apart from unknown ones,
         # and the next export of the id gets the next generation (a token of its own)
-        self._gone: dict[str, tuple[int, str]] = {}
+        self._gone: dict[str, tuple[int, str]] = self._book.gone if self._book is not None else {}
         # CUDA gathers reading a request's blocks that may not have run yet (pg exports): the
         # request's release is reported (finished_sending / expired) only once they completed,
         # so the caller cannot reuse the blocks before the gather read them.
@@ -189,6 +205,19 @@ class ExportTracker:
         """Have ``listener`` follow every lease opened, renewed and ended from now on."""
         with self.lock:
             self._listeners = (*self._listeners, listener)
+
+    def follow_slots(self, table, gens, used, owner: dict, unready: dict, on_full) -> bool:
+        """Have the control module's book write the lease-slot table itself (what a
+        :class:`~kvxfer.transports.ipc.leases.LeaseSlots` listener does, in the calls that open,
+        renew and end each lease, and :meth:`take_marks`): ``table``, ``gens``, ``used``,
+        ``owner`` and ``on_full`` as :meth:`kvxfer.transports.ipc.slots.ExporterSlots.native_state`
+        gives them, ``unready`` the dict of slots whose ready flag is not set yet, kept by the
+        book. False without the control module (subscribe a listener instead)."""
+        if self._book is None:
+            return False
+        with self.lock:
+            self._book.attach(table, gens, used, owner, unready, on_full)
+        return True
 
     # ------------------------------------------------------------------ export
     def add(
@@ -213,6 +242,15 @@ class ExportTracker:
         if type(ids) is not np.ndarray or ids.dtype is not _INT64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(block_ids, dtype=np.int64)
         with self.lock:
+            if self._book is not None:  # the same checks, hold, record and slot, in one call
+                marked = np.zeros(num_layers, dtype=bool) if num_layers else None
+                deadline = time.monotonic() + self.lease_s
+                self._book.add(
+                    request_id, ids, num_tokens, deadline, token, digest, gen, groups, marked, ready
+                )
+                for listener in self._listeners:
+                    listener.opened(request_id, token, digest, deadline, ready, bool(num_layers))
+                return
             if request_id in self._live:
                 raise ValueError(f"request_id: {request_id!r} is already exported and not yet released")
             gone = self._gone.get(request_id)
@@ -282,8 +320,14 @@ class ExportTracker:
         """Drop live exports (under :attr:`lock`): their blocks one holder less each, the
         epochs of blocks no export holds now bumped; remembered as gone (bounded). An id not
         live (named twice, or released meanwhile) is skipped. Returns the ids released."""
-        live, gone, rc, ep, release = self._live, self._gone, self._rc, self._ep, idops.release
         listeners = self._listeners
+        if self._book is not None:
+            if listeners:  # each lease ends before any epoch moves
+                for rid in dict.fromkeys(rid for rid in request_ids if rid in self._live):
+                    for listener in listeners:
+                        listener.closed(rid)
+            return self._book.release_many(request_ids)
+        live, gone, rc, ep, release = self._live, self._gone, self._rc, self._ep, idops.release
         out = []
         for rid in request_ids:
             e = live.pop(rid, None)
@@ -324,9 +368,7 @@ class ExportTracker:
                     bad[rid] = UNKNOWN if rid not in self._gone else RELEASED
                     continue
                 if e.deadline < deadline:
-                    e.deadline = deadline
-                    for listener in self._listeners:
-                        listener.renewed(rid, deadline)
+                    self._renew(rid, e, deadline)
                 ok[rid] = snapshot(ep, e.block_ids)
                 if e.marked is not None:
                     masks[rid] = self.layers_ready(rid)
@@ -410,10 +452,17 @@ class ExportTracker:
             deadline = time.monotonic() + self.lease_s
             for rid, e in self._verified(request_ids, tokens, verify, bad):
                 if e is not None and e.deadline < deadline:
-                    e.deadline = deadline
-                    for listener in self._listeners:
-                        listener.renewed(rid, deadline)
+                    self._renew(rid, e, deadline)
         return bad
+
+    def _renew(self, request_id: str, e: _Export, deadline: float) -> None:
+        """The lease of ``e`` ends at ``deadline`` now (later than it did); under :attr:`lock`."""
+        if self._book is not None:
+            self._book.renew(e, deadline)  # and its slot's deadline, in a followed table
+        else:
+            e.deadline = deadline
+        for listener in self._listeners:
+            listener.renewed(request_id, deadline)
 
     def track_gather(self, request_ids: list[str], event) -> None:
         """A CUDA gather reading these requests' blocks was enqueued; ``event`` (``query()``)
@@ -513,6 +562,19 @@ class ExportTracker:
                 done = self._release_many(done)
                 self._report_many(done, "finished")
                 self.finished_exports += len(done)
+        return len(done)
+
+    def take_marks(self, expected: Callable[[int, int], int | str]) -> int:
+        """:meth:`count_marks` of the done marks written in the table the book follows
+        (:meth:`follow_slots`) since the last look, read and counted in one native call; returns
+        how many exports were released (0 when no table is followed)."""
+        with self.lock:
+            done = self._book.take_marks(expected) if self._book is not None else ()
+            if not done:
+                return 0
+            done = self._release_many(done)
+            self._report_many(done, "finished")
+            self.finished_exports += len(done)
         return len(done)
 
     def abort(self, request_id: str) -> bool:

@@ -64,6 +64,8 @@ STEPS = (
     (metrics.Metrics, "record_load", "P+D"),
     (metrics.Metrics, "record_loads", "D"),
     (exporter.Exporter, "tick", "P+D"),
+    (exports.ExportTracker, "take_marks", "P"),  # the native book's done marks (count_marks without it)
+    (exports.ExportTracker, "count_marks", "P"),
     (exports.ExportTracker, "drain", "P+D"),
     (completion.LoadTracker, "drain", "P+D"),
 )

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kvxfer import TransferEngine, idops
+from kvxfer.exports import ExportTracker
 from kvxfer.transports.ipc import onesided as onesided_mod
 from kvxfer.transports.ipc import slots as slots_mod
 from kvxfer.transports.ipc.onesided import LEASE_LEFT_S
@@ -108,7 +109,8 @@ def test_a_mark_the_exporter_never_counts_is_freed_by_the_deferred_notification(
     deferred notification arrives, ``MARK_GRACE_S`` after the mark; close() sends the
     notifications still in their grace."""
     assert idops.ensure(), idops.status()
-    monkeypatch.setattr(slots_mod.ExporterSlots, "marked", lambda self: False)
+    monkeypatch.setattr(slots_mod.ExporterSlots, "marked", lambda self: False)  # the listener's reads
+    monkeypatch.setattr(ExportTracker, "take_marks", lambda self, expected: 0)  # the native book's
     with warmed() as (p, d):
         prm = p.export("a", [3, 4], 12, seed=3)
         d[0].load("a", prm, [5, 6])

@@ -34,6 +34,8 @@ def pair():
         assert poll_until(d.engines, {"first"}, "recv") == {"first": "done"}
         assert poll_until(p.engines, {"first"}, "send") == {"first": "done"}  # freed by its mark
         assert d.onesided() == [1] and d.native() == [0]
+        # P's records are the control module's book, which writes P's slot table itself
+        assert p[0]._rt.exports._book is not None and p[0]._transports["ipc"].leases.native
         yield p, d
     finally:
         try:
@@ -245,6 +247,7 @@ def test_without_the_control_module_the_engine_takes_the_python_tracker_and_path
     try:
         d = Ranks(F16, 1, "D")
         assert type(d[0]._rt.loads) is LoadTracker and d[0]._native_load is None
+        assert p[0]._rt.exports._book is None and not p[0]._transports["ipc"].leases.native
         warm(p, d)
         for k in range(2):
             prm = p.export(f"a{k}", [2 + 2 * k, 3 + 2 * k], 12, seed=3 + k)

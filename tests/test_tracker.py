@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer import CompletionAggregator, KVCacheSpec, idops, plan_reads
+from kvxfer import CompletionAggregator, KVCacheSpec, exports, idops, plan_reads
 from kvxfer.auth import UNAUTHORIZED, EngineSecret, content_digest
 from kvxfer.completion import LoadTracker, PollResult, native_load_book
 from kvxfer.exports import ALTERED, OTHER_EXPORT, RELEASED, UNKNOWN, ExportTracker
@@ -26,6 +26,17 @@ def load_tracker(request):
 
 
 MLA = KVCacheSpec(2, 1, 8, 16, torch.float16, use_mla=True)
+
+
+@pytest.fixture(params=["python", "native"], autouse=True)
+def export_book(request, monkeypatch):
+    """Every test here on both record keepers of :class:`ExportTracker`: its Python, and the
+    control module's ``ExportBook`` (what an engine takes when the module is in use)."""
+    if request.param == "python":
+        monkeypatch.setattr(exports, "_ctl", lambda: None)
+    else:
+        assert idops.ensure(), idops.status()
+    return request.param
 
 
 @pytest.mark.parametrize(
@@ -329,7 +340,9 @@ def test_a_release_of_an_id_no_longer_live_is_skipped_not_raised():
     assert t.epochs[[1, 2]].tolist() == [1, 1]
 
 
-def test_a_release_completes_and_is_reported_when_its_slot_cannot_be_published(caplog):
+# the listener's path: the book's own writes to the table cannot fail
+@pytest.mark.parametrize("export_book", ["python"], indirect=True)
+def test_a_release_completes_and_is_reported_when_its_slot_cannot_be_published(caplog, export_book):
     """The lease slot of an export cannot be closed (publishing to the table raised): the release
     still completes (blocks freed, epochs moved, reported once), and the table is shut so no
     loader reads one-sided from it any more; logged."""

@@ -1,5 +1,6 @@
 // kvxfer control-path helpers (kvx_ctl.cpp): a caller's block ids as a checked int64 array, and
-// the sets the repeat checks use (hold, release, any_repeat and a load's local ids).
+// the sets the repeat checks use (hold, release, any_repeat and a load's local ids), and the
+// refcount and epoch updates of a hold and a release.
 //
 // Included by kvx_ctl.cpp and load_book.h: the module is one translation unit (in its hash).
 
@@ -103,6 +104,32 @@ class Seen {
   IdSet *hash_ = nullptr;
   std::vector<int64_t> set_;
 };
+
+// The refcounts of the blocks `x[0..k)` (ids checked in [0, num_blocks)), each distinct id
+// once (a block listed twice counts once, as numpy's refcount[ids] += 1 does): hold_ids counts
+// one holder more, unhold_ids one less (undoing a hold), release_ids one less and moves the
+// epoch of a block no export holds now (numpy: refcount[ids] -= 1; epochs[ids] += refcount[ids]
+// == 0). hold / release of kvx_ctl.cpp and the ExportBook's add and release (export_book.h).
+inline void hold_ids(int32_t *r, Py_ssize_t num_blocks, const int64_t *x, Py_ssize_t k) {
+  Seen seen(k, static_cast<uint64_t>(num_blocks));
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    if (seen.insert(x[i])) ++r[x[i]];
+  }
+}
+
+inline void unhold_ids(int32_t *r, Py_ssize_t num_blocks, const int64_t *x, Py_ssize_t k) {
+  Seen seen(k, static_cast<uint64_t>(num_blocks));
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    if (seen.insert(x[i])) --r[x[i]];
+  }
+}
+
+inline void release_ids(int32_t *r, int64_t *e, Py_ssize_t num_blocks, const int64_t *x, Py_ssize_t k) {
+  Seen seen(k, static_cast<uint64_t>(num_blocks));
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    if (seen.insert(x[i]) && --r[x[i]] == 0) ++e[x[i]];
+  }
+}
 
 // Whether `x[0..n)` (ids in [0, bound)) names some value twice.
 inline bool has_repeat(const int64_t *x, Py_ssize_t n, uint64_t bound) {

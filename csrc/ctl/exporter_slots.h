@@ -21,6 +21,7 @@
 #include <Python.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "ctl_common.h"
 #include "lease_slots.h"
@@ -116,42 +117,19 @@ inline PyObject *slot_marks_of(const ExporterArgs &a, Py_ssize_t i, int64_t max_
   return out;
 }
 
-// slot_done(table, gens, used, seen, max_tp) -> (count, [(slot, [(loader rank, tp), ...]), ...]):
-// the ring's count now, and the used slots with done marks among those the ring named since
-// `seen`. Every used slot instead when more were written than the ring holds, the count moved
-// in a way no loader moves it, or an entry is not tagged with its count (a loader took the
-// count and has not stored the entry yet, or a later one overwrote it: its mark, stored before
-// it took the count, is in its slot). Each slot once, in ring order; slots without a counting
-// mark left out.
-inline PyObject *slot_done(PyObject *, PyObject *const *args, Py_ssize_t n) {
-  if (!nargs(n, 5, "slot_done")) return nullptr;
-  ExporterArgs a;
-  int64_t v[2];
-  if (!a.get_all(args, "slot_done") || !int64_args(args, 3, 2, v)) return nullptr;
-  const int64_t seen = v[0], max_tp = v[1];
-  const int64_t w = ld(a.t() + kHDone);
-  PyObject *out = PyList_New(0);
-  if (out == nullptr) return nullptr;
-  auto add = [&](Py_ssize_t i) -> bool {
-    PyObject *marks = slot_marks_of(a, i, max_tp);
-    if (marks == nullptr) return false;
-    if (PyList_GET_SIZE(marks) == 0) {
-      Py_DECREF(marks);
-      return true;
-    }
-    PyObject *item = Py_BuildValue("(nN)", i, marks);
-    if (item == nullptr) return false;
-    const bool ok = PyList_Append(out, item) == 0;
-    Py_DECREF(item);
-    return ok;
-  };
-  bool ok = true, every = false;
+// The used slots whose done marks to look at when the ring's count moved from `seen` to `w`:
+// those the ring named since `seen`, each once, in ring order. Every used slot instead when more
+// were written than the ring holds, the count moved in a way no loader moves it, or an entry is
+// not tagged with its count (a loader took the count and has not stored the entry yet, or a
+// later one overwrote it: its mark, stored before it took the count, is in its slot).
+inline void done_slots(const ExporterArgs &a, int64_t seen, int64_t w, std::vector<Py_ssize_t> &out) {
+  out.clear();
+  if (w == seen) return;
+  bool every = false;
   // w - seen computed unsigned: a count a confused peer set anywhere never overflows here
   const uint64_t moved = static_cast<uint64_t>(w) - static_cast<uint64_t>(seen);
-  if (w != seen && moved <= static_cast<uint64_t>(kRing) && seen >= 0) {
-    Py_ssize_t taken[kRing];
-    Py_ssize_t num_taken = 0;
-    for (int64_t k = seen; k < w && ok; ++k) {
+  if (moved <= static_cast<uint64_t>(kRing) && seen >= 0) {
+    for (int64_t k = seen; k < w; ++k) {
       const int64_t slot = ring_slot(ld(a.t() + kHRing + k % kRing), k);
       if (slot < 0) {  // not written yet (or overwritten)
         every = true;
@@ -159,23 +137,50 @@ inline PyObject *slot_done(PyObject *, PyObject *const *args, Py_ssize_t n) {
       }
       if (slot >= a.num || !a.u()[slot]) continue;  // not a used slot: nothing to count
       bool dup = false;
-      for (Py_ssize_t j = 0; j < num_taken && !dup; ++j) dup = taken[j] == slot;
-      if (dup) continue;
-      taken[num_taken++] = static_cast<Py_ssize_t>(slot);
-      ok = add(static_cast<Py_ssize_t>(slot));
+      for (Py_ssize_t j : out) dup = dup || j == slot;
+      if (!dup) out.push_back(static_cast<Py_ssize_t>(slot));
     }
-  } else if (w != seen) {  // the ring overflowed (or was written by a confused peer)
+  } else {  // the ring overflowed (or was written by a confused peer)
     every = true;
   }
-  if (every && ok) {  // what the ring named so far is looked at again with the rest
-    ok = PyList_SetSlice(out, 0, PyList_GET_SIZE(out), nullptr) == 0;
-    for (Py_ssize_t i = 0; i < a.num && ok; ++i) {
-      if (a.u()[i]) ok = add(i);
+  if (every) {  // what the ring named so far is looked at again with the rest
+    out.clear();
+    for (Py_ssize_t i = 0; i < a.num; ++i) {
+      if (a.u()[i]) out.push_back(i);
     }
   }
-  if (!ok) {
-    Py_DECREF(out);
-    return nullptr;
+}
+
+// slot_done(table, gens, used, seen, max_tp) -> (count, [(slot, [(loader rank, tp), ...]), ...]):
+// the ring's count now, and among the slots done_slots names those with a counting mark.
+inline PyObject *slot_done(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 5, "slot_done")) return nullptr;
+  ExporterArgs a;
+  int64_t v[2];
+  if (!a.get_all(args, "slot_done") || !int64_args(args, 3, 2, v)) return nullptr;
+  const int64_t seen = v[0], max_tp = v[1];
+  const int64_t w = ld(a.t() + kHDone);
+  std::vector<Py_ssize_t> slots;
+  done_slots(a, seen, w, slots);
+  PyObject *out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i : slots) {
+    PyObject *marks = slot_marks_of(a, i, max_tp);
+    if (marks == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    if (PyList_GET_SIZE(marks) == 0) {
+      Py_DECREF(marks);
+      continue;
+    }
+    PyObject *item = Py_BuildValue("(nN)", i, marks);
+    if (item == nullptr || PyList_Append(out, item) != 0) {
+      Py_XDECREF(item);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(item);
   }
   return Py_BuildValue("(LN)", static_cast<long long>(w), out);
 }

@@ -17,7 +17,8 @@
 // ctl_common.h (the argument checks every function shares), lease_slots.h (the lease-slot
 // table of kvxfer/transports/ipc/slots.py: the loader's reads and marks, the binding),
 // onesided_reads.h (a one-sided load's reads and marks over all its source ranks in one call),
-// load_book.h (the loads in flight on a loader rank), load_lane.h (the one-sided native lane's
+// load_book.h (the loads in flight on a loader rank), export_book.h (the exporter's records of its
+// live exports and its lease-slot writes), load_lane.h (the one-sided native lane's
 // records in them), load_book_type.h (their Python type), block_ids.h (a caller's ids checked,
 // the repeat sets), exporter_slots.h (the exporter's writes to that table), token_hash.h (the content digest and
 // token of kvxfer/auth.py), blake2b.h (the hash of those three) and params_fields.h (a load's
@@ -32,6 +33,7 @@
 
 #include "block_ids.h"
 #include "ctl_common.h"
+#include "export_book.h"
 #include "exporter_slots.h"
 #include "lease_slots.h"
 #include "load_book_type.h"
@@ -42,7 +44,7 @@
 namespace kvx_ctl {
 namespace {
 
-constexpr int kAbiVersion = 14;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 15;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // hold(refcount int32[B], ids int64[n]): refcount[id] += 1 for each distinct id (a block listed
 // twice counts once, as numpy's refcount[ids] += 1 does).
@@ -52,13 +54,7 @@ PyObject *hold(PyObject *, PyObject *const *args, Py_ssize_t n) {
   if (!get(args[0], rc, 4, true, "refcount") || !get(args[1], ids, 8, false, "ids")) return nullptr;
   if (overlap(rc, ids)) return PyErr_Format(PyExc_ValueError, "hold: ids share memory with refcount");
   if (!ids_in_range(ids, rc.count(), "hold")) return nullptr;
-  int32_t *r = static_cast<int32_t *>(rc.view.buf);
-  const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
-  const Py_ssize_t k = ids.count();
-  Seen seen(k, static_cast<uint64_t>(rc.count()));
-  for (Py_ssize_t i = 0; i < k; ++i) {
-    if (seen.insert(x[i])) ++r[x[i]];
-  }
+  hold_ids(static_cast<int32_t *>(rc.view.buf), rc.count(), static_cast<const int64_t *>(ids.view.buf), ids.count());
   Py_RETURN_NONE;
 }
 
@@ -79,14 +75,8 @@ PyObject *release(PyObject *, PyObject *const *args, Py_ssize_t n) {
     return PyErr_Format(PyExc_ValueError, "release: ids share memory with refcount or epochs");
   }
   if (!ids_in_range(ids, rc.count(), "release")) return nullptr;
-  int32_t *r = static_cast<int32_t *>(rc.view.buf);
-  int64_t *e = static_cast<int64_t *>(ep.view.buf);
-  const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
-  const Py_ssize_t k = ids.count();
-  Seen seen(k, static_cast<uint64_t>(rc.count()));
-  for (Py_ssize_t i = 0; i < k; ++i) {
-    if (seen.insert(x[i]) && --r[x[i]] == 0) ++e[x[i]];
-  }
+  release_ids(static_cast<int32_t *>(rc.view.buf), static_cast<int64_t *>(ep.view.buf), rc.count(),
+              static_cast<const int64_t *>(ids.view.buf), ids.count());
   Py_RETURN_NONE;
 }
 
@@ -290,10 +280,27 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_kvx_ctl", "kvxfer control-path h
 
 extern "C" PyMODINIT_FUNC PyInit__kvx_ctl() {
   PyObject *m = PyModule_Create(&kvx_ctl::kModule);
-  PyObject *book = m != nullptr ? kvx_ctl::load_book_type() : nullptr;
-  if (book == nullptr || PyModule_AddObject(m, "LoadBook", book) != 0) {
-    Py_XDECREF(book);
-    Py_XDECREF(m);
+  if (m == nullptr) return nullptr;
+  PyObject *types[] = {kvx_ctl::load_book_type(), kvx_ctl::export_record_type(), kvx_ctl::export_book_type()};
+  const char *names[] = {"LoadBook", "ExportRecord", "ExportBook"};
+  bool ok = true;
+  for (int i = 0; i < 3; ++i) {
+    if (types[i] == nullptr || !ok) {
+      ok = false;
+      Py_XDECREF(types[i]);
+      continue;
+    }
+    if (i == 1) {  // what ExportBook.add makes
+      Py_INCREF(types[i]);
+      Py_XSETREF(kvx_ctl::record_type_slot(), types[i]);
+    }
+    if (PyModule_AddObject(m, names[i], types[i]) != 0) {
+      Py_DECREF(types[i]);
+      ok = false;
+    }
+  }
+  if (!ok) {
+    Py_DECREF(m);
     return nullptr;
   }
   return m;

@@ -7,6 +7,11 @@ a renewal moves its end, a release closes it before the released blocks' epochs 
 channel tick (and ``poll()``) :meth:`LeaseSlots.tick` publishes the heartbeat, sets the ready
 flags of exports whose compute completed, and hands the done marks loaders wrote back to the
 tracker, which counts them as those loader ranks' notifications.
+
+With the control module, the tracker's native book follows the table instead of calling the
+listener (:meth:`~kvxfer.exports.ExportTracker.follow_slots`): the slot writes happen in the
+book's own calls, and the tick has the tracker take the done marks
+(:meth:`~kvxfer.exports.ExportTracker.take_marks`); the heartbeat and the ready flags stay here.
 """
 
 from __future__ import annotations
@@ -36,9 +41,13 @@ class LeaseSlots:
         self.slots = slots
         self._exports = exports
         self._not_ready = not_ready
-        self._slot: dict[str, int] = {}  # request id -> its slot
+        self._slot: dict[str, int] = {}  # request id -> its slot (the listener's calls only)
         self._unready: dict[str, int] = {}  # request id -> its slot whose ready flag is not set yet
-        exports.subscribe(self)
+        state = slots.native_state()
+        # the book writes the table in its own calls, or this listener follows the leases
+        self.native = state is not None and exports.follow_slots(*state[:4], self._unready, state[4])
+        if not self.native:
+            exports.subscribe(self)
 
     # -------------------------------------------------------------------- the tracker's calls
     def opened(
@@ -98,6 +107,8 @@ class LeaseSlots:
                 for rid in rids:
                     if rid not in still:
                         slots.set_ready(self._unready.pop(rid))
+        if self.native:
+            return self._exports.take_marks(expected)
         if not slots.marked():
             return 0
         with self._exports.lock:

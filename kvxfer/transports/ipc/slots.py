@@ -311,6 +311,17 @@ class ExporterSlots:
         self.owner[i] = request_id
         return i
 
+    def native_state(self) -> tuple | None:
+        """``(table, gens, used, owner, on_full)``: what the export tracker's native book needs
+        to write this table itself (:meth:`kvxfer.exports.ExportTracker.follow_slots`; it keeps
+        ``gens``, ``used`` and ``owner`` as :meth:`open` and :meth:`close` do, and calls
+        ``on_full(request_id)`` when the probed slots are all taken); None when the control
+        module is not in use for this table. :meth:`marked` and :meth:`take_done` are not to be
+        called once it follows the table (it takes the done marks)."""
+        if self._ctl is None:
+            return None
+        return self.t, self.gens, self.used, self.owner, self._full
+
     def _full(self, request_id: str) -> int:
         """No free slot among those probed for ``request_id``: -1, logged once."""
         if not self._full_logged:
