@@ -42,6 +42,10 @@ RELEASED = "released: lease expired, aborted or already freed"
 ALTERED = "refused: the block ids, num_tokens or groups of the params differ from the export's (altered or sliced params)"
 OTHER_EXPORT = "refused: the params are of another export of this request id (an earlier, released one)"
 GONE_KEPT = 100_000  # released request ids remembered (generation, token), oldest forgotten first
+# ... in batches, once this many more were released: a dict finds its oldest key by scanning
+# past the ones deleted before it, so forgetting one per release made every release pay that
+# scan once GONE_KEPT were reached, tens of us more each (profiling/bench_export_records.py)
+GONE_SLACK = max(1, GONE_KEPT // 64)
 # Tokens of one message whose MAC is computed and fails (forged, or of another engine) before the
 # rest of its ids that are not live here are refused without one: a message of made-up ids costs
 # this many MACs, not one per id (an authentic message fails none).
@@ -339,8 +343,9 @@ class ExportTracker:
             release(rc, ep, e.block_ids)
             gone.pop(rid, None)  # re-inserted last: the newest release is forgotten last
             gone[rid] = (e.gen, e.token)
-        while len(gone) > GONE_KEPT:
-            del gone[next(iter(gone))]
+        if len(gone) > GONE_KEPT + GONE_SLACK:
+            for rid in list(itertools.islice(gone, len(gone) - GONE_KEPT)):
+                del gone[rid]
         return out
 
     def grant(

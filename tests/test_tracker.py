@@ -367,3 +367,19 @@ def test_a_release_completes_and_is_reported_when_its_slot_cannot_be_published(c
     t.drain(out)
     assert out.finished_sending == {"a"} and t.held_blocks() == 0 and t.epochs[[1, 2]].tolist() == [1, 1]
     assert table[H_OPEN] == 0 and "could not be closed" in caplog.text
+
+
+def test_released_ids_are_forgotten_oldest_first_in_batches(monkeypatch):
+    """Past ``GONE_KEPT`` released ids the oldest are forgotten, a batch at a time (the newest
+    ``GONE_KEPT`` always kept): a forgotten id's next export is generation 0 again."""
+    monkeypatch.setattr(exports, "GONE_KEPT", 8)
+    monkeypatch.setattr(exports, "GONE_SLACK", 1)  # the book's: GONE_KEPT // 64, at least 1
+    t = ExportTracker(8, 30.0)
+    sizes = []
+    for k in range(30):
+        t.add(f"r{k}", np.array([k % 8]), 4)
+        assert t.abort(f"r{k}")
+        sizes.append(len(t._gone))
+    assert max(sizes) == 9 and sizes[-1] in (8, 9)
+    assert list(t._gone)[-8:] == [f"r{k}" for k in range(22, 30)]
+    assert t.generation("r29") == 1 and t.generation("r0") == 0

@@ -13,7 +13,8 @@
 //         -> the record: the repeat and reused-token checks, the hold, the record, and its slot
 //         opened (binding, probe, write), in one call;
 //     release_many(request_ids) -> the ids released: each slot closed before its blocks'
-//         epochs move, the release, the id remembered as gone (at most gone_kept);
+//         epochs move, the release, the id remembered as gone (the newest gone_kept, and up to
+//         gone_kept / 64 more);
 //     take_marks(expected) -> the ids whose count completed (the caller releases them): the
 //         done marks loaders wrote since the last look, counted as those loader ranks'
 //         notifications (expected(loader_tp, rank): a count, or a str saying that rank may not
@@ -288,15 +289,21 @@ inline bool remember_gone(ExportBook *b, PyObject *rid, long long gen, PyObject 
   return ok;
 }
 
+// Forget the oldest released ids beyond gone_kept, in batches once gone_kept / 64 more were
+// released (exports.py's GONE_SLACK): a dict finds its oldest key by scanning past those deleted
+// before it, so one forgotten per release cost every release that scan.
 inline bool trim_gone(ExportBook *b) {
-  while (PyDict_GET_SIZE(b->gone) > b->gone_kept) {
-    Py_ssize_t pos = 0;
-    PyObject *k, *v;
-    if (!PyDict_Next(b->gone, &pos, &k, &v)) break;
-    Py_INCREF(k);
-    const int bad = PyDict_DelItem(b->gone, k);
-    Py_DECREF(k);
-    if (bad != 0) return false;
+  const Py_ssize_t size = PyDict_GET_SIZE(b->gone), slack = b->gone_kept / 64 > 0 ? b->gone_kept / 64 : 1;
+  if (size <= b->gone_kept + slack) return true;
+  Ref old(PyList_New(0), false);
+  if (old.p == nullptr) return false;
+  Py_ssize_t pos = 0;
+  PyObject *k, *v;
+  for (Py_ssize_t j = size - b->gone_kept; j > 0 && PyDict_Next(b->gone, &pos, &k, &v); --j) {
+    if (PyList_Append(old.p, k) != 0) return false;
+  }
+  for (Py_ssize_t j = 0, m = PyList_GET_SIZE(old.p); j < m; ++j) {
+    if (PyDict_DelItem(b->gone, PyList_GET_ITEM(old.p, j)) != 0) return false;
   }
   return true;
 }
