@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from kvxfer.vllm import scheduler as scheduler_mod
 from kvxfer.vllm.config import ConnectorConfig
 from kvxfer.vllm.layout import KVLayout
 from kvxfer.vllm.scheduler import SchedulerSide, expand_block_ids, prompt_hash
@@ -349,3 +350,17 @@ def test_p_side_sliding_window_blocks_out_of_the_window_are_not_handed_off(caplo
     assert "not handed off: 2 of its 4 blocks are out of the sliding window" in caplog.text
     assert "sliding window of 32 tokens" in caplog.text and caplog.text.count("not handed off") == 1
     assert _p_finish(s, n=40, blocks=(7, 8))[1][0] is True  # in the window: handed off
+
+
+def test_remote_keys_loaded_are_forgotten_oldest_first_in_batches(monkeypatch):
+    """D remembers the remote keys it loaded (a sibling's params are not loaded twice) up to
+    ``_CONSUMED_MAX``, forgetting the oldest a batch at a time; the newest are always kept."""
+    monkeypatch.setattr(scheduler_mod, "_CONSUMED_MAX", 8)
+    monkeypatch.setattr(scheduler_mod, "_CONSUMED_SLACK", 2)
+    s = _sched()
+    sizes = []
+    for k in range(40):
+        s._consume(("P", f"r{k}"))
+        sizes.append(len(s._consumed))
+    assert max(sizes) == 10 and min(sizes[10:]) == 8
+    assert list(s._consumed)[-8:] == [("P", f"r{k}") for k in range(32, 40)]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,9 @@ __all__ = [
 
 _NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 _CONSUMED_MAX = 65536
+# the oldest forgotten in batches of this many: one per insert made each scan past the keys
+# deleted before it (kvxfer.exports.GONE_SLACK, measured there)
+_CONSUMED_SLACK = _CONSUMED_MAX // 64
 
 
 def prompt_hash(token_ids, num_tokens: int) -> str:
@@ -408,8 +412,9 @@ class SchedulerSide:
 
     def _consume(self, key: tuple[str, str]) -> None:
         self._consumed[key] = None
-        if len(self._consumed) > _CONSUMED_MAX:
-            del self._consumed[next(iter(self._consumed))]
+        if len(self._consumed) > _CONSUMED_MAX + _CONSUMED_SLACK:
+            for old in list(itertools.islice(self._consumed, len(self._consumed) - _CONSUMED_MAX)):
+                del self._consumed[old]
 
     # ------------------------------------------------------------------ exporting side
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
