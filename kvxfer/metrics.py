@@ -49,6 +49,17 @@ class Metrics:
         self._busy_closed = 0.0  # busy seconds of the spans closed so far
         self._span: tuple[float, float] | None = None  # the open span of overlapping transfers
         self.transports: dict[str, str] = {}  # remote engine -> transport
+        self._books: list = []  # follow(): load books that record their one-sided loads natively
+
+    def follow(self, book) -> None:
+        """Count the one-sided loads the control module's ``LoadBook`` reports from now on: it
+        keeps their bytes, ops calls, latencies and busy time natively in each ``poll()``
+        (``record_into``: the latencies go into this object's window), and :meth:`snapshot` adds
+        its ``lane_stats()``. Busy time is then the union of each one's intervals, summed: loads
+        of the two paths that overlap count twice there."""
+        with self._lock:
+            book.record_into(self._latency)
+            self._books.append(book)
 
     def record_handshake(self, engine_id: str, seconds: float, transport: str) -> None:
         with self._lock:
@@ -120,6 +131,13 @@ class Metrics:
                 "notify_failures": self.notify_failures,
                 "transports": dict(self.transports),
             }
+        for book in self._books:
+            nbytes, calls, transfers, latency_sum, book_busy = book.lane_stats()
+            out["bytes"] += nbytes
+            out["ops_calls"] += calls
+            out["transfers"] += transfers
+            out["latency_sum_s"] += latency_sum
+            busy += book_busy
         out["busy_s"] = busy
         out["throughput_Bps"] = out["bytes"] / busy if busy > 0 else 0.0
         for q in (50, 90, 99):

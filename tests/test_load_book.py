@@ -121,6 +121,41 @@ def test_a_load_is_looked_up_recorded_launched_and_lands_with_its_done_mark(book
     assert done_marks(ex) == [("a", [(0, 1)])]
 
 
+def test_the_book_records_the_lanes_metrics_into_the_engines(book):
+    """After ``Metrics.follow``, each ``complete`` adds its reports' bytes, ops calls, landed
+    loads, latencies and busy time (the union of their spans) to what ``snapshot`` says,
+    with no call from Python."""
+    from kvxfer.metrics import Metrics
+
+    m = Metrics()
+    m.record_loads(1.0, 2.0, 100, 1, [0.5])  # the messaged path's, kept by Metrics itself
+    m.follow(book)
+    ex = Exporter()
+    ex.serve(book)
+    marked: collections.deque = collections.deque()
+    lats = []
+    for k, rid in enumerate(("a", "bb")):
+        prm = ex.export(rid, [7 + k, 3 + k], 20)
+        assert begin(book, f"load-{rid}", prm, [1 + 2 * k, 2 + 2 * k]) is not None
+        book.launched(f"load-{rid}", None)
+        got = complete(book, marked)
+        lats += got[6]
+        assert got[4] == 20 * PER_TOKEN and got[5] == 1  # still returned
+    nbytes, calls, transfers, latency_sum, busy = book.lane_stats()
+    assert (nbytes, calls, transfers) == (2 * 20 * PER_TOKEN, 2, 2) and latency_sum == pytest.approx(
+        sum(lats)
+    )
+    assert 0 < busy <= sum(lats) + 1e-9  # each span [start, end] is at most its load's latency
+    snap = m.snapshot()
+    assert snap["bytes"] == 100 + nbytes and snap["transfers"] == 3 and snap["ops_calls"] == 3
+    assert snap["latency_sum_s"] == pytest.approx(0.5 + sum(lats)) and snap["busy_s"] == pytest.approx(
+        1.0 + busy
+    )
+    assert sorted(m._latency) == sorted([0.5, *lats])  # the window the percentiles read
+    with pytest.raises(TypeError, match="extend"):
+        book.record_into(3)
+
+
 def test_a_rank_without_a_table_to_mark_is_notified_now(book):
     ex = Exporter()
     ex.serve(book, marks_all=False)

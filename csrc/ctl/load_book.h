@@ -97,6 +97,12 @@ struct LoadBook {
   PyObject *stale_ns;            // an exporter silent this long is not read (int)
   PyObject *targets;             // engine id -> the target whose `lane` its loads read through
   std::vector<Flight> *flights;
+  // What complete() reported, once record_into() was given the latencies' deque (load_lane.h):
+  // wire bytes, ops calls, loads landed, their latencies summed, and busy time (the union of
+  // the reports' [start, end], as kvxfer.metrics.Metrics keeps its own).
+  PyObject *latencies;  // a deque the landed loads' latencies are appended to (null: not recorded)
+  long long lane_bytes, lane_calls, lane_transfers;
+  double lane_latency_sum, lane_busy_closed, span_start, span_end;  // span_end < span_start: none
 };
 
 // `ids` (a pending entry's local ids: an array or a sequence) as a new list.

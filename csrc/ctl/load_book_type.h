@@ -22,7 +22,7 @@ inline int book_traverse(PyObject *self, visitproc visit, void *arg) {
   LoadBook *b = reinterpret_cast<LoadBook *>(self);
   Py_VISIT(Py_TYPE(self));
   PyObject *own[] = {b->pending, b->done,  b->failed,  b->errors,   b->active,
-                     b->limits,  b->frombuffer, b->dtype, b->stale_ns, b->targets};
+                     b->limits,  b->frombuffer, b->dtype, b->stale_ns, b->targets, b->latencies};
   for (PyObject *o : own) Py_VISIT(o);
   if (b->flights != nullptr) {
     for (const Flight &f : *b->flights) {
@@ -45,6 +45,7 @@ inline int book_clear(PyObject *self) {
   Py_CLEAR(b->dtype);
   Py_CLEAR(b->stale_ns);
   Py_CLEAR(b->targets);
+  Py_CLEAR(b->latencies);
   if (b->flights != nullptr) {
     std::vector<Flight> fl;
     fl.swap(*b->flights);
@@ -90,6 +91,7 @@ inline PyObject *book_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
   PyObject *given[] = {active, limits, frombuffer, dtype, stale};
   for (PyObject *o : given) Py_INCREF(o);
   b->active = active, b->limits = limits, b->frombuffer = frombuffer, b->dtype = dtype, b->stale_ns = stale;
+  b->span_start = 0.0, b->span_end = -1.0;  // no span yet
   if (b->pending == nullptr || b->done == nullptr || b->failed == nullptr || b->errors == nullptr ||
       b->targets == nullptr) {
     Py_DECREF(b);
@@ -121,6 +123,10 @@ inline PyMethodDef *book_methods() {
       {"cancel", book_method(guarded<book_cancel>), METH_FASTCALL, "cancel(request_id, why): its copy failed; failed"},
       {"complete", book_method(guarded<book_complete>), METH_FASTCALL, "the flights whose copy completed, landed and reported"},
       {"in_flight", book_in_flight, METH_NOARGS, "one-sided loads launched and not reported yet"},
+      {"record_into", book_method(guarded<book_record_into>), METH_FASTCALL,
+       "record_into(deque): complete() keeps the lane's metrics, latencies appended to the deque"},
+      {"lane_stats", book_lane_stats, METH_NOARGS,
+       "(wire bytes, ops calls, loads landed, latency sum, busy s) complete() recorded"},
       {"events_of", book_method(guarded<book_events_of>), METH_FASTCALL, "events_of(request_ids) -> their flights' events"},
       {nullptr, nullptr, 0, nullptr},
   };

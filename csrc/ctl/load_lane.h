@@ -27,7 +27,10 @@
 //     it (a failed load is left to the caller, which says why); events: (lane, event) of each
 //     reported flight with one; late: request ids whose deadline passed, still copying (once
 //     each); start: the earliest start of those reported, nbytes their wire bytes, calls their
-//     ops calls, latencies the landed ones' (end - start).
+//     ops calls, latencies the landed ones' (end - start). After record_into(deque), complete()
+//     also keeps those (lane_stats(): wire bytes, ops calls, loads landed, their latency sum,
+//     busy seconds) and appends the latencies to the deque: kvxfer.metrics.Metrics.follow, so
+//     a poll() records its one-sided loads without a Python call.
 //
 // The lane is a tuple the Python side makes once per peer: (target, tables, epochs, marks, host,
 // port, tp_size, block size, num_blocks, local block size, local num_blocks, wire bytes per
@@ -292,6 +295,8 @@ inline PyObject *book_cancel(PyObject *self, PyObject *const *args, Py_ssize_t n
   return book_unlaunch(reinterpret_cast<LoadBook *>(self), args[0], args[1]);
 }
 
+inline bool record_lane(LoadBook *b, double first, double end, long long nbytes, long long calls, PyObject *lats);
+
 inline PyObject *book_complete(PyObject *self, PyObject *const *args, Py_ssize_t n) {
   LoadBook *b = reinterpret_cast<LoadBook *>(self);
   if (!nargs(n, 7, "LoadBook.complete")) return nullptr;
@@ -415,7 +420,58 @@ inline PyObject *book_complete(PyObject *self, PyObject *const *args, Py_ssize_t
     return nullptr;
   }
   if (first == std::numeric_limits<double>::infinity()) first = end;
+  if (b->latencies != nullptr && !record_lane(b, first, end, nbytes, calls, lats)) {
+    // the reports stand (the loads are finished in the book); only the metrics lost them
+    PyErr_WriteUnraisable(b->latencies);
+  }
   return Py_BuildValue("(NNNdLLN)", results, events, late, first, nbytes, calls, lats);
+}
+
+// The lane's metrics of one complete(): its reports' [first, end], wire bytes, ops calls and the
+// landed loads' latencies (Metrics.record_loads's arithmetic); false with an error set when the
+// deque would not take the latencies (then nothing was counted).
+inline bool record_lane(LoadBook *b, double first, double end, long long nbytes, long long calls, PyObject *lats) {
+  const Py_ssize_t k = PyList_GET_SIZE(lats);
+  if (k > 0) {
+    PyObject *r = PyObject_CallMethod(b->latencies, "extend", "O", lats);
+    if (r == nullptr) return false;
+    Py_DECREF(r);
+    double sum = 0;
+    for (Py_ssize_t i = 0; i < k; ++i) sum += PyFloat_AS_DOUBLE(PyList_GET_ITEM(lats, i));
+    b->lane_transfers += k;
+    b->lane_latency_sum += sum;
+  }
+  b->lane_bytes += nbytes;
+  b->lane_calls += calls;
+  if (b->span_end < b->span_start || first > b->span_end) {  // none open, or this one starts after it
+    if (b->span_end >= b->span_start) b->lane_busy_closed += b->span_end - b->span_start;
+    b->span_start = first, b->span_end = end;
+  } else {  // overlaps the open span
+    b->span_start = first < b->span_start ? first : b->span_start;
+    b->span_end = end > b->span_end ? end : b->span_end;
+  }
+  return true;
+}
+
+// record_into(deque): complete() keeps the lane's metrics from now on (lane_stats()), the landed
+// loads' latencies appended to `deque` (anything with extend()).
+inline PyObject *book_record_into(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+  LoadBook *b = reinterpret_cast<LoadBook *>(self);
+  if (!nargs(n, 1, "LoadBook.record_into")) return nullptr;
+  if (!PyObject_HasAttrString(args[0], "extend")) {
+    return PyErr_Format(PyExc_TypeError, "record_into: a deque (with extend), got %s", Py_TYPE(args[0])->tp_name);
+  }
+  Py_INCREF(args[0]);
+  Py_XSETREF(b->latencies, args[0]);
+  Py_RETURN_NONE;
+}
+
+// lane_stats() -> (wire bytes, ops calls, loads landed, their latency sum, busy seconds)
+inline PyObject *book_lane_stats(PyObject *self, PyObject *) {
+  LoadBook *b = reinterpret_cast<LoadBook *>(self);
+  const double open = b->span_end >= b->span_start ? b->span_end - b->span_start : 0.0;
+  return Py_BuildValue("(LLLdd)", b->lane_bytes, b->lane_calls, b->lane_transfers, b->lane_latency_sum,
+                       b->lane_busy_closed + open);
 }
 
 inline PyObject *book_in_flight(PyObject *self, PyObject *) {

@@ -62,6 +62,7 @@ class NativeLane:
         self.rt = rt
         self.link = link
         self.need_ns = need_ns
+        rt.metrics.follow(book)  # complete() records the loads it reports: no call per poll()
 
     def attach(self, peer: Peer, t: Target) -> None:
         """Loads of ``peer``'s params read through target ``t`` from now on, when it has
@@ -121,16 +122,16 @@ class NativeLane:
     def complete(self, mark_later: Callable[[tuple], None], due: float) -> None:
         """Land and report every flight whose copy completed (``LoadBook.complete``): a load whose
         marks every exporter rank counts has its notification deferred (``mark_later((due,
-        peer, params request id, token))``); here the metrics, the other loads' notifications
-        and the failures' reasons (:meth:`Target.outcome
-        <kvxfer.transports.ipc.target.Target.outcome>`), as the Python path makes them."""
+        peer, params request id, token))``); here the other loads' notifications and the
+        failures' reasons (:meth:`Target.outcome <kvxfer.transports.ipc.target.Target.outcome>`),
+        as the Python path makes them. The book records the metrics itself
+        (:meth:`kvxfer.metrics.Metrics.follow`)."""
         now_ns, end = time.monotonic_ns(), now()
         rank, rt = self.rank, self.rt
         got = self.book.complete(now_ns, end, rank.tp_rank, rank.tp_size, event_done, mark_later, due)
         if got is None:
             return
-        results, events, late, start, nbytes, calls, latencies = got
-        rt.metrics.record_loads(start, end, nbytes, calls, latencies)
+        results, events, late = got[:3]  # the metrics were recorded by the book (Metrics.follow)
         if events:
             recycled: set[int] = set()  # a batch's loads share one event: back to the pool once
             for lane, ev in events:
