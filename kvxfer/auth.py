@@ -5,7 +5,7 @@ binds the request id to that one export and its contents:
 
     token   = nonce (8 bytes) || MAC, as 48 hex characters
     MAC     = BLAKE2b-128 keyed with the secret (RFC 7693), of request_id || 0 || nonce || digest
-    digest  = BLAKE2b-128(num_tokens || block ids), :func:`content_digest`
+    digest  = BLAKE2b-128(num_tokens || groups || block ids), :func:`content_digest`
 
 The nonce is the export's *generation* of its request id on the rank (0 for the first export
 of an id, one more for each later export after the earlier one was released: identical on
@@ -71,11 +71,12 @@ DIGEST_BYTES = 16
 _blake2b = hashlib.blake2b
 # native int64 / uint64 (the ids' bytes are the digest's input as they are on a little-endian host)
 _I64, _U64 = (np.dtype(t) if np.little_endian else None for t in (np.int64, np.uint64))
-# Ids hashed per update: hashlib releases the GIL for an update of 2048 bytes or more, and
-# taking it back waits for the engine's other threads, so a 4K-token request's 256 ids (2048
-# bytes) hashed in one update made the digest's cost depend on those threads; updates of 255
-# ids keep the GIL (profiling/results/2026-11-26-cpu-onesided-hostcost/README.md).
-_IDS_PER_UPDATE = 255
+# Bytes hashed per update: hashlib releases the GIL for an update of 2048 bytes or more, and
+# taking it back waits for the engine's other threads, so a 4K-token request's ids hashed in one
+# such update made the digest's cost depend on those threads; smaller updates keep the GIL
+# (profiling/results/2026-11-26-cpu-onesided-hostcost).
+_BYTES_PER_UPDATE = 2040
+_U32_MAX = (1 << 32) - 1
 TOKEN_CHARS = 2 * (_NONCE_BYTES + _MAC_BYTES)  # 48 hex characters
 
 
@@ -94,26 +95,45 @@ def _id_bytes(block_ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(block_ids.view(np.int64) if dt == np.uint64 else block_ids, dtype="<i8")
 
 
+def _digest_input(
+    num_tokens: int, block_ids: np.ndarray, groups: Sequence[int] | None
+) -> tuple[bytes, np.ndarray]:
+    """The content digest's header and the ids as hashed (see :func:`content_digest`)."""
+    narrow = not block_ids.size or int(block_ids.view(np.uint64).max()) <= _U32_MAX
+    head = b"".join((
+        num_tokens.to_bytes(8, "little"),
+        b"\x01" if groups is not None else b"\x00",
+        (len(groups) if groups is not None else 0).to_bytes(4, "little"),
+        b"\x04" if narrow else b"\x08",
+    ))  # fmt: skip
+    return head, block_ids.astype("<u4") if narrow else block_ids
+
+
 def content_digest(num_tokens: int, block_ids: np.ndarray, groups: Sequence[int] | None = None) -> bytes:
-    """What a token binds besides the request id: BLAKE2b-128 of ``num_tokens`` (8 bytes,
-    little-endian) and the block ids as little-endian int64 (``block_ids``: an int64 or uint64
-    array of non-negative ids, the exporter's checked array or the params' own). ``groups``: a
-    request of several KV cache groups (:mod:`kvxfer.grouped`), how many of the ids belong to
-    each group, bound too (after a marker no id count can equal). One native call when the
-    control module is loaded, else hashlib (the same bytes)."""
+    """What a token binds besides the request id: BLAKE2b-128 of a 14-byte header (``num_tokens``
+    as 8 bytes little-endian; 1 when ``groups`` is given, else 0; the number of groups as 4
+    bytes; the ids' width, 4 when every id is below 2**32, else 8), then ``groups`` (a request of
+    several KV cache groups, :mod:`kvxfer.grouped`: how many of the ids belong to each, 8 bytes
+    each), then the block ids at that width, little-endian (``block_ids``: an int64 or uint64
+    array of non-negative ids, the exporter's checked array or the params' own). Every field's
+    length is fixed by the header, so no two inputs hash the same bytes; 4-byte ids halve what
+    is hashed for every real cache. One native call when the control module is loaded, else
+    hashlib (the same bytes)."""
     block_ids = _id_bytes(block_ids)
     mod = _native()
     if mod is not None:
         g = None if groups is None else np.ascontiguousarray(groups, dtype="<i8")
         return mod.content_digest(num_tokens, block_ids, g)
-    h = _blake2b(num_tokens.to_bytes(8, "little"), digest_size=DIGEST_BYTES)
+    head, ids = _digest_input(num_tokens, block_ids, groups)
+    h = _blake2b(head, digest_size=DIGEST_BYTES)
     if groups is not None:
-        h.update(b"\xffgroups" + np.asarray(groups, dtype="<i8").tobytes())
-    if block_ids.size <= _IDS_PER_UPDATE:  # the bytes as they are
-        h.update(block_ids)
+        h.update(np.asarray(groups, dtype="<i8").tobytes())
+    step = _BYTES_PER_UPDATE // ids.itemsize
+    if ids.size <= step:  # the bytes as they are
+        h.update(ids)
     else:
-        for k in range(0, block_ids.size, _IDS_PER_UPDATE):
-            h.update(block_ids[k : k + _IDS_PER_UPDATE])
+        for k in range(0, ids.size, step):
+            h.update(ids[k : k + step])
     return h.digest()
 
 

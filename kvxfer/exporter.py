@@ -21,7 +21,8 @@ from . import control
 from .auth import UNAUTHORIZED
 from .engine_types import TICK_MS
 from .entitlement import allowed_prefixes, call_refusal
-from .exports import UNKNOWN, spans
+from .export_records import spans
+from .exports import UNKNOWN
 from .ordering import NOT_READY
 from .plan import plan_reads
 from .rank import Rank, Runtime

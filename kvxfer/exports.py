@@ -32,6 +32,7 @@ import torch
 from . import idops
 from .auth import UNAUTHORIZED
 from .completion import PollResult
+from .export_records import ExportRecord, counted
 from .ordering import event_done
 
 _LOG = logging.getLogger(__name__)
@@ -83,89 +84,6 @@ class LeaseListener(Protocol):
         """A lease ended; its blocks' epochs move right after."""
 
 
-class _Export:
-    """One live export without the control module (a plain slotted class: a dataclass's default
-    factories are calls of their own, paid per ``export()``); with it, the ``ExportRecord`` its
-    ``ExportBook`` makes, which has these attributes (and ``slot``)."""
-
-    __slots__ = (
-        "block_ids",
-        "deadline",
-        "digest",
-        "gates",
-        "gen",
-        "groups",
-        "marked",
-        "notified_by",
-        "num_tokens",
-        "token",
-    )
-
-    def __init__(
-        self,
-        block_ids: np.ndarray,
-        num_tokens: int,
-        deadline: float,
-        token: str = "",
-        digest: bytes = b"",
-        gen: int = 0,
-        groups: tuple[int, ...] | None = None,
-    ) -> None:
-        self.block_ids = block_ids  # int64 [n]
-        self.groups = groups  # ids per KV cache group (kvxfer.grouped), None: one group
-        self.num_tokens = num_tokens
-        self.deadline = deadline
-        self.notified_by: dict[int, set] = {}  # expected count -> the senders counted toward it
-        self.marked: np.ndarray | None = None  # layer-wise export: layers marked ready (None: all)
-        self.gates: list = []  # (layers bool mask, events) of marked groups
-        self.token = token  # the export's auth token (kvxfer.auth), kept to verify messages cheaply
-        self.digest = digest  # kvxfer.auth.content_digest of (num_tokens, block_ids)
-        self.gen = gen  # the export's generation of its request id (kvxfer.auth: the token's nonce)
-
-
-def spans(e, block_size: int, whole: tuple[bool, ...] = ()) -> list[tuple[np.ndarray, int]]:
-    """``(block ids, num_tokens)`` of export ``e`` (a record of :meth:`ExportTracker.lookup`)
-    whose blocks each start at a block's first token and whose last block holds the export's
-    partial tail (what :func:`kvxfer.entitlement.allowed_prefixes` reads): the export itself, or
-    for a request of several groups each group's live blocks (which end at the same token as the
-    request); a group marked in ``whole`` (a state group:
-    :attr:`kvxfer.groups.attention.GroupSet.whole`) opens its blocks whole."""
-    if e.groups is None:
-        return [(e.block_ids, e.num_tokens)]
-    out = []
-    at = 0
-    need = -(-e.num_tokens // block_size)
-    for g, n in enumerate(e.groups):
-        if g < len(whole) and whole[g]:
-            out.append((e.block_ids[at : at + n], n * block_size))
-            at += n
-            continue
-        # a group's live blocks are its last n positions: seen from position need - n
-        out.append((e.block_ids[at : at + n], e.num_tokens - (need - n) * block_size))
-        at += n
-    return out
-
-
-def _counted(e: _Export, sender, expected: int) -> bool:
-    """Count one notification (or done mark) of loader rank ``sender`` for export ``e``, whose
-    plan expects ``expected`` of them; True when this one completed the count. A sender counts
-    once: its repeats (a retried message, one message naming the request twice) return False,
-    so an export is released, and reported, once whatever arrives.
-
-    Senders are counted per expected count (per loader layout): the first message does not fix
-    the count for the others. Else a token holder claiming another loader TP size (a rank of a
-    4-rank loader: 4 expected) before the real loader's rank notified would leave that one's
-    notification counted against 4, and the export leased for as long as anyone renewed it."""
-    by = e.notified_by
-    seen = by.get(expected)
-    if seen is None:
-        seen = by[expected] = set()
-    if sender in seen:
-        return False
-    seen.add(sender)
-    return len(seen) >= expected
-
-
 class ExportTracker:
     """Requests this rank exported, their leases, notification counts and block epochs.
 
@@ -188,7 +106,7 @@ class ExportTracker:
         self.lock = threading.RLock()
         mod = _ctl()
         self._book = mod.ExportBook(self._rc, self._ep, GONE_KEPT) if mod is not None else None
-        self._live: dict[str, _Export] = self._book.live if self._book is not None else {}
+        self._live: dict[str, ExportRecord] = self._book.live if self._book is not None else {}
         # exports freed because every loader rank notified or marked done (stats()
         # "finished_exports"): counted here, under the lock the release holds anyway
         self.finished_exports = 0
@@ -266,7 +184,7 @@ class ExportTracker:
             # One count per live export holding a block (a block listed twice counts once,
             # and is released once).
             idops.hold(self._rc, ids)
-            e = _Export(ids, num_tokens, time.monotonic() + self.lease_s, token, digest, gen, groups)
+            e = ExportRecord(ids, num_tokens, time.monotonic() + self.lease_s, token, digest, gen, groups)
             if num_layers:
                 e.marked = np.zeros(num_layers, dtype=bool)
             self._live[request_id] = e
@@ -386,7 +304,7 @@ class ExportTracker:
         verify: Verify | None,
         bad: dict,
         digests: list | None = None,
-    ) -> list[tuple[str, _Export | None]]:
+    ) -> list[tuple[str, ExportRecord | None]]:
         """``(request id, its live export or None)`` for each of ``request_ids`` whose token
         verifies (all of them when ``tokens`` is None); the others go into ``bad`` with why.
 
@@ -441,7 +359,7 @@ class ExportTracker:
             self._verified(request_ids, tokens, verify, bad, digests)
         return bad
 
-    def lookup(self, request_id: str) -> _Export | None:
+    def lookup(self, request_id: str) -> ExportRecord | None:
         with self.lock:
             return self._live.get(request_id)
 
@@ -460,7 +378,7 @@ class ExportTracker:
                     self._renew(rid, e, deadline)
         return bad
 
-    def _renew(self, request_id: str, e: _Export, deadline: float) -> None:
+    def _renew(self, request_id: str, e: ExportRecord, deadline: float) -> None:
         """The lease of ``e`` ends at ``deadline`` now (later than it did); under :attr:`lock`."""
         if self._book is not None:
             self._book.renew(e, deadline)  # and its slot's deadline, in a followed table
@@ -531,7 +449,7 @@ class ExportTracker:
                     if bad is not None:
                         bad[rid] = want
                     continue
-                if _counted(e, sender, want):
+                if counted(e, sender, want):
                     done.append(rid)
             if done:
                 done = self._release_many(done)
@@ -560,7 +478,7 @@ class ExportTracker:
                     if want == 1 and not e.notified_by:  # a lone loader rank's mark: nothing to count
                         landed = True
                     elif type(want) is not str:
-                        landed = _counted(e, d, want) or landed
+                        landed = counted(e, d, want) or landed
                 if landed:
                     done.append(rid)
             if done:

@@ -46,8 +46,9 @@ __all__ = [
 
 # 2: auth tokens, incarnations, acknowledged notifications; 3: SendReq call units; 4: tokens bound
 # to one export (nonce, content digest), digests on grants and handshakes, bounded fields; 5: the
-# token's MAC is keyed BLAKE2b (was HMAC-SHA256), so a version-4 peer's tokens do not verify here
-PROTOCOL_VERSION = 5
+# token's MAC is keyed BLAKE2b (was HMAC-SHA256), so a version-4 peer's tokens do not verify here;
+# 6: the content digest hashes a header (groups, the ids' width) and ids below 2**32 as 4 bytes
+PROTOCOL_VERSION = 6
 
 # Field types with their bounds (kvxfer.limits), checked by msgspec as a frame is decoded: a
 # message out of bounds is refused whole (ErrorReply) before any handler sees it.

@@ -26,6 +26,17 @@ def path(request, monkeypatch):
     return request.param
 
 
+def _want_digest(num_tokens: int, ids, groups=None) -> bytes:
+    """The content digest as the module doc defines it, written out here with ints and hashlib:
+    a 14-byte header (num_tokens, grouped, number of groups, the ids' width), the groups, the ids."""
+    width = 4 if all(int(x) < 2**32 for x in ids) else 8
+    head = num_tokens.to_bytes(8, "little") + bytes([groups is not None])
+    head += (len(groups) if groups is not None else 0).to_bytes(4, "little") + bytes([width])
+    body = b"".join(int(g).to_bytes(8, "little") for g in groups or ())
+    body += b"".join(int(x).to_bytes(width, "little") for x in ids)
+    return hashlib.blake2b(head + body, digest_size=16).digest()
+
+
 def _want_token(key: bytes, rid: str, nonce: bytes, digest: bytes) -> str:
     """The token as the module doc defines it, written out here with hashlib."""
     mac = hashlib.blake2b(rid.encode() + b"\0" + nonce + digest, key=key, digest_size=16).digest()
@@ -54,11 +65,7 @@ def test_native_and_hashlib_give_the_same_token_and_digest(path):
         tok = request_token(key, "q", bytes(8), dg)
         auth_native = _NATIVE()
         if path == "native":  # the other path's result on the same bytes
-            want_dg = hashlib.blake2b((4000).to_bytes(8, "little"), digest_size=16)
-            if groups is not None:
-                want_dg.update(b"\xffgroups" + np.asarray(groups, dtype="<i8").tobytes())
-            want_dg.update(ids.astype("<i8").tobytes())
-            assert dg == want_dg.digest()
+            assert dg == _want_digest(4000, ids, groups)
             assert tok == _want_token(key, "q", bytes(8), dg)
         else:
             assert auth_native is not None
@@ -153,18 +160,18 @@ def test_content_digest_reads_uint64_and_int64_alike_and_every_id():
     assert len(content_digest(5, a)) == 16
 
 
-# 8 + 8 * num_ids bytes: one block exactly at 15 ids, just over at 16; the native digest lets other
-# threads run from 8192 ids
-@pytest.mark.parametrize("num_ids", [1, 4, 15, 16, 17, 255, 256, 1000, 8192])
-def test_content_digest_is_blake2b_of_little_endian_bytes_whatever_the_array(num_ids):
-    """The digest's input is fixed (8-byte little-endian count, then little-endian int64 ids),
-    whether the ids come contiguous (hashed as they are, in updates of 255 ids), strided,
+# 14 + 4 * num_ids bytes (8 per id from 2**32 on): one block at 28 ids, just over at 29; packed 256
+# ids a pass; the native digest lets other threads run from 8192 ids
+@pytest.mark.parametrize("num_ids", [1, 4, 15, 16, 17, 28, 29, 255, 256, 257, 1000, 8192])
+@pytest.mark.parametrize("big", [False, True], ids=["4-byte ids", "an id of 2**40"])
+def test_content_digest_is_blake2b_of_little_endian_bytes_whatever_the_array(num_ids, big):
+    """The digest's input is fixed (the header, then the ids little-endian at their width),
+    whether the ids come contiguous (hashed as they are, in updates under 2 KiB), strided,
     big-endian or narrower."""
     a = np.random.default_rng(num_ids).choice(2**31, num_ids, replace=False).astype(np.int64)
-    a[0] = 2**40
-    want = hashlib.blake2b(
-        (5).to_bytes(8, "little") + b"".join(int(x).to_bytes(8, "little") for x in a), digest_size=16
-    ).digest()
+    if big:
+        a[0] = 2**40
+    want = _want_digest(5, a.tolist())
     wide = np.zeros(2 * num_ids, dtype=np.int64)
     wide[::2] = a
     for ids in (a, a.view(np.uint64), wide[::2], a.astype(">i8")):
@@ -172,3 +179,12 @@ def test_content_digest_is_blake2b_of_little_endian_bytes_whatever_the_array(num
     assert content_digest(5, a[:-1]) != want and content_digest(6, a) != want
     small = a[1:3]
     assert content_digest(5, small.astype(np.int32)) == content_digest(5, small)
+
+
+def test_the_header_keeps_apart_what_the_bytes_alone_would_not():
+    """Inputs whose ids' bytes could read alike: one id of 2**32 + 7 (8 bytes) and the ids 7, 1
+    (4 bytes each); one group of the ids and none; the groups' counts moved between groups."""
+    assert content_digest(5, np.array([2**32 + 7])) != content_digest(5, np.array([7, 1]))
+    ids = np.array([3, 4, 5])
+    assert content_digest(5, ids, [3]) != content_digest(5, ids)
+    assert content_digest(5, ids, [1, 2]) != content_digest(5, ids, [2, 1])

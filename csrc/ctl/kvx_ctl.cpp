@@ -17,12 +17,13 @@
 // ctl_common.h (the argument checks every function shares), lease_slots.h (the lease-slot
 // table of kvxfer/transports/ipc/slots.py: the loader's reads and marks, the binding),
 // onesided_reads.h (a one-sided load's reads and marks over all its source ranks in one call),
-// load_book.h (the loads in flight on a loader rank), export_book.h (the exporter's records of its
-// live exports and its lease-slot writes), load_lane.h (the one-sided native lane's
-// records in them), load_book_type.h (their Python type), block_ids.h (a caller's ids checked,
-// the repeat sets), exporter_slots.h (the exporter's writes to that table), token_hash.h (the content digest and
-// token of kvxfer/auth.py), blake2b.h (the hash of those three) and params_fields.h (a load's
-// params dict checked in one call, kvxfer/params.py).
+// load_book.h (the loads in flight on a loader rank), load_lane.h (the one-sided native lane's
+// records in them), load_book_type.h (their Python type), export_book.h (the exporter's records
+// of its live exports, and its writes to its lease-slot table), export_book_type.h (their Python
+// types), block_ids.h (a caller's ids checked, the repeat sets, refcounts), exporter_slots.h (the
+// exporter's writes to that table), token_hash.h (the content digest and token of
+// kvxfer/auth.py), blake2b.h (the hash of those three) and params_fields.h (a load's params dict
+// checked in one call, kvxfer/params.py).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,7 +34,7 @@
 
 #include "block_ids.h"
 #include "ctl_common.h"
-#include "export_book.h"
+#include "export_book_type.h"
 #include "exporter_slots.h"
 #include "lease_slots.h"
 #include "load_book_type.h"

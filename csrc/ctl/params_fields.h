@@ -141,18 +141,8 @@ inline int parse_params(PyObject *d, PyObject *lim, ParsedParams &p, bool tuple 
   p.port_v = port_v, p.tp_v = tp_v, p.num_v = num_v, p.ver_v = ver_v;
   p.raw = raw;
   if (tuple && (p.tup = PyList_AsTuple(ids)) == nullptr) return -1;  // before the list may change
-  Blake2b128 h;  // content_digest(num_v, the ids, None): the bytes written above are the ids' int64
-  unsigned char head[8];
-  store_le64(head, static_cast<uint64_t>(num_v));
-  h.update(head, 8);
-  const auto *data = reinterpret_cast<const unsigned char *>(out);
-  const size_t len = static_cast<size_t>(k) * 8;
-  if (len >= kDigestFreeGilBytes) {  // `raw` is this call's own: no other thread sees it yet
-    Py_BEGIN_ALLOW_THREADS h.update(data, len);
-    Py_END_ALLOW_THREADS
-  } else {
-    h.update(data, len);
-  }
+  Blake2b128 h;  // content_digest(num_v, the ids, None); `raw` is this call's own: no other thread sees it
+  hash_ids(h, num_v, nullptr, 0, out, static_cast<size_t>(k));
   p.digest = digest_bytes(h);
   return p.digest == nullptr ? -1 : 1;
 }

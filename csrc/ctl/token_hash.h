@@ -1,9 +1,10 @@
 // The two hashes of kvxfer/auth.py on the per-request path, one native call each:
 //
 //   content_digest(num_tokens, ids, groups) -> 16 bytes
-//       BLAKE2b-128 of num_tokens (8 bytes, little-endian), then, for a request of several KV
-//       cache groups, b"\xffgroups" and the ids per group (int64, little-endian), then the block
-//       ids (int64, little-endian).
+//       BLAKE2b-128 of a 14-byte header (num_tokens as 8 bytes, little-endian; 1 when the
+//       request has several KV cache groups, else 0; the number of groups as 4 bytes; the ids'
+//       width, 4 when every id is below 2**32, else 8), then the ids per group (8 bytes each),
+//       then the block ids at that width, little-endian.
 //   token(key, request_id, nonce, digest) -> str
 //       nonce.hex() + the hex of keyed BLAKE2b-128(key; request_id UTF-8, 0, nonce, digest).
 //   export_token(key, request_id, nonce, num_tokens, ids, groups) -> (token, digest)
@@ -39,7 +40,9 @@ namespace kvx_ctl {
 // request at block 16) hash for ~30 times as long as 256 ids do, long next to taking the GIL
 // back, which cost a 256-id digest several times its hash when hashlib let it go at 2 KiB
 // (profiling/results/2026-11-26-cpu-onesided-hostcost).
-constexpr size_t kDigestFreeGilBytes = size_t{8192} * 8;
+constexpr size_t kDigestFreeGilIds = 8192;
+// Ids packed to 4 bytes per hash update (on the stack).
+constexpr size_t kPackIds = 256;
 
 inline void store_le64(unsigned char *p, uint64_t v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
@@ -54,24 +57,49 @@ inline PyObject *digest_bytes(Blake2b128 &h) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char *>(out), 16);
 }
 
-// The content digest's hash of num_tokens, groups (null: one group) and ids (8-byte ints).
-inline void hash_content(Blake2b128 &h, long long num_tokens, const Buf *groups, const Buf &ids) {
-  unsigned char head[8];
+// The content digest's hash (see the file's head) of num_tokens, the ids per group (`groups`,
+// `num_groups` of them; null: one group) and the ids (`k` non-negative 8-byte ints). The ids'
+// width is their own: 4 bytes each when all are below 2**32 (every real cache), which halves
+// what is hashed.
+inline void hash_ids(Blake2b128 &h, long long num_tokens, const int64_t *groups, Py_ssize_t num_groups,
+                     const uint64_t *ids, size_t k) {
+  uint64_t top = 0;
+  for (size_t i = 0; i < k; ++i) top |= ids[i];
+  const bool narrow = top >> 32 == 0;
+  unsigned char head[14];
   store_le64(head, static_cast<uint64_t>(num_tokens));
-  h.update(head, 8);
+  head[8] = groups != nullptr ? 1 : 0;
+  const uint32_t ng = groups != nullptr ? static_cast<uint32_t>(num_groups) : 0;
+  for (int i = 0; i < 4; ++i) head[9 + i] = static_cast<unsigned char>(ng >> (8 * i));
+  head[13] = narrow ? 4 : 8;
+  h.update(head, 14);
   if (groups != nullptr) {
-    static const unsigned char kMarker[] = "\xffgroups";
-    h.update(kMarker, sizeof(kMarker) - 1);
-    h.update(static_cast<const unsigned char *>(groups->view.buf), static_cast<size_t>(groups->view.len));
+    h.update(reinterpret_cast<const unsigned char *>(groups), static_cast<size_t>(num_groups) * 8);
   }
-  const auto *data = static_cast<const unsigned char *>(ids.view.buf);
-  const size_t len = static_cast<size_t>(ids.view.len);
-  if (len >= kDigestFreeGilBytes) {  // the buffer views are held: its memory stays valid
-    Py_BEGIN_ALLOW_THREADS h.update(data, len);
+  auto all = [&] {
+    if (!narrow) {
+      h.update(reinterpret_cast<const unsigned char *>(ids), k * 8);
+      return;
+    }
+    uint32_t packed[kPackIds];
+    for (size_t at = 0; at < k; at += kPackIds) {
+      const size_t m = k - at < kPackIds ? k - at : kPackIds;
+      for (size_t i = 0; i < m; ++i) packed[i] = static_cast<uint32_t>(ids[at + i]);
+      h.update(reinterpret_cast<const unsigned char *>(packed), m * 4);
+    }
+  };
+  if (k >= kDigestFreeGilIds) {  // the caller holds the ids' memory: it stays valid
+    Py_BEGIN_ALLOW_THREADS all();
     Py_END_ALLOW_THREADS
   } else {
-    h.update(data, len);
+    all();
   }
+}
+
+inline void hash_content(Blake2b128 &h, long long num_tokens, const Buf *groups, const Buf &ids) {
+  hash_ids(h, num_tokens, groups != nullptr ? static_cast<const int64_t *>(groups->view.buf) : nullptr,
+           groups != nullptr ? groups->count() : 0, static_cast<const uint64_t *>(ids.view.buf),
+           static_cast<size_t>(ids.count()));
 }
 
 // num_tokens, ids and groups (None: one group) of a content digest's call, checked.

@@ -74,9 +74,7 @@ __all__ = [
 
 _NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 _CONSUMED_MAX = 65536
-# the oldest forgotten in batches of this many: one per insert made each scan past the keys
-# deleted before it (kvxfer.exports.GONE_SLACK, measured there)
-_CONSUMED_SLACK = _CONSUMED_MAX // 64
+_CONSUMED_SLACK = _CONSUMED_MAX // 64  # the oldest forgotten in batches, as kvxfer.exports.GONE_SLACK
 
 
 def prompt_hash(token_ids, num_tokens: int) -> str:
