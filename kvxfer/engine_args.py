@@ -18,6 +18,7 @@ from . import ops
 from .backends.base import PagedSide
 from .groups.attention import AttentionGroup, GroupSet
 from .groups.state_group import StateGroup
+from .limits import MAX_LEASE_S
 from .spec import KVCacheSpec
 from .transports import TRANSPORTS
 from .transports.nixl.availability import require_nixl
@@ -59,8 +60,8 @@ def check_engine_args(
         raise ValueError(f"transport: must be 'auto', 'ipc', 'pg' or 'nixl', got {transport!r}")
     if transport == "nixl":
         require_nixl()  # NixlUnavailable (an ImportError) naming how to install it
-    if not (isinstance(lease_s, (int, float)) and lease_s > 0):
-        raise ValueError(f"lease_s: must be > 0, got {lease_s!r}")
+    if not (isinstance(lease_s, (int, float)) and 0 < lease_s < MAX_LEASE_S):
+        raise ValueError(f"lease_s: must be > 0 and < {MAX_LEASE_S:.0f} seconds, got {lease_s!r}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - tp_size:
         raise ValueError(f"port: must be an int in [0, {65535 - tp_size}], got {port!r}")
     if port == 0 and tp_size > 1:

@@ -33,6 +33,7 @@ from . import idops
 from .auth import UNAUTHORIZED
 from .completion import PollResult
 from .export_records import ExportRecord, counted
+from .limits import MAX_LEASE_S
 from .ordering import event_done
 
 _LOG = logging.getLogger(__name__)
@@ -95,8 +96,8 @@ class ExportTracker:
     """
 
     def __init__(self, num_blocks: int, lease_s: float, epochs: torch.Tensor | None = None) -> None:
-        if not lease_s > 0:
-            raise ValueError(f"lease_s: must be > 0, got {lease_s!r}")
+        if not 0 < lease_s < MAX_LEASE_S:
+            raise ValueError(f"lease_s: must be > 0 and < {MAX_LEASE_S:.0f} seconds, got {lease_s!r}")
         self.lease_s = lease_s
         self.num_blocks = num_blocks
         self.epochs = epochs if epochs is not None else torch.zeros(num_blocks, dtype=torch.int64)
@@ -105,7 +106,7 @@ class ExportTracker:
         self._rc = self.refcount.numpy()
         self.lock = threading.RLock()
         mod = _ctl()
-        self._book = mod.ExportBook(self._rc, self._ep, GONE_KEPT) if mod is not None else None
+        self._book = mod.ExportBook(self._rc, self._ep, GONE_KEPT, GONE_SLACK) if mod is not None else None
         self._live: dict[str, ExportRecord] = self._book.live if self._book is not None else {}
         # exports freed because every loader rank notified or marked done (stats()
         # "finished_exports"): counted here, under the lock the release holds anyway

@@ -15,3 +15,4 @@ MAX_HEADS = 65_536
 MAX_TOKENS = 1 << 31  # tokens of one request, one call or one chunk
 MAX_WAIT_S = 60.0  # a long-polled grant, a peer's declared timeout: at most this (seconds)
 MAX_CALLS = 65_536  # ops calls in one send request
+MAX_LEASE_S = 365 * 86400.0  # a lease's end is published in int64 nanoseconds; no loader needs a year

@@ -164,10 +164,11 @@ def test_a_full_table_leaves_the_export_without_a_slot_logged_once(monkeypatch, 
 
 # ------------------------------------------------------------------------ refusals, by name
 def book():
-    """A native book of 8 blocks (remembering 4 released ids), its refcounts and epochs."""
+    """A native book of 8 blocks (remembering 4 released ids, forgotten 2 at a time), its
+    refcounts and epochs."""
     rc = np.zeros(8, dtype=np.int32)
     ep = np.zeros(8, dtype=np.int64)
-    return idops.native().ExportBook(rc, ep, 4), rc, ep
+    return idops.native().ExportBook(rc, ep, 4, 2), rc, ep
 
 
 def add(b, rid="a", ids=(1, 2), token=TOKEN, digest=bytes(16), ready=True):
@@ -205,10 +206,12 @@ def test_add_refuses_ids_of_another_width_a_live_id_and_a_token_used_before():
 
 def test_gone_keeps_the_newest_releases_only():
     b = book()[0]
-    for k in range(6):
+    sizes = []
+    for k in range(7):
         add(b, rid=f"r{k}", ids=(k,), token=f"{k:02d}" * 24)
         b.release_many([f"r{k}"])
-    assert list(b.gone) == ["r2", "r3", "r4", "r5"]
+        sizes.append(len(b.gone))
+    assert sizes == [1, 2, 3, 4, 5, 6, 4] and list(b.gone) == ["r3", "r4", "r5", "r6"]
 
 
 def test_take_marks_and_renew_refuse_by_name_and_records_are_not_made_from_python():
@@ -274,3 +277,35 @@ def test_a_record_whose_counts_were_replaced_is_refused_not_read(monkeypatch):
     with pytest.raises(TypeError, match="notified_by"):
         s.t.take_marks(expected)
     assert s.t.num_live() == 1
+
+
+def test_a_records_ids_token_and_generation_cannot_be_replaced():
+    """What a release reads back (the ids it releases, the token and generation it remembers)
+    cannot be deleted or replaced from Python: a deleted ``block_ids`` crashed the release, a
+    replaced one released other blocks."""
+    b, rc, _ = book()
+    r = add(b)
+    for name in ("block_ids", "token", "digest", "gen", "num_tokens", "groups", "slot"):
+        with pytest.raises(AttributeError):
+            setattr(r, name, None)
+        with pytest.raises((AttributeError, TypeError)):
+            delattr(r, name)
+    r.deadline, r.marked, r.gates = 3.0, None, []  # what the tracker's Python writes
+    assert b.release_many(["a"]) == ["a"] and not rc.any()
+
+
+@pytest.mark.parametrize("lease_s", [float("inf"), float("nan"), 1e10, 0.0, -1.0])
+def test_a_lease_no_table_can_hold_is_refused_at_construction(lease_s):
+    with pytest.raises(ValueError, match="lease_s"):
+        ExportTracker(NUM_BLOCKS, lease_s)
+
+
+def test_a_deadline_past_int64_nanoseconds_is_published_clamped(monkeypatch):
+    """A deadline beyond int64 nanoseconds (a clock read in the far future) is written as the
+    largest one, not as what an undefined cast makes of it (INT64_MIN on x86: every loader
+    refused the slot as expiring)."""
+    s = Side(True, monkeypatch)
+    s.export("a", [1], 10)
+    e = s.t.lookup("a")
+    assert s.t._book.renew(e, 1e12)  # 1e21 ns
+    assert s.table[HEADER + e.slot * SLOT + 3] == 2**63 - 1

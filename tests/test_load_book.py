@@ -156,6 +156,28 @@ def test_the_book_records_the_lanes_metrics_into_the_engines(book):
         book.record_into(3)
 
 
+def test_a_latency_window_that_changes_the_list_it_is_given_cannot_crash_complete(book):
+    """``record_into`` takes anything with ``extend``: one that empties the list it is handed
+    (any Python can) leaves the book's sums as they were computed (they were read after it: a
+    crash)."""
+
+    class Clearing(collections.deque):
+        def extend(self, xs) -> None:
+            super().extend(xs)
+            xs.clear()
+
+    window = Clearing()
+    book.record_into(window)
+    ex = Exporter()
+    ex.serve(book)
+    prm = ex.export("a", [7, 3], 20)
+    assert begin(book, "load-a", prm, [1, 2]) is not None
+    book.launched("load-a", None)
+    got = complete(book, collections.deque())
+    assert got is not None and len(window) == 1 and book.lane_stats()[2] == 1
+    assert book.lane_stats()[3] == pytest.approx(window[0])
+
+
 def test_a_rank_without_a_table_to_mark_is_notified_now(book):
     ex = Exporter()
     ex.serve(book, marks_all=False)

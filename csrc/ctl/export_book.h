@@ -15,7 +15,7 @@
 //         opened (binding, probe, write), in one call;
 //     release_many(request_ids) -> the ids released: each slot closed before its blocks'
 //         epochs move, the release, the id remembered as gone (the newest gone_kept, and up to
-//         gone_kept / 64 more);
+//         gone_slack more);
 //     take_marks(expected) -> the ids whose count completed (the caller releases them): the
 //         done marks loaders wrote since the last look, counted as those loader ranks'
 //         notifications (expected(loader_tp, rank): a count, or a str saying that rank may not
@@ -81,7 +81,7 @@ struct ExportBook {
   PyObject *expected;         // the callable whose answers `want` holds
   std::vector<int32_t> *want;  // tp * kMaxDone + rank -> count, kWantRefused, kWantUnknown
   long long seen;              // the ring count taken so far
-  Py_ssize_t gone_kept;
+  Py_ssize_t gone_kept, gone_slack;  // released ids remembered; forgotten this many at a time
   int readers;  // a loader set the table's readers word (kept: the word is anyone's)
 };
 
@@ -118,10 +118,18 @@ inline void close_slot(ExportBook *b, ExporterArgs &a, ExportRecord *r, PyObject
   if (PyDict_DelItem(b->unready, rid) != 0) PyErr_Clear();
 }
 
+// A lease's end (monotonic seconds) as the table's nanoseconds: clamped to [0, INT64_MAX] (an
+// infinite or NaN one is no cast: undefined behaviour).
+inline int64_t deadline_ns(double deadline) {
+  const double ns = deadline * 1e9;
+  if (!(ns > 0)) return 0;
+  return ns >= 9.2e18 ? kInt64Max : static_cast<int64_t>(ns);
+}
+
 // Open a slot for record `r` of `rid`, bound to (b0, b1); -1 when the probed ones are all used.
 inline Py_ssize_t open_slot(ExportBook *b, ExporterArgs &a, ExportRecord *r, PyObject *rid, int64_t b0, int64_t b1,
                             bool ready, bool layerwise) {
-  const int64_t fields[5] = {b0, b1, static_cast<int64_t>(r->deadline * 1e9), ready ? 1 : 0,
+  const int64_t fields[5] = {b0, b1, deadline_ns(r->deadline), ready ? 1 : 0,
                              layerwise ? (kLive | kLayerwise) : kLive};
   for (Py_ssize_t k = 0; k < kProbes; ++k) {
     const Py_ssize_t i = static_cast<Py_ssize_t>((static_cast<uint64_t>(b0) + k) % static_cast<uint64_t>(a.num));
@@ -147,14 +155,15 @@ inline Py_ssize_t open_slot(ExportBook *b, ExporterArgs &a, ExportRecord *r, PyO
 // or kWantUnknown with an error set.
 inline int32_t want_of(ExportBook *b, PyObject *expected, int64_t tp, Py_ssize_t rank) {
   if (expected != b->expected) {  // another callable: its answers may differ
+    b->want->assign(static_cast<size_t>((kMaxLoaderTp + 1) * kMaxDone), kWantUnknown);  // may throw: first
     Py_INCREF(expected);
     Py_XSETREF(b->expected, expected);
-    b->want->assign(static_cast<size_t>((kMaxLoaderTp + 1) * kMaxDone), kWantUnknown);
   }
-  int32_t &w = (*b->want)[static_cast<size_t>(tp * kMaxDone + rank)];
-  if (w != kWantUnknown) return w;
+  const size_t at = static_cast<size_t>(tp * kMaxDone + rank);
+  if ((*b->want)[at] != kWantUnknown) return (*b->want)[at];
   PyObject *got = PyObject_CallFunction(expected, "Ln", static_cast<long long>(tp), rank);
   if (got == nullptr) return kWantUnknown;
+  int32_t w;
   if (PyUnicode_Check(got)) {
     w = kWantRefused;
   } else if (PyLong_Check(got)) {
@@ -171,6 +180,8 @@ inline int32_t want_of(ExportBook *b, PyObject *expected, int64_t tp, Py_ssize_t
     return kWantUnknown;
   }
   Py_DECREF(got);
+  // kept only while that callable is the cached one (the call may have run take_marks with another)
+  if (b->expected == expected) (*b->want)[at] = w;
   return w;
 }
 
@@ -227,12 +238,12 @@ inline bool remember_gone(ExportBook *b, PyObject *rid, long long gen, PyObject 
   return ok;
 }
 
-// Forget the oldest released ids beyond gone_kept, in batches once gone_kept / 64 more were
-// released (exports.py's GONE_SLACK): a dict finds its oldest key by scanning past those deleted
-// before it, so one forgotten per release cost every release that scan.
+// Forget the oldest released ids beyond gone_kept, in batches once gone_slack more were released
+// (exports.py's GONE_SLACK): a dict finds its oldest key by scanning past those deleted before
+// it, so one forgotten per release cost every release that scan.
 inline bool trim_gone(ExportBook *b) {
-  const Py_ssize_t size = PyDict_GET_SIZE(b->gone), slack = b->gone_kept / 64 > 0 ? b->gone_kept / 64 : 1;
-  if (size <= b->gone_kept + slack) return true;
+  const Py_ssize_t size = PyDict_GET_SIZE(b->gone);
+  if (size <= b->gone_kept + b->gone_slack) return true;
   Ref old(PyList_New(0), false);
   if (old.p == nullptr) return false;
   Py_ssize_t pos = 0;
@@ -248,49 +259,50 @@ inline bool trim_gone(ExportBook *b) {
 
 // Release the live exports of `rids` (a list): their slots closed, one holder less of each
 // block (epochs moved where none is left), remembered as gone. An id not live is skipped. The
-// ids released, or NULL with an error set.
+// ids released, or NULL with an error set; every fallible step of an id comes before its first
+// write, so an error leaves that id live (and those before it released and lost to the report:
+// only an allocation failure or a record whose ids are no longer its own gets there). What goes
+// wrong remembering ids as gone is reported unraisable: the releases stand.
 inline PyObject *release_list(ExportBook *b, PyObject *rids) {
   Buf rc, ep;
   if (!counts(b, rc, ep)) return nullptr;
   ExporterArgs a;
   const bool slots = attached(b);
   if (slots && !table_args(b, a, "ExportBook.release_many")) return nullptr;
-  PyObject *out = PyList_New(0);
-  if (out == nullptr) return nullptr;
+  Ref out(PyList_New(0), false);
+  if (out.p == nullptr) return nullptr;
   for (Py_ssize_t j = 0, m = PyList_GET_SIZE(rids); j < m; ++j) {
-    PyObject *rid = PyList_GET_ITEM(rids, j);
-    Py_INCREF(rid);  // the list may lose it while the dicts change
-    PyObject *rec = PyDict_GetItemWithError(b->live, rid);
-    if (rec == nullptr) {
-      Py_DECREF(rid);
-      if (PyErr_Occurred()) goto fail;
+    Ref rid(PyList_GET_ITEM(rids, j));  // the list may lose it while the dicts change
+    Ref rec(PyDict_GetItemWithError(b->live, rid.p));
+    if (rec.p == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
       continue;
     }
-    Py_INCREF(rec);
-    ExportRecord *r = reinterpret_cast<ExportRecord *>(rec);
+    ExportRecord *r = reinterpret_cast<ExportRecord *>(rec.p);
     Buf ids;
-    const bool ok = get(r->block_ids, ids, 8, false, "block_ids") && ids_in_range(ids, rc.count(), "release") &&
-                    !overlap(rc, ids) && !overlap(ep, ids) && PyList_Append(out, rid) == 0 &&
-                    PyDict_DelItem(b->live, rid) == 0;
-    if (!ok) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "release: block_ids share memory with refcount or epochs");
-      Py_DECREF(rec);
-      Py_DECREF(rid);
-      goto fail;
+    if (r->block_ids == nullptr || !get(r->block_ids, ids, 8, false, "block_ids") ||
+        !ids_in_range(ids, rc.count(), "release")) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "release: the record has no block_ids");
+      return nullptr;
     }
-    if (slots) close_slot(b, a, r, rid);  // before the epochs move (kvxfer.transports.ipc.slots)
-    release_ids(static_cast<int32_t *>(rc.view.buf), static_cast<int64_t *>(ep.view.buf), rc.count(),
-                static_cast<const int64_t *>(ids.view.buf), ids.count());
-    const bool kept = remember_gone(b, rid, r->gen, r->token);
-    Py_DECREF(rec);
-    Py_DECREF(rid);
-    if (!kept) goto fail;
+    if (overlap(rc, ids) || overlap(ep, ids)) {
+      return PyErr_Format(PyExc_ValueError, "release: block_ids share memory with refcount or epochs");
+    }
+    const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
+    const Py_ssize_t k = ids.count();
+    Seen seen(k, static_cast<uint64_t>(rc.count()));  // allocated before any write: the loop below cannot throw
+    if (PyList_Append(out.p, rid.p) != 0 || PyDict_DelItem(b->live, rid.p) != 0) return nullptr;
+    if (slots) close_slot(b, a, r, rid.p);  // before the epochs move (kvxfer.transports.ipc.slots)
+    int32_t *counts_of = static_cast<int32_t *>(rc.view.buf);
+    int64_t *epochs = static_cast<int64_t *>(ep.view.buf);
+    for (Py_ssize_t i = 0; i < k; ++i) {
+      if (seen.insert(x[i]) && --counts_of[x[i]] == 0) ++epochs[x[i]];
+    }
+    if (!remember_gone(b, rid.p, r->gen, r->token)) PyErr_WriteUnraisable(rid.p);
   }
-  if (!trim_gone(b)) goto fail;
-  return out;
-fail:
-  Py_DECREF(out);
-  return nullptr;
+  if (!trim_gone(b)) PyErr_WriteUnraisable(b->gone);
+  Py_INCREF(out.p);
+  return out.p;
 }
 
 // --------------------------------------------------------------------------- the methods
@@ -460,7 +472,7 @@ inline PyObject *xbook_renew(ExportBook *b, PyObject *const *args, Py_ssize_t n)
   if (r->slot >= 0 && attached(b)) {
     ExporterArgs a;
     if (!table_args(b, a, "ExportBook.renew")) return nullptr;
-    if (r->slot < a.num) st(a.t() + kHeader + r->slot * kSlot + kDeadline, static_cast<int64_t>(deadline * 1e9));
+    if (r->slot < a.num) st(a.t() + kHeader + r->slot * kSlot + kDeadline, deadline_ns(deadline));
   }
   Py_RETURN_TRUE;
 }

@@ -22,18 +22,20 @@ namespace kvx_ctl {
 
 // --------------------------------------------------------------------------- the record
 
+// What the tracker's Python writes (deadline, marked, gates, notified_by) is writable; what the
+// book reads back to release (block_ids) or to remember (token, gen) is not.
 inline PyMemberDef *record_members() {
   static PyMemberDef m[] = {
-      {"block_ids", T_OBJECT, offsetof(ExportRecord, block_ids), 0, "int64 [n]: the ids held"},
-      {"groups", T_OBJECT, offsetof(ExportRecord, groups), 0, "ids per KV cache group, None: one group"},
-      {"token", T_OBJECT, offsetof(ExportRecord, token), 0, "the export's auth token"},
-      {"digest", T_OBJECT, offsetof(ExportRecord, digest), 0, "kvxfer.auth.content_digest of the export"},
-      {"notified_by", T_OBJECT, offsetof(ExportRecord, notified_by), 0, "expected count -> senders counted"},
+      {"block_ids", T_OBJECT_EX, offsetof(ExportRecord, block_ids), READONLY, "int64 [n]: the ids held"},
+      {"groups", T_OBJECT, offsetof(ExportRecord, groups), READONLY, "ids per KV cache group, None: one group"},
+      {"token", T_OBJECT_EX, offsetof(ExportRecord, token), READONLY, "the export's auth token"},
+      {"digest", T_OBJECT_EX, offsetof(ExportRecord, digest), READONLY, "kvxfer.auth.content_digest of the export"},
+      {"notified_by", T_OBJECT_EX, offsetof(ExportRecord, notified_by), 0, "expected count -> senders counted"},
       {"marked", T_OBJECT, offsetof(ExportRecord, marked), 0, "layer-wise: layers marked ready (None: all)"},
-      {"gates", T_OBJECT, offsetof(ExportRecord, gates), 0, "(layers, events) of marked groups"},
+      {"gates", T_OBJECT_EX, offsetof(ExportRecord, gates), 0, "(layers, events) of marked groups"},
       {"deadline", T_DOUBLE, offsetof(ExportRecord, deadline), 0, "the lease's end (monotonic)"},
-      {"num_tokens", T_LONGLONG, offsetof(ExportRecord, num_tokens), 0, "the export's token count"},
-      {"gen", T_LONGLONG, offsetof(ExportRecord, gen), 0, "the export's generation of its request id"},
+      {"num_tokens", T_LONGLONG, offsetof(ExportRecord, num_tokens), READONLY, "the export's token count"},
+      {"gen", T_LONGLONG, offsetof(ExportRecord, gen), READONLY, "the export's generation of its request id"},
       {"slot", T_LONGLONG, offsetof(ExportRecord, slot), READONLY, "its lease slot, -1: none"},
       {nullptr, 0, 0, 0, nullptr},
   };
@@ -110,7 +112,7 @@ inline void xbook_dealloc(PyObject *self) {
   Py_DECREF(tp);
 }
 
-// ExportBook(refcount int32[B], epochs int64[B], gone_kept); the module's ExportRecord type is
+// ExportBook(refcount int32[B], epochs int64[B], gone_kept, gone_slack); the module's ExportRecord type is
 // what add makes (set by the module at import, see kvx_ctl.cpp).
 inline PyObject *&record_type_slot() {
   static PyObject *t = nullptr;
@@ -119,16 +121,17 @@ inline PyObject *&record_type_slot() {
 
 inline PyObject *xbook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   PyObject *rc, *ep;
-  Py_ssize_t kept;
-  if ((kwargs != nullptr && PyDict_GET_SIZE(kwargs)) || !PyArg_ParseTuple(args, "OOn:ExportBook", &rc, &ep, &kept)) {
+  Py_ssize_t kept, slack;
+  if ((kwargs != nullptr && PyDict_GET_SIZE(kwargs)) ||
+      !PyArg_ParseTuple(args, "OOnn:ExportBook", &rc, &ep, &kept, &slack)) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ExportBook takes positional arguments only");
     return nullptr;
   }
   Buf r, e;
   if (!get(rc, r, 4, true, "refcount") || !get(ep, e, 8, true, "epochs")) return nullptr;
-  if (r.count() != e.count() || kept < 0) {
-    return PyErr_Format(PyExc_ValueError, "ExportBook: refcount %zd and epochs %zd blocks, gone_kept %zd", r.count(),
-                        e.count(), kept);
+  if (r.count() != e.count() || kept < 0 || slack < 1) {
+    return PyErr_Format(PyExc_ValueError, "ExportBook: refcount %zd and epochs %zd blocks, gone_kept %zd, gone_slack %zd",
+                        r.count(), e.count(), kept, slack);
   }
   if (record_type_slot() == nullptr) return PyErr_Format(PyExc_RuntimeError, "ExportBook: no ExportRecord type");
   ExportBook *b = reinterpret_cast<ExportBook *>(type->tp_alloc(type, 0));
@@ -143,7 +146,7 @@ inline PyObject *xbook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
   PyObject *given[] = {rc, ep, record_type_slot()};
   for (PyObject *o : given) Py_INCREF(o);
   b->rc = rc, b->ep = ep, b->record_type = record_type_slot();
-  b->gone_kept = kept;
+  b->gone_kept = kept, b->gone_slack = slack;
   return reinterpret_cast<PyObject *>(b);
 }
 

@@ -433,11 +433,11 @@ inline PyObject *book_complete(PyObject *self, PyObject *const *args, Py_ssize_t
 inline bool record_lane(LoadBook *b, double first, double end, long long nbytes, long long calls, PyObject *lats) {
   const Py_ssize_t k = PyList_GET_SIZE(lats);
   if (k > 0) {
+    double sum = 0;  // before extend(), which is any Python (it could change the list)
+    for (Py_ssize_t i = 0; i < k; ++i) sum += PyFloat_AS_DOUBLE(PyList_GET_ITEM(lats, i));
     PyObject *r = PyObject_CallMethod(b->latencies, "extend", "O", lats);
     if (r == nullptr) return false;
     Py_DECREF(r);
-    double sum = 0;
-    for (Py_ssize_t i = 0; i < k; ++i) sum += PyFloat_AS_DOUBLE(PyList_GET_ITEM(lats, i));
     b->lane_transfers += k;
     b->lane_latency_sum += sum;
   }
