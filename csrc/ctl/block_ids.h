@@ -124,11 +124,17 @@ inline void unhold_ids(int32_t *r, Py_ssize_t num_blocks, const int64_t *x, Py_s
   }
 }
 
-inline void release_ids(int32_t *r, int64_t *e, Py_ssize_t num_blocks, const int64_t *x, Py_ssize_t k) {
-  Seen seen(k, static_cast<uint64_t>(num_blocks));
+// release_ids with the set made by the caller (sized for k ids below num_blocks): made before
+// the caller's first write, the release cannot throw (it allocates nothing).
+inline void release_seen(Seen &seen, int32_t *r, int64_t *e, const int64_t *x, Py_ssize_t k) {
   for (Py_ssize_t i = 0; i < k; ++i) {
     if (seen.insert(x[i]) && --r[x[i]] == 0) ++e[x[i]];
   }
+}
+
+inline void release_ids(int32_t *r, int64_t *e, Py_ssize_t num_blocks, const int64_t *x, Py_ssize_t k) {
+  Seen seen(k, static_cast<uint64_t>(num_blocks));
+  release_seen(seen, r, e, x, k);
 }
 
 // Whether `x[0..n)` (ids in [0, bound)) names some value twice.

@@ -109,9 +109,7 @@ inline void close_slot(ExportBook *b, ExporterArgs &a, ExportRecord *r, PyObject
   const Py_ssize_t i = static_cast<Py_ssize_t>(r->slot);
   r->slot = -1;
   if (i < 0 || i >= a.num) return;
-  const int64_t cleared[5] = {0, 0, 0, 0, 0};
-  rewrite_slot(a, i, cleared);
-  a.u()[i] = 0;
+  clear_slot(a, i);
   PyObject *key = PyLong_FromSsize_t(i);
   if (key == nullptr || PyDict_DelItem(b->owner, key) != 0) PyErr_Clear();  // not there: nothing to forget
   Py_XDECREF(key);
@@ -131,24 +129,20 @@ inline Py_ssize_t open_slot(ExportBook *b, ExporterArgs &a, ExportRecord *r, PyO
                             bool ready, bool layerwise) {
   const int64_t fields[5] = {b0, b1, deadline_ns(r->deadline), ready ? 1 : 0,
                              layerwise ? (kLive | kLayerwise) : kLive};
-  for (Py_ssize_t k = 0; k < kProbes; ++k) {
-    const Py_ssize_t i = static_cast<Py_ssize_t>((static_cast<uint64_t>(b0) + k) % static_cast<uint64_t>(a.num));
-    if (a.u()[i]) continue;
-    PyObject *key = PyLong_FromSsize_t(i);
-    if (key == nullptr || PyDict_SetItem(b->owner, key, rid) != 0 || (!ready && PyDict_SetItem(b->unready, rid, key) != 0)) {
-      // no room to remember the owner: no slot (its loads take the messaged path)
-      if (key != nullptr && PyDict_DelItem(b->owner, key) != 0) PyErr_Clear();
-      Py_XDECREF(key);
-      PyErr_Clear();
-      return -1;
-    }
-    Py_DECREF(key);
-    rewrite_slot(a, i, fields);
-    a.u()[i] = 1;
-    r->slot = i;
-    return i;
+  const Py_ssize_t i = free_slot(a, b0);
+  if (i < 0) return -1;
+  PyObject *key = PyLong_FromSsize_t(i);
+  if (key == nullptr || PyDict_SetItem(b->owner, key, rid) != 0 || (!ready && PyDict_SetItem(b->unready, rid, key) != 0)) {
+    // no room to remember the owner: no slot (its loads take the messaged path)
+    if (key != nullptr && PyDict_DelItem(b->owner, key) != 0) PyErr_Clear();
+    Py_XDECREF(key);
+    PyErr_Clear();
+    return -1;
   }
-  return -1;
+  Py_DECREF(key);
+  fill_slot(a, i, fields);
+  r->slot = i;
+  return i;
 }
 
 // What expected(tp, rank) answered (asked once per pair and callable): a count, kWantRefused,
@@ -293,11 +287,7 @@ inline PyObject *release_list(ExportBook *b, PyObject *rids) {
     Seen seen(k, static_cast<uint64_t>(rc.count()));  // allocated before any write: the loop below cannot throw
     if (PyList_Append(out.p, rid.p) != 0 || PyDict_DelItem(b->live, rid.p) != 0) return nullptr;
     if (slots) close_slot(b, a, r, rid.p);  // before the epochs move (kvxfer.transports.ipc.slots)
-    int32_t *counts_of = static_cast<int32_t *>(rc.view.buf);
-    int64_t *epochs = static_cast<int64_t *>(ep.view.buf);
-    for (Py_ssize_t i = 0; i < k; ++i) {
-      if (seen.insert(x[i]) && --counts_of[x[i]] == 0) ++epochs[x[i]];
-    }
+    release_seen(seen, static_cast<int32_t *>(rc.view.buf), static_cast<int64_t *>(ep.view.buf), x, k);
     if (!remember_gone(b, rid.p, r->gen, r->token)) PyErr_WriteUnraisable(rid.p);
   }
   if (!trim_gone(b)) PyErr_WriteUnraisable(b->gone);
@@ -414,10 +404,8 @@ inline bool slot_landed(ExportBook *b, const ExporterArgs &a, Py_ssize_t i, PyOb
   const int64_t g = a.g()[i];
   bool landed = false;
   for (Py_ssize_t d = 0; d < kMaxDone; ++d) {
-    const int64_t v = ld(s + d);
-    if (v <= 0 || v / kDoneTp != g) continue;
-    const int64_t tp = v % kDoneTp;
-    if (d >= tp || tp > kMaxLoaderTp) continue;
+    int64_t tp;
+    if (!counting_mark(ld(s + d), g, d, kMaxLoaderTp, tp)) continue;
     const int32_t want = want_of(b, expected, tp, d);
     if (want == kWantUnknown) return err = true, false;
     if (want == kWantRefused) continue;

@@ -61,6 +61,35 @@ inline void rewrite_slot(ExporterArgs &a, Py_ssize_t i, const int64_t fields[5])
   a.g()[i] = g + 1;
 }
 
+// The first free slot of the kProbes probed from binding word b0 (>= 0), or -1.
+inline Py_ssize_t free_slot(const ExporterArgs &a, int64_t b0) {
+  for (Py_ssize_t k = 0; k < kProbes; ++k) {
+    const Py_ssize_t i = static_cast<Py_ssize_t>((static_cast<uint64_t>(b0) + k) % static_cast<uint64_t>(a.num));
+    if (!a.u()[i]) return i;
+  }
+  return -1;
+}
+
+// Slot i given an export (bind0, bind1, deadline, ready, flags), or cleared: its export ended.
+inline void fill_slot(ExporterArgs &a, Py_ssize_t i, const int64_t fields[5]) {
+  rewrite_slot(a, i, fields);
+  a.u()[i] = 1;
+}
+
+inline void clear_slot(ExporterArgs &a, Py_ssize_t i) {
+  const int64_t cleared[5] = {0, 0, 0, 0, 0};
+  rewrite_slot(a, i, cleared);
+  a.u()[i] = 0;
+}
+
+// Whether done mark `v`, written by loader rank `d` in a slot of generation `g`, counts: it names
+// that generation and a loader tp size a plan can have (above the rank, at most max_tp), `tp`.
+inline bool counting_mark(int64_t v, int64_t g, Py_ssize_t d, int64_t max_tp, int64_t &tp) {
+  if (v <= 0 || v / kDoneTp != g) return false;
+  tp = v % kDoneTp;
+  return d < tp && tp <= max_tp;
+}
+
 // slot_open(table, gens, used, b0, b1, deadline_ns, ready, flags) -> the slot given the export
 // bound to (b0, b1) (the first free one of the kProbes probed from b0), or -1 when all are used.
 inline PyObject *slot_open(PyObject *, PyObject *const *args, Py_ssize_t n) {
@@ -69,14 +98,9 @@ inline PyObject *slot_open(PyObject *, PyObject *const *args, Py_ssize_t n) {
   int64_t v[5];
   if (!a.get_all(args, "slot_open") || !int64_args(args, 3, 5, v)) return nullptr;
   if (v[0] < 0) return PyErr_Format(PyExc_ValueError, "slot_open: binding word %lld is negative", (long long)v[0]);
-  for (Py_ssize_t k = 0; k < kProbes; ++k) {
-    const Py_ssize_t i = static_cast<Py_ssize_t>((static_cast<uint64_t>(v[0]) + k) % static_cast<uint64_t>(a.num));
-    if (a.u()[i]) continue;
-    rewrite_slot(a, i, v);
-    a.u()[i] = 1;
-    return PyLong_FromSsize_t(i);
-  }
-  return PyLong_FromLong(-1);
+  const Py_ssize_t i = free_slot(a, v[0]);
+  if (i >= 0) fill_slot(a, i, v);
+  return PyLong_FromSsize_t(i);
 }
 
 // slot_close(table, gens, used, slot): the export of `slot` ended (its fields cleared between
@@ -87,9 +111,7 @@ inline PyObject *slot_close(PyObject *, PyObject *const *args, Py_ssize_t n) {
   int64_t i;
   if (!a.get_all(args, "slot_close") || !int64_args(args, 3, 1, &i)) return nullptr;
   if (i < 0 || i >= a.num) return PyErr_Format(PyExc_IndexError, "slot_close: slot %lld of %zd", (long long)i, a.num);
-  const int64_t cleared[5] = {0, 0, 0, 0, 0};
-  rewrite_slot(a, static_cast<Py_ssize_t>(i), cleared);
-  a.u()[i] = 0;
+  clear_slot(a, static_cast<Py_ssize_t>(i));
   Py_RETURN_NONE;
 }
 
@@ -102,10 +124,8 @@ inline PyObject *slot_marks_of(const ExporterArgs &a, Py_ssize_t i, int64_t max_
   PyObject *out = PyList_New(0);
   if (out == nullptr) return nullptr;
   for (Py_ssize_t d = 0; d < kMaxDone; ++d) {
-    const int64_t v = ld(s + d);
-    if (v <= 0 || v / kDoneTp != g) continue;
-    const int64_t tp = v % kDoneTp;
-    if (d >= tp || tp > max_tp) continue;
+    int64_t tp;
+    if (!counting_mark(ld(s + d), g, d, max_tp, tp)) continue;
     PyObject *pair = Py_BuildValue("(nL)", d, static_cast<long long>(tp));
     if (pair == nullptr || PyList_Append(out, pair) != 0) {
       Py_XDECREF(pair);
