@@ -452,11 +452,7 @@ class ExportTracker:
                     continue
                 if counted(e, sender, want):
                     done.append(rid)
-            if done:
-                done = self._release_many(done)
-                self._report_many(done, "finished")
-                self.finished_exports += len(done)
-        return len(done)
+            return self._finish(done)
 
     def count_marks(
         self, marks: list[tuple[str, list[tuple[int, int]]]], expected: Callable[[int, int], int | str]
@@ -482,23 +478,23 @@ class ExportTracker:
                         landed = counted(e, d, want) or landed
                 if landed:
                     done.append(rid)
-            if done:
-                done = self._release_many(done)
-                self._report_many(done, "finished")
-                self.finished_exports += len(done)
-        return len(done)
+            return self._finish(done)
 
     def take_marks(self, expected: Callable[[int, int], int | str]) -> int:
         """:meth:`count_marks` of the done marks written in the table the book follows
         (:meth:`follow_slots`) since the last look, read and counted in one native call; returns
         how many exports were released (0 when no table is followed)."""
         with self.lock:
-            done = self._book.take_marks(expected) if self._book is not None else ()
-            if not done:
-                return 0
-            done = self._release_many(done)
-            self._report_many(done, "finished")
-            self.finished_exports += len(done)
+            return self._finish(self._book.take_marks(expected) if self._book is not None else ())
+
+    def _finish(self, done) -> int:
+        """Release the exports ``done`` whose count completed, reported finished (under
+        :attr:`lock`); how many were released (an id named twice or released meanwhile: once)."""
+        if not done:
+            return 0
+        done = self._release_many(done)
+        self._report_many(done, "finished")
+        self.finished_exports += len(done)
         return len(done)
 
     def abort(self, request_id: str) -> bool:
