@@ -43,7 +43,7 @@ class PreparedCopy:
     Raises ``ValueError`` as :func:`copy_blocks` would for these arguments.
     """
 
-    __slots__ = ("_budget", "_dst", "_how", "_src", "_within", "dst_caches")
+    __slots__ = ("_budget", "_dst", "_how", "_spare", "_src", "_within", "dst_caches")
 
     def __init__(
         self,
@@ -76,6 +76,10 @@ class PreparedCopy:
         )
         self._how = Launch("copy", backend, device, src_caches.info.engines, src_caches, dst_caches)
         self._budget = registered_budget(src_caches, dst_caches)
+        # run_bounded's pairs of sides, reused: a call takes one (list.pop and list.append are
+        # atomic under the GIL: a pair is one call's at a time) and sets only its ids and token
+        # count; two new sides per call cost more than the rest of the call's Python
+        self._spare: list[tuple[PagedSide, PagedSide]] = []
 
     @property
     def backend(self) -> str | None:
@@ -108,12 +112,24 @@ class PreparedCopy:
         in range, the destination's without repeats, ``num_tokens`` > 0. Nothing is checked
         here: the one-sided load's ids were checked at ``load()``, against the bounds
         :meth:`takes` agreed to once."""
-        st, dt = self._src, self._dst
-        src, dst = _with_ids(st, src_ids, num_tokens), _with_ids(dt, dst_ids, num_tokens)
-        budget = self._budget
-        if budget is not None:
-            src.max_sms = dst.max_sms = budget
-        launch(self._how, src, dst, budget, None)
+        spare = self._spare
+        try:
+            src, dst = spare.pop()
+        except IndexError:  # a first call, or one beside another thread's
+            src, dst = _with_ids(self._src, src_ids, num_tokens), _with_ids(self._dst, dst_ids, num_tokens)
+            if self._budget is not None:  # the same on every call of this copy
+                src.max_sms = dst.max_sms = self._budget
+        else:
+            src.block_ids, src.num_tokens, dst.block_ids, dst.num_tokens = (
+                src_ids,
+                num_tokens,
+                dst_ids,
+                num_tokens,
+            )
+        try:
+            launch(self._how, src, dst, self._budget, None)
+        finally:
+            spare.append((src, dst))
 
     def takes(self, src_block_size: int, src_bound: int, dst_block_size: int, dst_bound: int) -> bool:
         """Whether ids of blocks of ``src_block_size`` tokens below ``src_bound`` (and of the

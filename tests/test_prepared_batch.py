@@ -161,3 +161,54 @@ def test_run_bounded_lands_what_copy_blocks_lands_and_takes_only_its_own_bounds(
     assert_bytes_equal(as_bytes(dst), as_bytes(want))
     slots = register_caches(empty_cache(d_spec, 12, 2), d_spec, token_slots=True)
     assert not PreparedCopy(src, slots, backend=backend, **heads).takes(4, 10, 1, 48)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_run_bounded_calls_in_a_row_and_from_threads_each_land_their_own_ids(backend, monkeypatch):
+    """run_bounded reuses its sides between calls: each call lands its own ids and token count
+    (not the last call's), from one thread and from several at once, and a call that raises
+    leaves the next one correct."""
+    import threading
+
+    spec = make_spec(Layout.NHD, torch.bfloat16, 4, head_dim=8)
+    src = register_caches(_random_cache(spec, 40, 2, seed=7), spec)
+    dst = register_caches(_random_cache(spec, 40, 2, seed=8), spec)  # random: a poison
+    want = register_caches([c.clone() for c in dst], spec)
+    copy = PreparedCopy(src, dst, backend=backend)
+    rng = np.random.default_rng(3)
+    dst_free = rng.permutation(40)
+    calls = []
+    for n in [9, 4, 13, 1, 16, 7, 3, 12]:
+        nb = spec.num_blocks_for(n)
+        s = rng.integers(0, 40, nb).astype(np.int64)
+        d, dst_free = dst_free[:nb].astype(np.int64), dst_free[nb:]
+        calls.append((s, d, n))
+        ops.copy_blocks(src, spec, s, want, spec, d, n, backend=backend)
+    for s, d, n in calls[:3]:
+        copy.run_bounded(s, d, n)
+    import kvxfer.prepared as prepared
+
+    def failing(*args):
+        raise RuntimeError("simulated launch failure")
+
+    with monkeypatch.context() as m:
+        m.setattr(prepared, "launch", failing)
+        with pytest.raises(RuntimeError, match="simulated"):
+            copy.run_bounded(*calls[3])
+    copy.run_bounded(*calls[3])
+    errors = []
+
+    def run(part):
+        try:
+            for s, d, n in part:
+                copy.run_bounded(s, d, n)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(calls[i::2],)) for i in (4, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert_bytes_equal(as_bytes(dst), as_bytes(want))

@@ -435,7 +435,9 @@ inline bool record_lane(LoadBook *b, double first, double end, long long nbytes,
   if (k > 0) {
     double sum = 0;  // before extend(), which is any Python (it could change the list)
     for (Py_ssize_t i = 0; i < k; ++i) sum += PyFloat_AS_DOUBLE(PyList_GET_ITEM(lats, i));
-    PyObject *r = PyObject_CallMethod(b->latencies, "extend", "O", lats);
+    static PyObject *extend = nullptr;  // interned once: a lookup by a new str each call cost more
+    if (extend == nullptr && (extend = PyUnicode_InternFromString("extend")) == nullptr) return false;
+    PyObject *r = PyObject_CallMethodOneArg(b->latencies, extend, lats);
     if (r == nullptr) return false;
     Py_DECREF(r);
     b->lane_transfers += k;

@@ -54,14 +54,19 @@ class NativeLane:
         rank, rt: the rank's configuration and runtime.
         link: the rank's loader (notifications).
         need_ns: the lease a read needs left, in ns (what ``begin`` is given).
+        mark_later: what defers the notification of a load whose every mark was counted
+            (``mark_later((due, peer, params request id, token))``).
     """
 
-    def __init__(self, book, rank: Rank, rt: Runtime, link: LaneLink, need_ns: int) -> None:
+    def __init__(
+        self, book, rank: Rank, rt: Runtime, link: LaneLink, need_ns: int, mark_later: Callable[[tuple], None]
+    ) -> None:
         self.book = book
         self.rank = rank
         self.rt = rt
         self.link = link
         self.need_ns = need_ns
+        self.mark_later = mark_later
         rt.metrics.follow(book)  # complete() records the loads it reports: no call per poll()
 
     def attach(self, peer: Peer, t: Target) -> None:
@@ -119,19 +124,25 @@ class NativeLane:
             rt.metrics.add("failures", len(failed))
             self.link.notify_ids(t.peer, [], failed)
 
-    def complete(self, mark_later: Callable[[tuple], None], due: float) -> None:
-        """Land and report every flight whose copy completed (``LoadBook.complete``): a load whose
-        marks every exporter rank counts has its notification deferred (``mark_later((due,
-        peer, params request id, token))``); here the other loads' notifications and the
-        failures' reasons (:meth:`Target.outcome <kvxfer.transports.ipc.target.Target.outcome>`),
-        as the Python path makes them. The book records the metrics itself
+    def complete(self, grace_s: float) -> None:
+        """Land and report every flight whose copy completed (``LoadBook.complete``; the one
+        native call when they all landed with their done marks): a load whose marks
+        every exporter rank counts has its notification deferred by ``grace_s``
+        (``mark_later``); here the other loads' notifications and the failures' reasons
+        (:meth:`Target.outcome <kvxfer.transports.ipc.target.Target.outcome>`), as the Python
+        path makes them. The book records the metrics itself
         (:meth:`kvxfer.metrics.Metrics.follow`)."""
-        now_ns, end = time.monotonic_ns(), now()
-        rank, rt = self.rank, self.rt
-        got = self.book.complete(now_ns, end, rank.tp_rank, rank.tp_size, event_done, mark_later, due)
+        now_ns = time.monotonic_ns()
+        rank = self.rank
+        got = self.book.complete(
+            now_ns, now(), rank.tp_rank, rank.tp_size, event_done, self.mark_later, now_ns * 1e-9 + grace_s
+        )  # fmt: skip
         if got is None:
             return
         results, events, late = got[:3]  # the metrics were recorded by the book (Metrics.follow)
+        if not (results or events or late):
+            return
+        rt = self.rt
         if events:
             recycled: set[int] = set()  # a batch's loads share one event: back to the pool once
             for lane, ev in events:

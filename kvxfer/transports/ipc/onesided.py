@@ -194,7 +194,7 @@ class OneSided:
         book = native_load_book(self._active, stale_ns())
         if book is not None and ORDERED_CPU:
             need_ns = int(min(timeout_s, LEASE_LEFT_S) * 1e9)
-            self.lane = NativeLane(book, self.rank, self.rt, self.link, need_ns)
+            self.lane = NativeLane(book, self.rank, self.rt, self.link, need_ns, self._marked.append)
         return book
 
     # ------------------------------------------------------------------------- launch
@@ -463,8 +463,8 @@ class OneSided:
             if marked[0][0] <= now_s and now_s >= self._next_notify:
                 self._notify_marked(False)
         lane = self.lane
-        if lane is not None and lane.in_flight():
-            lane.complete(self._marked.append, time.monotonic() + MARK_GRACE_S)
+        if lane is not None and lane.book.in_flight():
+            lane.complete(MARK_GRACE_S)
         if not self.flights:
             return
         with self.lock:
