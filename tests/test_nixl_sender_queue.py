@@ -10,6 +10,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from kvxfer.transports.nixl.pairings import Pairings
 from kvxfer.transports.nixl.transport import NixlTransport
 
 
@@ -25,14 +26,19 @@ def test_a_stream_queued_past_its_loaders_timeout_is_dropped():
     jobs.put((job("fresh#2"), now - 0.5))
     jobs.put((job("other#3"), now))  # a loader not paired here: the rank's timeout
     jobs.put(None)
+    peers = Pairings()
+    for name in ("stale", "fresh"):
+        assert peers.add(name, 2.0) == ("", [])
+        assert peers.start(name)  # as serve_stream counts each queued stream
     me = SimpleNamespace(
         rt=SimpleNamespace(stop=threading.Event()),
         rank=SimpleNamespace(engine_id="P", tp_rank=0, timeout_s=30.0),
         _jobs=jobs,
-        peers={"stale": 2.0, "fresh": 2.0},
+        peers=peers,
         _stream_send=lambda j, timeout_s: sent.append((j.msg.key, timeout_s)),
     )
     NixlTransport._send_loop(me)
     assert [k for k, _ in sent] == ["fresh#2", "other#3"]
     assert 0 < sent[0][1] <= 1.5  # what is left of the loader's 2 s
     assert 29.0 < sent[1][1] <= 30.0
+    assert not peers.busy("stale") and not peers.busy("fresh")  # every stream's count ended, dropped or sent

@@ -19,12 +19,15 @@ head slice), on the path chosen then:
   (a ``SendReq`` on the side channel with the tokens, :func:`kvxfer.transports.streams.ask_stream`;
   the exporter gathers under its lease lock and its stream's status says which requests
   landed). The first staged read of a pair sends the exporter a ``NixlPairReq`` with the
-  loader's connection-only metadata (for the notifications).
+  loader's connection-only metadata (for the notifications); a stream refused because the
+  exporter no longer knows the pairing (evicted at its cap, :mod:`~kvxfer.transports.nixl.pairings`,
+  or restarted) pairs anew once.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,9 +40,10 @@ from ...plan import Read
 from ...tracing import batch_tag, trace
 from ...transfer import Done, Outcome, Route, Transfer
 from ..base import LoaderLink
-from ..streams import ask_stream, stream_scatters, take_status
+from ..streams import StreamRefused, ask_stream, stream_scatters, take_status
 from .agent import NixlAgent, NixlError, Prepped, XferFence, XferTimeout, mem_of
 from .descs import CacheGeometry, DirectTables, descs, epoch_index
+from .pairings import UNKNOWN_NIXL_PAIR
 from .staged import NixlStaging, recv_stream
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -235,26 +239,35 @@ class NixlSession:
         s, loads, deadline, layers = transfer.source, transfer.loads, transfer.deadline, transfer.layers
         (r,) = transfer.reads
         bp = transfer.plan
-        try:
-            self._pair(s, st, loads[0], deadline)
-        except Exception as e:
-            why = f"nixl pair with rank {s}: {describe_error(e)}"
-            return Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0)
         receive = nixl.receive_staging()
         into = transfer.landing or rank  # where the chunks are scattered
         bpt = into.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
         chunk_tokens = rank.pipeline.chunk_tokens_for(
             {"staging_bytes": st.staging_bytes}, bpt, bp.src_unit, bp.dst_unit
         )
-        key = f"{agent.name}#{secrets.token_hex(8)}"
-        agent.open_box(key)
-        try:
-            refused = ask_stream(
-                self.link, rank, "nixl", self.peer, s, key, r, loads, bp, chunk_tokens, deadline, layers
-            )
-        except BaseException:
-            agent.close_box(key)
-            raise
+        for again in (True, False):
+            try:
+                self._pair(s, st, loads[0], deadline)
+            except Exception as e:
+                why = f"nixl pair with rank {s}: {describe_error(e)}"
+                return Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0)
+            key = f"{agent.name}#{secrets.token_hex(8)}"
+            agent.open_box(key)
+            try:
+                refused = ask_stream(
+                    self.link, rank, "nixl", self.peer, s, key, r, loads, bp, chunk_tokens, deadline, layers
+                )
+                break
+            except StreamRefused as e:
+                agent.close_box(key)
+                # the exporter no longer knows the pairing (evicted at its cap, or restarted):
+                # paired anew once, within the deadline, the load goes on
+                if not (again and UNKNOWN_NIXL_PAIR in str(e) and deadline > time.monotonic()):
+                    raise
+                st.paired = False
+            except BaseException:
+                agent.close_box(key)
+                raise
         if refused:
             agent.close_box(key)
             return Outcome(set(), {}, refused, None, 0)

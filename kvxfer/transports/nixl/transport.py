@@ -34,6 +34,7 @@ from ..streams import stream_gathers
 from .agent import NixlAgent, NixlError, Prepped, mem_of
 from .availability import nixl_status
 from .descs import CacheGeometry, DirectTables, descs, direct_why, epoch_runs
+from .pairings import UNKNOWN_NIXL_PAIR, Pairings
 from .session import NixlSession, SrcRank, drop_ranks, read_key, src_rank
 from .staged import NixlStaging, send_stream, stream_error
 
@@ -48,7 +49,8 @@ __all__ = ["NixlTransport"]
 
 class NixlTransport:
     """See the module doc. ``agent``: this rank's agent once made (else None); ``peers``:
-    loader agents paired with this rank (their ``timeout_s``)."""
+    the loader agents paired with this rank (:class:`~kvxfer.transports.nixl.pairings.Pairings`,
+    bounded)."""
 
     name = "nixl"
     ticks = False  # tick() has nothing to keep up to date: the exporter skips it
@@ -58,7 +60,7 @@ class NixlTransport:
         self.rt = rt
         self.why = "not started"
         self.agent: NixlAgent | None = None
-        self.peers: dict[str, float] = {}
+        self.peers = Pairings()
         self.entry: dict | None = None  # the exporter's handshake entry, once the agent is made
         self.geometry: CacheGeometry | None = None
         self.send_staging: NixlStaging | None = None
@@ -207,11 +209,16 @@ class NixlTransport:
         agent = self.side()
         if agent is None:
             return control.SendReply(ok=False, failed={"*": f"nixl not offered by this engine: {self.why}"})
+        why, evicted = self.peers.add(msg.agent, msg.timeout_s)  # room first: nothing loaded when refused
+        if why:
+            return control.SendReply(ok=False, failed={"*": why})
+        for old in evicted:  # its loader pairs anew if it streams again
+            agent.remove_remote(old)
         try:
-            name = agent.add_remote(msg.md, expect=msg.agent)
+            agent.add_remote(msg.md, expect=msg.agent)  # the agent named msg.agent, or NixlError
         except NixlError as e:
+            self.peers.forget(msg.agent)
             return control.SendReply(ok=False, failed={"*": str(e)})
-        self.peers[name] = float(msg.timeout_s)
         return control.SendReply(ok=True, failed={})
 
     def tick(self, beat: bool, expected) -> int:
@@ -220,11 +227,10 @@ class NixlTransport:
     def serve_stream(self, job: StreamJob) -> control.SendReply:
         """Queue a checked staged stream for the sender thread (its key names a paired loader
         agent: ``<agent>#<hex>``)."""
-        if self.agent is None or job.msg.key.rpartition("#")[0] not in self.peers:
-            return control.SendReply(
-                ok=False, failed={"*": f"unknown nixl stream {job.msg.key} (the loader never paired)"}
-            )
-        self._jobs.put((job, time.monotonic()))
+        if self.agent is None or not self.peers.start(job.msg.key.rpartition("#")[0]):
+            why = f"{UNKNOWN_NIXL_PAIR} for stream {job.msg.key} (never paired here, evicted, or this rank restarted)"
+            return control.SendReply(ok=False, failed={"*": why})
+        self._jobs.put((job, time.monotonic()))  # the sender thread ends its count (peers.done)
         return control.SendReply(ok=True, failed={})
 
     def _send_loop(self) -> None:
@@ -242,15 +248,18 @@ class NixlTransport:
                 return
             job, queued_at = item
             peer = job.msg.key.rpartition("#")[0]
-            left = queued_at + self.peers.get(peer, rank.timeout_s) - time.monotonic()
-            if left <= 0:
-                _LOG.warning(
-                    "kvxfer exporter %s rank %d: nixl stream %s to %s dropped: it waited past the "
-                    "loader's timeout behind other streams",
-                    rank.engine_id, rank.tp_rank, job.msg.key, peer,
-                )  # fmt: skip
-                continue
-            self._stream_send(job, min(rank.timeout_s, left))
+            try:
+                left = queued_at + self.peers.timeout_s(peer, rank.timeout_s) - time.monotonic()
+                if left <= 0:
+                    _LOG.warning(
+                        "kvxfer exporter %s rank %d: nixl stream %s to %s dropped: it waited past the "
+                        "loader's timeout behind other streams",
+                        rank.engine_id, rank.tp_rank, job.msg.key, peer,
+                    )  # fmt: skip
+                    continue
+                self._stream_send(job, min(rank.timeout_s, left))
+            finally:
+                self.peers.done(peer)
 
     def _stream_send(self, job: StreamJob, timeout_s: float) -> None:
         """Gather a stream's chunks (under the tracker lock: a request released mid-stream is
@@ -274,7 +283,7 @@ class NixlTransport:
                     stream,
                     gather,
                     timeout_s,
-                    self.peers.get(peer, rank.timeout_s),
+                    self.peers.timeout_s(peer, rank.timeout_s),
                     status,
                 )
         except Exception as e:
@@ -288,7 +297,7 @@ class NixlTransport:
             )
             if getattr(e, "peer_gone", False):
                 agent.remove_remote(peer)
-                self.peers.pop(peer, None)
+                self.peers.forget(peer)
             return
         rt.metrics.add("bytes_sent", sent)
 
