@@ -28,17 +28,19 @@ class FakeAgent:
         self.loaded: list[str] = []
         self.removed: list[str] = []
 
-    def add_remote(self, md: bytes, expect: str | None = None) -> str:
+    def add_remote(self, md: bytes, expect: str | None = None, user: str = "read") -> str:
         name = md.decode()  # the stand-in metadata is the agent's name
         if expect is not None and name != expect:
             from kvxfer.transports.nixl.agent import NixlError
 
             raise NixlError(f"NIXL metadata names agent {name!r}, the handshake named {expect!r}")
+        assert user == "pair"
         self.remotes.add(name)
         self.loaded.append(name)
         return name
 
-    def remove_remote(self, name: str) -> None:
+    def remove_remote(self, name: str, user: str = "read") -> None:
+        assert user == "pair"
         self.remotes.discard(name)
         self.removed.append(name)
 
@@ -75,24 +77,43 @@ def test_a_pairing_past_the_cap_evicts_the_least_recently_used_idle_one():
     assert t.peers.busy("a") == 1 and t._jobs.qsize() == 1
 
 
-def test_a_pairing_is_refused_by_name_when_every_pairing_streams_and_loads_nothing():
+def test_a_pairing_is_refused_by_name_when_every_pairing_streams_and_keeps_nothing():
     t, agent = _transport(2)
     for name in ("a", "b"):
         assert _pair(t, name).ok and _stream(t, name).ok
     rep = _pair(t, "c")
     assert not rep.ok and rep.failed["*"].startswith("busy: 2 nixl pairings"), rep
-    assert agent.loaded == ["a", "b"] and not agent.removed and "c" not in t.peers
+    assert agent.removed == ["c"] and agent.remotes == {"a", "b"} and "c" not in t.peers
     t.peers.done("b")  # b's stream ended: b may go
-    assert _pair(t, "c").ok and agent.removed == ["b"] and agent.remotes == {"a", "c"}
+    assert _pair(t, "c").ok and agent.removed == ["c", "b"] and agent.remotes == {"a", "c"}
 
 
-def test_pairing_again_refreshes_without_evicting_and_bad_metadata_leaves_no_pairing():
+def test_pairing_again_refreshes_and_bad_metadata_changes_no_pairing():
     t, agent = _transport(1)
     assert _pair(t, "a").ok and _pair(t, "a").ok  # the same agent: refreshed in place
     assert not agent.removed and len(t.peers) == 1
-    rep = _pair(t, "x", md="y")  # metadata naming another agent: refused, no pairing kept
+    rep = _pair(t, "x", md="y")  # metadata naming another agent: refused before any eviction
     assert not rep.ok and "handshake named 'x'" in rep.failed["*"], rep
-    assert "x" not in t.peers and len(t.peers) == 0 and agent.removed == ["a"]  # a made room first
+    assert "x" not in t.peers and "a" in t.peers and not agent.removed
+    assert _stream(t, "a").ok
+    rep = _pair(t, "a", md="z")  # a failed refresh of a: a stays paired, its stream counted
+    assert not rep.ok and "a" in t.peers and t.peers.busy("a") == 1 and agent.remotes == {"a"}
+
+
+def test_a_forgotten_pairings_queued_streams_keep_it_busy_once_it_pairs_again():
+    """The sender forgets a pairing whose loader looked gone while another of its streams is
+    queued; the loader pairs again under the same name: the queued stream's count still holds
+    it (not evictable), and that stream's end does not free the new pairing's own stream."""
+    t, agent = _transport(1)
+    assert _pair(t, "a").ok and _stream(t, "a").ok and _stream(t, "a").ok
+    t.peers.done("a")  # the first stream failed: its loader looked gone
+    assert t.peers.forget("a")
+    assert _pair(t, "a").ok and _stream(t, "a").ok  # paired anew, a new stream
+    t.peers.done("a")  # the old queued stream ends
+    rep = _pair(t, "b")
+    assert not rep.ok and rep.failed["*"].startswith("busy: 1 nixl pairings"), rep
+    t.peers.done("a")
+    assert _pair(t, "b").ok and agent.removed == ["b", "a"]
 
 
 def test_pairings_count_streams_and_forget():
@@ -104,7 +125,10 @@ def test_pairings_count_streams_and_forget():
     p.done("a")
     p.done("zz")  # a stream of an agent forgotten meanwhile: no effect
     assert p.busy("a") == 1
-    assert p.forget("a") and not p.forget("a") and p.busy("a") == 0 and "a" not in p
+    assert p.forget("a") and not p.forget("a") and "a" not in p
+    assert p.busy("a") == 1 and not p.start("a")  # its queued stream still ends its count
+    p.done("a")
+    assert p.busy("a") == 0
     for bad in (0, -1, True, 2.0, "3"):
         with pytest.raises(ValueError, match="max_pairs"):
             Pairings(bad)
@@ -145,3 +169,34 @@ def test_a_loader_whose_pairing_the_exporter_evicted_pairs_anew():
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.skipif(bool(nixl_status()), reason=f"NIXL not importable here: {nixl_status()}")
+@pytest.mark.usefixtures("ucx")
+def test_evicting_a_pairing_keeps_the_agent_this_rank_reads_from():
+    """A and B load from each other (staged both ways): B's agent holds A's agent for B's own
+    loads and for A's pairing. B evicting A's pairing drops only the pairing's use: B's next
+    load from A still reads A's agent."""
+    ac, bc = _caches(NHD16), _caches(HND32)
+    a = TransferEngine(NHD16, ac, 0, 1, "A", transport="nixl", timeout_s=5.0).start()
+    b = TransferEngine(HND32, bc, 0, 1, "B", transport="nixl", timeout_s=5.0).start()
+    try:
+        fill(bc, HND32, 0, 1, [2], 20, seed=1)
+        a.load("x", b.export("x", [2], 20), [4, 5])
+        assert _wait(a, {"x"}) == {"x": "done"}
+        fill(ac, NHD16, 0, 1, [6, 7], 20, seed=2)
+        b.load("y", a.export("y", [6, 7], 20), [3])
+        assert _wait(b, {"y"}) == {"y": "done"}
+        bt, name = b._transports["nixl"], a._transports["nixl"].agent.name
+        assert bt.agent._remotes[name] == {"pair", "read"}
+        assert bt.peers.forget(name)  # as an eviction does
+        bt.agent.remove_remote(name, "pair")
+        assert bt.agent._remotes[name] == {"read"}
+        fill(ac, NHD16, 0, 1, [8, 9], 20, seed=3)
+        b.load("z", a.export("z", [8, 9], 20), [5])
+        assert _wait(b, {"z"}) == {"z": "done"}
+        assert check(bc, HND32, 0, 1, [5], 20, seed=3) and check(bc, HND32, 0, 1, [3], 20, seed=2)
+        assert check(ac, NHD16, 0, 1, [4, 5], 20, seed=1)
+    finally:
+        b.close()
+        a.close()

@@ -188,7 +188,10 @@ class NixlAgent:
         self._pump_s = pump_s
         self._regs: list = []
         self._registered: dict[int, int] = {}  # allocation address -> bytes
-        self._remotes: set[str] = set()
+        # peer agent name -> who uses it here: "read" (this rank's loader sessions) and/or "pair"
+        # (a loader paired with this rank as exporter); removed from NIXL when the last one goes
+        self._remotes: dict[str, set[str]] = {}
+        self._remote_lock = threading.Lock()
         self._boxes: dict[str, deque] = {}
         self._cond = threading.Condition(threading.Lock())
         self._pump: threading.Thread | None = None
@@ -263,23 +266,34 @@ class NixlAgent:
             self._call("get_partial_agent_metadata", self.agent.get_partial_agent_metadata, empty, True, [])
         )
 
-    def add_remote(self, md: bytes, expect: str | None = None) -> str:
-        """Load a peer's metadata; returns its agent name (``NixlError`` when it is not
-        ``expect``). Loading the same agent again refreshes it."""
-        name = self._call("add_remote_agent", self.agent.add_remote_agent, md)
-        if isinstance(name, bytes):
-            name = name.decode()
-        self._remotes.add(name)
-        if expect is not None and name != expect:
-            self.remove_remote(name)
-            raise NixlError(f"NIXL metadata names agent {name!r}, the handshake named {expect!r}")
-        return name
+    def add_remote(self, md: bytes, expect: str | None = None, user: str = "read") -> str:
+        """Load a peer's metadata for ``user`` (``"read"``: a loader session; ``"pair"``: an
+        exporter's pairing); returns its agent name (``NixlError`` when it is not ``expect``:
+        then nothing is added). Loading the same agent again refreshes it."""
+        with self._remote_lock:
+            name = self._call("add_remote_agent", self.agent.add_remote_agent, md)
+            if isinstance(name, bytes):
+                name = name.decode()
+            if expect is not None and name != expect:
+                if name not in self._remotes:  # loaded by this call alone
+                    self._drop_remote(name)
+                raise NixlError(f"NIXL metadata names agent {name!r}, the handshake named {expect!r}")
+            self._remotes.setdefault(name, set()).add(user)
+            return name
 
-    def remove_remote(self, name: str) -> None:
-        """Forget a peer (disconnects); never raises."""
-        if name not in self._remotes or self._closed:
-            return
-        self._remotes.discard(name)
+    def remove_remote(self, name: str, user: str = "read") -> None:
+        """``user`` no longer needs peer ``name``; once no user does, it is forgotten
+        (disconnected). Never raises."""
+        with self._remote_lock:
+            users = self._remotes.get(name)
+            if users is None or self._closed:
+                return
+            users.discard(user)
+            if not users:
+                del self._remotes[name]
+                self._drop_remote(name)
+
+    def _drop_remote(self, name: str) -> None:
         try:
             self._call("remove_remote_agent", self.agent.remove_remote_agent, name)
         except NixlError as e:
@@ -558,8 +572,10 @@ class NixlAgent:
             )
         for p in left:  # before their peers are removed
             self.release_prep(p)
-        for name in list(self._remotes):
-            self.remove_remote(name)
+        with self._remote_lock:
+            remotes, self._remotes = list(self._remotes), {}
+            for name in remotes:
+                self._drop_remote(name)
         for handle in list(self._regs):
             self.deregister(handle)
         self._closed = True

@@ -88,13 +88,15 @@ class Pairings:
         return self._timeout_s.get(name, default)
 
     def forget(self, name: str) -> bool:
-        """Unpair agent ``name`` (its loader is gone); whether it was paired."""
+        """Unpair agent ``name`` (its loader is gone; its streams still queued keep their
+        counts); whether it was paired."""
         with self._lock:
             return self._drop(name)
 
     def _drop(self, name: str) -> bool:
+        # its busy count stays: each stream still queued ends it (done), also after the agent
+        # paired again under the same name, which then is not evictable while they run
         self._used.pop(name, None)
-        self._busy.pop(name, None)
         return self._timeout_s.pop(name, None) is not None
 
     def __contains__(self, name: object) -> bool:

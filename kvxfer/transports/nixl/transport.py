@@ -209,16 +209,18 @@ class NixlTransport:
         agent = self.side()
         if agent is None:
             return control.SendReply(ok=False, failed={"*": f"nixl not offered by this engine: {self.why}"})
-        why, evicted = self.peers.add(msg.agent, msg.timeout_s)  # room first: nothing loaded when refused
-        if why:
+        new = msg.agent not in self.peers
+        try:  # first: metadata that does not load changes no pairing (a refresh keeps the old)
+            agent.add_remote(msg.md, expect=msg.agent, user="pair")
+        except NixlError as e:
+            return control.SendReply(ok=False, failed={"*": str(e)})
+        why, evicted = self.peers.add(msg.agent, msg.timeout_s)
+        if why:  # every pairing streams: refused, the agent loaded for it dropped
+            if new:
+                agent.remove_remote(msg.agent, "pair")
             return control.SendReply(ok=False, failed={"*": why})
         for old in evicted:  # its loader pairs anew if it streams again
-            agent.remove_remote(old)
-        try:
-            agent.add_remote(msg.md, expect=msg.agent)  # the agent named msg.agent, or NixlError
-        except NixlError as e:
-            self.peers.forget(msg.agent)
-            return control.SendReply(ok=False, failed={"*": str(e)})
+            agent.remove_remote(old, "pair")
         return control.SendReply(ok=True, failed={})
 
     def tick(self, beat: bool, expected) -> int:
@@ -269,8 +271,8 @@ class NixlTransport:
         rank, agent = self.rank, self.agent
         msg = job.msg
         peer = msg.key.rpartition("#")[0]
-        stream, gather, status = stream_gathers(rank, self.rt, job)
-        try:
+        try:  # whatever fails, the sender thread goes on with the next stream
+            stream, gather, status = stream_gathers(rank, self.rt, job)
             hook = rt.hooks.get("before_send")
             if hook:
                 hook()
@@ -296,7 +298,7 @@ class NixlTransport:
                 stream_error(e),
             )
             if getattr(e, "peer_gone", False):
-                agent.remove_remote(peer)
+                agent.remove_remote(peer, "pair")
                 self.peers.forget(peer)
             return
         rt.metrics.add("bytes_sent", sent)
