@@ -120,12 +120,8 @@ class PreparedCopy:
             if self._budget is not None:  # the same on every call of this copy
                 src.max_sms = dst.max_sms = self._budget
         else:
-            src.block_ids, src.num_tokens, dst.block_ids, dst.num_tokens = (
-                src_ids,
-                num_tokens,
-                dst_ids,
-                num_tokens,
-            )
+            src.block_ids, src.num_tokens = src_ids, num_tokens
+            dst.block_ids, dst.num_tokens = dst_ids, num_tokens
         try:
             launch(self._how, src, dst, self._budget, None)
         finally:

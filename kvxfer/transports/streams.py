@@ -15,6 +15,7 @@ refused (:mod:`kvxfer.planner`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ import torch
 
 from .. import control, ops
 from ..batching import BatchPlan
-from ..engine_types import time_left
+from ..engine_types import describe_error, time_left
 from ..plan import Read
 from ..tracing import batch_tag
 from .base import LoaderLink, StreamJob
@@ -158,6 +159,38 @@ def ask_stream(
 
 class StreamRefused(RuntimeError):
     """The exporter refused a send request as a whole (the message says why)."""
+
+
+class PairFailed(RuntimeError):
+    """Pairing with a source rank failed (the message says why, as ``describe_error`` gives it)."""
+
+
+def ask_paired(
+    pair: Callable[[], str],
+    ask: Callable[[str], dict[str, str]],
+    unpair: Callable[[str], None],
+    unknown: str,
+    deadline: float,
+) -> dict[str, str]:
+    """A staged stream's send request over a pairing with its source rank (``pg``, ``nixl``):
+    ``pair()`` pairs unless paired and returns the stream's key; ``ask(key)`` sends the request
+    (:func:`ask_stream`: what it refused). A refusal of the whole request undoes the pairing
+    (``unpair(why)``) and is raised, unless it says the exporter no longer knows the pairing
+    (``unknown`` in it: evicted at its cap, or the exporter restarted): then the pairing is made
+    anew once, within ``deadline``, and the request sent again. A failure to pair raises
+    :class:`PairFailed`."""
+    for again in (True, False):
+        try:
+            key = pair()
+        except Exception as e:
+            raise PairFailed(describe_error(e)) from e
+        try:
+            return ask(key)
+        except StreamRefused as e:
+            unpair(str(e))
+            if not (again and unknown in str(e) and deadline > time.monotonic()):
+                raise
+    raise AssertionError("not reached: the second refusal is raised")
 
 
 def take_status(loads: list, flags: bytes, s: int) -> tuple[set[str], dict[str, str]]:

@@ -140,9 +140,6 @@ class NativeLane:
         if got is None:
             return
         results, events, late = got[:3]  # the metrics were recorded by the book (Metrics.follow)
-        if not (results or events or late):
-            return
-        rt = self.rt
         if events:
             recycled: set[int] = set()  # a batch's loads share one event: back to the pool once
             for lane, ev in events:
@@ -157,6 +154,7 @@ class NativeLane:
             )  # fmt: skip
         if not results:
             return
+        rt = self.rt
         notes: dict[int, tuple[Peer, list, list]] = {}
         for code, lane, prid, token, rid in results:
             t = lane[0]

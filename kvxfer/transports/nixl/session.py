@@ -27,20 +27,19 @@ head slice), on the path chosen then:
 from __future__ import annotations
 
 import secrets
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ... import control
-from ...engine_types import HandshakeError, LoadItem, describe_error, time_left
+from ...engine_types import HandshakeError, LoadItem, time_left
 from ...ordering import FenceTimeout
 from ...plan import Read
 from ...tracing import batch_tag, trace
 from ...transfer import Done, Outcome, Route, Transfer
 from ..base import LoaderLink
-from ..streams import StreamRefused, ask_stream, stream_scatters, take_status
+from ..streams import PairFailed, ask_paired, ask_stream, stream_scatters, take_status
 from .agent import NixlAgent, NixlError, Prepped, XferFence, XferTimeout, mem_of
 from .descs import CacheGeometry, DirectTables, descs, epoch_index
 from .pairings import UNKNOWN_NIXL_PAIR
@@ -245,29 +244,34 @@ class NixlSession:
         chunk_tokens = rank.pipeline.chunk_tokens_for(
             {"staging_bytes": st.staging_bytes}, bpt, bp.src_unit, bp.dst_unit
         )
-        for again in (True, False):
-            try:
-                self._pair(s, st, loads[0], deadline)
-            except Exception as e:
-                why = f"nixl pair with rank {s}: {describe_error(e)}"
-                return Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0)
-            key = f"{agent.name}#{secrets.token_hex(8)}"
+        keys: list[str] = []  # the stream's key, its mailbox open once the request went
+
+        def pair() -> str:
+            self._pair(s, st, loads[0], deadline)
+            return f"{agent.name}#{secrets.token_hex(8)}"
+
+        def ask(key: str) -> dict[str, str]:
             agent.open_box(key)
             try:
-                refused = ask_stream(
+                got = ask_stream(
                     self.link, rank, "nixl", self.peer, s, key, r, loads, bp, chunk_tokens, deadline, layers
                 )
-                break
-            except StreamRefused as e:
-                agent.close_box(key)
-                # the exporter no longer knows the pairing (evicted at its cap, or restarted):
-                # paired anew once, within the deadline, the load goes on
-                if not (again and UNKNOWN_NIXL_PAIR in str(e) and deadline > time.monotonic()):
-                    raise
-                st.paired = False
             except BaseException:
                 agent.close_box(key)
                 raise
+            keys.append(key)
+            return got
+
+        def unpair(why: str) -> None:
+            if UNKNOWN_NIXL_PAIR in why:  # the exporter no longer knows it: the next stream pairs
+                st.paired = False
+
+        try:
+            refused = ask_paired(pair, ask, unpair, UNKNOWN_NIXL_PAIR, deadline)
+        except PairFailed as e:
+            why = f"nixl pair with rank {s}: {e}"
+            return Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0)
+        key = keys[0]
         if refused:
             agent.close_box(key)
             return Outcome(set(), {}, refused, None, 0)

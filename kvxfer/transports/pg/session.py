@@ -6,14 +6,13 @@ as it lands, then the stream's status (which loads landed: the transfer's record
 from __future__ import annotations
 
 import secrets
-import time
 from typing import TYPE_CHECKING
 
 from ... import control
-from ...engine_types import LoadItem, describe_error, time_left
+from ...engine_types import LoadItem, time_left
 from ...transfer import Done, Outcome, Route, Transfer
 from ..base import LoaderLink
-from ..streams import StreamRefused, ask_stream, stream_scatters, take_status
+from ..streams import PairFailed, ask_paired, ask_stream, stream_scatters, take_status
 from . import groups
 from .groups import UNKNOWN_PAIR
 
@@ -53,23 +52,26 @@ class PgSession:
         bp, layers, deadline = transfer.plan, transfer.layers, transfer.deadline
         bpt = into.spec.bytes_per_token(num_heads=r.num_heads, num_layers=len(layers) if layers else None)
         chunk_tokens = rank.pipeline.chunk_tokens_for(peer.replies[s].pg, bpt, bp.src_unit, bp.dst_unit)
-        for again in (True, False):
-            try:
-                group, key = self._pair(s, loads[0], deadline)
-            except Exception as e:
-                why = f"pg pair with rank {s}: {describe_error(e)}"
-                return Done(Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0))
-            try:
-                refused = ask_stream(
+        used: list = []  # the pair group the request went over, and its key
+
+        def pair() -> str:
+            used[:] = self._pair(s, loads[0], deadline)
+            return used[1]
+
+        try:
+            refused = ask_paired(
+                pair,
+                lambda key: ask_stream(
                     self.link, rank, "pg", peer, s, key, r, loads, bp, chunk_tokens, deadline, layers
-                )
-                break
-            except StreamRefused as e:
-                self.drop(s, str(e))
-                # the exporter no longer knows the pair (evicted at its cap, or restarted):
-                # paired anew once, within the deadline, the load goes on
-                if not (again and UNKNOWN_PAIR in str(e) and deadline > time.monotonic()):
-                    raise
+                ),
+                lambda why: self.drop(s, why),
+                UNKNOWN_PAIR,
+                deadline,
+            )
+        except PairFailed as e:
+            why = f"pg pair with rank {s}: {e}"
+            return Done(Outcome(set(), dict.fromkeys([it.request_id for it in loads], why), {}, None, 0))
+        group = used[0]
         if refused:
             return Done(Outcome(set(), {}, refused, None, 0))
         try:
