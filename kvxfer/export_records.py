@@ -1,12 +1,28 @@
 """One export's record as the export tracker keeps it (:mod:`kvxfer.exports`), what it opens to a
-loader (:func:`spans`), and how a notification or done mark counts toward its release
+loader (:func:`spans`), how a request's token and digest are checked against it
+(:func:`verified`), and how a notification or done mark counts toward its release
 (:func:`counted`)."""
 
 from __future__ import annotations
 
+import hmac
+import itertools
+from collections.abc import Callable
+
 import numpy as np
 
-__all__ = ["ExportRecord", "counted", "spans"]
+from .auth import UNAUTHORIZED
+
+__all__ = ["ALTERED", "MAX_FORGED", "OTHER_EXPORT", "ExportRecord", "Verify", "counted", "spans", "verified"]
+
+ALTERED = "refused: the block ids, num_tokens or groups of the params differ from the export's (altered or sliced params)"
+OTHER_EXPORT = "refused: the params are of another export of this request id (an earlier, released one)"
+# Tokens of one message whose MAC is computed and fails (forged, or of another engine) before the
+# rest of its ids that are not live here are refused without one: a message of made-up ids costs
+# this many MACs, not one per id (an authentic message fails none).
+MAX_FORGED = 16
+
+Verify = Callable[[str, object, object], bool]  # kvxfer.auth.EngineSecret.verify
 
 
 class ExportRecord:
@@ -91,3 +107,59 @@ def counted(e: ExportRecord, sender, expected: int) -> bool:
         return False
     seen.add(sender)
     return len(seen) >= expected
+
+
+def verified(
+    live: dict,
+    request_ids: list[str],
+    tokens: list | None,
+    verify: Verify | None,
+    bad: dict,
+    digests: list | None = None,
+) -> list[tuple[str, ExportRecord | None]]:
+    """``(request id, its record in live or None)`` for each of ``request_ids`` whose token
+    verifies (all of them when ``tokens`` is None); the others go into ``bad`` with why.
+
+    A live export verifies with exactly its own token (:func:`~kvxfer.auth.tokens_match`'s
+    test, inline: one loop per message, no call per request) and, where ``digests`` are
+    given, its own content digest (else :data:`ALTERED`). A request not live here is
+    checked with ``verify(request_id, token, digest)`` (:meth:`kvxfer.auth.EngineSecret.verify`)
+    when a digest came with it, so an unknown request is told apart from a forged one; with
+    no digest (notifications, heartbeats: they act on live exports only) it passes as not
+    live. An authentic token of another export of a live request id is
+    :data:`OTHER_EXPORT`. Once :data:`MAX_FORGED` tokens of the call failed ``verify``, the
+    rest that would need it are refused unverified. A token that is not ASCII (no token
+    is) is refused. Call under the tracker's lock."""
+    if tokens is None:
+        return [(rid, live.get(rid)) for rid in request_ids]
+    out = []
+    eq = hmac.compare_digest  # raises for a str that is not ASCII: those are refused first
+    forged = 0
+    for rid, tok, dg in zip(request_ids, tokens, digests if digests is not None else _NONES(request_ids)):
+        e = live.get(rid)
+        if e is not None and type(tok) is str and tok.isascii() and eq(e.token, tok):
+            if dg is None or dg == e.digest:
+                out.append((rid, e))
+            else:
+                bad[rid] = ALTERED
+        elif dg is None:
+            if e is None:
+                out.append((rid, None))
+            else:
+                bad[rid] = UNAUTHORIZED
+        elif verify is not None and forged < MAX_FORGED:
+            if verify(rid, tok, dg):
+                if e is None:
+                    out.append((rid, None))
+                else:
+                    bad[rid] = OTHER_EXPORT
+            else:
+                forged += 1
+                bad[rid] = UNAUTHORIZED
+        else:
+            bad[rid] = UNAUTHORIZED
+    return out
+
+
+def _NONES(request_ids: list) -> itertools.repeat:
+    return itertools.repeat(None, len(request_ids))

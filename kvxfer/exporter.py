@@ -209,7 +209,14 @@ class Exporter:
         loader wants is ready yet."""
         rt = self.rt
         miscounted = self._miscounted(msg.request_ids, msg.tokens, msg.digests)
-        if miscounted is not None:
+        epochs = (
+            None
+            if miscounted is not None
+            else rt.exports.grant_verified(msg.request_ids, msg.tokens, msg.digests)
+        )
+        if epochs is not None:  # every request a verified whole export (one native call)
+            ok, failed, masks = dict(zip(msg.request_ids, epochs)), {}, {}
+        elif miscounted is not None:
             ok, failed, masks = {}, miscounted, {}
         else:
             with rt.exports.lock:
@@ -257,6 +264,8 @@ class Exporter:
         bad = self._miscounted(ids, msg.tokens)
         if bad is not None:
             return control.Ack(failed=bad)
+        if rt.exports.notify_verified(ids, msg.tokens, msg.tp_rank, msg.tp_size, self._expected) is not None:
+            return control.Ack(failed={})  # every id verified and counted (one native call)
         bad = {}
         rt.exports.notify_many(
             ids,

@@ -18,7 +18,6 @@ more; the tracker's Python reads the same records. Without it, the Python below 
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import threading
@@ -30,9 +29,8 @@ import numpy as np
 import torch
 
 from . import idops
-from .auth import UNAUTHORIZED
 from .completion import PollResult
-from .export_records import ExportRecord, counted
+from .export_records import ALTERED, MAX_FORGED, OTHER_EXPORT, ExportRecord, Verify, counted, verified
 from .limits import MAX_LEASE_S
 from .ordering import event_done
 
@@ -41,19 +39,11 @@ _LOG = logging.getLogger(__name__)
 UNKNOWN = "unknown: not exported here (yet)"
 _INT64 = np.dtype(np.int64)
 RELEASED = "released: lease expired, aborted or already freed"
-ALTERED = "refused: the block ids, num_tokens or groups of the params differ from the export's (altered or sliced params)"
-OTHER_EXPORT = "refused: the params are of another export of this request id (an earlier, released one)"
 GONE_KEPT = 100_000  # released request ids remembered (generation, token), oldest forgotten first
 # ... in batches, once this many more were released: a dict finds its oldest key by scanning
 # past the ones deleted before it, so forgetting one per release made every release pay that
 # scan once GONE_KEPT were reached, tens of us more each (profiling/bench_export_records.py)
 GONE_SLACK = max(1, GONE_KEPT // 64)
-# Tokens of one message whose MAC is computed and fails (forged, or of another engine) before the
-# rest of its ids that are not live here are refused without one: a message of made-up ids costs
-# this many MACs, not one per id (an authentic message fails none).
-MAX_FORGED = 16
-
-Verify = Callable[[str, object, object], bool]  # kvxfer.auth.EngineSecret.verify
 
 
 def _ctl():
@@ -61,11 +51,7 @@ def _ctl():
     return idops.native()
 
 
-def _NONES(request_ids: list) -> itertools.repeat:
-    return itertools.repeat(None, len(request_ids))
-
-
-__all__ = ["ALTERED", "OTHER_EXPORT", "RELEASED", "UNKNOWN", "ExportTracker", "LeaseListener"]
+__all__ = ["ALTERED", "MAX_FORGED", "OTHER_EXPORT", "RELEASED", "UNKNOWN", "ExportTracker", "LeaseListener"]
 
 
 class LeaseListener(Protocol):
@@ -280,14 +266,14 @@ class ExportTracker:
 
         ``tokens`` and ``digests`` (one each per request id, as a loader presents them): a
         request whose token or content digest does not match its export is refused, neither
-        granted nor renewed (:meth:`_verified`)."""
+        granted nor renewed (:func:`~kvxfer.export_records.verified`)."""
         ok: dict[str, bytes] = {}
         bad: dict[str, str] = {}
         masks: dict[str, np.ndarray] = {}
         with self.lock:
             deadline = time.monotonic() + self.lease_s
             ep, snapshot = self._ep, idops.snapshot
-            for rid, e in self._verified(request_ids, tokens, verify, bad, digests):
+            for rid, e in verified(self._live, request_ids, tokens, verify, bad, digests):
                 if e is None:
                     bad[rid] = UNKNOWN if rid not in self._gone else RELEASED
                     continue
@@ -298,66 +284,50 @@ class ExportTracker:
                     masks[rid] = self.layers_ready(rid)
         return ok, bad, masks
 
-    def _verified(
+    def grant_verified(
+        self, request_ids: list[str], tokens: list, digests: list | None
+    ) -> list[bytes] | None:
+        """:meth:`grant` of the common request in one native call (the control module's book):
+        when every one of ``request_ids`` is a live whole export presenting exactly its own
+        token and content digest, each lease renewed and its blocks' epochs (native int64
+        bytes, in request order). None, with nothing written, for any other request (or
+        without the control module, or while a listener follows the leases): :meth:`grant`
+        answers it with each id's reason."""
+        book = self._book
+        if book is None or digests is None or self._listeners:
+            return None
+        with self.lock:
+            return book.grant(request_ids, tokens, digests, time.monotonic() + self.lease_s)
+
+    def notify_verified(
         self,
         request_ids: list[str],
-        tokens: list | None,
-        verify: Verify | None,
-        bad: dict,
-        digests: list | None = None,
-    ) -> list[tuple[str, ExportRecord | None]]:
-        """``(request id, its live export or None)`` for each of ``request_ids`` whose token
-        verifies (all of them when ``tokens`` is None); the others go into ``bad`` with why.
-
-        A live export verifies with exactly its own token (:func:`~kvxfer.auth.tokens_match`'s
-        test, inline: one loop per message, no call per request) and, where ``digests`` are
-        given, its own content digest (else :data:`ALTERED`). A request not live here is
-        checked with ``verify(request_id, token, digest)`` (:meth:`kvxfer.auth.EngineSecret.verify`)
-        when a digest came with it, so an unknown request is told apart from a forged one; with
-        no digest (notifications, heartbeats: they act on live exports only) it passes as not
-        live. An authentic token of another export of a live request id is
-        :data:`OTHER_EXPORT`. Once :data:`MAX_FORGED` tokens of the call failed ``verify``, the
-        rest that would need it are refused unverified. A token that is not ASCII (no token
-        is) is refused. Call under :attr:`lock`."""
-        live = self._live
-        if tokens is None:
-            return [(rid, live.get(rid)) for rid in request_ids]
-        out = []
-        eq = hmac.compare_digest  # raises for a str that is not ASCII: those are refused first
-        forged = 0
-        for rid, tok, dg in zip(request_ids, tokens, digests if digests is not None else _NONES(request_ids)):
-            e = live.get(rid)
-            if e is not None and type(tok) is str and tok.isascii() and eq(e.token, tok):
-                if dg is None or dg == e.digest:
-                    out.append((rid, e))
-                else:
-                    bad[rid] = ALTERED
-            elif dg is None:
-                if e is None:
-                    out.append((rid, None))
-                else:
-                    bad[rid] = UNAUTHORIZED
-            elif verify is not None and forged < MAX_FORGED:
-                if verify(rid, tok, dg):
-                    if e is None:
-                        out.append((rid, None))
-                    else:
-                        bad[rid] = OTHER_EXPORT
-                else:
-                    forged += 1
-                    bad[rid] = UNAUTHORIZED
-            else:
-                bad[rid] = UNAUTHORIZED
-        return out
+        tokens: list,
+        rank: int,
+        tp: int,
+        expected: Callable[[int, int], int | str],
+    ) -> int | None:
+        """:meth:`notify_many` of the common notification in one native call: when every one of
+        ``request_ids`` is live with exactly its own token, and loader rank ``rank`` of a
+        ``tp``-rank loader may notify here (``expected(tp, rank)``, the callable
+        :meth:`take_marks` is given: a count), each counted as that rank's notification; returns
+        how many exports were released. None, with nothing counted, for any other notification
+        (or without the control module): :meth:`notify_many` answers it with each id's reason."""
+        book = self._book
+        if book is None:
+            return None
+        with self.lock:
+            done = book.notify(request_ids, tokens, rank, tp, expected)
+            return None if done is None else self._finish(done)
 
     def unauthorized(
         self, request_ids: list[str], tokens: list, verify: Verify, digests: list | None = None
     ) -> dict[str, str]:
         """Request id -> why, for each of ``request_ids`` whose token (and digest, when given;
-        one each per id) does not verify (:meth:`_verified`); empty when all do."""
+        one each per id) does not verify (:func:`~kvxfer.export_records.verified`); empty when all do."""
         bad: dict[str, str] = {}
         with self.lock:
-            self._verified(request_ids, tokens, verify, bad, digests)
+            verified(self._live, request_ids, tokens, verify, bad, digests)
         return bad
 
     def lookup(self, request_id: str) -> ExportRecord | None:
@@ -374,7 +344,7 @@ class ExportTracker:
         bad: dict[str, str] = {}
         with self.lock:
             deadline = time.monotonic() + self.lease_s
-            for rid, e in self._verified(request_ids, tokens, verify, bad):
+            for rid, e in verified(self._live, request_ids, tokens, verify, bad):
                 if e is not None and e.deadline < deadline:
                     self._renew(rid, e, deadline)
         return bad
@@ -434,14 +404,14 @@ class ExportTracker:
         """:meth:`notify` for each of ``request_ids`` (one notification message), under one
         lock; returns how many were released. ``tokens``, ``verify``: as :meth:`grant`; a
         request whose token does not verify counts nothing and goes into ``bad``
-        (:meth:`_verified`). ``expected`` may be a function, called once and only when a
+        (:func:`~kvxfer.export_records.verified`). ``expected`` may be a function, called once and only when a
         verified request is live (no work for an unverified message): the count, or a string
         saying why ``sender`` may not notify here (then nothing counts; each id goes into
         ``bad`` with it)."""
         done = []
         want: int | str | None = None
         with self.lock:
-            for rid, e in self._verified(request_ids, tokens, verify, bad):
+            for rid, e in verified(self._live, request_ids, tokens, verify, bad):
                 if e is None:
                     continue
                 if want is None:

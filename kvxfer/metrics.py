@@ -69,7 +69,7 @@ class Metrics:
 
     def record_batch(self, start: float, end: float, nbytes: int, calls: int) -> None:
         """One (batch, source rank) transfer that moved ``nbytes`` wire bytes."""
-        self.record_load(start, end, nbytes, calls, None)
+        self.record_loads(start, end, nbytes, calls, ())
 
     def record_done(self, latencies: list[float]) -> None:
         with self._lock:

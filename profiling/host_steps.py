@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_engine
 
-from kvxfer import auth, completion, engine, exporter, exports, idops, loader, metrics, ops, params
-from kvxfer.transports.ipc import lane, onesided, slots
+from kvxfer import auth, completion, engine, exporter, exports, idops, loader, metrics, ops, params, planner
+from kvxfer.transports.ipc import lane, onesided, session, slots
 
 # the loads tracker in C (completion.native_load_book) and its one-sided native lane, when built
 _BOOK = idops.native().LoadBook if idops.ensure() else None
@@ -58,8 +58,22 @@ STEPS = (
     *(((_BOOK, "complete", "D"),) if _BOOK is not None else ()),
     (onesided.OneSided, "_land", "D"),
     (onesided.OneSided, "_report", "D"),
+    (loader.Loader, "_run_batch", "D"),  # the messaged path's batch, P's handlers in it
+    (planner.Planner, "check", "D"),
+    (loader, "ask_grants", "D"),
+    (exporter.Exporter, "_handle_read", "P"),
+    (exports.ExportTracker, "grant", "P"),
+    (loader.Loader, "_read_rank", "D"),
+    (planner.Planner, "plan", "D"),
+    (session.IpcSession, "start", "D"),
+    (session.IpcSession, "copy", "D"),
+    (ops, "copy_blocks", "D"),
+    (session.IpcCompletion, "wait", "D"),
+    (planner, "stale_loads", "D"),
+    (loader.Loader, "_complete", "D"),
     (loader.Loader, "notify_ids", "D"),
-    (loader.Loader, "_run_batch", "D"),
+    (exporter.Exporter, "_handle_notify", "P"),
+    (exports.ExportTracker, "notify_many", "P"),
     (completion.LoadTracker, "finish_one", "D"),
     (metrics.Metrics, "record_load", "P+D"),
     (metrics.Metrics, "record_loads", "D"),

@@ -256,18 +256,19 @@ def test_a_failing_handler_is_logged_and_the_channel_keeps_serving(caplog):
     addr = f"tcp://127.0.0.1:{p.port}"
     try:
         prm = p.export("r", [1], 4)
-        real = p._rt.exports.notify_many
+        ex = p._rt.exports
+        real = ex.notify_verified, ex.notify_many
 
         def broken(*args, **kwargs):
             raise RuntimeError("a bug in the notification path")
 
-        p._rt.exports.notify_many = broken
+        ex.notify_verified = ex.notify_many = broken
         bad = C.Notify("D", 0, 1, ["r"], [], [prm["token"]])
         with caplog.at_level(logging.WARNING, logger="kvxfer.control"):
             rep = client.call(addr, bad, 5.0)
         assert isinstance(rep, C.ErrorReply) and "a bug in the notification path" in rep.error
         assert any("handler failed on Notify" in r.getMessage() for r in caplog.records)
-        p._rt.exports.notify_many = real
+        ex.notify_verified, ex.notify_many = real
         dg = KVTransferParams.from_dict(prm).digest()
         ok = client.call(addr, C.ReadReq("D", 0, 1, ["r"], [prm["token"]], digests=[dg]), 5.0)
         assert isinstance(ok, C.ReadReply) and ok.ok == ["r"]

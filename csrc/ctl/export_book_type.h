@@ -17,6 +17,7 @@
 
 #include "ctl_common.h"
 #include "export_book.h"
+#include "export_book_msgs.h"
 
 namespace kvx_ctl {
 
@@ -165,6 +166,12 @@ inline PyMethodDef *xbook_methods() {
        "take_marks(expected) -> the ids whose count the done marks since the last look completed"},
       {"renew", xbook_method(guarded<xbook_renew>), METH_FASTCALL,
        "renew(record, deadline) -> whether its lease now ends later"},
+      {"grant", xbook_method(guarded<xbook_grant>), METH_FASTCALL,
+       "grant(request_ids, tokens, digests, deadline) -> each id's epochs, renewed; None: not every id a "
+       "verified whole export"},
+      {"notify", xbook_method(guarded<xbook_notify>), METH_FASTCALL,
+       "notify(request_ids, tokens, rank, tp, expected) -> the ids whose count completed; None: not every id "
+       "verified, or the sender may not notify"},
       {"attach", xbook_method(guarded<xbook_attach>), METH_FASTCALL,
        "attach(table, gens, used, owner, unready, on_full): follow this lease-slot table"},
       {nullptr, nullptr, 0, nullptr},

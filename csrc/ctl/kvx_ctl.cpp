@@ -19,8 +19,8 @@
 // onesided_reads.h (a one-sided load's reads and marks over all its source ranks in one call),
 // load_book.h (the loads in flight on a loader rank), load_lane.h (the one-sided native lane's
 // records in them), load_book_type.h (their Python type), export_book.h (the exporter's records
-// of its live exports, and its writes to its lease-slot table), export_book_type.h (their Python
-// types), block_ids.h (a caller's ids checked, the repeat sets, refcounts), exporter_slots.h (the
+// of its live exports, and its writes to its lease-slot table), export_book_msgs.h (its answers
+// to a lease grant request and a notification), export_book_type.h (their Python types), block_ids.h (a caller's ids checked, the repeat sets, refcounts), exporter_slots.h (the
 // exporter's writes to that table), token_hash.h (the content digest and token of
 // kvxfer/auth.py), blake2b.h (the hash of those three) and params_fields.h (a load's params dict
 // checked in one call, kvxfer/params.py).
@@ -45,7 +45,7 @@
 namespace kvx_ctl {
 namespace {
 
-constexpr int kAbiVersion = 15;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 16;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // hold(refcount int32[B], ids int64[n]): refcount[id] += 1 for each distinct id (a block listed
 // twice counts once, as numpy's refcount[ids] += 1 does).

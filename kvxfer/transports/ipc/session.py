@@ -28,6 +28,7 @@ from ... import ops
 from ...engine_types import time_left
 from ...groups.state_group import page_view
 from ...ordering import event_done
+from ...prepared import prepared_copy
 from ...tracing import items_tag, trace
 from ...transfer import Outcome, Route, Transfer
 from ...views import CacheViews
@@ -44,6 +45,14 @@ __all__ = ["IpcCompletion", "IpcMap", "IpcSession", "fetched", "map_rank"]
 
 _POOL_MAX = 64  # completion events kept for reuse
 _BUSY_PRUNE = 16  # events kept before the completed ones are dropped
+_INT64 = np.dtype(np.int64)
+_COPIES_MAX = 256  # call shapes whose prepared copies are kept (offset views come and go)
+
+
+def _fits(ids: np.ndarray, need: int) -> bool:
+    """Whether ``ids`` is what a bounded copy reads in place: C-contiguous int64, at least
+    ``need`` of them."""
+    return ids.dtype is _INT64 and ids.flags.c_contiguous and ids.size >= need
 
 
 class IpcMap(NamedTuple):
@@ -123,6 +132,7 @@ class IpcSession:
         self._maps: dict[int, IpcMap] = {}
         self._busy: list = []  # events of one-sided copies that may still read a mapping
         self._pool: list = []  # completion events to reuse
+        self._copies: dict[tuple, tuple] = {}  # prepared copies of each call shape (_prepared)
         self.onesided = None  # the one-sided mode's view of this peer (kvxfer.transports.ipc.onesided)
         self._linger = linger  # called when closed while copies may still read a mapping
 
@@ -158,8 +168,11 @@ class IpcSession:
         with self.lock, trace("copy", items_tag, transfer.loads):
             if self.closed:
                 raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
-            with fetched(m, transfer.loads, transfer.layers, transfer.blocks):
+            if m.remote is None:  # a real mapping: nothing to fetch
                 calls = self.copy(m, transfer)
+            else:
+                with fetched(m, transfer.loads, transfer.layers, transfer.blocks):
+                    calls = self.copy(m, transfer)
         return IpcCompletion(self, m, transfer, calls)
 
     def move_state(
@@ -191,27 +204,59 @@ class IpcSession:
         """The ops calls of ``transfer`` from mapping ``m`` into this rank's caches, on the
         current stream (call under :attr:`lock`); returns how many. The ids were checked
         already (source: against the exporter's block count, on the grant or the slot lookup;
-        destination: range and repeats, at ``load()``): ops skips its own checks, and still
-        checks a call that carries several loads for repeats among them unless their blocks are
-        disjoint (the plan's ``distinct``)."""
+        destination: range and repeats, at ``load()``): each call runs its prepared copy
+        (:meth:`_prepared`) with no check of its own, but for repeats among the destination
+        ids of a call that carries several loads whose blocks are not disjoint (the plan's
+        ``distinct``)."""
         bp = transfer.plan
-        src, dst = m.views, self.rank.views
-        sbs, dbs = self.peer.spec.block_size, self.rank.spec.block_size
-        nsrc, ndst = self.peer.num_blocks, self.rank.num_blocks
         distinct = bp.distinct
-        layers = transfer.layers
         for c in bp.calls:
             su, du = bp.units(c)
-            sv = src.at(su, c.src_offset)
-            dv = dst.at(du, c.dst_offset)
-            src_ids = ops.CheckedIds(c.src, nsrc * (sbs // su), False)
-            dst_ids = ops.CheckedIds(c.dst, ndst * (dbs // du), distinct or len(c.request_ids) == 1)
-            for r in transfer.reads:
-                ops.copy_blocks(
-                    sv.caches, sv.spec, src_ids, dv.caches, dv.spec, dst_ids, c.num_tokens,
-                    r.src_head_start, r.dst_head_start, r.num_heads, layers=layers,
-                )  # fmt: skip
+            bounded, copies = self._prepared(m, transfer, su, du, c.src_offset, c.dst_offset)
+            n, src, dst = c.num_tokens, c.src, c.dst
+            if not n:
+                continue
+            unique = distinct or len(c.request_ids) == 1
+            ns, nd = -(-n // su), -(-n // du)
+            if bounded and unique and _fits(src, ns) and _fits(dst, nd):
+                src, dst = src[:ns], dst[:nd]
+                for pc in copies:
+                    pc.run_bounded(src, dst, n)
+            else:  # off a unit boundary, or ids repeated across the call's loads: checked there
+                src = ops.CheckedIds(src, self._bound(su, True), False)
+                dst = ops.CheckedIds(dst, self._bound(du, False), unique)
+                for pc in copies:
+                    pc.run(src, dst, n)
         return len(bp.calls) * len(transfer.reads)
+
+    def _bound(self, unit: int, src: bool) -> int:
+        """How many ids of ``unit`` a checked grant (``src``) or load addresses."""
+        if src:
+            return self.peer.num_blocks * (self.peer.spec.block_size // unit)
+        return self.rank.num_blocks * (self.rank.spec.block_size // unit)
+
+    def _prepared(self, m: IpcMap, transfer: Transfer, su: int, du: int, so: int, do: int) -> tuple:
+        """The prepared copies (:class:`~kvxfer.prepared.PreparedCopy`, one per head slice of
+        ``transfer.reads``) of a call in units ``su``/``du`` at token offsets ``so``/``do`` of
+        ``transfer``'s layers from mapping ``m``, made once per call shape, and whether the ids
+        a checked grant and load give (below the bounds of :meth:`_bound`) are the copies' own
+        (:meth:`~kvxfer.prepared.PreparedCopy.takes`, and no offset)."""
+        layers = transfer.layers
+        key = (transfer.source, su, du, so, do, None if layers is None else tuple(layers))
+        got = self._copies.get(key)
+        if got is not None and got[2] is transfer.reads and got[3] is m:
+            return got[0], got[1]
+        sv, dv = m.views.at(su, so), self.rank.views.at(du, do)
+        copies = tuple(
+            prepared_copy(sv.caches, dv.caches, r.src_head_start, r.dst_head_start, r.num_heads, layers)
+            for r in transfer.reads
+        )
+        sb, db = self._bound(su, True), self._bound(du, False)
+        bounded = not so and not do and all(pc.takes(su, sb, du, db) for pc in copies)
+        if len(self._copies) >= _COPIES_MAX:
+            self._copies.clear()
+        self._copies[key] = (bounded, copies, transfer.reads, m)
+        return bounded, copies
 
     # ------------------------------------------------------------------ events
     def done_event(self):
@@ -252,6 +297,7 @@ class IpcSession:
         """Drop every mapping and lease-slot table of this session."""
         with self.lock:
             maps, self._maps = self._maps, {}
+            self._copies = {}  # they hold the mapped caches
             for m in maps.values():
                 offer.detach(m.handles)
             handles, self._slot_handles = self._slot_handles, []

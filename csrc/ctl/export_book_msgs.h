@@ -1,0 +1,165 @@
+// kvxfer control-path helpers (kvx_ctl.cpp): the exporter's answers to a loader's lease grant
+// request and its notification, for the common message, in one call each (ExportBook methods;
+// kvxfer/exporter.py's handlers call them through kvxfer/exports.py's ExportTracker):
+//
+//   grant(request_ids, tokens, digests, deadline) -> [epochs per id] or None
+//       every id live, its token and content digest exactly its export's, a whole export (not
+//       layer-wise): each lease renewed to `deadline` (its slot's deadline too) and its blocks'
+//       epochs snapshot (native int64 bytes), in request order. None when any id is not such
+//       a request, before anything is written: the tracker's Python grant then answers every
+//       case (unknown, released, forged, altered, another export, layer-wise) with its reason.
+//   notify(request_ids, tokens, rank, tp, expected) -> the ids whose count completed, or None
+//       every id live and its token exactly its export's, and loader rank `rank` of a `tp`-rank
+//       loader allowed to notify here (expected(tp, rank), the callable take_marks asks, its
+//       answers cached with the done marks'): each counted as that rank's notification (a
+//       sender counts once per expected count, as exports.py's counted). None when any id or
+//       the sender is not such, before anything is counted (the Python path says why).
+//
+// Why native: the Python grant and notification handlers walked each id through a verification
+// generator, a renewal call and a snapshot call; here one loop (profiling/results/
+// 2026-11-29-cpu-messaged-native).
+//
+// Token comparison takes time independent of where two tokens of equal length differ (as
+// hmac.compare_digest). Included by export_book_type.h alone.
+
+#pragma once
+
+#ifndef PY_SSIZE_T_CLEAN
+#define PY_SSIZE_T_CLEAN
+#endif
+#include <Python.h>
+
+#include "ctl_common.h"
+#include "export_book.h"
+
+namespace kvx_ctl {
+
+// Whether the str `given` is ASCII and equal to the record's token (a str), compared without an
+// early exit.
+inline bool token_matches(PyObject *given, PyObject *own) {
+  if (!PyUnicode_Check(given) || !PyUnicode_IS_ASCII(given) || own == nullptr || !PyUnicode_Check(own) ||
+      !PyUnicode_IS_ASCII(own)) {
+    return false;
+  }
+  const Py_ssize_t k = PyUnicode_GET_LENGTH(own);
+  if (PyUnicode_GET_LENGTH(given) != k) return false;
+  const unsigned char *a = PyUnicode_1BYTE_DATA(given), *b = PyUnicode_1BYTE_DATA(own);
+  unsigned char diff = 0;
+  for (Py_ssize_t i = 0; i < k; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+// The live record of `rid` whose token (and digest, unless `digest` is null) are the given ones
+// exactly (borrowed), or null (with an error set only when a lookup failed).
+inline ExportRecord *verified(ExportBook *b, PyObject *rid, PyObject *token, PyObject *digest) {
+  PyObject *rec = PyDict_GetItemWithError(b->live, rid);
+  if (rec == nullptr) return nullptr;
+  ExportRecord *r = reinterpret_cast<ExportRecord *>(rec);
+  if (!token_matches(token, r->token)) return nullptr;
+  if (digest == nullptr) return r;
+  if (!PyBytes_Check(digest) || r->digest == nullptr || !PyBytes_Check(r->digest)) return nullptr;
+  const Py_ssize_t k = PyBytes_GET_SIZE(digest);
+  if (PyBytes_GET_SIZE(r->digest) != k || std::memcmp(PyBytes_AS_STRING(digest), PyBytes_AS_STRING(r->digest), k)) {
+    return nullptr;
+  }
+  return r;
+}
+
+// Whether `a`, `b` (and `c`, when not null) are lists of one length n >= 1 (n returned).
+inline bool same_lists(PyObject *a, PyObject *b, PyObject *c, Py_ssize_t &n) {
+  if (!PyList_CheckExact(a) || !PyList_CheckExact(b) || (c != nullptr && !PyList_CheckExact(c))) return false;
+  n = PyList_GET_SIZE(a);
+  return n > 0 && PyList_GET_SIZE(b) == n && (c == nullptr || PyList_GET_SIZE(c) == n);
+}
+
+// grant(request_ids, tokens, digests, deadline) -> [epochs bytes per id] or None (see above)
+inline PyObject *xbook_grant(ExportBook *b, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 4, "ExportBook.grant")) return nullptr;
+  const double deadline = PyFloat_AsDouble(args[3]);
+  if (deadline == -1.0 && PyErr_Occurred()) return nullptr;
+  Py_ssize_t k = 0;
+  if (!same_lists(args[0], args[1], args[2], k)) Py_RETURN_NONE;
+  Buf rc, ep;
+  if (!counts(b, rc, ep)) return nullptr;
+  Ref recs(PyList_New(k), false);  // the records, held: the second pass writes nothing else
+  if (recs.p == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    ExportRecord *r = verified(b, PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), PyList_GET_ITEM(args[2], i));
+    if (r == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_NONE;
+    }
+    if (r->marked != Py_None) Py_RETURN_NONE;  // layer-wise: the Python grant gives its layers
+    Py_INCREF(r);
+    PyList_SET_ITEM(recs.p, i, reinterpret_cast<PyObject *>(r));
+  }
+  Ref out(PyList_New(k), false);
+  if (out.p == nullptr) return nullptr;
+  const int64_t *e = static_cast<const int64_t *>(ep.view.buf);
+  for (Py_ssize_t i = 0; i < k; ++i) {  // every fallible step before the first renewal
+    ExportRecord *r = reinterpret_cast<ExportRecord *>(PyList_GET_ITEM(recs.p, i));
+    Buf ids;
+    if (r->block_ids == nullptr || !get(r->block_ids, ids, 8, false, "block_ids") ||
+        !ids_in_range(ids, ep.count(), "grant")) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "grant: the record has no block_ids");
+      return nullptr;
+    }
+    const Py_ssize_t m = ids.count();
+    PyObject *snap = PyBytes_FromStringAndSize(nullptr, m * 8);
+    if (snap == nullptr) return nullptr;
+    int64_t *d = reinterpret_cast<int64_t *>(PyBytes_AS_STRING(snap));
+    const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
+    for (Py_ssize_t j = 0; j < m; ++j) d[j] = e[x[j]];
+    PyList_SET_ITEM(out.p, i, snap);
+  }
+  ExporterArgs a;
+  const bool slots = attached(b);
+  if (slots && !table_args(b, a, "ExportBook.grant")) return nullptr;
+  const int64_t ns = deadline_ns(deadline);
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    ExportRecord *r = reinterpret_cast<ExportRecord *>(PyList_GET_ITEM(recs.p, i));
+    if (!(r->deadline < deadline)) continue;
+    r->deadline = deadline;
+    if (slots && r->slot >= 0 && r->slot < a.num) st(a.t() + kHeader + r->slot * kSlot + kDeadline, ns);
+  }
+  Py_INCREF(out.p);
+  return out.p;
+}
+
+// notify(request_ids, tokens, rank, tp, expected) -> the ids whose count completed, or None
+inline PyObject *xbook_notify(ExportBook *b, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 5, "ExportBook.notify")) return nullptr;
+  const Py_ssize_t rank = PyLong_AsSsize_t(args[2]);
+  const long long tp = PyLong_AsLongLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  PyObject *expected = args[4];
+  if (!PyCallable_Check(expected)) return PyErr_Format(PyExc_TypeError, "notify: expected must be callable");
+  Py_ssize_t k = 0;
+  if (!same_lists(args[0], args[1], nullptr, k)) Py_RETURN_NONE;
+  if (tp < 1 || tp > kMaxLoaderTp || rank < 0 || rank >= kMaxDone || rank >= tp) Py_RETURN_NONE;
+  Ref recs(PyList_New(k), false);
+  if (recs.p == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    ExportRecord *r = verified(b, PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), nullptr);
+    if (r == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_NONE;
+    }
+    Py_INCREF(r);
+    PyList_SET_ITEM(recs.p, i, reinterpret_cast<PyObject *>(r));
+  }
+  const int32_t want = want_of(b, expected, tp, rank);  // may run Python: the records are held
+  if (want == kWantUnknown) return nullptr;
+  if (want == kWantRefused) Py_RETURN_NONE;
+  Ref done(PyList_New(0), false);
+  if (done.p == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    const int c = counted(reinterpret_cast<ExportRecord *>(PyList_GET_ITEM(recs.p, i)), rank, want);
+    if (c < 0) return nullptr;
+    if (c == 1 && PyList_Append(done.p, PyList_GET_ITEM(args[0], i)) != 0) return nullptr;
+  }
+  Py_INCREF(done.p);
+  return done.p;
+}
+
+}  // namespace kvx_ctl
