@@ -87,8 +87,9 @@ class TransferEngine:
             lease grants, copy or stream, and GPU completion all end by then (default
             ``min(lease_s, 10)``); also the bound of the exporter's side of a transfer.
         pipeline: the :class:`~kvxfer.transports.pg.pipeline.StagedPipeline` of the ``pg``
-            transport (staging buffer size and depth, pinned-host staging on GPU, chunk cap);
-            default ``StagedPipeline()``: 2 x 32 MiB buffers per role.
+            transport (staging buffer size and depth, pinned-host staging on GPU, chunk cap,
+            streams at once); default ``StagedPipeline()``: 2 x 32 MiB buffers per stream, up
+            to 4 streams per role at once (their buffers made when streams overlap).
         auth_key: a cluster-wide key the engines' secrets derive from (default
             ``$KVXFER_AUTH_KEY``, else a random secret shared by the ranks on this host:
             :mod:`kvxfer.auth`). Params carry per-request tokens of it; nothing else needs it.

@@ -60,6 +60,25 @@ class Side:
         assert i >= 0, rid
         self.view.mark_done(i, g, rank, tp)
 
+    def grant(self, rids: list[str], token: str | None = None) -> list:
+        """A grant as the exporter's handler makes it: the book's one call, else the tracker's
+        Python (the listener's side always); each id's epochs, or None where refused."""
+        toks = [token or self.tokens[r] for r in rids]
+        dgs = [bytes([len(r)]) * 16 for r in rids]
+        got = self.t.grant_verified(rids, toks, dgs)
+        if got is not None:
+            return got
+        ok, _, _ = self.t.grant(rids, toks, lambda *a: False, dgs)
+        return [ok.get(r) for r in rids]
+
+    def notify(self, rids: list[str], rank: int, tp: int) -> int:
+        """A notification as the exporter's handler counts it (:meth:`grant`'s two paths)."""
+        toks = [self.tokens[r] for r in rids]
+        got = self.t.notify_verified(rids, toks, rank, tp, expected)
+        if got is not None:
+            return got
+        return self.t.notify_many(rids, rank, lambda: expected(tp, rank), toks, lambda *a: False, {})
+
     def tick(self) -> int:
         """The side channel's tick and a poll's drain; what it reports, and the whole state
         before it (so a word written wrong and later cleared still shows), kept."""
@@ -116,6 +135,14 @@ def script(s: Side) -> None:
         s.t._release_many(["late", "late", "nope"])
     s.export("a", [9, 10], 20, gen=1)  # a released id again: the next generation's slot
     s.tick()
+    s.export("gr", [11, 12], 20)
+    assert all(s.grant(["gr", "a"]))  # both slots' deadlines renewed
+    assert s.grant(["gr"], token="zz" * 24) == [None]  # refused: nothing renewed
+    s.tick()
+    assert s.notify(["gr", "gr"], 0, 2) == 0  # one of two, counted once
+    assert s.notify(["gr"], 1, 3) == 0  # a rank that may not notify here
+    assert s.notify(["gr"], 1, 2) == 1  # the second: released
+    s.tick()
 
 
 class Clock:
@@ -139,7 +166,7 @@ def run(native: bool, monkeypatch) -> Side:
 
 def test_the_book_and_the_listener_leave_the_same_table_counts_and_reports(monkeypatch):
     native, python = run(True, monkeypatch), run(False, monkeypatch)
-    assert len(native.before) == 5 and native.before == python.before
+    assert len(native.before) == 7 and native.before == python.before
     assert native.state() == python.state()
     assert native.reports[0] == ({"a"}, set()) and native.t.held_blocks() == 2
 

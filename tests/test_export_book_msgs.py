@@ -263,3 +263,30 @@ def test_grant_and_notify_refuse_bad_arguments_by_name():
     with pytest.raises(TypeError, match=r"ExportBook\.notify takes 5"):
         book.notify(["r0"], toks, 0, 1)
     assert book.live["r0"].deadline == 5.0 and not book.live["r0"].notified_by
+
+
+def test_notify_holds_the_ids_while_expected_runs_python():
+    """``expected`` is Python: a list it empties (or anything it frees) is not read afterwards."""
+    book, toks, _ = _book_with(2)
+    ids = ["r0", "r1"]
+
+    def expected(tp: int, rank: int) -> int:
+        ids.clear()
+        return 1
+
+    assert book.notify(ids, list(toks), 0, 1, expected) == ["r0", "r1"]
+
+
+class _Str(str):
+    def __hash__(self) -> int:  # Python code run by a dict lookup
+        return str.__hash__(self)
+
+
+def test_ids_tokens_or_digests_of_other_types_take_the_python_path():
+    book, toks, dgs = _book_with(2)
+    assert book.grant([_Str("r0")], toks[:1], dgs[:1], 99.0) is None
+    assert book.grant(["r0"], [_Str(toks[0])], dgs[:1], 99.0) is None
+    assert book.grant(["r0"], toks[:1], [bytearray(dgs[0])], 99.0) is None
+    assert book.grant(("r0",), tuple(toks[:1]), tuple(dgs[:1]), 99.0) is None
+    assert book.notify([_Str("r0")], toks[:1], 0, 1, _want) is None
+    assert book.live["r0"].deadline == 5.0 and not book.live["r0"].notified_by

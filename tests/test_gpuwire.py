@@ -331,7 +331,7 @@ def test_staged_pg_in_process_chunks_exact_pool_reused(case):
             got = _wait(d, new)
             assert got == dict.fromkeys(new, "done"), got
             if rnd == 0:
-                ptrs = [pl._storage.data_ptr() for pl in (*pp._pools.values(), *dp._pools.values())]
+                ptrs = [pl._storage.data_ptr() for pl in (*pp.pools(), *dp.pools())]
         for rid, n, seed, d_ids in reqs:
             assert check(dc, dst, 0, 1, d_ids, n, seed), rid
         used = {b for r in reqs for b in r[3]}
@@ -339,10 +339,10 @@ def test_staged_pg_in_process_chunks_exact_pool_reused(case):
         assert untouched(dc, dst, used, tails)
         ds, ps = d.stats(), p.stats()
         assert ds["staging_pools"] == 1 and ps["staging_pools"] == 1  # one pool each, made once
-        assert [pl._storage.data_ptr() for pl in (*pp._pools.values(), *dp._pools.values())] == ptrs
+        assert [pl._storage.data_ptr() for pl in (*pp.pools(), *dp.pools())] == ptrs
         assert ds["staging_chunks_recv"] == ps["staging_chunks_sent"] >= 3 + 2
         assert ds["transfers"] == len(reqs)
-        pool = next(iter(dp._pools.values()))
+        pool = dp.pools()[0]
         assert pool.num_free == pool.num_buffers and pool.num_leases == ds["staging_streams"]
     finally:
         d.close()

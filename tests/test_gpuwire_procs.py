@@ -43,6 +43,7 @@ def test_staged_pg_between_processes(case):
     assert sent == sum(res[f"D{r}"]["stats"]["staging_chunks_recv"] for r in range(dst_tp))
     for r in range(src_tp):
         p = res[f"P{r}"]["stats"]
-        assert p["staging_pools"] == 1 and p["blocks_held"] == 0
+        # a lane per stream running at once: at most one per loader rank it serves
+        assert 1 <= p["staging_pools"] <= dst_tp and p["blocks_held"] == 0
     assert sorted(_aggregate(res, "D", dst_tp)) == sorted(want)
     assert sorted(_aggregate(res, "P", src_tp)) == sorted(want)

@@ -1,20 +1,23 @@
 """A ``pg`` stream ends by its load's deadline however its chunks trickle in: each wait gets
 what is left of the stream's one bound, not a fresh timeout per chunk (an exporter sending each
 chunk just within it held the load, and the loader's worker with every load queued behind it,
-for many times its deadline)."""
+for many times its deadline). And a loader that stops reading holds only its own stream at the
+exporter: streams running at once each have their own staging buffers (``StagingLanes``), where
+every stream of a role once leased one pool's, so one stalled loader held every other's reads."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
 import torch
 
 from kvxfer import KVCacheSpec, TransferEngine
 from kvxfer.transports import streams
 from kvxfer.transports.pg.pipeline import StagedPipeline
 
-from .engine_payload import fill
+from .engine_payload import check, fill, poison
 
 SPEC = KVCacheSpec(2, 2, 16, 8, torch.float16)
 
@@ -123,3 +126,54 @@ def test_a_slow_loader_within_its_deadline_is_not_cut_by_the_exporters_timeout(m
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize("max_streams", [4, 2])
+def test_a_slow_loader_does_not_hold_another_loaders_stream(monkeypatch, max_streams):
+    pc, sc, fc = _caches(), _caches(), _caches()
+    poison(sc)
+    poison(fc)
+    p = TransferEngine(
+        SPEC,
+        pc,
+        0,
+        1,
+        "P",
+        transport="pg",
+        pipeline=StagedPipeline(max_chunk_tokens=8, max_streams=max_streams),
+    )
+    slow = TransferEngine(
+        SPEC, sc, 0, 1, "D1", transport="pg", timeout_s=20.0, pipeline=StagedPipeline(max_chunk_tokens=8)
+    )
+    fast = TransferEngine(SPEC, fc, 0, 1, "D2", transport="pg", timeout_s=20.0)
+    real = streams.ops.scatter_blocks
+    scattering, y_landed = threading.Event(), threading.Event()
+
+    def stalled_scatter(*a, **k):  # D1's worker: stops reading until D2's load landed (or 15 s)
+        if threading.current_thread().name.startswith("kvxfer-worker-D1"):
+            scattering.set()
+            y_landed.wait(15)
+        return real(*a, **k)
+
+    monkeypatch.setattr(streams.ops, "scatter_blocks", stalled_scatter)
+    try:
+        for e in (p, slow, fast):
+            e.start()
+        fill(pc, SPEC, 0, 1, [1, 2, 3, 4, 5, 6], 48, seed=1)
+        fill(pc, SPEC, 0, 1, [7], 8, seed=2)
+        slow.load("x", p.export("x", [1, 2, 3, 4, 5, 6], 48), [10, 11, 12, 13, 14, 15])
+        slow.poll()
+        assert scattering.wait(10)  # P's stream to D1 holds its buffers from here on, stalled
+        fast.load("y", p.export("y", [7], 8), [20])
+        # with one pool for every stream, y would wait for x, which waits for y: not by 8 s
+        got = _outcome(fast, {"y"}, timeout_s=8.0)
+        y_landed.set()
+        assert got == {"y": "done"}
+        assert check(fc, SPEC, 0, 1, [20], 8, seed=2)
+        assert _outcome(slow, {"x"}) == {"x": "done"}
+        assert check(sc, SPEC, 0, 1, [10, 11, 12, 13, 14, 15], 48, seed=1)
+        assert p.stats()["staging_pools"] == 2  # a second lane, made when the streams overlapped
+    finally:
+        y_landed.set()
+        for e in (slow, fast, p):
+            e.close()

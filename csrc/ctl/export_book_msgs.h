@@ -37,8 +37,7 @@ namespace kvx_ctl {
 // Whether the str `given` is ASCII and equal to the record's token (a str), compared without an
 // early exit.
 inline bool token_matches(PyObject *given, PyObject *own) {
-  if (!PyUnicode_Check(given) || !PyUnicode_IS_ASCII(given) || own == nullptr || !PyUnicode_Check(own) ||
-      !PyUnicode_IS_ASCII(own)) {
+  if (!PyUnicode_IS_ASCII(given) || own == nullptr || !PyUnicode_Check(own) || !PyUnicode_IS_ASCII(own)) {
     return false;
   }
   const Py_ssize_t k = PyUnicode_GET_LENGTH(own);
@@ -57,7 +56,7 @@ inline ExportRecord *verified(ExportBook *b, PyObject *rid, PyObject *token, PyO
   ExportRecord *r = reinterpret_cast<ExportRecord *>(rec);
   if (!token_matches(token, r->token)) return nullptr;
   if (digest == nullptr) return r;
-  if (!PyBytes_Check(digest) || r->digest == nullptr || !PyBytes_Check(r->digest)) return nullptr;
+  if (r->digest == nullptr || !PyBytes_Check(r->digest)) return nullptr;
   const Py_ssize_t k = PyBytes_GET_SIZE(digest);
   if (PyBytes_GET_SIZE(r->digest) != k || std::memcmp(PyBytes_AS_STRING(digest), PyBytes_AS_STRING(r->digest), k)) {
     return nullptr;
@@ -65,11 +64,27 @@ inline ExportRecord *verified(ExportBook *b, PyObject *rid, PyObject *token, PyO
   return r;
 }
 
-// Whether `a`, `b` (and `c`, when not null) are lists of one length n >= 1 (n returned).
-inline bool same_lists(PyObject *a, PyObject *b, PyObject *c, Py_ssize_t &n) {
-  if (!PyList_CheckExact(a) || !PyList_CheckExact(b) || (c != nullptr && !PyList_CheckExact(c))) return false;
-  n = PyList_GET_SIZE(a);
-  return n > 0 && PyList_GET_SIZE(b) == n && (c == nullptr || PyList_GET_SIZE(c) == n);
+// Copies of the lists `given` (each held: a caller's list may change while Python runs) when they
+// are lists of one length n >= 1 whose items are exactly str (bytes for `bytes_at`, -1: none),
+// as a decoded message's are; false otherwise, or with an error set when a copy failed.
+template <size_t N>
+inline bool held_lists(PyObject *const (&given)[N], Ref (&out)[N], Py_ssize_t bytes_at, Py_ssize_t &n) {
+  for (size_t j = 0; j < N; ++j) {
+    if (!PyList_CheckExact(given[j])) return false;
+  }
+  n = PyList_GET_SIZE(given[0]);
+  if (n < 1) return false;
+  for (size_t j = 0; j < N; ++j) {
+    out[j].p = PyList_GetSlice(given[j], 0, PY_SSIZE_T_MAX);
+    if (out[j].p == nullptr) return false;
+    if (PyList_GET_SIZE(out[j].p) != n) return false;
+    const bool bytes = static_cast<Py_ssize_t>(j) == bytes_at;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject *o = PyList_GET_ITEM(out[j].p, i);
+      if (bytes ? !PyBytes_CheckExact(o) : !PyUnicode_CheckExact(o)) return false;
+    }
+  }
+  return true;
 }
 
 // grant(request_ids, tokens, digests, deadline) -> [epochs bytes per id] or None (see above)
@@ -78,13 +93,18 @@ inline PyObject *xbook_grant(ExportBook *b, PyObject *const *args, Py_ssize_t n)
   const double deadline = PyFloat_AsDouble(args[3]);
   if (deadline == -1.0 && PyErr_Occurred()) return nullptr;
   Py_ssize_t k = 0;
-  if (!same_lists(args[0], args[1], args[2], k)) Py_RETURN_NONE;
+  PyObject *const given[3] = {args[0], args[1], args[2]};
+  Ref l[3] = {Ref(nullptr), Ref(nullptr), Ref(nullptr)};
+  if (!held_lists(given, l, 2, k)) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
   Buf rc, ep;
   if (!counts(b, rc, ep)) return nullptr;
   Ref recs(PyList_New(k), false);  // the records, held: the second pass writes nothing else
   if (recs.p == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < k; ++i) {
-    ExportRecord *r = verified(b, PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), PyList_GET_ITEM(args[2], i));
+    ExportRecord *r = verified(b, PyList_GET_ITEM(l[0].p, i), PyList_GET_ITEM(l[1].p, i), PyList_GET_ITEM(l[2].p, i));
     if (r == nullptr) {
       if (PyErr_Occurred()) return nullptr;
       Py_RETURN_NONE;
@@ -112,8 +132,11 @@ inline PyObject *xbook_grant(ExportBook *b, PyObject *const *args, Py_ssize_t n)
     for (Py_ssize_t j = 0; j < m; ++j) d[j] = e[x[j]];
     PyList_SET_ITEM(out.p, i, snap);
   }
-  ExporterArgs a;
-  const bool slots = attached(b);
+  ExporterArgs a;  // the table, got before the first renewal (when any record has a slot)
+  bool slots = false;
+  for (Py_ssize_t i = 0; i < k && attached(b) && !slots; ++i) {
+    slots = reinterpret_cast<ExportRecord *>(PyList_GET_ITEM(recs.p, i))->slot >= 0;
+  }
   if (slots && !table_args(b, a, "ExportBook.grant")) return nullptr;
   const int64_t ns = deadline_ns(deadline);
   for (Py_ssize_t i = 0; i < k; ++i) {
@@ -130,17 +153,23 @@ inline PyObject *xbook_grant(ExportBook *b, PyObject *const *args, Py_ssize_t n)
 inline PyObject *xbook_notify(ExportBook *b, PyObject *const *args, Py_ssize_t n) {
   if (!nargs(n, 5, "ExportBook.notify")) return nullptr;
   const Py_ssize_t rank = PyLong_AsSsize_t(args[2]);
+  if (rank == -1 && PyErr_Occurred()) return nullptr;
   const long long tp = PyLong_AsLongLong(args[3]);
-  if (PyErr_Occurred()) return nullptr;
+  if (tp == -1 && PyErr_Occurred()) return nullptr;
   PyObject *expected = args[4];
   if (!PyCallable_Check(expected)) return PyErr_Format(PyExc_TypeError, "notify: expected must be callable");
-  Py_ssize_t k = 0;
-  if (!same_lists(args[0], args[1], nullptr, k)) Py_RETURN_NONE;
   if (tp < 1 || tp > kMaxLoaderTp || rank < 0 || rank >= kMaxDone || rank >= tp) Py_RETURN_NONE;
+  Py_ssize_t k = 0;
+  PyObject *const given[2] = {args[0], args[1]};
+  Ref l[2] = {Ref(nullptr), Ref(nullptr)};  // the ids, held: expected() runs Python below
+  if (!held_lists(given, l, -1, k)) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
   Ref recs(PyList_New(k), false);
   if (recs.p == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < k; ++i) {
-    ExportRecord *r = verified(b, PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), nullptr);
+    ExportRecord *r = verified(b, PyList_GET_ITEM(l[0].p, i), PyList_GET_ITEM(l[1].p, i), nullptr);
     if (r == nullptr) {
       if (PyErr_Occurred()) return nullptr;
       Py_RETURN_NONE;
@@ -156,7 +185,7 @@ inline PyObject *xbook_notify(ExportBook *b, PyObject *const *args, Py_ssize_t n
   for (Py_ssize_t i = 0; i < k; ++i) {
     const int c = counted(reinterpret_cast<ExportRecord *>(PyList_GET_ITEM(recs.p, i)), rank, want);
     if (c < 0) return nullptr;
-    if (c == 1 && PyList_Append(done.p, PyList_GET_ITEM(args[0], i)) != 0) return nullptr;
+    if (c == 1 && PyList_Append(done.p, PyList_GET_ITEM(l[0].p, i)) != 0) return nullptr;
   }
   Py_INCREF(done.p);
   return done.p;

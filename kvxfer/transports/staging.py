@@ -7,6 +7,8 @@ each fit one staging buffer:
   allocation made at construction (device memory, or pinned host memory), leased per stream
   and returned, never reallocated; a buffer that GPU work may still touch after a failure is
   held back until that work completed (:meth:`StagingPool.hold_until`).
+* :class:`StagingLanes`: such pools for streams that run at once, one stream per pool (a
+  lane), made on first need up to a cap: a stalled stream holds its own lane only.
 * :class:`Chunk` / :func:`cut`: both ends cut each ops call ``(unit ids, num_tokens)`` into
   chunks of the same ``chunk_tokens`` (agreed with :func:`chunk_tokens_for`: a multiple of
   both sides' units, so every chunk starts on a unit boundary on both sides); chunk ``i`` of
@@ -27,6 +29,7 @@ each fit one staging buffer:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -40,9 +43,12 @@ from ..ordering import event_done, record_done, wait_event
 from ..spec import KVCacheSpec
 from ..tracing import trace
 
+_LOG = logging.getLogger(__name__)
+
 __all__ = [
     "Chunk",
     "HostFence",
+    "StagingLanes",
     "StagingPool",
     "Stream",
     "chunk_tokens_for",
@@ -144,6 +150,12 @@ class StagingPool:
         with self._cond:
             return len(self._free)
 
+    def free_now(self) -> int:
+        """:attr:`num_free` once the buffers whose GPU work completed came back."""
+        with self._cond:
+            self._unquarantine()
+            return len(self._free)
+
     def acquire(self, n: int = 2, timeout_s: float = 30.0) -> list[int]:
         """Lease ``n`` buffers at once (all or none, so two transfers never deadlock holding one
         each); returns their indices. Raises ``TimeoutError`` after ``timeout_s``."""
@@ -206,6 +218,82 @@ class StagingPool:
             yield [self.buffers[i] for i in idx]
         finally:
             self.release(idx)
+
+
+class StagingLanes:
+    """Staging pools ("lanes") of one kind for streams that run at the same time: a stream takes
+    a whole lane (:meth:`lane`), made on first need up to ``max_lanes``. So a stream that stalls
+    (its peer stopped reading: each of its sends waits out its own bound) holds its own lane
+    only, and other peers' streams go on in theirs; with every lane streaming, the next stream
+    waits for one, at most its timeout. Memory: ``max_lanes`` pools at most, made only when
+    streams overlap (or a lane's buffers wait for GPU work of a failed stream).
+
+    Args:
+        make: makes one lane's pool (outside the lock: a slow allocation holds no one else).
+        max_lanes: lanes at most (>= 1).
+    """
+
+    def __init__(self, make: Callable[[], StagingPool], max_lanes: int) -> None:
+        _positive_int("max_lanes", max_lanes)
+        self._make = make
+        self.max_lanes = max_lanes
+        self.pools: list[StagingPool] = []  # every lane made, in order
+        self._idle: list[StagingPool] = []
+        self._making = 0  # lanes being made (counted against max_lanes)
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def lane(self, want: int, timeout_s: float) -> Iterator[StagingPool]:
+        """``with lanes.lane(2, t) as pool:`` a lane no other stream uses until the block ends:
+        an idle one with ``want`` buffers free (none held by GPU work of a failed stream), else
+        a new one while fewer than ``max_lanes`` exist, else any idle one (its lease waits for
+        its buffers); ``TimeoutError`` naming the lanes when none is idle within ``timeout_s``.
+        A lane that cannot be made (out of memory) fails the stream only when no lane exists;
+        else it waits for one."""
+        pool = self._take(want, time.monotonic() + timeout_s, timeout_s, True)
+        try:
+            yield pool
+        finally:
+            with self._cond:
+                self._idle.append(pool)
+                self._cond.notify()
+
+    def _take(self, want: int, end: float, timeout_s: float, grow: bool) -> StagingPool:
+        with self._cond:
+            while True:
+                idle = self._idle
+                for i in range(len(idle) - 1, -1, -1):  # the lane used last first: its memory is warm
+                    if idle[i].free_now() >= want:
+                        return idle.pop(i)
+                if grow and len(self.pools) + self._making < self.max_lanes:
+                    self._making += 1
+                    break
+                if idle:  # each one's buffers wait for GPU work of a failed stream: its lease waits
+                    return idle.pop()
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"staging: all {self.max_lanes} lanes streaming for {timeout_s}s "
+                        "(other peers' streams; raise max_streams for more at once)"
+                    )
+                self._cond.wait(left)
+        try:
+            pool = self._make()
+        except Exception as e:
+            with self._cond:
+                self._making -= 1
+                self._cond.notify()
+                if not self.pools:
+                    raise
+            _LOG.warning(
+                "staging: a lane beyond the %d made could not be made (%s: %s); waiting for one",
+                len(self.pools), type(e).__name__, e,
+            )  # fmt: skip
+            return self._take(want, end, timeout_s, False)
+        with self._cond:
+            self._making -= 1
+            self.pools.append(pool)
+        return pool
 
 
 # --------------------------------------------------------------------------- chunks

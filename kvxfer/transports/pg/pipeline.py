@@ -5,9 +5,14 @@ of its staging buffers while the previous chunk is on the wire, and the loader r
 its own buffers, scattering chunk ``i`` while chunk ``i+1`` arrives
 (:func:`kvxfer.transports.staging.pipelined_send` / :func:`~kvxfer.transports.staging.pipelined_recv` over the raw,
 non-blocking ``ProcessGroup.send/recv`` work objects). Nothing is allocated per request: each
-role (sending, receiving) of an engine has one :class:`~kvxfer.transports.staging.StagingPool` per
-buffer kind, made on first use and reused, so the memory a transfer uses is bounded by the
-configuration (``2 x buffer_bytes`` per role by default), whatever the request's size.
+role (sending, receiving) of an engine keeps per buffer kind the
+:class:`~kvxfer.transports.staging.StagingPool` each of its streams running at once takes whole
+(:class:`~kvxfer.transports.staging.StagingLanes`: made on first need, reused, at most
+``max_streams``), so the memory a transfer uses is bounded by the configuration
+(``depth x buffer_bytes`` per stream, 2 x 32 MiB by default), whatever the request's size. An
+exporter streaming to several loaders at once gives each its own buffers (and on CUDA its own
+CUDA stream): a loader that stops reading holds its own stream's only (each send waits out its
+bound), not every other loader's.
 
 Agreement between the two ends (both must cut identical chunks):
 
@@ -44,11 +49,23 @@ import torch
 
 from ...spec import KVCacheSpec
 from ...tracing import trace
-from ..staging import Chunk, HostFence, StagingPool, Stream, chunk_tokens_for, pipelined_recv, pipelined_send
+from ..staging import (
+    Chunk,
+    HostFence,
+    StagingLanes,
+    StagingPool,
+    Stream,
+    chunk_tokens_for,
+    pipelined_recv,
+    pipelined_send,
+)
 
-__all__ = ["DEFAULT_BUFFER_BYTES", "StagedPipeline"]
+__all__ = ["DEFAULT_BUFFER_BYTES", "MAX_STREAMS", "StagedPipeline"]
 
-DEFAULT_BUFFER_BYTES = 32 << 20  # 2 x 32 MiB per role: 256 Llama-8B tokens (8 heads) per chunk
+DEFAULT_BUFFER_BYTES = 32 << 20  # 2 x 32 MiB per stream: 256 Llama-8B tokens (8 heads) per chunk
+# streams a role runs at once, each in buffers of its own (made only when streams overlap): a
+# loader that stops reading holds one stream's buffers, three more loaders are served meanwhile
+MAX_STREAMS = 4
 
 
 @contextlib.contextmanager
@@ -90,6 +107,8 @@ class StagedPipeline:
             flight).
         pin_memory: stage CUDA caches through pinned host memory over Gloo instead of NCCL.
         max_chunk_tokens: optional cap on tokens per chunk (more, smaller chunks in flight).
+        max_streams: streams a role runs at once, each with its own ``depth`` buffers (made
+            when streams overlap); one more waits for a free one, bounded by its timeout.
     """
 
     def __init__(
@@ -98,8 +117,9 @@ class StagedPipeline:
         depth: int = 2,
         pin_memory: bool = False,
         max_chunk_tokens: int | None = None,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
-        for name, v in (("buffer_bytes", buffer_bytes), ("depth", depth)):
+        for name, v in (("buffer_bytes", buffer_bytes), ("depth", depth), ("max_streams", max_streams)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "depth" else 1):
                 raise ValueError(f"{name}: must be an int >= {2 if name == 'depth' else 1}, got {v!r}")
         if max_chunk_tokens is not None and (not isinstance(max_chunk_tokens, int) or max_chunk_tokens < 1):
@@ -108,9 +128,10 @@ class StagedPipeline:
         self.depth = depth
         self.pin_memory = bool(pin_memory)
         self.max_chunk_tokens = max_chunk_tokens
-        self._pools: dict[tuple[str, str, bool], StagingPool] = {}
+        self.max_streams = max_streams
+        self._lanes: dict[tuple[str, str, bool], StagingLanes] = {}
+        self._streams: dict[int, object] = {}  # id of a send lane's pool -> its CUDA stream
         self._lock = threading.Lock()
-        self.num_pool_allocs = 0
         self.num_streams = 0
         self.num_chunks_sent = 0
         self.num_chunks_recv = 0
@@ -152,23 +173,66 @@ class StagedPipeline:
             return f"chunk_tokens {chunk_tokens} need {need} bytes, staging buffers hold {self.buffer_bytes}"
         return ""
 
-    def _pool(self, role: str, backend: str, cache_device: torch.device) -> StagingPool:
+    def _lanes_of(self, role: str, backend: str, cache_device: torch.device) -> StagingLanes:
         host = backend == "gloo"
         pinned = host and cache_device.type == "cuda"
         key = (role, backend, pinned)
         with self._lock:
-            pool = self._pools.get(key)
-            if pool is None:
-                pool = StagingPool(
-                    self.depth, self.buffer_bytes, "cpu" if host else cache_device, pin_memory=pinned
+            lanes = self._lanes.get(key)
+            if lanes is None:
+                device = "cpu" if host else cache_device
+                lanes = self._lanes[key] = StagingLanes(
+                    lambda: StagingPool(self.depth, self.buffer_bytes, device, pin_memory=pinned),
+                    self.max_streams,
                 )
-                self._pools[key] = pool
-                self.num_pool_allocs += 1
-            return pool
+            return lanes
+
+    @contextlib.contextmanager
+    def _leased(self, role: str, backend: str, cache_device: torch.device, timeout_s: float):
+        """A stream's staging: a lane of ``role``'s pools for ``backend`` and its ``depth``
+        buffers, both waited for within ``timeout_s``; the buffers held after a failure until
+        the GPU work it enqueued completed. Yields (pool, buffers).
+
+        An exporter's lane (``send`` on CUDA caches) has a CUDA stream of its own, current in
+        the block: its gathers, and an NCCL send's wait (which makes the current stream wait
+        for the send), queue behind that lane's stream only, not behind another loader's
+        stalled send on a stream they would share. The loader's stay on its load stream
+        (:meth:`kvxfer.ordering.StreamOrder.wait_done` waits for its scatters there)."""
+        end = time.monotonic() + timeout_s
+        lanes = self._lanes_of(role, backend, cache_device)
+        with lanes.lane(self.depth, timeout_s) as pool:
+            own = role == "send" and cache_device.type == "cuda"
+            with (
+                torch.cuda.stream(self._lane_stream(pool, cache_device)) if own else contextlib.nullcontext(),
+                pool.lease(self.depth, max(0.001, end - time.monotonic())) as slots,
+                _held_on_error(pool, slots, cache_device),
+            ):
+                yield pool, slots
+
+    def _lane_stream(self, pool: StagingPool, device: torch.device):
+        """The CUDA stream of the lane ``pool`` (made on first use, kept with it)."""
+        with self._lock:
+            s = self._streams.get(id(pool))
+            if s is None:
+                s = self._streams[id(pool)] = torch.cuda.Stream(device)
+            return s
+
+    def _count(self, role: str, chunks: int) -> None:
+        with self._lock:
+            self.num_streams += 1
+            if role == "send":
+                self.num_chunks_sent += chunks
+            else:
+                self.num_chunks_recv += chunks
+
+    def pools(self) -> list[StagingPool]:
+        """Every staging pool made so far (each a lane of one role and buffer kind)."""
+        with self._lock:
+            return [p for lanes in self._lanes.values() for p in lanes.pools]
 
     def stats(self) -> dict:
         return {
-            "staging_pools": self.num_pool_allocs,
+            "staging_pools": len(self.pools()),
             "staging_streams": self.num_streams,
             "staging_chunks_sent": self.num_chunks_sent,
             "staging_chunks_recv": self.num_chunks_recv,
@@ -198,8 +262,6 @@ class StagedPipeline:
         status bytes (module doc, step 4), sent last. Every wait ends by ``timeout_s``."""
         chunks = stream.chunks()
         view = stream.viewer()
-        pool = self._pool("send", backend, cache_device)
-        fences = self._fences(pool, cache_device, timeout_s)
         tag = stream.tag
         sent = 0
 
@@ -217,14 +279,15 @@ class StagedPipeline:
                     pg.send([buf.reshape(-1).view(torch.uint8)], peer, c.index), time.monotonic() + timeout_s
                 )
 
-        with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
-            n = pipelined_send(chunks, slots, view, do_gather, do_send, fences)
-        if status is not None:
-            with trace("status", tag):
-                flags = torch.frombuffer(bytearray(status()), dtype=torch.uint8).to(pool.device)
-                _Timed(pg.send([flags], peer, n), time.monotonic() + timeout_s).wait()
-        self.num_streams += 1
-        self.num_chunks_sent += n
+        with self._leased("send", backend, cache_device, timeout_s) as (pool, slots):
+            n = pipelined_send(
+                chunks, slots, view, do_gather, do_send, self._fences(pool, cache_device, timeout_s)
+            )
+            if status is not None:  # on the lane's stream too
+                with trace("status", tag):
+                    flags = torch.frombuffer(bytearray(status()), dtype=torch.uint8).to(pool.device)
+                    _Timed(pg.send([flags], peer, n), time.monotonic() + timeout_s).wait()
+        self._count("send", n)
         return sent
 
     def recv_stream(
@@ -245,8 +308,6 @@ class StagedPipeline:
         empty when 0). Every wait ends by ``timeout_s``."""
         chunks = stream.chunks()
         view = stream.viewer()
-        pool = self._pool("recv", backend, cache_device)
-        fences = self._fences(pool, cache_device, timeout_s)
         tag = stream.tag
         end = time.monotonic() + timeout_s  # the stream's one bound (_Timed)
 
@@ -258,14 +319,15 @@ class StagedPipeline:
             with trace("scatter", tag):
                 scatter(c, buf)
 
-        with pool.lease(self.depth, timeout_s) as slots, _held_on_error(pool, slots, cache_device):
-            n = pipelined_recv(chunks, slots, view, do_recv, do_scatter, fences)
+        with self._leased("recv", backend, cache_device, timeout_s) as (pool, slots):
+            n = pipelined_recv(
+                chunks, slots, view, do_recv, do_scatter, self._fences(pool, cache_device, timeout_s)
+            )
         flags = b""
         if num_requests:
             got = torch.empty(num_requests, dtype=torch.uint8, device=pool.device)
             with trace("status", tag):
                 _Timed(pg.recv([got], peer, n), end).wait()
             flags = got.cpu().numpy().tobytes()
-        self.num_streams += 1
-        self.num_chunks_recv += n
+        self._count("recv", n)
         return n, flags
