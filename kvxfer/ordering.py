@@ -137,10 +137,10 @@ class StreamOrder:
     # ------------------------------------------------------------------ transfer side
     def stream(self, role: str = "load"):
         """The rank's transfer stream for ``role`` (``"load"``: copies and scatters into this
-        rank's cache; ``"send"``: gathers for pg exports), created on first use; None on CPU.
-        Two roles, two streams: an engine loading and exporting at once (D->P reuse) does not
-        serialise one behind the other, and staging buffers of one role are only touched on
-        that role's stream."""
+        rank's cache; ``"send"``: gathers for pg and nixl exports, but for a pg stream on its
+        lane's own stream, :meth:`kvxfer.transports.pg.pipeline.StagedPipeline.send_stream`),
+        created on first use; None on CPU. Two roles, two streams: an engine loading and
+        exporting at once (D->P reuse) does not serialise one behind the other."""
         if not self.cuda:
             return None
         s = self._streams.get(role)

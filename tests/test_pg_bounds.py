@@ -177,3 +177,28 @@ def test_a_slow_loader_does_not_hold_another_loaders_stream(monkeypatch, max_str
         y_landed.set()
         for e in (slow, fast, p):
             e.close()
+
+
+@pytest.mark.parametrize("max_sms", [None, 8])
+def test_send_lanes_run_on_streams_of_their_own_only_without_an_sm_budget(monkeypatch, max_sms):
+    """Lanes side by side on CUDA streams of their own would each take the engine's SM budget:
+    an exporter with a budget keeps one stream for all (``own_stream`` False)."""
+    asked = []
+    real = StagedPipeline.send_stream
+
+    def spy(self, *a, **k):
+        asked.append(a[-1] if len(a) == 9 else k.get("own_stream"))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(StagedPipeline, "send_stream", spy)
+    pc = _caches()
+    p = TransferEngine(SPEC, pc, 0, 1, "P", transport="pg", max_sms=max_sms).start()
+    d = TransferEngine(SPEC, _caches(), 0, 1, "D", transport="pg").start()
+    try:
+        fill(pc, SPEC, 0, 1, [1, 2], 16, seed=1)
+        d.load("x", p.export("x", [1, 2], 16), [3, 4])
+        assert _outcome(d, {"x"}) == {"x": "done"}
+        assert asked == [max_sms is None]
+    finally:
+        d.close()
+        p.close()

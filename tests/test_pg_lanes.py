@@ -128,5 +128,60 @@ def test_a_lane_that_cannot_be_made_waits_for_one_that_exists(caplog):
         time.sleep(0.1)
         assert not got  # waiting for `a`, not failed
     t.join(5)
-    assert got == [a] and len(made) == 1
+    assert got == [a] and len(made) == 1 and lanes.max_lanes == 1  # no more tries
     assert "could not be made" in caplog.text
+
+
+class _Stop(BaseException):
+    pass
+
+
+def test_a_make_cut_short_gives_its_reservation_back():
+    """An interrupt inside a lane's allocation does not keep its place among the lanes."""
+    stop = [True]
+
+    def make() -> StagingPool:
+        if stop[0]:
+            raise _Stop
+        return StagingPool(2, 64)
+
+    lanes = StagingLanes(make, 1)
+    with pytest.raises(_Stop), lanes.lane(2, 0.1):
+        pass
+    stop[0] = False
+    with lanes.lane(2, 0.5) as pool:
+        assert lanes.pools == [pool]
+
+
+def test_a_make_failing_beside_one_in_progress_waits_for_that_one():
+    """Two streams start at once and memory holds one lane: the second waits for the first's."""
+    started, go = threading.Event(), threading.Event()
+    calls = []
+
+    def make() -> StagingPool:
+        calls.append(1)
+        if len(calls) == 1:
+            started.set()
+            go.wait(5)  # the first allocation is slow
+            return StagingPool(2, 64)
+        raise RuntimeError("out of memory")
+
+    lanes = StagingLanes(make, 2)
+    got: list = []
+
+    def first() -> None:
+        with lanes.lane(2, 5.0) as pool:
+            got.append(pool)
+            time.sleep(0.2)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert started.wait(5)
+    second: list = []
+    u = threading.Thread(target=lambda: second.append(lanes._take(2, time.monotonic() + 5.0, 5.0, True)))
+    u.start()
+    time.sleep(0.1)
+    go.set()
+    t.join(5)
+    u.join(5)
+    assert second == got and len(calls) == 2  # not failed: it took the first's lane once free

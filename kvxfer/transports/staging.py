@@ -248,15 +248,15 @@ class StagingLanes:
         an idle one with ``want`` buffers free (none held by GPU work of a failed stream), else
         a new one while fewer than ``max_lanes`` exist, else any idle one (its lease waits for
         its buffers); ``TimeoutError`` naming the lanes when none is idle within ``timeout_s``.
-        A lane that cannot be made (out of memory) fails the stream only when no lane exists;
-        else it waits for one."""
+        A lane that cannot be made (out of memory) fails the stream only when no lane exists or
+        is being made; else it waits for one, and no more lanes are made."""
         pool = self._take(want, time.monotonic() + timeout_s, timeout_s, True)
         try:
             yield pool
         finally:
             with self._cond:
                 self._idle.append(pool)
-                self._cond.notify()
+                self._cond.notify_all()  # a waiter that may only take an idle lane must not eat it
 
     def _take(self, want: int, end: float, timeout_s: float, grow: bool) -> StagingPool:
         with self._cond:
@@ -279,15 +279,18 @@ class StagingLanes:
                 self._cond.wait(left)
         try:
             pool = self._make()
-        except Exception as e:
+        except BaseException as e:
             with self._cond:
                 self._making -= 1
-                self._cond.notify()
-                if not self.pools:
+                self._cond.notify_all()
+                if not isinstance(e, Exception) or not (self.pools or self._making):
                     raise
+                # memory allows no more: the lanes stay as many as there are (or are being made)
+                self.max_lanes = len(self.pools) + self._making
             _LOG.warning(
-                "staging: a lane beyond the %d made could not be made (%s: %s); waiting for one",
-                len(self.pools), type(e).__name__, e,
+                "staging: a lane beyond the %d made could not be made (%s: %s); at most %d from now "
+                "on, this stream waits for one",
+                len(self.pools), type(e).__name__, e, self.max_lanes,
             )  # fmt: skip
             return self._take(want, end, timeout_s, False)
         with self._cond:

@@ -10,9 +10,9 @@ role (sending, receiving) of an engine keeps per buffer kind the
 (:class:`~kvxfer.transports.staging.StagingLanes`: made on first need, reused, at most
 ``max_streams``), so the memory a transfer uses is bounded by the configuration
 (``depth x buffer_bytes`` per stream, 2 x 32 MiB by default), whatever the request's size. An
-exporter streaming to several loaders at once gives each its own buffers (and on CUDA its own
-CUDA stream): a loader that stops reading holds its own stream's only (each send waits out its
-bound), not every other loader's.
+exporter streaming to several loaders at once gives each its own buffers (and with NCCL, unless
+the engine has an SM budget, its own CUDA stream): a loader that stops reading holds its own
+stream's only (each send waits out its bound), not every other loader's.
 
 Agreement between the two ends (both must cut identical chunks):
 
@@ -129,7 +129,7 @@ class StagedPipeline:
         self.pin_memory = bool(pin_memory)
         self.max_chunk_tokens = max_chunk_tokens
         self.max_streams = max_streams
-        self._lanes: dict[tuple[str, str, bool], StagingLanes] = {}
+        self._lanes: dict[tuple[str, str, bool, str], StagingLanes] = {}
         self._streams: dict[int, object] = {}  # id of a send lane's pool -> its CUDA stream
         self._lock = threading.Lock()
         self.num_streams = 0
@@ -176,7 +176,7 @@ class StagedPipeline:
     def _lanes_of(self, role: str, backend: str, cache_device: torch.device) -> StagingLanes:
         host = backend == "gloo"
         pinned = host and cache_device.type == "cuda"
-        key = (role, backend, pinned)
+        key = (role, backend, pinned, str(cache_device))
         with self._lock:
             lanes = self._lanes.get(key)
             if lanes is None:
@@ -188,20 +188,24 @@ class StagedPipeline:
             return lanes
 
     @contextlib.contextmanager
-    def _leased(self, role: str, backend: str, cache_device: torch.device, timeout_s: float):
+    def _leased(
+        self, role: str, backend: str, cache_device: torch.device, timeout_s: float, own_stream: bool = False
+    ):
         """A stream's staging: a lane of ``role``'s pools for ``backend`` and its ``depth``
         buffers, both waited for within ``timeout_s``; the buffers held after a failure until
         the GPU work it enqueued completed. Yields (pool, buffers).
 
-        An exporter's lane (``send`` on CUDA caches) has a CUDA stream of its own, current in
-        the block: its gathers, and an NCCL send's wait (which makes the current stream wait
-        for the send), queue behind that lane's stream only, not behind another loader's
-        stalled send on a stream they would share. The loader's stay on its load stream
+        ``own_stream``: an exporter's lane of device buffers (NCCL) runs on a CUDA stream of its
+        own, current in the block: its gathers, and an NCCL send's wait (which makes the current
+        stream wait for the send), then queue behind that lane only, not behind another loader's
+        stalled send on the stream they would share. The caller asks for it only without an SM
+        budget (lanes side by side would each take the budget). Pinned host buffers (Gloo) wait
+        on the host, and the loader's lanes stay on its load stream
         (:meth:`kvxfer.ordering.StreamOrder.wait_done` waits for its scatters there)."""
         end = time.monotonic() + timeout_s
         lanes = self._lanes_of(role, backend, cache_device)
         with lanes.lane(self.depth, timeout_s) as pool:
-            own = role == "send" and cache_device.type == "cuda"
+            own = own_stream and role == "send" and pool.device.type == "cuda"
             with (
                 torch.cuda.stream(self._lane_stream(pool, cache_device)) if own else contextlib.nullcontext(),
                 pool.lease(self.depth, max(0.001, end - time.monotonic())) as slots,
@@ -254,12 +258,14 @@ class StagedPipeline:
         gather: Callable[[Chunk, torch.Tensor], None],
         timeout_s: float,
         status: Callable[[], bytes] | None = None,
+        own_stream: bool = False,
     ) -> int:
         """Exporter: gather every chunk of ``stream`` (source unit ids) into staging buffers and
         send it to ``peer`` of pair ``pg`` (``backend``); the gather of chunk ``i+1`` overlaps
         the send of chunk ``i``. Returns the bytes sent. ``gather(chunk, out)`` fills the wire
         view ``out``. ``status()``, called once every chunk was gathered, gives the stream's
-        status bytes (module doc, step 4), sent last. Every wait ends by ``timeout_s``."""
+        status bytes (module doc, step 4), sent last. Every wait ends by ``timeout_s``.
+        ``own_stream``: on device buffers, its lane's own CUDA stream (:meth:`_leased`)."""
         chunks = stream.chunks()
         view = stream.viewer()
         tag = stream.tag
@@ -279,7 +285,7 @@ class StagedPipeline:
                     pg.send([buf.reshape(-1).view(torch.uint8)], peer, c.index), time.monotonic() + timeout_s
                 )
 
-        with self._leased("send", backend, cache_device, timeout_s) as (pool, slots):
+        with self._leased("send", backend, cache_device, timeout_s, own_stream) as (pool, slots):
             n = pipelined_send(
                 chunks, slots, view, do_gather, do_send, self._fences(pool, cache_device, timeout_s)
             )

@@ -185,8 +185,11 @@ def stream_send(rank: Rank, rt: Runtime, group, backend: str, job: StreamJob) ->
     if hook:
         hook()
     stream, gather, status = stream_gathers(rank, rt, job)
+    # without an SM budget, each stream's GPU work on its lane's own CUDA stream (NCCL waits
+    # hold the stream they are issued on); with one, one stream keeps the budget for all
+    own = rank.views.whole.caches.max_sms is None
     with rt.order.on_stream("send"):
         sent = rank.pipeline.send_stream(
-            group, 1, backend, rank.device, stream, gather, rank.timeout_s, status
+            group, 1, backend, rank.device, stream, gather, rank.timeout_s, status, own
         )
     rt.metrics.add("bytes_sent", sent)
