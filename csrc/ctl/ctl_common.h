@@ -1,7 +1,8 @@
 // kvxfer control-path helpers (kvx_ctl.cpp): what every function of the module shares. A
 // buffer of ints got from a Python object with its checks (item size, contiguity, writability),
 // the range check of block ids, the fast read of a small int, the argument count check, and the
-// comparison of epochs with a snapshot (unchanged() and slot_check()).
+// snapshot of epochs (snapshot(), ExportBook.grant) and its comparison with them (unchanged() and
+// slot_check()).
 //
 // Included by kvx_ctl.cpp alone: the module is one translation unit (kvxfer/backends/cpu_build.py
 // compiles that file; this header is in its hash).
@@ -115,6 +116,19 @@ inline bool same_epochs(const Buf &ep, const Buf &ids, const Buf &snap) {
     if (e[x[i]] != v) return false;
   }
   return true;
+}
+
+// epochs[ids] (int64 epochs, ids checked in their range) as a new bytes object of native int64;
+// NULL with an error set when it cannot be made (snapshot(), ExportBook.grant).
+inline PyObject *epochs_bytes(const Buf &ep, const Buf &ids) {
+  const Py_ssize_t k = ids.count();
+  PyObject *out = PyBytes_FromStringAndSize(nullptr, k * 8);
+  if (out == nullptr) return nullptr;
+  int64_t *d = reinterpret_cast<int64_t *>(PyBytes_AS_STRING(out));
+  const int64_t *e = static_cast<const int64_t *>(ep.view.buf);
+  const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
+  for (Py_ssize_t i = 0; i < k; ++i) d[i] = e[x[i]];
+  return out;
 }
 
 // Whether two buffers share a byte: an array the call writes must not hold the ids it reads

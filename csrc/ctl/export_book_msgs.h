@@ -115,7 +115,6 @@ inline PyObject *xbook_grant(ExportBook *b, PyObject *const *args, Py_ssize_t n)
   }
   Ref out(PyList_New(k), false);
   if (out.p == nullptr) return nullptr;
-  const int64_t *e = static_cast<const int64_t *>(ep.view.buf);
   for (Py_ssize_t i = 0; i < k; ++i) {  // every fallible step before the first renewal
     ExportRecord *r = reinterpret_cast<ExportRecord *>(PyList_GET_ITEM(recs.p, i));
     Buf ids;
@@ -124,12 +123,8 @@ inline PyObject *xbook_grant(ExportBook *b, PyObject *const *args, Py_ssize_t n)
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "grant: the record has no block_ids");
       return nullptr;
     }
-    const Py_ssize_t m = ids.count();
-    PyObject *snap = PyBytes_FromStringAndSize(nullptr, m * 8);
+    PyObject *snap = epochs_bytes(ep, ids);
     if (snap == nullptr) return nullptr;
-    int64_t *d = reinterpret_cast<int64_t *>(PyBytes_AS_STRING(snap));
-    const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
-    for (Py_ssize_t j = 0; j < m; ++j) d[j] = e[x[j]];
     PyList_SET_ITEM(out.p, i, snap);
   }
   ExporterArgs a;  // the table, got before the first renewal (when any record has a slot)

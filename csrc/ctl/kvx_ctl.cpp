@@ -87,14 +87,7 @@ PyObject *snapshot(PyObject *, PyObject *const *args, Py_ssize_t n) {
   Buf ep, ids;
   if (!get(args[0], ep, 8, false, "epochs") || !get(args[1], ids, 8, false, "ids")) return nullptr;
   if (!ids_in_range(ids, ep.count(), "snapshot")) return nullptr;
-  const Py_ssize_t k = ids.count();
-  PyObject *out = PyBytes_FromStringAndSize(nullptr, k * 8);
-  if (out == nullptr) return nullptr;
-  int64_t *d = reinterpret_cast<int64_t *>(PyBytes_AS_STRING(out));
-  const int64_t *e = static_cast<const int64_t *>(ep.view.buf);
-  const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
-  for (Py_ssize_t i = 0; i < k; ++i) d[i] = e[x[i]];
-  return out;
+  return epochs_bytes(ep, ids);
 }
 
 // unchanged(epochs int64[B], ids int64[n], snap) -> bool: epochs[ids] equals the n int64 of the
