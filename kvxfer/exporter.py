@@ -214,8 +214,15 @@ class Exporter:
             if miscounted is not None
             else rt.exports.grant_verified(msg.request_ids, msg.tokens, msg.digests)
         )
+        late = None
         if epochs is not None:  # every request a verified whole export (one native call)
-            ok, failed, masks = dict(zip(msg.request_ids, epochs)), {}, {}
+            rids = msg.request_ids
+            late = rt.order.not_ready(rids)
+            if not late:  # and every one's compute done: granted as asked
+                return control.ReadReply(
+                    ok=rids, epochs=epochs, failed={}, incarnation=rt.incarnation, layers=[]
+                )
+            ok, failed, masks = dict(zip(rids, epochs)), {}, {}
         elif miscounted is not None:
             ok, failed, masks = {}, miscounted, {}
         else:
@@ -223,7 +230,9 @@ class Exporter:
                 ok, failed, masks = rt.exports.grant(
                     msg.request_ids, msg.tokens, rt.secret.verify, msg.digests
                 )
-        for rid in rt.order.not_ready(list(ok)):  # compute still writing: ask again
+        if late is None:
+            late = rt.order.not_ready(list(ok))
+        for rid in late:  # compute still writing: ask again
             del ok[rid]
             failed[rid] = NOT_READY
         layers: list[bytes] = []

@@ -465,20 +465,23 @@ class Loader:
         leave ``alive`` and are reported once it completed."""
         loads = list(alive.values())
         t0 = now()
-        moved, landed, bad = 0, set(), {}
+        bad = {}
         try:
             with self.rt.order.on_stream():  # CUDA: the rank's load stream (kvxfer.ordering)
-                moved, landed, bad = self.planner.read(peer, s, loads, granted, deadline, layers)
+                _, landed, bad = self.planner.read(
+                    peer, s, loads, granted, deadline, layers
+                )  # recorded there
         except FenceTimeout as e:
             why = f"{peer.transport} read from rank {s}: {e}; reported once the GPU work completed"
             self._defer(e, peer, [it for it in loads if it.request_id not in bad], why)
             for it in loads:
                 alive.pop(it.request_id, None)
-            moved, landed = 0, set()
+            landed = set()
+            self.rt.metrics.record_batch(t0, now(), 0, 0)
         except Exception as e:
             landed = set()
             bad = {it.request_id: f"{peer.transport} read from rank {s}: {describe_error(e)}" for it in loads}
-        self.rt.metrics.record_batch(t0, now(), moved, 0)
+            self.rt.metrics.record_batch(t0, now(), 0, 0)
         if len(landed) != len(alive) or bad:
             landed = {rid for rid in landed if rid in alive and rid not in bad}
             for rid in alive:
@@ -530,20 +533,29 @@ class Loader:
         rank the plan names (acknowledged and retried by the notifier thread until the
         exporter's lease would end anyway): this worker's, the releases' and the one-sided
         path's, after its done marks."""
-        self.notify_ids(
+        if not done and not failed:
+            return
+        toks = [it.params.token for it in done]
+        if failed:
+            toks += [it.params.token for it in failed]
+        self._send_notify(
             peer,
-            [(it.params.request_id, it.params.token) for it in done],
-            [(it.params.request_id, it.params.token) for it in failed],
+            [it.params.request_id for it in done],
+            [it.params.request_id for it in failed] if failed else [],
+            toks,
         )
 
     def notify_ids(self, peer: Peer, done: list[tuple[str, str]], failed: list[tuple[str, str]]) -> None:
         """:meth:`notify` of loads given by their params' (request id, token)."""
         if not done and not failed:
             return
-        rids = [r for r, _ in done]
-        bad = [r for r, _ in failed]
         toks = [t for _, t in done]
         toks += [t for _, t in failed]
+        self._send_notify(peer, [r for r, _ in done], [r for r, _ in failed], toks)
+
+    def _send_notify(self, peer: Peer, rids: list[str], bad: list[str], toks: list[str]) -> None:
+        """Queue one notification (``rids`` done, ``bad`` failed, their tokens in that order) to
+        each exporter rank the plan has this rank notify."""
         msg = control.Notify(self.rank.engine_id, self.rank.tp_rank, self.rank.tp_size, rids, bad, toks)
         deadline = time.monotonic() + self.rank.lease_s
         direct = self.rt.hooks.get("notify")  # benchmarks: deliver in this thread

@@ -67,9 +67,10 @@ class Metrics:
             self.handshake_s += seconds
             self.transports[engine_id] = transport
 
-    def record_batch(self, start: float, end: float, nbytes: int, calls: int) -> None:
-        """One (batch, source rank) transfer that moved ``nbytes`` wire bytes."""
-        self.record_loads(start, end, nbytes, calls, ())
+    def record_batch(self, start: float, end: float, nbytes: int, calls: int, dedup_bytes: int = 0) -> None:
+        """One (batch, source rank) transfer that moved ``nbytes`` wire bytes in ``calls`` ops
+        calls (``dedup_bytes``: wire bytes an n>1 sibling carried for it)."""
+        self.record_loads(start, end, nbytes, calls, (), dedup_bytes)
 
     def record_done(self, latencies: list[float]) -> None:
         with self._lock:
@@ -82,13 +83,16 @@ class Metrics:
         (``latency``: when it landed, else None) under one lock."""
         self.record_loads(start, end, nbytes, calls, () if latency is None else (latency,))
 
-    def record_loads(self, start: float, end: float, nbytes: int, calls: int, latencies) -> None:
+    def record_loads(
+        self, start: float, end: float, nbytes: int, calls: int, latencies, dedup_bytes: int = 0
+    ) -> None:
         """Loads reported at once (the one-sided native lane's ``poll()``, or one: :meth:`record_load`):
         the earliest ``start``, their wire bytes and ops calls, the landed ones' latencies, under
         one lock."""
         with self._lock:
             self.bytes_received += nbytes
             self.ops_calls += calls
+            self.dedup_bytes += dedup_bytes
             span = self._span
             if span is None or start > span[1]:
                 if span is not None:
@@ -100,12 +104,6 @@ class Metrics:
                 self.transfers += len(latencies)
                 self.latency_sum_s += sum(latencies)
                 self._latency.extend(latencies)
-
-    def record_ops(self, calls: int, dedup_bytes: int) -> None:
-        """``calls`` ops calls issued for loads, and wire bytes an n>1 sibling carried."""
-        with self._lock:
-            self.ops_calls += calls
-            self.dedup_bytes += dedup_bytes
 
     def add(self, field: str, n: int = 1) -> None:
         with self._lock:

@@ -22,6 +22,7 @@ from .batching import BatchPlan, Item, plan_batch, wire_bytes
 from .engine_types import LoadItem, disjoint_blocks, loaded_twice, time_left
 from .grouped import group_items
 from .groups.state_group import StateLanding
+from .metrics import now
 from .peer import Peer
 from .plan import Read
 from .rank import Rank, Runtime
@@ -103,8 +104,10 @@ class Planner:
     ) -> tuple[int, set[str], dict[str, str]]:
         """Move the plan's reads of source rank ``s`` (``layers``, default all) for ``loads``
         through ``peer``'s session (``granted``: local id -> the grant's epochs, native int64
-        bytes). Returns (wire bytes moved, the local ids that landed by the transport's record in
-        every route, local id -> why for the loads that did not); errors raise."""
+        bytes), recorded in the metrics (one batch: its span, wire bytes and ops calls). Returns
+        (wire bytes moved, the local ids that landed by the transport's record in every route,
+        local id -> why for the loads that did not); errors raise, with nothing recorded."""
+        t0 = now()
         rank = self.rank
         session = peer.session
         if session is None:
@@ -143,7 +146,7 @@ class Planner:
                 break
             else:
                 landed = set()  # every load of this route was refused
-        self.rt.metrics.record_ops(calls, saved)
+        self.rt.metrics.record_batch(t0, now(), moved, calls, saved)
         if landed is None:
             return moved, set(), bad
         return moved, landed - bad.keys() if bad else landed, bad
@@ -244,12 +247,12 @@ def stale_loads(ep: np.ndarray, loads, granted: dict[str, bytes], s: int) -> dic
     aborted, lease ended, engine closed), and epochs only grow: a block released before or
     during the read shows a moved epoch, and its load is failed, never delivered (one check
     after the copy also catches a release between the grant and the copy)."""
-    why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
     if len(loads) == 1:  # one load: one compare, no lists
         it = loads[0]
         g = granted[it.request_id]
         if len(g) == 8 * it.src_ids.size and idops.unchanged(ep, it.src_ids, g):
             return {}
+    why = f"exporter rank {s}: blocks released before or during the copy (lease ended); not delivered"
     out: dict[str, str] = {}
     ids_list, snaps, checked = [], [], []
     for it in loads:

@@ -71,7 +71,8 @@ STEPS = (
     (session.IpcCompletion, "wait", "D"),
     (planner, "stale_loads", "D"),
     (loader.Loader, "_complete", "D"),
-    (loader.Loader, "notify_ids", "D"),
+    (loader.Loader, "notify_ids", "D"),  # the one-sided path's (its marks' deferred notifications)
+    (loader.Loader, "_send_notify", "D"),  # every notification message
     (exporter.Exporter, "_handle_notify", "P"),
     (exports.ExportTracker, "notify_many", "P"),
     (completion.LoadTracker, "finish_one", "D"),

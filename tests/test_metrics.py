@@ -39,12 +39,12 @@ def test_throughput_over_busy_time_when_transfers_overlap():
     assert s["transports"] == {"P": "ipc"} and s["handshakes"] == 1
 
 
-def test_record_ops_adds_both_counters():
+def test_record_batch_adds_ops_calls_and_dedup_bytes():
     m = Metrics()
-    m.record_ops(3, 100)
-    m.record_ops(2, 0)
+    m.record_batch(0.0, 1.0, 10, 3, 100)
+    m.record_batch(2.0, 3.0, 20, 2)
     s = m.snapshot()
-    assert s["ops_calls"] == 5 and s["dedup_bytes"] == 100
+    assert s["ops_calls"] == 5 and s["dedup_bytes"] == 100 and s["bytes"] == 30
 
 
 def test_a_long_run_keeps_recent_percentiles_and_exact_busy_time_in_bounded_memory():

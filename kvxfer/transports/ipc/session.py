@@ -133,6 +133,7 @@ class IpcSession:
         self._busy: list = []  # events of one-sided copies that may still read a mapping
         self._pool: list = []  # completion events to reuse
         self._copies: dict[tuple, tuple] = {}  # prepared copies of each call shape (_prepared)
+        self._routes: dict[int, tuple] = {}  # source rank -> (reads, mapping, its routes): routes()
         self.onesided = None  # the one-sided mode's view of this peer (kvxfer.transports.ipc.onesided)
         self._linger = linger  # called when closed while copies may still read a mapping
 
@@ -155,8 +156,15 @@ class IpcSession:
 
     # ------------------------------------------------------------------ transfers
     def routes(self, source: int, reads: list) -> list[Route]:
+        """One route for all of ``reads``: the units the mapped caches and this rank's offer
+        (made once per source rank and reads; the caller does not change the list)."""
+        got = self._routes.get(source)
+        if got is not None and got[0] is reads and got[1] is self._maps.get(source):
+            return got[2]
         m = self.mapping(source)
-        return [Route(reads, m.views.units, self.rank.units)]
+        routes = [Route(reads, m.views.units, self.rank.units)]
+        self._routes[source] = (reads, m, routes)
+        return routes
 
     def start(self, transfer: Transfer) -> IpcCompletion:
         """Issue ``transfer``'s copies (see the module doc); its completion waits for the load
@@ -211,7 +219,7 @@ class IpcSession:
         bp = transfer.plan
         distinct = bp.distinct
         for c in bp.calls:
-            su, du = bp.units(c)
+            su, du = c.src_unit or bp.src_unit, c.dst_unit or bp.dst_unit  # bp.units(c), inlined
             bounded, copies = self._prepared(m, transfer, su, du, c.src_offset, c.dst_offset)
             n, src, dst = c.num_tokens, c.src, c.dst
             if not n:
@@ -219,7 +227,10 @@ class IpcSession:
             unique = distinct or len(c.request_ids) == 1
             ns, nd = -(-n // su), -(-n // du)
             if bounded and unique and _fits(src, ns) and _fits(dst, nd):
-                src, dst = src[:ns], dst[:nd]
+                if src.size != ns:
+                    src = src[:ns]
+                if dst.size != nd:
+                    dst = dst[:nd]
                 for pc in copies:
                     pc.run_bounded(src, dst, n)
             else:  # off a unit boundary, or ids repeated across the call's loads: checked there
@@ -298,6 +309,7 @@ class IpcSession:
         with self.lock:
             maps, self._maps = self._maps, {}
             self._copies = {}  # they hold the mapped caches
+            self._routes = {}
             for m in maps.values():
                 offer.detach(m.handles)
             handles, self._slot_handles = self._slot_handles, []
