@@ -28,17 +28,16 @@ import secrets
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from . import idops, ops, tracing
 from .auth import EngineSecret
 from .completion import PollResult, native_load_book
-from .engine_args import check_engine_args, layer_mask, windows_end
+from .engine_args import check_engine_args, export_ids_of, layer_mask, windows_end
 from .engine_types import HandshakeError, LoadItem, ReleaseItem, check_block_ids
 from .exporter import Exporter
 from .exports import ExportTracker
-from .grouped import export_ids, load_ids
+from .grouped import load_ids
 from .groups.attention import AttentionGroup
 from .groups.blocks import NULL_BLOCK
 from .groups.state_group import StateGroup
@@ -355,41 +354,32 @@ class TransferEngine:
         """
         if not self._open:
             self._check_started()
-        ids, sizes, block_ids = self._export_ids(request_id, block_ids, num_tokens, computed_tokens)
         rt = self._rt
+        if not streaming and computed_tokens is None and self.groups is None and type(block_ids) is list:
+            got = rt.exports.export_plain(  # the common export in one native call, or None
+                request_id, block_ids, num_tokens, self.spec.num_blocks_for, rt.secret, token, rt.order, ready
+            )
+            if got is not None:
+                return params_dict(
+                    request_id, self.engine_id, self.host, self.port, self.tp_size, got[1], num_tokens, got[0]
+                )
+        ids, sizes, block_ids = export_ids_of(self, request_id, block_ids, num_tokens, computed_tokens)
         gen = rt.exports.generation(request_id)  # the token's nonce (kvxfer.auth)
         token, digest = rt.secret.for_export(request_id, gen, num_tokens, ids, token, sizes)
+        was = rt.order.marked(request_id)
         gated = rt.order.gated(request_id) if streaming else rt.order.mark(request_id, ready)
         layers = self.spec.num_layers if streaming else 0
-        rt.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated, sizes)
+        try:
+            rt.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated, sizes)
+        except BaseException:
+            rt.order.restore(request_id, was)  # refused (already exported, token reused): no gate changed
+            raise
         # plain ints: that list is the params' (JSON-safe); else the checked array's values
         listed = block_ids if type(block_ids) is list and idops.exact_ints(block_ids) else ids.tolist()
         return params_dict(
             request_id, self.engine_id, self.host, self.port, self.tp_size, listed, num_tokens, token,
             groups=sizes,
         )  # fmt: skip
-
-    def _export_ids(
-        self, request_id: str, block_ids, num_tokens: int, computed_tokens: int | None
-    ) -> tuple[np.ndarray, list[int] | None, list | None]:
-        """:meth:`export`'s arguments checked: (the ids held, ids per group or None, the list of
-        exactly those ids when ``block_ids`` is a list and the engine has no groups, else None)."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
-        if self.groups is not None:
-            end = windows_end(computed_tokens, num_tokens)
-            ids, sizes = export_ids(
-                self.groups, block_ids, num_tokens, self.spec.block_size, self.num_blocks, end
-            )
-            return ids, sizes, None  # the params list the live ids
-        need = self.spec.num_blocks_for(num_tokens)
-        listed = block_ids[:need] if type(block_ids) is list else None  # the params carry exactly these
-        ids = check_block_ids(
-            listed if listed is not None else block_ids, need, self.num_blocks, num_tokens, True
-        )
-        return ids, None, listed
 
     def mark_ready(self, request_id: str, layers, ready=None) -> None:
         """Layers ``layers`` (an int, a range or a sequence of layer indices) of the layer-wise
@@ -414,7 +404,7 @@ class TransferEngine:
         to every rank's ``export(..., token=)``. ``block_ids`` and ``computed_tokens`` as for
         :meth:`export`."""
         self._check_started()
-        ids, sizes, _ = self._export_ids(request_id, block_ids, num_tokens, computed_tokens)
+        ids, sizes, _ = export_ids_of(self, request_id, block_ids, num_tokens, computed_tokens)
         gen = self._rt.exports.generation(request_id)
         token = self._rt.secret.for_export(request_id, gen, num_tokens, ids, None, sizes)[0]
         return params_dict(

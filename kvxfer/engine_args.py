@@ -16,6 +16,8 @@ import torch
 
 from . import ops
 from .backends.base import PagedSide
+from .engine_types import check_block_ids
+from .grouped import export_ids
 from .groups.attention import AttentionGroup, GroupSet
 from .groups.state_group import StateGroup
 from .limits import MAX_LEASE_S
@@ -107,3 +109,27 @@ def layer_mask(layers, num_layers: int) -> np.ndarray:
     mask = np.zeros(L, dtype=bool)
     mask[idx] = True
     return mask
+
+
+def export_ids_of(
+    engine, request_id: str, block_ids, num_tokens: int, computed_tokens: int | None
+) -> tuple[np.ndarray, list[int] | None, list | None]:
+    """``TransferEngine.export``'s arguments checked against ``engine`` (its ``groups``,
+    ``spec`` and ``num_blocks``): (the ids held, ids per group or None, the list of exactly
+    those ids when ``block_ids`` is a list and the engine has no groups, else None)."""
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens: must be a positive int, got {num_tokens!r}")
+    if engine.groups is not None:
+        end = windows_end(computed_tokens, num_tokens)
+        ids, sizes = export_ids(
+            engine.groups, block_ids, num_tokens, engine.spec.block_size, engine.num_blocks, end
+        )
+        return ids, sizes, None  # the params list the live ids
+    need = engine.spec.num_blocks_for(num_tokens)
+    listed = block_ids[:need] if type(block_ids) is list else None  # the params carry exactly these
+    ids = check_block_ids(
+        listed if listed is not None else block_ids, need, engine.num_blocks, num_tokens, True
+    )
+    return ids, None, listed

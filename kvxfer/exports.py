@@ -178,6 +178,37 @@ class ExportTracker:
             for listener in self._listeners:
                 listener.opened(request_id, token, digest, e.deadline, ready, bool(num_layers))
 
+    def export_plain(
+        self, request_id: str, block_ids: list, num_tokens: int, blocks_for, secret, token, order, ready
+    ) -> tuple[str, list] | None:
+        """:meth:`add` of a plain export (one KV cache group, not layer-wise, ids in a list) with
+        what ``export()`` makes before it, in one native call: the first ``blocks_for(num_tokens)``
+        ids checked, the generation, the content digest and the token (made by ``secret``, an
+        :class:`~kvxfer.auth.EngineSecret`, or ``token`` verified to be its), after its compute's
+        gate is set in ``order`` from ``ready`` (:meth:`kvxfer.ordering.StreamOrder.mark`).
+        Returns (the token, the ids its params carry: the caller's when each is exactly an int).
+        None, with nothing written, for any export the Python path names a problem of (or
+        without the control module, or while a listener follows the leases): ``export()`` takes
+        that path then."""
+        book = self._book
+        if book is None or self._listeners or type(num_tokens) is not int or num_tokens < 1:
+            return None
+        need = blocks_for(num_tokens)
+        if len(block_ids) < need:
+            return None
+        was = order.marked(request_id)
+        gated = order.mark(request_id, ready)  # before the record: no grant sees it ungated
+        with self.lock:
+            got = book.export(
+                request_id, block_ids, need, num_tokens, time.monotonic() + self.lease_s,
+                secret.secret, token, not gated, np.frombuffer, _INT64,
+            )  # fmt: skip
+        if got is None:
+            order.restore(request_id, was)  # no export: the gate as it was
+            return None
+        tok, ids, exact = got
+        return tok, block_ids[:need] if exact else ids.tolist()  # a copy: the caller's list may change
+
     def generation(self, request_id: str) -> int:
         """The generation the next export of ``request_id`` gets: 0, or one more than the last
         export of it that is remembered released (:mod:`kvxfer.auth`: the token's nonce)."""

@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
-ABI_VERSION = 16  # must equal kAbiVersion in csrc/ctl/kvx_ctl.cpp
+ABI_VERSION = 17  # must equal kAbiVersion in csrc/ctl/kvx_ctl.cpp
 _MAX_INT64 = 2**63 - 1
 ENV = "KVXFER_NATIVE_CTL"
 TARGET = cpu_build.CONTROL_MODULE

@@ -101,6 +101,20 @@ class StreamOrder:
             self._pending[request_id] = events
         return True
 
+    def marked(self, request_id: str) -> list | None:
+        """What ``request_id``'s export waits for now (None: nothing): what :meth:`restore`
+        puts back after a :meth:`mark` for an export that was then refused."""
+        return self._pending.get(request_id)
+
+    def restore(self, request_id: str, events: list | None) -> None:
+        """Undo a :meth:`mark` of an export that was refused: ``events`` as :meth:`marked` gave
+        them before it (a live export of the id keeps its own gate)."""
+        with self._lock:
+            if events is None:
+                self._pending.pop(request_id, None)
+            else:
+                self._pending[request_id] = events
+
     def gated(self, request_id: str) -> bool:
         """Whether ``request_id``'s export waits for events not yet seen complete."""
         return request_id in self._pending

@@ -149,8 +149,11 @@ inline bool has_repeat(const int64_t *x, Py_ssize_t n, uint64_t bound) {
 
 // The first `need` ids of the list or tuple `seq` as a new bytearray of int64, each in
 // [0, num_blocks) and, with `unique`, none repeated; NULL with TypeError / ValueError naming
-// the problem otherwise (ids_from_seq's checks; LoadBook.begin's local ids).
-inline PyObject *checked_ids(PyObject *seq, Py_ssize_t need, long long num_blocks, bool unique) {
+// the problem otherwise (ids_from_seq's checks; LoadBook.begin's local ids). `exact`, when
+// given: set to whether each of those items is exactly an int (exports.py's exact_ints).
+inline PyObject *checked_ids(PyObject *seq, Py_ssize_t need, long long num_blocks, bool unique,
+                             bool *exact = nullptr) {
+  if (exact != nullptr) *exact = true;
   if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
     return PyErr_Format(PyExc_TypeError, "block_ids: must be a list or tuple, got %s", Py_TYPE(seq)->tp_name);
   }
@@ -171,6 +174,7 @@ inline PyObject *checked_ids(PyObject *seq, Py_ssize_t need, long long num_block
       Py_DECREF(out);
       return PyErr_Format(PyExc_TypeError, "block_ids: must hold ints, item %zd is a bool", i);
     } else if (PyLong_Check(o)) {
+      if (exact != nullptr && !PyLong_CheckExact(o)) *exact = false;
       int overflow = 0;
       v = PyLong_AsLongLongAndOverflow(o, &overflow);
       if (overflow) v = -1;  // out of range below
@@ -188,6 +192,7 @@ inline PyObject *checked_ids(PyObject *seq, Py_ssize_t need, long long num_block
       Py_DECREF(o);
       return nullptr;
     } else {
+      if (exact != nullptr) *exact = false;
       // __index__ is Python code: it may change the list under us. Hold the item, and read the
       // list's items again afterwards.
       Py_INCREF(o);

@@ -12,7 +12,8 @@
 //                  writes itself:
 //     add(request_id, ids, num_tokens, deadline, token, digest, gen, groups, marked, ready)
 //         -> the record: the repeat and reused-token checks, the hold, the record, and its slot
-//         opened (binding, probe, write), in one call;
+//         opened (binding, probe, write), in one call (export_book_export.h: with the ids'
+//         checks and the token before it, what export() makes of a plain whole export);
 //     release_many(request_ids) -> the ids released: each slot closed before its blocks'
 //         epochs move, the release, the id remembered as gone (the newest gone_kept, and up to
 //         gone_slack more);
@@ -297,36 +298,40 @@ inline PyObject *release_list(ExportBook *b, PyObject *rids) {
 
 // --------------------------------------------------------------------------- the methods
 
-// add(request_id, ids, num_tokens, deadline, token, digest, gen, groups, marked, ready) -> record
-inline PyObject *xbook_add(ExportBook *b, PyObject *const *args, Py_ssize_t n) {
-  if (!nargs(n, 10, "ExportBook.add")) return nullptr;
-  PyObject *rid = args[0], *ids_obj = args[1], *token = args[4], *digest = args[5];
-  const long long num_tokens = PyLong_AsLongLong(args[2]);
-  const double deadline = PyFloat_AsDouble(args[3]);
-  const long long gen = PyLong_AsLongLong(args[6]);
-  const int ready = PyObject_IsTrue(args[9]);
-  if (PyErr_Occurred() || ready < 0) return nullptr;
-  if (!PyUnicode_Check(token) || !PyBytes_Check(digest)) {
-    return PyErr_Format(PyExc_TypeError, "ExportBook.add: token must be str and digest bytes, got %s and %s",
-                        Py_TYPE(token)->tp_name, Py_TYPE(digest)->tp_name);
-  }
+// Whether `rid` may be added with `token`: 1; 0 when it is live, or `token` (non-empty) is that
+// of its last release (ValueError set naming which, as exports.py's add raises it); -1 on error.
+inline int may_add(ExportBook *b, PyObject *rid, PyObject *token) {
   const int dup = PyDict_Contains(b->live, rid);
-  if (dup < 0) return nullptr;
-  if (dup) return PyErr_Format(PyExc_ValueError, "request_id: %R is already exported and not yet released", rid);
+  if (dup < 0) return -1;
+  if (dup) {
+    PyErr_Format(PyExc_ValueError, "request_id: %R is already exported and not yet released", rid);
+    return 0;
+  }
   if (PyUnicode_GET_LENGTH(token) > 0) {
     PyObject *was = PyDict_GetItemWithError(b->gone, rid);
-    if (was == nullptr && PyErr_Occurred()) return nullptr;
+    if (was == nullptr && PyErr_Occurred()) return -1;
     if (was != nullptr && PyTuple_Check(was) && PyTuple_GET_SIZE(was) == 2) {
       const int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(was, 1), token, Py_EQ);
-      if (same < 0) return nullptr;
+      if (same < 0) return -1;
       if (same) {
-        return PyErr_Format(PyExc_ValueError,
-                            "token: already used by an earlier export of %R (released); each export needs a token of "
-                            "its own",
-                            rid);
+        PyErr_Format(PyExc_ValueError,
+                     "token: already used by an earlier export of %R (released); each export needs a token of "
+                     "its own",
+                     rid);
+        return 0;
       }
     }
   }
+  return 1;
+}
+
+// The add of a record that may_add allowed: the hold of `ids_obj` (8-byte ids), the record
+// (holding every object given), its slot opened (a table followed, a token, a loader reading
+// one-sided, a binding). The record (new reference), or NULL with an error set and nothing
+// written.
+inline PyObject *add_record(ExportBook *b, PyObject *rid, PyObject *ids_obj, long long num_tokens, double deadline,
+                            PyObject *token, PyObject *digest, long long gen, PyObject *groups, PyObject *marked,
+                            bool ready) {
   Buf rc, ep, ids;
   if (!counts(b, rc, ep) || !get(ids_obj, ids, 8, false, "ids")) return nullptr;
   if (overlap(rc, ids)) return PyErr_Format(PyExc_ValueError, "hold: ids share memory with refcount");
@@ -357,9 +362,9 @@ inline PyObject *xbook_add(ExportBook *b, PyObject *const *args, Py_ssize_t n) {
     Py_DECREF(r);
     return nullptr;
   }
-  PyObject *given[] = {ids_obj, args[7], token, digest, args[8]};
+  PyObject *given[] = {ids_obj, groups, token, digest, marked};
   for (PyObject *o : given) Py_INCREF(o);
-  r->block_ids = ids_obj, r->groups = args[7], r->token = token, r->digest = digest, r->marked = args[8];
+  r->block_ids = ids_obj, r->groups = groups, r->token = token, r->digest = digest, r->marked = marked;
   r->deadline = deadline, r->num_tokens = num_tokens, r->gen = gen, r->slot = -1;
   int32_t *counts_of = static_cast<int32_t *>(rc.view.buf);
   const int64_t *x = static_cast<const int64_t *>(ids.view.buf);
@@ -369,12 +374,29 @@ inline PyObject *xbook_add(ExportBook *b, PyObject *const *args, Py_ssize_t n) {
     Py_DECREF(r);
     return nullptr;
   }
-  if (slot && open_slot(b, a, r, rid, b0, b1, ready != 0, args[8] != Py_None) < 0 && b->on_full != Py_None) {
+  if (slot && open_slot(b, a, r, rid, b0, b1, ready, marked != Py_None) < 0 && b->on_full != Py_None) {
     PyObject *said = PyObject_CallOneArg(b->on_full, rid);  // logged there, once
     if (said == nullptr) PyErr_WriteUnraisable(b->on_full);
     Py_XDECREF(said);
   }
   return reinterpret_cast<PyObject *>(r);
+}
+
+// add(request_id, ids, num_tokens, deadline, token, digest, gen, groups, marked, ready) -> record
+inline PyObject *xbook_add(ExportBook *b, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs(n, 10, "ExportBook.add")) return nullptr;
+  PyObject *rid = args[0], *token = args[4], *digest = args[5];
+  const long long num_tokens = PyLong_AsLongLong(args[2]);
+  const double deadline = PyFloat_AsDouble(args[3]);
+  const long long gen = PyLong_AsLongLong(args[6]);
+  const int ready = PyObject_IsTrue(args[9]);
+  if (PyErr_Occurred() || ready < 0) return nullptr;
+  if (!PyUnicode_Check(token) || !PyBytes_Check(digest)) {
+    return PyErr_Format(PyExc_TypeError, "ExportBook.add: token must be str and digest bytes, got %s and %s",
+                        Py_TYPE(token)->tp_name, Py_TYPE(digest)->tp_name);
+  }
+  if (may_add(b, rid, token) <= 0) return nullptr;
+  return add_record(b, rid, args[1], num_tokens, deadline, token, digest, gen, args[7], args[8], ready != 0);
 }
 
 // release_many(request_ids) -> the ids released (see release_list)

@@ -17,6 +17,7 @@
 
 #include "ctl_common.h"
 #include "export_book.h"
+#include "export_book_export.h"
 #include "export_book_msgs.h"
 
 namespace kvx_ctl {
@@ -160,6 +161,9 @@ inline PyMethodDef *xbook_methods() {
   static PyMethodDef m[] = {
       {"add", xbook_method(guarded<xbook_add>), METH_FASTCALL,
        "add(request_id, ids, num_tokens, deadline, token, digest, gen, groups, marked, ready) -> the record"},
+      {"export", xbook_method(guarded<xbook_export>), METH_FASTCALL,
+       "export(request_id, block_ids, need, num_tokens, deadline, key, token, ready, frombuffer, dtype) -> "
+       "(token, ids, exact); None: the Python path takes it (nothing written)"},
       {"release_many", xbook_method(guarded<xbook_release_many>), METH_FASTCALL,
        "release_many(request_ids) -> the ids released"},
       {"take_marks", xbook_method(guarded<xbook_take_marks>), METH_FASTCALL,

@@ -45,7 +45,7 @@
 namespace kvx_ctl {
 namespace {
 
-constexpr int kAbiVersion = 16;  // must equal ABI_VERSION in kvxfer/idops.py
+constexpr int kAbiVersion = 17;  // must equal ABI_VERSION in kvxfer/idops.py
 
 // hold(refcount int32[B], ids int64[n]): refcount[id] += 1 for each distinct id (a block listed
 // twice counts once, as numpy's refcount[ids] += 1 does).

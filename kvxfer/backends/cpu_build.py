@@ -64,7 +64,7 @@ CONTROL_MODULE = Target(
      "-Wno-missing-field-initializers", f"-I{sysconfig.get_paths()['include']}"),
     "_kvx_ctl-",
     sysconfig.get_config_var("EXT_SUFFIX") or ".so",
-    tuple(Path("ctl") / h for h in ("ctl_common.h", "block_ids.h", "lease_slots.h", "onesided_reads.h", "load_book.h", "load_lane.h", "load_book_type.h", "exporter_slots.h", "export_book.h", "export_book_msgs.h", "export_book_type.h", "token_hash.h", "blake2b.h", "params_fields.h")),
+    tuple(Path("ctl") / h for h in ("ctl_common.h", "block_ids.h", "lease_slots.h", "onesided_reads.h", "load_book.h", "load_lane.h", "load_book_type.h", "exporter_slots.h", "export_book.h", "export_book_export.h", "export_book_msgs.h", "export_book_type.h", "token_hash.h", "blake2b.h", "params_fields.h")),
 )  # fmt: skip
 
 
