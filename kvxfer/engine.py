@@ -366,13 +366,12 @@ class TransferEngine:
         ids, sizes, block_ids = export_ids_of(self, request_id, block_ids, num_tokens, computed_tokens)
         gen = rt.exports.generation(request_id)  # the token's nonce (kvxfer.auth)
         token, digest = rt.secret.for_export(request_id, gen, num_tokens, ids, token, sizes)
-        was = rt.order.marked(request_id)
-        gated = rt.order.gated(request_id) if streaming else rt.order.mark(request_id, ready)
+        gated, undo = (rt.order.gated(request_id), None) if streaming else rt.order.mark(request_id, ready)
         layers = self.spec.num_layers if streaming else 0
         try:
             rt.exports.add(request_id, ids, num_tokens, layers, token, digest, gen, not gated, sizes)
         except BaseException:
-            rt.order.restore(request_id, was)  # refused (already exported, token reused): no gate changed
+            rt.order.restore(request_id, undo)  # refused (already exported, token reused): gates as they were
             raise
         # plain ints: that list is the params' (JSON-safe); else the checked array's values
         listed = block_ids if type(block_ids) is list and idops.exact_ints(block_ids) else ids.tolist()

@@ -186,28 +186,43 @@ class ExportTracker:
         ids checked, the generation, the content digest and the token (made by ``secret``, an
         :class:`~kvxfer.auth.EngineSecret`, or ``token`` verified to be its), after its compute's
         gate is set in ``order`` from ``ready`` (:meth:`kvxfer.ordering.StreamOrder.mark`).
-        Returns (the token, the ids its params carry: the caller's when each is exactly an int).
+        Returns (the token, the ids its params carry: a copy of the caller's first ids when each
+        is exactly an int, else the checked ids as ints).
         None, with nothing written, for any export the Python path names a problem of (or
         without the control module, or while a listener follows the leases): ``export()`` takes
         that path then."""
         book = self._book
-        if book is None or self._listeners or type(num_tokens) is not int or num_tokens < 1:
+        if (
+            book is None
+            or self._listeners
+            or type(request_id) is not str
+            or not request_id
+            or type(num_tokens) is not int
+            or num_tokens < 1
+        ):
             return None
         need = blocks_for(num_tokens)
         if len(block_ids) < need:
             return None
-        was = order.marked(request_id)
-        gated = order.mark(request_id, ready)  # before the record: no grant sees it ungated
-        with self.lock:
-            got = book.export(
-                request_id, block_ids, need, num_tokens, time.monotonic() + self.lease_s,
-                secret.secret, token, not gated, np.frombuffer, _INT64,
-            )  # fmt: skip
+        listed = block_ids[:need]  # read before any Python code runs (an item's __index__)
+        try:
+            gated, undo = order.mark(request_id, ready)  # before the record: no grant sees it ungated
+        except ValueError:
+            return None  # ready is not events: named by the Python path, after what it checks first
+        try:
+            with self.lock:
+                got = book.export(
+                    request_id, listed, need, num_tokens, time.monotonic() + self.lease_s,
+                    secret.secret, token, not gated, np.frombuffer, _INT64,
+                )  # fmt: skip
+        except BaseException:
+            order.restore(request_id, undo)
+            raise
         if got is None:
-            order.restore(request_id, was)  # no export: the gate as it was
+            order.restore(request_id, undo)  # no export: the gates as they were
             return None
         tok, ids, exact = got
-        return tok, block_ids[:need] if exact else ids.tolist()  # a copy: the caller's list may change
+        return tok, listed if exact else ids.tolist()
 
     def generation(self, request_id: str) -> int:
         """The generation the next export of ``request_id`` gets: 0, or one more than the last

@@ -84,36 +84,40 @@ class StreamOrder:
         """``ready`` (CUDA events and/or streams, or objects with ``query()``) as events."""
         return _events(ready)
 
-    def mark(self, request_id: str, ready: Any = None) -> bool:
-        """Remember what ``request_id``'s export waits for (``ready``, else the compute stream);
-        returns :meth:`gated` of it (one call where export() made two)."""
+    def mark(self, request_id: str, ready: Any = None) -> tuple[bool, tuple | None]:
+        """Remember what ``request_id``'s export waits for (``ready``, else the compute stream),
+        added to what a gate of the id waits for already (a live export's own compute is never
+        dropped by another call's). Returns (:meth:`gated` of it, what :meth:`restore` takes to
+        undo this mark if the export is then refused: None when nothing was written)."""
         if ready is None:
             ready = self._compute
             if ready is None:
-                return request_id in self._pending
+                return request_id in self._pending, None
         events = _events(ready)
         if not events:
-            return request_id in self._pending
+            return request_id in self._pending, None
         with self._lock:
             if len(self._pending) >= 4096:  # gates of requests never granted (expired, aborted)
                 for rid in [r for r, evs in self._pending.items() if all(e.query() for e in evs)]:
                     del self._pending[rid]
-            self._pending[request_id] = events
-        return True
+            was = self._pending.get(request_id)
+            now = events if was is None else [*was, *events]
+            self._pending[request_id] = now
+        return True, (now, was)
 
-    def marked(self, request_id: str) -> list | None:
-        """What ``request_id``'s export waits for now (None: nothing): what :meth:`restore`
-        puts back after a :meth:`mark` for an export that was then refused."""
-        return self._pending.get(request_id)
-
-    def restore(self, request_id: str, events: list | None) -> None:
-        """Undo a :meth:`mark` of an export that was refused: ``events`` as :meth:`marked` gave
-        them before it (a live export of the id keeps its own gate)."""
+    def restore(self, request_id: str, undo: tuple | None) -> None:
+        """Undo a :meth:`mark` (``undo``: what it returned) of an export that was refused: the
+        gate it replaced is put back, unless another call changed the gate since."""
+        if undo is None:
+            return
+        now, was = undo
         with self._lock:
-            if events is None:
-                self._pending.pop(request_id, None)
+            if self._pending.get(request_id) is not now:
+                return  # another export's mark, or a grant's look, since
+            if was is None:
+                del self._pending[request_id]
             else:
-                self._pending[request_id] = events
+                self._pending[request_id] = was
 
     def gated(self, request_id: str) -> bool:
         """Whether ``request_id``'s export waits for events not yet seen complete."""

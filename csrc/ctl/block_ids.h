@@ -151,8 +151,10 @@ inline bool has_repeat(const int64_t *x, Py_ssize_t n, uint64_t bound) {
 // [0, num_blocks) and, with `unique`, none repeated; NULL with TypeError / ValueError naming
 // the problem otherwise (ids_from_seq's checks; LoadBook.begin's local ids). `exact`, when
 // given: set to whether each of those items is exactly an int (exports.py's exact_ints).
+// `run_index` false: an item that is not an int (whose __index__ would run Python code) is a
+// TypeError instead (ExportBook.export runs no code of the caller's).
 inline PyObject *checked_ids(PyObject *seq, Py_ssize_t need, long long num_blocks, bool unique,
-                             bool *exact = nullptr) {
+                             bool *exact = nullptr, bool run_index = true) {
   if (exact != nullptr) *exact = true;
   if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
     return PyErr_Format(PyExc_TypeError, "block_ids: must be a list or tuple, got %s", Py_TYPE(seq)->tp_name);
@@ -191,6 +193,9 @@ inline PyObject *checked_ids(PyObject *seq, Py_ssize_t need, long long num_block
       }
       Py_DECREF(o);
       return nullptr;
+    } else if (!run_index) {
+      Py_DECREF(out);
+      return PyErr_Format(PyExc_TypeError, "block_ids: item %zd is a %s, not an int", i, Py_TYPE(o)->tp_name);
     } else {
       if (exact != nullptr) *exact = false;
       // __index__ is Python code: it may change the list under us. Hold the item, and read the

@@ -11,13 +11,15 @@
 // `token`, made by a process without an engine, verified to be this key's for that content), then
 // add's repeat check, hold, record and slot (export_book.h's may_add and add_record). `ids` is
 // `frombuffer(<the checked ids>, dtype)`: the record's block_ids; `exact`: whether each of those
-// `need` items is exactly an int (then the params may carry them as they are).
+// `need` items is exactly an int (then the params may carry them as they are). No code of the
+// caller's runs here: an item that is not an int (a numpy int: its __index__) takes the Python
+// path, so such code runs once, there, as it did before this call existed.
 //
-// Any export the Python path would refuse, or names differently (ids that are not ints, out of
-// range or repeated, too few; a request id live, or not a str; a given token that is not this
-// key's for the content, or is that of the id's last release) gets None, before anything is
-// written: kvxfer/engine.py then takes the Python path, which raises naming the problem. So the
-// two paths agree by construction on every refusal, and tests/test_export_book_export.py
+// Any export the Python path would refuse or convert (ids that are not ints, out of range or
+// repeated, too few; a request id live, or not a str; a given token that is not this key's for
+// the content, or is that of the id's last release) gets None before anything is written:
+// kvxfer/exports.py then has export() take the Python path, which raises naming the problem. So
+// the two paths agree by construction on every refusal, and tests/test_export_book_export.py
 // compares what each writes for the exports both take.
 //
 // Why native: the Python path was five calls into this module and numpy (the ids, the
@@ -129,7 +131,7 @@ inline PyObject *xbook_export(ExportBook *b, PyObject *const *args, Py_ssize_t n
   Buf rc, ep;
   if (!counts(b, rc, ep)) return nullptr;
   bool exact = false;
-  Ref raw(checked_ids(seq, need, static_cast<long long>(rc.count()), true, &exact), false);
+  Ref raw(checked_ids(seq, need, static_cast<long long>(rc.count()), true, &exact, false), false);
   if (raw.p == nullptr) return python_path();  // too few, not ints, out of range, repeated: named there
   const long long gen = next_gen(b, rid);
   if (gen < 0) return nullptr;
@@ -164,10 +166,13 @@ inline PyObject *xbook_export(ExportBook *b, PyObject *const *args, Py_ssize_t n
   }
   Ref digest(PyBytes_FromStringAndSize(reinterpret_cast<const char *>(dg), 16), false);
   if (digest.p == nullptr) return nullptr;
+  Ref out(Py_BuildValue("(OOO)", token, arr.p, exact ? Py_True : Py_False), false);  // before any write
+  if (out.p == nullptr) return nullptr;
   Ref rec(add_record(b, rid, arr.p, num_tokens, deadline, token, digest.p, gen, Py_None, Py_None, ready != 0),
           false);
   if (rec.p == nullptr) return nullptr;
-  return Py_BuildValue("(OOO)", token, arr.p, exact ? Py_True : Py_False);
+  Py_INCREF(out.p);
+  return out.p;
 }
 
 }  // namespace kvx_ctl
