@@ -40,13 +40,14 @@ _BOOK = idops.native().LoadBook if idops.ensure() else None
 # the control module and for the first load of a peer, the Python path (try_load ... _report)
 STEPS = (
     (engine.TransferEngine, "export", "P"),
-    (auth.EngineSecret, "export_token", "P"),
+    (exports.ExportTracker, "export_plain", "P"),  # the export's one native call, or None
+    (auth.EngineSecret, "export_token", "P"),  # the Python path's (params_for, groups, streaming)
     (exports.ExportTracker, "add", "P"),
     (engine.TransferEngine, "load", "D"),
     (onesided.OneSided, "load_native", "D"),
     *(((_BOOK, "begin", "D"),) if _BOOK is not None else ()),
     (params.KVTransferParams, "from_dict", "D"),
-    (engine, "check_block_ids", "P+D"),
+    (engine, "check_block_ids", "D"),  # load()'s Python path (an export's: engine_args)
     (completion.LoadTracker, "add", "D"),
     (onesided.OneSided, "try_load", "D"),
     (params.KVTransferParams, "digest", "D"),

@@ -71,18 +71,18 @@ def test_host_steps_times_each_step_of_a_request():
     data = json.loads(res.stdout.strip().splitlines()[-1])
     assert data["bench"] == "host_steps" and data["path"] == "onesided" and data["idle_ms"] == 1
     rows = {r["step"]: r for r in data["rows"]}
-    # the native lane: one call looks a load up, one lands it (the Python path's steps idle)
-    for step in ("TransferEngine.export", "EngineSecret.export_token", "TransferEngine.load", "OneSided.load_native",
-                 "LoadBook.begin", "PreparedCopy.run_bounded", "NativeLane.complete", "LoadBook.complete",
-                 "ExportTracker.add"):  # fmt: skip
+    # the native lane: one call looks a load up, one lands it; an export is one native call too
+    # (the Python paths' steps idle)
+    for step in ("TransferEngine.export", "ExportTracker.export_plain", "TransferEngine.load", "OneSided.load_native",
+                 "LoadBook.begin", "PreparedCopy.run_bounded", "NativeLane.complete", "LoadBook.complete"):  # fmt: skip
         assert rows[step]["calls"] == 12 and rows[step]["median_us"] > 0, rows[step]
     # the first load of the peer is a warm-up one; the lane's metrics are the book's; P's done
     # marks are taken by its native book (every tick while an export is live)
     for step in ("OneSided.try_load", "OneSided._land", "KVTransferParams.from_dict", "Metrics.record_loads",
-                 "ExportTracker.count_marks"):  # fmt: skip
+                 "ExportTracker.count_marks", "EngineSecret.export_token", "ExportTracker.add",
+                 "engine.check_block_ids"):  # fmt: skip
         assert rows[step]["calls"] == 0, rows[step]
     assert rows["ExportTracker.take_marks"]["calls"] >= 12
-    assert rows["engine.check_block_ids"]["calls"] == 12  # the export's ids (the load's: in the lane)
     assert rows["Loader._run_batch"]["calls"] == 0  # only the handshaking warm-up load takes it
     # a landed one-sided load's done marks free it; its notification goes later, coalesced
     assert rows["Loader.notify_ids"]["calls"] < 12, rows["Loader.notify_ids"]
