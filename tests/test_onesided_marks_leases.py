@@ -23,13 +23,13 @@ def _record_notifications(monkeypatch, engine: TransferEngine) -> list:
     """The notifications ``engine``'s loader sends from now on, as (when, done request ids,
     failed request ids), each still sent."""
     sent: list = []
-    real = engine._loader.notify_ids
+    real = engine._loader._send_notify  # every notification message goes through it
 
-    def notify_ids(peer, done, failed):
-        sent.append((time.monotonic(), [r for r, _ in done], [r for r, _ in failed]))
-        real(peer, done, failed)
+    def send_notify(peer, rids, bad, toks):
+        sent.append((time.monotonic(), list(rids), list(bad)))
+        real(peer, rids, bad, toks)
 
-    monkeypatch.setattr(engine._loader, "notify_ids", notify_ids)
+    monkeypatch.setattr(engine._loader, "_send_notify", send_notify)
     return sent
 
 
