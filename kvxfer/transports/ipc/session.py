@@ -219,7 +219,7 @@ class IpcSession:
         bp = transfer.plan
         distinct = bp.distinct
         for c in bp.calls:
-            su, du = c.src_unit or bp.src_unit, c.dst_unit or bp.dst_unit  # bp.units(c), inlined
+            su, du = bp.units(c)
             bounded, copies = self._prepared(m, transfer, su, du, c.src_offset, c.dst_offset)
             n, src, dst = c.num_tokens, c.src, c.dst
             if not n:
