@@ -112,6 +112,10 @@ class Planner:
         session = peer.session
         if session is None:
             raise RuntimeError(f"{peer.transport}: no session with {peer.engine_id} (forgotten meanwhile)")
+        if len(loads) == 1 and layers is None and rank.groups is None and not loads[0].first:
+            got = session.start_whole(s, loads[0], deadline)
+            if got is not None:  # one whole load the session moves with nothing to plan
+                return self._whole(got, s, loads, granted, deadline, t0)
         sbs = peer.spec.block_size
         distinct = len(loads) == 1 or disjoint_blocks(loads, rank.spec.block_size)
         bad: dict[str, str] = {}
@@ -150,6 +154,20 @@ class Planner:
         if landed is None:
             return moved, set(), bad
         return moved, landed - bad.keys() if bad else landed, bad
+
+    def _whole(
+        self, got: tuple, s: int, loads: list[LoadItem], granted: dict[str, bytes], deadline: float, t0: float
+    ) -> tuple[int, set[str], dict[str, str]]:
+        """:meth:`read`'s record of a load :meth:`~kvxfer.transfer.Session.start_whole` started
+        (``got``: its completion and wire bytes): the same checks of the outcome as a planned
+        transfer's."""
+        done, moved = got
+        out = done.wait(deadline)
+        bad = dict(out.failed)
+        if out.epochs is not None:
+            bad.update(stale_loads(out.epochs, loads, granted, s))
+        self.rt.metrics.record_batch(t0, now(), moved, out.calls)
+        return moved, out.landed - bad.keys() if bad else out.landed, bad
 
     def _start(
         self,

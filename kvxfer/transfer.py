@@ -106,5 +106,11 @@ class Session(Protocol):
     def start(self, transfer: Transfer) -> Completion:
         """Start moving ``transfer``; an error raised here fails its loads, naming it."""
 
+    def start_whole(self, source: int, load: LoadItem, deadline: float) -> tuple[Completion, int] | None:
+        """Start moving every layer of one whole ``load`` (nothing held here) from source rank
+        ``source`` along every read of the plan, with nothing planned, when the session can
+        (``ipc``: its prepared copies take the load's ids as they are); its completion and wire
+        bytes. None, with nothing started: the planner plans it and calls :meth:`start`."""
+
     def close(self) -> None:
         """Drop what was made for the peer (the peer was forgotten)."""

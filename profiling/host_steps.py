@@ -65,6 +65,7 @@ STEPS = (
     (exporter.Exporter, "_handle_read", "P"),
     (exports.ExportTracker, "grant", "P"),
     (loader.Loader, "_read_rank", "D"),
+    (session.IpcSession, "start_whole", "D"),  # a lone whole load: nothing planned
     (planner.Planner, "plan", "D"),
     (session.IpcSession, "start", "D"),
     (session.IpcSession, "copy", "D"),

@@ -87,3 +87,18 @@ def test_host_steps_times_each_step_of_a_request():
     # a landed one-sided load's done marks free it; its notification goes later, coalesced
     assert rows["Loader.notify_ids"]["calls"] < 12, rows["Loader.notify_ids"]
     assert rows["TransferEngine.load"]["median_us"] > rows["OneSided.load_native"]["median_us"]  # nested
+
+
+def test_host_steps_messaged_whole_load_plans_nothing():
+    """The messaged path's lone whole load goes through the session's prepared whole-block copies
+    (IpcSession.start_whole) with nothing planned: no plan_batch, no general start."""
+    res = _run("host_steps.py", "--iters", "12", "--idle-ms", "0", "--path", "messaged")
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    assert data["path"] == "messaged"
+    rows = {r["step"]: r for r in data["rows"]}
+    for step in ("Loader._run_batch", "loader.ask_grants", "IpcSession.start_whole", "PreparedCopy.run_bounded",
+                 "IpcCompletion.wait", "planner.stale_loads", "Loader._send_notify", "Exporter._handle_notify"):  # fmt: skip
+        assert rows[step]["calls"] == 12, rows[step]
+    for step in ("Planner.plan", "IpcSession.start", "IpcSession.copy", "OneSided.load_native"):
+        assert rows[step]["calls"] == 0, rows[step]

@@ -38,10 +38,11 @@ from .mappers import mapper
 from .slots import SlotView
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ...engine_types import LoadItem
     from ...peer import Peer
     from ...rank import Rank, Runtime
 
-__all__ = ["IpcCompletion", "IpcMap", "IpcSession", "fetched", "map_rank"]
+__all__ = ["IpcCompletion", "IpcMap", "IpcSession", "fetched", "map_rank", "whole_copies"]
 
 _POOL_MAX = 64  # completion events kept for reuse
 _BUSY_PRUNE = 16  # events kept before the completed ones are dropped
@@ -82,6 +83,26 @@ def map_rank(peer: Peer, s: int, device: torch.device) -> IpcMap:
         raise
     remote = handles[0][1] if isinstance(handles[0][1], Remote) else None
     return IpcMap(views, ep, ep.numpy(), handles, remote)
+
+
+def whole_copies(rank: Rank, peer: Peer, m: IpcMap, reads: list) -> tuple[list, int, int, bool]:
+    """Per read of ``reads`` (a source rank's, mapped as ``m``) a prepared copy between the
+    whole-block views of both sides with its wire bytes per token; how many ids address each
+    side's blocks; and whether every copy takes ids below those bounds as they are
+    (:meth:`~kvxfer.prepared.PreparedCopy.takes`: then :meth:`~kvxfer.prepared.PreparedCopy.run_bounded`
+    runs them with no check of its own)."""
+    src, dst = m.views.whole, rank.views.whole
+    copies = [
+        (
+            ops.PreparedCopy(src.caches, dst.caches, r.src_head_start, r.dst_head_start, r.num_heads),
+            rank.spec.bytes_per_token(num_heads=r.num_heads),
+        )
+        for r in reads
+    ]
+    src_bound = peer.num_blocks * (peer.spec.block_size // src.unit)
+    dst_bound = rank.num_blocks * (rank.spec.block_size // dst.unit)
+    bounded = all(c.takes(src.unit, src_bound, dst.unit, dst_bound) for c, _ in copies)
+    return copies, src_bound, dst_bound, bounded
 
 
 @contextlib.contextmanager
@@ -134,6 +155,8 @@ class IpcSession:
         self._pool: list = []  # completion events to reuse
         self._copies: dict[tuple, tuple] = {}  # prepared copies of each call shape (_prepared)
         self._routes: dict[int, tuple] = {}  # source rank -> (reads, mapping, its routes): routes()
+        # source rank -> (mapping, its copies or None, wire bytes per token, both block sizes)
+        self._whole: dict[int, tuple] = {}
         self.onesided = None  # the one-sided mode's view of this peer (kvxfer.transports.ipc.onesided)
         self._linger = linger  # called when closed while copies may still read a mapping
 
@@ -182,6 +205,39 @@ class IpcSession:
                 with fetched(m, transfer.loads, transfer.layers, transfer.blocks):
                     calls = self.copy(m, transfer)
         return IpcCompletion(self, m, transfer, calls)
+
+    def start_whole(self, source: int, load: LoadItem, deadline: float) -> tuple[IpcCompletion, int] | None:
+        """Issue every layer of one whole ``load`` (nothing held here) from source rank
+        ``source``: one call per read of the plan, each a prepared copy between the whole-block
+        views of both sides taking the load's ids as they are (checked already: the source's
+        count and range by the planner, the destination's at ``load()``), so there is nothing to
+        plan. Returns its completion (as :meth:`start`'s) and the wire bytes, or None, with
+        nothing issued, where a copy would not take the ids as they are or the mapping is a
+        mirror (cross-memory attach): the planner then plans it (:meth:`start`)."""
+        m = self.mapping(source)
+        w = self._whole.get(source)
+        if w is None or w[0] is not m:
+            copies, _, _, bounded = whole_copies(self.rank, self.peer, m, self.peer.reads_by_rank[source])
+            use = tuple(c for c, _ in copies) if bounded and m.remote is None else None
+            w = (m, use, sum(b for _, b in copies), self.peer.spec.block_size, self.rank.spec.block_size)
+            self._whole[source] = w
+        _, copies, per_token, sbs, dbs = w
+        src, dst, n = load.src_ids, load.dst, load.num_tokens
+        if copies is None or not n:
+            return None
+        ns, nd = -(-n // sbs), -(-n // dbs)  # exactly the ids run_bounded reads on each side
+        if not (src.size == ns and dst.size == nd and _fits(src, ns) and _fits(dst, nd)):
+            return None
+        hook = self.rt.hooks.get("before_ipc_copy")
+        if hook:
+            hook()
+        with self.lock, trace("copy", load.request_id):
+            if self.closed:
+                raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
+            for pc in copies:
+                pc.run_bounded(src, dst, n)
+        done = Transfer(source, self.peer.reads_by_rank[source], None, [load], None, deadline)
+        return IpcCompletion(self, m, done, len(copies)), per_token * n
 
     def move_state(
         self, s: int, group, route, items, loads, layers: list[int], deadline: float
@@ -310,6 +366,7 @@ class IpcSession:
             maps, self._maps = self._maps, {}
             self._copies = {}  # they hold the mapped caches
             self._routes = {}
+            self._whole = {}
             for m in maps.values():
                 offer.detach(m.handles)
             handles, self._slot_handles = self._slot_handles, []

@@ -23,7 +23,7 @@ from ...transfer import Route
 from . import slots
 from .cma import Direct
 from .direct import direct_target
-from .session import IpcMap, IpcSession
+from .session import IpcMap, IpcSession, whole_copies
 from .slots import SlotView
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -236,25 +236,14 @@ def make_target(rank: Rank, peer: Peer) -> Target | None:
     while a source rank is not mapped yet, or its table is of another start of that rank)."""
     session = peer.session
     views = session.slot_views
-    dst = rank.views.whole
     sources = []
     for s in peer.src_ranks:
         v, m = views[s], session.mapped(s)
         if v is None or m is None or not v.of(peer.replies[s].incarnation):
             return None
         reads = peer.reads_by_rank[s]
-        src = m.views.whole
-        whole = [
-            (
-                ops.PreparedCopy(src.caches, dst.caches, r.src_head_start, r.dst_head_start, r.num_heads),
-                rank.spec.bytes_per_token(num_heads=r.num_heads),
-            )
-            for r in reads
-        ]
-        src_bound = peer.num_blocks * (peer.spec.block_size // src.unit)
-        dst_bound = rank.num_blocks * (rank.spec.block_size // dst.unit)
+        whole, src_bound, dst_bound, bounded = whole_copies(rank, peer, m, reads)
         route = Route(reads, m.views.units, rank.units)
-        bounded = all(c.takes(src.unit, src_bound, dst.unit, dst_bound) for c, _ in whole)
         sources.append(Source(s, v, m, reads, route, whole, src_bound, dst_bound, bounded))
     ranks = [src.rank for src in sources]
     marks = [

@@ -142,6 +142,10 @@ class NixlSession:
             raise RuntimeError(f"nixl: no state for exporter rank {s} (handshake not done)")
         return st
 
+    def start_whole(self, source: int, load, deadline: float) -> None:
+        """Nothing moves unplanned here: every transfer is planned (:meth:`start`)."""
+        return None
+
     def start(self, transfer: Transfer) -> Done:
         """Move ``transfer`` (one direct READ and the epoch READ, or one staged stream); it has
         completed when this returns. A READ that timed out may still write this rank's blocks:

@@ -41,6 +41,10 @@ class PgSession:
         units = self.peer.replies[source].pg.get("units") or [sbs]
         return [Route([r], units, self.rank.units) for r in reads]
 
+    def start_whole(self, source: int, load, deadline: float) -> None:
+        """Nothing moves unplanned here: every transfer is planned (:meth:`start`)."""
+        return None
+
     def start(self, transfer: Transfer) -> Done:
         """Pair with the source rank (once), ask it to stream ``transfer`` and receive it; the
         stream has ended when this returns (its scatters may still run on the load stream: the
