@@ -1,7 +1,9 @@
 """The load planner: how a batch of loads moves from one source rank, and which of them landed.
 
 One planner serves every transport (:meth:`Planner.read`), after it checked a batch's params
-against the peer (:meth:`Planner.check`). For each
+against the peer (:meth:`Planner.check`). A lone whole load (every layer, no groups, nothing
+held here) goes to the session's ``start_whole`` first, which moves it with nothing planned
+where it can. Else, for each
 :class:`~kvxfer.transfer.Route` a peer's session names for the source rank, it plans the batch
 into ops calls once (:func:`kvxfer.batching.plan_batch`, in the units the route allows), hands
 them to the session as a :class:`~kvxfer.transfer.Transfer` and waits for its completion. A
@@ -163,7 +165,7 @@ class Planner:
         transfer's."""
         done, moved = got
         out = done.wait(deadline)
-        bad = dict(out.failed)
+        bad = {**out.failed, **out.refused}  # refused: none moves unplanned, but none lands either
         if out.epochs is not None:
             bad.update(stale_loads(out.epochs, loads, granted, s))
         self.rt.metrics.record_batch(t0, now(), moved, out.calls)

@@ -4,7 +4,8 @@ is asked to move, and what it answers.
 The planner (:mod:`kvxfer.planner`) asks a peer's :class:`Session` how the plan's reads of one
 source rank move (:meth:`Session.routes`: which head slices go together, in which units each
 side may be addressed), plans the ops calls of a batch once per :class:`Route`, and hands them
-over as a :class:`Transfer`. The session moves the bytes (a copy from a mapped cache, a stream,
+over as a :class:`Transfer` (a lone whole load first goes to :meth:`Session.start_whole`, which
+moves it with nothing planned where the session can). The session moves the bytes (a copy from a mapped cache, a stream,
 NIXL READs) and returns a :class:`Completion` to poll or wait on, whose :class:`Outcome` is the
 transport's record of what arrived. Checking that record (the epochs after a one-sided read,
 a stream's status), and reporting each load once, is the planner's and the loader's.
@@ -107,10 +108,13 @@ class Session(Protocol):
         """Start moving ``transfer``; an error raised here fails its loads, naming it."""
 
     def start_whole(self, source: int, load: LoadItem, deadline: float) -> tuple[Completion, int] | None:
-        """Start moving every layer of one whole ``load`` (nothing held here) from source rank
-        ``source`` along every read of the plan, with nothing planned, when the session can
-        (``ipc``: its prepared copies take the load's ids as they are); its completion and wire
-        bytes. None, with nothing started: the planner plans it and calls :meth:`start`."""
+        """Start moving every layer of one whole ``load`` (nothing held here, an engine without
+        groups) from source rank ``source`` along every read of the plan, with nothing planned,
+        when the session can (``ipc``: its prepared copies take the load's ids as they are); its
+        completion and wire bytes. The planner calls it only for such a load whose source ids
+        it checked (:meth:`~kvxfer.planner.Planner.check`: their count and range), ``load()``
+        having checked the local ones. None, with nothing started: the planner plans it and
+        calls :meth:`start`."""
 
     def close(self) -> None:
         """Drop what was made for the peer (the peer was forgotten)."""

@@ -4,7 +4,8 @@ copies straight out of them.
 
 A transfer (:class:`~kvxfer.transfer.Transfer`) is one fused ``copy_blocks`` per ops call of its
 plan and head slice, from the mapped caches into this rank's, on the current stream (CUDA:
-queued, not waited for); its completion's outcome carries the exporter's epochs read after the
+queued, not waited for); a lone whole load (:meth:`IpcSession.start_whole`) one whole-block copy
+per head slice with nothing planned. A completion's outcome carries the exporter's epochs read after the
 copy, which the planner checks against the grant (:func:`kvxfer.planner.stale_loads`). The same
 copies serve the one-sided mode (:mod:`kvxfer.transports.ipc.onesided`), which reads the lease
 slots instead of asking for a grant. A source rank is mapped on its first transfer.
@@ -204,7 +205,7 @@ class IpcSession:
             else:
                 with fetched(m, transfer.loads, transfer.layers, transfer.blocks):
                     calls = self.copy(m, transfer)
-        return IpcCompletion(self, m, transfer, calls)
+        return IpcCompletion(self, m, transfer.loads, calls)
 
     def start_whole(self, source: int, load: LoadItem, deadline: float) -> tuple[IpcCompletion, int] | None:
         """Issue every layer of one whole ``load`` (nothing held here) from source rank
@@ -218,9 +219,13 @@ class IpcSession:
         w = self._whole.get(source)
         if w is None or w[0] is not m:
             copies, _, _, bounded = whole_copies(self.rank, self.peer, m, self.peer.reads_by_rank[source])
-            use = tuple(c for c, _ in copies) if bounded and m.remote is None else None
+            # an engine with groups writes each group's own blocks (planned per group): never whole
+            ok = bounded and m.remote is None and self.rank.groups is None
+            use = tuple(c for c, _ in copies) if ok else None
             w = (m, use, sum(b for _, b in copies), self.peer.spec.block_size, self.rank.spec.block_size)
-            self._whole[source] = w
+            with self.lock:
+                if not self.closed:  # unmap() may have emptied the cache meanwhile: not kept then
+                    self._whole[source] = w
         _, copies, per_token, sbs, dbs = w
         src, dst, n = load.src_ids, load.dst, load.num_tokens
         if copies is None or not n:
@@ -236,8 +241,7 @@ class IpcSession:
                 raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
             for pc in copies:
                 pc.run_bounded(src, dst, n)
-        done = Transfer(source, self.peer.reads_by_rank[source], None, [load], None, deadline)
-        return IpcCompletion(self, m, done, len(copies)), per_token * n
+        return IpcCompletion(self, m, [load], len(copies)), per_token * n
 
     def move_state(
         self, s: int, group, route, items, loads, layers: list[int], deadline: float
@@ -253,7 +257,7 @@ class IpcSession:
                 raise RuntimeError(f"ipc: the session with {self.peer.engine_id} was closed")
             with fetched(m, loads, layers, np.array([it.src[0] for it in items], dtype=np.int64)):
                 self.copy_units(m, s, group, route, items, layers)
-        return IpcCompletion(self, m, Transfer(s, [], None, loads, layers, deadline), 1)
+        return IpcCompletion(self, m, loads, 1)
 
     def copy_units(self, m: IpcMap, s: int, group, route, items, layers: list[int]) -> None:
         """The copy of :meth:`move_state` from mapping ``m`` (call under :attr:`lock`, the
@@ -380,10 +384,10 @@ class IpcSession:
 class IpcCompletion:
     """A messaged ``ipc`` transfer in flight: it completed once the load stream ran past it."""
 
-    __slots__ = ("_calls", "_map", "_session", "_transfer")
+    __slots__ = ("_calls", "_loads", "_map", "_session")
 
-    def __init__(self, session: IpcSession, m: IpcMap, transfer: Transfer, calls: int) -> None:
-        self._session, self._map, self._transfer, self._calls = session, m, transfer, calls
+    def __init__(self, session: IpcSession, m: IpcMap, loads: list, calls: int) -> None:
+        self._session, self._map, self._loads, self._calls = session, m, loads, calls
 
     def done(self) -> bool:
         order = self._session.rt.order
@@ -395,5 +399,5 @@ class IpcCompletion:
         hook = rt.hooks.get("after_ipc_copy")
         if hook:
             hook(self._map.epochs)
-        landed = {it.request_id for it in self._transfer.loads}
+        landed = {it.request_id for it in self._loads}
         return Outcome(landed, {}, {}, self._map.epochs_np, self._calls)
