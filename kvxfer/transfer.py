@@ -5,10 +5,11 @@ The planner (:mod:`kvxfer.planner`) asks a peer's :class:`Session` how the plan'
 source rank move (:meth:`Session.routes`: which head slices go together, in which units each
 side may be addressed), plans the ops calls of a batch once per :class:`Route`, and hands them
 over as a :class:`Transfer` (a lone whole load first goes to :meth:`Session.start_whole`, which
-moves it with nothing planned where the session can). The session moves the bytes (a copy from a mapped cache, a stream,
-NIXL READs) and returns a :class:`Completion` to poll or wait on, whose :class:`Outcome` is the
-transport's record of what arrived. Checking that record (the epochs after a one-sided read,
-a stream's status), and reporting each load once, is the planner's and the loader's.
+moves it with nothing planned where the session can). The session moves the bytes (a copy from
+a mapped cache, a stream, NIXL READs) and returns a :class:`Completion` to poll or wait on,
+whose :class:`Outcome` is the transport's record of what arrived. Checking that record (the
+epochs after a one-sided read, a stream's status), and reporting each load once, is the
+planner's and the loader's.
 """
 
 from __future__ import annotations

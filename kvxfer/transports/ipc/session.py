@@ -5,10 +5,10 @@ copies straight out of them.
 A transfer (:class:`~kvxfer.transfer.Transfer`) is one fused ``copy_blocks`` per ops call of its
 plan and head slice, from the mapped caches into this rank's, on the current stream (CUDA:
 queued, not waited for); a lone whole load (:meth:`IpcSession.start_whole`) one whole-block copy
-per head slice with nothing planned. A completion's outcome carries the exporter's epochs read after the
-copy, which the planner checks against the grant (:func:`kvxfer.planner.stale_loads`). The same
-copies serve the one-sided mode (:mod:`kvxfer.transports.ipc.onesided`), which reads the lease
-slots instead of asking for a grant. A source rank is mapped on its first transfer.
+per head slice with nothing planned. A completion's outcome carries the exporter's epochs read
+after the copy, which the planner checks against the grant (:func:`kvxfer.planner.stale_loads`).
+The same copies serve the one-sided mode (:mod:`kvxfer.transports.ipc.onesided`), which reads the
+lease slots instead of asking for a grant. A source rank is mapped on its first transfer.
 
 Closing the session (its peer was forgotten) unmaps everything, unless a one-sided copy may
 still read a mapping: then the mappings stay until those copies completed
