@@ -208,43 +208,49 @@ class ControlServer:
             timeout_ms = min(timeout_ms, 1)
         if not self._poller.poll(timeout_ms):
             return 0
+        sock = self.sock
         end = time.monotonic() + SERVE_BUDGET_S
         while True:
-            if n and time.monotonic() >= end:
-                return n
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:  # woken for a frame set not yet whole
                 return n
             n += 1
-            if len(frames) != 3 or len(frames[1]) != 8:
-                _LOG.warning(
-                    "kvxfer side channel: dropped a frame set that is not a request (%d frames)", len(frames)
-                )
-                continue
-            ident, mid, payload = frames
+            self._take(frames, handler)
+            # another message queued? (asked of the socket: cheaper than a receive that fails)
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN or time.monotonic() >= end:
+                return n
+
+    def _take(self, frames: list[bytes], handler: Callable) -> None:
+        """Handle one received frame set: decode it, run ``handler``, send or hold the reply."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            _LOG.warning(
+                "kvxfer side channel: dropped a frame set that is not a request (%d frames)", len(frames)
+            )
+            return
+        ident, mid, payload = frames
+        try:
+            msg = decode(payload)
+        except Exception as e:  # DecodeError, ValidationError, RecursionError (nested too deep)
+            reply = ErrorReply(f"malformed message: {type(e).__name__}: {str(e)[:200]}")
+        else:
             try:
-                msg = decode(payload)
-            except Exception as e:  # DecodeError, ValidationError, RecursionError (nested too deep)
-                reply = ErrorReply(f"malformed message: {type(e).__name__}: {str(e)[:200]}")
-            else:
-                try:
-                    with trace("serve", _msg_tag, msg):
-                        reply = handler(msg)
-                except Exception as e:  # a handler bug must not kill the side channel
-                    _LOG.warning(
-                        "kvxfer side channel: handler failed on %s (%s: %s)",
-                        type(msg).__name__,
-                        type(e).__name__,
-                        e,
-                    )
-                    reply = ErrorReply(f"{type(e).__name__}: {e}")
-            if isinstance(reply, Deferred):
-                if len(self._held) < MAX_HELD:
-                    self._held.append((ident, mid, reply))
-                    continue
-                reply = self._final(reply)  # too many held already: answered now, as it stands
-            self._send(ident, mid, reply)
+                with trace("serve", _msg_tag, msg):
+                    reply = handler(msg)
+            except Exception as e:  # a handler bug must not kill the side channel
+                _LOG.warning(
+                    "kvxfer side channel: handler failed on %s (%s: %s)",
+                    type(msg).__name__,
+                    type(e).__name__,
+                    e,
+                )
+                reply = ErrorReply(f"{type(e).__name__}: {e}")
+        if isinstance(reply, Deferred):
+            if len(self._held) < MAX_HELD:
+                self._held.append((ident, mid, reply))
+                return
+            reply = self._final(reply)  # too many held already: answered now, as it stands
+        self._send(ident, mid, reply)
 
     def _send(self, ident: bytes, mid: bytes, reply) -> None:
         if reply is not None and not _dropped(reply):
@@ -315,6 +321,12 @@ _GONE_EVENTS = {
 }
 _MONITORED = functools.reduce(operator.or_, _GONE_EVENTS) | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _REFUSED = _GONE_EVENTS[zmq.EVENT_CLOSED]
+# A reply mostly comes within a millisecond. call_many first waits for it in a blocking receive
+# bounded by this (the socket's RCVTIMEO), which costs the thread one wake-up; only replies not
+# there by then are polled for together with the sockets' monitors, which costs more per call
+# (profiling/bench_side_channel.py). A peer that goes away is seen at most this much later.
+FIRST_WAIT_MS = 5
+FIRST_WAIT_S = FIRST_WAIT_MS / 1000
 PROBE_S = 0.05  # bound of the TCP connect that checks a peer whose connection is down
 _EVENT = struct.Struct("=HI")  # a monitor event's first frame: event (uint16), value (uint32)
 
@@ -342,6 +354,7 @@ class ControlClient:
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_TIMEOUT_MS)
             s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
             s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            s.setsockopt(zmq.RCVTIMEO, FIRST_WAIT_MS)  # call_many's blocking receives (only those)
             self._mons[addr] = s.get_monitor_socket(_MONITORED)
             s.connect(addr)
             self._socks[addr] = s
@@ -412,13 +425,17 @@ class ControlClient:
             else:
                 self._sock(addr)  # registered for polling; the reply will simply not come
             pending[(addr, mid)] = i
+        deadline = time.monotonic() + timeout_s
+        if pending:
+            self._first_replies(pending, out, deadline)
+        if not pending:
+            return out
         poller = zmq.Poller()
         owner: dict = {}  # socket -> (addr, is the monitor)
         for addr in {a for a, _ in pending}:
             for sock, mon in ((self._sock(addr), False), (self._mons[addr], True)):
                 poller.register(sock, zmq.POLLIN)
                 owner[sock] = (addr, mon)
-        deadline = time.monotonic() + timeout_s
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -441,19 +458,46 @@ class ControlClient:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if len(frames) != 2 or len(frames[0]) != 8:
-                        _LOG.warning("kvxfer side channel: dropped a malformed reply from %s", addr)
-                        continue
-                    key = (addr, struct.unpack("<Q", frames[0])[0])
-                    if key not in pending:
-                        continue  # a stale reply to a request that timed out
-                    try:
-                        out[pending.pop(key)] = decode(frames[1])
-                    except Exception as e:  # DecodeError, ValidationError, RecursionError
-                        raise ControlTimeout(
-                            f"side channel to {addr}: undecodable reply ({type(e).__name__}: {str(e)[:200]})"
-                        ) from None
+                    self._take(addr, frames, pending, out)
+                    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
         return out
+
+    def _first_replies(self, pending: dict[tuple[str, int], int], out: list, deadline: float) -> None:
+        """Take the replies that come within :data:`FIRST_WAIT_MS` of each other, socket by
+        socket, in blocking receives that end before ``deadline``; the first one not there by
+        then leaves the rest to :meth:`call_many`'s poll of the sockets and their monitors."""
+        waiting: dict[str, int] = {}
+        for addr, _ in pending:
+            waiting[addr] = waiting.get(addr, 0) + 1
+        for addr, k in waiting.items():
+            sock = self._socks[addr]
+            while k:
+                if time.monotonic() + FIRST_WAIT_S >= deadline:
+                    return
+                try:
+                    frames = sock.recv_multipart()  # bounded by the socket's RCVTIMEO
+                except zmq.Again:
+                    return
+                k -= self._take(addr, frames, pending, out)
+
+    @staticmethod
+    def _take(addr: str, frames: list[bytes], pending: dict[tuple[str, int], int], out: list) -> bool:
+        """Put a reply from ``addr`` in its place in ``out``; False for one that answers nothing
+        pending (a stale reply to a request that timed out, or malformed: dropped)."""
+        if len(frames) != 2 or len(frames[0]) != 8:
+            _LOG.warning("kvxfer side channel: dropped a malformed reply from %s", addr)
+            return False
+        i = pending.pop((addr, struct.unpack("<Q", frames[0])[0]), None)
+        if i is None:
+            return False  # a stale reply to a request that timed out
+        try:
+            out[i] = decode(frames[1])
+        except Exception as e:  # DecodeError, ValidationError, RecursionError
+            raise ControlTimeout(
+                f"side channel to {addr}: undecodable reply ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
+        return True
 
     def drop(self, addr: str) -> None:
         """Forget the socket to ``addr`` (after a timeout, so stale replies cannot confuse a retry)."""

@@ -94,6 +94,8 @@ class ExportTracker:
         mod = _ctl()
         self._book = mod.ExportBook(self._rc, self._ep, GONE_KEPT, GONE_SLACK) if mod is not None else None
         self._live: dict[str, ExportRecord] = self._book.live if self._book is not None else {}
+        # no live export's lease ends before this (monotonic): expire() looks at none until then
+        self._no_expiry_before = 0.0
         # exports freed because every loader rank notified or marked done (stats()
         # "finished_exports"): counted here, under the lock the release holds anyway
         self.finished_exports = 0
@@ -268,9 +270,6 @@ class ExportTracker:
         e.gates = still
         return ready
 
-    def _release(self, request_id: str) -> None:
-        self._release_many((request_id,))
-
     def _release_many(self, request_ids) -> list[str]:
         """Drop live exports (under :attr:`lock`): their blocks one holder less each, the
         epochs of blocks no export holds now bumped; remembered as gone (bounded). An id not
@@ -415,13 +414,9 @@ class ExportTracker:
                         evs[:] = [e for e in evs if not event_done(e)]
                     evs.append(event)
 
-    def _report(self, request_id: str, kind: str) -> None:
-        """Report a released request now, or once the gathers reading its blocks completed."""
-        self._report_many((request_id,), kind)
-
     def _report_many(self, request_ids, kind: str) -> None:
-        """:meth:`_report` of each of ``request_ids`` (one set update when no CUDA gather of a
-        pg export is in flight: the common case)."""
+        """Report released requests now, or each once the gathers reading its blocks completed
+        (one set update when no CUDA gather of a pg export is in flight: the common case)."""
         now = self._finished if kind == "finished" else self._expired
         if not self._inflight:
             now.update(request_ids)
@@ -518,19 +513,24 @@ class ExportTracker:
         with self.lock:
             if request_id not in self._live:
                 return False
-            self._release(request_id)
-            self._report(request_id, "finished")
+            self._release_many((request_id,))
+            self._report_many((request_id,), "finished")
             return True
 
     def expire(self) -> int:
-        """Release every export whose lease has passed; returns how many."""
+        """Release every export whose lease has passed; returns how many. The live exports are
+        looked at only once the earliest lease may have ended (the server thread calls this
+        after every message it takes): a renewed lease ends later, and one that begins after a
+        look ends at least ``lease_s`` after it."""
+        if time.monotonic() < self._no_expiry_before:
+            return 0
         with self.lock:
             now = time.monotonic()
             dead = [rid for rid, e in self._live.items() if e.deadline < now]
-            for rid in dead:
-                self._release(rid)
-                self._errors[rid] = "lease expired before every loader notified"
-                self._report(rid, "expired")
+            later = (e.deadline for e in self._live.values() if e.deadline >= now)
+            self._no_expiry_before = min(later, default=now + self.lease_s)
+            if dead:
+                self._end_leases(dead, "lease expired before every loader notified")
             return len(dead)
 
     def release_all(self, why: str) -> int:
@@ -540,11 +540,14 @@ class ExportTracker:
         with self.lock:
             rids = list(self._live)
             if rids:
-                self._release_many(rids)
-                for rid in rids:
-                    self._errors[rid] = why
-                self._report_many(rids, "expired")
+                self._end_leases(rids, why)
             return len(rids)
+
+    def _end_leases(self, request_ids: list[str], why: str) -> None:
+        """Release ``request_ids`` (live) now, reported expired with ``why`` (under :attr:`lock`)."""
+        self._release_many(request_ids)
+        self._errors.update(dict.fromkeys(request_ids, why))
+        self._report_many(request_ids, "expired")
 
     def num_deferred(self) -> int:
         """Released requests whose report waits for a CUDA gather still reading their blocks."""

@@ -383,3 +383,50 @@ def test_released_ids_are_forgotten_oldest_first_in_batches(monkeypatch):
     assert max(sizes) == 9 and sizes[-1] in (8, 9)
     assert list(t._gone)[-8:] == [f"r{k}" for k in range(22, 30)]
     assert t.generation("r29") == 1 and t.generation("r0") == 0
+
+
+class _Clock:
+    """Stands for the ``time`` module in :mod:`kvxfer.exports`: a monotonic clock set by hand."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+def test_expire_releases_each_lease_when_it_ends_though_it_looks_only_when_one_may_have(monkeypatch):
+    """``expire()`` skips its look at the live exports until the earliest lease may have ended.
+    Through exports made after a look (also after a look that found none live), a renewal and an
+    export released early, each lease ends exactly when it passes: never early, never missed."""
+    clock = _Clock()
+    monkeypatch.setattr(exports, "time", clock)
+    t = ExportTracker(16, 10.0)
+    assert t.expire() == 0  # a look with nothing live
+    clock.t += 3
+    t.add("a", np.array([1]), 8)  # ends at +13
+    clock.t += 2
+    assert t.expire() == 0
+    t.add("b", np.array([2]), 8)  # ends at +15
+    t.add("c", np.array([3]), 8)  # released early below
+    clock.t += 1
+    assert t.abort("c")
+    clock.t = 1000 + 12.9
+    assert t.expire() == 0 and t.num_live() == 2
+    clock.t = 1000 + 13.1
+    assert t.expire() == 1 and t.lookup("a") is None and t.lookup("b") is not None
+    t.heartbeat(["b"])  # renewed at +13.1: ends at +23.1, not +15
+    clock.t = 1000 + 16
+    assert t.expire() == 0 and t.lookup("b") is not None
+    t.add("d", np.array([4]), 8)  # ends at +26
+    clock.t = 1000 + 23.0
+    assert t.expire() == 0
+    clock.t = 1000 + 23.2
+    assert t.expire() == 1 and t.lookup("b") is None and t.lookup("d") is not None
+    clock.t = 1000 + 26.1
+    assert t.expire() == 1 and t.num_live() == 0
+    out = PollResult()
+    t.drain(out)
+    assert out.expired == {"a", "b", "d"} and out.finished_sending == {"c"}
+    assert all("lease expired" in out.errors[r] for r in "abd")
+    assert t.epochs[[1, 2, 3, 4]].tolist() == [1, 1, 1, 1] and t.held_blocks() == 0
