@@ -213,7 +213,7 @@ class ControlServer:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:  # woken for a frame set not yet whole
+            except zmq.Again:  # a spurious wake-up
                 return n
             n += 1
             self._take(frames, handler)
@@ -324,7 +324,7 @@ _REFUSED = _GONE_EVENTS[zmq.EVENT_CLOSED]
 # A reply mostly comes within a millisecond. call_many first waits for it in a blocking receive
 # bounded by this (the socket's RCVTIMEO), which costs the thread one wake-up; only replies not
 # there by then are polled for together with the sockets' monitors, which costs more per call
-# (profiling/bench_side_channel.py). A peer that goes away is seen at most this much later.
+# (profiling/bench_side_channel.py). A peer that goes away is seen at most twice this later.
 FIRST_WAIT_MS = 5
 FIRST_WAIT_S = FIRST_WAIT_MS / 1000
 PROBE_S = 0.05  # bound of the TCP connect that checks a peer whose connection is down
@@ -464,16 +464,18 @@ class ControlClient:
         return out
 
     def _first_replies(self, pending: dict[tuple[str, int], int], out: list, deadline: float) -> None:
-        """Take the replies that come within :data:`FIRST_WAIT_MS` of each other, socket by
-        socket, in blocking receives that end before ``deadline``; the first one not there by
-        then leaves the rest to :meth:`call_many`'s poll of the sockets and their monitors."""
+        """Take the replies that come within about :data:`FIRST_WAIT_MS`, socket by socket, in
+        blocking receives that end before ``deadline`` and begin within that much of the first;
+        the first one not there in time leaves the rest to :meth:`call_many`'s poll of the
+        sockets and their monitors (a peer gone is then seen)."""
+        end = min(time.monotonic() + FIRST_WAIT_S, deadline - FIRST_WAIT_S)
         waiting: dict[str, int] = {}
         for addr, _ in pending:
             waiting[addr] = waiting.get(addr, 0) + 1
         for addr, k in waiting.items():
             sock = self._socks[addr]
             while k:
-                if time.monotonic() + FIRST_WAIT_S >= deadline:
+                if time.monotonic() >= end:
                     return
                 try:
                     frames = sock.recv_multipart()  # bounded by the socket's RCVTIMEO

@@ -1,5 +1,5 @@
 """ExportTracker.expire() per call with N live exports (what the exporter's server thread runs
-after every message it takes), for each source tree given, in one run:
+after each batch of messages it serves, and every tick), for each source tree given, in one run:
 
     python expire_cost.py /tmp/wt-base /work/main
 
