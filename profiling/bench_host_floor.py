@@ -72,8 +72,9 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
       grant   a lease request encoded, decoded by the exporter, the lease looked up, its token
               and digest compared and its blocks' epochs snapshot, the reply encoded and
               decoded (the socket hop left out)
-      copy    one ``ops.copy_blocks`` with checked ids into the null kernel, then the epoch
-              re-check of the 256 blocks
+      copy    one prepared copy (``PreparedCopy.run_bounded``, the engine's entry for ids
+              checked at export and load) into the null kernel, then the epoch re-check of the
+              256 blocks
       notify  a notification encoded and decoded, the lease dropped (refcounts down, epochs of
               blocks no longer held bumped), the acknowledgement encoded and decoded
       poll    each side reports the request done
@@ -87,7 +88,7 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
     per = spec.num_blocks_for(FLOOR_TOKENS)
     nb = per * batch + 8
     with _null_caches(spec, nb) as (src, dst):
-        sc, dc = ops.register_caches(src, spec), ops.register_caches(dst, spec)
+        copy = ops.PreparedCopy(ops.register_caches(src, spec), ops.register_caches(dst, spec))
         key = EngineSecret("floor", 0, 0)  # a random secret, no key file
         epochs = np.zeros(nb, dtype=np.int64)
         refcount = np.zeros(nb, dtype=np.int32)
@@ -154,16 +155,10 @@ def host_floor(n_iter: int, cold: bool = True, batch: int = 1) -> dict:
             t3 = time.perf_counter()
             # copy and epoch re-check
             src_arrs = [p.block_id_array().view(np.int64) for _, p, _ in queued]
-            one = batch == 1
-            ops.copy_blocks(  # the engine's planner hands ops a new (writable) id array
-                sc,
-                spec,
-                ops.CheckedIds(src_arrs[0].copy() if one else np.concatenate(src_arrs), nb, False),
-                dc,
-                spec,
-                ops.CheckedIds(queued[0][2] if one else np.concatenate([q[2] for q in queued]), nb, True),
-                tokens,
-            )
+            if batch == 1:
+                copy.run_bounded(src_arrs[0], queued[0][2], tokens)
+            else:  # whole 4K-token requests: their ids end to end are one request's
+                copy.run_bounded(np.concatenate(src_arrs), np.concatenate([q[2] for q in queued]), tokens)
             assert not idops.moved(epochs, src_arrs, snapshots)
             t4 = time.perf_counter()
             # notify (the exporter's side in the middle)
