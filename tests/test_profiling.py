@@ -500,3 +500,17 @@ def test_bench_interference_counts_only_iterations_beside_the_other_loop():
     assert bi.inside(copies, gemms) == [0.5, 1.5]  # the first starts before, the last ends after
     assert bi.inside(gemms, copies) == [1.0, 1.0, 1.0, 1.0]
     assert bi.inside(copies, []) == [] and bi.inside([], gemms) == []
+
+
+def test_bench_side_channel_runs_two_trees_with_the_exporter_in_another_process():
+    """Same tree on both sides, one round of a few calls: every figure of kvxfer's side channel
+    and of bare pyzmq measured, the grant checked unaltered on the way back, the ratios finite."""
+    r = _run("bench_side_channel.py", "--trees", ROOT, ROOT, "--rounds", "1", "--calls", "30", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "side_channel" and list(out["trees"]) == [ROOT]
+    for side in ("kvxfer", "zmq"):
+        got = out["trees"][ROOT][side]
+        assert got["grant"]["cpu_us"] > 0 and got["grant"]["wall_us"] >= got["grant"]["cpu_us"] * 0.5
+        assert got["notify"]["cpu_us"] > 0 and got["server_cpu_us"] > 0
+    assert all(0 < v < 100 for v in out["ratio_b_over_a"].values())
