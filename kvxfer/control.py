@@ -326,7 +326,6 @@ _REFUSED = _GONE_EVENTS[zmq.EVENT_CLOSED]
 # there by then are polled for together with the sockets' monitors, which costs more per call
 # (profiling/bench_side_channel.py). A peer that goes away is seen at most twice this later.
 FIRST_WAIT_MS = 5
-FIRST_WAIT_S = FIRST_WAIT_MS / 1000
 PROBE_S = 0.05  # bound of the TCP connect that checks a peer whose connection is down
 _EVENT = struct.Struct("=HI")  # a monitor event's first frame: event (uint16), value (uint32)
 
@@ -468,7 +467,8 @@ class ControlClient:
         blocking receives that end before ``deadline`` and begin within that much of the first;
         the first one not there in time leaves the rest to :meth:`call_many`'s poll of the
         sockets and their monitors (a peer gone is then seen)."""
-        end = min(time.monotonic() + FIRST_WAIT_S, deadline - FIRST_WAIT_S)
+        wait_s = FIRST_WAIT_MS / 1000
+        end = min(time.monotonic() + wait_s, deadline - wait_s)
         waiting: dict[str, int] = {}
         for addr, _ in pending:
             waiting[addr] = waiting.get(addr, 0) + 1

@@ -520,8 +520,8 @@ class ExportTracker:
     def expire(self) -> int:
         """Release every export whose lease has passed; returns how many. The live exports are
         looked at only once the earliest lease may have ended (the server thread calls this
-        after each batch of messages it serves, and every tick): a renewed lease ends later, and one that begins after a
-        look ends at least ``lease_s`` after it."""
+        after each batch of messages it serves, and every tick): a renewed lease ends later,
+        and one that begins after a look ends at least ``lease_s`` after it."""
         if time.monotonic() < self._no_expiry_before:
             return 0
         with self.lock:

@@ -186,6 +186,19 @@ def _child(root: str, calls: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _medians(runs: list[dict]) -> dict:
+    """Each figure's median over ``runs`` (dicts of one shape, figures at the leaves)."""
+    return {
+        k: _medians([r[k] for r in runs]) if isinstance(v, dict) else statistics.median(r[k] for r in runs)
+        for k, v in runs[0].items()
+    }
+
+
+def _ratios(work: dict, base: dict) -> dict:
+    """``work`` / ``base``, figure by figure (dicts of one shape)."""
+    return {k: _ratios(v, base[k]) if isinstance(v, dict) else v / base[k] for k, v in work.items()}
+
+
 def _row(name: str, r: dict) -> str:
     return (
         f"{name:28s} grant: loader cpu {r['grant']['cpu_us']:6.1f} us, wall {r['grant']['wall_us']:6.1f} us; "
@@ -208,41 +221,19 @@ def main() -> None:
     for r in range(a.rounds):
         for t in trees if r % 2 == 0 else trees[::-1]:
             runs[t].append(_child(t, a.calls))
-    keys = [("grant", "cpu_us"), ("grant", "wall_us"), ("notify", "cpu_us"), ("server_cpu_us",)]
-
-    def pick(d, k):
-        return d[k[0]] if len(k) == 1 else d[k[0]][k[1]]
-
-    summary = {}
-    for t in trees:
-        med = {
-            side: {
-                "grant": {
-                    m: statistics.median(x[side]["grant"][m] for x in runs[t]) for m in ("cpu_us", "wall_us")
-                },
-                "notify": {
-                    m: statistics.median(x[side]["notify"][m] for x in runs[t]) for m in ("cpu_us", "wall_us")
-                },
-                "server_cpu_us": statistics.median(x[side]["server_cpu_us"] for x in runs[t]),
-            }
-            for side in ("kvxfer", "zmq")
-        }
-        summary[t] = med
+    summary = {t: _medians(runs[t]) for t in trees}
+    for t, med in summary.items():
         print(_row(f"kvxfer ({os.path.basename(t) or t})", med["kvxfer"]))
         print(_row("  bare pyzmq, same run", med["zmq"]))
     out = {"bench": "side_channel", "rounds": a.rounds, "calls": a.calls, "trees": summary}
     if len(trees) == 2:
         base, work = trees
-        ratios = {
-            "/".join(k): statistics.median(
-                pick(w["kvxfer"], k) / pick(b["kvxfer"], k) for b, w in zip(runs[base], runs[work])
-            )
-            for k in keys
-        }
+        ratios = _medians([_ratios(w["kvxfer"], b["kvxfer"]) for b, w in zip(runs[base], runs[work])])
         out["ratio_b_over_a"] = ratios
+        g, n = ratios["grant"], ratios["notify"]
         print(
-            "median per-round ratio, second tree / first: "
-            + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+            f"median per-round ratio, second tree / first: grant cpu {g['cpu_us']:.2f}x, wall "
+            f"{g['wall_us']:.2f}x; notify cpu {n['cpu_us']:.2f}x; server cpu {ratios['server_cpu_us']:.2f}x"
         )
     print(json.dumps(out))
 

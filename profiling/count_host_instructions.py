@@ -10,8 +10,8 @@ list building (a constant; see the top functions). With ``--base`` the same for 
 
     python profiling/count_host_instructions.py [--base /tmp/base] [--batch 1] [--top 20]
 
-Needs valgrind (``apt install valgrind``); ~1-2 minutes per tree (its two runs at once). Prints a table and one JSON
-line.
+Needs valgrind (``apt install valgrind``); ~1-2 minutes per tree (its two runs at once).
+Prints a table and one JSON line.
 """
 
 from __future__ import annotations

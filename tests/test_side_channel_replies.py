@@ -138,7 +138,6 @@ def test_a_peer_gone_is_seen_within_two_first_waits_while_another_keeps_answerin
     and one to a peer that dies on its request raises PeerGone naming the dead one within about
     two first waits, not once every reply of the live peer came (1.2 s)."""
     monkeypatch.setattr(C, "FIRST_WAIT_MS", 200)  # read as each socket is made, and by the call
-    monkeypatch.setattr(C, "FIRST_WAIT_S", 0.2)
     served = _Served(ctx, [_echo("live", delay_s=0.15)])
     dead, dead_thread = _dies_on_request(ctx)
     client = C.ControlClient(ctx)
@@ -162,7 +161,6 @@ def test_the_first_wait_never_runs_past_the_calls_bound(ctx, monkeypatch):
     """With a first wait of 0.2 s, a call bounded by 0.1 s to a peer that never answers times
     out by its bound, not after a whole first wait."""
     monkeypatch.setattr(C, "FIRST_WAIT_MS", 200)
-    monkeypatch.setattr(C, "FIRST_WAIT_S", 0.2)
     served = _Served(ctx, [lambda m: None])
     client = C.ControlClient(ctx)
     try:
